@@ -1,0 +1,236 @@
+"""The schedule IR: plain data, no torch.
+
+A *stage* is a global model-chunk index in pipeline order (0 = embedding side, S-1 = loss side).
+A *placement* maps stages to ranks. A *schedule* is, for every rank, the ordered list of actions
+that rank executes. Compute actions are F (forward), B (input gradient), W (weight gradient) and
+BW (fused backward). Lowering (``core.lower``) adds SEND/RECV actions that name a peer rank.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+F, B, W, BW = "F", "B", "W", "BW"
+COMPUTE_KINDS = (F, B, W, BW)
+# Lowered communication actions: the tensor of (stage, mb) produced by the named pass.
+SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
+COMM_KINDS = (SEND_F, RECV_F, SEND_B, RECV_B)
+ALL_KINDS = COMPUTE_KINDS + COMM_KINDS
+
+
+class ScheduleError(ValueError):
+    """A schedule or setting is malformed. The message names what is wrong and what is right."""
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: str
+    stage: int
+    mb: int
+    peer: Optional[int] = None  # only for SEND/RECV: the other rank
+
+    def __str__(self) -> str:
+        s = f"{self.kind}{self.stage}.{self.mb}"
+        return s if self.peer is None else f"{s}@{self.peer}"
+
+    @property
+    def is_compute(self) -> bool:
+        return self.kind in COMPUTE_KINDS
+
+
+@dataclass(frozen=True)
+class Placement:
+    """stage -> rank. ``style`` is informational: 'single', 'looped', 'v' or 'custom'."""
+
+    stage_to_rank: Tuple[int, ...]
+    style: str = "custom"
+
+    def __post_init__(self):
+        if not self.stage_to_rank:
+            raise ScheduleError("a placement needs at least one stage")
+        ranks = sorted(set(self.stage_to_rank))
+        if ranks != list(range(len(ranks))):
+            raise ScheduleError(f"placement ranks must be 0..R-1 with none unused, got {ranks}")
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_to_rank)
+
+    @property
+    def num_ranks(self) -> int:
+        return max(self.stage_to_rank) + 1
+
+    @property
+    def chunks(self) -> int:
+        """Model chunks per rank (the most any rank holds)."""
+        counts = [0] * self.num_ranks
+        for r in self.stage_to_rank:
+            counts[r] += 1
+        return max(counts)
+
+    def rank_of(self, stage: int) -> int:
+        return self.stage_to_rank[stage]
+
+    def stages_of(self, rank: int) -> List[int]:
+        return [s for s, r in enumerate(self.stage_to_rank) if r == rank]
+
+    def chunk_of(self, stage: int) -> int:
+        """Index of ``stage`` among the stages its rank holds (0 = the earliest in the pipeline)."""
+        return self.stages_of(self.rank_of(stage)).index(stage)
+
+    @classmethod
+    def single(cls, p: int) -> "Placement":
+        return cls(tuple(range(p)), "single")
+
+    @classmethod
+    def looped(cls, p: int, v: int) -> "Placement":
+        """Megatron's interleaving: stage s on rank s % p (rank r holds r, r+p, r+2p, ...)."""
+        return cls(tuple(s % p for s in range(p * v)), "looped" if v > 1 else "single")
+
+    @classmethod
+    def vshape(cls, p: int) -> "Placement":
+        """V: rank r holds stages r and 2p-1-r; embedding and loss both on rank 0."""
+        return cls(tuple(s if s < p else 2 * p - 1 - s for s in range(2 * p)), "v")
+
+    def to_dict(self) -> dict:
+        return {"stage_to_rank": list(self.stage_to_rank), "style": self.style}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Placement":
+        return cls(tuple(int(r) for r in d["stage_to_rank"]), d.get("style", "custom"))
+
+
+@dataclass
+class Schedule:
+    name: str
+    placement: Placement
+    num_microbatches: int
+    orders: List[List[Action]]  # one ordered list per rank
+    meta: Dict = field(default_factory=dict)
+
+    @property
+    def num_ranks(self) -> int:
+        return self.placement.num_ranks
+
+    @property
+    def num_stages(self) -> int:
+        return self.placement.num_stages
+
+    def compute_only(self) -> "Schedule":
+        return Schedule(self.name, self.placement, self.num_microbatches,
+                        [[a for a in o if a.is_compute] for o in self.orders], dict(self.meta))
+
+    def uses_split_backward(self) -> bool:
+        return any(a.kind == W for o in self.orders for a in o)
+
+
+def deps(action: Action, num_stages: int) -> List[Tuple[str, int, int]]:
+    """The compute passes (kind, stage, mb) an F/B/W/BW pass waits for.
+
+    F(s) <- F(s-1); B|BW(s) <- B|BW(s+1) (the last stage: its own F); W(s) <- B(s).
+    B-or-BW producers are returned with kind 'B*' (either satisfies the dependency).
+    """
+    k, s, mb = action.kind, action.stage, action.mb
+    if k == F:
+        return [(F, s - 1, mb)] if s > 0 else []
+    if k in (B, BW):
+        return [("B*", s + 1, mb)] if s < num_stages - 1 else [(F, s, mb)]
+    if k == W:
+        return [(B, s, mb)]
+    raise ScheduleError(f"no dependencies defined for {action}")
+
+
+@dataclass
+class Setting:
+    """What a generator, the simulator and the planner need to know about one pipeline.
+
+    Costs and memory are per *rank* (a whole stage: all layers a rank holds); with ``chunks``
+    model chunks per rank each chunk's pass costs / allocates the rank's value divided by chunks.
+    """
+
+    stages: int  # pipeline ranks P
+    microbatches: int
+    chunks: int = 1
+    cost_f: Sequence[float] = (1.0,)
+    cost_b: Sequence[float] = (1.0,)
+    cost_w: Sequence[float] = (1.0,)
+    cost_comm: float = 0.0
+    mem_f: Sequence[float] = (1.0,)
+    mem_w: Optional[Sequence[float]] = None  # default: DEFAULT_MEM_W_RATIO * mem_f
+    memory_limit: Optional[float] = None  # per rank, same units as mem_f
+
+    def __post_init__(self):
+        p = self.stages
+        if not isinstance(p, int) or p < 1:
+            raise ScheduleError(f"stages must be an integer >= 1, got {p!r}")
+        if not isinstance(self.microbatches, int) or self.microbatches < 1:
+            raise ScheduleError(f"microbatches must be an integer >= 1, got {self.microbatches!r}")
+        if not isinstance(self.chunks, int) or self.chunks < 1:
+            raise ScheduleError(f"chunks must be an integer >= 1, got {self.chunks!r}")
+        self.cost_f = _per_rank("cost-f", self.cost_f, p)
+        self.cost_b = _per_rank("cost-b", self.cost_b, p)
+        self.cost_w = _per_rank("cost-w", self.cost_w, p)
+        self.mem_f = _per_rank("mem-f", self.mem_f, p)
+        if self.mem_w is None:
+            self.mem_w = [DEFAULT_MEM_W_RATIO * x for x in self.mem_f]
+        self.mem_w = _per_rank("mem-w", self.mem_w, p)
+        for r in range(p):
+            if self.mem_w[r] > self.mem_f[r]:
+                raise ScheduleError(f"mem-w ({self.mem_w[r]}) cannot exceed mem-f ({self.mem_f[r]}): "
+                                    "W only keeps part of what F allocated")
+        if not _is_nonneg_number(self.cost_comm):
+            raise ScheduleError(f"cost-comm must be a non-negative number, got {self.cost_comm!r}")
+        if self.memory_limit is not None and not (_is_nonneg_number(self.memory_limit)):
+            raise ScheduleError(f"memory-limit must be a non-negative number, got {self.memory_limit!r}")
+
+    def pass_cost(self, kind: str, rank: int) -> float:
+        v = self.chunks
+        if kind == F:
+            return self.cost_f[rank] / v
+        if kind == B:
+            return self.cost_b[rank] / v
+        if kind == W:
+            return self.cost_w[rank] / v
+        if kind == BW:
+            return (self.cost_b[rank] + self.cost_w[rank]) / v
+        return 0.0
+
+    def pass_mem(self, kind: str, rank: int) -> float:
+        """Change of rank memory caused by one pass of one chunk."""
+        v = self.chunks
+        if kind == F:
+            return self.mem_f[rank] / v
+        if kind == B:
+            return -(self.mem_f[rank] - self.mem_w[rank]) / v
+        if kind == W:
+            return -self.mem_w[rank] / v
+        if kind == BW:
+            return -self.mem_f[rank] / v
+        return 0.0
+
+    def to_dict(self) -> dict:
+        return {k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in self.__dict__.items()}
+
+
+# M_W / M_B for the default mem-w. Megatron's per-layer formula gives M_B = 34h + 5as and
+# M_W = 32h: the ratio is ~0.94 with flash attention (no 5as term) and ~0.2 for long sequences
+# without it. 0.5 sits between; pass --mem-w for your model (``megatron-zb plan`` computes it).
+DEFAULT_MEM_W_RATIO = 0.5
+
+
+def _is_nonneg_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x and 0 <= x < float("inf")
+
+
+def _per_rank(name: str, values, p: int) -> List[float]:
+    if isinstance(values, (int, float)):
+        values = [values]
+    values = list(values)
+    for x in values:
+        if not _is_nonneg_number(x):
+            raise ScheduleError(f"{name} must be non-negative numbers, got {x!r}")
+    if len(values) == 1:
+        return [float(values[0])] * p
+    if len(values) != p:
+        raise ScheduleError(f"{name} has {len(values)} values; give one value or one per stage ({p})")
+    return [float(x) for x in values]

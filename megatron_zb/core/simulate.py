@@ -1,0 +1,138 @@
+"""Event simulator: when each pass of a schedule runs, the makespan, bubble and memory.
+
+Contract (product brief): every rank runs its compute passes in list order, each at the earliest
+time its dependencies and the rank's previous pass allow. A dependency on a pass of another rank
+is charged ``cost_comm``; one on the same rank (e.g. the V turn-around) is not. Communication
+actions of a lowered schedule take no time here.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Dict, List, Tuple
+
+from .ir import B, BW, F, W, Action, Schedule, ScheduleError, Setting, deps
+
+
+@dataclass
+class Timed:
+    action: Action
+    rank: int
+    start: float
+    end: float
+
+
+@dataclass
+class SimResult:
+    schedule: str
+    stages: int
+    microbatches: int
+    chunks: int
+    makespan: float
+    bubble_rate: float
+    peak_memory: List[float]
+    spans: List[float]
+    busy: List[float]
+    timeline: List[List[Timed]] = field(repr=False)
+
+    def to_dict(self) -> dict:
+        ideal = max(self.busy) if self.busy else 0.0
+        return {
+            "schedule": self.schedule,
+            "stages": self.stages,
+            "microbatches": self.microbatches,
+            "chunks": self.chunks,
+            "makespan": _r(self.makespan),
+            "bubble_rate": _r(self.bubble_rate),
+            "bubble_over_ideal": _r((self.makespan - ideal) / ideal) if ideal else 0.0,
+            "peak_memory": [_r(x) for x in self.peak_memory],
+            "spans": [_r(x) for x in self.spans],
+            "busy": [_r(x) for x in self.busy],
+        }
+
+
+def _r(x: float) -> float:
+    return round(float(x), 10)
+
+
+class Deadlock(ScheduleError):
+    pass
+
+
+def simulate(schedule: Schedule, setting: Setting) -> SimResult:
+    """Time every compute pass. Raises Deadlock naming each stuck rank's waiting pass."""
+    pl = schedule.placement
+    nst = pl.num_stages
+    if pl.num_ranks != setting.stages:
+        raise ScheduleError(f"schedule has {pl.num_ranks} ranks but the setting has {setting.stages} stages")
+    if setting.chunks != pl.chunks:  # each chunk's pass costs the rank's value / chunks
+        setting = dataclasses.replace(setting, chunks=pl.chunks)
+    orders = [[a for a in o if a.is_compute] for o in schedule.orders]
+    done: Dict[Tuple[str, int, int], float] = {}  # (kind, stage, mb) -> end time; BW also as 'B*'
+    pos = [0] * len(orders)
+    clock = [0.0] * len(orders)
+    timeline: List[List[Timed]] = [[] for _ in orders]
+    comm = setting.cost_comm
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        progressed = False
+        for r, order in enumerate(orders):
+            while pos[r] < len(order):
+                a = order[pos[r]]
+                ready = clock[r]
+                ok = True
+                for dk, ds, dmb in deps(a, nst):
+                    t = done.get((dk, ds, dmb))
+                    if t is None:
+                        ok = False
+                        break
+                    if pl.stage_to_rank[ds] != r:
+                        t += comm
+                    if t > ready:
+                        ready = t
+                if not ok:
+                    break
+                end = ready + setting.pass_cost(a.kind, r)
+                timeline[r].append(Timed(a, r, ready, end))
+                clock[r] = end
+                done[(a.kind, a.stage, a.mb)] = end
+                if a.kind in (B, BW):
+                    done[("B*", a.stage, a.mb)] = end
+                pos[r] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            stuck = [f"rank {r} at position {pos[r]} waits in {orders[r][pos[r]]}"
+                     for r in range(len(orders)) if pos[r] < len(orders[r])]
+            raise Deadlock("schedule deadlocks: " + "; ".join(stuck))
+
+    spans, busy, peaks = [], [], []
+    for r, tl in enumerate(timeline):
+        if tl:
+            spans.append(tl[-1].end - tl[0].start)
+            busy.append(sum(t.end - t.start for t in tl))
+        else:
+            spans.append(0.0)
+            busy.append(0.0)
+        peaks.append(peak_memory(orders[r], r, setting))
+    makespan = max(spans) if spans else 0.0
+    p = len(orders)
+    bubble = 1.0 - sum(busy) / (p * makespan) if makespan > 0 else 0.0
+    return SimResult(schedule.name, setting.stages, schedule.num_microbatches, pl.chunks,
+                     makespan, bubble, peaks, spans, busy, timeline)
+
+
+def memory_trace(order: List[Action], rank: int, setting: Setting) -> List[float]:
+    """Running activation memory of one rank after each of its compute passes."""
+    cur, out = 0.0, []
+    for a in order:
+        if a.is_compute:
+            cur += setting.pass_mem(a.kind, rank)
+            out.append(cur)
+    return out
+
+
+def peak_memory(order: List[Action], rank: int, setting: Setting) -> float:
+    """Per-rank maximum of the running sum (setting.chunks must match the schedule's)."""
+    trace = memory_trace(order, rank, setting)
+    return max([0.0] + trace)

@@ -1,0 +1,80 @@
+"""Validator: a schedule is complete, placed right, deadlock-free and within its memory limit."""
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from typing import Optional
+
+from .ir import B, BW, COMPUTE_KINDS, F, W, Schedule, ScheduleError, Setting
+from .simulate import Deadlock, simulate
+
+
+def validate(schedule: Schedule, setting: Optional[Setting] = None,
+             memory_limit: Optional[float] = None) -> None:
+    """Raise ScheduleError naming the rank, position and pass of the first problem found.
+
+    ``memory_limit`` (per rank, units of mem-f) defaults to ``setting.memory_limit``.
+    Without a setting, dependencies are checked with unit costs and memory is not checked.
+    """
+    pl = schedule.placement
+    m = schedule.num_microbatches
+    if len(schedule.orders) != pl.num_ranks:
+        raise ScheduleError(f"schedule has {len(schedule.orders)} rank lists but its placement "
+                            f"has {pl.num_ranks} ranks")
+    seen = Counter()
+    where = {}
+    for r, order in enumerate(schedule.orders):
+        for i, a in enumerate(order):
+            if not a.is_compute:
+                continue
+            if a.kind not in COMPUTE_KINDS:
+                raise ScheduleError(f"rank {r} position {i}: unknown pass kind in {a}")
+            if not (0 <= a.stage < pl.num_stages):
+                raise ScheduleError(f"rank {r} position {i}: {a} names stage {a.stage}, "
+                                    f"valid stages are 0..{pl.num_stages - 1}")
+            if not (0 <= a.mb < m):
+                raise ScheduleError(f"rank {r} position {i}: {a} names microbatch {a.mb}, "
+                                    f"valid microbatches are 0..{m - 1}")
+            if pl.rank_of(a.stage) != r:
+                raise ScheduleError(f"rank {r} position {i}: {a} belongs to stage {a.stage}, "
+                                    f"which is placed on rank {pl.rank_of(a.stage)}")
+            key = (a.kind, a.stage, a.mb)
+            seen[key] += 1
+            if seen[key] > 1:
+                pr, pi = where[key]
+                raise ScheduleError(f"rank {r} position {i}: {a} appears twice "
+                                    f"(first at rank {pr} position {pi})")
+            where[key] = (r, i)
+    for s in range(pl.num_stages):
+        r = pl.rank_of(s)
+        for mb in range(m):
+            if not seen[(F, s, mb)]:
+                raise ScheduleError(f"rank {r}: missing F for stage {s} microbatch {mb}")
+            nb, nw, nbw = seen[(B, s, mb)], seen[(W, s, mb)], seen[(BW, s, mb)]
+            if nbw and (nb or nw):
+                raise ScheduleError(f"rank {r}: stage {s} microbatch {mb} has both BW and B/W; "
+                                    "use either one BW or one B followed by one W")
+            if not nbw and not (nb and nw):
+                missing = "B and W (or one BW)" if not (nb or nw) else ("W" if nb else "B")
+                raise ScheduleError(f"rank {r}: stage {s} microbatch {mb} is missing {missing}")
+    try:
+        result = simulate(schedule, setting or Setting(pl.num_ranks, max(m, 1), chunks=pl.chunks))
+    except Deadlock as e:
+        raise ScheduleError(str(e)) from None
+    if setting is None:
+        return
+    limit = setting.memory_limit if memory_limit is None else memory_limit
+    if limit is None:
+        return
+    st = dataclasses.replace(setting, chunks=pl.chunks)
+    for r, order in enumerate(schedule.orders):
+        cur = 0.0
+        i = -1
+        for i, a in enumerate(order):
+            if not a.is_compute:
+                continue
+            cur += st.pass_mem(a.kind, r)
+            if cur > limit + 1e-9:
+                raise ScheduleError(f"rank {r} position {i}: {a} raises activation memory to "
+                                    f"{cur:g}, over the limit {limit:g}")
+    return result

@@ -1,0 +1,257 @@
+"""Make stock megatron-core run on a CPU-only torch with gloo.
+
+megatron-core hard-codes CUDA in a few places (RNG tracker, ``device="cuda"`` token counters,
+p2p receive buffers, DDP streams, optimizer type checks, one unconditional ``import triton``).
+``apply()`` patches exactly those, and only when CUDA is absent; on a GPU machine it does nothing.
+Used by the tests, ``megatron-zb verify`` and the CPU quickstart. Call it before importing megatron.
+
+Things it does NOT fix (use a supported configuration instead):
+* PP=2 with interleaving and ``batch_p2p_comm=True`` silently corrupts gradients in megatron's own
+  schedules (a tag-less batched send to the same peer in both directions). Our executor does not
+  use that path; for megatron's interleaved schedule set ``overlap_p2p_comm=True,
+  batch_p2p_comm=False`` (``megatron_zb.megatron.config_checks`` refuses the bad combination).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import types
+import typing
+
+import torch
+
+_APPLIED = False
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def apply(force: bool = False) -> bool:
+    """Install every shim when CUDA is absent (or ``force``). Returns True if shims are active."""
+    global _APPLIED
+    if _APPLIED:
+        return True
+    if cuda_available() and not force:
+        return False
+    _typing_override()
+    _triton_stub()
+    _cuda_api()
+    _cuda_factories()
+    _rng()
+    _cuda_streams()
+    _cuda_type_names()
+    _fake_gradient_accumulation_fusion()
+    _quiet_logs()
+    _APPLIED = True
+    return True
+
+
+def _typing_override():
+    # megatron.training uses typing.override (Python 3.12); 3.11 has it in typing_extensions.
+    if not hasattr(typing, "override"):
+        try:
+            from typing_extensions import override
+        except ImportError:  # pragma: no cover
+            def override(f):
+                return f
+        typing.override = override
+
+
+def _triton_stub():
+    # megatron-core >= 0.17 imports triton unconditionally in one MoE module
+    # (transformer/moe/ops/paged_stash.py). Never fake ``triton`` itself: torch probes it.
+    name = "megatron.core.transformer.moe.ops.paged_stash"
+    try:
+        import triton  # noqa: F401
+        return
+    except ImportError:
+        pass
+    if name not in sys.modules:
+        mod = types.ModuleType(name)
+        mod.__doc__ = "megatron-zb CPU stand-in: triton is not available on this machine"
+
+        def _missing(*_a, **_k):
+            raise RuntimeError("paged-stash MoE kernels need triton and a GPU")
+
+        def _getattr(attr):
+            if attr.startswith("__"):
+                raise AttributeError(attr)
+            return _missing
+        mod.__getattr__ = _getattr
+        sys.modules[name] = mod
+
+
+def _cuda_api():
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.set_device = lambda *a, **k: None
+    torch.cuda.device_count = lambda: 0
+    torch.cuda.empty_cache = lambda: None
+    torch.cuda.memory_allocated = lambda *a, **k: 0
+    torch.cuda.max_memory_allocated = lambda *a, **k: 0
+    torch.cuda.reset_peak_memory_stats = lambda *a, **k: None
+
+
+def _to_cpu_device(device):
+    if device is None:
+        return None
+    if isinstance(device, str) and device.startswith("cuda"):
+        return "cpu"
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return torch.device("cpu")
+    if isinstance(device, int):
+        return "cpu"
+    return device
+
+
+def _cuda_factories():
+    """``device='cuda'`` in tensor factories becomes cpu; ``Tensor.cuda()`` is a no-op."""
+    for fname in ("zeros", "ones", "empty", "full", "tensor", "arange", "rand", "randn", "randint",
+                  "zeros_like", "ones_like", "empty_like", "full_like", "as_tensor"):
+        orig = getattr(torch, fname)
+        if getattr(orig, "_mzb_shim", False):
+            continue
+
+        def make(orig):
+            def factory(*args, **kwargs):
+                if "device" in kwargs:
+                    kwargs["device"] = _to_cpu_device(kwargs["device"])
+                return orig(*args, **kwargs)
+            factory._mzb_shim = True
+            factory.__wrapped__ = orig
+            return factory
+        setattr(torch, fname, make(orig))
+
+    def cuda(self, device=None, non_blocking=False, memory_format=torch.preserve_format):
+        return self
+    torch.Tensor.cuda = cuda
+    orig_to = torch.Tensor.to
+    if not getattr(orig_to, "_mzb_shim", False):
+        def to(self, *args, **kwargs):
+            args = tuple(_to_cpu_device(a) if isinstance(a, (str, torch.device)) else a for a in args)
+            if "device" in kwargs:
+                kwargs["device"] = _to_cpu_device(kwargs["device"])
+            return orig_to(self, *args, **kwargs)
+        to._mzb_shim = True
+        torch.Tensor.to = to
+
+
+def _rng():
+    """The model-parallel RNG tracker runs on the CPU default generator."""
+    torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    torch.cuda.set_rng_state = lambda state, device="cuda": torch.set_rng_state(state)
+    torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+    torch.cuda.manual_seed_all = lambda seed: torch.default_generator.manual_seed(int(seed))
+    import importlib
+    random_mod = importlib.import_module("megatron.core.tensor_parallel.random")
+
+    def _get_state(device=-1, clone=False, graph_safe=False):
+        return torch.get_rng_state()
+
+    def _set_state(new_state, device=-1, graph_safe=False):
+        torch.set_rng_state(new_state)
+
+    random_mod._get_cuda_rng_state = _get_state
+    random_mod._set_cuda_rng_state = _set_state
+
+
+class _NullStream:
+    def __init__(self, *a, **k):
+        pass
+
+    def wait_stream(self, *a, **k):
+        pass
+
+    def wait_event(self, *a, **k):
+        pass
+
+    def record_event(self, event=None):
+        return event or _NullEvent()
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+
+class _NullEvent:
+    def __init__(self, *a, **k):
+        pass
+
+    def record(self, *a, **k):
+        pass
+
+    def wait(self, *a, **k):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, other):
+        return 0.0
+
+
+def _cuda_streams():
+    torch.cuda.Stream = _NullStream
+    torch.cuda.Event = _NullEvent
+    torch.cuda.current_stream = lambda *a, **k: _NullStream()
+    torch.cuda.default_stream = lambda *a, **k: _NullStream()
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
+
+
+def _cuda_type_names():
+    """megatron's optimizer and grad clipping check ``tensor.type()`` for CUDA type names."""
+    orig_type = torch.Tensor.type
+    if getattr(orig_type, "_mzb_shim", False):
+        return
+    names = {"torch.FloatTensor": "torch.cuda.FloatTensor", "torch.HalfTensor": "torch.cuda.HalfTensor",
+             "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor"}
+
+    def type_(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is None and not kwargs:
+            t = orig_type(self)
+            return names.get(t, t)
+        if isinstance(dtype, str) and dtype.startswith("torch.cuda."):
+            dtype = "torch." + dtype[len("torch.cuda."):]
+        return orig_type(self, dtype, non_blocking, **kwargs)
+    type_._mzb_shim = True
+    torch.Tensor.type = type_
+
+
+def _fake_gradient_accumulation_fusion():
+    """A CPU stand-in for apex's fused_weight_gradient_mlp_cuda: main_grad += g^T x."""
+    name = "fused_weight_gradient_mlp_cuda"
+    if name in sys.modules:
+        return
+    try:
+        __import__(name)
+        return
+    except ImportError:
+        pass
+    mod = types.ModuleType(name)
+
+    def wgrad_gemm_accum(total_input, grad_output, main_grad):
+        x = total_input.reshape(-1, total_input.shape[-1])
+        g = grad_output.reshape(-1, grad_output.shape[-1])
+        main_grad.add_(g.t().to(main_grad.dtype) @ x.to(main_grad.dtype))
+
+    mod.wgrad_gemm_accum_fp32 = wgrad_gemm_accum
+    mod.wgrad_gemm_accum_fp16 = wgrad_gemm_accum
+    mod.__doc__ = "megatron-zb CPU stand-in for apex's fused wgrad accumulation"
+    sys.modules[name] = mod
+
+
+class _DropRngWarning(logging.Filter):
+    def filter(self, record):
+        return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
+
+
+def _quiet_logs():
+    # On CPU the "cuda" RNG *is* the CPU generator, so megatron's fork() check always fires.
+    logging.getLogger("megatron.core.tensor_parallel.random").addFilter(_DropRngWarning())

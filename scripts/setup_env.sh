@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Create .venv with everything megatron-zb needs on a CPU machine of this kind:
+#   torch 2.13.0 (pinned first: a local CPU wheel; never let pip pick another torch),
+#   megatron-core 0.16.1 (installs normally on Python 3.11) and
+#   megatron-core 0.19.2 in .venv/mcore-0.19.2 (declares Python>=3.12 but runs on 3.11;
+#   put that folder first on PYTHONPATH to use it: MZB_MCORE=0.19.2 in the tests).
+# Idempotent: re-running only installs what is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+PY=${PYTHON:-python3}
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+PIP="$VENV/bin/python -m pip --disable-pip-version-check -q"
+$PIP install torch==2.13.0
+$PIP install "megatron-core==0.16.1" "packaging>=24.2" numpy scipy matplotlib pytest hypothesis \
+    typing_extensions "torch==2.13.0"
+if [ ! -d "$VENV/mcore-0.19.2/megatron/core" ]; then
+    $PIP install --no-deps --python-version 3.12 --only-binary=:all: --ignore-requires-python \
+        --target "$VENV/mcore-0.19.2" megatron-core==0.19.2
+fi
+$PIP install --no-deps -e .
+echo "environment ready: $VENV (torch $($VENV/bin/python -c 'import torch; print(torch.__version__)'))"
