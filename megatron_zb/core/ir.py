@@ -150,7 +150,7 @@ class Setting:
 
     stages: int  # pipeline ranks P
     microbatches: int
-    chunks: int = 1
+    chunks: Optional[int] = None  # model chunks per rank; None = the schedule's default
     cost_f: Sequence[float] = (1.0,)
     cost_b: Sequence[float] = (1.0,)
     cost_w: Sequence[float] = (1.0,)
@@ -165,7 +165,7 @@ class Setting:
             raise ScheduleError(f"stages must be an integer >= 1, got {p!r}")
         if not isinstance(self.microbatches, int) or self.microbatches < 1:
             raise ScheduleError(f"microbatches must be an integer >= 1, got {self.microbatches!r}")
-        if not isinstance(self.chunks, int) or self.chunks < 1:
+        if self.chunks is not None and (not isinstance(self.chunks, int) or self.chunks < 1):
             raise ScheduleError(f"chunks must be an integer >= 1, got {self.chunks!r}")
         self.cost_f = _per_rank("cost-f", self.cost_f, p)
         self.cost_b = _per_rank("cost-b", self.cost_b, p)
@@ -184,7 +184,7 @@ class Setting:
             raise ScheduleError(f"memory-limit must be a non-negative number, got {self.memory_limit!r}")
 
     def pass_cost(self, kind: str, rank: int) -> float:
-        v = self.chunks
+        v = self.chunks or 1
         if kind == F:
             return self.cost_f[rank] / v
         if kind == B:
@@ -197,7 +197,7 @@ class Setting:
 
     def pass_mem(self, kind: str, rank: int) -> float:
         """Change of rank memory caused by one pass of one chunk."""
-        v = self.chunks
+        v = self.chunks or 1
         if kind == F:
             return self.mem_f[rank] / v
         if kind == B:

@@ -62,10 +62,10 @@ def validate(schedule: Schedule, setting: Optional[Setting] = None,
     except Deadlock as e:
         raise ScheduleError(str(e)) from None
     if setting is None:
-        return
+        return result
     limit = setting.memory_limit if memory_limit is None else memory_limit
-    if limit is None:
-        return
+    if limit is None or limit == float("inf"):
+        return result
     st = dataclasses.replace(setting, chunks=pl.chunks)
     for r, order in enumerate(schedule.orders):
         cur = 0.0

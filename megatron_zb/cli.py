@@ -1,0 +1,277 @@
+"""`megatron-zb` command line: simulate, compare, plot (schedule core, no torch) and verify.
+
+Bad input gets one line on stderr and exit code 2, never a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import List, Optional
+
+from .core import io as sched_io
+from .core import schedules
+from .core.ir import Schedule, ScheduleError, Setting
+from .core.simulate import SimResult, simulate
+from .core.validate import validate
+
+
+class UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def _number_list(name):
+    def parse(text: str):
+        vals = []
+        for part in str(text).split(","):
+            try:
+                x = float(part)
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"{name} must be a number or a comma list of numbers, "
+                                                 f"got {text!r}") from None
+            if not (x >= 0 and x != float("inf")):
+                raise argparse.ArgumentTypeError(f"{name} must be non-negative, got {text!r}")
+            vals.append(x)
+        return vals
+    return parse
+
+
+def _nonneg(name):
+    def parse(text):
+        vals = _number_list(name)(text)
+        if len(vals) != 1:
+            raise argparse.ArgumentTypeError(f"{name} takes one number, got {text!r}")
+        return vals[0]
+    return parse
+
+
+def _positive_int(name):
+    def parse(text):
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer >= 1, got {text!r}") from None
+        if v < 1:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer >= 1, got {v}")
+        return v
+    return parse
+
+
+def _add_setting_args(ap: argparse.ArgumentParser, schedule_required: bool = True):
+    if schedule_required:
+        g = ap.add_mutually_exclusive_group(required=True)
+        g.add_argument("--schedule", help="schedule name: " + ", ".join(schedules.names()))
+        g.add_argument("--load", metavar="FILE", help="a schedule file (.json ours, .csv torch compute-only)")
+    ap.add_argument("--stages", "-p", type=_positive_int("--stages"), help="pipeline ranks P")
+    ap.add_argument("--microbatches", "-m", type=_positive_int("--microbatches"), help="microbatches M")
+    ap.add_argument("--chunks", "-v", type=_positive_int("--chunks"), default=None,
+                    help="model chunks per rank (interleaved; V schedules use 2)")
+    ap.add_argument("--cost-f", type=_number_list("--cost-f"), default=[1.0],
+                    help="F time of a whole stage; a comma list gives one per stage (default 1)")
+    ap.add_argument("--cost-b", type=_number_list("--cost-b"), default=[1.0], help="B time (default 1)")
+    ap.add_argument("--cost-w", type=_number_list("--cost-w"), default=[1.0], help="W time (default 1)")
+    ap.add_argument("--cost-comm", type=_nonneg("--cost-comm"), default=0.0,
+                    help="time of one hop between ranks (default 0)")
+    ap.add_argument("--mem-f", type=_number_list("--mem-f"), default=[1.0],
+                    help="activation one F allocates on a stage (default 1)")
+    ap.add_argument("--mem-w", type=_number_list("--mem-w"), default=None,
+                    help="part of it still needed by W (default 0.5 x mem-f)")
+    ap.add_argument("--memory-limit", type=_nonneg("--memory-limit"), default=None,
+                    help="per-rank activation limit, in mem-f units")
+
+
+def _setting(args, stages=None, microbatches=None, chunks=None) -> Setting:
+    p = stages if stages is not None else args.stages
+    m = microbatches if microbatches is not None else args.microbatches
+    if p is None or m is None:
+        raise UsageError("--stages and --microbatches are required")
+    return Setting(p, m, chunks=chunks if chunks is not None else args.chunks,
+                   cost_f=args.cost_f, cost_b=args.cost_b, cost_w=args.cost_w,
+                   cost_comm=args.cost_comm, mem_f=args.mem_f, mem_w=args.mem_w,
+                   memory_limit=args.memory_limit)
+
+
+def _build(args):
+    """(schedule, setting) from --schedule or --load, validated (memory limit included)."""
+    if getattr(args, "load", None):
+        path = args.load
+        if not os.path.exists(path):
+            raise UsageError(f"--load: no such file {path!r}")
+        text = open(path).read()
+        sched = sched_io.from_csv(text, os.path.basename(path)) if path.endswith(".csv") \
+            else sched_io.from_json(text)
+        setting = _setting(args, stages=sched.num_ranks, microbatches=sched.num_microbatches,
+                           chunks=sched.placement.chunks)
+    else:
+        setting = _setting(args)
+        sched = schedules.generate(args.schedule, setting)
+    limit = setting.memory_limit
+    validate(sched, setting, memory_limit=float("inf"))
+    if limit is not None:
+        res = simulate(sched, setting)
+        peak = max(res.peak_memory)
+        if peak > limit + 1e-9:
+            r = res.peak_memory.index(peak)
+            raise UsageError(f"{sched.name} peaks at {peak:g} activation units on rank {r}, over "
+                             f"--memory-limit {limit:g}; `megatron-zb compare --memory-limit {limit:g}` "
+                             "lists the schedules that fit")
+    return sched, setting
+
+
+def _result_dict(sched: Schedule, setting: Setting, res: SimResult) -> dict:
+    d = res.to_dict()
+    d.update({"placement": sched.placement.style, "cost_f": setting.cost_f, "cost_b": setting.cost_b,
+              "cost_w": setting.cost_w, "cost_comm": setting.cost_comm, "mem_f": setting.mem_f,
+              "mem_w": setting.mem_w, "memory_limit": setting.memory_limit})
+    return d
+
+
+def cmd_simulate(args) -> int:
+    sched, setting = _build(args)
+    res = simulate(sched, setting)
+    if args.save:
+        _save_schedule(sched, args.save)
+    if args.json:
+        print(json.dumps(_result_dict(sched, setting, res)))
+        return 0
+    d = res.to_dict()
+    print(f"schedule      {sched.name} (placement {sched.placement.style}, {d['chunks']} chunk(s)/rank)")
+    print(f"stages        {setting.stages}   microbatches {sched.num_microbatches}")
+    print(f"makespan      {d['makespan']:g}")
+    print(f"bubble rate   {d['bubble_rate']:.4f}")
+    print("peak memory   " + " ".join(f"{x:g}" for x in d["peak_memory"]) + "   (per rank, mem-f units)")
+    return 0
+
+
+def _save_schedule(sched: Schedule, path: str):
+    if path.endswith(".csv"):
+        text = sched_io.to_csv(sched)
+    elif path.endswith(".json"):
+        text = sched_io.to_json(sched)
+    else:
+        raise UsageError(f"--save {path!r}: use a .json (megatron-zb) or .csv (torch compute-only) file")
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def compare_rows(setting: Setting, names: Optional[List[str]] = None) -> List[dict]:
+    """Simulate every schedule that applies to ``setting``; rows sorted by makespan."""
+    rows = []
+    for name in names or schedules.names():
+        spec = schedules.get(name)
+        try:
+            chunks = spec.resolve_chunks(setting.chunks if spec.chunks is None else None)
+            st = Setting(**{**setting.to_dict(), "chunks": chunks})
+            sched = schedules.generate(name, st)
+            res = simulate(sched, st)
+        except ScheduleError as e:
+            rows.append({"schedule": name, "error": str(e)})
+            continue
+        fits = st.memory_limit is None or max(res.peak_memory) <= st.memory_limit + 1e-9
+        rows.append({**res.to_dict(), "fits": fits})
+    base = next((r for r in rows if r.get("schedule") == "1f1b" and "error" not in r), None)
+    for r in rows:
+        if "error" not in r and base:
+            r["speedup_vs_1f1b"] = round(base["makespan"] / r["makespan"], 4) if r["makespan"] else None
+    ok = sorted((r for r in rows if "error" not in r), key=lambda r: (not r["fits"], r["makespan"]))
+    return ok + [r for r in rows if "error" in r]
+
+
+def cmd_compare(args) -> int:
+    setting = _setting(args)
+    rows = compare_rows(setting)
+    ok = [r for r in rows if "error" not in r]
+    if setting.memory_limit is not None and not any(r["fits"] for r in ok):
+        least = min(max(r["peak_memory"]) for r in ok)
+        raise UsageError(f"no schedule fits --memory-limit {setting.memory_limit:g}; "
+                         f"the least any needs is {least:g}")
+    if args.json:
+        print(json.dumps({"stages": setting.stages, "microbatches": setting.microbatches, "rows": rows}))
+        return 0
+    print(f"P={setting.stages} M={setting.microbatches} F={_fmt(setting.cost_f)} B={_fmt(setting.cost_b)} "
+          f"W={_fmt(setting.cost_w)} comm={setting.cost_comm:g}"
+          + (f" memory-limit={setting.memory_limit:g}" if setting.memory_limit is not None else ""))
+    hdr = f"{'schedule':<18} {'chunks':>6} {'makespan':>10} {'bubble':>8} {'speed-up':>9} {'fits':>5}  peak memory per rank"
+    print(hdr)
+    print("-" * len(hdr))
+    for r in ok:
+        peaks = " ".join(f"{x:g}" for x in r["peak_memory"])
+        sp = r.get("speedup_vs_1f1b")
+        print(f"{r['schedule']:<18} {r['chunks']:>6} {r['makespan']:>10g} {r['bubble_rate']:>8.4f} "
+              f"{(f'{sp:.3f}x' if sp else '-'):>9} {('yes' if r['fits'] else 'no'):>5}  {peaks}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['schedule']:<18} n/a: {r['error']}")
+    return 0
+
+
+def _fmt(vals):
+    return ",".join(f"{x:g}" for x in vals) if len(set(vals)) > 1 else f"{vals[0]:g}"
+
+
+def cmd_plot(args) -> int:
+    from . import plot
+    sched, setting = _build(args)
+    res = simulate(sched, setting)
+    for path in args.out:
+        ext = os.path.splitext(path)[1].lower()
+        if ext not in (".png", ".svg", ".json"):
+            raise UsageError(f"--out {path!r}: use .png, .svg (picture) or .json (Chrome trace / Perfetto)")
+        plot.save(res, path)
+        print(f"wrote {path}")
+    return 0
+
+
+def cmd_verify(argv) -> int:
+    from . import verify
+    return verify.main_verify(argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = _Parser(prog="megatron-zb", description="Zero-bubble pipeline schedules for megatron-core")
+    sub = ap.add_subparsers(dest="cmd", parser_class=_Parser)
+    s = sub.add_parser("simulate", help="time, bubble and memory of one schedule")
+    _add_setting_args(s)
+    s.add_argument("--json", action="store_true", help="print one JSON object")
+    s.add_argument("--save", metavar="FILE", help="also write the schedule (.json or torch .csv)")
+    s.set_defaults(func=cmd_simulate)
+    c = sub.add_parser("compare", help="every schedule for one setting in one table")
+    _add_setting_args(c, schedule_required=False)
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(func=cmd_compare)
+    pl = sub.add_parser("plot", help="timeline picture (.png/.svg) or Chrome trace (.json)")
+    _add_setting_args(pl)
+    pl.add_argument("--out", nargs="+", required=True, metavar="FILE")
+    pl.set_defaults(func=cmd_plot)
+    sub.add_parser("verify", help="train a tiny megatron GPT with a schedule vs the reference "
+                   "(see `megatron-zb verify --help`)", add_help=False)
+    return ap
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "verify":
+        return cmd_verify(argv[1:])
+    ap = build_parser()
+    try:
+        args = ap.parse_args(argv)
+        if not getattr(args, "func", None):
+            ap.print_help()
+            return 2
+        return args.func(args)
+    except (UsageError, ScheduleError) as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if not msg.startswith("megatron-zb"):
+            msg = f"megatron-zb: error: {msg}"
+        print(msg, file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

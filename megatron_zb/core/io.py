@@ -1,0 +1,118 @@
+"""Schedule I/O: our JSON, and torch.distributed.pipelining's compute-only CSV.
+
+CSV: one row per rank, one cell per action, ``<stage><type><microbatch>`` with type F (forward),
+I (input gradient = our B), W (weight gradient) or B (full backward = our BW). Empty cells are
+idle slots and are dropped on import. The placement is inferred from which row holds a stage.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import re
+from typing import List
+
+from .ir import ALL_KINDS, B, BW, F, W, Action, Placement, Schedule, ScheduleError
+
+FORMAT_VERSION = 1
+
+
+def to_json(schedule: Schedule) -> str:
+    return json.dumps({
+        "format": "megatron-zb-schedule",
+        "version": FORMAT_VERSION,
+        "name": schedule.name,
+        "microbatches": schedule.num_microbatches,
+        "placement": schedule.placement.to_dict(),
+        "meta": schedule.meta,
+        "orders": [[_encode(a) for a in order] for order in schedule.orders],
+    })
+
+
+def _encode(a: Action):
+    return [a.kind, a.stage, a.mb] if a.peer is None else [a.kind, a.stage, a.mb, a.peer]
+
+
+def from_json(text: str) -> Schedule:
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ScheduleError(f"schedule JSON is not valid JSON: {e}") from None
+    if not isinstance(d, dict) or d.get("format") != "megatron-zb-schedule":
+        raise ScheduleError("not a megatron-zb schedule JSON (expected \"format\": \"megatron-zb-schedule\")")
+    orders = []
+    for r, row in enumerate(d["orders"]):
+        order = []
+        for i, item in enumerate(row):
+            if not (isinstance(item, list) and len(item) in (3, 4) and item[0] in ALL_KINDS):
+                raise ScheduleError(f"rank {r} position {i}: bad action {item!r}; "
+                                    "expected [kind, stage, microbatch(, peer)]")
+            order.append(Action(item[0], int(item[1]), int(item[2]),
+                                int(item[3]) if len(item) == 4 else None))
+        orders.append(order)
+    return Schedule(d.get("name", "custom"), Placement.from_dict(d["placement"]),
+                    int(d["microbatches"]), orders, d.get("meta", {}))
+
+
+_TO_TORCH = {F: "F", B: "I", W: "W", BW: "B"}
+_FROM_TORCH = {v: k for k, v in _TO_TORCH.items()}
+_CELL = re.compile(r"^\s*(\d+)\s*(F|I|W|B)\s*(\d+)\s*$")
+
+
+def to_csv(schedule: Schedule) -> str:
+    out = io.StringIO()
+    w = csv.writer(out, lineterminator="\n")
+    for r, order in enumerate(schedule.orders):
+        cells = []
+        for a in order:
+            if not a.is_compute:
+                continue
+            cells.append(f"{a.stage}{_TO_TORCH[a.kind]}{a.mb}")
+        w.writerow(cells)
+    return out.getvalue()
+
+
+def from_csv(text: str, name: str = "csv") -> Schedule:
+    rows = [row for row in csv.reader(io.StringIO(text))]
+    while rows and not any(c.strip() for c in rows[-1]):
+        rows.pop()
+    if not rows:
+        raise ScheduleError("CSV schedule is empty: expected one row per rank")
+    orders: List[List[Action]] = []
+    stage_rank = {}
+    max_mb = -1
+    for r, row in enumerate(rows):
+        order = []
+        for col, cell in enumerate(row):
+            if not cell.strip():
+                continue  # idle slot
+            mt = _CELL.match(cell)
+            if not mt:
+                raise ScheduleError(f"CSV row {r} (rank {r}) column {col}: cannot read {cell!r}; "
+                                    "expected <stage><F|I|W|B><microbatch>, e.g. 0F3 or 1I2")
+            stage, kind, mb = int(mt.group(1)), _FROM_TORCH[mt.group(2)], int(mt.group(3))
+            prev = stage_rank.setdefault(stage, r)
+            if prev != r:
+                raise ScheduleError(f"CSV row {r} column {col}: stage {stage} also appears on rank {prev}; "
+                                    "each stage must live on one rank")
+            max_mb = max(max_mb, mb)
+            order.append(Action(kind, stage, mb))
+        orders.append(order)
+    n = max(stage_rank) + 1 if stage_rank else 0
+    missing = [s for s in range(n) if s not in stage_rank]
+    if missing:
+        raise ScheduleError(f"CSV schedule never runs stage(s) {missing}; stages must be 0..{n - 1}")
+    placement = infer_placement([stage_rank[s] for s in range(n)], len(orders))
+    return Schedule(name, placement, max_mb + 1, orders)
+
+
+def infer_placement(stage_to_rank: List[int], num_ranks: int) -> Placement:
+    p = num_ranks
+    st = tuple(stage_to_rank)
+    if st == Placement.single(p).stage_to_rank:
+        return Placement.single(p)
+    if len(st) % p == 0 and st == Placement.looped(p, len(st) // p).stage_to_rank:
+        return Placement.looped(p, len(st) // p)
+    if len(st) == 2 * p and st == Placement.vshape(p).stage_to_rank:
+        return Placement.vshape(p)
+    return Placement(st, "custom")

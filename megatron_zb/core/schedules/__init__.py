@@ -1,0 +1,72 @@
+"""Schedule generators by name. Each is a pure function Setting -> Schedule."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional
+
+from ..ir import Schedule, ScheduleError, Setting
+from .basic import gpipe, one_f_one_b
+from .interleaved import interleaved_1f1b
+from .vshape import gpipe_v
+from .zb_handcrafted import zb_h1, zb_h2
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    name: str
+    generate: Callable[[Setting], Schedule]
+    description: str
+    chunks: Optional[int] = 1  # fixed chunks per rank; None = user's --chunks (>= 2)
+    default_chunks: int = 1
+    split_backward: bool = False  # uses B/W passes
+
+    def resolve_chunks(self, chunks: Optional[int]) -> int:
+        if self.chunks is None:
+            c = self.default_chunks if chunks is None else chunks
+            if c < 2:
+                raise ScheduleError(f"{self.name} needs --chunks >= 2, got {c}")
+            return c
+        if chunks is not None and chunks != self.chunks:
+            raise ScheduleError(f"{self.name} uses {self.chunks} chunk(s) per rank, got --chunks {chunks}")
+        return self.chunks
+
+
+REGISTRY: Dict[str, ScheduleSpec] = {}
+
+
+def register(spec: ScheduleSpec) -> None:
+    REGISTRY[spec.name] = spec
+
+
+register(ScheduleSpec("gpipe", gpipe, "all forwards, then all backwards"))
+register(ScheduleSpec("1f1b", one_f_one_b, "one-forward-one-backward (Megatron's default)"))
+register(ScheduleSpec("interleaved-1f1b", interleaved_1f1b,
+                      "Megatron's interleaved 1F1B, v chunks per rank (looped placement)",
+                      chunks=None, default_chunks=2))
+register(ScheduleSpec("zb-h1", zb_h1, "zero bubble H1: 1F1B memory, bubble (p-1)(F+B-W)",
+                      split_backward=True))
+register(ScheduleSpec("zb-h2", zb_h2, "zero bubble H2: 2p-1 activations, bubble (p-1)(F+B-2W)",
+                      split_backward=True))
+register(ScheduleSpec("gpipe-v", gpipe_v, "GPipe on the V placement (2 chunks per rank)",
+                      chunks=2, default_chunks=2))
+
+
+def names() -> List[str]:
+    return list(REGISTRY)
+
+
+def get(name: str) -> ScheduleSpec:
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise ScheduleError(f"unknown schedule {name!r}; known schedules: {', '.join(names())}") from None
+
+
+def generate(name: str, setting: Setting) -> Schedule:
+    """Generate a schedule by name; ``setting.chunks`` is checked against the schedule's needs."""
+    spec = get(name)
+    chunks = spec.resolve_chunks(setting.chunks)
+    if chunks != setting.chunks:
+        setting = dataclasses.replace(setting, chunks=chunks)
+    return spec.generate(setting)

@@ -1,0 +1,53 @@
+"""Megatron's interleaved 1F1B: v model chunks per rank, looped placement (stage s on rank s % p).
+
+Megatron walks "virtual microbatches" k = 0 .. m*v-1. Microbatches are taken in groups of
+``group`` (Megatron's microbatch_group_size_per_vp_stage, default p); inside a group every chunk
+runs the whole group before the next chunk. Forward k runs (mb, chunk) of that table; backward k
+runs the same microbatch on chunk v-1-chunk. Rank r does (p-r-1)*2 + (v-1)*group warm-up
+forwards (all of them if that exceeds m*v), then one F / one BW alternately, then the cool-down.
+
+Megatron itself refuses m < group and a last group of 1..p-1 microbatches (dependency bubbles);
+this generator accepts them and produces the same table (the simulator shows the bubbles).
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+from ..ir import BW, F, Action, Placement, Schedule, ScheduleError, Setting
+
+
+def schedule_table(m: int, v: int, group: int) -> List[Tuple[int, int]]:
+    table = []
+    for first in range(0, m, group):
+        last = m if first + group >= m else first + group
+        table += [(mb, c) for c in range(v) for mb in range(first, last)]
+    return table
+
+
+def interleaved_1f1b(setting: Setting, group: Optional[int] = None) -> Schedule:
+    p, m, v = setting.stages, setting.microbatches, setting.chunks
+    if v < 2:
+        raise ScheduleError("interleaved-1f1b needs --chunks >= 2 (model chunks per rank); "
+                            "with one chunk use 1f1b")
+    group = p if group is None else group
+    if group < 1:
+        raise ScheduleError(f"microbatch group size must be >= 1, got {group}")
+    table = schedule_table(m, v, group)
+    total = m * v
+    orders = []
+    for r in range(p):
+        def fwd(k):
+            mb, c = table[k]
+            return Action(F, c * p + r, mb)
+
+        def bwd(k):
+            mb, c = table[k]
+            return Action(BW, (v - 1 - c) * p + r, mb)
+        warm = min((p - r - 1) * 2 + (v - 1) * group, total)
+        order = [fwd(k) for k in range(warm)]
+        for k in range(total - warm):
+            order += [fwd(warm + k), bwd(k)]
+        order += [bwd(k) for k in range(total - warm, total)]
+        orders.append(order)
+    return Schedule("interleaved-1f1b", Placement.looped(p, v), m, orders,
+                    {"group": group})
