@@ -1,0 +1,246 @@
+"""Pictures and traces of simulated schedules (no torch, no megatron).
+
+* ``plot_timeline(result, path)``: a PNG or SVG timeline in the style of the zero-bubble papers'
+  figures: one row per rank (rank 0 on top), one box per pass coloured by kind, chunks 1+ of
+  multi-chunk (interleaved / V) schedules drawn in a darker, hatched shade of the same colour.
+* ``chrome_trace(result)`` / ``write_chrome_trace(result, path)``: Chrome-trace JSON that
+  chrome://tracing and https://ui.perfetto.dev open; one process per rank, one complete ("X")
+  event per pass, one simulation time unit shown as 1 ms.
+* ``save(result, path)``: picks one of the above from the file extension.
+
+matplotlib is imported only when a picture is drawn, through its object-oriented API with the
+Agg canvas: nothing here switches the global backend or opens a window.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Dict, List, Optional, Tuple
+
+from .core.ir import B, BW, F, W
+from .core.simulate import SimResult, Timed
+
+PICTURE_EXTENSIONS = (".png", ".svg")
+TRACE_EXTENSIONS = (".json",)
+ALLOWED_EXTENSIONS = PICTURE_EXTENSIONS + TRACE_EXTENSIONS
+
+# Base colour per kind (chunk 0). Chunks 1+ are darkened and hatched.
+KIND_COLORS: Dict[str, str] = {
+    F: "#4C8BE2",   # blue
+    B: "#2BA89A",   # teal
+    W: "#A77BD8",   # violet
+    BW: "#F0923A",  # orange
+}
+_KIND_ORDER = (F, B, W, BW)
+_HATCHES = ("", "/", "\\", "x", ".", "+")
+
+# Simulation time unit -> Chrome-trace microseconds (a unit cost shows as 1 ms).
+TRACE_US_PER_UNIT = 1000.0
+
+_LABEL_MAX = 4000  # never draw more labels than this (keeps huge schedules fast)
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+
+
+def _chunk_maps(result: SimResult) -> List[Dict[int, int]]:
+    """Per rank: stage -> chunk index (0 = the rank's earliest stage in pipeline order).
+
+    Same definition as ``Placement.chunk_of``, recovered from the stages each rank ran.
+    """
+    maps = []
+    for tl in result.timeline:
+        stages = sorted({t.action.stage for t in tl})
+        maps.append({s: i for i, s in enumerate(stages)})
+    return maps
+
+
+def _shade(color: str, chunk: int) -> Tuple[float, float, float]:
+    """Chunk 0: the base colour; chunk c >= 1: progressively darker."""
+    from matplotlib.colors import to_rgb
+
+    r, g, b = to_rgb(color)
+    if chunk <= 0:
+        return (r, g, b)
+    k = max(0.35, 0.72 - 0.12 * (chunk - 1))  # fraction of the base colour kept
+    return (r * k, g * k, b * k)
+
+
+def _hatch(chunk: int) -> str:
+    return _HATCHES[chunk % len(_HATCHES)] if chunk > 0 else ""
+
+
+def _default_title(result: SimResult) -> str:
+    extra = f", v={result.chunks}" if result.chunks > 1 else ""
+    return (f"{result.schedule} (p={result.stages}, m={result.microbatches}{extra}): "
+            f"makespan {result.makespan:.4g}, bubble {100.0 * result.bubble_rate:.1f}%")
+
+
+# ---------------------------------------------------------------------------------------------
+# picture
+
+
+def plot_timeline(result: SimResult, path: str, title: Optional[str] = None) -> None:
+    """Draw ``result`` as a timeline picture; the format (.png or .svg) follows ``path``."""
+    ext = os.path.splitext(path)[1].lower()
+    if ext not in PICTURE_EXTENSIONS:
+        raise ValueError(f"plot_timeline writes {', '.join(PICTURE_EXTENSIONS)} files, got {path!r}")
+
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.collections import PolyCollection
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    nranks = len(result.timeline)
+    passes = [t for tl in result.timeline for t in tl]
+    t0 = min((t.start for t in passes), default=0.0)
+    t1 = max((t.end for t in passes), default=1.0)
+    if t1 <= t0:
+        t1 = t0 + 1.0
+    span = t1 - t0
+    per_rank = max((len(tl) for tl in result.timeline), default=0)
+
+    # Size: wide enough that boxes of long schedules stay visible, capped for huge ones.
+    width_in = min(32.0, max(10.0, 8.0 + per_rank / 30.0))
+    row_in = 0.42 if nranks <= 16 else 0.3
+    bottom_in, top_in = 0.6, 0.45
+    height_in = max(2.0, bottom_in + top_in + row_in * nranks)
+    dpi = 110
+    fig = Figure(figsize=(width_in, height_in), dpi=dpi)
+    FigureCanvasAgg(fig)
+    ax = fig.add_axes((0.06, bottom_in / height_in, 0.80, 1.0 - (bottom_in + top_in) / height_in))
+
+    bar_h = 0.8
+    chunk_maps = _chunk_maps(result)
+    groups: Dict[Tuple[str, int], List[Timed]] = {}
+    for r, tl in enumerate(result.timeline):
+        for t in tl:
+            groups.setdefault((t.action.kind, chunk_maps[r].get(t.action.stage, 0)), []).append(t)
+
+    # White separators between boxes, unless boxes are so narrow the edges would swamp them.
+    ax_w_px = 0.80 * width_in * dpi
+    px_per_unit = ax_w_px / span
+    widths = sorted(t.end - t.start for t in passes)
+    typical_px = widths[len(widths) // 2] * px_per_unit if widths else 0.0
+    edge_w = 0.5 if typical_px >= 8 else (0.25 if typical_px >= 4 else 0.0)
+    handles = []
+    multi_chunk = result.chunks > 1 or any(c > 0 for (_, c) in groups)
+    for kind in sorted({k for k, _ in groups}, key=lambda k: (_KIND_ORDER + (k,)).index(k)):
+        for chunk in sorted(c for k, c in groups if k == kind):
+            ts = groups[(kind, chunk)]
+            verts = []
+            for t in ts:
+                y0 = t.rank - bar_h / 2
+                y1 = t.rank + bar_h / 2
+                verts.append(((t.start, y0), (t.start, y1), (t.end, y1), (t.end, y0)))
+            color = _shade(KIND_COLORS.get(kind, "#999999"), chunk)
+            hatch = _hatch(chunk)
+            coll = PolyCollection(verts, facecolors=[color], edgecolors="white",
+                                  linewidths=edge_w, hatch=hatch or None)
+            ax.add_collection(coll)
+            label = f"{kind} chunk {chunk}" if multi_chunk else kind
+            handles.append(Patch(facecolor=color, edgecolor="white", hatch=hatch or None,
+                                 label=label))
+
+    # Microbatch labels where the box is wide and tall enough.
+    ax_h_px = (height_in - bottom_in - top_in) * dpi
+    row_px = ax_h_px / max(nranks, 1) * bar_h
+    fontsize = 7.0 if row_px >= 14 else 6.0
+    char_px = fontsize * dpi / 72.0 * 0.62
+    if row_px >= fontsize * dpi / 72.0 * 1.1:
+        drawn = 0
+        for t in passes:
+            text = str(t.action.mb)
+            if (t.end - t.start) * px_per_unit < char_px * len(text) + 3:
+                continue
+            if drawn >= _LABEL_MAX:
+                break
+            chunk = chunk_maps[t.rank].get(t.action.stage, 0)
+            ax.text((t.start + t.end) / 2, t.rank, text, ha="center", va="center",
+                    fontsize=fontsize, color="white" if chunk > 0 else "black", clip_on=True)
+            drawn += 1
+
+    ax.set_xlim(t0, t1)
+    ax.set_ylim(nranks - 0.5, -0.5)  # rank 0 on top
+    ax.set_yticks(range(nranks))
+    ax.set_yticklabels([f"rank {r}" for r in range(nranks)],
+                       fontsize=8 if nranks <= 16 else 6)
+    ax.set_xlabel("time")
+    ax.grid(axis="x", color="#dddddd", linewidth=0.5)
+    ax.set_axisbelow(True)
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    ax.set_title(title if title is not None else _default_title(result), fontsize=10)
+    if handles:
+        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0),
+                  fontsize=8, frameon=False, borderaxespad=0.0)
+    fig.savefig(path, format=ext[1:])
+
+
+# ---------------------------------------------------------------------------------------------
+# Chrome trace / Perfetto
+
+
+def _us(x: float) -> float:
+    return round(float(x) * TRACE_US_PER_UNIT, 6)
+
+
+def chrome_trace(result: SimResult) -> dict:
+    """Chrome-trace JSON object: pid = rank (named "rank r"), one "X" event per pass."""
+    events: List[dict] = []
+    chunk_maps = _chunk_maps(result)
+    for r in range(len(result.timeline)):
+        events.append({"ph": "M", "name": "process_name", "pid": r, "tid": 0,
+                       "args": {"name": f"rank {r}"}})
+        events.append({"ph": "M", "name": "process_sort_index", "pid": r, "tid": 0,
+                       "args": {"sort_index": r}})
+        events.append({"ph": "M", "name": "thread_name", "pid": r, "tid": 0,
+                       "args": {"name": f"rank {r}"}})
+    for r, tl in enumerate(result.timeline):
+        for t in tl:
+            a = t.action
+            events.append({
+                "name": f"{a.kind}{a.mb}",
+                "cat": a.kind,
+                "ph": "X",
+                "ts": _us(t.start),
+                "dur": _us(t.end - t.start),
+                "pid": r,
+                "tid": 0,
+                "args": {"stage": a.stage, "microbatch": a.mb,
+                         "chunk": chunk_maps[r].get(a.stage, 0)},
+            })
+    return {
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "otherData": {
+            "schedule": result.schedule,
+            "stages": result.stages,
+            "microbatches": result.microbatches,
+            "chunks": result.chunks,
+            "makespan": result.makespan,
+            "bubble_rate": result.bubble_rate,
+            "time_unit": "1 simulation time unit = 1 ms",
+        },
+    }
+
+
+def write_chrome_trace(result: SimResult, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(chrome_trace(result), f)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def save(result: SimResult, path: str, title: Optional[str] = None) -> None:
+    """Write ``result`` to ``path``: .png/.svg -> timeline picture, .json -> Chrome trace."""
+    ext = os.path.splitext(path)[1].lower()
+    if ext in PICTURE_EXTENSIONS:
+        plot_timeline(result, path, title=title)
+    elif ext in TRACE_EXTENSIONS:
+        write_chrome_trace(result, path)
+    else:
+        raise ValueError(f"cannot save a timeline as {path!r}: the extension must be one of "
+                         f"{', '.join(ALLOWED_EXTENSIONS)}")

@@ -1,0 +1,147 @@
+"""megatron_zb.plot: timeline pictures, Chrome traces and the save() dispatcher."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from megatron_zb.core.ir import B, BW, F, W, Action, Placement, Schedule, Setting
+from megatron_zb.core.simulate import simulate
+from megatron_zb import plot
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def one_f_one_b(p: int, m: int, split: bool) -> Schedule:
+    """1F1B on Placement.single(p); with ``split`` each BW becomes B then W right after it."""
+    orders = []
+    for r in range(p):
+        warm = min(p - r - 1, m)
+        order = [Action(F, r, i) for i in range(warm)]
+        nf, nb = warm, 0
+        while nb < m:
+            if nf < m:
+                order.append(Action(F, r, nf))
+                nf += 1
+            order += [Action(B, r, nb), Action(W, r, nb)] if split else [Action(BW, r, nb)]
+            nb += 1
+        orders.append(order)
+    return Schedule("1f1b-split" if split else "1f1b", Placement.single(p), m, orders)
+
+
+def v_gpipe(p: int, m: int) -> Schedule:
+    """A V placement with F/B/W: every rank follows one global topological order."""
+    pl = Placement.vshape(p)
+    s_count = pl.num_stages
+    glob = [Action(F, s, mb) for mb in range(m) for s in range(s_count)]
+    for mb in range(m):
+        glob += [Action(B, s, mb) for s in reversed(range(s_count))]
+        glob += [Action(W, s, mb) for s in reversed(range(s_count))]
+    orders = [[a for a in glob if pl.rank_of(a.stage) == r] for r in range(p)]
+    return Schedule("v-gpipe", pl, m, orders)
+
+
+@pytest.fixture(scope="module")
+def res_1f1b():
+    return simulate(one_f_one_b(2, 4, split=False), Setting(stages=2, microbatches=4))
+
+
+@pytest.fixture(scope="module")
+def res_v():
+    return simulate(v_gpipe(2, 3), Setting(stages=2, microbatches=3, cost_comm=0.25))
+
+
+def test_fixtures_simulate_as_expected(res_1f1b, res_v):
+    # 1F1B with unit costs: (m + p - 1) * (f + b + w)
+    assert res_1f1b.makespan == pytest.approx(15.0)
+    assert res_v.chunks == 2
+    assert sum(len(tl) for tl in res_v.timeline) == 2 * 2 * 3 * 3  # stages * mbs * (F, B, W)
+
+
+@pytest.mark.parametrize("which", ["res_1f1b", "res_v"])
+def test_png_and_svg_written(which, tmp_path, request):
+    pytest.importorskip("matplotlib")
+    res = request.getfixturevalue(which)
+    png, svg = tmp_path / "t.png", tmp_path / "t.svg"
+    plot.plot_timeline(res, str(png))
+    plot.save(res, str(svg))
+    assert png.read_bytes().startswith(PNG_SIGNATURE)
+    text = svg.read_text()
+    assert text.lstrip().startswith("<?xml") and "<svg" in text
+    assert res.schedule in text  # default title names the schedule
+
+
+def test_custom_title(res_1f1b, tmp_path):
+    pytest.importorskip("matplotlib")
+    svg = tmp_path / "t.svg"
+    plot.plot_timeline(res_1f1b, str(svg), title="my own title")
+    assert "my own title" in svg.read_text()
+
+
+def test_plot_timeline_rejects_json(res_1f1b, tmp_path):
+    with pytest.raises(ValueError):
+        plot.plot_timeline(res_1f1b, str(tmp_path / "t.json"))
+
+
+@pytest.mark.parametrize("which", ["res_1f1b", "res_v"])
+def test_chrome_trace_events(which, request):
+    res = request.getfixturevalue(which)
+    trace = plot.chrome_trace(res)
+    events = trace["traceEvents"]
+    xs = [e for e in events if e["ph"] == "X"]
+    passes = [t for tl in res.timeline for t in tl]
+    assert len(xs) == len(passes)
+    by_key = {(e["pid"], e["cat"], e["args"]["stage"], e["args"]["microbatch"]): e for e in xs}
+    assert len(by_key) == len(xs)
+    for t in passes:
+        a = t.action
+        e = by_key[(t.rank, a.kind, a.stage, a.mb)]
+        assert e["name"] == f"{a.kind}{a.mb}"
+        assert e["ts"] == pytest.approx(t.start * 1000)
+        assert e["dur"] == pytest.approx((t.end - t.start) * 1000)
+        assert e["tid"] == 0
+    names = {e["pid"]: e["args"]["name"] for e in events
+             if e["ph"] == "M" and e["name"] == "process_name"}
+    assert names == {r: f"rank {r}" for r in range(res.stages)}
+    threads = {e["pid"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert threads == set(range(res.stages))
+
+
+def test_chrome_trace_v_chunks(res_v):
+    xs = [e for e in plot.chrome_trace(res_v)["traceEvents"] if e["ph"] == "X"]
+    # V on 2 ranks: rank 0 holds stages 0 (chunk 0) and 3 (chunk 1); rank 1 holds 1 and 2.
+    chunk = {(e["pid"], e["args"]["stage"]): e["args"]["chunk"] for e in xs}
+    assert chunk == {(0, 0): 0, (0, 3): 1, (1, 1): 0, (1, 2): 1}
+
+
+def test_write_chrome_trace_and_save_json(res_v, tmp_path):
+    p1, p2 = tmp_path / "a.json", tmp_path / "b.JSON"
+    plot.write_chrome_trace(res_v, str(p1))
+    plot.save(res_v, str(p2))
+    d1, d2 = json.loads(p1.read_text()), json.loads(p2.read_text())
+    assert d1 == d2 == json.loads(json.dumps(plot.chrome_trace(res_v)))
+
+
+@pytest.mark.parametrize("name", ["t.pdf", "t.txt", "t", "t.png.bak"])
+def test_save_bad_extension(res_1f1b, tmp_path, name):
+    with pytest.raises(ValueError, match=r"\.png.*\.svg.*\.json"):
+        plot.save(res_1f1b, str(tmp_path / name))
+    assert not (tmp_path / name).exists()
+
+
+def test_large_schedule_renders_quickly(tmp_path):
+    pytest.importorskip("matplotlib")
+    import time
+
+    res = simulate(one_f_one_b(16, 64, split=True), Setting(stages=16, microbatches=64))
+    t = time.perf_counter()
+    plot.save(res, str(tmp_path / "big.png"))
+    assert time.perf_counter() - t < 8.0
+    assert (tmp_path / "big.png").read_bytes().startswith(PNG_SIGNATURE)
+
+
+def test_plot_module_imports_neither_torch_nor_megatron():
+    code = ("import sys, megatron_zb.plot; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron')]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
