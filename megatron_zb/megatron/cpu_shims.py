@@ -39,10 +39,12 @@ def apply(force: bool = False) -> bool:
     _triton_stub()
     _cuda_api()
     _cuda_factories()
+    # before _rng(): that one imports megatron, and megatron's layers.py probes for the fused
+    # wgrad module at import time (_grad_accum_fusion_available).
+    _fake_gradient_accumulation_fusion()
     _rng()
     _cuda_streams()
     _cuda_type_names()
-    _fake_gradient_accumulation_fusion()
     _quiet_logs()
     _APPLIED = True
     return True
