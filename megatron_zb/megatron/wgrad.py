@@ -1,0 +1,449 @@
+"""Weight-gradient deferral (the B/W split) for megatron-core's linear layers.
+
+``attach_wgrad_queue(model_chunk, queue)`` makes every eligible linear layer of one model chunk
+report to that chunk's :class:`~megatron_zb.runtime.wqueue.WQueue`:
+
+* **Local spec** (``megatron.core.tensor_parallel.ColumnParallelLinear`` / ``RowParallelLinear``):
+  the layer instance gets its own ``_forward_impl`` (megatron's per-layer hook point, which
+  normally calls ``linear_with_grad_accumulation_and_async_allreduce``). Ours runs the same forward
+  math and the same tensor-/sequence-parallel communication (megatron's own helpers), through our
+  autograd Function. Megatron's files are not touched; layers of a chunk without a queue, frozen
+  weights, weights supplied at call time (a tied output layer), ``defer_embedding_wgrad_compute``
+  and GTP-sharded weights keep megatron's original path.
+
+  In a **B** pass (inside ``queue.defer(mb)``) its backward computes the input gradient (and the
+  bias gradient: a cheap reduction whose parameter is then final) and enqueues a closure for the
+  weight gradient. A **W** pass (``queue.run(mb)``) runs the closures. A **BW** pass (a backward
+  outside ``defer``) computes both at once, as megatron does.
+
+* **Transformer Engine** modules built with ``delay_wgrad_compute=True`` (GPU only) keep their own
+  FIFO of deferred work per module; we only decide *when* ``backward_dw()`` runs: at the W pass of
+  the microbatch (W order must equal B order per chunk; the queue enforces it), or at the end of
+  the backward for a BW pass.
+
+How the weight gradient reaches the parameter (why DDP keeps working)
+--------------------------------------------------------------------
+The weight is **not** an autograd input of our Function (it gets ``weight.detach()``), so a B pass
+never touches the weight's ``AccumulateGrad`` node; had the weight been an input, autograd would
+call that node (and megatron DDP's grad-ready hook registered on it) with a ``None`` gradient at B
+time. Instead, whenever the weight gradient is produced (at W, or inline in a BW pass) we feed it
+into the parameter with ``torch.autograd.backward(weight, grad)``, which runs the weight's own
+``AccumulateGrad`` node with every hook on it, exactly as in a normal backward. With
+``gradient_accumulation_fusion`` we accumulate into ``weight.main_grad`` with the fused kernel and
+feed megatron's dummy gradient with ``weight.grad_added_to_main_grad = True`` (megatron's own
+convention), so DDP's hook skips the add but still marks the parameter ready. So megatron DDP sees
+a linear weight become ready at its W, and ``overlap_grad_reduce=True`` works: bucket reduction
+starts when the last W (in time) of the last microbatch has delivered.
+
+Sequence parallel
+-----------------
+With sequence parallelism the weight gradient needs the all-gathered input. B does not gather: the
+input gradient does not need it. W **re-gathers** the (sequence-sharded) input saved by the forward
+(megatron's own forward already saves only the shard and re-gathers in backward). Keeping the
+gathered input from B instead would hold ``tp`` times more activation memory from B to W and put a
+collective on the critical path for nothing. The cost is one all-gather per layer inside W, i.e. in
+a bubble; all ranks of a tensor-parallel group must therefore run their W passes in the same order,
+which they do as they run the same schedule.
+
+Limitations
+-----------
+* A layer whose ``forward`` runs more than once in one forward pass (MTP's shared output layer) is
+  left on megatron's path (detected for GPTModel with ``mtp_num_layers``); within one deferred B,
+  repeated calls of a layer are merged into one delivery at W.
+* Megatron-FSDP parameters and GTP weight rematerialisation keep megatron's path (no deferral).
+"""
+from __future__ import annotations
+
+import functools
+import types
+from typing import Iterator, List, Optional
+
+import torch
+
+from megatron_zb.runtime.wqueue import WQueue, WQueueError
+
+__all__ = [
+    "attach_wgrad_queue",
+    "detach_wgrad_queue",
+    "deferrable_layers",
+    "wgrad_parameters",
+    "queue_of",
+]
+
+_QUEUE = "_mzb_wqueue"          # the chunk's WQueue, on every attached layer
+_PATCHED = "_mzb_wgrad_patched"  # marks our instance-level _forward_impl
+_LAST_TASK = "_mzb_last_wtask"   # last W task of the layer (merges repeated calls in one B)
+_TE_HOOK = "_mzb_te_hook"        # forward-hook handle on TE modules
+
+_custom_fwd = functools.partial(torch.amp.custom_fwd, device_type="cuda")
+_custom_bwd = functools.partial(torch.amp.custom_bwd, device_type="cuda")
+
+_KNOWN_KWARGS = frozenset({
+    "bias", "gradient_accumulation_fusion", "allreduce_dgrad", "sequence_parallel",
+    "grad_output_buffer", "wgrad_deferral_limit", "tp_group", "gtp_remat_size",
+})
+
+
+def _mcore_layers():
+    from megatron.core.tensor_parallel import layers
+    return layers
+
+
+# ----------------------------------------------------------------------------- call site
+class _Site:
+    """What one call of a deferrable layer needs in backward and W."""
+    __slots__ = ("layer", "param", "gaf", "allreduce_dgrad", "sequence_parallel", "tp_group")
+
+    def __init__(self, layer, param, gaf, allreduce_dgrad, sequence_parallel, tp_group):
+        self.layer = layer
+        self.param = param
+        self.gaf = gaf
+        self.allreduce_dgrad = allreduce_dgrad
+        self.sequence_parallel = sequence_parallel
+        self.tp_group = tp_group
+
+
+def _deferrable_forward_impl(self, input, weight, *args, **kwargs):
+    """Instance-level replacement of ``ColumnParallelLinear/RowParallelLinear._forward_impl``."""
+    site = _site_for_call(self, weight, args, kwargs)
+    if site is None:
+        return type(self)._forward_impl(self, input, weight, *args, **kwargs)
+    return _DeferrableLinear.apply(input, weight.detach(), kwargs.get("bias"), site)
+
+
+def _site_for_call(layer, weight, args, kwargs) -> Optional[_Site]:
+    if layer.__dict__.get(_QUEUE) is None or args or not torch.is_grad_enabled():
+        return None
+    if not isinstance(weight, torch.Tensor) or not weight.requires_grad:
+        return None  # frozen weight: megatron's linear_with_frozen_weight
+    if weight is not layer._parameters.get("weight"):
+        return None  # weight supplied at call time (tied output layer): its grad is not ours alone
+    if not _KNOWN_KWARGS.issuperset(kwargs):
+        return None  # a calling convention we do not know: stay on megatron's path
+    if kwargs.get("grad_output_buffer") is not None or kwargs.get("gtp_remat_size", 1) != 1:
+        return None
+    allreduce_dgrad = bool(kwargs.get("allreduce_dgrad", False))
+    sequence_parallel = bool(kwargs.get("sequence_parallel", False))
+    tp_group = kwargs.get("tp_group")
+    if allreduce_dgrad or sequence_parallel:
+        tp_group = _mcore_layers().get_tensor_model_parallel_group_if_none(tp_group)
+        if allreduce_dgrad and sequence_parallel:
+            raise RuntimeError("allreduce_dgrad and sequence_parallel cannot both be set")
+    return _Site(layer, weight, bool(kwargs.get("gradient_accumulation_fusion", False)),
+                 allreduce_dgrad, sequence_parallel, tp_group)
+
+
+def _all_gather_input(input, tp_group, async_op=False):
+    L = _mcore_layers()
+    dim_size = list(input.size())
+    dim_size[0] = dim_size[0] * tp_group.size()
+    buf = L.get_global_memory_buffer().get_tensor(dim_size, input.dtype, "mpu")
+    handle = L.dist_all_gather_func(buf, input, group=tp_group, async_op=async_op)
+    return buf, handle
+
+
+# ----------------------------------------------------------------------------- autograd
+class _DeferrableLinear(torch.autograd.Function):
+    """Megatron's linear with async TP communication, with a weight gradient that can be deferred.
+
+    ``weight`` is a detached alias of the parameter (see the module docstring); the parameter
+    itself travels in ``site``.
+    """
+
+    @staticmethod
+    @_custom_fwd
+    def forward(ctx, input, weight, bias, site):
+        param = site.param
+        ctx.save_for_backward(input, weight)
+        ctx.site = site
+        # like megatron: hold main_grad in ctx (a layer may be reused, e.g. MTP logits)
+        ctx.main_grad = param.main_grad if site.gaf and hasattr(param, "main_grad") else None
+        ctx.use_bias = bias is not None
+        if site.sequence_parallel:
+            total_input, _ = _all_gather_input(input, site.tp_group)
+        else:
+            total_input = input
+        output = torch.matmul(total_input, weight.t())
+        if bias is not None:
+            output = output + bias
+        return output
+
+    @staticmethod
+    @_custom_bwd
+    def backward(ctx, grad_output):
+        input, weight = ctx.saved_tensors
+        site = ctx.site
+        queue = site.layer.__dict__.get(_QUEUE)  # B or BW is decided now, not at forward time
+        defer = queue is not None and queue.deferring
+
+        total_input = gather = None
+        if not defer and site.sequence_parallel:
+            total_input, gather = _all_gather_input(input, site.tp_group, async_op=True)
+        grad_input = grad_output.matmul(weight)
+        if gather is not None:
+            gather.wait()
+
+        handle = None
+        if site.allreduce_dgrad:
+            handle = torch.distributed.all_reduce(grad_input, group=site.tp_group, async_op=True)
+        if site.sequence_parallel:
+            sub_grad_input = torch.empty(input.shape, dtype=input.dtype, device=input.device,
+                                         requires_grad=False)
+            handle = _mcore_layers().dist_reduce_scatter_func(
+                sub_grad_input, grad_input, group=site.tp_group, async_op=True)
+            grad_input = sub_grad_input
+
+        grad_bias = None
+        if ctx.use_bias:
+            grad_bias = grad_output.contiguous().view(-1, grad_output.shape[-1]).sum(dim=0)
+
+        if defer:
+            # detached: the closure keeps the tensors, not the autograd graph behind them
+            _enqueue(queue, site, ctx.main_grad, (input.detach(), None, grad_output.detach()))
+        else:
+            # BW: compute and deliver now, overlapping the dgrad communication as megatron does
+            _WgradTask(site, ctx.main_grad, [(input, total_input, grad_output)], -1)()
+        if handle is not None:
+            handle.wait()
+        return grad_input, None, grad_bias, None
+
+
+def _enqueue(queue: WQueue, site: _Site, main_grad, item) -> None:
+    layer = site.layer
+    last = layer.__dict__.get(_LAST_TASK)
+    if (last is not None and last.items is not None and last.queue_session == queue.session
+            and last.site.param is site.param):
+        last.items.append(item)  # the layer ran twice in this microbatch: one delivery at W
+        return
+    task = _WgradTask(site, main_grad, [item], queue.session)
+    layer.__dict__[_LAST_TASK] = task
+    queue.put(task)
+
+
+class _WgradTask:
+    """One layer's weight-gradient work for one microbatch (one or more calls of the layer)."""
+    __slots__ = ("site", "main_grad", "items", "queue_session")
+
+    def __init__(self, site, main_grad, items, queue_session):
+        self.site = site
+        self.main_grad = main_grad
+        self.items = items  # [(input, gathered input or None, grad_output)]
+        self.queue_session = queue_session
+
+    def __call__(self):
+        items, self.items = self.items, None  # free the saved activations as soon as possible
+        if items is None:
+            raise WQueueError("weight-gradient task ran twice")
+        with torch.no_grad():  # a W pass builds no graph (and may run with grad mode on)
+            grad_weight = self._compute(items)
+        del items
+        _deliver(self.site.param, self.main_grad, self.site.gaf, grad_weight)
+
+    def _compute(self, items):
+        site = self.site
+        param = site.param
+        L = _mcore_layers()
+        grad_weight = None
+        for input, total_input, grad_output in items:
+            if total_input is None:
+                total_input = (_all_gather_input(input, site.tp_group)[0]
+                               if site.sequence_parallel else input)
+            g, x = L.prepare_input_tensors_for_wgrad_compute(grad_output, total_input)
+            if site.gaf:
+                _fused_accumulate(param, self.main_grad, x, g)
+            else:
+                gw = g.t().matmul(x)
+                grad_weight = gw if grad_weight is None else grad_weight + gw
+            del total_input, x, g
+        return grad_weight
+
+
+def _fused_accumulate(param, main_grad, total_input, grad_output):
+    if main_grad is None:
+        raise RuntimeError(
+            "gradient_accumulation_fusion=True needs weight.main_grad (megatron DDP creates it); "
+            f"parameter of shape {tuple(param.shape)} has none")
+    param.main_grad = main_grad  # megatron's backward does the same
+    import fused_weight_gradient_mlp_cuda as fused
+    if main_grad.dtype == torch.float32:
+        fused.wgrad_gemm_accum_fp32(total_input, grad_output, main_grad)
+    elif main_grad.dtype in (torch.float16, torch.bfloat16):
+        fused.wgrad_gemm_accum_fp16(total_input, grad_output, main_grad)
+    else:
+        raise RuntimeError("Unsupported gradient type for gradient accumulation fusion")
+
+
+def _deliver(param, main_grad, gaf, grad_weight):
+    """Run the parameter's AccumulateGrad node (and every hook on it) with the weight gradient."""
+    if gaf:
+        if not hasattr(param, "grad_added_to_main_grad"):
+            return  # megatron returns no weight grad here either
+        # megatron's dummy-grad convention: the real gradient is already in main_grad
+        if getattr(param, "zero_out_wgrad", False):
+            dummy = torch.zeros(main_grad.shape, dtype=param.dtype, device=param.device)
+        else:
+            dummy = torch.empty(main_grad.shape, dtype=param.dtype, device=param.device)
+        param.grad_added_to_main_grad = True
+        torch.autograd.backward(param, dummy)
+    else:
+        torch.autograd.backward(param, grad_weight)
+
+
+# ----------------------------------------------------------------------------- Transformer Engine
+def _is_te_delayed(module) -> bool:
+    """A Transformer Engine module built with ``delay_wgrad_compute=True`` (duck-typed, no import)."""
+    if not callable(getattr(module, "backward_dw", None)):
+        return False
+    store = getattr(module, "wgrad_store", None)
+    probe = getattr(store, "delay_wgrad_compute", None)
+    if not callable(probe):
+        return False
+    if not any(c.__module__.split(".")[0] == "transformer_engine" for c in type(module).__mro__):
+        return False
+    return bool(probe())
+
+
+def _te_forward_hook(module, args, output):
+    if module.__dict__.get(_QUEUE) is None or not torch.is_grad_enabled():
+        return None
+    out = output
+    while isinstance(out, (tuple, list)) and out:
+        out = out[0]
+    if isinstance(out, torch.Tensor) and out.requires_grad:
+        out.register_hook(functools.partial(_te_grad_hook, module))
+    return None
+
+
+def _te_grad_hook(module, grad):
+    # Runs when the module's output gradient is ready, i.e. just before TE's backward of this call
+    # pushes one entry on the module's FIFO.
+    queue = module.__dict__.get(_QUEUE)
+    if queue is not None and queue.deferring:
+        queue.put(module.backward_dw, fifo=True)
+    else:  # BW pass (or detached meanwhile): pop the entry at the end of this backward
+        torch.autograd.Variable._execution_engine.queue_callback(module.backward_dw)
+    return None
+
+
+def _find_ddp(model_chunk):
+    m, seen = model_chunk, set()
+    while m is not None and id(m) not in seen:
+        seen.add(id(m))
+        if hasattr(m, "ddp_config"):
+            return m
+        m = getattr(m, "module", None)
+    return None
+
+
+# ----------------------------------------------------------------------------- attach / detach
+def _reused_layers(model_chunk) -> set:
+    """Layers megatron calls more than once per forward: GPTModel's output layer under MTP."""
+    out = set()
+    for m in model_chunk.modules():
+        cfg = getattr(m, "config", None)
+        layer = getattr(m, "output_layer", None)
+        if layer is not None and getattr(cfg, "mtp_num_layers", None):
+            out.add(id(layer))
+    return out
+
+
+def _is_local_deferrable(module, L) -> bool:
+    for base in (L.ColumnParallelLinear, L.RowParallelLinear):
+        if isinstance(module, base):
+            break
+    else:
+        return False
+    if type(module)._forward_impl is not base._forward_impl:
+        return False  # a subclass with its own linear implementation
+    weight = module._parameters.get("weight")
+    if not isinstance(weight, torch.nn.Parameter):
+        return False  # skip_weight_param_allocation: the weight comes with each call
+    if getattr(module, "gtp_remat_size", 1) != 1 or hasattr(weight, "__fsdp_param__"):
+        return False
+    return True
+
+
+def _candidates(model_chunk) -> Iterator[tuple]:
+    L = _mcore_layers()
+    reused = _reused_layers(model_chunk)
+    te_names: List[str] = []
+    for name, m in model_chunk.named_modules():
+        if id(m) not in reused and _is_local_deferrable(m, L):
+            yield name, m, "local"
+        elif _is_te_delayed(m) and not any(name.startswith(p + ".") for p in te_names):
+            te_names.append(name)  # an enclosing TE module already owns its children's FIFOs
+            yield name, m, "te"
+
+
+def attach_wgrad_queue(model_chunk: torch.nn.Module, queue: WQueue) -> int:
+    """Make the linear layers of ``model_chunk`` defer their weight gradients into ``queue``.
+
+    Works on a bare chunk and on DDP / Float16Module-wrapped chunks (it walks all submodules).
+    Idempotent: attaching again (to the same or another queue) re-points the layers, never wraps
+    twice. Returns the number of layers made deferrable (local-spec linears plus Transformer
+    Engine modules with ``delay_wgrad_compute``).
+    """
+    if not isinstance(queue, WQueue):
+        raise TypeError(f"queue must be a megatron_zb WQueue, got {type(queue).__name__}")
+    if not isinstance(model_chunk, torch.nn.Module):
+        raise TypeError(f"model_chunk must be a torch.nn.Module, got {type(model_chunk).__name__}")
+    found = list(_candidates(model_chunk))
+    te = [m for _, m, kind in found if kind == "te"]
+    if te:
+        ddp = _find_ddp(model_chunk)
+        if ddp is not None and not getattr(ddp.ddp_config, "delay_wgrad_compute", False):
+            raise ValueError(
+                "this chunk has Transformer Engine modules with delay_wgrad_compute=True; megatron "
+                "DDP must then be built with DistributedDataParallelConfig(delay_wgrad_compute="
+                "True) so its grad-ready hooks fire from backward_dw() (i.e. at W)")
+    for _, m, kind in found:
+        m.__dict__[_QUEUE] = queue
+        if kind == "local":
+            if not m.__dict__.get(_PATCHED):
+                m.__dict__["_forward_impl"] = types.MethodType(_deferrable_forward_impl, m)
+                m.__dict__[_PATCHED] = True
+        elif _TE_HOOK not in m.__dict__:
+            m.__dict__[_TE_HOOK] = m.register_forward_hook(_te_forward_hook)
+    return len(found)
+
+
+def detach_wgrad_queue(model_chunk) -> None:
+    """Undo :func:`attach_wgrad_queue`: the layers go back to megatron's own backward.
+
+    Already queued closures stay valid (they hold what they need) and can still be run.
+    """
+    for m in model_chunk.modules():
+        d = m.__dict__
+        d.pop(_QUEUE, None)
+        d.pop(_LAST_TASK, None)
+        if d.pop(_PATCHED, False):
+            d.pop("_forward_impl", None)
+        handle = d.pop(_TE_HOOK, None)
+        if handle is not None:
+            handle.remove()
+
+
+def deferrable_layers(model_chunk) -> List[str]:
+    """Names of the submodules :func:`attach_wgrad_queue` would make deferrable."""
+    return [name for name, _, _ in _candidates(model_chunk)]
+
+
+def queue_of(module) -> Optional[WQueue]:
+    """The W queue a layer is attached to, or None."""
+    return module.__dict__.get(_QUEUE)
+
+
+def wgrad_parameters(model_chunk) -> List[torch.nn.Parameter]:
+    """Parameters of attached layers whose gradient is complete only after W (linear weights).
+
+    Everything else (norms, embeddings, biases, tied output weights) is final after B.
+    """
+    out = []
+    for m in model_chunk.modules():
+        if m.__dict__.get(_QUEUE) is None:
+            continue
+        if m.__dict__.get(_PATCHED):
+            out.append(m._parameters["weight"])
+        else:
+            out.extend(p for p in m.parameters(recurse=True) if p.requires_grad)
+    return out
