@@ -55,6 +55,7 @@ Limitations
 from __future__ import annotations
 
 import functools
+import sys
 import types
 from typing import Iterator, List, Optional
 
@@ -291,16 +292,18 @@ def _deliver(param, main_grad, gaf, grad_weight):
 
 # ----------------------------------------------------------------------------- Transformer Engine
 def _is_te_delayed(module) -> bool:
-    """A Transformer Engine module built with ``delay_wgrad_compute=True`` (duck-typed, no import)."""
+    """A module following Transformer Engine's delayed-wgrad protocol, with delay switched on.
+
+    TE modules built with ``delay_wgrad_compute=True`` (megatron's TELinear & co. when
+    ``config.delay_wgrad_compute``) have ``wgrad_store.delay_wgrad_compute()`` true: their backward
+    pushes the weight-gradient work on a per-module FIFO and ``backward_dw()`` pops and runs one
+    entry. Duck-typed, so nothing imports transformer_engine (no megatron module has a
+    ``wgrad_store``; megatron's own ``backward_dw`` containers are not matched).
+    """
     if not callable(getattr(module, "backward_dw", None)):
         return False
-    store = getattr(module, "wgrad_store", None)
-    probe = getattr(store, "delay_wgrad_compute", None)
-    if not callable(probe):
-        return False
-    if not any(c.__module__.split(".")[0] == "transformer_engine" for c in type(module).__mro__):
-        return False
-    return bool(probe())
+    probe = getattr(getattr(module, "wgrad_store", None), "delay_wgrad_compute", None)
+    return callable(probe) and bool(probe())
 
 
 def _te_forward_hook(module, args, output):
@@ -364,11 +367,12 @@ def _is_local_deferrable(module, L) -> bool:
 
 
 def _candidates(model_chunk) -> Iterator[tuple]:
-    L = _mcore_layers()
+    # no megatron layer can exist unless megatron's layers module was imported: do not import it
+    L = sys.modules.get("megatron.core.tensor_parallel.layers")
     reused = _reused_layers(model_chunk)
     te_names: List[str] = []
     for name, m in model_chunk.named_modules():
-        if id(m) not in reused and _is_local_deferrable(m, L):
+        if L is not None and id(m) not in reused and _is_local_deferrable(m, L):
             yield name, m, "local"
         elif _is_te_delayed(m) and not any(name.startswith(p + ".") for p in te_names):
             te_names.append(name)  # an enclosing TE module already owns its children's FIFOs
