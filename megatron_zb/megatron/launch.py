@@ -1,0 +1,448 @@
+"""Run a Python function on N real processes (one torch.distributed rank each), never hanging.
+
+    from megatron_zb.megatron.launch import launch, run_cases
+    results = launch(fn, 2, "arg")                  # fn("arg") on ranks 0 and 1 -> [r0, r1]
+    per_case = run_cases(fn, [c1, c2, c3], 4)        # one process group, fn(c) for each case
+
+* Each rank is a fresh ``python`` subprocess with ``OMP_NUM_THREADS=1`` and one torch thread, the
+  parent's ``sys.path`` (so functions defined in test modules resolve) and, first of all, the
+  megatron-core directory chosen by ``mcore_path`` / ``$MZB_MCORE_PATH`` / ``$MZB_MCORE``
+  (a version: ``<repo>/.venv/mcore-<version>``). On a machine without CUDA the CPU shims are
+  applied before anything imports megatron.
+* The process group (gloo by default) rendezvouses through a ``TCPStore`` the parent opens on
+  127.0.0.1 with a port the OS picks, so there is no port race.
+* ``fn`` and the cases must be picklable (module-level functions); results must be picklable.
+* An exception in a rank is re-raised here as ``RankError`` carrying that rank's traceback; the
+  other ranks are killed after a short grace period. If the whole launch runs past ``timeout``
+  seconds, every rank still running is sent SIGUSR1 (faulthandler dumps its Python stacks into
+  its log), then killed, and ``LaunchTimeout`` names the ranks that did not finish, the case they
+  were in, their last ``set_status()`` text and the tail of their logs.
+* ``set_status(text)`` (callable from rank code, e.g. an executor about to wait on a receive) is a
+  memory write into a small per-rank mmap'd file, cheap enough to call before every pass.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+__all__ = ["launch", "run_cases", "set_status", "get_status", "RankError", "LaunchTimeout",
+           "LaunchError", "resolve_mcore_path", "repo_root"]
+
+_STATUS_BYTES = 4096
+_status_map: Optional[mmap.mmap] = None
+_status_text = ""
+
+
+class LaunchError(RuntimeError):
+    """Base class: a launch did not produce a result for every rank."""
+
+
+class RankError(LaunchError):
+    """A rank raised. ``rank``, ``case`` (index), ``exc_type``, ``rank_traceback``, ``log_tail``."""
+
+    def __init__(self, rank: int, case: Optional[int], exc_type: str, message: str, rank_traceback: str,
+                 log_tail: str = "", others: str = ""):
+        self.rank, self.case, self.exc_type, self.message = rank, case, exc_type, message
+        self.rank_traceback, self.log_tail = rank_traceback, log_tail
+        where = f"rank {rank}" + (f" (case {case})" if case is not None else "")
+        text = f"{where} raised {exc_type}: {message}\n--- traceback of {where} ---\n{rank_traceback.rstrip()}"
+        if others:
+            text += "\n" + others
+        if log_tail:
+            text += f"\n--- last lines of rank {rank}'s log ---\n{log_tail.rstrip()}"
+        super().__init__(text)
+
+
+class LaunchTimeout(LaunchError):
+    """The launch ran past its timeout. ``ranks``: the unfinished ranks; ``statuses``: rank -> text."""
+
+    def __init__(self, timeout: float, ranks: List[int], statuses: Dict[int, str], logs: Dict[int, str]):
+        self.timeout, self.ranks, self.statuses, self.logs = timeout, ranks, statuses, logs
+        lines = [f"timed out after {timeout:g} s; rank(s) {', '.join(map(str, ranks))} did not finish"]
+        for r in ranks:
+            lines.append(f"  rank {r}: last status: {statuses.get(r) or '(none)'}")
+        for r in ranks:
+            if logs.get(r):
+                lines.append(f"--- last lines of rank {r}'s log (stack dump included) ---\n{logs[r].rstrip()}")
+        super().__init__("\n".join(lines))
+
+
+# --------------------------------------------------------------------------------------------
+# helpers usable from rank code
+# --------------------------------------------------------------------------------------------
+
+def set_status(text: str) -> None:
+    """Record what this rank is doing now (shown if the launch times out). No-op outside a launch."""
+    global _status_text
+    _status_text = text
+    m = _status_map
+    if m is None:
+        return
+    data = text.encode("utf-8", "replace")[: _STATUS_BYTES - 1]
+    m[: len(data)] = data
+    m[len(data)] = 0
+
+
+def get_status() -> str:
+    return _status_text
+
+
+def repo_root() -> str:
+    """The directory holding the ``megatron_zb`` package (the repository root in a checkout)."""
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def resolve_mcore_path(mcore_path: Optional[str] = None) -> Optional[str]:
+    """Which megatron-core directory to put first on the ranks' sys.path (None: the installed one).
+
+    Order: the argument, ``$MZB_MCORE_PATH`` (a directory), ``$MZB_MCORE`` (a directory, or a
+    version such as ``0.19.2`` meaning ``<repo>/.venv/mcore-<version>``; ``installed`` or empty:
+    none).
+    """
+    cand = mcore_path or os.environ.get("MZB_MCORE_PATH") or None
+    if cand is None:
+        v = os.environ.get("MZB_MCORE", "").strip()
+        if v and v not in ("installed", "default", "site"):
+            cand = v if os.path.isdir(v) else os.path.join(repo_root(), ".venv", f"mcore-{v}")
+    if cand is None:
+        return None
+    cand = os.path.abspath(cand)
+    if not os.path.isdir(os.path.join(cand, "megatron", "core")):
+        raise LaunchError(f"megatron-core path {cand} has no megatron/core package")
+    return cand
+
+
+# --------------------------------------------------------------------------------------------
+# parent side
+# --------------------------------------------------------------------------------------------
+
+def launch(fn: Callable, world_size: int, *args, timeout: float = 300.0, mcore_path: Optional[str] = None,
+           backend: str = "gloo", cpu_shims: bool = True, env: Optional[Dict[str, str]] = None,
+           grace: float = 3.0, keep_logs: bool = False, **kwargs) -> List[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return the per-rank results."""
+    return run_cases(_CallWith(fn, args, kwargs), [None], world_size, timeout=timeout, mcore_path=mcore_path,
+                     backend=backend, cpu_shims=cpu_shims, env=env, grace=grace, keep_logs=keep_logs)[0]
+
+
+@dataclass
+class _CallWith:
+    fn: Callable
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+
+    def __call__(self, _case):
+        return self.fn(*self.args, **self.kwargs)
+
+
+def run_cases(fn: Callable, cases: Sequence[Any], world_size: int, *, timeout: float = 300.0,
+              mcore_path: Optional[str] = None, backend: str = "gloo", cpu_shims: bool = True,
+              env: Optional[Dict[str, str]] = None, grace: float = 3.0, keep_logs: bool = False,
+              barrier_between: bool = True) -> List[List[Any]]:
+    """Run ``fn(case)`` on every rank for each case, in order, in one process group.
+
+    Returns ``results[case_index][rank]``. Paying the process start and the megatron import once
+    for many cases is the point. ``timeout`` bounds the whole launch (seconds).
+    """
+    import torch.distributed as dist  # parent needs only torch (for the store)
+
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    cases = list(cases)
+    mpath = resolve_mcore_path(mcore_path)
+    workdir = tempfile.mkdtemp(prefix="mzb-launch-")
+    procs: List[subprocess.Popen] = []
+    logs: List[Any] = []
+    store = None
+    try:
+        store = dist.TCPStore("127.0.0.1", 0, world_size + 1, True, wait_for_workers=False,
+                              timeout=_td(timeout + 30))
+        port = store.port
+        sys_path = [p for p in sys.path if p]
+        if mpath:
+            sys_path = [mpath] + [p for p in sys_path if os.path.abspath(p) != mpath]
+        header = {"sys_path": sys_path, "mcore_path": mpath, "cpu_shims": cpu_shims}
+        payload = os.path.join(workdir, "payload.pkl")
+        with open(payload, "wb") as f:
+            pickle.dump(header, f)
+            _Pickler(f, protocol=pickle.HIGHEST_PROTOCOL).dump(
+                {"fn": fn, "cases": cases, "world_size": world_size, "port": port, "backend": backend,
+                 "timeout": timeout, "barrier_between": barrier_between})
+        child_env = dict(os.environ)
+        child_env.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                          "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world_size),
+                          "LOCAL_WORLD_SIZE": str(world_size), "PYTHONFAULTHANDLER": "1"})
+        old = child_env.get("PYTHONPATH")
+        child_env["PYTHONPATH"] = os.pathsep.join(([mpath] if mpath else []) + [repo_root()] + ([old] if old else []))
+        if env:
+            child_env.update(env)
+        for r in range(world_size):
+            with open(_status_file(workdir, r), "wb") as f:
+                f.write(b"\0" * _STATUS_BYTES)
+            e = dict(child_env, RANK=str(r), LOCAL_RANK=str(r))
+            log = open(os.path.join(workdir, f"rank{r}.log"), "wb")
+            logs.append(log)
+            cmd = [sys.executable, "-c", "import sys; from megatron_zb.megatron.launch import _worker_main; "
+                   "_worker_main(sys.argv[1], int(sys.argv[2]))", workdir, str(r)]
+            procs.append(subprocess.Popen(cmd, env=e, stdout=log, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL, start_new_session=True))
+        return _wait(procs, workdir, world_size, timeout, grace)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                _kill(p)
+        for log in logs:
+            try:
+                log.close()
+            except Exception:
+                pass
+        del store
+        if keep_logs:
+            sys.stderr.write(f"[megatron-zb launch] rank logs kept in {workdir}\n")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _td(seconds: float):
+    from datetime import timedelta
+    return timedelta(seconds=max(1.0, float(seconds)))
+
+
+def _status_file(workdir: str, r: int) -> str:
+    return os.path.join(workdir, f"status{r}.bin")
+
+
+def _result_file(workdir: str, r: int) -> str:
+    return os.path.join(workdir, f"result{r}.pkl")
+
+
+def _read_status(workdir: str, r: int) -> str:
+    try:
+        with open(_status_file(workdir, r), "rb") as f:
+            data = f.read(_STATUS_BYTES)
+        return data.split(b"\0", 1)[0].decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
+def _log_tail(workdir: str, r: int, n: int = 60) -> str:
+    try:
+        with open(os.path.join(workdir, f"rank{r}.log"), "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - 64 * 1024))
+            lines = f.read().decode("utf-8", "replace").splitlines()
+        keep = [l for l in lines if "UserWarning" not in l and not l.strip().startswith("warnings.warn")]
+        return "\n".join(keep[-n:])
+    except OSError:
+        return ""
+
+
+def _load_result(workdir: str, r: int):
+    path = _result_file(workdir, r)
+    if not os.path.exists(path):
+        return None
+    with open(path, "rb") as f:
+        return pickle.load(f)
+
+
+def _kill(p: subprocess.Popen) -> None:
+    try:
+        os.killpg(p.pid, signal.SIGKILL)  # the rank's own session: it and anything it started
+    except (ProcessLookupError, PermissionError):
+        try:
+            p.kill()
+        except ProcessLookupError:
+            pass
+    try:
+        p.wait(timeout=5)
+    except subprocess.TimeoutExpired:  # pragma: no cover
+        pass
+
+
+def _wait(procs, workdir, world_size, timeout, grace) -> List[List[Any]]:
+    deadline = time.monotonic() + timeout
+    first_fail = None  # (rank, time)
+    while True:
+        codes = [p.poll() for p in procs]
+        if all(c is not None for c in codes) and first_fail is None:
+            failed = [r for r, c in enumerate(codes) if c != 0]
+            if not failed:
+                break
+            first_fail = (failed[0], time.monotonic())
+        if first_fail is None:
+            for r, c in enumerate(codes):
+                if c is not None and c != 0:
+                    first_fail = (r, time.monotonic())
+                    break
+        if first_fail is not None:
+            # give the others a moment to report their own errors, then stop them
+            if all(c is not None for c in codes) or time.monotonic() - first_fail[1] > grace:
+                for p in procs:
+                    if p.poll() is None:
+                        _kill(p)
+                _raise_rank_error(procs, workdir, world_size, first_fail[0])
+        if time.monotonic() > deadline:
+            unfinished = [r for r, p in enumerate(procs) if p.poll() is None]
+            for r in unfinished:
+                try:
+                    os.kill(procs[r].pid, signal.SIGUSR1)  # faulthandler: dump Python stacks to the log
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.5)
+            statuses = {r: _read_status(workdir, r) for r in unfinished}
+            logs = {r: _log_tail(workdir, r, 40) for r in unfinished}
+            for p in procs:
+                if p.poll() is None:
+                    _kill(p)
+            raise LaunchTimeout(timeout, unfinished, statuses, logs)
+        time.sleep(0.02)
+    per_rank = []
+    for r in range(world_size):
+        res = _load_result(workdir, r)
+        if res is None or not res.get("ok"):
+            _raise_rank_error(procs, workdir, world_size, r)
+        per_rank.append(res["results"])
+    ncases = len(per_rank[0])
+    return [[per_rank[r][i] for r in range(world_size)] for i in range(ncases)]
+
+
+def _raise_rank_error(procs, workdir, world_size, hint_rank):
+    # Prefer a rank that reported a Python exception (the root cause) over one that merely died.
+    reports = {r: _load_result(workdir, r) for r in range(world_size)}
+    errs = {r: rep for r, rep in reports.items() if rep is not None and not rep.get("ok")}
+    if errs:
+        # the earliest failure in wall time is most likely the cause
+        r = min(errs, key=lambda k: errs[k].get("time", 0.0))
+        e = errs[r]
+        others = [f"rank {k} also failed: {v['exc_type']}: {v['message'].splitlines()[0] if v['message'] else ''}"
+                  for k, v in sorted(errs.items()) if k != r]
+        raise RankError(r, e.get("case"), e["exc_type"], e["message"], e["traceback"],
+                        log_tail="", others="\n".join(others))
+    code = procs[hint_rank].poll()
+    raise RankError(hint_rank, None, "ProcessDied", f"rank {hint_rank} exited with code {code} without a report",
+                    "(no Python traceback: the process died)", log_tail=_log_tail(workdir, hint_rank))
+
+
+# --------------------------------------------------------------------------------------------
+# rank side
+# --------------------------------------------------------------------------------------------
+
+def _worker_main(workdir: str, rank: int) -> None:
+    global _status_map
+    import faulthandler
+    faulthandler.enable()
+    try:
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+    except (AttributeError, ValueError):  # pragma: no cover
+        pass
+    case_index = None
+    try:
+        with open(os.path.join(workdir, "payload.pkl"), "rb") as f:
+            header = pickle.load(f)
+            for p in reversed(header["sys_path"]):
+                if p in sys.path:
+                    sys.path.remove(p)
+                sys.path.insert(0, p)
+            mpath = header.get("mcore_path")
+            if mpath:
+                if mpath in sys.path:
+                    sys.path.remove(mpath)
+                sys.path.insert(0, mpath)
+            fd = os.open(_status_file(workdir, rank), os.O_RDWR)
+            _status_map = mmap.mmap(fd, _STATUS_BYTES)
+            os.close(fd)
+            set_status("starting: importing torch")
+            import torch
+            torch.set_num_threads(1)
+            if header.get("cpu_shims", True):
+                set_status("starting: applying CPU shims / importing megatron")
+                from megatron_zb.megatron import cpu_shims
+                cpu_shims.apply()
+            set_status("starting: loading the payload")
+            body = pickle.load(f)
+        import torch.distributed as dist
+        ws, timeout = body["world_size"], body["timeout"]
+        set_status("starting: joining the process group")
+        store = dist.TCPStore("127.0.0.1", body["port"], ws + 1, False, timeout=_td(timeout + 30))
+        backend = body["backend"]
+        if backend == "nccl":  # pragma: no cover - GPU machines
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % max(1, torch.cuda.device_count()))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=ws, timeout=_td(timeout + 30))
+        results = []
+        fn = body["fn"]
+        for i, case in enumerate(body["cases"]):
+            case_index = i
+            set_status(f"case {i}: running")
+            results.append(fn(case))
+            if body.get("barrier_between", True) and ws > 1:
+                set_status(f"case {i}: done, waiting for the other ranks (barrier)")
+                dist.barrier()
+        case_index = None
+        set_status("done: writing results")
+        _write_result(workdir, rank, {"ok": True, "results": results})
+        if ws > 1:
+            dist.barrier()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    except BaseException as e:  # noqa: BLE001 - report everything, then die without cleanup hangs
+        tb = traceback.format_exc()
+        try:
+            _write_result(workdir, rank, {"ok": False, "case": case_index, "exc_type": type(e).__name__,
+                                          "message": str(e), "traceback": tb, "time": time.time(),
+                                          "status": _status_text})
+        finally:
+            sys.stderr.write(tb)
+            sys.stderr.flush()
+            os._exit(1)
+
+
+def _rebuild_tensor(array, dtype_name: str):
+    import torch
+    t = torch.from_numpy(array)
+    if dtype_name in _VIEW_DTYPES:
+        t = t.view(getattr(torch, dtype_name))
+    return t
+
+
+_VIEW_DTYPES = {"bfloat16": "int16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8"}
+
+
+class _Pickler(pickle.Pickler):
+    """Pickles torch tensors as numpy arrays: megatron-core >= 0.19 replaces
+    ``torch.storage._load_from_bytes`` with its own function, so a plainly pickled tensor would
+    only unpickle where that same megatron is imported."""
+
+    def reducer_override(self, obj):
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(obj, torch.Tensor):
+            t = obj.detach().cpu().contiguous()
+            name = str(t.dtype).replace("torch.", "")
+            if name in _VIEW_DTYPES:
+                t = t.view(getattr(torch, _VIEW_DTYPES[name]))
+            return _rebuild_tensor, (t.numpy().copy(), name)
+        return NotImplemented
+
+
+def _write_result(workdir: str, rank: int, obj) -> None:
+    tmp = _result_file(workdir, rank) + ".tmp"
+    with open(tmp, "wb") as f:
+        try:
+            _Pickler(f, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+        except Exception as e:  # an unpicklable result is the rank's error
+            f.seek(0)
+            f.truncate()
+            pickle.dump({"ok": False, "case": None, "exc_type": type(e).__name__,
+                         "message": f"result not picklable: {e}", "traceback": traceback.format_exc(),
+                         "time": time.time()}, f)
+    os.replace(tmp, _result_file(workdir, rank))

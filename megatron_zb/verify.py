@@ -1,0 +1,807 @@
+"""`megatron-zb verify`: train a tiny real megatron-core GPT with a pipeline schedule and check it
+against the non-pipelined single-process reference.
+
+One launch of P x T CPU processes (gloo; see ``megatron.launch``) runs, per case:
+
+1. **Reference** (rank 0 only): PP=1, TP=1, full weights, megatron's
+   ``forward_backward_no_pipelining``; ``iterations`` steps of plain SGD, recording the loss and
+   every parameter's gradient (by global name) at every iteration.
+2. **Pipelined run** (all ranks): megatron ``parallel_state`` for PP x TP, this rank's model
+   chunks for the schedule's placement (``megatron.model``), identical initial weights (hashed
+   from global parameter names) and identical data; the schedule is picked the way a Megatron
+   user would get it: ``megatron_zb.megatron.install.install(schedule)`` and then megatron's own
+   ``get_forward_backward_func()``. Gradients are gathered per global name (TP shards
+   all-gathered, every copy of a tied weight included), then the same SGD step.
+
+The parent compares per-iteration losses (absolute difference) and gradients (relative L2
+difference per parameter, the worst over parameters, copies and iterations).
+
+Pseudo-schedules that need no ``install()`` (useful to check this harness itself):
+
+* ``megatron-1f1b``: megatron's ``forward_backward_pipelining_without_interleaving``.
+* ``megatron-interleaved``: megatron's interleaved 1F1B (looped placement, ``chunks`` per rank,
+  default 2). At PP=2 it sets ``overlap_p2p_comm=True, batch_p2p_comm=False`` unless told
+  otherwise: megatron's default batched p2p silently corrupts gradients at PP=2 + VPP.
+* ``sequential``: a deliberately naive pipelined executor for *any* placement (``placement=
+  'single'|'looped'|'v'``): one microbatch at a time through every stage, forward then backward,
+  real p2p between ranks. It checks model placement (e.g. V) independently of any schedule.
+
+It never hangs: the launch has a timeout; a stuck rank is reported with its last status (the
+pass it was in, as set through ``megatron.launch.set_status``) and its Python stack.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+__all__ = ["VerifyCase", "VerifyUsageError", "make_case", "run_verify", "run_verify_many", "main_verify",
+           "PSEUDO_SCHEDULES", "DEFAULT_GRAD_RTOL", "DEFAULT_LOSS_ATOL"]
+
+PSEUDO_SCHEDULES = ("megatron-1f1b", "megatron-interleaved", "sequential")
+DEFAULT_GRAD_RTOL = 1e-5
+DEFAULT_LOSS_ATOL = 1e-5
+
+
+class VerifyUsageError(ValueError):
+    """Bad verify input (the CLI turns it into one line and exit code 2)."""
+
+
+@dataclass
+class VerifyCase:
+    """Everything one verification needs; picklable, identical on every rank."""
+
+    schedule: str
+    pipeline_parallel_size: int
+    tensor_parallel_size: int = 1
+    num_microbatches: int = 4
+    iterations: int = 3
+    chunks: Optional[int] = None  # model chunks per rank (None: the schedule's default)
+    placement: Optional[str] = None  # 'single' | 'looped' | 'v' (None: the schedule's)
+    num_layers: Optional[int] = None  # default: a multiple of the stage count, >= 4
+    layers_per_stage: Optional[List[int]] = None
+    allow_padding_num_layers: bool = False
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    vocab_size: int = 128
+    seq_length: int = 32
+    micro_batch_size: int = 2
+    tie_embeddings: bool = True
+    variable_seq_lengths: bool = False
+    sequence_parallel: bool = False
+    ddp: bool = True
+    overlap_grad_reduce: bool = False
+    gradient_accumulation_fusion: bool = False
+    forward_only: bool = False
+    lr: float = 0.1
+    seed: int = 1234
+    memory_limit: Optional[float] = None
+    schedule_options: Dict[str, Any] = field(default_factory=dict)  # passed to install()
+    config_overrides: Dict[str, Any] = field(default_factory=dict)  # passed to TransformerConfig
+    grad_rtol: float = DEFAULT_GRAD_RTOL
+    loss_atol: float = DEFAULT_LOSS_ATOL
+    label: Optional[str] = None
+
+    @property
+    def world_size(self) -> int:
+        return self.pipeline_parallel_size * self.tensor_parallel_size
+
+    def model_config(self):
+        from .megatron.model import TinyGPTConfig
+        return TinyGPTConfig(num_layers=self.num_layers, hidden_size=self.hidden_size,
+                             num_attention_heads=self.num_attention_heads, vocab_size=self.vocab_size,
+                             seq_length=self.seq_length, micro_batch_size=self.micro_batch_size,
+                             tie_embeddings=self.tie_embeddings, seed=self.seed,
+                             variable_seq_lengths=self.variable_seq_lengths)
+
+    def describe(self) -> str:
+        bits = [self.schedule, f"PP={self.pipeline_parallel_size}", f"TP={self.tensor_parallel_size}",
+                f"{self.placement} x{self.chunks}", f"M={self.num_microbatches}", f"L={self.num_layers}"]
+        for k in ("sequence_parallel", "overlap_grad_reduce", "gradient_accumulation_fusion", "forward_only",
+                  "variable_seq_lengths"):
+            if getattr(self, k):
+                bits.append(k)
+        if not self.ddp:
+            bits.append("no-ddp")
+        if not self.tie_embeddings:
+            bits.append("untied")
+        if self.config_overrides:
+            bits.append(",".join(f"{k}={v}" for k, v in sorted(self.config_overrides.items())))
+        return (self.label + ": " if self.label else "") + " ".join(bits)
+
+
+def _schedule_placement(name: str, p: int, m: int, chunks: Optional[int]):
+    """(style, chunks) of a core schedule, from the pure-Python schedule core."""
+    from .core import schedules as core_schedules
+    from .core.ir import ScheduleError, Setting
+    try:
+        spec = core_schedules.get(name)
+        c = spec.resolve_chunks(chunks)
+        sched = core_schedules.generate(name, Setting(stages=p, microbatches=m, chunks=c))
+    except ScheduleError as e:
+        raise VerifyUsageError(str(e)) from None
+    pl = sched.placement
+    style = pl.style
+    if style not in ("single", "looped", "v"):
+        raise VerifyUsageError(f"schedule {name!r} uses a {style!r} placement, which the verifier cannot build")
+    return style, pl.chunks
+
+
+def make_case(schedule: str, pipeline_parallel_size: int, tensor_parallel_size: int = 1,
+              num_microbatches: Optional[int] = None, iterations: int = 3, **options) -> VerifyCase:
+    """Validate the input and fill in defaults. Raises ``VerifyUsageError`` on bad input."""
+    names = {f.name for f in dataclasses.fields(VerifyCase)}
+    unknown = sorted(set(options) - names)
+    if unknown:
+        raise VerifyUsageError(f"unknown verify option(s): {', '.join(unknown)}")
+    for nm, v in (("pipeline_parallel_size", pipeline_parallel_size), ("tensor_parallel_size", tensor_parallel_size),
+                  ("iterations", iterations)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise VerifyUsageError(f"{nm} must be an integer >= 1, got {v!r}")
+    p, t = pipeline_parallel_size, tensor_parallel_size
+    if not isinstance(schedule, str) or not schedule:
+        raise VerifyUsageError("a schedule name is required")
+    chunks = options.pop("chunks", None)
+    placement = options.pop("placement", None)
+    m = num_microbatches if num_microbatches is not None else 2 * p
+    if not isinstance(m, int) or isinstance(m, bool) or m < 1:
+        raise VerifyUsageError(f"num_microbatches must be an integer >= 1, got {m!r}")
+    if schedule == "megatron-1f1b":
+        if placement not in (None, "single") or chunks not in (None, 1):
+            raise VerifyUsageError("megatron-1f1b uses one chunk per rank (single placement)")
+        placement, chunks = "single", 1
+        if p < 2:
+            raise VerifyUsageError("megatron-1f1b needs --pipeline-parallel-size >= 2")
+    elif schedule == "megatron-interleaved":
+        if placement not in (None, "looped"):
+            raise VerifyUsageError("megatron-interleaved uses the looped placement")
+        placement, chunks = "looped", (2 if chunks is None else chunks)
+        if p < 2 or chunks < 2:
+            raise VerifyUsageError("megatron-interleaved needs --pipeline-parallel-size >= 2 and --chunks >= 2")
+        if m % p:
+            raise VerifyUsageError(f"megatron-interleaved needs num_microbatches divisible by the pipeline size "
+                                   f"({m} % {p} != 0)")
+    elif schedule == "sequential":
+        placement = placement or "single"
+        if placement not in ("single", "looped", "v"):
+            raise VerifyUsageError(f"placement must be single, looped or v, got {placement!r}")
+        if placement == "single":
+            if chunks not in (None, 1):
+                raise VerifyUsageError("the single placement has one chunk per rank")
+            chunks = 1
+        elif placement == "v":
+            if chunks not in (None, 2):
+                raise VerifyUsageError("the v placement has two chunks per rank")
+            chunks = 2
+        else:
+            chunks = 2 if chunks is None else chunks
+    else:
+        style, c = _schedule_placement(schedule, p, m, chunks)
+        if placement not in (None, style):
+            raise VerifyUsageError(f"schedule {schedule!r} uses the {style!r} placement, not {placement!r}")
+        placement, chunks = style, c
+    if not isinstance(chunks, int) or chunks < 1:
+        raise VerifyUsageError(f"chunks must be an integer >= 1, got {chunks!r}")
+    stages = p * chunks
+    num_layers = options.pop("num_layers", None)
+    if num_layers is None:
+        num_layers = stages * max(1, math.ceil(4 / stages))
+    case = VerifyCase(schedule=schedule, pipeline_parallel_size=p, tensor_parallel_size=t, num_microbatches=m,
+                      iterations=iterations, chunks=chunks, placement=placement, num_layers=num_layers, **options)
+    from .core.ir import ScheduleError
+    from .megatron import model as _m  # no torch-heavy work at import
+    try:
+        _m.stage_layer_counts(case.num_layers, stages, layers_per_stage=case.layers_per_stage,
+                              allow_padding_num_layers=case.allow_padding_num_layers)
+    except ScheduleError as e:
+        raise VerifyUsageError(str(e)) from None
+    if case.hidden_size % case.num_attention_heads or case.num_attention_heads % t:
+        raise VerifyUsageError("num_attention_heads must divide hidden_size and be divisible by the TP size")
+    if case.vocab_size % t:
+        raise VerifyUsageError("vocab_size must be divisible by the TP size")
+    if case.sequence_parallel and t < 2:
+        raise VerifyUsageError("sequence_parallel needs --tensor-parallel-size >= 2")
+    if case.sequence_parallel and case.seq_length % t:
+        raise VerifyUsageError("seq_length must be divisible by the TP size with sequence parallelism")
+    if case.overlap_grad_reduce and not case.ddp:
+        raise VerifyUsageError("overlap_grad_reduce needs ddp")
+    if case.gradient_accumulation_fusion and not case.ddp:
+        raise VerifyUsageError("gradient_accumulation_fusion needs ddp (it accumulates into main_grad)")
+    if case.iterations < 1:
+        raise VerifyUsageError("iterations must be >= 1")
+    return case
+
+
+# --------------------------------------------------------------------------------------------
+# public entry points (parent process)
+# --------------------------------------------------------------------------------------------
+
+def run_verify(schedule: str, pipeline_parallel_size: int, tensor_parallel_size: int = 1,
+               num_microbatches: Optional[int] = None, iterations: int = 3, *, timeout: float = 300.0,
+               mcore_path: Optional[str] = None, **options) -> dict:
+    """Verify one schedule; returns the result dict (``passed``, ``max_rel_grad_diff``,
+    ``max_abs_loss_diff``, ``schedule``, ``losses``, ``reference_losses``, ``timing``, ...).
+
+    Raises ``VerifyUsageError`` on bad input. A crash or a hang in a rank gives ``passed: False``
+    and ``error`` (the rank, its traceback or last status).
+    """
+    case = make_case(schedule, pipeline_parallel_size, tensor_parallel_size, num_microbatches, iterations, **options)
+    return run_verify_many([case], timeout=timeout, mcore_path=mcore_path)[0]
+
+
+def run_verify_many(cases: Sequence[VerifyCase], *, timeout: float = 600.0, mcore_path: Optional[str] = None,
+                    raise_errors: bool = False) -> List[dict]:
+    """Run several cases (same P x T) in one launch, paying process start and imports once."""
+    from .megatron import launch as L
+    cases = list(cases)
+    if not cases:
+        return []
+    ws = {c.world_size for c in cases}
+    if len(ws) != 1:
+        raise VerifyUsageError(f"cases in one launch need the same P x T, got world sizes {sorted(ws)}")
+    t0 = time.time()
+    try:
+        per_case = L.run_cases(_rank_case, cases, ws.pop(), timeout=timeout, mcore_path=mcore_path)
+    except L.LaunchError as e:
+        if raise_errors:
+            raise
+        wall = time.time() - t0
+        return [_error_result(c, e, wall) for c in cases]
+    wall = time.time() - t0
+    out = []
+    for c, ranks in zip(cases, per_case):
+        r = compare(c, ranks)
+        r["timing"]["launch_wall_s"] = round(wall, 3)
+        out.append(r)
+    return out
+
+
+def _error_result(case: VerifyCase, err: Exception, wall: float) -> dict:
+    return {"passed": False, "schedule": case.schedule, "error": str(err), "error_type": type(err).__name__,
+            "losses": [], "reference_losses": [], "max_rel_grad_diff": None, "max_abs_loss_diff": None,
+            "pipeline_parallel_size": case.pipeline_parallel_size,
+            "tensor_parallel_size": case.tensor_parallel_size, "num_microbatches": case.num_microbatches,
+            "iterations": case.iterations, "chunks": case.chunks, "placement": case.placement,
+            "case": case.describe(), "timing": {"launch_wall_s": round(wall, 3)}}
+
+
+# --------------------------------------------------------------------------------------------
+# comparison (parent)
+# --------------------------------------------------------------------------------------------
+
+def _rel(a, b) -> float:
+    import torch
+    a = a.double()
+    b = b.double()
+    if a.shape != b.shape:
+        return math.inf
+    dn = float((a - b).norm())
+    rn = float(b.norm())
+    if dn == 0.0:
+        return 0.0
+    return dn / rn if rn > 0 else math.inf
+
+
+def compare(case: VerifyCase, ranks: List[dict]) -> dict:
+    """Compare the pipelined ranks' results with the reference (rank 0 carries it)."""
+    ref = ranks[0]["reference"]
+    problems: List[str] = []
+    loss_reports = [r["losses"] for r in ranks if r.get("losses") is not None]
+    if len(loss_reports) != 1:
+        problems.append(f"expected exactly one rank to report losses, got {len(loss_reports)}")
+    losses = loss_reports[0] if loss_reports else []
+    per_iter = []
+    max_loss = 0.0
+    max_grad = 0.0
+    worst = None
+    for it in range(case.iterations):
+        row = {"iteration": it, "reference_loss": ref["losses"][it]}
+        lo = losses[it] if it < len(losses) else None
+        row["loss"] = lo
+        if lo is None or ref["losses"][it] is None:
+            problems.append(f"iteration {it}: missing loss")
+            d = math.inf
+        else:
+            d = abs(lo - ref["losses"][it])
+        row["abs_loss_diff"] = d
+        max_loss = max(max_loss, d)
+        if not case.forward_only:
+            merged: Dict[str, list] = {}
+            for r in ranks:
+                for name, copies in r["grads"][it].items():
+                    merged.setdefault(name, []).extend((r["rank"], t) for t in copies)
+            rg = ref["grads"][it]
+            missing = sorted(set(rg) - set(merged))
+            extra = sorted(set(merged) - set(rg))
+            if missing:
+                problems.append(f"iteration {it}: no pipelined gradient for {missing[:5]}")
+            if extra:
+                problems.append(f"iteration {it}: unexpected pipelined parameters {extra[:5]}")
+            it_max = 0.0
+            for name, copies in merged.items():
+                if name not in rg:
+                    continue
+                for rank, t in copies:
+                    e = _rel(t, rg[name][0])
+                    if e > it_max:
+                        it_max = e
+                    if e > max_grad or worst is None:
+                        if e >= max_grad:
+                            max_grad = e
+                            worst = {"param": name, "rank": rank, "iteration": it, "rel_diff": e}
+            row["max_rel_grad_diff"] = it_max
+        per_iter.append(row)
+    passed = not problems and max_loss <= case.loss_atol and (case.forward_only or max_grad <= case.grad_rtol)
+    times = [r["times"] for r in ranks if r.get("times")]
+    iter_ms = [max(ts[i] for ts in times) * 1e3 for i in range(len(times[0]))] if times else []
+    res = {
+        "passed": bool(passed),
+        "schedule": case.schedule,
+        "pipeline_parallel_size": case.pipeline_parallel_size,
+        "tensor_parallel_size": case.tensor_parallel_size,
+        "num_microbatches": case.num_microbatches,
+        "iterations": case.iterations,
+        "chunks": case.chunks,
+        "placement": case.placement,
+        "num_layers": case.num_layers,
+        "losses": losses,
+        "reference_losses": ref["losses"],
+        "max_abs_loss_diff": _finite(max_loss),
+        "max_rel_grad_diff": None if case.forward_only else _finite(max_grad),
+        "worst_param": worst,
+        "grad_rtol": case.grad_rtol,
+        "loss_atol": case.loss_atol,
+        "forward_only": case.forward_only,
+        "per_iteration": [{k: _finite(v) if isinstance(v, float) else v for k, v in row.items()} for row in per_iter],
+        "problems": problems,
+        "megatron_core": ranks[0].get("megatron_version"),
+        "case": case.describe(),
+        "timing": {
+            "iteration_ms": [round(x, 3) for x in iter_ms],
+            "median_iteration_ms": round(_median(iter_ms[1:] or iter_ms), 3) if iter_ms else None,
+            "reference_iteration_ms": [round(x * 1e3, 3) for x in ref.get("times", [])],
+            "reference_median_iteration_ms": round(_median([x * 1e3 for x in ref["times"]][1:] or
+                                                           [x * 1e3 for x in ref["times"]]), 3)
+            if ref.get("times") else None,
+            "rank_wall_s": round(max(r.get("wall_s", 0.0) for r in ranks), 3),
+        },
+    }
+    return res
+
+
+def _finite(x):
+    if x is None:
+        return None
+    return x if math.isfinite(x) else float("inf")
+
+
+def _median(xs):
+    xs = sorted(xs)
+    if not xs:
+        return float("nan")
+    n = len(xs)
+    return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
+
+
+# --------------------------------------------------------------------------------------------
+# rank side
+# --------------------------------------------------------------------------------------------
+
+_REFERENCE_CACHE: Dict[tuple, dict] = {}
+
+
+# config overrides that only change how the pipeline runs (not the math) stay off the reference
+_PIPELINE_ONLY_KEYS = ("p2p", "pipeline", "overlap", "sequence_parallel", "tensor_model", "virtual", "deallocate",
+                       "microbatch", "variable_seq", "fusion", "recompute", "offload", "defer", "wgrad",
+                       "timers", "barrier", "moe_token_dispatcher")
+
+
+def _reference_overrides(case: VerifyCase) -> dict:
+    return {k: v for k, v in case.config_overrides.items() if not any(b in k for b in _PIPELINE_ONLY_KEYS)}
+
+
+def _reference_key(case: VerifyCase) -> tuple:
+    return (json.dumps(case.model_config().to_dict(), sort_keys=True), case.num_microbatches, case.iterations,
+            case.lr, case.forward_only, repr(sorted(_reference_overrides(case).items())))
+
+
+def _reference_finalize(model, num_tokens=None, *args, **kwargs) -> None:
+    """The reference's finalize: only the per-token-loss scaling (one process, one replica)."""
+    if num_tokens is not None and int(num_tokens) > 0:
+        for m in model:
+            for p in m.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(1.0 / num_tokens)
+
+
+def _run_reference(case: VerifyCase) -> dict:
+    """PP=1, TP=1, full model on this process; megatron's forward_backward_no_pipelining."""
+    import torch
+    from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
+    from .megatron import model as M
+    from .megatron.launch import set_status
+    cfg = case.model_config()
+    ref = M.build_reference_model(cfg, **_reference_overrides(case))
+    ref.config.finalize_model_grads_func = _reference_finalize
+    losses, grads, times = [], [], []
+    for it in range(case.iterations):
+        set_status(f"reference: iteration {it}")
+        M.zero_grads_([ref])
+        batches = M.make_batches(cfg, case.num_microbatches, it)
+        t0 = time.perf_counter()
+        out = forward_backward_no_pipelining(
+            forward_step_func=M.forward_step_func, data_iterator=iter(batches), model=ref,
+            num_microbatches=case.num_microbatches, seq_length=cfg.seq_length,
+            micro_batch_size=cfg.micro_batch_size, decoder_seq_length=cfg.seq_length,
+            forward_only=case.forward_only)
+        times.append(time.perf_counter() - t0)
+        losses.append(M.iteration_loss(out))
+        if not case.forward_only:
+            grads.append(M.collect_full_grads([ref]))
+            M.sgd_step_([ref], case.lr)
+        else:
+            grads.append({})
+    del ref
+    return {"losses": losses, "grads": grads, "times": times}
+
+
+def _rank_case(case: VerifyCase) -> dict:
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from .megatron import model as M
+    from .megatron.launch import set_status
+
+    t_start = time.perf_counter()
+    rank = dist.get_rank()
+    tag = case.describe()
+    # 1. the reference, on rank 0 (cached per launch for identical model/data)
+    set_status(f"[{tag}] reference: setting up")
+    M.init_parallel_state(1, 1, seed=case.seed)
+    reference = None
+    if rank == 0:
+        key = _reference_key(case)
+        if key not in _REFERENCE_CACHE:
+            _REFERENCE_CACHE[key] = _run_reference(case)
+        reference = _REFERENCE_CACHE[key]
+    # 2. the pipelined run
+    set_status(f"[{tag}] pipelined: initialising parallel state (other ranks may still run the reference)")
+    placement = M.make_placement(case.placement, case.pipeline_parallel_size, case.chunks)
+    M.init_parallel_state(case.tensor_parallel_size, case.pipeline_parallel_size, placement, seed=case.seed)
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    cfg = case.model_config()
+    handle = None
+    try:
+        overrides = dict(case.config_overrides)
+        if case.schedule == "megatron-interleaved" and case.pipeline_parallel_size == 2:
+            # megatron's batched p2p at PP=2 + VPP pairs the two same-peer sends ambiguously
+            overrides.setdefault("overlap_p2p_comm", True)
+            overrides.setdefault("batch_p2p_comm", False)
+        if case.schedule not in PSEUDO_SCHEDULES:
+            set_status(f"[{tag}] installing schedule {case.schedule}")
+            handle = _install(case)
+        set_status(f"[{tag}] building model chunks")
+        chunks = M.build_model_chunks(cfg, placement, layers_per_stage=case.layers_per_stage,
+                                      allow_padding_num_layers=case.allow_padding_num_layers,
+                                      sequence_parallel=case.sequence_parallel,
+                                      gradient_accumulation_fusion=case.gradient_accumulation_fusion, **overrides)
+        config = chunks[0].config
+        if case.ddp:
+            chunks = M.wrap_ddp(chunks, overlap_grad_reduce=case.overlap_grad_reduce)
+        M.configure_grad_sync(config, chunks, placement=placement, ddp=case.ddp,
+                              overlap_grad_reduce=case.overlap_grad_reduce)
+        fb = _forward_backward_func(case, placement)
+        infos = [M.unwrap(c).mzb_chunk_info for c in chunks]
+        holds_last = any(i.post_process for i in infos)
+        losses, grads, times = [], [], []
+        for it in range(case.iterations):
+            set_status(f"[{tag}] pipelined: iteration {it} forward-backward")
+            M.zero_grads_(chunks)
+            batches = M.make_batches(cfg, case.num_microbatches, it)
+            iters = M.batch_iterators(batches, len(chunks))
+            dist.barrier()  # time the schedule, not the ranks' skew
+            t0 = time.perf_counter()
+            out = fb(forward_step_func=M.forward_step_func, data_iterator=iters, model=list(chunks),
+                     num_microbatches=case.num_microbatches, seq_length=cfg.seq_length,
+                     micro_batch_size=cfg.micro_batch_size, decoder_seq_length=cfg.seq_length,
+                     forward_only=case.forward_only)
+            times.append(time.perf_counter() - t0)
+            if holds_last and tp_rank == 0:
+                losses.append(M.iteration_loss(out))
+            if not case.forward_only:
+                set_status(f"[{tag}] pipelined: iteration {it} gathering gradients")
+                grads.append(M.collect_full_grads(chunks))
+                M.sgd_step_(chunks, case.lr)
+            else:
+                grads.append({})
+    finally:
+        if handle is not None:
+            handle.uninstall()
+    set_status(f"[{tag}] done")
+    return {"rank": rank, "pp_rank": pp_rank, "tp_rank": tp_rank, "reference": reference,
+            "losses": losses if (holds_last and tp_rank == 0) else None, "grads": grads, "times": times,
+            "wall_s": time.perf_counter() - t_start, "megatron_version": M.megatron_version(),
+            "stages": [i.stage for i in infos], "layers": [list(i.layers) for i in infos]}
+
+
+def _install(case: VerifyCase):
+    try:
+        from .megatron.install import install
+    except ImportError as e:
+        raise RuntimeError(f"schedule {case.schedule!r} needs megatron_zb.megatron.install, which is not "
+                           f"available ({e}); the pseudo-schedules {', '.join(PSEUDO_SCHEDULES)} work without it")
+    kw = dict(case.schedule_options)
+    return install(case.schedule, chunks=case.chunks, memory_limit=case.memory_limit, **kw)
+
+
+def _forward_backward_func(case: VerifyCase, placement):
+    from megatron.core.pipeline_parallel import schedules as S
+    if case.schedule == "megatron-1f1b":
+        return S.forward_backward_pipelining_without_interleaving
+    if case.schedule == "megatron-interleaved":
+        return S.forward_backward_pipelining_with_interleaving
+    if case.schedule == "sequential":
+        return SequentialForwardBackward(placement)
+    import megatron.core.pipeline_parallel as mpp
+    return mpp.get_forward_backward_func()
+
+
+class SequentialForwardBackward:
+    """A naive, obviously-correct pipelined forward-backward for any placement.
+
+    Megatron's forward-backward signature. Microbatch by microbatch: the forward through stages
+    0..S-1 (activations sent to the next stage's rank, or handed over locally), the loss, then
+    the backward through S-1..0. Deadlock-free because every rank walks the same stage order.
+    Used to check model placement (e.g. V) independently of any real schedule.
+    """
+
+    def __init__(self, placement):
+        self.placement = placement
+
+    def __call__(self, *, forward_step_func, data_iterator, model, num_microbatches, seq_length=None,
+                 micro_batch_size=None, decoder_seq_length=None, forward_only=False, collect_non_loss_data=False,
+                 first_val_step=None, **_ignored):
+        import contextlib
+
+        import torch
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+        from megatron.core.utils import get_attr_wrapped_model, get_model_config
+        from .megatron.launch import set_status
+
+        chunks = model if isinstance(model, list) else [model]
+        iters = data_iterator if isinstance(data_iterator, list) else [data_iterator]
+        config = get_model_config(chunks[0])
+        pl = self.placement
+        S = pl.num_stages
+        pp_ranks = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
+        me = parallel_state.get_pipeline_model_parallel_rank()
+        mine = {s: i for i, s in enumerate(pl.stages_of(me))}
+        store = []
+        total_tokens = torch.zeros([], dtype=torch.int)
+
+        def send(t, to_stage, what):
+            dst = pl.rank_of(to_stage)
+            set_status(f"sequential: send {what} to stage {to_stage} on pp rank {dst}")
+            shape = torch.tensor(list(t.shape), dtype=torch.int64)
+            dist.send(shape, pp_ranks[dst])
+            dist.send(t.detach().contiguous(), pp_ranks[dst])
+
+        def recv(from_stage, what):
+            src = pl.rank_of(from_stage)
+            set_status(f"sequential: wait for {what} from stage {from_stage} on pp rank {src}")
+            shape = torch.zeros(3, dtype=torch.int64)
+            dist.recv(shape, pp_ranks[src])
+            t = torch.empty(tuple(int(x) for x in shape), dtype=config.pipeline_dtype)
+            dist.recv(t, pp_ranks[src])
+            return t
+
+        no_sync = config.no_sync_func
+        if isinstance(no_sync, list):
+            ctxs = [f() for f in no_sync]
+        elif no_sync is not None:
+            ctxs = [no_sync()]
+        else:
+            ctxs = []
+        with contextlib.ExitStack() as stack:
+            for c in ctxs:
+                stack.enter_context(c)
+            for mb in range(num_microbatches):
+                inputs, outputs = {}, {}
+                local = None
+                for s in range(S):
+                    owner = pl.rank_of(s)
+                    if owner != me:
+                        if s > 0 and pl.rank_of(s - 1) == me:
+                            send(local, s, f"activation of mb {mb}")
+                        continue
+                    if s == 0:
+                        x = None
+                    elif pl.rank_of(s - 1) == me:
+                        x = local.detach().requires_grad_(not forward_only)
+                    else:
+                        x = recv(s - 1, f"activation of mb {mb}").requires_grad_(not forward_only)
+                    m = chunks[mine[s]]
+                    set_status(f"sequential: F stage {s} mb {mb}")
+                    get_attr_wrapped_model(m, "set_input_tensor")(x)
+                    with (torch.no_grad() if forward_only else contextlib.nullcontext()):
+                        out, loss_fn = forward_step_func(iters[mine[s]], m)
+                        if s == S - 1:
+                            sum_loss, ntok, report = loss_fn(out)
+                            total_tokens += ntok.to(torch.int)
+                            if not config.calculate_per_token_loss:
+                                out = sum_loss / torch.clamp(ntok, min=1) / num_microbatches
+                            else:
+                                out = sum_loss
+                            store.append(report)
+                    inputs[s], outputs[s] = x, out
+                    local = out
+                if forward_only:
+                    continue
+                grad = None
+                for s in reversed(range(S)):
+                    owner = pl.rank_of(s)
+                    if owner != me:
+                        if s < S - 1 and pl.rank_of(s + 1) == me:
+                            send(grad, s, f"input gradient of mb {mb}")
+                        continue
+                    if s < S - 1 and pl.rank_of(s + 1) != me:
+                        grad = recv(s + 1, f"input gradient of mb {mb}")
+                    set_status(f"sequential: B stage {s} mb {mb}")
+                    if s == S - 1:
+                        torch.autograd.backward(outputs[s])
+                    else:
+                        torch.autograd.backward(outputs[s], grad_tensors=grad)
+                    grad = inputs[s].grad if inputs[s] is not None else None
+        if not forward_only and config.finalize_model_grads_func is not None:
+            set_status("sequential: finalize_model_grads")
+            config.finalize_model_grads_func(chunks, total_tokens if config.calculate_per_token_loss else None)
+        holds_last = pl.rank_of(S - 1) == me
+        return store if holds_last else []
+
+
+# --------------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------------
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise VerifyUsageError(f"{self.prog}: {message}")
+
+
+def _pos_int(name):
+    def parse(text):
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer >= 1, got {text!r}") from None
+        if v < 1:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer >= 1, got {v}")
+        return v
+    return parse
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    ap = _Parser(prog="megatron-zb verify",
+                 description="Train a tiny megatron-core GPT on P x T CPU processes with a pipeline schedule and "
+                             "compare losses and gradients with the non-pipelined single-process reference.")
+    ap.add_argument("--schedule", required=True,
+                    help="a megatron-zb schedule (installed through megatron_zb.megatron.install) or one of "
+                         + ", ".join(PSEUDO_SCHEDULES))
+    ap.add_argument("--pipeline-parallel-size", "-p", type=_pos_int("--pipeline-parallel-size"), required=True)
+    ap.add_argument("--tensor-parallel-size", "-t", type=_pos_int("--tensor-parallel-size"), default=1)
+    ap.add_argument("--num-microbatches", "-m", type=_pos_int("--num-microbatches"), default=None,
+                    help="default 2 x pipeline size")
+    ap.add_argument("--iterations", "-n", type=_pos_int("--iterations"), default=3)
+    ap.add_argument("--chunks", "-v", type=_pos_int("--chunks"), default=None, help="model chunks per rank")
+    ap.add_argument("--placement", choices=("single", "looped", "v"), default=None,
+                    help="only for --schedule sequential")
+    ap.add_argument("--num-layers", type=_pos_int("--num-layers"), default=None)
+    ap.add_argument("--allow-padding-num-layers", action="store_true",
+                    help="first and last stage get one layer less when layers do not split evenly")
+    ap.add_argument("--sequence-parallel", action="store_true")
+    ap.add_argument("--no-ddp", action="store_true", help="plain autograd grads instead of megatron DDP")
+    ap.add_argument("--overlap-grad-reduce", action="store_true")
+    ap.add_argument("--gradient-accumulation-fusion", action="store_true")
+    ap.add_argument("--variable-seq-lengths", action="store_true")
+    ap.add_argument("--untied", action="store_true", help="untie embedding and output weights")
+    ap.add_argument("--forward-only", action="store_true")
+    ap.add_argument("--memory-limit", type=float, default=None, help="passed to install() (zb-auto, v-auto)")
+    ap.add_argument("--grad-rtol", type=float, default=DEFAULT_GRAD_RTOL)
+    ap.add_argument("--loss-atol", type=float, default=DEFAULT_LOSS_ATOL)
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds for the whole run (default 300)")
+    ap.add_argument("--mcore-path", default=None, help="a directory holding another megatron-core (megatron/core)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    return ap
+
+
+def _fmt(x) -> str:
+    return "n/a" if x is None else f"{x:.3e}"
+
+
+def main_verify(argv: Optional[Sequence[str]] = None) -> int:
+    """`megatron-zb verify ...`: 0 passed, 1 failed (or a rank crashed / hung), 2 bad input."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        a = _build_parser().parse_args(argv)
+        if a.placement is not None and a.schedule != "sequential":
+            raise VerifyUsageError("--placement only applies to --schedule sequential")
+        for nm in ("grad_rtol", "loss_atol", "timeout"):
+            v = getattr(a, nm)
+            if not (v > 0 and math.isfinite(v)):
+                raise VerifyUsageError(f"--{nm.replace('_', '-')} must be a positive number, got {v}")
+        if a.mcore_path is not None:
+            from .megatron.launch import LaunchError, resolve_mcore_path
+            try:
+                resolve_mcore_path(a.mcore_path)
+            except LaunchError as e:
+                raise VerifyUsageError(str(e)) from None
+        opts = dict(chunks=a.chunks, placement=a.placement, num_layers=a.num_layers,
+                    allow_padding_num_layers=a.allow_padding_num_layers, sequence_parallel=a.sequence_parallel,
+                    ddp=not a.no_ddp, overlap_grad_reduce=a.overlap_grad_reduce,
+                    gradient_accumulation_fusion=a.gradient_accumulation_fusion,
+                    variable_seq_lengths=a.variable_seq_lengths, tie_embeddings=not a.untied,
+                    forward_only=a.forward_only, memory_limit=a.memory_limit, grad_rtol=a.grad_rtol,
+                    loss_atol=a.loss_atol)
+        case = make_case(a.schedule, a.pipeline_parallel_size, a.tensor_parallel_size, a.num_microbatches,
+                         a.iterations, **opts)
+    except VerifyUsageError as e:
+        msg = str(e).splitlines()[0] if str(e) else "bad input"
+        if not msg.startswith("megatron-zb verify"):
+            msg = f"megatron-zb verify: {msg}"
+        print(msg, file=sys.stderr)
+        return 2
+    print(f"megatron-zb verify: {case.describe()} on {case.world_size} CPU process(es), "
+          f"{case.iterations} iteration(s)", flush=True)
+    res = run_verify_many([case], timeout=a.timeout, mcore_path=a.mcore_path)[0]
+    if res.get("error"):
+        print(f"ERROR ({res['error_type']}): {res['error']}")
+    else:
+        print(f"megatron-core {res.get('megatron_core')}")
+        for row in res["per_iteration"]:
+            line = (f"iteration {row['iteration']}: loss {_loss(row['loss'])} (reference {_loss(row['reference_loss'])}, "
+                    f"|diff| {_fmt(row['abs_loss_diff'])})")
+            if "max_rel_grad_diff" in row:
+                line += f", max rel grad diff {_fmt(row['max_rel_grad_diff'])}"
+            print(line)
+        for p in res["problems"]:
+            print(f"problem: {p}")
+        w = res.get("worst_param")
+        if w and not case.forward_only:
+            print(f"worst gradient: {w['param']} (rank {w['rank']}, iteration {w['iteration']}): "
+                  f"{_fmt(w['rel_diff'])}")
+        t = res["timing"]
+        print(f"timing: median iteration {t.get('median_iteration_ms')} ms "
+              f"(reference {t.get('reference_median_iteration_ms')} ms), wall {t.get('launch_wall_s')} s")
+        verdict = "PASSED" if res["passed"] else "FAILED"
+        grad_part = "" if case.forward_only else \
+            f"max rel grad diff {_fmt(res['max_rel_grad_diff'])} (tol {case.grad_rtol:g}), "
+        print(f"{verdict}: {grad_part}max abs loss diff {_fmt(res['max_abs_loss_diff'])} (tol {case.loss_atol:g})")
+    if a.json:
+        print(json.dumps(_jsonable(res), sort_keys=True))
+    return 0 if res["passed"] else 1
+
+
+def _loss(x) -> str:
+    return "n/a" if x is None else f"{x:.6f}"
+
+
+def _jsonable(obj):
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else (None if math.isnan(obj) else ("inf" if obj > 0 else "-inf"))
+    if isinstance(obj, dict):
+        return {k: _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    return obj
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main_verify())
