@@ -1,0 +1,91 @@
+"""Session-wide test conventions.
+
+* ``MZB_MCORE`` selects the megatron-core the megatron tests run against: unset (or
+  ``installed``) = the one installed in the venv (0.16.1 here); a version such as ``0.19.2`` =
+  ``<repo>/.venv/mcore-0.19.2``; or a directory holding ``megatron/core``. The chosen directory is
+  put first on ``sys.path`` in this process and on ``PYTHONPATH`` for every subprocess, and
+  ``megatron_zb.megatron.launch`` puts it first in every rank it starts.
+* Multi-process tests are marked ``dist`` (``pytest -m dist``), tests that import megatron
+  ``megatron`` (``scripts/run_tests.sh`` reruns ``-m megatron`` on megatron-core 0.19.2).
+* Fixtures: ``mcore_path`` (the directory or None), ``mcore_version`` (the version string the
+  ranks must report, or None when it is "whatever is installed"), and ``rank_pool``: a callable
+  ``rank_pool(fn, cases, world_size, timeout=...)`` -> ``results[case][rank]`` that runs
+  ``fn(case)`` on ``world_size`` real gloo processes (one launch for all cases; see
+  ``megatron_zb.megatron.launch.run_cases``).
+
+Nothing here imports torch or megatron (the schedule-core tests stay light).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _resolve_mcore():
+    want = os.environ.get("MZB_MCORE", "").strip()
+    if not want or want in ("installed", "default", "site"):
+        return None, None
+    path = want if os.path.isdir(want) else os.path.join(ROOT, ".venv", f"mcore-{want}")
+    path = os.path.abspath(path)
+    version = None if os.path.isdir(want) else want
+    return path, version
+
+
+MCORE_PATH, MCORE_VERSION = _resolve_mcore()
+_MCORE_ERROR = None
+if MCORE_PATH is not None:
+    if not os.path.isdir(os.path.join(MCORE_PATH, "megatron", "core")):
+        _MCORE_ERROR = f"MZB_MCORE={os.environ.get('MZB_MCORE')}: no megatron/core under {MCORE_PATH}"
+    else:
+        if MCORE_PATH in sys.path:
+            sys.path.remove(MCORE_PATH)
+        sys.path.insert(0, MCORE_PATH)
+        parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != MCORE_PATH]
+        os.environ["PYTHONPATH"] = os.pathsep.join([MCORE_PATH] + parts)
+        os.environ["MZB_MCORE_PATH"] = MCORE_PATH
+
+
+def pytest_configure(config):
+    if _MCORE_ERROR:
+        raise pytest.UsageError(_MCORE_ERROR)
+    for line in ("dist: launches several real torch.distributed processes",
+                 "megatron: needs torch and megatron-core (run on both megatron-core versions)"):
+        config.addinivalue_line("markers", line)
+
+
+def pytest_report_header(config):
+    return f"megatron-core for megatron tests: {MCORE_PATH or 'installed'} (MZB_MCORE)"
+
+
+@pytest.fixture(scope="session")
+def mcore_path():
+    return MCORE_PATH
+
+
+@pytest.fixture(scope="session")
+def mcore_version():
+    """The version the ranks must report (from MZB_MCORE, else the installed distribution)."""
+    if MCORE_VERSION:
+        return MCORE_VERSION
+    if MCORE_PATH:
+        return None
+    try:
+        from importlib.metadata import version
+        return version("megatron-core")
+    except Exception:  # pragma: no cover
+        return None
+
+
+@pytest.fixture(scope="session")
+def rank_pool():
+    """``rank_pool(fn, cases, world_size, timeout=300, **kw)`` -> results[case][rank]."""
+    from megatron_zb.megatron.launch import run_cases
+
+    def run(fn, cases, world_size, timeout=300.0, **kw):
+        kw.setdefault("mcore_path", MCORE_PATH)
+        return run_cases(fn, cases, world_size, timeout=timeout, **kw)
+    return run
