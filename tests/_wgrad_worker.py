@@ -30,6 +30,12 @@ from megatron_zb.megatron import cpu_shims  # noqa: E402
 cpu_shims.apply()
 
 import torch  # noqa: E402
+
+# MZB_DEVICE=cuda (one GPU, one rank, NCCL): the same checks on CUDA, where autograd runs backward
+# on a device thread. Without apex, gradient_accumulation_fusion uses the CPU shims' stand-in.
+DEV = torch.device("cuda" if os.environ.get("MZB_DEVICE") == "cuda" else "cpu")
+if DEV.type == "cuda":
+    cpu_shims._fake_gradient_accumulation_fusion()
 import torch.nn.functional as F  # noqa: E402
 
 import megatron.core  # noqa: E402
@@ -85,7 +91,7 @@ def build_mlp(tp, sp, gaf):
     cfg = ModelParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=sp,
                               gradient_accumulation_fusion=gaf, use_cpu_initialization=True,
                               params_dtype=torch.float32)
-    model = MLP(cfg)
+    model = MLP(cfg).to(DEV)
     if gaf:  # no DDP: give the weights the main_grad megatron's fused path accumulates into
         for mod in (model.fc1, model.fc2):
             mod.weight.main_grad = torch.zeros_like(mod.weight)
@@ -95,7 +101,8 @@ def build_mlp(tp, sp, gaf):
     for mb in range(M):
         # without SP the input / output grad are replicated over the TP group, with SP sharded
         g = torch.Generator().manual_seed(100 * mb + (tp_rank if sp else 0))
-        data.append((torch.randn(seq, MB, HID, generator=g), torch.randn(seq, MB, HID, generator=g)))
+        data.append((torch.randn(seq, MB, HID, generator=g).to(DEV),
+                     torch.randn(seq, MB, HID, generator=g).to(DEV)))
 
     def step(mb):  # returns (the tensor to backward, its gradient, the leaf input)
         x = data[mb][0].clone().requires_grad_()
@@ -155,15 +162,15 @@ def build_gpt(tp, sp, gaf, pre_process=True, ddp=None):
     model = GPTModel(config=cfg, transformer_layer_spec=local_spec(sp),
                      vocab_size=VOCAB, max_sequence_length=SEQ, pre_process=pre_process,
                      post_process=True, share_embeddings_and_output_weights=True)
-    inner = model
+    inner = model = model.to(DEV)
     if ddp is not None:
         ddp_cfg = DistributedDataParallelConfig(overlap_grad_reduce=ddp, bucket_size=4000,
                                                 use_distributed_optimizer=False)
         model = DistributedDataParallel(config=cfg, ddp_config=ddp_cfg, module=inner)
     dp_rank = parallel_state.get_data_parallel_rank()
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1)
-    pos = torch.arange(SEQ).unsqueeze(0).expand(MB, SEQ)
+    mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1).to(DEV)
+    pos = torch.arange(SEQ).unsqueeze(0).expand(MB, SEQ).to(DEV)
     data = []
     for mb in range(M):
         g = torch.Generator().manual_seed(1000 * mb + dp_rank)   # same over the TP group
@@ -172,7 +179,7 @@ def build_gpt(tp, sp, gaf, pre_process=True, ddp=None):
         hs = SEQ // tp if sp else SEQ
         gh = torch.Generator().manual_seed(5000 * mb + dp_rank * 10 + (tp_rank if sp else 0))
         hidden = torch.randn(hs, MB, HID, generator=gh)
-        data.append((tokens, labels, hidden))
+        data.append((tokens.to(DEV), labels.to(DEV), hidden.to(DEV)))
 
     def step(mb):
         tokens, labels, hidden = data[mb]
@@ -333,10 +340,12 @@ CASES = {
 
 def main():
     out_dir, names = sys.argv[1], sys.argv[2:]
-    torch.distributed.init_process_group("gloo")
+    if DEV.type == "cuda":
+        torch.cuda.set_device(0)
+    torch.distributed.init_process_group("nccl" if DEV.type == "cuda" else "gloo")
     rank = torch.distributed.get_rank()
     results = {"mcore_version": megatron.core.__version__, "mcore_file": megatron.core.__file__,
-               "cases": {}}
+               "device": str(DEV), "torch": torch.__version__, "cases": {}}
     for name in names:
         tp, build, ddp = CASES[name]
         t0 = time.time()

@@ -75,6 +75,8 @@ _QUEUE = "_mzb_wqueue"          # the chunk's WQueue, on every attached layer
 _PATCHED = "_mzb_wgrad_patched"  # marks our instance-level _forward_impl
 _LAST_TASK = "_mzb_last_wtask"   # last W task of the layer (merges repeated calls in one B)
 _TE_HOOK = "_mzb_te_hook"        # forward-hook handle on TE modules
+_DELIVERY = "wgrad_delivery"     # key in WQueue.scratch: the B pass's shared _Delivery
+_DELIVERY_BYTES = 256 << 20      # a W pass hands gradients to autograd at least every 256 MiB
 
 _custom_fwd = functools.partial(torch.amp.custom_fwd, device_type="cuda")
 _custom_bwd = functools.partial(torch.amp.custom_bwd, device_type="cuda")
@@ -203,7 +205,7 @@ class _DeferrableLinear(torch.autograd.Function):
             _enqueue(queue, site, ctx.main_grad, (input.detach(), None, grad_output.detach()))
         else:
             # BW: compute and deliver now, overlapping the dgrad communication as megatron does
-            _WgradTask(site, ctx.main_grad, [(input, total_input, grad_output)], -1)()
+            _WgradTask(site, ctx.main_grad, [(input, total_input, grad_output)], -1, None)()
         if handle is not None:
             handle.wait()
         return grad_input, None, grad_bias, None
@@ -216,20 +218,25 @@ def _enqueue(queue: WQueue, site: _Site, main_grad, item) -> None:
             and last.site.param is site.param):
         last.items.append(item)  # the layer ran twice in this microbatch: one delivery at W
         return
-    task = _WgradTask(site, main_grad, [item], queue.session)
+    delivery = queue.scratch.get(_DELIVERY)
+    if delivery is None:
+        delivery = queue.scratch[_DELIVERY] = _Delivery()
+    task = _WgradTask(site, main_grad, [item], queue.session, delivery)
+    delivery.expected += 1
     layer.__dict__[_LAST_TASK] = task
     queue.put(task)
 
 
 class _WgradTask:
     """One layer's weight-gradient work for one microbatch (one or more calls of the layer)."""
-    __slots__ = ("site", "main_grad", "items", "queue_session")
+    __slots__ = ("site", "main_grad", "items", "queue_session", "delivery")
 
-    def __init__(self, site, main_grad, items, queue_session):
+    def __init__(self, site, main_grad, items, queue_session, delivery):
         self.site = site
         self.main_grad = main_grad
         self.items = items  # [(input, gathered input or None, grad_output)]
         self.queue_session = queue_session
+        self.delivery = delivery  # None: deliver at once (BW); else batched with the W pass
 
     def __call__(self):
         items, self.items = self.items, None  # free the saved activations as soon as possible
@@ -238,7 +245,13 @@ class _WgradTask:
         with torch.no_grad():  # a W pass builds no graph (and may run with grad mode on)
             grad_weight = self._compute(items)
         del items
-        _deliver(self.site.param, self.main_grad, self.site.gaf, grad_weight)
+        site = self.site
+        grad_weight = _grad_to_deliver(site.param, self.main_grad, site.gaf, grad_weight)
+        if self.delivery is None:
+            if grad_weight is not None:
+                _run_backward([site.param], [grad_weight])
+        else:
+            self.delivery.add(site.param, grad_weight)
 
     def _compute(self, items):
         site = self.site
@@ -259,6 +272,32 @@ class _WgradTask:
         return grad_weight
 
 
+class _Delivery:
+    """The weight gradients of one W pass, handed to autograd in as few engine calls as possible.
+
+    Each engine call costs tens of microseconds (and on GPU a hand-over to the device thread), so
+    a W pass delivers all its layers at once: when its last task has run, or earlier once
+    ``_DELIVERY_BYTES`` of real gradients are waiting (bounds the extra memory).
+    """
+    __slots__ = ("expected", "params", "grads", "nbytes")
+
+    def __init__(self):
+        self.expected = 0
+        self.params, self.grads, self.nbytes = [], [], 0
+
+    def add(self, param, grad):
+        self.expected -= 1
+        if grad is not None:
+            self.params.append(param)
+            self.grads.append(grad)
+            self.nbytes += grad.numel() * grad.element_size()
+        if self.expected == 0 or self.nbytes >= _DELIVERY_BYTES:
+            params, grads = self.params, self.grads
+            self.params, self.grads, self.nbytes = [], [], 0
+            if params:
+                _run_backward(params, grads)
+
+
 def _fused_accumulate(param, main_grad, total_input, grad_output):
     if main_grad is None:
         raise RuntimeError(
@@ -274,20 +313,35 @@ def _fused_accumulate(param, main_grad, total_input, grad_output):
         raise RuntimeError("Unsupported gradient type for gradient accumulation fusion")
 
 
-def _deliver(param, main_grad, gaf, grad_weight):
-    """Run the parameter's AccumulateGrad node (and every hook on it) with the weight gradient."""
-    if gaf:
-        if not hasattr(param, "grad_added_to_main_grad"):
-            return  # megatron returns no weight grad here either
-        # megatron's dummy-grad convention: the real gradient is already in main_grad
-        if getattr(param, "zero_out_wgrad", False):
-            dummy = torch.zeros(main_grad.shape, dtype=param.dtype, device=param.device)
-        else:
-            dummy = torch.empty(main_grad.shape, dtype=param.dtype, device=param.device)
-        param.grad_added_to_main_grad = True
-        torch.autograd.backward(param, dummy)
+def _grad_to_deliver(param, main_grad, gaf, grad_weight):
+    """What megatron's backward would return to autograd as the weight gradient."""
+    if not gaf:
+        return grad_weight
+    if not hasattr(param, "grad_added_to_main_grad"):
+        return None  # megatron returns no weight grad here either
+    # megatron's dummy-grad convention: the real gradient is already in main_grad; DDP's hook sees
+    # grad_added_to_main_grad and only marks the parameter ready
+    if getattr(param, "zero_out_wgrad", False):
+        dummy = torch.zeros(main_grad.shape, dtype=param.dtype, device=param.device)
     else:
-        torch.autograd.backward(param, grad_weight)
+        dummy = torch.empty(main_grad.shape, dtype=param.dtype, device=param.device)
+    param.grad_added_to_main_grad = True
+    return dummy
+
+
+def _run_backward(params, grads):
+    """Run the parameters' AccumulateGrad nodes (and every hook on them) with these gradients.
+
+    Each root is a fresh view of its parameter, not the leaf itself: the gradient then reaches
+    AccumulateGrad as a new tensor that it can adopt as ``param.grad`` without a copy (a leaf root
+    always gets cloned). Inside a BW backward grad mode is off, hence enable_grad. The engine is
+    called directly, as megatron's own ``custom_backward`` does.
+    """
+    with torch.enable_grad():
+        roots = tuple(p.view_as(p) for p in params)
+    torch.autograd.Variable._execution_engine.run_backward(
+        tensors=roots, grad_tensors=tuple(grads), keep_graph=False, create_graph=False,
+        inputs=tuple(), allow_unreachable=True, accumulate_grad=True)
 
 
 # ----------------------------------------------------------------------------- Transformer Engine

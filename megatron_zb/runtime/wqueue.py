@@ -55,6 +55,9 @@ class WQueue:
         self._pending: Dict[int, _Entry] = {}  # insertion order == B order
         self._current: Optional[int] = None
         self._session = 0
+        #: per-B-pass scratch space for the layer adapters (emptied when a ``defer`` starts);
+        #: e.g. megatron_zb.megatron.wgrad keeps there what the B pass's closures share at W.
+        self.scratch: Dict[str, object] = {}
         self.closures_put = 0
         self.closures_run = 0
 
@@ -79,10 +82,12 @@ class WQueue:
         self._pending[mb] = _Entry()
         self._current = mb
         self._session += 1
+        self.scratch = {}
         try:
             yield self
         finally:
             self._current = None
+            self.scratch = {}
 
     @property
     def deferring(self) -> bool:
