@@ -1,0 +1,173 @@
+"""Execute one rank's lowered schedule.
+
+The executor knows nothing about Megatron: the caller supplies what a pass *does* as callables
+(``StagePasses``) and this module walks the rank's action list. The path of one microbatch
+through a stage:
+
+  RECV_F  post a receive for the stage's input (or take it from the previous stage on this rank)
+  F       wait for the input, run forward, keep (input, output) for the backward
+  SEND_F  send the output to the rank of the next stage (or hand it over locally)
+  RECV_B  post a receive for the output gradient (the last stage has none: it holds the loss)
+  B / BW  wait for it, run backward (B: input gradient only, weight gradients deferred)
+  SEND_B  send the input gradient to the previous stage's rank (or hand it over locally)
+  W       run the deferred weight gradients of this stage and microbatch
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..core.ir import B, BW, F, RECV_B, RECV_F, SEND_B, SEND_F, W, Action, Placement
+from .p2p import P2P
+
+
+@dataclass
+class StagePasses:
+    """What each pass does on this rank. ``stage`` is the global stage index."""
+
+    forward: Callable[[int, int, Optional[torch.Tensor]], torch.Tensor]
+    # backward(stage, mb, input, output, output_grad, split) -> input grad (None on stage 0)
+    backward: Callable[[int, int, Optional[torch.Tensor], torch.Tensor, Optional[torch.Tensor], bool],
+                       Optional[torch.Tensor]]
+    weight: Callable[[int, int], None]
+    recv_shape: Callable[[int, int], Sequence[int]]  # (stage, mb) -> activation shape
+    dtype: torch.dtype = torch.float32
+    device: object = "cpu"
+    # called right before the first / after the last pass that touches a stage's gradients
+    before_last_backward: Optional[Callable[[int], None]] = None
+    after_last_backward: Optional[Callable[[int], None]] = None
+    # timing hook: called with (kind, stage, mb, seconds) after each compute pass
+    on_pass: Optional[Callable[[str, int, int, float], None]] = None
+    # release an activation that has been sent (Megatron's deallocate_pipeline_outputs)
+    release_output: Optional[Callable[[torch.Tensor], None]] = None
+
+
+Key = Tuple[int, int]  # (stage, microbatch)
+
+
+@dataclass
+class _State:
+    local_inputs: Dict[Key, torch.Tensor] = field(default_factory=dict)  # handed over on this rank
+    local_grads: Dict[Key, torch.Tensor] = field(default_factory=dict)
+    pending_inputs: Dict[Key, object] = field(default_factory=dict)  # posted receives
+    pending_grads: Dict[Key, object] = field(default_factory=dict)
+    saved: Dict[Key, Tuple[Optional[torch.Tensor], torch.Tensor]] = field(default_factory=dict)
+    to_send_f: Dict[Key, torch.Tensor] = field(default_factory=dict)
+    to_send_b: Dict[Key, torch.Tensor] = field(default_factory=dict)
+
+
+class ExecutionError(RuntimeError):
+    pass
+
+
+def execute(actions: List[Action], rank: int, placement: Placement, passes: StagePasses,
+            p2p: Optional[P2P], forward_only: bool = False) -> None:
+    """Run ``actions`` (this rank's lowered list) to the end."""
+    nst = placement.num_stages
+    st = _State()
+    first_bwd, last_bwd = _backward_bounds(actions)
+    for i, a in enumerate(actions):
+        try:
+            _step(a, i, rank, placement, nst, passes, p2p, st, forward_only, first_bwd, last_bwd)
+        except ExecutionError:
+            raise
+        except Exception as e:
+            if type(e).__name__ == "PipelineTimeout":
+                raise
+            raise ExecutionError(f"rank {rank}: {a} (position {i}) failed: {type(e).__name__}: {e}") from e
+    if p2p is not None:
+        p2p.reap_sends(block=True)
+    leftovers = list(st.pending_inputs) + list(st.pending_grads) + list(st.local_inputs) + \
+        list(st.local_grads) + list(st.to_send_f) + list(st.to_send_b)
+    if leftovers:
+        raise ExecutionError(f"rank {rank}: received tensors that no pass consumed: {leftovers}")
+
+
+def _backward_bounds(actions):
+    """Position of each stage's last B/BW (opens its gradient-sync window) and last B/BW/W."""
+    last_b, last = {}, {}
+    for i, a in enumerate(actions):
+        if a.kind in (B, BW):
+            last_b[a.stage] = i
+        if a.kind in (B, BW, W):
+            last[a.stage] = i
+    return last_b, last
+
+
+def _step(a: Action, i: int, rank: int, pl: Placement, nst: int, ps: StagePasses, p2p: Optional[P2P],
+          st: _State, forward_only: bool, last_b: Dict[int, int], last: Dict[int, int]) -> None:
+    key = (a.stage, a.mb)
+    k = a.kind
+    if k == RECV_F:
+        st.pending_inputs[key] = p2p.recv(ps.recv_shape(*key), ps.dtype, ps.device, a.peer,
+                                          f"the input of F{a.stage}.{a.mb}")
+    elif k == RECV_B:
+        st.pending_grads[key] = p2p.recv(ps.recv_shape(*key), ps.dtype, ps.device, a.peer,
+                                         f"the output gradient of B{a.stage}.{a.mb}")
+    elif k == F:
+        if a.stage == 0:
+            inp = None
+        elif key in st.pending_inputs:
+            inp = st.pending_inputs.pop(key).wait().requires_grad_(not forward_only)
+        elif key in st.local_inputs:
+            inp = st.local_inputs.pop(key)
+        else:
+            raise ExecutionError(f"rank {rank}: F{a.stage}.{a.mb} has no input: no RECV_F was posted "
+                                 f"and stage {a.stage - 1} did not run here")
+        t0 = time.perf_counter()
+        out = ps.forward(a.stage, a.mb, inp)
+        _timed(ps, "F", a, t0)
+        if not forward_only:
+            st.saved[key] = (inp, out)
+        if a.stage + 1 < nst and pl.rank_of(a.stage + 1) == rank:  # local hand-over (V turn)
+            st.local_inputs[(a.stage + 1, a.mb)] = out.detach().requires_grad_(not forward_only)
+        elif a.stage + 1 < nst:
+            st.to_send_f[key] = out
+    elif k == SEND_F:
+        out = st.to_send_f.pop(key)
+        p2p.send(out, a.peer)
+        if ps.release_output is not None and not forward_only:
+            ps.release_output(out)
+        p2p.reap_sends()
+    elif k in (B, BW):
+        if i == last_b.get(a.stage) and ps.before_last_backward is not None:
+            ps.before_last_backward(a.stage)
+        if a.stage == nst - 1:
+            grad = None
+        elif key in st.pending_grads:
+            grad = st.pending_grads.pop(key).wait()
+        elif key in st.local_grads:
+            grad = st.local_grads.pop(key)
+        else:
+            raise ExecutionError(f"rank {rank}: {a} has no output gradient: no RECV_B was posted "
+                                 f"and stage {a.stage + 1} did not run its backward here")
+        inp, out = st.saved.pop(key)
+        t0 = time.perf_counter()
+        in_grad = ps.backward(a.stage, a.mb, inp, out, grad, k == B)
+        _timed(ps, k, a, t0)
+        if a.stage > 0:
+            if pl.rank_of(a.stage - 1) == rank:
+                st.local_grads[(a.stage - 1, a.mb)] = in_grad
+            else:
+                st.to_send_b[key] = in_grad
+        if i == last.get(a.stage) and ps.after_last_backward is not None:
+            ps.after_last_backward(a.stage)
+    elif k == SEND_B:
+        p2p.send(st.to_send_b.pop(key), a.peer)
+        p2p.reap_sends()
+    elif k == W:
+        t0 = time.perf_counter()
+        ps.weight(a.stage, a.mb)
+        _timed(ps, "W", a, t0)
+        if i == last.get(a.stage) and ps.after_last_backward is not None:
+            ps.after_last_backward(a.stage)
+    else:
+        raise ExecutionError(f"rank {rank}: unknown action {a}")
+
+
+def _timed(ps: StagePasses, kind: str, a: Action, t0: float) -> None:
+    if ps.on_pass is not None:
+        ps.on_pass(kind, a.stage, a.mb, time.perf_counter() - t0)

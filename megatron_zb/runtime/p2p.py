@@ -1,0 +1,133 @@
+"""Point-to-point transport for the executor: torch.distributed isend/irecv, gloo or NCCL.
+
+One process group per pair of pipeline ranks that exchange messages. The lowering pass guarantees that
+both ranks of a pair post that pair's messages in the same order, so receives match sends
+first-in first-out without tags, and a pair's traffic never queues behind another pair's
+(NCCL runs each communicator on its own stream).
+"""
+from __future__ import annotations
+
+import datetime
+import time
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+
+class PipelineTimeout(RuntimeError):
+    """A rank waited too long for a message; names the rank, the pass and the peer."""
+
+
+class PairGroups:
+    """Process groups for the pairs of pipeline ranks that exchange messages.
+
+    ``pp_ranks[i]`` is the global rank of pipeline rank i in this rank's pipeline group;
+    ``pairs`` are pipeline-rank pairs (a, b). Creating them is a collective over the whole
+    world (every rank must call it, as Megatron's training loop does on its first step): the
+    ranks first gather every pipeline group's pairs, then all create the same groups in the same
+    order (torch requires that of ``new_group``).
+    """
+
+    def __init__(self, pp_ranks: Sequence[int], pairs: Iterable[Tuple[int, int]],
+                 backend: Optional[str] = None):
+        self.pp_ranks = list(pp_ranks)
+        self.groups: Dict[Tuple[int, int], dist.ProcessGroup] = {}
+        mine = sorted({tuple(sorted((self.pp_ranks[a], self.pp_ranks[b])))
+                       for a, b in pairs if a != b})
+        everyone: List = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        all_pairs = sorted({tuple(p) for lst in everyone for p in lst})
+        me = dist.get_rank()
+        back = {g: i for i, g in enumerate(self.pp_ranks)}
+        for ga, gb in all_pairs:
+            group = dist.new_group([ga, gb], backend=backend)
+            if me in (ga, gb):
+                self.groups[tuple(sorted((back[ga], back[gb])))] = group
+
+    def group(self, a: int, b: int) -> dist.ProcessGroup:
+        return self.groups[tuple(sorted((a, b)))]
+
+    def destroy(self):
+        for g in self.groups.values():
+            try:
+                dist.destroy_process_group(g)
+            except Exception:  # pragma: no cover - best effort on shutdown
+                pass
+        self.groups.clear()
+
+
+class P2P:
+    """isend/irecv between pipeline ranks of one pipeline group."""
+
+    def __init__(self, groups: PairGroups, my_pp_rank: int, timeout_s: float = 300.0,
+                 exchange_shapes: bool = False):
+        self.groups = groups
+        self.me = my_pp_rank
+        self.timeout_s = timeout_s
+        self.exchange_shapes = exchange_shapes
+        self._sends: List[Tuple[dist.Work, Optional[torch.Tensor]]] = []
+
+    def _peer_global(self, pp_rank: int) -> int:
+        return self.groups.pp_ranks[pp_rank]
+
+    def send(self, tensor: torch.Tensor, peer: int) -> None:
+        g = self.groups.group(self.me, peer)
+        dst = self._peer_global(peer)
+        tensor = tensor.detach().contiguous()
+        if self.exchange_shapes:
+            shape = torch.tensor(list(tensor.shape), dtype=torch.int64, device=tensor.device)
+            self._sends.append((dist.isend(torch.tensor([shape.numel()], dtype=torch.int64,
+                                                        device=tensor.device), dst, group=g), None))
+            self._sends.append((dist.isend(shape, dst, group=g), shape))
+        self._sends.append((dist.isend(tensor, dst, group=g), tensor))
+
+    def recv(self, shape: Sequence[int], dtype: torch.dtype, device, peer: int, what: str):
+        """Post a receive; returns a handle whose ``wait()`` gives the tensor."""
+        g = self.groups.group(self.me, peer)
+        src = self._peer_global(peer)
+        if self.exchange_shapes:
+            n = torch.empty(1, dtype=torch.int64, device=device)
+            self._wait(dist.irecv(n, src, group=g), what, peer)
+            shp = torch.empty(int(n.item()), dtype=torch.int64, device=device)
+            self._wait(dist.irecv(shp, src, group=g), what, peer)
+            shape = [int(x) for x in shp.tolist()]
+        buf = torch.empty(tuple(shape), dtype=dtype, device=device, requires_grad=False)
+        work = dist.irecv(buf, src, group=g)
+        return _Pending(self, buf, work, what, peer)
+
+    def _wait(self, work, what: str, peer: int):
+        if self.timeout_s is None:
+            work.wait()
+            return
+        t0 = time.monotonic()
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
+        except RuntimeError as e:
+            if "imed out" not in str(e) and "imeout" not in str(e):
+                raise
+            raise PipelineTimeout(
+                f"pipeline rank {self.me} (global rank {dist.get_rank()}) waited "
+                f"{time.monotonic() - t0:.0f}s for {what} from pipeline rank {peer} "
+                f"(global rank {self._peer_global(peer)}); that rank is stuck or has failed") from None
+
+    def reap_sends(self, block: bool = False) -> None:
+        """Forget completed sends (their buffers may be freed); with block, wait for all."""
+        keep = []
+        for work, t in self._sends:
+            if block:
+                work.wait()
+            elif not work.is_completed():
+                keep.append((work, t))
+        self._sends = keep
+
+
+class _Pending:
+    def __init__(self, p2p: P2P, buf: torch.Tensor, work, what: str, peer: int):
+        self.p2p, self.buf, self.work, self.what, self.peer = p2p, buf, work, what, peer
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.p2p._wait(self.work, self.what, self.peer)
+            self.work = None
+        return self.buf

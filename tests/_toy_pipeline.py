@@ -1,0 +1,117 @@
+"""A plain-torch pipeline (no megatron) to test the executor, lowering and p2p over gloo.
+
+Stage s is tanh(x @ W_s + b_s); the last stage also computes the loss mean(y^2). The backward
+split is generic: B takes the input gradient with autograd.grad(retain_graph=True), W takes the
+weight gradients from the retained graph later.
+"""
+import os
+
+import torch
+import torch.distributed as dist
+
+from megatron_zb.core.ir import Setting
+from megatron_zb.core.lower import forward_only as fwd_only_schedule
+from megatron_zb.core.lower import lower
+from megatron_zb.core.schedules import generate, get
+from megatron_zb.runtime.executor import StagePasses, execute
+from megatron_zb.runtime.p2p import P2P, PairGroups
+
+H, MBS = 8, 3
+
+
+def stage_params(s):
+    g = torch.Generator().manual_seed(1000 + s)
+    return (torch.randn(H, H, generator=g) * 0.5).requires_grad_(), (torch.randn(H, generator=g) * 0.1).requires_grad_()
+
+
+def batch(mb):
+    g = torch.Generator().manual_seed(7 + mb)
+    return torch.randn(MBS, H, generator=g)
+
+
+def stage_forward(params, s, nst, x):
+    w, b = params
+    y = torch.tanh(x @ w + b)
+    return (y ** 2).mean() if s == nst - 1 else y
+
+
+def reference(nst, m):
+    params = [stage_params(s) for s in range(nst)]
+    losses = []
+    for mb in range(m):
+        x = batch(mb)
+        for s in range(nst):
+            x = stage_forward(params[s], s, nst, x)
+        x.backward()
+        losses.append(x.item())
+    return losses, {s: [p.grad.numpy().copy() for p in params[s]] for s in range(nst)}
+
+
+def run_rank(rank, world, name, m, chunks, fwd_only):
+    spec = get(name)
+    st = Setting(world, m, chunks=chunks if spec.chunks is None else None)
+    sched = generate(name, st)
+    if fwd_only:
+        sched = fwd_only_schedule(sched)
+    low = lower(sched)
+    pl = sched.placement
+    nst = pl.num_stages
+    params = {s: stage_params(s) for s in pl.stages_of(rank)}
+    graphs = {}
+    losses = {}
+
+    def forward(s, mb, inp):
+        x = batch(mb) if s == 0 else inp
+        out = stage_forward(params[s], s, nst, x)
+        if s == nst - 1:
+            losses[mb] = out.item()
+        return out
+
+    def backward(s, mb, inp, out, grad, split):
+        if s == nst - 1:
+            grad = torch.ones_like(out)
+        if not split:
+            torch.autograd.backward(out, grad)
+            return inp.grad if inp is not None else None
+        gi = torch.autograd.grad(out, [inp], grad, retain_graph=True)[0] if inp is not None else None
+        graphs[(s, mb)] = (out, grad)
+        return gi
+
+    def weight(s, mb):
+        out, grad = graphs.pop((s, mb))
+        gw = torch.autograd.grad(out, list(params[s]), grad)
+        for p, g in zip(params[s], gw):
+            p.grad = g if p.grad is None else p.grad + g
+
+    groups = _groups(world)
+    p2p = P2P(groups, rank, timeout_s=60)
+    passes = StagePasses(forward=forward, backward=backward, weight=weight,
+                         recv_shape=lambda s, mb: (MBS, H))
+    execute(low.orders[rank], rank, pl, passes, p2p, forward_only=fwd_only)
+    assert not graphs, f"W passes left: {sorted(graphs)}"
+    return losses, {s: [None if p.grad is None else p.grad.numpy().copy() for p in params[s]] for s in params}
+
+
+_GROUPS = {}
+
+
+def _groups(world):
+    # one group per neighbouring pair for the whole process (the ring covers every placement)
+    if world not in _GROUPS:
+        _GROUPS[world] = PairGroups(list(range(world)), {(r, (r + 1) % world) for r in range(world)})
+    return _GROUPS[world]
+
+
+def _worker(rank, world, port, cases, q):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    out = []
+    for case in cases:
+        try:
+            out.append(("ok", run_rank(rank, world, *case)))
+        except Exception as e:  # report, keep the group alive for the next case
+            import traceback
+            out.append(("err", traceback.format_exc()))
+    q.put((rank, out))
+    dist.destroy_process_group()
