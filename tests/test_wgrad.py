@@ -27,6 +27,7 @@ TOL = 1e-6  # relative L2; B+W reorders the per-microbatch sums, BW must be bit-
 # the worker's case names (it imports megatron, so this process does not import it)
 CASES = [
     "mlp_tp1", "mlp_tp1_gaf", "mlp_tp2", "mlp_tp2_gaf", "mlp_tp2_sp", "mlp_tp2_sp_gaf",
+    "reuse_tp2", "reuse_tp2_gaf",
     "gpt_tp1", "gpt_tp2", "gpt_tp1_midstage", "gpt_tp2_sp_midstage",
     "gpt_dp2_ddp", "gpt_dp2_ddp_overlap", "gpt_dp2_ddp_gaf", "gpt_dp2_ddp_overlap_gaf",
     "gpt_tp2_sp_ddp_overlap_gaf", "gpt_tp2_sp_midstage_ddp_overlap",
@@ -236,8 +237,13 @@ def test_megatron_b_then_shuffled_w_equals_fused_backward(megatron_results, case
     for rank, r in enumerate(megatron_results):
         c = r["cases"][case]
         assert c["ok"], f"rank {rank} (megatron-core {r['mcore_version']}):\n{c.get('error')}"
-        assert c["layers"] >= 2 and c["closures"] >= c["layers"]
-        assert c["bw_rel"] == 0.0 and c["bw_x_rel"] == 0.0, c  # BW: bit-identical to megatron
+        assert c["layers"] >= 1
+        # one closure per deferrable layer and microbatch (a layer called twice is merged)
+        assert c["closures"] == c["layers"] * c["microbatches"], c
+        # BW is bit-identical to megatron; except a layer called twice, whose two weight grads
+        # megatron sums before accumulating and BW accumulates one by one (B+W merges them)
+        assert c["bw_rel"] <= (TOL if case.startswith("reuse") else 0.0), c
+        assert c["bw_x_rel"] == 0.0, c
         assert c["split_rel"] <= TOL and c["split_x_rel"] == 0.0, c  # B: same input grads
         assert "microbatch 0" in c["error_message"]
 

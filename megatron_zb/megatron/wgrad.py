@@ -24,16 +24,23 @@ report to that chunk's :class:`~megatron_zb.runtime.wqueue.WQueue`:
 How the weight gradient reaches the parameter (why DDP keeps working)
 --------------------------------------------------------------------
 The weight is **not** an autograd input of our Function (it gets ``weight.detach()``), so a B pass
-never touches the weight's ``AccumulateGrad`` node; had the weight been an input, autograd would
-call that node (and megatron DDP's grad-ready hook registered on it) with a ``None`` gradient at B
-time. Instead, whenever the weight gradient is produced (at W, or inline in a BW pass) we feed it
-into the parameter with ``torch.autograd.backward(weight, grad)``, which runs the weight's own
-``AccumulateGrad`` node with every hook on it, exactly as in a normal backward. With
-``gradient_accumulation_fusion`` we accumulate into ``weight.main_grad`` with the fused kernel and
-feed megatron's dummy gradient with ``weight.grad_added_to_main_grad = True`` (megatron's own
-convention), so DDP's hook skips the add but still marks the parameter ready. So megatron DDP sees
-a linear weight become ready at its W, and ``overlap_grad_reduce=True`` works: bucket reduction
-starts when the last W (in time) of the last microbatch has delivered.
+never touches the weight's ``AccumulateGrad`` node: had the weight been an input, autograd would
+run that node, and megatron DDP's grad-ready hook registered on it, with a ``None`` gradient at B
+time (``overlap_grad_reduce`` asserts on that). Instead, whenever the weight gradient exists (at
+W, or inline in a BW pass) we run the autograd engine rooted at a view of the parameter with that
+gradient, which runs the weight's own ``AccumulateGrad`` node with every hook on it, exactly as a
+normal backward would (a W pass does this once for all its layers; the gradient is adopted as
+``param.grad`` without a copy). With ``gradient_accumulation_fusion`` we accumulate into
+``weight.main_grad`` with the fused kernel and feed megatron's dummy gradient with
+``weight.grad_added_to_main_grad = True`` (megatron's own convention), so DDP's hook skips the add
+but still marks the parameter ready. Megatron DDP therefore sees a linear weight become ready at
+its W, and ``overlap_grad_reduce=True`` works.
+
+For the executor: as with megatron's schedules, everything but the end of the iteration runs under
+``ddp.no_sync()``; what must run outside it is the **last B** (norms, embeddings, biases get their
+final gradient there) and the **last W** in time of the chunk (linear weights). DDP then launches
+each bucket's reduce when its last parameter is delivered (megatron counts grad-ready calls per
+parameter against those of the first iteration, so keep the pattern the same every iteration).
 
 Sequence parallel
 -----------------
@@ -205,7 +212,7 @@ class _DeferrableLinear(torch.autograd.Function):
             _enqueue(queue, site, ctx.main_grad, (input.detach(), None, grad_output.detach()))
         else:
             # BW: compute and deliver now, overlapping the dgrad communication as megatron does
-            _WgradTask(site, ctx.main_grad, [(input, total_input, grad_output)], -1, None)()
+            _WgradTask(site, ctx.main_grad, [(input, total_input, grad_output)], None)()
         if handle is not None:
             handle.wait()
         return grad_input, None, grad_bias, None
@@ -213,15 +220,15 @@ class _DeferrableLinear(torch.autograd.Function):
 
 def _enqueue(queue: WQueue, site: _Site, main_grad, item) -> None:
     layer = site.layer
+    delivery = queue.scratch.get(_DELIVERY)  # one per (queue, B pass): scratch resets per defer
     last = layer.__dict__.get(_LAST_TASK)
-    if (last is not None and last.items is not None and last.queue_session == queue.session
-            and last.site.param is site.param):
+    if (delivery is not None and last is not None and last.delivery is delivery
+            and last.items is not None and last.site.param is site.param):
         last.items.append(item)  # the layer ran twice in this microbatch: one delivery at W
         return
-    delivery = queue.scratch.get(_DELIVERY)
     if delivery is None:
         delivery = queue.scratch[_DELIVERY] = _Delivery()
-    task = _WgradTask(site, main_grad, [item], queue.session, delivery)
+    task = _WgradTask(site, main_grad, [item], delivery)
     delivery.expected += 1
     layer.__dict__[_LAST_TASK] = task
     queue.put(task)
@@ -229,13 +236,12 @@ def _enqueue(queue: WQueue, site: _Site, main_grad, item) -> None:
 
 class _WgradTask:
     """One layer's weight-gradient work for one microbatch (one or more calls of the layer)."""
-    __slots__ = ("site", "main_grad", "items", "queue_session", "delivery")
+    __slots__ = ("site", "main_grad", "items", "delivery")
 
-    def __init__(self, site, main_grad, items, queue_session, delivery):
+    def __init__(self, site, main_grad, items, delivery):
         self.site = site
         self.main_grad = main_grad
         self.items = items  # [(input, gathered input or None, grad_output)]
-        self.queue_session = queue_session
         self.delivery = delivery  # None: deliver at once (BW); else batched with the W pass
 
     def __call__(self):

@@ -101,7 +101,7 @@ class WQueue:
 
     @property
     def session(self) -> int:
-        """Counter of ``defer`` entries; lets layers merge the closures of one B pass."""
+        """Counter of ``defer`` entries (how many B passes this chunk has deferred)."""
         return self._session
 
     def put(self, fn: Callable[[], object], *, fifo: bool = False) -> None:
