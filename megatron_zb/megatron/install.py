@@ -1,0 +1,373 @@
+"""Install a megatron-zb schedule as megatron-core's forward-backward function (no fork).
+
+    from megatron_zb.megatron.install import install
+    handle = install("zb-h1")            # before megatron's training loop asks for its schedule
+    ...                                  # megatron calls get_forward_backward_func() as usual
+    handle.uninstall()
+
+``install`` patches ``megatron.core.pipeline_parallel.get_forward_backward_func`` (and the name
+bound in ``megatron.core.pipeline_parallel.schedules`` and ``megatron.training.training``, which
+imports it by name). With pipeline size 1 Megatron's own no-pipelining function is returned.
+
+Our forward-backward keeps megatron-core's keyword signature and reuses megatron's own
+``forward_step`` / ``backward_step`` (loss scaling, token counts, aux losses); the pipeline order
+comes from the schedule core, lowered to SEND/RECV and run by ``runtime.executor``.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..core import schedules as core_schedules
+from ..core.ir import B, BW, F, Placement, Schedule, ScheduleError, Setting
+from ..core.lower import forward_only as forward_only_schedule
+from ..core.lower import lower
+from ..core.validate import validate
+from ..runtime.executor import StagePasses, execute
+from ..runtime.p2p import P2P, PairGroups
+from ..runtime.wqueue import WQueue
+from .wgrad import attach_wgrad_queue
+
+
+class ZeroBubbleConfigError(ValueError):
+    """A schedule or Megatron configuration the plugin cannot run; raised before any communication."""
+
+
+@dataclasses.dataclass
+class ScheduleOptions:
+    schedule: str
+    chunks: Optional[int] = None
+    memory_limit: Optional[float] = None  # per rank, in microbatches of one stage's activation
+    cost_f: Any = 1.0
+    cost_b: Any = 1.0
+    cost_w: Any = 1.0
+    cost_comm: float = 0.0
+    mem_w: Optional[float] = None
+    timeout_s: float = 300.0
+
+
+class ZeroBubbleForwardBackward:
+    """Megatron's forward_backward_func signature, running a schedule from the core.
+
+    State kept across iterations (none of it module-level): the generated and lowered schedules
+    (per pipeline size, microbatches, chunks, forward-only), the pairwise process groups, and one
+    W queue per model chunk.
+    """
+
+    def __init__(self, options: ScheduleOptions):
+        try:
+            spec = core_schedules.get(options.schedule)
+        except ScheduleError as e:
+            raise ZeroBubbleConfigError(str(e)) from None
+        self.options = options
+        self.spec = spec
+        self._schedules: Dict[tuple, Schedule] = {}
+        self._groups: Dict[tuple, PairGroups] = {}
+        self._queues: Dict[int, WQueue] = {}
+        self.last_schedule: Optional[Schedule] = None
+        self.pass_times: Optional[List] = None  # set to a list to record (kind, stage, mb, s)
+
+    # -- schedule ---------------------------------------------------------------------------
+    def schedule_for(self, p: int, m: int, chunks: int, forward_only: bool) -> Schedule:
+        key = (p, m, chunks, forward_only)
+        if key not in self._schedules:
+            o = self.options
+            try:
+                c = self.spec.resolve_chunks(chunks if (self.spec.chunks is None or chunks != 1) else None)
+            except ScheduleError as e:
+                raise ZeroBubbleConfigError(str(e)) from None
+            if c != chunks:
+                raise ZeroBubbleConfigError(
+                    f"schedule {o.schedule} runs {c} model chunk(s) per rank, but Megatron passed {chunks} "
+                    f"(build the model with {c} chunk(s) per pipeline rank"
+                    + (", i.e. virtual pipeline size 2 in V order)" if self.spec.chunks == 2 else ")"))
+            try:
+                setting = Setting(p, m, chunks=c, cost_f=o.cost_f, cost_b=o.cost_b, cost_w=o.cost_w,
+                                  cost_comm=o.cost_comm,
+                                  mem_w=None if o.mem_w is None else [o.mem_w],
+                                  memory_limit=o.memory_limit)
+                sched = core_schedules.generate(o.schedule, setting)
+                validate(sched, setting)
+            except ScheduleError as e:
+                raise ZeroBubbleConfigError(f"{o.schedule} with pipeline size {p}, {m} microbatches: {e}") from None
+            _check_forward_order(sched)
+            if forward_only:
+                sched = forward_only_schedule(sched)
+            self._schedules[key] = lower(sched, setting)
+        return self._schedules[key]
+
+    def queue(self, chunk_module) -> WQueue:
+        key = id(chunk_module)
+        if key not in self._queues:
+            q = WQueue(name=f"chunk {len(self._queues)}")
+            attach_wgrad_queue(chunk_module, q)
+            self._queues[key] = q
+        return self._queues[key]
+
+    def groups(self, pp_ranks: List[int], placement: Placement) -> PairGroups:
+        pairs = {(placement.rank_of(s), placement.rank_of(s + 1)) for s in range(placement.num_stages - 1)}
+        key = (tuple(pp_ranks), tuple(sorted(pairs)))
+        if key not in self._groups:
+            self._groups[key] = PairGroups(pp_ranks, pairs)
+        return self._groups[key]
+
+    # -- megatron's forward_backward_func ----------------------------------------------------
+    def __call__(self, *, forward_step_func, data_iterator, model, num_microbatches: int,
+                 seq_length: int, micro_batch_size: int, decoder_seq_length: Optional[int] = None,
+                 forward_only: bool = False, collect_non_loss_data: bool = False,
+                 first_val_step: Optional[bool] = None, adjust_tensor_shapes_fn: Optional[Callable] = None,
+                 p2p_communicator=None, pg_collection=None, force_all_reduce: Optional[bool] = False,
+                 **unsupported):
+        from megatron.core.pipeline_parallel import schedules as S
+        from megatron.core.utils import get_model_config
+
+        if unsupported:
+            raise ZeroBubbleConfigError(f"megatron-zb forward_backward got unsupported arguments "
+                                        f"{sorted(unsupported)}")
+        models = model if isinstance(model, list) else [model]
+        iters = data_iterator if isinstance(data_iterator, list) else [data_iterator] * len(models)
+        config = get_model_config(models[0])
+        pp_group, tp_group, cp_group = _groups_of(pg_collection, p2p_communicator)
+        p, me = pp_group.size(), pp_group.rank()
+        if p == 1:
+            return S.forward_backward_no_pipelining(
+                forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+                num_microbatches=num_microbatches, seq_length=seq_length, micro_batch_size=micro_batch_size,
+                decoder_seq_length=decoder_seq_length, forward_only=forward_only,
+                collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step)
+        _check_config(config, models, self.options.schedule)
+        sched = self.schedule_for(p, num_microbatches, len(models), forward_only)
+        self.last_schedule = sched
+        pl = sched.placement
+        nst = pl.num_stages
+        stages = pl.stages_of(me)
+        chunk_of = {s: i for i, s in enumerate(stages)}
+        pp_ranks = dist.get_process_group_ranks(pp_group)
+        p2p = P2P(self.groups(pp_ranks, pl), me, timeout_s=self.options.timeout_s,
+                  exchange_shapes=bool(config.variable_seq_lengths))
+        queues = [self.queue(m) for m in models] if not forward_only else []
+        cp_size = cp_group.size() if cp_group is not None else 1
+
+        seq = decoder_seq_length if decoder_seq_length is not None else seq_length
+        seq = seq // cp_size
+        if config.sequence_parallel:
+            seq = seq // tp_group.size()
+        shape = [seq, micro_batch_size, config.hidden_size]
+        if adjust_tensor_shapes_fn is not None:
+            recv_shapes, _ = adjust_tensor_shapes_fn([shape], [shape])
+            shape = list(recv_shapes[0])
+
+        forward_data_store: List = []
+        total_num_tokens = torch.zeros([], dtype=torch.int)
+        if torch.cuda.is_available():
+            total_num_tokens = total_num_tokens.cuda()
+        if config.timers is not None:
+            config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
+
+        no_sync = _per_chunk(config.no_sync_func, len(models))
+        grad_sync = _per_chunk(config.grad_sync_func, len(models))
+        param_sync = _per_chunk(config.param_sync_func, len(models))
+        sync_off: Dict[int, contextlib.ExitStack] = {}
+        if not forward_only:
+            for c, fn in enumerate(no_sync):
+                if fn is not None:
+                    stack = contextlib.ExitStack()
+                    stack.enter_context(fn())
+                    sync_off[c] = stack
+        first_f_done = set()
+        bwd_kwargs = {"model_type": _model_type(models[0])} if "model_type" in inspect.signature(S.backward_step).parameters else {}
+
+        def forward(stage, mb, inp):
+            nonlocal total_num_tokens
+            c = chunk_of[stage]
+            if c not in first_f_done:
+                first_f_done.add(c)
+                if param_sync[c] is not None and c > 0 and not forward_only:
+                    param_sync[c](models[c].parameters())
+            out, num_tokens = S.forward_step(
+                forward_step_func, iters[c], models[c], num_microbatches, inp, forward_data_store,
+                config, cp_size, collect_non_loss_data, None,
+                is_first_microbatch=S.check_first_val_step(first_val_step, forward_only, mb == 0),
+                current_microbatch=mb, vp_stage=None, is_last_stage=(stage == nst - 1))
+            total_num_tokens += num_tokens
+            return out
+
+        def backward(stage, mb, inp, out, grad, split):
+            c = chunk_of[stage]
+            ctx = queues[c].defer(mb) if split else contextlib.nullcontext()
+            with ctx:
+                return S.backward_step(inp, out, grad, config=config, **bwd_kwargs)
+
+        def weight(stage, mb):
+            queues[chunk_of[stage]].run(mb)
+
+        def before_last_backward(stage):  # open the chunk's grad-sync window (Megatron's 1F1B rule)
+            c = chunk_of[stage]
+            if grad_sync[c] is None and c in sync_off:
+                sync_off.pop(c).close()
+
+        def after_last_backward(stage):
+            c = chunk_of[stage]
+            if grad_sync[c] is not None:
+                if c in sync_off:
+                    sync_off.pop(c).close()
+                grad_sync[c](models[c].parameters())
+
+        def release(out):
+            S.deallocate_output_tensor(out, config.deallocate_pipeline_outputs)
+
+        on_pass = None
+        if self.pass_times is not None:
+            def on_pass(kind, stage, mb, secs):
+                self.pass_times.append((kind, stage, mb, secs))
+
+        passes = StagePasses(forward=forward, backward=backward, weight=weight,
+                             recv_shape=lambda s, mb: shape, dtype=config.pipeline_dtype,
+                             device=_device(), before_last_backward=before_last_backward,
+                             after_last_backward=after_last_backward, on_pass=on_pass,
+                             release_output=release)
+        try:
+            execute(sched.orders[me], me, pl, passes, p2p, forward_only=forward_only)
+        finally:
+            for stack in sync_off.values():
+                stack.close()
+        for q in queues:
+            q.assert_empty()
+
+        if config.finalize_model_grads_func is not None and not forward_only:
+            _call_finalize(config, models, total_num_tokens if config.calculate_per_token_loss else None,
+                           pg_collection, force_all_reduce)
+        if config.timers is not None:
+            config.timers("forward-backward").stop()
+        return forward_data_store
+
+
+def _device():
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _per_chunk(fn, n):
+    if fn is None:
+        return [None] * n
+    if isinstance(fn, (list, tuple)):
+        if len(fn) != n:
+            raise ZeroBubbleConfigError(f"config has {len(fn)} per-chunk sync functions for {n} model chunks")
+        return list(fn)
+    return [fn] * n
+
+
+def _model_type(model):
+    from megatron.core.utils import get_model_type
+    return get_model_type(model)
+
+
+def _groups_of(pg_collection, p2p_communicator):
+    from megatron.core import parallel_state as ps
+    if pg_collection is not None:
+        return pg_collection.pp, getattr(pg_collection, "tp", None), getattr(pg_collection, "cp", None)
+    if p2p_communicator is not None and getattr(p2p_communicator, "pp_group", None) is not None:
+        return p2p_communicator.pp_group, ps.get_tensor_model_parallel_group(), ps.get_context_parallel_group()
+    return (ps.get_pipeline_model_parallel_group(), ps.get_tensor_model_parallel_group(),
+            ps.get_context_parallel_group())
+
+
+def _call_finalize(config, models, num_tokens, pg_collection, force_all_reduce):
+    fn = config.finalize_model_grads_func
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        params = {}
+    kw = {}
+    if "pg_collection" in params and pg_collection is not None:
+        kw["pg_collection"] = pg_collection
+    if "force_all_reduce" in params:
+        kw["force_all_reduce"] = force_all_reduce
+    fn(models, num_tokens, **kw)
+
+
+def _check_forward_order(sched: Schedule) -> None:
+    """Megatron's data iterators are read in order: each stage's forwards must run mb 0, 1, ..."""
+    for r, order in enumerate(sched.orders):
+        nxt = {}
+        for i, a in enumerate(order):
+            if a.kind == F:
+                want = nxt.get(a.stage, 0)
+                if a.mb != want:
+                    raise ZeroBubbleConfigError(
+                        f"rank {r} position {i}: {a} runs before F{a.stage}.{want}; the runtime reads "
+                        "each stage's data iterator in order, so forwards must follow microbatch order")
+                nxt[a.stage] = want + 1
+
+
+def _check_config(config, models, name):
+    if getattr(config, "overlap_moe_expert_parallel_comm", False):
+        raise ZeroBubbleConfigError(f"{name}: overlap_moe_expert_parallel_comm (megatron's combined-1F1B "
+                                    "EP overlap) is not supported together with a megatron-zb schedule")
+    if getattr(config, "num_microbatches_with_partial_activation_checkpoints", None) is not None:
+        raise ZeroBubbleConfigError(f"{name}: num_microbatches_with_partial_activation_checkpoints is "
+                                    "not supported by the megatron-zb runtime")
+
+
+# -- install / uninstall ---------------------------------------------------------------------
+
+@dataclasses.dataclass
+class InstallHandle:
+    forward_backward: ZeroBubbleForwardBackward
+    _restore: List = dataclasses.field(default_factory=list)
+
+    def uninstall(self) -> None:
+        for mod, name, old in reversed(self._restore):
+            setattr(mod, name, old)
+        self._restore.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.uninstall()
+
+
+def install(schedule: str, *, chunks: Optional[int] = None, memory_limit: Optional[float] = None,
+            **options) -> InstallHandle:
+    """Make megatron's ``get_forward_backward_func()`` return a megatron-zb schedule runner.
+
+    Raises ``ZeroBubbleConfigError`` for an unknown schedule or bad options (before anything is
+    patched). ``options``: cost_f, cost_b, cost_w, cost_comm, mem_w (schedule tuning) and
+    timeout_s (how long a rank waits for a message before failing with its rank, pass and peer).
+    """
+    known = {f.name for f in dataclasses.fields(ScheduleOptions)} - {"schedule", "chunks", "memory_limit"}
+    bad = sorted(set(options) - known)
+    if bad:
+        raise ZeroBubbleConfigError(f"unknown install option(s) {bad}; known: {sorted(known)}")
+    fb = ZeroBubbleForwardBackward(ScheduleOptions(schedule, chunks, memory_limit, **options))
+    import megatron.core.pipeline_parallel as mpp
+    from megatron.core.pipeline_parallel import schedules as S
+    original = S.get_forward_backward_func
+
+    def get_forward_backward_func(*args, **kwargs):
+        pp_size = kwargs.get("pp_size", args[0] if args else None)
+        if pp_size is None:
+            from megatron.core import parallel_state as ps
+            pp_size = ps.get_pipeline_model_parallel_world_size()
+        if pp_size is not None and pp_size <= 1:
+            return original(*args, **kwargs)
+        return fb
+
+    get_forward_backward_func.__wrapped__ = original
+    handle = InstallHandle(fb)
+    targets = [mpp, S]
+    try:
+        import megatron.training.training as T  # 0.17+: megatron.training ships in the wheel
+        targets.append(T)
+    except Exception:
+        pass
+    for mod in targets:
+        if hasattr(mod, "get_forward_backward_func"):
+            handle._restore.append((mod, "get_forward_backward_func", getattr(mod, "get_forward_backward_func")))
+            setattr(mod, "get_forward_backward_func", get_forward_backward_func)
+    return handle
