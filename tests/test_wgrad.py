@@ -3,7 +3,7 @@
 The megatron checks run in real processes (2 ranks, gloo on 127.0.0.1), all cases in one launch
 because importing megatron costs seconds per process; see tests/_wgrad_worker.py. Set
 ``MZB_MCORE=0.19.2`` to run them against .venv/mcore-0.19.2 instead of the installed
-megatron-core (or ``MZB_MCORE=/path/to/site-dir``).
+megatron-core (the convention of tests/conftest.py).
 """
 from __future__ import annotations
 
@@ -173,21 +173,11 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _mcore_path():
-    want = os.environ.get("MZB_MCORE")
-    if not want:
-        return None, None
-    path = want if os.path.isdir(want) else os.path.join(ROOT, ".venv", f"mcore-{want}")
-    if not os.path.isdir(os.path.join(path, "megatron", "core")):
-        pytest.fail(f"MZB_MCORE={want}: no megatron/core under {path}")
-    return path, None if os.path.isdir(want) else want
-
-
-def launch(nproc, cases, out_dir, timeout=TIMEOUT):
+def launch(nproc, cases, out_dir, mcore_path=None, timeout=TIMEOUT):
     """Run the worker on ``nproc`` real processes (gloo); returns the per-rank result dicts."""
     env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(_free_port()), WORLD_SIZE=str(nproc))
-    path, _ = _mcore_path()
+    path = mcore_path
     if path:
         env["PYTHONPATH"] = os.pathsep.join([path, ROOT, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     procs = []
@@ -219,19 +209,23 @@ def launch(nproc, cases, out_dir, timeout=TIMEOUT):
 
 
 @pytest.fixture(scope="module")
-def megatron_results(tmp_path_factory):
-    return launch(WORLD, list(CASES), tmp_path_factory.mktemp("wgrad"))
+def megatron_results(tmp_path_factory, mcore_path):
+    # mcore_path / mcore_version: tests/conftest.py (the MZB_MCORE convention)
+    return launch(WORLD, list(CASES), tmp_path_factory.mktemp("wgrad"), mcore_path)
 
 
-def test_megatron_version_is_the_requested_one(megatron_results):
-    _, version = _mcore_path()
+@pytest.mark.megatron
+@pytest.mark.dist
+def test_megatron_version_is_the_requested_one(megatron_results, mcore_path, mcore_version):
     for r in megatron_results:
-        if version:
-            assert r["mcore_version"].startswith(version), r["mcore_file"]
-        else:
-            assert ".venv/mcore-" not in r["mcore_file"]
+        if mcore_version:
+            assert r["mcore_version"].startswith(mcore_version), r["mcore_file"]
+        if mcore_path:
+            assert r["mcore_file"].startswith(mcore_path), r["mcore_file"]
 
 
+@pytest.mark.megatron
+@pytest.mark.dist
 @pytest.mark.parametrize("case", list(CASES))
 def test_megatron_b_then_shuffled_w_equals_fused_backward(megatron_results, case):
     for rank, r in enumerate(megatron_results):
@@ -249,6 +243,7 @@ def test_megatron_b_then_shuffled_w_equals_fused_backward(megatron_results, case
 
 
 # ----------------------------------------------------------------------------- Transformer Engine
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(),
                     reason="Transformer Engine's delay_wgrad_compute needs CUDA (none here)")
 def test_transformer_engine_delayed_wgrad_runs_at_w():
