@@ -246,6 +246,13 @@ def run_verify_many(cases: Sequence[VerifyCase], *, timeout: float = 600.0, mcor
     if len(ws) != 1:
         raise VerifyUsageError(f"cases in one launch need the same P x T, got world sizes {sorted(ws)}")
     t0 = time.time()
+    if any(c.schedule not in PSEUDO_SCHEDULES for c in cases) and not _install_importable():
+        err = RuntimeError("megatron-zb schedules are run through megatron_zb.megatron.install, which is not "
+                           "available in this checkout; the pseudo-schedules " + ", ".join(PSEUDO_SCHEDULES) +
+                           " work without it")
+        if raise_errors:
+            raise err
+        return [_error_result(c, err, 0.0) for c in cases]
     try:
         per_case = L.run_cases(_rank_case, cases, ws.pop(), timeout=timeout, mcore_path=mcore_path)
     except L.LaunchError as e:
@@ -260,6 +267,14 @@ def run_verify_many(cases: Sequence[VerifyCase], *, timeout: float = 600.0, mcor
         r["timing"]["launch_wall_s"] = round(wall, 3)
         out.append(r)
     return out
+
+
+def _install_importable() -> bool:
+    import importlib.util
+    try:
+        return importlib.util.find_spec("megatron_zb.megatron.install") is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def _error_result(case: VerifyCase, err: Exception, wall: float) -> dict:

@@ -160,3 +160,44 @@ def placement_report(case):
     }
     parallel_state.destroy_model_parallel()
     return out
+
+
+# -- the install() path of the verifier, with a stand-in install module ---------------------------
+
+_STUB_CALLS = []
+
+
+def _stub_install(schedule, *, chunks=None, memory_limit=None, **options):
+    """Stands in for megatron_zb.megatron.install.install: patches megatron's
+    get_forward_backward_func to return the harness's sequential executor on the schedule's
+    placement (from the schedule core)."""
+    import megatron.core.pipeline_parallel as mpp
+    from megatron.core import parallel_state
+    from megatron_zb import verify
+    from megatron_zb.megatron import model as M
+
+    p = parallel_state.get_pipeline_model_parallel_world_size()
+    style, c = verify._schedule_placement(schedule, p, 2 * p, chunks)
+    placement = M.make_placement(style, p, c)
+    orig = mpp.get_forward_backward_func
+    mpp.get_forward_backward_func = lambda *a, **k: verify.SequentialForwardBackward(placement)
+    _STUB_CALLS.append([schedule, chunks, memory_limit, sorted(options)])
+
+    class Handle:
+        def uninstall(self):
+            mpp.get_forward_backward_func = orig
+            _STUB_CALLS.append("uninstall")
+    return Handle()
+
+
+def rank_case_with_stub_install(case):
+    import sys
+    import types
+    mod = types.ModuleType("megatron_zb.megatron.install")
+    mod.install = _stub_install
+    sys.modules["megatron_zb.megatron.install"] = mod
+    from megatron_zb import verify
+    del _STUB_CALLS[:]
+    r = verify._rank_case(case)
+    r["stub_calls"] = list(_STUB_CALLS)
+    return r

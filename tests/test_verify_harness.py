@@ -196,6 +196,9 @@ PP4 = {
     "1f1b": dict(schedule="megatron-1f1b"),
     "interleaved-batched-p2p": dict(schedule="megatron-interleaved"),  # PP=4: the default is fine
     "seq-v": dict(schedule="sequential", placement="v"),
+    # the install() path: a stand-in install() returns the sequential executor through megatron's
+    # get_forward_backward_func(); the placement (V) comes from the schedule core's 'gpipe-v'
+    "installed-gpipe-v": dict(schedule="gpipe-v", schedule_options={"flag": 1}),
 }
 
 TP2PP2 = {
@@ -208,14 +211,29 @@ TP2PP2 = {
 
 @pytest.mark.dist
 @pytest.mark.megatron
-@pytest.mark.parametrize("p, t, table", [(4, 1, PP4), (2, 2, TP2PP2)], ids=["pp4", "tp2pp2"])
-def test_larger_worlds_match_reference(p, t, table, mcore_path):
-    res = V.run_verify_many(_cases(table, p, t), timeout=300, mcore_path=mcore_path, raise_errors=True)
+def test_pp4_and_the_install_path(rank_pool):
+    cases = _cases(PP4, 4)
+    per_case = rank_pool(H.rank_case_with_stub_install, cases, 4, timeout=300)
+    res = [V.compare(c, ranks) for c, ranks in zip(cases, per_case)]
     bad = [r for r in res if not r["passed"]]
     assert not bad, [(r["case"], r["max_rel_grad_diff"], r["max_abs_loss_diff"], r["problems"]) for r in bad]
-    for r, kw in zip(res, table.values()):
+    for r, kw in zip(res, PP4.values()):
+        _check_result(r)
+    installed = per_case[-1]
+    assert installed[0]["stub_calls"] == [["gpipe-v", 2, None, ["flag"]], "uninstall"]
+    assert [r["stages"] for r in installed] == [[0, 7], [1, 6], [2, 5], [3, 4]]  # V placement
+    assert all(r["stub_calls"] == [] for r in per_case[0])  # pseudo-schedules never call install
+
+
+@pytest.mark.dist
+@pytest.mark.megatron
+def test_tp2_pp2_matches_reference(mcore_path):
+    res = V.run_verify_many(_cases(TP2PP2, 2, 2), timeout=300, mcore_path=mcore_path, raise_errors=True)
+    bad = [r for r in res if not r["passed"]]
+    assert not bad, [(r["case"], r["max_rel_grad_diff"], r["max_abs_loss_diff"], r["problems"]) for r in bad]
+    for r, kw in zip(res, TP2PP2.values()):
         _check_result(r, kw.get("iterations", 3))
-        assert r["pipeline_parallel_size"] == p and r["tensor_parallel_size"] == t
+        assert r["pipeline_parallel_size"] == 2 and r["tensor_parallel_size"] == 2
 
 
 # -- the CLI end to end ------------------------------------------------------------------------
