@@ -207,14 +207,18 @@ class _DeferrableLinear(torch.autograd.Function):
         if ctx.use_bias:
             grad_bias = grad_output.contiguous().view(-1, grad_output.shape[-1]).sum(dim=0)
 
+        grad_weight = None
         if defer:
             # detached: the closure keeps the tensors, not the autograd graph behind them
             _enqueue(queue, site, ctx.main_grad, (input.detach(), None, grad_output.detach()))
-        else:
-            # BW: compute and deliver now, overlapping the dgrad communication as megatron does
-            _WgradTask(site, ctx.main_grad, [(input, total_input, grad_output)], None)()
+        else:  # BW: the wgrad GEMM overlaps the dgrad communication, as in megatron
+            task = _WgradTask(site, ctx.main_grad, [(input, total_input, grad_output)], None)
+            grad_weight = task.compute()
         if handle is not None:
             handle.wait()
+        if grad_weight is not None:
+            # where megatron would return it to autograd: after the dgrad communication
+            _run_backward([site.param], [grad_weight])
         return grad_input, None, grad_bias, None
 
 
@@ -242,9 +246,15 @@ class _WgradTask:
         self.site = site
         self.main_grad = main_grad
         self.items = items  # [(input, gathered input or None, grad_output)]
-        self.delivery = delivery  # None: deliver at once (BW); else batched with the W pass
+        self.delivery = delivery  # shared by the tasks of one B pass (None in a BW pass)
 
     def __call__(self):
+        """The W pass of this layer: compute, then hand over to the pass's shared delivery."""
+        self.delivery.add(self.site.param, self.compute())
+
+    def compute(self):
+        """Compute (and with fusion accumulate) the weight gradient; returns what autograd must
+        receive for the parameter (the gradient, megatron's dummy, or None)."""
         items, self.items = self.items, None  # free the saved activations as soon as possible
         if items is None:
             raise WQueueError("weight-gradient task ran twice")
@@ -252,12 +262,7 @@ class _WgradTask:
             grad_weight = self._compute(items)
         del items
         site = self.site
-        grad_weight = _grad_to_deliver(site.param, self.main_grad, site.gaf, grad_weight)
-        if self.delivery is None:
-            if grad_weight is not None:
-                _run_backward([site.param], [grad_weight])
-        else:
-            self.delivery.add(site.param, grad_weight)
+        return _grad_to_deliver(site.param, self.main_grad, site.gaf, grad_weight)
 
     def _compute(self, items):
         site = self.site
