@@ -1,0 +1,51 @@
+"""install()/uninstall() and the errors raised before any communication starts."""
+import pytest
+
+pytestmark = pytest.mark.megatron
+
+
+@pytest.fixture()
+def megatron():
+    from megatron_zb.megatron import cpu_shims
+    cpu_shims.apply()
+    import megatron.core.pipeline_parallel as mpp
+    return mpp
+
+
+def test_install_patches_and_uninstall_restores(megatron):
+    from megatron.core.pipeline_parallel import schedules as S
+    from megatron_zb.megatron.install import ZeroBubbleForwardBackward, install
+    before = (megatron.get_forward_backward_func, S.get_forward_backward_func)
+    h = install("zb-h1")
+    try:
+        assert isinstance(megatron.get_forward_backward_func(pp_size=4, vp_size=None), ZeroBubbleForwardBackward)
+        assert S.get_forward_backward_func(pp_size=4, vp_size=None) is h.forward_backward
+        assert megatron.get_forward_backward_func(pp_size=1, vp_size=None) is S.forward_backward_no_pipelining
+        try:
+            import megatron.training.training as T
+            assert T.get_forward_backward_func is megatron.get_forward_backward_func
+        except ImportError:
+            pass  # megatron-core 0.16.1's wheel has no megatron.training
+    finally:
+        h.uninstall()
+    assert (megatron.get_forward_backward_func, S.get_forward_backward_func) == before
+
+
+def test_bad_schedule_and_options(megatron):
+    from megatron_zb.megatron.install import ZeroBubbleConfigError, install
+    with pytest.raises(ZeroBubbleConfigError, match="unknown schedule 'nope'; known schedules: gpipe"):
+        install("nope")
+    with pytest.raises(ZeroBubbleConfigError, match="unknown install option"):
+        install("zb-h1", frobnicate=1)
+
+
+def test_chunk_mismatch_and_memory_limit_fail_before_communication(megatron):
+    from megatron_zb.megatron.install import ZeroBubbleConfigError, install
+    fb = install("gpipe-v").forward_backward
+    with pytest.raises(ZeroBubbleConfigError, match="runs 2 model chunk"):
+        fb.schedule_for(p=2, m=4, chunks=1, forward_only=False)
+    fb = install("zb-h2", memory_limit=3).forward_backward
+    with pytest.raises(ZeroBubbleConfigError, match="over the limit 3"):
+        fb.schedule_for(p=4, m=8, chunks=1, forward_only=False)
+    fb = install("interleaved-1f1b").forward_backward
+    assert fb.schedule_for(p=2, m=4, chunks=2, forward_only=False).placement.style == "looped"

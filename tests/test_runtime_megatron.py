@@ -1,0 +1,58 @@
+"""The runtime on real megatron-core: every schedule, through ``install()`` and megatron's own
+``get_forward_backward_func()``, gives the losses and gradients of the non-pipelined single-process
+reference with identical weights and data (real gloo processes, several iterations with an SGD
+step between them). Cases of one world size share one launch."""
+from __future__ import annotations
+
+import pytest
+
+from megatron_zb import verify as V
+from megatron_zb.core.schedules import get, names
+
+pytestmark = [pytest.mark.megatron, pytest.mark.dist]
+
+
+def _check(results):
+    bad = [f"{r['case']}: {r.get('error') or r.get('problems')} rel={r.get('max_rel_grad_diff')} "
+           f"loss={r.get('max_abs_loss_diff')}" for r in results if not r["passed"]]
+    assert not bad, "\n".join(bad)
+
+
+def test_pp2_every_schedule_and_megatron_options(mcore_path):
+    cases = [V.make_case(n, 2, num_microbatches=4, iterations=2) for n in names()]
+    cases += [
+        V.make_case("zb-h1", 2, num_microbatches=1, iterations=2, label="m<p"),
+        V.make_case("zb-h2", 2, num_microbatches=3, iterations=2, label="odd m"),
+        V.make_case("zb-h1", 2, num_microbatches=4, iterations=3, overlap_grad_reduce=True, label="ddp overlap"),
+        V.make_case("zb-h2", 2, num_microbatches=4, iterations=2, overlap_grad_reduce=True,
+                    gradient_accumulation_fusion=True, label="ddp overlap + gaf"),
+        V.make_case("zb-h1", 2, num_microbatches=4, iterations=2, gradient_accumulation_fusion=True, label="gaf"),
+        V.make_case("zb-h1", 2, num_microbatches=4, iterations=2, ddp=False, label="no ddp"),
+        V.make_case("gpipe-v", 2, num_microbatches=4, iterations=2, overlap_grad_reduce=True, label="V + overlap"),
+        V.make_case("zb-h2", 2, num_microbatches=4, iterations=2, variable_seq_lengths=True, label="varseq"),
+        V.make_case("zb-h1", 2, num_microbatches=4, iterations=2, forward_only=True, label="forward only"),
+        V.make_case("gpipe-v", 2, num_microbatches=3, iterations=2, forward_only=True, label="V forward only"),
+        V.make_case("interleaved-1f1b", 2, num_microbatches=4, iterations=2, overlap_grad_reduce=True,
+                    label="interleaved + overlap"),
+        V.make_case("zb-h1", 2, num_microbatches=4, iterations=2,
+                    config_overrides={"deallocate_pipeline_outputs": True}, label="dealloc outputs"),
+    ]
+    _check(V.run_verify_many(cases, timeout=900, mcore_path=mcore_path))
+
+
+def test_pp4_every_schedule(mcore_path):
+    cases = [V.make_case(n, 4, num_microbatches=8 if get(n).chunks != 2 else 4, iterations=2) for n in names()]
+    cases += [V.make_case("zb-h1", 4, num_microbatches=2, iterations=2, label="m<p"),
+              V.make_case("zb-h2", 4, num_microbatches=3, iterations=2, label="m<p"),
+              V.make_case("gpipe-v", 4, num_microbatches=5, iterations=2, allow_padding_num_layers=True,
+                          num_layers=14, label="V + padding")]
+    _check(V.run_verify_many(cases, timeout=900, mcore_path=mcore_path))
+
+
+def test_tp2_pp2_sequence_parallel(mcore_path):
+    cases = [V.make_case(n, 2, tensor_parallel_size=2, num_microbatches=4, iterations=2, sequence_parallel=True)
+             for n in ("zb-h1", "zb-h2", "gpipe-v")]
+    cases.append(V.make_case("zb-h1", 2, tensor_parallel_size=2, num_microbatches=4, iterations=2,
+                             sequence_parallel=True, overlap_grad_reduce=True, gradient_accumulation_fusion=True,
+                             label="tp+sp+overlap+gaf"))
+    _check(V.run_verify_many(cases, timeout=900, mcore_path=mcore_path))
