@@ -28,7 +28,6 @@ def test_launch_results_per_rank_and_cases():
     assert [[r["rank"] for r in case] for case in res] == [[0, 1, 2], [0, 1, 2]]
     assert [case[0]["sum"] for case in res] == [3.0, 33.0]
     assert all(r["world"] == 3 and r["threads"] == 1 for case in res for r in case)
-    import torch
     assert str(res[0][2]["tensor"].dtype) == "torch.bfloat16" and res[0][2]["tensor"].tolist() == [0.0, 2.0, 4.0]
     assert time.time() - t < 60
     assert L.launch(H.sleep_then_return, 2, 0.01, cpu_shims=False) == [0.01, 0.01]
@@ -267,11 +266,15 @@ def _install_available():
 @pytest.mark.dist
 @pytest.mark.megatron
 @pytest.mark.skipif(not _install_available(), reason="megatron_zb.megatron.install not available yet")
-def test_installed_schedules_pp2(mcore_path):
+def test_installed_schedules_pp2(mcore_path, mcore_version):
     from megatron_zb.core import schedules
-    names = [n for n in ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2") if n in schedules.names()]
+    names = schedules.names()  # every registered schedule, through install() and megatron's API
     cases = [V.make_case(n, 2, num_microbatches=4, iterations=2, label=n) for n in names]
     res = V.run_verify_many(cases, timeout=300, mcore_path=mcore_path)
     bad = [(r["case"], r.get("error", "")[:2000], r["max_rel_grad_diff"], r["max_abs_loss_diff"]) for r in res
            if not r["passed"]]
     assert not bad, bad
+    for r in res:
+        _check_result(r, 2)
+        if mcore_version:
+            assert r["megatron_core"].startswith(mcore_version)

@@ -40,9 +40,9 @@ import hashlib
 import re
 import sys
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -193,10 +193,6 @@ def megatron_version() -> str:
         return "unknown"
 
 
-def _chunks_per_rank(placement: Placement) -> int:
-    return placement.chunks
-
-
 def init_parallel_state(tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
                         placement: Optional[Placement] = None, seed: int = 1234) -> None:
     """(Re)initialise megatron's ``parallel_state`` for TP x PP over the current world.
@@ -214,7 +210,7 @@ def init_parallel_state(tensor_parallel_size: int = 1, pipeline_parallel_size: i
         raise ScheduleError(f"placement has {placement.num_ranks} ranks, pipeline_parallel_size is "
                             f"{pipeline_parallel_size}")
     destroy_parallel_state()
-    v = _chunks_per_rank(placement)
+    v = placement.chunks
     kwargs = dict(tensor_model_parallel_size=tensor_parallel_size,
                   pipeline_model_parallel_size=pipeline_parallel_size,
                   virtual_pipeline_model_parallel_size=(v if v > 1 else None),
@@ -277,7 +273,6 @@ def make_transformer_config(model_cfg: TinyGPTConfig, *, tensor_parallel_size: i
 # -- layer-table hooks -------------------------------------------------------------------------
 
 _HOOK_LOCK = threading.Lock()
-_BUILDING = threading.local()  # .table_owner: the config being built + placement rank
 
 
 def _lookup_layers(config, vp_stage, pp_rank) -> Optional[Tuple[int, int]]:
