@@ -4,7 +4,7 @@ import itertools
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from megatron_zb.core.ir import BW, Setting
+from megatron_zb.core.ir import BW, ScheduleError, Setting
 from megatron_zb.core.schedules import generate, get, names
 from megatron_zb.core.simulate import simulate
 from megatron_zb.core.validate import validate
@@ -59,6 +59,7 @@ def test_every_schedule_valid_deadlock_free_within_claim(s, name):
     setting = Setting(p, m, chunks=chunks, cost_f=cf, cost_b=s["b"], cost_w=s["w"], cost_comm=s["comm"],
                       mem_w=s["mem_w"])
     sched = generate(name, setting)
+    setting = Setting(**{**setting.to_dict(), "chunks": sched.placement.chunks})
     validate(sched, setting)  # complete, placed right, no deadlock
     res = simulate(sched, setting)
     assert res.makespan >= max(res.busy) - 1e-9

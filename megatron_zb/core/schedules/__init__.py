@@ -9,6 +9,8 @@ from ..ir import Schedule, ScheduleError, Setting
 from .basic import gpipe, one_f_one_b
 from .interleaved import interleaved_1f1b
 from .vshape import gpipe_v
+from .auto import v_auto, v_half, v_min, zb_auto, zb_v
+from .torch_peers import dualpipe_v, looped_bfs
 from .zb_handcrafted import zb_h1, zb_h2
 
 
@@ -48,6 +50,20 @@ register(ScheduleSpec("zb-h1", zb_h1, "zero bubble H1: 1F1B memory, bubble (p-1)
                       split_backward=True))
 register(ScheduleSpec("zb-h2", zb_h2, "zero bubble H2: 2p-1 activations, bubble (p-1)(F+B-2W)",
                       split_backward=True))
+register(ScheduleSpec("zb-auto", zb_auto, "automatic zero bubble under --memory-limit (default p x mem-f)",
+                      split_backward=True))
+register(ScheduleSpec("zb-v", zb_v, "zero bubble on the V placement at 1F1B's peak memory",
+                      chunks=2, default_chunks=2, split_backward=True))
+register(ScheduleSpec("v-half", v_half, "V schedule at about half of 1F1B's activation memory",
+                      chunks=2, default_chunks=2, split_backward=True))
+register(ScheduleSpec("v-min", v_min, "V schedule at about a third of 1F1B's activation memory",
+                      chunks=2, default_chunks=2, split_backward=True))
+register(ScheduleSpec("v-auto", v_auto, "best V schedule under --memory-limit (default p x mem-f)",
+                      chunks=2, default_chunks=2, split_backward=True))
+register(ScheduleSpec("looped-bfs", looped_bfs, "breadth-first looped schedule (torch's LoopedBFS)",
+                      chunks=None, default_chunks=2))
+register(ScheduleSpec("dualpipe-v", dualpipe_v, "DualPipeV's order with B/W split and overlapped F&B pairs",
+                      chunks=2, default_chunks=2, split_backward=True))
 register(ScheduleSpec("gpipe-v", gpipe_v, "GPipe on the V placement (2 chunks per rank)",
                       chunks=2, default_chunks=2))
 

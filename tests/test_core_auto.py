@@ -1,0 +1,97 @@
+"""zb-auto, the V family, looped-bfs and dualpipe-v: claims from the papers that hold exactly."""
+import itertools
+
+import pytest
+
+from megatron_zb.core.ir import BW, F, B, ScheduleError, Setting
+from megatron_zb.core.schedules import generate
+from megatron_zb.core.simulate import simulate
+from megatron_zb.core.validate import validate
+
+COSTS = [(1, 1, 1), (1, 2, 1), (2, 1, 1), (1, 1, 0.5), (1.5, 2, 0.75)]
+
+
+def sim(name, p, m, **kw):
+    st = Setting(p, m, **kw)
+    s = generate(name, st)
+    st = Setting(**{**st.to_dict(), "chunks": s.placement.chunks})
+    validate(s, st)
+    return s, simulate(s, st)
+
+
+@pytest.mark.parametrize("p,costs", list(itertools.product([2, 3, 4, 5, 8], COSTS)))
+def test_zb_auto_never_worse_than_zb_h1_at_1f1b_memory(p, costs):
+    f, b, w = costs
+    for m in (p - 1 or 1, 2 * p, 3 * p + 1):
+        kw = dict(cost_f=f, cost_b=b, cost_w=w, memory_limit=p)
+        _, auto = sim("zb-auto", p, m, **kw)
+        _, h1 = sim("zb-h1", p, m, **kw)
+        assert auto.makespan <= h1.makespan + 1e-9
+        assert max(auto.peak_memory) <= p + 1e-9
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 6, 8])
+def test_zb_auto_zero_bubble_at_2p(p):
+    s, r = sim("zb-auto", p, 3 * p, memory_limit=2 * p)
+    assert r.makespan == pytest.approx(3 * p * 3)
+    assert s.meta["gap_to_lower_bound"] == pytest.approx(0.0)
+
+
+def test_zb_auto_heterogeneous_stages_and_gap():
+    s, r = sim("zb-auto", 4, 12, cost_f=[1.4, 1, 1, 1.6], cost_b=[1.4, 1, 1, 2], cost_w=[0.8, 1, 1, 0.8],
+               cost_comm=0.05, memory_limit=6)
+    assert s.meta["lower_bound"] <= r.makespan + 1e-9 and s.meta["gap_to_lower_bound"] >= 0
+    assert max(r.peak_memory) <= 6 + 1e-9
+
+
+def test_zb_auto_infeasible_limit_names_least_memory():
+    with pytest.raises(ScheduleError, match=r"no schedule fits memory limit 0.5; the least that works is about"):
+        generate("zb-auto", Setting(4, 8, memory_limit=0.5))
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 5, 8])
+def test_zb_v_zero_bubble_at_equal_costs_with_1f1b_memory(p):
+    for m in (2 * p, 3 * p):
+        s, r = sim("zb-v", p, m)
+        assert r.bubble_rate == pytest.approx(0.0, abs=1e-9)
+        assert max(r.peak_memory) <= p + 1e-9  # 1F1B's peak: p microbatches of a stage's activation
+
+
+@pytest.mark.parametrize("p", [4, 5, 6, 8])
+def test_v_half_and_v_min_memory(p):
+    _, half = sim("v-half", p, 4 * p)
+    _, vmin = sim("v-min", p, 4 * p)
+    assert max(half.peak_memory) <= p / 2 + 1 + 1e-9
+    assert max(vmin.peak_memory) <= p / 3 + 1 + 1e-9
+    _, one = sim("1f1b", p, 4 * p)
+    assert max(vmin.peak_memory) < max(half.peak_memory) < max(one.peak_memory)
+
+
+def test_v_auto_bubble_falls_with_memory():
+    p, m = 4, 12
+    spans = []
+    for lim in (2, 2.5, 3, 3.5, 4):
+        _, r = sim("v-auto", p, m, memory_limit=lim)
+        assert max(r.peak_memory) <= lim + 1e-9
+        spans.append(r.makespan)
+    assert spans == sorted(spans, reverse=True)
+    assert spans[-1] == pytest.approx(3 * m)  # zero bubble at 1F1B's memory
+
+
+def test_looped_bfs_and_dualpipe_v():
+    s, r = sim("looped-bfs", 4, 8, chunks=2)
+    assert s.placement.style == "looped" and all(a.kind in (F, BW) for o in s.orders for a in o)
+    s, r = sim("dualpipe-v", 4, 10)
+    assert s.placement.style == "v" and s.meta["overlap_pairs"]
+    for rank, i in s.meta["overlap_pairs"]:
+        a, b = s.orders[rank][i], s.orders[rank][i + 1]
+        assert a.kind == F and b.kind in (B, BW) and a.stage != b.stage
+    # fewer microbatches than 2p: the extra ones are dropped, still valid
+    sim("dualpipe-v", 4, 3)
+
+
+@pytest.mark.parametrize("name", ["zb-auto", "zb-v", "v-half", "v-min", "v-auto", "looped-bfs", "dualpipe-v"])
+@pytest.mark.parametrize("p,m", [(3, 1), (3, 2), (5, 4), (4, 3), (1, 3)])
+def test_small_m_and_odd_p(name, p, m):
+    kw = {"chunks": 2} if name == "looped-bfs" else {}
+    sim(name, p, m, **kw)
