@@ -5,6 +5,7 @@ Bad input gets one line on stderr and exit code 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -228,6 +229,44 @@ def cmd_plot(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    from .core import plan as P
+    spec = P.ModelSpec(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                       num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
+                       micro_batch_size=args.micro_batch_size, vocab_size=args.vocab_size,
+                       ffn_hidden_size=args.ffn_hidden_size, tensor_parallel_size=args.tensor_parallel_size,
+                       sequence_parallel=args.sequence_parallel, data_parallel_size=args.data_parallel_size,
+                       distributed_optimizer=args.use_distributed_optimizer,
+                       flash_attention=not args.no_flash_attention)
+    tflops = args.peak_tflops if args.peak_tflops is not None else P.GPU_PEAK_TFLOPS[args.gpu]
+    profile = P.load_profile(args.profile) if args.profile else None
+    rows = P.plan(spec, args.pipeline_parallel_size, args.num_microbatches, args.gpu_memory_gb, tflops=tflops,
+                  efficiency=args.efficiency, profile=profile, pad_ends=args.allow_padding_num_layers)
+    if args.json:
+        print(json.dumps({"model": dataclasses.asdict(spec), "pipeline_parallel_size": args.pipeline_parallel_size,
+                          "num_microbatches": args.num_microbatches, "gpu_memory_gb": args.gpu_memory_gb,
+                          "costs_from": "profile" if profile else f"FLOPs at {tflops:g} TFLOPS x {args.efficiency:g}",
+                          "rows": rows}))
+        return 0
+    gib = 1024 ** 3
+    print(f"P={args.pipeline_parallel_size} M={args.num_microbatches} layers={spec.num_layers} h={spec.hidden_size} "
+          f"s={spec.seq_length} b={spec.micro_batch_size} TP={spec.tensor_parallel_size} budget "
+          f"{args.gpu_memory_gb:g} GiB/GPU; costs from "
+          + ("the profile" if profile else f"FLOPs at {tflops:g} TFLOPS x {args.efficiency:g}"))
+    hdr = f"{'rank':>4} {'schedule':<17} {'bubble':>7} {'vs 1F1B':>8} {'max GiB':>8} {'act GiB/rank':<28} fits  flags"
+    print(hdr)
+    print("-" * len(hdr))
+    for i, r in enumerate((r for r in rows if "error" not in r), 1):
+        act = " ".join(f"{x / gib:.1f}" for x in r["activation_bytes"])
+        tp = r.get("throughput_vs_1f1b")
+        print(f"{i:>4} {r['schedule']:<17} {r['bubble_rate']:>7.3f} {(f'{tp:.3f}x' if tp else '-'):>8} "
+              f"{max(r['peak_bytes']) / gib:>8.1f} {act:<28} {'yes' if r['fits'] else 'NO ':<4}  {r['flags']}")
+    for r in rows:
+        if "error" in r:
+            print(f"   - {r['schedule']:<17} n/a: {r['error']}")
+    return 0
+
+
 def cmd_verify(argv) -> int:
     from . import verify
     return verify.main_verify(argv)
@@ -249,6 +288,31 @@ def build_parser() -> argparse.ArgumentParser:
     _add_setting_args(pl)
     pl.add_argument("--out", nargs="+", required=True, metavar="FILE")
     pl.set_defaults(func=cmd_plot)
+    pn = sub.add_parser("plan", help="rank schedules for a GPT model and a GPU memory budget")
+    pn.add_argument("--num-layers", type=_positive_int("--num-layers"), required=True)
+    pn.add_argument("--hidden-size", type=_positive_int("--hidden-size"), required=True)
+    pn.add_argument("--num-attention-heads", type=_positive_int("--num-attention-heads"), required=True)
+    pn.add_argument("--seq-length", type=_positive_int("--seq-length"), required=True)
+    pn.add_argument("--micro-batch-size", type=_positive_int("--micro-batch-size"), default=1)
+    pn.add_argument("--vocab-size", type=_positive_int("--vocab-size"), default=32000)
+    pn.add_argument("--ffn-hidden-size", type=_positive_int("--ffn-hidden-size"), default=None)
+    pn.add_argument("--tensor-parallel-size", type=_positive_int("--tensor-parallel-size"), default=1)
+    pn.add_argument("--sequence-parallel", action="store_true")
+    pn.add_argument("--data-parallel-size", type=_positive_int("--data-parallel-size"), default=1)
+    pn.add_argument("--use-distributed-optimizer", action="store_true")
+    pn.add_argument("--no-flash-attention", action="store_true",
+                    help="count the 5as attention-score activations (no flash attention)")
+    pn.add_argument("--pipeline-parallel-size", type=_positive_int("--pipeline-parallel-size"), required=True)
+    pn.add_argument("--num-microbatches", type=_positive_int("--num-microbatches"), required=True)
+    pn.add_argument("--gpu-memory-gb", type=_nonneg("--gpu-memory-gb"), default=80.0)
+    pn.add_argument("--gpu", choices=["h100", "h200", "a100", "b200", "mi300x"], default="h100")
+    pn.add_argument("--peak-tflops", type=_nonneg("--peak-tflops"), default=None, help="overrides --gpu")
+    pn.add_argument("--efficiency", type=_nonneg("--efficiency"), default=0.5, help="fraction of peak reached")
+    pn.add_argument("--profile", metavar="JSON", help="measured costs (a megatron-zb profile JSON)")
+    pn.add_argument("--allow-padding-num-layers", action="store_true",
+                    help="first and last stage take one layer less (embedding and loss cost)")
+    pn.add_argument("--json", action="store_true")
+    pn.set_defaults(func=cmd_plan)
     sub.add_parser("verify", help="train a tiny megatron GPT with a schedule vs the reference "
                    "(see `megatron-zb verify --help`)", add_help=False)
     return ap

@@ -1,0 +1,230 @@
+"""`megatron-zb plan`: rank the schedules for one GPT model and GPU memory budget.
+
+Pure Python. Costs come from a profile JSON (``megatron-zb`` writes one while training with
+profiling on) or are estimated from FLOPs with the zero-bubble paper's per-layer counts
+(b micro-batch size, s sequence, h hidden, a heads, V vocab, t tensor-parallel size):
+
+    F = b s h (24 h + 4 s) / t      B = b s h (24 h + 8 s) / t      W = 24 b s h^2 / t
+    output layer (loss stage): F = B = W = 2 b s h V / t
+
+and a GPU's dense peak times an efficiency. Activation memory is Megatron's per-layer formula:
+M_B = s b (34 h + 5 a s) / t bytes per layer (sequence parallel divides the 10 s b h of the
+LayerNorm/dropout part by t as well), of which M_W = 32 s b h / t is still held after B until W.
+The loss stage adds its fp32 logits (4 s b V / t), the embedding stage its output (2 s b h).
+Model states: 18 bytes per parameter (bf16 weight, fp32 main grad, fp32 master weight and two
+Adam moments; the distributed optimizer divides the 12 optimizer bytes by the data-parallel size).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+from .ir import ScheduleError, Setting
+from .schedules import generate, get, names
+from .simulate import simulate
+
+GPU_PEAK_TFLOPS = {"h100": 989.0, "h200": 989.0, "a100": 312.0, "b200": 2250.0, "mi300x": 1307.0}
+
+
+@dataclass
+class ModelSpec:
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    seq_length: int
+    micro_batch_size: int = 1
+    vocab_size: int = 32000
+    ffn_hidden_size: Optional[int] = None
+    tensor_parallel_size: int = 1
+    sequence_parallel: bool = False
+    data_parallel_size: int = 1
+    distributed_optimizer: bool = False
+    flash_attention: bool = True  # drops the 5 a s attention-score term
+
+    def validate(self):
+        for k in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
+                  "vocab_size", "tensor_parallel_size", "data_parallel_size"):
+            v = getattr(self, k)
+            if not isinstance(v, int) or v < 1:
+                raise ScheduleError(f"--{k.replace('_', '-')} must be an integer >= 1, got {v!r}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ScheduleError(f"--hidden-size {self.hidden_size} is not divisible by "
+                                f"--num-attention-heads {self.num_attention_heads}")
+
+    # -- per layer, per microbatch ------------------------------------------------------------
+    def layer_flops(self):
+        b, s, h, t = self.micro_batch_size, self.seq_length, self.hidden_size, self.tensor_parallel_size
+        ffn = self.ffn_hidden_size or 4 * h
+        gemm = b * s * h * (8 * h + 4 * ffn)  # 2 x (4 h^2 attention + 2 h ffn) per token
+        f = (gemm + 4 * b * s * s * h) / t
+        bb = (gemm + 8 * b * s * s * h) / t
+        w = gemm / t
+        return f, bb, w
+
+    def output_flops(self):
+        b, s, h, v, t = self.micro_batch_size, self.seq_length, self.hidden_size, self.vocab_size, self.tensor_parallel_size
+        x = 2.0 * b * s * h * v / t
+        return x, x, x
+
+    def layer_activation_bytes(self):
+        b, s, h, a, t = self.micro_batch_size, self.seq_length, self.hidden_size, self.num_attention_heads, self.tensor_parallel_size
+        attn = 0 if self.flash_attention else 5 * a * s
+        if self.sequence_parallel:
+            m_b = s * b * (34 * h + attn) / t
+        else:
+            m_b = s * b * (10 * h + (24 * h + attn) / t)
+        m_w = 32 * s * b * h / t
+        return m_b, min(m_w, m_b)
+
+    def params_per_layer(self):
+        h = self.hidden_size
+        ffn = self.ffn_hidden_size or 4 * h
+        return (4 * h * h + 2 * h * ffn) / self.tensor_parallel_size + 9 * h
+
+    def state_bytes(self, n_params):
+        opt = 12.0 / (self.data_parallel_size if self.distributed_optimizer else 1)
+        return n_params * (2 + 4 + opt)
+
+
+def layer_split(num_layers: int, num_stages: int, pad_ends: bool = False) -> List[int]:
+    """Layers per stage; with pad_ends the first and last stage take one layer less."""
+    total = num_layers + (2 if pad_ends else 0)
+    base, extra = divmod(total, num_stages)
+    counts = [base + (1 if i < extra else 0) for i in range(num_stages)]
+    if pad_ends:
+        counts[0] -= 1
+        counts[-1] -= 1
+    if min(counts) < 0:
+        raise ScheduleError(f"{num_layers} layers cannot fill {num_stages} stages")
+    return counts
+
+
+def stage_costs(spec: ModelSpec, p: int, v: int, placement_style: str, tflops: float, efficiency: float,
+                pad_ends: bool):
+    """Per-rank (cost_f, cost_b, cost_w in seconds; mem_f, mem_w in bytes; state bytes)."""
+    nst = p * v
+    counts = layer_split(spec.num_layers, nst, pad_ends)
+    if placement_style == "v":
+        rank_of = [s if s < p else 2 * p - 1 - s for s in range(nst)]
+    else:
+        rank_of = [s % p for s in range(nst)]
+    lf = spec.layer_flops()
+    of = spec.output_flops()
+    m_b, m_w = spec.layer_activation_bytes()
+    speed = tflops * 1e12 * efficiency
+    cf, cb, cw, mf, mw, params = ([0.0] * p for _ in range(6))
+    for s, n in enumerate(counts):
+        r = rank_of[s]
+        cf[r] += n * lf[0] / speed
+        cb[r] += n * lf[1] / speed
+        cw[r] += n * lf[2] / speed
+        mf[r] += n * m_b
+        mw[r] += n * m_w
+        params[r] += n * spec.params_per_layer()
+    b, sq, h, vv, t = spec.micro_batch_size, spec.seq_length, spec.hidden_size, spec.vocab_size, spec.tensor_parallel_size
+    first, last = rank_of[0], rank_of[-1]
+    cf[last] += of[0] / speed
+    cb[last] += of[1] / speed
+    cw[last] += of[2] / speed
+    mf[last] += 4.0 * sq * b * vv / t
+    mw[last] += 2.0 * sq * b * h / t
+    mf[first] += 2.0 * sq * b * h
+    params[first] += vv * h / t
+    params[last] += vv * h / t if last != first else 0.0
+    return cf, cb, cw, mf, mw, [spec.state_bytes(x) for x in params], counts
+
+
+def plan(spec: ModelSpec, pipeline_parallel_size: int, microbatches: int, gpu_memory_gb: float,
+         tflops: float = GPU_PEAK_TFLOPS["h100"], efficiency: float = 0.5, profile: Optional[dict] = None,
+         schedules: Optional[List[str]] = None, pad_ends: bool = False, interleave_chunks: int = 2) -> List[dict]:
+    spec.validate()
+    p, m = pipeline_parallel_size, microbatches
+    if p < 2:
+        raise ScheduleError("--pipeline-parallel-size must be >= 2: pipeline schedules need several stages")
+    if microbatches < 1:
+        raise ScheduleError("--num-microbatches must be >= 1")
+    budget = gpu_memory_gb * 1024 ** 3
+    rows = []
+    base = None
+    for name in schedules or names():
+        sp = get(name)
+        v = sp.resolve_chunks(interleave_chunks if sp.chunks is None else None)
+        style = "v" if sp.chunks == 2 and name not in ("interleaved-1f1b", "looped-bfs") else \
+            ("looped" if v > 1 else "single")
+        if v * p > spec.num_layers + (2 if pad_ends else 0):
+            rows.append({"schedule": name, "error": f"{spec.num_layers} layers < {v * p} model chunks"})
+            continue
+        cf, cb, cw, mf, mw, states, counts = stage_costs(spec, p, v, style, tflops, efficiency, pad_ends)
+        comm = 0.0
+        if profile is not None:
+            from_profile = _profile_costs(profile, p)
+            cf, cb, cw = from_profile["cost_f"], from_profile["cost_b"], from_profile["cost_w"]
+            comm = from_profile.get("cost_comm", 0.0)
+            if from_profile.get("mem_f"):
+                mf, mw = from_profile["mem_f"], from_profile["mem_w"]
+        unit = max(mf)  # simulate in units of the largest stage activation
+        act_budget = [max(0.0, budget - states[r]) for r in range(p)]
+        limit_units = min(act_budget) / unit if unit > 0 else None
+        try:
+            setting = Setting(p, m, chunks=v, cost_f=cf, cost_b=cb, cost_w=cw, cost_comm=comm,
+                              mem_f=[x / unit for x in mf], mem_w=[min(a, b) / unit for a, b in zip(mw, mf)],
+                              memory_limit=limit_units if name in ("zb-auto", "v-auto") else None)
+            sched = generate(name, setting)
+            res = simulate(sched, Setting(**{**setting.to_dict(), "chunks": sched.placement.chunks}))
+        except ScheduleError as e:
+            rows.append({"schedule": name, "error": str(e)})
+            continue
+        act_bytes = [x * unit for x in res.peak_memory]
+        total = [a + s for a, s in zip(act_bytes, states)]
+        row = {"schedule": name, "chunks": v, "makespan_s": res.makespan, "bubble_rate": res.bubble_rate,
+               "activation_bytes": act_bytes, "state_bytes": states, "peak_bytes": total,
+               "fits": max(total) <= budget, "layers_per_stage": counts,
+               "flags": _flags(name, p, v, limit_units, counts, pad_ends)}
+        if name == "1f1b":
+            base = row
+        rows.append(row)
+    ok = [r for r in rows if "error" not in r]
+    for r in ok:
+        r["throughput_vs_1f1b"] = round(base["makespan_s"] / r["makespan_s"], 4) if base else None
+    ok.sort(key=lambda r: (not r["fits"], r["makespan_s"]))
+    return ok + [r for r in rows if "error" in r]
+
+
+def _flags(name, p, v, limit_units, counts, pad_ends):
+    f = [f"--pipeline-model-parallel-size {p}", f"--zero-bubble-schedule {name}"]
+    if name in ("zb-auto", "v-auto") and limit_units:
+        f.append(f"--zero-bubble-memory-limit {math.floor(limit_units * 100) / 100:g}")
+    if name in ("interleaved-1f1b", "looped-bfs"):
+        f.append(f"--num-layers-per-virtual-pipeline-stage {max(1, min(counts))}")
+    if pad_ends:
+        f.append("--allow-padding-num-layers")
+    return " ".join(f)
+
+
+def _profile_costs(profile: dict, p: int) -> dict:
+    out = {}
+    for k in ("cost_f", "cost_b", "cost_w", "mem_f", "mem_w"):
+        val = profile.get(k)
+        if val is None:
+            continue
+        if isinstance(val, (int, float)):
+            val = [float(val)] * p
+        if len(val) != p:
+            raise ScheduleError(f"profile has {len(val)} values of {k} but the plan is for {p} stages")
+        out[k] = [float(x) for x in val]
+    for k in ("cost_f", "cost_b", "cost_w"):
+        if k not in out:
+            raise ScheduleError(f"profile JSON lacks {k}: expected per-stage costs as written by the profiler")
+    out["cost_comm"] = float(profile.get("cost_comm", 0.0))
+    return out
+
+
+def load_profile(path: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ScheduleError(f"cannot read profile {path!r}: {e}") from None
