@@ -127,6 +127,8 @@ def main():
 
     def split():
         attach_wgrad_queue(layer, queue)
+        sync()
+        tf = time.perf_counter()
         y = forward()
         sync()
         t0 = time.perf_counter()
@@ -137,7 +139,7 @@ def main():
         queue.run(0)
         sync()
         t2 = time.perf_counter()
-        return {"b": t1 - t0, "w": t2 - t1, "b+w": t2 - t0}
+        return {"f": t0 - tf, "b": t1 - t0, "w": t2 - t1, "b+w": t2 - t0}
 
     # correctness spot check: B + W gives megatron's gradients
     clear()
@@ -149,7 +151,7 @@ def main():
                 for n, g in grads().items())
 
     variants = [fused, attached_bw, split]
-    times = {k: [] for k in ("fused", "bw", "b", "w", "b+w")}
+    times = {k: [] for k in ("fused", "bw", "f", "b", "w", "b+w")}
     for rep in range(args.warmup + args.reps):
         order = variants[rep % 3:] + variants[:rep % 3]
         for fn in order:
@@ -169,7 +171,7 @@ def main():
           f"ffn={args.ffn or 4 * args.hidden} heads={args.heads} seq={args.seq} "
           f"batch={args.batch} gaf={args.gaf}; median of {args.reps}")
     print(f"{'variant':<28} {'median s':>10} {'min s':>10} {'vs fused':>9}")
-    rows = [("fused backward (megatron)", "fused"), ("BW (queue attached)", "bw"),
+    rows = [("forward", "f"), ("fused backward (megatron)", "fused"), ("BW (queue attached)", "bw"),
             ("B (defer)", "b"), ("W (run)", "w"), ("B + W", "b+w")]
     for label, k in rows:
         print(f"{label:<28} {med[k]:>10.4f} {min(times[k]):>10.4f} {med[k] / med['fused']:>8.3f}x")
