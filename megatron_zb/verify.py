@@ -691,15 +691,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _pos_int(name):
-    def parse(text):
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer >= 1, got {text!r}") from None
-        if v < 1:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer >= 1, got {v}")
-        return v
-    return parse
+    from .cli import _positive_int
+    return _positive_int(name)
 
 
 def _build_parser() -> argparse.ArgumentParser:

@@ -55,6 +55,22 @@ def _pick(cands: List[Schedule], setting: Setting, limit: Optional[float]) -> Op
     return best
 
 
+def _search(name: str, st: Setting, pl: Placement, limit: float, cands: List[Schedule], lo: float,
+            hi: float) -> Schedule:
+    """The best of ``cands`` and the greedy variants under ``limit``; an infeasible limit is an
+    error naming the least memory that works (searched between lo and hi)."""
+    try:
+        cands = cands + [best_of(st, pl, limit, name)]
+    except ScheduleError:
+        pass
+    best = _pick(cands, st, limit)
+    if best is None:
+        need = _least_memory(lambda x: best_of(st, pl, x, name), lo, hi)
+        raise ScheduleError(f"{name}: no schedule fits memory limit {limit:g}; the least that works is about "
+                            f"{need:g} (units of mem-f)")
+    return best
+
+
 def _least_memory(fn: Callable[[float], Schedule], lo: float, hi: float) -> float:
     for x in [lo + (hi - lo) * i / 8 for i in range(1, 9)]:
         try:
@@ -73,15 +89,7 @@ def zb_auto(setting: Setting) -> Schedule:
     pl = Placement.single(p)
     st = dataclasses.replace(setting, chunks=1)
     cands = [f(st) for f in (zb_h1, zb_h2, one_f_one_b)]
-    try:
-        cands.append(best_of(st, pl, limit, "zb-auto"))
-    except ScheduleError:
-        pass
-    best = _pick(cands, st, limit)
-    if best is None:
-        need = _least_memory(lambda x: best_of(st, pl, x, "zb-auto"), max(setting.mem_f), 2 * p * max(setting.mem_f))
-        raise ScheduleError(f"zb-auto: no schedule fits memory limit {limit:g}; the least that works is about "
-                            f"{need:g} (units of mem-f)")
+    best = _search("zb-auto", st, pl, limit, cands, max(setting.mem_f), 2 * p * max(setting.mem_f))
     return _finish(best, st, limit, "zb-auto", limit)
 
 
@@ -158,13 +166,5 @@ def v_auto(setting: Setting) -> Schedule:
     limit = setting.memory_limit if setting.memory_limit is not None else p * max(st.mem_f)
     pl = Placement.vshape(p)
     cands = [block_schedule(p, m, off(p), "v-auto") for off in (v_half_offsets, v_min_offsets)]
-    try:
-        cands.append(best_of(st, pl, limit, "v-auto"))
-    except ScheduleError:
-        pass
-    best = _pick(cands, st, limit)
-    if best is None:
-        need = _least_memory(lambda x: best_of(st, pl, x, "v-auto"), max(st.mem_f) / 2, p * max(st.mem_f))
-        raise ScheduleError(f"v-auto: no V schedule fits memory limit {limit:g}; the least that works is "
-                            f"about {need:g} (units of mem-f)")
+    best = _search("v-auto", st, pl, limit, cands, max(st.mem_f) / 2, p * max(st.mem_f))
     return _finish(best, st, limit, "v-auto", limit)
