@@ -47,7 +47,7 @@ def reference(nst, m):
     return losses, {s: [p.grad.numpy().copy() for p in params[s]] for s in range(nst)}
 
 
-def run_rank(rank, world, name, m, chunks, fwd_only):
+def run_rank(rank, world, name, m, chunks, fwd_only, drop_sends_on=None, timeout_s=60):
     spec = get(name)
     st = Setting(world, m, chunks=chunks if spec.chunks is None else None)
     sched = generate(name, st)
@@ -84,10 +84,14 @@ def run_rank(rank, world, name, m, chunks, fwd_only):
             p.grad = g if p.grad is None else p.grad + g
 
     groups = _groups(world)
-    p2p = P2P(groups, rank, timeout_s=60)
+    p2p = P2P(groups, rank, timeout_s=timeout_s)
     passes = StagePasses(forward=forward, backward=backward, weight=weight,
                          recv_shape=lambda s, mb: (MBS, H))
-    execute(low.orders[rank], rank, pl, passes, p2p, forward_only=fwd_only)
+    actions = low.orders[rank]
+    if drop_sends_on == rank:  # a broken peer: never sends anything
+        actions = [a for a in actions if not a.kind.startswith("SEND")]
+        passes.forward = lambda s, mb, inp: stage_forward(params[s], s, nst, batch(mb) if s == 0 else inp).detach()
+    execute(actions, rank, pl, passes, p2p, forward_only=fwd_only)
     assert not graphs, f"W passes left: {sorted(graphs)}"
     return losses, {s: [None if p.grad is None else p.grad.numpy().copy() for p in params[s]] for s in params}
 

@@ -72,3 +72,13 @@ def test_every_schedule_matches_reference(world):
         for s in range(nst):
             for g, rg in zip(grads[s], ref_grads[s]):
                 np.testing.assert_allclose(g, rg, rtol=1e-5, atol=1e-6, err_msg=f"{name} m={m} stage {s}")
+
+
+def test_stuck_peer_times_out_naming_rank_pass_and_peer():
+    # rank 0 never sends: rank 1 must fail after the timeout, naming itself, the pass and the peer
+    results = run_cases(2, [("zb-h1", 2, None, False, 0, 3)], timeout=60)
+    status, payload = results[1][0]
+    assert status == "err"
+    assert "PipelineTimeout" in payload
+    assert "pipeline rank 1 (global rank 1) waited" in payload
+    assert "for the input of F1.0 from pipeline rank 0" in payload
