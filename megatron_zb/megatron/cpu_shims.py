@@ -257,3 +257,172 @@ class _DropRngWarning(logging.Filter):
 def _quiet_logs():
     # On CPU the "cuda" RNG *is* the CPU generator, so megatron's fork() check always fires.
     logging.getLogger("megatron.core.tensor_parallel.random").addFilter(_DropRngWarning())
+
+
+# --------------------------------------------------------------------------------------------
+# megatron.training (0.17+ wheels): what ``pretrain()`` needs beyond megatron-core
+# --------------------------------------------------------------------------------------------
+
+_TRAINING_APPLIED = False
+
+
+def apply_training(force: bool = False) -> bool:
+    """Let ``megatron.training.pretrain()`` run on a CPU-only torch (gloo). Call after ``apply()``.
+
+    * ``initialize_megatron`` asserts CUDA unless ``allow_no_cuda``: the name ``pretrain`` calls
+      gets ``allow_no_cuda=True``.
+    * ``_initialize_distributed`` only creates megatron's model-parallel groups, and
+      ``_set_random_seed`` only seeds the model-parallel RNG tracker, when
+      ``torch.cuda.device_count() > 0``: both run as if one device were present (the CUDA calls
+      inside are the ones ``apply()`` already made no-ops; the process group uses
+      ``args.distributed_backend``, which must be ``gloo``).
+
+    Does nothing when CUDA is present (unless ``force``). Returns True if the shims are active.
+    """
+    global _TRAINING_APPLIED
+    if _TRAINING_APPLIED:
+        return True
+    if cuda_available() and not force:
+        return False
+    import functools
+    import importlib
+    init_mod = importlib.import_module("megatron.training.initialize")
+    train_mod = importlib.import_module("megatron.training.training")
+
+    orig_init = init_mod.initialize_megatron
+
+    @functools.wraps(orig_init)
+    def initialize_megatron(*args, **kwargs):
+        kwargs["allow_no_cuda"] = True
+        return orig_init(*args, **kwargs)
+    initialize_megatron._mzb_shim = True
+    for mod in (init_mod, train_mod, importlib.import_module("megatron.training")):
+        if getattr(mod, "initialize_megatron", None) is orig_init:
+            mod.initialize_megatron = initialize_megatron
+
+    def one_device(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            saved = torch.cuda.device_count
+            torch.cuda.device_count = lambda: 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                torch.cuda.device_count = saved
+        wrapper._mzb_shim = True
+        return wrapper
+    for name in ("_initialize_distributed", "_set_random_seed"):
+        fn = getattr(init_mod, name)
+        if not getattr(fn, "_mzb_shim", False):
+            setattr(init_mod, name, one_device(fn))
+    _TRAINING_APPLIED = True
+    return True
+
+
+def dataset_helpers() -> bool:
+    """Make megatron's dataset index helpers usable where the compiled module is not.
+
+    megatron-core's wheels ship ``megatron/core/datasets/helpers_cpp`` compiled for one Python
+    (cp312 for 0.17+: not importable on Python 3.11) and no Makefile, while ``initialize_megatron``
+    runs ``make`` on it (``compile_helpers``, which exits the process when make fails). Here:
+    if ``helpers_cpp`` does not import, a NumPy implementation with the same functions and results
+    (``build_sample_idx_int32/64``, ``build_blending_indices``, ``build_exhaustive_blending_indices``)
+    is registered in its place; and ``compile_helpers`` is skipped when the helpers import.
+    Works with or without CUDA. Returns True if the NumPy stand-in is in use.
+    """
+    import importlib
+    name = "megatron.core.datasets.helpers_cpp"
+    stand_in = False
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        sys.modules[name] = _numpy_dataset_helpers(name)
+        stand_in = True
+    utils = importlib.import_module("megatron.core.datasets.utils")
+    orig = utils.compile_helpers
+    if not getattr(orig, "_mzb_shim", False):
+        def compile_helpers():
+            try:
+                importlib.import_module(name)
+                return  # compiled (or stand-in) helpers are importable: nothing to build
+            except ImportError:
+                return orig()
+        compile_helpers._mzb_shim = True
+        compile_helpers.__wrapped__ = orig
+        utils.compile_helpers = compile_helpers
+    return stand_in
+
+
+def _numpy_dataset_helpers(name: str):
+    import numpy as np
+    mod = types.ModuleType(name)
+    mod.__doc__ = ("megatron-zb NumPy stand-in for megatron's compiled dataset helpers "
+                   "(the wheel's helpers_cpp does not import on this Python)")
+
+    def _sample_idx(dtype):
+        def build(sizes, document_idx, seq_length, num_epochs, tokens_per_epoch,
+                  drop_last_partial_sequence=True, add_extra_token_to_sequence=1):
+            e = int(add_extra_token_to_sequence)
+            seq = int(seq_length)
+            total = int(num_epochs) * int(tokens_per_epoch) - e
+            n = total // seq if drop_last_partial_sequence else int(np.ceil(np.float32(total) / np.float32(seq)))
+            doc_sizes = np.asarray(sizes, dtype=np.int64)[np.asarray(document_idx, dtype=np.int64)]
+            starts = np.zeros(len(doc_sizes) + 1, dtype=np.int64)
+            np.cumsum(doc_sizes, out=starts[1:])
+            end = starts[-1]
+            out = np.zeros((n + 1, 2), dtype=dtype)
+            if n:
+                # sample k starts at stream position k*seq, in the document that holds the last token
+                # of sample k-1 (position k*seq + e - 1), at offset k*seq - (that document's start)
+                pos = np.arange(1, n + 1, dtype=np.int64) * seq
+                last = pos + e - 1
+                doc = np.searchsorted(starts[:-1], last, side="right") - 1
+                off = pos - starts[doc]
+                past = last >= end  # the final partial sample (drop_last_partial_sequence=False)
+                if past.any():
+                    doc[past] = len(doc_sizes) - 1
+                    off[past] = doc_sizes[-1] - e
+                out[1:, 0] = doc
+                out[1:, 1] = off
+            return out
+        return build
+
+    def build_blending_indices(dataset_index, dataset_sample_index, weights, num_datasets, size, verbose):
+        w = np.asarray(weights, dtype=np.float64)[: int(num_datasets)]
+        current = np.zeros(int(num_datasets), dtype=np.int64)
+        for i in range(int(size)):
+            err = w * max(float(i), 1.0) - current
+            j = int(np.argmax(err))  # first maximum, as the C++ loop's strict '>'
+            dataset_index[i] = j
+            dataset_sample_index[i] = current[j]
+            current[j] += 1
+
+    def build_exhaustive_blending_indices(dataset_index, dataset_sample_index, sizes, num_datasets):
+        sz = np.asarray(sizes, dtype=np.int64)[: int(num_datasets)]
+        w = sz / float(sz.sum())
+        counts = np.zeros(int(num_datasets), dtype=np.int64)
+        unspent = sz > 0
+        i = 0
+        while unspent.any():
+            err = np.where(unspent, w * max(float(i), 1.0) - counts, -np.inf)
+            j = int(np.argmax(err))
+            dataset_index[i] = j
+            dataset_sample_index[i] = counts[j]
+            counts[j] += 1
+            if counts[j] == sz[j]:
+                unspent[j] = False
+            i += 1
+
+    def _unavailable(fn):
+        def f(*_a, **_k):
+            raise RuntimeError(f"{fn} (BERT/T5 index helpers) is not available in megatron-zb's NumPy stand-in "
+                               "for megatron's compiled dataset helpers")
+        return f
+
+    mod.build_sample_idx_int32 = _sample_idx(np.int32)
+    mod.build_sample_idx_int64 = _sample_idx(np.int64)
+    mod.build_blending_indices = build_blending_indices
+    mod.build_exhaustive_blending_indices = build_exhaustive_blending_indices
+    mod.build_mapping = _unavailable("build_mapping")
+    mod.build_blocks_mapping = _unavailable("build_blocks_mapping")
+    return mod

@@ -1,0 +1,561 @@
+"""GPT pretraining with megatron-zb schedules: Megatron-LM's ``pretrain_gpt.py``, on ``megatron.training``.
+
+    torchrun --nproc-per-node 4 -m megatron_zb.megatron.pretrain_gpt \\
+        --pipeline-model-parallel-size 4 --zero-bubble-schedule zb-v \\
+        --num-layers 16 --hidden-size 1024 --num-attention-heads 16 --seq-length 2048 \\
+        --max-position-embeddings 2048 --micro-batch-size 1 --global-batch-size 32 \\
+        --train-iters 100 --lr 3e-4 --tokenizer-type NullTokenizer --vocab-size 32000 ...
+
+Every Megatron flag works as in Megatron-LM's script, plus megatron-zb's flags and the ZB authors'
+fork's (``megatron_zb.megatron.args``). What this module adds to Megatron's flow:
+
+* the flags: Megatron's parser gets ``add_zero_bubble_args`` (chained with any other
+  ``extra_args_provider``); they are validated (``validate_zero_bubble_args``) **before** Megatron's
+  own ``validate_args``, so a bad combination fails before any process starts talking, and a V
+  schedule gets Megatron's virtual pipeline size 2;
+* ``install()``: Megatron's ``get_forward_backward_func`` returns the megatron-zb schedule;
+* V placement (zb-v, v-half, v-min, v-auto, dualpipe-v, gpipe-v): rank r builds stages r and
+  2P-1-r, so the embedding and the loss both live on pipeline rank 0. The layer numbering uses
+  ``megatron_zb.megatron.model``'s layer-table hooks, the embedding group is rank 0 alone, the
+  tied output weight is summed locally (``finalize_model_grads_for``), and the losses are handed to
+  the last pipeline rank, where Megatron's training loop reads and logs them;
+* no CUDA: the CPU shims (``cpu_shims.apply`` / ``apply_training``), the gloo backend, the local
+  transformer implementation and no fused kernels;
+* data: Megatron's mock GPT dataset unless ``--data-path`` (Megatron indexed datasets) is given.
+
+Needs ``megatron.training`` with the config-container ``pretrain()`` (megatron-core >= 0.18 wheels,
+tested with 0.19.2). With megatron-core 0.16/0.17, patch your Megatron-LM checkout's
+``pretrain_gpt.py`` (``patches/``) or call ``install()`` yourself.
+"""
+from __future__ import annotations
+
+import time
+
+_PROGRAM_START_TIME = time.time()
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+import warnings  # noqa: E402
+from functools import partial  # noqa: E402
+from typing import Callable, List, Optional, Sequence  # noqa: E402
+
+from .args import (ZeroBubbleArgumentError, add_zero_bubble_args, chain_providers,  # noqa: E402
+                   validate_zero_bubble_args)
+
+__all__ = ["main", "add_entry_args", "prepare_args", "model_provider", "forward_step",
+           "train_valid_test_datasets_provider", "MegatronTrainingMissing"]
+
+
+class MegatronTrainingMissing(RuntimeError):
+    """The installed megatron-core has no ``megatron.training`` with the 0.18+ ``pretrain()``."""
+
+
+# --------------------------------------------------------------------------------------------
+# entry-point flags (only meaningful here: they change how the model is built)
+# --------------------------------------------------------------------------------------------
+
+def add_entry_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = parser.add_argument_group("megatron-zb entry point")
+    g.add_argument("--zero-bubble-deterministic-init", action="store_true", default=False,
+                   help="Initialise every parameter from a seed derived from its name in the whole model "
+                        "(normal(0, --init-method-std) for matrices), independent of the pipeline placement: "
+                        "1F1B, ZB-H1 and a V schedule then start from identical weights (for comparing "
+                        "schedules; use dropout 0 for identical loss curves).")
+    return parser
+
+
+# --------------------------------------------------------------------------------------------
+# setup
+# --------------------------------------------------------------------------------------------
+
+def _cuda() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
+def _prepare_megatron() -> None:
+    """CPU shims (no CUDA) and the dataset-helper fallback; then check megatron.training is usable."""
+    from . import cpu_shims
+    if not _cuda():
+        cpu_shims.apply()
+    try:
+        import megatron.training.training as T  # noqa: F401
+        from megatron.training.argument_utils import pretrain_cfg_container_from_args  # noqa: F401
+    except ImportError as e:
+        try:
+            from megatron.core import package_info
+            ver = package_info.__version__
+        except Exception:  # pragma: no cover
+            ver = "unknown"
+        raise MegatronTrainingMissing(
+            f"megatron-zb's pretrain_gpt needs megatron.training with the config-container pretrain() "
+            f"(megatron-core >= 0.18; tested with 0.19.2); this megatron-core is {ver} ({e}). With an older "
+            "megatron-core use your Megatron-LM checkout's pretrain_gpt.py with patches/megatron-lm-pretrain_gpt.patch, "
+            "or call megatron_zb.megatron.install.install() yourself.") from None
+    cpu_shims.dataset_helpers()
+    if not _cuda():
+        cpu_shims.apply_training()
+
+
+def _have_transformer_engine() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+        return True
+    except Exception:
+        return False
+
+
+def _cpu_and_te_defaults(args) -> List[str]:
+    """Adjust Megatron arguments that cannot work on this machine; returns what was changed."""
+    changed = []
+    if getattr(args, "transformer_impl", None) == "transformer_engine" and not _have_transformer_engine():
+        args.transformer_impl = "local"
+        changed.append("--transformer-impl local (Transformer Engine is not installed)")
+    if not _cuda():
+        if args.distributed_backend != "gloo":
+            args.distributed_backend = "gloo"
+            changed.append("--distributed-backend gloo")
+        if not args.use_cpu_initialization:
+            args.use_cpu_initialization = True
+            changed.append("--use-cpu-initialization")
+        for dest, flag in (("masked_softmax_fusion", "--no-masked-softmax-fusion"),
+                           ("bias_gelu_fusion", "--no-bias-gelu-fusion"),
+                           ("bias_swiglu_fusion", "--no-bias-swiglu-fusion"),
+                           ("bias_dropout_fusion", "--no-bias-dropout-fusion"),
+                           ("apply_rope_fusion", "--no-rope-fusion"),
+                           ("gradient_accumulation_fusion", "--no-gradient-accumulation-fusion")):
+            if getattr(args, dest, False):
+                setattr(args, dest, False)
+                changed.append(flag)
+        if not getattr(args, "no_persist_layer_norm", True):
+            args.no_persist_layer_norm = True
+            changed.append("--no-persist-layer-norm")
+        for dest, flag in (("fp16", "--fp16"), ("bf16", "--bf16")):
+            if getattr(args, dest, False):
+                setattr(args, dest, False)
+                changed.append(f"{flag} dropped (fp32 on CPU)")
+    return changed
+
+
+def prepare_args(extra_args_provider: Optional[Callable] = None, args_defaults: Optional[dict] = None,
+                 argv: Optional[Sequence[str]] = None):
+    """Parse Megatron's + megatron-zb's flags, validate ours, then Megatron's; set Megatron's globals.
+
+    Returns ``(args, install_kwargs, notes)``; ``install_kwargs`` is None without zero-bubble flags.
+    """
+    from megatron.training.arguments import parse_args, validate_args
+    from megatron.training.global_vars import set_global_variables
+
+    defaults = {"tokenizer_type": "GPT2BPETokenizer"}
+    defaults.update(args_defaults or {})
+    provider = chain_providers(extra_args_provider, add_zero_bubble_args, add_entry_args)
+    saved = sys.argv
+    if argv is not None:
+        sys.argv = [saved[0] if saved else "pretrain_gpt"] + list(argv)
+    try:
+        args = parse_args(extra_args_provider=provider)
+    finally:
+        sys.argv = saved
+    if getattr(args, "yaml_cfg", None) is not None:
+        raise ZeroBubbleArgumentError("--yaml-cfg is not supported by megatron-zb's pretrain_gpt; give the flags")
+    if args.use_checkpoint_args or defaults.get("use_checkpoint_args", False):
+        from megatron.training.checkpointing import load_args_from_checkpoint
+        load_args_from_checkpoint(args)
+    zb = validate_zero_bubble_args(args, before_megatron_validation=True)
+    notes = _cpu_and_te_defaults(args)
+    if getattr(args, "data_path", None) is None and getattr(args, "data_args_path", None) is None \
+            and getattr(args, "per_split_data_args_path", None) is None and not getattr(args, "mock_data", False):
+        args.mock_data = True
+        notes.append("--mock-data (no --data-path given)")
+    if getattr(args, "zero_bubble_placement", None) == "v" and getattr(args, "untie_embeddings_and_output_weights",
+                                                                          False) is False:
+        pass  # tied: both copies on rank 0, summed locally (finalize_model_grads_for)
+    validate_args(args, defaults)
+    set_global_variables(args)
+    return args, zb, notes
+
+
+# --------------------------------------------------------------------------------------------
+# placement
+# --------------------------------------------------------------------------------------------
+
+def _placement(args):
+    from ..core.ir import Placement
+    p = args.pipeline_model_parallel_size
+    style = getattr(args, "zero_bubble_placement", None)
+    if style == "v":
+        return Placement.vshape(p)
+    v = args.virtual_pipeline_model_parallel_size
+    if v:
+        return Placement.looped(p, v)
+    return Placement.single(p)
+
+
+def _layer_kw(args) -> dict:
+    return {"allow_padding_num_layers": bool(getattr(args, "allow_padding_num_layers", False))}
+
+
+def get_embedding_ranks(pp_ranks, *_a, **_k):
+    """V placement: the embedding and the tied output layer both live on pipeline rank 0."""
+    return [pp_ranks[0]]
+
+
+# --------------------------------------------------------------------------------------------
+# model
+# --------------------------------------------------------------------------------------------
+
+class _ModelProvider:
+    """Megatron's ``model_provider(pre_process, post_process, vp_stage, config, pg_collection)``.
+
+    Builds each chunk with Megatron's own ``GPTModelBuilder`` (TE spec when Transformer Engine is
+    present, the local spec otherwise, MoE etc. from the flags). For a V schedule the chunk's stage,
+    pre/post-process and layers come from the V placement (``model.chunk_infos``) and megatron's layer
+    count/offset functions answer from the placement's layer table (``model``'s hooks).
+    """
+
+    def __init__(self):
+        self._built: List = []  # this rank's chunks so far (to share the tied embedding on V)
+
+    def __call__(self, pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
+        from megatron.core import parallel_state
+        from megatron.core.process_groups_config import ProcessGroupCollection
+        from megatron.training import get_args
+        from megatron.training.argument_utils import gpt_config_from_args
+        from megatron.training.models.gpt import GPTModelBuilder
+
+        from . import model as zb_model
+
+        args = get_args()
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+        model_cfg = gpt_config_from_args(args, config=config)
+        tcfg = model_cfg.transformer
+        placement = _placement(args)
+        pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+        info = zb_model.chunk_infos(placement, args.num_layers, pp_rank, **_layer_kw(args))[vp_stage or 0]
+        if placement.style == "v":
+            pre_process, post_process = info.pre_process, info.post_process
+            zb_model._install_layer_hooks()
+            tcfg._mzb_layers = {"own_rank": None, "placement_rank": pp_rank,
+                                "table": zb_model._placement_layer_table(placement, args.num_layers, **_layer_kw(args)),
+                                "placement": placement}
+            tcfg.finalize_model_grads_func = partial(zb_model.finalize_model_grads_for, placement=placement)
+            # The executor hands the V turn-around's output to the next stage on this rank without
+            # pseudo-freeing it, so megatron's custom_backward (deallocate_pipeline_outputs, which
+            # megatron.training always sets) would refuse its backward. Keep outputs until the
+            # runtime frees them on local hand-over too.
+            tcfg.deallocate_pipeline_outputs = False
+        if parallel_state.get_data_parallel_rank() == 0 and parallel_state.get_tensor_model_parallel_rank() == 0:
+            layers = f"layers {info.layers[0]}-{info.layers[-1]}" if info.layers else "no layers"
+            print(f" > pipeline rank {pp_rank} chunk {vp_stage or 0}: stage {info.stage} of {info.num_stages}, "
+                  f"{layers}{', embedding' if pre_process else ''}{', loss' if post_process else ''}", flush=True)
+        model = GPTModelBuilder(model_cfg).build_model(pg_collection, pre_process=pre_process,
+                                                       post_process=post_process, vp_stage=vp_stage)
+        got = [int(layer.layer_number) - 1 for layer in model.decoder.layers]
+        if got != list(info.layers):
+            raise RuntimeError(f"pipeline rank {pp_rank} chunk {vp_stage}: megatron built layers {got}, "
+                               f"the placement wants {list(info.layers)}")
+        # global parameter names (model.py's convention): the V tied-embedding sum and the
+        # deterministic initialisation find parameters by them
+        tied = bool(model.share_embeddings_and_output_weights)
+        for name, p in model.named_parameters():
+            p.mzb_global_name = zb_model.global_param_name(name, info, tied)
+        model.mzb_chunk_info = info
+        if getattr(args, "zero_bubble_deterministic_init", False):
+            zb_model.deterministic_init_([model], seed=args.seed, std=args.init_method_std)
+        elif placement.style == "v" and post_process and tied:
+            self._copy_tied_embedding(model)
+        self._built.append(model)
+        return model
+
+    def _copy_tied_embedding(self, model):
+        """V: the output layer's copy of the word embedding starts equal to the embedding (both on
+        this rank; Megatron's all-reduce over the 1-rank embedding group leaves it zero)."""
+        import torch
+        src = next((m for m in self._built if getattr(m, "pre_process", False)), None)
+        if src is None:
+            raise RuntimeError("V placement: the embedding chunk must be built before the loss chunk")
+        with torch.no_grad():
+            model.output_layer.weight.data.copy_(src.embedding.word_embeddings.weight.data)
+
+
+model_provider = _ModelProvider  # a fresh provider per run: ``model_provider()`` -> callable
+
+
+# --------------------------------------------------------------------------------------------
+# data, forward step, loss
+# --------------------------------------------------------------------------------------------
+
+def _unwrapped(model):
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def get_batch(data_iterator, pre_process: bool, post_process: bool):
+    """This chunk's microbatch: tokens/position ids where it embeds, labels/loss mask where it
+    computes the loss (broadcast from tensor-parallel rank 0), nothing for a middle stage."""
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core.utils import get_batch_on_this_cp_rank, get_batch_on_this_tp_rank
+    from megatron.training import get_args
+
+    args = get_args()
+    if not (pre_process or post_process):
+        return None, None, None, None, None
+    batch = None
+    if ps.get_tensor_model_parallel_rank() == 0:
+        data = next(data_iterator)
+        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+        batch = {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
+                 for k, v in data.items()}
+        batch.setdefault("attention_mask", None)
+    if ps.get_tensor_model_parallel_world_size() > 1:
+        tp = ps.get_tensor_model_parallel_group()
+        batch = get_batch_on_this_tp_rank(
+            batch or {}, has_cu_seqlens=False, is_hybrid_cp=False,
+            create_attention_mask_in_dataloader=args.create_attention_mask_in_dataloader,
+            broadcast_src_rank=ps.get_tensor_model_parallel_src_rank(), broadcast_group=tp,
+            cp_size=ps.get_context_parallel_world_size(), tp_rank=ps.get_tensor_model_parallel_rank(),
+            micro_batch_size=args.micro_batch_size, seq_length=args.seq_length, mtp_on_this_rank=False,
+            pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+            is_pipeline_first_stage=pre_process, is_pipeline_last_stage=post_process)
+    if ps.get_context_parallel_world_size() > 1:
+        batch.setdefault("cu_seqlens", None)
+        batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=ps.get_context_parallel_group())
+    tokens = batch.get("tokens") if pre_process else None
+    position_ids = batch.get("position_ids") if pre_process else None
+    labels = batch.get("labels") if post_process else None
+    loss_mask = batch.get("loss_mask") if post_process else None
+    return tokens, labels, loss_mask, batch.get("attention_mask"), position_ids
+
+
+def loss_func(loss_mask, output_tensor):
+    """Megatron's GPT loss: (sum of masked token losses, token count, {'lm loss': [sum, count]})."""
+    import torch
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+    from megatron.training import get_args
+
+    args = get_args()
+    losses = output_tensor.view(-1).float()
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().clone().detach().to(torch.int)
+    report = {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
+    if args.check_for_nan_in_loss_and_grad:
+        rsm = get_rerun_state_machine()
+        rsm.validate_result(result=loss, rejection_func=torch.isnan, message="found NaN in local forward loss "
+                            "calculation", tolerance=0.0, fatal=True)
+        rsm.validate_result(result=loss, rejection_func=torch.isinf, message="found Inf in local forward loss "
+                            "calculation", tolerance=0.0, fatal=True)
+    return loss, num_tokens, report
+
+
+def forward_step(data_iterator, model, return_schedule_plan: bool = False):
+    """Megatron's ``forward_step_func``: next microbatch through this chunk, loss on the loss stage."""
+    from megatron.training import get_timers
+
+    if return_schedule_plan:
+        raise ValueError("megatron-zb's pretrain_gpt does not build schedule plans "
+                         "(--overlap-moe-expert-parallel-comm is not supported with megatron-zb schedules)")
+    timers = get_timers()
+    chunk = _unwrapped(model)
+    timers("batch-generator", log_level=2).start()
+    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(
+        data_iterator, bool(getattr(chunk, "pre_process", True)), bool(getattr(chunk, "post_process", True)))
+    timers("batch-generator").stop()
+    output = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
+    return output, partial(loss_func, loss_mask)
+
+
+def _dataset_needed_on(vp_stage) -> bool:
+    """Data is read where a chunk embeds or computes the loss, on tensor-parallel rank 0."""
+    from megatron.core import parallel_state as ps
+    from megatron.training import get_args
+
+    from . import model as zb_model
+    if ps.get_tensor_model_parallel_rank() != 0:
+        return False
+    args = get_args()
+    infos = zb_model.chunk_infos(_placement(args), args.num_layers, ps.get_pipeline_model_parallel_rank(),
+                                 **_layer_kw(args))
+    chosen = infos if vp_stage is None else [infos[vp_stage]]
+    return any(i.pre_process or i.post_process for i in chosen)
+
+
+def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None):
+    """Megatron's mock GPT dataset, or indexed datasets from --data-path / per-split paths."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+    from megatron.training import get_args, get_tokenizer, print_rank_0
+    from megatron.training.utils.common_utils import get_blend_and_blend_per_split
+
+    args = get_args()
+    blend, blend_per_split = get_blend_and_blend_per_split(args)
+    config = GPTDatasetConfig(
+        random_seed=args.seed, sequence_length=args.seq_length, blend=blend, blend_per_split=blend_per_split,
+        split=args.split, num_dataset_builder_threads=args.num_dataset_builder_threads,
+        path_to_cache=args.data_cache_path, mmap_bin_files=args.mmap_bin_files, tokenizer=get_tokenizer(),
+        reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss, create_attention_mask=args.create_attention_mask_in_dataloader,
+        mid_level_dataset_surplus=args.mid_level_dataset_surplus)
+    dataset_type = MockGPTDataset if args.mock_data else GPTDataset
+    print_rank_0(f"> building train, validation, and test datasets for GPT ({dataset_type.__name__}) ...")
+    train_ds, valid_ds, test_ds = BlendedMegatronDatasetBuilder(
+        dataset_type, train_val_test_num_samples, partial(_dataset_needed_on, vp_stage), config).build()
+    print_rank_0("> finished creating GPT datasets ...")
+    return train_ds, valid_ds, test_ds
+
+
+train_valid_test_datasets_provider.is_distributed = True
+
+
+# --------------------------------------------------------------------------------------------
+# V placement: Megatron reads the losses on the last pipeline rank
+# --------------------------------------------------------------------------------------------
+
+class _LossesToLastRank:
+    """Wraps the forward-backward function: with V placement the loss stage is on pipeline rank 0,
+    while Megatron's ``train_step``/``evaluate`` reduce and log the losses on the last pipeline
+    rank. The loss dicts (a few scalars per microbatch) are sent there after each call."""
+
+    def __init__(self, fb, loss_rank: int):
+        self.fb = fb
+        self.loss_rank = loss_rank
+
+    def __getattr__(self, name):
+        return getattr(self.fb, name)
+
+    def __call__(self, *args, **kwargs):
+        import torch
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        out = self.fb(*args, **kwargs)
+        pg = kwargs.get("pg_collection")
+        group = getattr(pg, "pp", None) or ps.get_pipeline_model_parallel_group()
+        p, me = group.size(), group.rank()
+        dst = p - 1
+        if p == 1 or self.loss_rank == dst or me not in (self.loss_rank, dst):
+            return out
+        ranks = dist.get_process_group_ranks(group)
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        if me == self.loss_rank:
+            dist.send_object_list([_to_cpu(out)], dst=ranks[dst], group=group, device=device)
+            return []
+        box = [None]
+        dist.recv_object_list(box, src=ranks[self.loss_rank], group=group, device=device)
+        return _to_device(box[0])
+
+
+def _to_cpu(obj):
+    import torch
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+def _to_device(obj):
+    import torch
+    if not torch.cuda.is_available():
+        return obj
+    if isinstance(obj, torch.Tensor):
+        return obj.cuda()
+    if isinstance(obj, dict):
+        return {k: _to_device(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_device(v) for v in obj)
+    return obj
+
+
+def _route_losses_for_v(loss_rank: int) -> Callable[[], None]:
+    """Make megatron.training's ``get_forward_backward_func`` return the loss-forwarding wrapper."""
+    import megatron.training.training as T
+    inner = T.get_forward_backward_func
+
+    def get_forward_backward_func(*args, **kwargs):
+        fb = inner(*args, **kwargs)
+        if fb is None or isinstance(fb, _LossesToLastRank) or not hasattr(fb, "schedule_for"):
+            return fb  # Megatron's own function (PP=1)
+        return _LossesToLastRank(fb, loss_rank)
+    get_forward_backward_func.__wrapped__ = inner
+    T.get_forward_backward_func = get_forward_backward_func
+
+    def undo():
+        if T.get_forward_backward_func is get_forward_backward_func:
+            T.get_forward_backward_func = inner
+    return undo
+
+
+# --------------------------------------------------------------------------------------------
+# main
+# --------------------------------------------------------------------------------------------
+
+def main(argv: Optional[Sequence[str]] = None, extra_args_provider: Optional[Callable] = None,
+         args_defaults: Optional[dict] = None) -> None:
+    """Parse the flags (``argv``, default ``sys.argv``), install the schedule, run Megatron's pretrain()."""
+    _prepare_megatron()
+    from megatron.core.enums import ModelType
+    from megatron.training import inprocess_restart, pretrain, print_rank_0, set_startup_timestamps
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
+
+    from .install import install
+
+    set_startup_timestamps(program_start=_PROGRAM_START_TIME, main_entry=time.time())
+    args, zb, notes = prepare_args(extra_args_provider, args_defaults, argv)
+    for n in notes:
+        _print0(f"megatron-zb: {n}")
+    handle, undo = None, None
+    get_emb = None
+    if zb is not None:
+        kwargs = dict(zb)
+        schedule = kwargs.pop("schedule")
+        handle = install(schedule, **kwargs)
+        placement = _placement(args)
+        _print0(f"megatron-zb: schedule {schedule} installed ({placement.style} placement, "
+                     f"{placement.chunks} chunk(s) per rank, pipeline size {placement.num_ranks}"
+                     + (f", memory limit {kwargs['memory_limit']:.3g} microbatches" if kwargs.get("memory_limit")
+                        else "") + ")")
+        if placement.style == "v":
+            get_emb = get_embedding_ranks
+            undo = _route_losses_for_v(placement.rank_of(placement.num_stages - 1))
+    else:
+        _print0("megatron-zb: no zero-bubble flag given; Megatron's own pipeline schedules run")
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"(?s).*recommended to use a ModelConfig")
+        cfg = pretrain_cfg_container_from_args(args)
+    run, store = inprocess_restart.maybe_wrap_for_inprocess_restart(pretrain)
+    try:
+        run(cfg, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step,
+            model_provider=model_provider(), get_embedding_ranks=get_emb, store=store)
+    finally:
+        if undo is not None:
+            undo()
+        if handle is not None:
+            handle.uninstall()
+
+
+def _print0(msg: str) -> None:
+    """Print once (global rank 0) before torch.distributed exists."""
+    if os.environ.get("RANK", "0") == "0":
+        print(msg, flush=True)
+
+
+def _cli() -> int:
+    try:
+        main()
+    except (ZeroBubbleArgumentError, MegatronTrainingMissing) as e:
+        print(f"megatron-zb: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_cli())
