@@ -30,6 +30,7 @@ from ..core.lower import lower
 from ..core.validate import validate
 from ..runtime.executor import StagePasses, execute
 from ..runtime.p2p import P2P, PairGroups
+from ..runtime.profiler import PassProfiler, ProfileError, auto_replans, profile_to_setting_kwargs
 from ..runtime.wqueue import WQueue
 from .wgrad import attach_wgrad_queue
 
@@ -49,6 +50,10 @@ class ScheduleOptions:
     cost_comm: float = 0.0
     mem_w: Optional[float] = None
     timeout_s: float = 300.0
+    # profiler (runtime.profiler): time passes over iterations [start, end] (counted from 1, calls
+    # with forward_only=False) and write the profile JSON to profile_path at the window's end
+    profile_window: Optional[tuple] = None
+    profile_path: Optional[str] = None
 
 
 class ZeroBubbleForwardBackward:
@@ -71,6 +76,29 @@ class ZeroBubbleForwardBackward:
         self._queues: Dict[int, WQueue] = {}
         self.last_schedule: Optional[Schedule] = None
         self.pass_times: Optional[List] = None  # set to a list to record (kind, stage, mb, s)
+        # -- profiler wiring ----------------------------------------------------------------------
+        self.iterations = 0  # forward-backward calls with forward_only=False
+        self.profile: Optional[dict] = None  # the gathered profile once the window has ended
+        self.profiler = None
+        if options.profile_window is not None:
+            try:
+                self.profiler = PassProfiler(options.profile_window, options.profile_path,
+                                             schedule=options.schedule)
+            except ProfileError as e:
+                raise ZeroBubbleConfigError(str(e)) from None
+
+    def replan_from(self, profile: dict) -> None:
+        """Take the cost options (F/B/W per stage, comm, mem_w ratio) from a profile and drop the
+        cached schedules: the next call generates the schedule again from the measured costs.
+        Every pipeline rank must call it at the same iteration (it does, after the window)."""
+        kw = profile_to_setting_kwargs(profile, normalize=True)
+        upd = {k: kw[k] for k in ("cost_f", "cost_b", "cost_w", "cost_comm")}
+        if "mem_f" in kw:
+            ratios = sorted(w / f for f, w in zip(kw["mem_f"], kw["mem_w"]) if f > 0)
+            if ratios:
+                upd["mem_w"] = min(1.0, ratios[len(ratios) // 2])
+        self.options = dataclasses.replace(self.options, **upd)
+        self._schedules.clear()
 
     # -- schedule ---------------------------------------------------------------------------
     def schedule_for(self, p: int, m: int, chunks: int, forward_only: bool) -> Schedule:
@@ -129,6 +157,10 @@ class ZeroBubbleForwardBackward:
         if unsupported:
             raise ZeroBubbleConfigError(f"megatron-zb forward_backward got unsupported arguments "
                                         f"{sorted(unsupported)}")
+        if not forward_only:
+            self.iterations += 1
+        prof = self.profiler if (self.profiler is not None and not forward_only
+                                 and self.profiler.in_window(self.iterations)) else None
         models = model if isinstance(model, list) else [model]
         iters = data_iterator if isinstance(data_iterator, list) else [data_iterator] * len(models)
         config = get_model_config(models[0])
@@ -231,13 +263,26 @@ class ZeroBubbleForwardBackward:
                              device=_device(), before_last_backward=before_last_backward,
                              after_last_backward=after_last_backward, on_pass=on_pass,
                              release_output=release)
+        run_passes, run_p2p = passes, p2p
+        if prof is not None:
+            prof.ignore_parameters(prm for m in models for prm in m.parameters())
+            run_passes, run_p2p = prof.instrument(passes, p2p)
         try:
-            execute(sched.orders[me], me, pl, passes, p2p, forward_only=forward_only)
+            execute(sched.orders[me], me, pl, run_passes, run_p2p, forward_only=forward_only)
         finally:
             for stack in sync_off.values():
                 stack.close()
         for q in queues:
             q.assert_empty()
+        if prof is not None:
+            profile = prof.end_iteration(self.iterations, placement=pl, num_microbatches=num_microbatches,
+                                         rank=me, group=pp_group, p2p=p2p, shape=shape,
+                                         dtype=config.pipeline_dtype, device=_device(),
+                                         schedule=self.options.schedule)
+            if profile is not None:
+                self.profile = profile
+                if auto_replans(self.options.schedule):
+                    self.replan_from(profile)
 
         if config.finalize_model_grads_func is not None and not forward_only:
             _call_finalize(config, models, total_num_tokens if config.calculate_per_token_loss else None,
@@ -337,8 +382,10 @@ def install(schedule: str, *, chunks: Optional[int] = None, memory_limit: Option
     """Make megatron's ``get_forward_backward_func()`` return a megatron-zb schedule runner.
 
     Raises ``ZeroBubbleConfigError`` for an unknown schedule or bad options (before anything is
-    patched). ``options``: cost_f, cost_b, cost_w, cost_comm, mem_w (schedule tuning) and
-    timeout_s (how long a rank waits for a message before failing with its rank, pass and peer).
+    patched). ``options``: cost_f, cost_b, cost_w, cost_comm, mem_w (schedule tuning),
+    timeout_s (how long a rank waits for a message before failing with its rank, pass and peer),
+    profile_window=(start, end) and profile_path (``runtime.profiler``: time F/B/W/p2p over those
+    training iterations, write the profile JSON; zb-auto*/v-auto* re-plan from it afterwards).
     """
     known = {f.name for f in dataclasses.fields(ScheduleOptions)} - {"schedule", "chunks", "memory_limit"}
     bad = sorted(set(options) - known)

@@ -1,0 +1,254 @@
+"""Runtime fidelity: measured iteration time of each schedule over real gloo processes, with
+compute replaced by sleeps of given F/B/W durations, versus the simulator's makespan for the same
+costs; and the measured speed-up of every schedule over 1F1B.
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_runtime_fidelity.py [--unit-ms 1] [--iterations 5]
+        [--pp 4 2] [--schedules 1f1b zb-h1 ...] [--out benchmarks/results/runtime_fidelity.json]
+
+Every pass sleeps ``cost * unit`` (``megatron_zb.runtime.sleep_passes``) and real small tensors
+travel through the runtime's p2p (pairwise gloo groups), so what is measured is the executor's
+ordering, the ranks waiting on each other, and the runtime's own overhead. Per case: one warm-up
+iteration, then ``--iterations`` timed ones, a barrier before each; an iteration's time is the
+slowest rank's (barrier exit to its last action done); the median over iterations is compared with
+the simulated iteration time for the same costs (comm 0): the end of the last pass in
+``simulate(...)``'s timeline, ranks starting together. That equals ``makespan`` (the contract's
+max per-rank span) except where the rank finishing last also started late; both are reported
+(``error_pct`` vs the iteration time, ``error_vs_makespan_pct`` vs the makespan). ``sim+hop`` re-simulates with the measured one-way
+hop time of a small message (ping-pong) as ``cost_comm``, to show how much of the gap is p2p.
+Sleeping ranks need no CPU, so P=4 ranks are fine on a 2-core machine.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+COST_SETS = {  # milliseconds per whole-stage pass (times unit-ms)
+    "F=B=W=20": dict(cost_f=20, cost_b=20, cost_w=20),
+    "F=20,B=30,W=15": dict(cost_f=20, cost_b=30, cost_w=15),
+}
+
+
+def cases_for(p, ms, schedules, cost_sets):
+    from megatron_zb.core.schedules import get
+    out = []
+    for cname in cost_sets:
+        for m in ms:
+            for name in schedules:
+                spec = get(name)
+                chunks = 2 if spec.chunks is None else None
+                out.append({"schedule": name, "p": p, "m": m, "chunks": chunks, "costs": cname,
+                            "kw": COST_SETS[cname]})
+    return out
+
+
+def _setting(case):
+    from megatron_zb.core.ir import Setting
+    return Setting(case["p"], case["m"], chunks=case["chunks"], cost_comm=0.0, **case["kw"])
+
+
+def simulate_case(case, comm=0.0):
+    """(makespan, iteration time) in cost units for the costs of ``case``. The iteration time is
+    the last pass's end over all ranks, every rank starting at 0 (as after a barrier); the
+    contract's makespan (max per-rank span) is shorter when the rank that ends last also started
+    late (zb-h2, V schedules: the loss-side rank waits for the first forward)."""
+    import dataclasses
+
+    from megatron_zb.core.schedules import generate
+    from megatron_zb.core.simulate import simulate
+    st = _setting(case)
+    sched = generate(case["schedule"], st)
+    st = dataclasses.replace(st, chunks=sched.placement.chunks, cost_comm=comm)
+    res = simulate(sched, st)
+    return res.makespan, max(tl[-1].end for tl in res.timeline if tl)
+
+
+def _ping_pong(groups, rank, p, rounds=20):
+    """Median one-way time of a small message between neighbouring ranks (seconds)."""
+    import torch
+    import torch.distributed as dist
+    buf = torch.zeros(4)
+    out = []
+    for a in range(p - 1):
+        b = a + 1
+        if rank not in (a, b):
+            continue
+        g = groups.group(a, b)
+        for i in range(rounds + 2):
+            if rank == a:
+                t0 = time.perf_counter()
+                dist.send(buf, b, group=g)
+                dist.recv(buf, b, group=g)
+                if i >= 2:
+                    out.append((time.perf_counter() - t0) / 2)
+            else:
+                dist.recv(buf, a, group=g)
+                dist.send(buf, a, group=g)
+    return out
+
+
+def rank_main(rank, world, port, cases, unit, iterations, warmup, q):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    from megatron_zb.core.lower import lower
+    from megatron_zb.core.schedules import generate
+    from megatron_zb.runtime.p2p import P2P, PairGroups
+    from megatron_zb.runtime.sleep_passes import sleep_passes, time_iterations
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    groups = PairGroups(list(range(world)), {(a, b) for a in range(world) for b in range(a + 1, world)})
+    p2p = P2P(groups, rank, timeout_s=120)
+    hops = _ping_pong(groups, rank, world)
+    everyone = [None] * world
+    dist.all_gather_object(everyone, hops)
+    hop = statistics.median([x for xs in everyone for x in xs]) if world > 1 else 0.0
+    results = []
+    for case in cases:
+        try:
+            st = _setting(case)
+            low = lower(generate(case["schedule"], st))
+            passes = sleep_passes(st, rank, low.placement, unit=unit)
+            times = time_iterations(low, rank, passes, p2p, iterations, warmup=warmup)
+            err = None
+        except Exception as e:  # generation errors are identical on every rank
+            times, err = [], f"{type(e).__name__}: {e}"
+        allt = [None] * world
+        dist.all_gather_object(allt, (times, err))
+        if rank == 0:
+            errs = [e for _, e in allt if e]
+            per_iter = [max(ts) for ts in zip(*[t for t, _ in allt])] if not errs else []
+            results.append({"per_iteration_s": per_iter, "error": errs[0] if errs else None})
+    if rank == 0:
+        q.put({"hop_s": hop, "results": results})
+    dist.barrier()
+    groups.destroy()
+    dist.destroy_process_group()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_cases(p, cases, unit, iterations=5, warmup=1, timeout=1800):
+    """Run ``cases`` on ``p`` spawned gloo ranks; returns (rows, hop seconds)."""
+    import torch.multiprocessing as mp
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=rank_main, args=(r, p, port, cases, unit, iterations, warmup, q))
+             for r in range(p)]
+    for pr in procs:
+        pr.start()
+    try:
+        got = q.get(timeout=timeout)
+    finally:
+        for pr in procs:
+            pr.join(timeout=30)
+            if pr.is_alive():
+                pr.kill()
+    rows = []
+    for case, res in zip(cases, got["results"]):
+        row = {k: case[k] for k in ("schedule", "p", "m", "chunks", "costs")}
+        row["unit_s"] = unit
+        if res["error"]:
+            row["error"] = res["error"]
+            rows.append(row)
+            continue
+        mk, end = simulate_case(case)
+        _, end_hop = simulate_case(case, comm=got["hop_s"] / unit)
+        meas = statistics.median(res["per_iteration_s"])
+        row.update(makespan_s=mk * unit, simulated_s=end * unit, simulated_with_hop_s=end_hop * unit,
+                   measured_s=meas, per_iteration_s=res["per_iteration_s"],
+                   error_pct=100.0 * (meas - end * unit) / (end * unit),
+                   error_vs_makespan_pct=100.0 * (meas - mk * unit) / (mk * unit),
+                   error_with_hop_pct=100.0 * (meas - end_hop * unit) / (end_hop * unit))
+        rows.append(row)
+    # speed-ups over 1f1b (same p, m, costs)
+    base = {(r["p"], r["m"], r["costs"]): r for r in rows if r["schedule"] == "1f1b" and "error" not in r}
+    for r in rows:
+        b = base.get((r["p"], r["m"], r["costs"]))
+        if b and "error" not in r:
+            r["speedup_measured"] = b["measured_s"] / r["measured_s"]
+            r["speedup_simulated"] = b["simulated_s"] / r["simulated_s"]
+    return rows, got["hop_s"]
+
+
+def fmt_table(rows):
+    head = (f"{'schedule':<17}{'P':>2}{'M':>4} {'costs (ms)':<15}{'makespan':>9}{'sim iter':>9}{'measured':>9}"
+            f"{'err %':>7}{'sim+hop':>9}{'err %':>7}{'x1f1b meas':>11}{'x1f1b sim':>10}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['schedule']:<17}{r['p']:>2}{r['m']:>4} {r['costs']:<15}  error: {r['error'][:60]}")
+            continue
+        lines.append(f"{r['schedule']:<17}{r['p']:>2}{r['m']:>4} {r['costs']:<15}{r['makespan_s'] * 1e3:>9.1f}"
+                     f"{r['simulated_s'] * 1e3:>9.1f}"
+                     f"{r['measured_s'] * 1e3:>9.1f}{r['error_pct']:>+7.2f}{r['simulated_with_hop_s'] * 1e3:>9.1f}"
+                     f"{r['error_with_hop_pct']:>+7.2f}{r.get('speedup_measured', float('nan')):>11.3f}"
+                     f"{r.get('speedup_simulated', float('nan')):>10.3f}")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    from megatron_zb.core.schedules import names
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--unit-ms", type=float, default=1.0, help="seconds per cost unit, in ms (costs are 20/30/15)")
+    ap.add_argument("--iterations", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--pp", type=int, nargs="+", default=[4, 2])
+    ap.add_argument("--microbatches", type=int, nargs="+", default=None,
+                    help="default: 8 16 for P=4, 8 for P=2")
+    ap.add_argument("--schedules", nargs="+", default=None, help="default: every registered schedule")
+    ap.add_argument("--costs", nargs="+", default=list(COST_SETS), choices=list(COST_SETS))
+    ap.add_argument("--out", default="benchmarks/results/runtime_fidelity.json")
+    args = ap.parse_args(argv)
+    schedules = args.schedules or names()
+    if "1f1b" not in schedules:
+        schedules = ["1f1b"] + schedules
+    unit = args.unit_ms / 1e3
+    all_rows, hops = [], {}
+    t0 = time.perf_counter()
+    for p in args.pp:
+        ms = args.microbatches or ([8, 16] if p >= 4 else [8])
+        rows, hop = run_cases(p, cases_for(p, ms, schedules, args.costs), unit, args.iterations, args.warmup)
+        hops[p] = hop
+        print(f"\nP={p}: one-way hop of a small gloo message {hop * 1e6:.0f} us")
+        print(fmt_table(rows), flush=True)
+        all_rows += rows
+    ok = [r for r in all_rows if "error" not in r]
+    summary = {
+        "cases": len(all_rows), "errors": len(all_rows) - len(ok),
+        "max_abs_error_vs_makespan_pct": max(abs(r["error_vs_makespan_pct"]) for r in ok) if ok else None,
+        "max_abs_error_pct": max(abs(r["error_pct"]) for r in ok) if ok else None,
+        "median_abs_error_pct": statistics.median(abs(r["error_pct"]) for r in ok) if ok else None,
+        "within_5pct": sum(abs(r["error_pct"]) <= 5 for r in ok),
+        "max_abs_error_with_hop_pct": max(abs(r["error_with_hop_pct"]) for r in ok) if ok else None,
+    }
+    print(f"\n{summary['within_5pct']}/{len(ok)} cases within 5% of the simulated iteration time; "
+          f"max |error| {summary['max_abs_error_pct']:.2f}%, median {summary['median_abs_error_pct']:.2f}%; "
+          f"wall {time.perf_counter() - t0:.0f} s")
+    out = {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
+           "unit_s": unit, "iterations": args.iterations, "warmup": args.warmup,
+           "hop_s": {str(k): v for k, v in hops.items()}, "summary": summary, "rows": all_rows}
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+        print(f"wrote {args.out}")
+    return out
+
+
+if __name__ == "__main__":
+    main()
