@@ -44,7 +44,8 @@ from ..core import schedules as core_schedules
 from ..core.ir import ScheduleError
 
 __all__ = ["add_zero_bubble_args", "chain_providers", "validate_zero_bubble_args", "ZeroBubbleArgumentError",
-           "zero_bubble_requested", "memory_limit_in_microbatches", "NOT_AVAILABLE_FLAGS", "placement_style"]
+           "zero_bubble_requested", "memory_limit_in_microbatches", "NOT_AVAILABLE_FLAGS", "placement_style",
+           "preview_schedule"]
 
 DEFAULT_TIMEOUT_S = 300.0
 FORK_TIMERS_DEFAULT = (100, 110)  # the fork's default profiling window, used when only one end is given
@@ -601,3 +602,38 @@ def _apply_padding_single(args, before_megatron_validation, name):
     k = (L + 2) // p
     args.decoder_first_pipeline_num_layers = k - 1
     args.decoder_last_pipeline_num_layers = k - 1
+
+
+def preview_schedule(install_kwargs: Dict[str, Any], pipeline_size: int, num_microbatches: int):
+    """Generate, validate and simulate the schedule ``install_kwargs`` describe (pure Python).
+
+    Returns ``(result, baseline)``: the simulator's ``SimResult`` for the schedule and for 1F1B
+    under the same costs (None if 1F1B cannot be simulated). Raises ``ZeroBubbleArgumentError``
+    when the schedule cannot run (e.g. a memory limit below what it needs), so the entry point
+    fails before training starts rather than at the first iteration.
+    """
+    from ..core.ir import Setting
+    from ..core.simulate import simulate
+    from ..core.validate import validate
+
+    name = install_kwargs["schedule"]
+    kw = dict(cost_f=install_kwargs.get("cost_f", 1.0), cost_b=install_kwargs.get("cost_b", 1.0),
+              cost_w=install_kwargs.get("cost_w", 1.0), cost_comm=install_kwargs.get("cost_comm", 0.0))
+    if install_kwargs.get("mem_w") is not None:
+        kw["mem_w"] = [install_kwargs["mem_w"]]
+    try:
+        setting = Setting(int(pipeline_size), int(num_microbatches), chunks=install_kwargs.get("chunks"),
+                          memory_limit=install_kwargs.get("memory_limit"), **kw)
+        sched = core_schedules.generate(name, setting)
+        validate(sched, setting)
+        result = simulate(sched, setting)
+    except ScheduleError as e:
+        raise ZeroBubbleArgumentError(f"schedule {name} with pipeline size {pipeline_size} and {num_microbatches} "
+                                      f"microbatches: {e}") from None
+    baseline = None
+    try:
+        base_setting = Setting(int(pipeline_size), int(num_microbatches), chunks=1, **kw)
+        baseline = simulate(core_schedules.generate("1f1b", base_setting), base_setting)
+    except ScheduleError:
+        pass
+    return result, baseline

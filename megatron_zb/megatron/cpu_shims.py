@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sys
 import types
 import typing
@@ -277,6 +278,10 @@ def apply_training(force: bool = False) -> bool:
       inside are the ones ``apply()`` already made no-ops; the process group uses
       ``args.distributed_backend``, which must be ``gloo``).
 
+    * ``validate_args`` asks for the GPU architecture (``get_device_arch_version``) with tensor or
+      context parallelism: it answers 0 (no GPU), and ``CUDA_DEVICE_MAX_CONNECTIONS`` defaults to 1
+      (Megatron's requirement for TP before Blackwell; meaningless on CPU).
+
     Does nothing when CUDA is present (unless ``force``). Returns True if the shims are active.
     """
     global _TRAINING_APPLIED
@@ -315,6 +320,10 @@ def apply_training(force: bool = False) -> bool:
         fn = getattr(init_mod, name)
         if not getattr(fn, "_mzb_shim", False):
             setattr(init_mod, name, one_device(fn))
+    args_mod = importlib.import_module("megatron.training.arguments")
+    if hasattr(args_mod, "get_device_arch_version"):
+        args_mod.get_device_arch_version = lambda: 0
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     _TRAINING_APPLIED = True
     return True
 

@@ -42,7 +42,7 @@ from functools import partial  # noqa: E402
 from typing import Callable, List, Optional, Sequence  # noqa: E402
 
 from .args import (ZeroBubbleArgumentError, add_zero_bubble_args, chain_providers,  # noqa: E402
-                   validate_zero_bubble_args)
+                   preview_schedule, validate_zero_bubble_args)
 
 __all__ = ["main", "add_entry_args", "prepare_args", "model_provider", "forward_step",
            "train_valid_test_datasets_provider", "MegatronTrainingMissing"]
@@ -251,6 +251,10 @@ class _ModelProvider:
             layers = f"layers {info.layers[0]}-{info.layers[-1]}" if info.layers else "no layers"
             print(f" > pipeline rank {pp_rank} chunk {vp_stage or 0}: stage {info.stage} of {info.num_stages}, "
                   f"{layers}{', embedding' if pre_process else ''}{', loss' if post_process else ''}", flush=True)
+        if tcfg.transformer_impl == "local" and tcfg.sequence_parallel and model_cfg.transformer_layer_spec is None:
+            # the local spec's torch norms refuse sequence parallelism (apex/TE norms are absent, e.g.
+            # on CPU): model.py's local spec with sequence-parallel-capable torch norms
+            model_cfg.transformer_layer_spec = zb_model._layer_spec(tcfg, len(info.layers))
         model = GPTModelBuilder(model_cfg).build_model(pg_collection, pre_process=pre_process,
                                                        post_process=post_process, vp_stage=vp_stage)
         got = [int(layer.layer_number) - 1 for layer in model.decoder.layers]
@@ -509,19 +513,25 @@ def main(argv: Optional[Sequence[str]] = None, extra_args_provider: Optional[Cal
 
     set_startup_timestamps(program_start=_PROGRAM_START_TIME, main_entry=time.time())
     args, zb, notes = prepare_args(extra_args_provider, args_defaults, argv)
-    for n in notes:
-        _print0(f"megatron-zb: {n}")
+    if notes:
+        _print0("megatron-zb: adjusted for this machine: " + ", ".join(notes))
     handle, undo = None, None
     get_emb = None
     if zb is not None:
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
         kwargs = dict(zb)
+        placement = _placement(args)
+        m = get_num_microbatches()
+        sim, base = preview_schedule(kwargs, placement.num_ranks, m)  # fails here, not at iteration 1
         schedule = kwargs.pop("schedule")
         handle = install(schedule, **kwargs)
-        placement = _placement(args)
-        _print0(f"megatron-zb: schedule {schedule} installed ({placement.style} placement, "
-                     f"{placement.chunks} chunk(s) per rank, pipeline size {placement.num_ranks}"
-                     + (f", memory limit {kwargs['memory_limit']:.3g} microbatches" if kwargs.get("memory_limit")
-                        else "") + ")")
+        limit = kwargs.get("memory_limit")
+        _print0(f"megatron-zb: schedule {schedule} installed ({placement.style} placement, {placement.chunks} "
+                f"chunk(s) per rank, pipeline size {placement.num_ranks}, {m} microbatches"
+                + (f", memory limit {limit:.3g} microbatches" if limit else "") + ")")
+        _print0(f"megatron-zb: simulated with the schedule's costs: bubble {100 * sim.bubble_rate:.1f}%"
+                + (f" (1f1b {100 * base.bubble_rate:.1f}%)" if base is not None else "")
+                + f", peak activation {max(sim.peak_memory):.3g} microbatches per rank")
         if placement.style == "v":
             get_emb = get_embedding_ranks
             undo = _route_losses_for_v(placement.rank_of(placement.num_stages - 1))
