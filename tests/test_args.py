@@ -1,0 +1,350 @@
+"""megatron-zb's command-line flags (ours and the ZB authors' fork's): parsing, validation, errors.
+
+Most tests use a bare argparse parser with a few Megatron-like arguments (no torch, no megatron);
+the last ones (marked ``megatron``) check the flags inside Megatron's own parser.
+"""
+import argparse
+
+import pytest
+
+from megatron_zb.core import schedules as core_schedules
+from megatron_zb.megatron.args import (NOT_AVAILABLE_FLAGS, ZeroBubbleArgumentError, add_zero_bubble_args,
+                                       chain_providers, memory_limit_in_microbatches, preview_schedule,
+                                       validate_zero_bubble_args)
+
+
+def _megatron_like(parser):
+    """The Megatron arguments validation looks at (names and defaults as in megatron.training)."""
+    parser.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    parser.add_argument("--num-layers", type=int, default=None)
+    parser.add_argument("--hidden-size", type=int, default=None)
+    parser.add_argument("--num-attention-heads", type=int, default=None)
+    parser.add_argument("--seq-length", type=int, default=None)
+    parser.add_argument("--micro-batch-size", type=int, default=1)
+    parser.add_argument("--sequence-parallel", action="store_true")
+    parser.add_argument("--transformer-impl", default="transformer_engine")
+    parser.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    parser.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None)
+    parser.add_argument("--pipeline-model-parallel-layout", default=None)
+    parser.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None)
+    parser.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None)
+    parser.add_argument("--no-overlap-p2p-communication", action="store_false", dest="overlap_p2p_comm")
+    parser.add_argument("--overlap-moe-expert-parallel-comm", action="store_true")
+    parser.add_argument("--defer-embedding-wgrad-compute", action="store_true")
+    parser.add_argument("--cuda-graph-impl", default="none")
+    parser.add_argument("--save", default=None)
+    return parser
+
+
+def parse(cmd):
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    chain_providers(_megatron_like, add_zero_bubble_args)(parser)
+    return parser.parse_args(cmd.split())
+
+
+def validate(cmd, **kw):
+    args = parse(cmd)
+    return args, validate_zero_bubble_args(args, before_megatron_validation=kw.pop("before", True), **kw)
+
+
+BASE = "--pipeline-model-parallel-size 4 --num-layers 16 --hidden-size 1024 --num-attention-heads 16 --seq-length 2048"
+
+
+# -- chaining -----------------------------------------------------------------------------------
+
+def test_chain_providers_applies_in_order_and_skips_none():
+    calls = []
+
+    def a(parser):
+        calls.append("a")
+        parser.add_argument("--a", default=1)
+        return parser
+
+    def b(parser):  # modifies in place, returns None
+        calls.append("b")
+        parser.add_argument("--b", default=2)
+
+    provider = chain_providers(None, a, None, b, add_zero_bubble_args)
+    parser = provider(argparse.ArgumentParser())
+    assert calls == ["a", "b"]
+    args = parser.parse_args(["--zero-bubble-schedule", "zb-h1"])
+    assert (args.a, args.b, args.zero_bubble_schedule) == (1, 2, "zb-h1")
+
+
+# -- our flags ----------------------------------------------------------------------------------
+
+def test_no_flag_means_megatron_schedules():
+    args, kw = validate(BASE)
+    assert kw is None and args.zero_bubble_resolved_schedule is None
+
+
+def test_our_schedule_flag_gives_install_kwargs():
+    _, kw = validate(BASE + " --zero-bubble-schedule zb-h1 --zero-bubble-timeout 60 --zero-bubble-cost-b 2 "
+                            "--zero-bubble-cost-f 1,1,1,2 --zero-bubble-mem-w 0.3")
+    assert kw == {"schedule": "zb-h1", "chunks": 1, "memory_limit": None, "timeout_s": 60.0, "cost_b": 2.0,
+                  "cost_f": [1.0, 1.0, 1.0, 2.0], "mem_w": 0.3}
+
+
+def test_unknown_schedule_fails_at_parse_with_the_known_list(capsys):
+    with pytest.raises(SystemExit):
+        parse(BASE + " --zero-bubble-schedule zb-x")
+    err = capsys.readouterr().err
+    assert "unknown schedule 'zb-x'; known schedules: " in err
+    for name in ("1f1b", "zb-h1", "zb-v"):
+        assert name in err
+
+
+def test_memory_limit_microbatches_and_gb():
+    _, kw = validate(BASE + " --zero-bubble-schedule zb-auto --zero-bubble-memory-limit 6")
+    assert kw["memory_limit"] == 6
+    args, kw = validate(BASE + " --zero-bubble-schedule zb-auto --zero-bubble-memory-limit 20GB")
+    # 4 layers per rank x s b (34 h + 5 a s) bytes; TE -> flash attention drops the 5 a s term
+    per_mb = 4 * 2048 * 1 * 34 * 1024
+    assert kw["memory_limit"] == pytest.approx(20e9 / per_mb)
+    args, kw = validate(BASE + " --transformer-impl local --zero-bubble-schedule zb-auto --zero-bubble-memory-limit 4GiB")
+    per_mb = 4 * 2048 * (10 * 1024 + 24 * 1024 + 5 * 16 * 2048)  # local: scores stored, no SP
+    assert kw["memory_limit"] == pytest.approx(4 * 2 ** 30 / per_mb)
+    assert memory_limit_in_microbatches(1, args, gib=True) == pytest.approx(2 ** 30 / per_mb)
+    with pytest.raises(ZeroBubbleArgumentError, match="holds 0.0.* microbatches"):
+        validate(BASE + " --zero-bubble-schedule zb-auto --zero-bubble-memory-limit 0.01GB")
+
+
+@pytest.mark.parametrize("bad", ["abc", "-3", "0", "5TB"])
+def test_memory_limit_syntax(bad, capsys):
+    with pytest.raises(SystemExit):
+        parse(BASE + f" --zero-bubble-memory-limit {bad}")
+    assert "--zero-bubble-memory-limit" in capsys.readouterr().err
+
+
+def test_profile_window_and_path():
+    _, kw = validate(BASE + " --zero-bubble-schedule zb-auto --zero-bubble-profile-window 5 8 --save /ck")
+    assert kw["profile_window"] == (5, 8) and kw["profile_path"] == "/ck/zero_bubble_profile.json"
+    _, kw = validate(BASE + " --zero-bubble-schedule zb-h1 --zero-bubble-profile-window 1 2 "
+                            "--zero-bubble-profile-path /tmp/p.json")
+    assert kw["profile_path"] == "/tmp/p.json"
+    with pytest.raises(ZeroBubbleArgumentError, match="need 1 <= START <= END"):
+        validate(BASE + " --zero-bubble-schedule zb-h1 --zero-bubble-profile-window 9 3")
+    with pytest.raises(ZeroBubbleArgumentError, match="needs a profiling window"):
+        validate(BASE + " --zero-bubble-schedule zb-h1 --zero-bubble-profile-path /tmp/p.json")
+
+
+def test_options_without_a_schedule_are_refused():
+    with pytest.raises(ZeroBubbleArgumentError, match="--zero-bubble-memory-limit needs a megatron-zb schedule"):
+        validate(BASE + " --zero-bubble-memory-limit 4")
+
+
+# -- the fork's flags ---------------------------------------------------------------------------
+
+def test_fork_enable_zero_bubble_is_zb_auto_with_max_pending_backward():
+    args, kw = validate(BASE + " --enable-zero-bubble --zero-bubble-max-pending-backward 8 --enable-zb-runtime "
+                               "--no-pre-communication-optimization")
+    assert kw["schedule"] == "zb-auto" and kw["memory_limit"] == 8.0 and kw["chunks"] == 1
+    _, kw = validate(BASE + " --enable-zero-bubble --zero-bubble-max-pending-backward auto")
+    assert kw["schedule"] == "zb-auto" and kw["memory_limit"] is None
+
+
+def test_fork_enable_zero_bubble_falls_back_to_zb_h1(monkeypatch):
+    reg = dict(core_schedules.REGISTRY)
+    reg.pop("zb-auto")
+    monkeypatch.setattr(core_schedules, "REGISTRY", reg)
+    _, kw = validate(BASE + " --enable-zero-bubble")
+    assert kw["schedule"] == "zb-h1"
+
+
+@pytest.mark.parametrize("setup,name", [(None, "zb-v"), ("zb", "zb-v"), ("half", "v-half"), ("min", "v-min")])
+def test_fork_v_schedule_and_mem_setup(setup, name):
+    cmd = BASE + " --enable-zero-bubble --zero-bubble-v-schedule --zero-bubble-max-pending-backward 3"
+    if setup:
+        cmd += f" --zero-bubble-v-schedule-mem-setup {setup}"
+    args, kw = validate(cmd)
+    assert kw["schedule"] == name and kw["chunks"] == 2
+    assert kw["memory_limit"] is None  # ignored by V schedules, as in the fork
+    assert args.num_virtual_stages_per_pipeline_rank == 2 and args.zero_bubble_placement == "v"
+
+
+def test_fork_mem_setup_without_v_schedule():
+    with pytest.raises(ZeroBubbleArgumentError, match="only applies with --zero-bubble-v-schedule"):
+        validate(BASE + " --enable-zero-bubble --zero-bubble-v-schedule-mem-setup half")
+
+
+def test_fork_schedule_the_core_does_not_have_yet(monkeypatch):
+    reg = dict(core_schedules.REGISTRY)
+    reg.pop("zb-v")
+    monkeypatch.setattr(core_schedules, "REGISTRY", reg)
+    with pytest.raises(ZeroBubbleArgumentError) as e:
+        validate(BASE + " --zero-bubble-v-schedule")
+    msg = str(e.value)
+    assert "--zero-bubble-v-schedule selects schedule 'zb-v'" in msg and "known schedules: " in msg
+    assert "zb-h1" in msg
+
+
+def test_fork_timers_are_the_profiling_window():
+    _, kw = validate(BASE + " --enable-zero-bubble --zero-bubble-pipeline-timers-start-iter 20 "
+                            "--zero-bubble-pipeline-timers-end-iter 30")
+    assert kw["profile_window"] == (20, 30)
+    _, kw = validate(BASE + " --enable-zero-bubble --zero-bubble-pipeline-timers-start-iter 20")
+    assert kw["profile_window"] == (20, 30)
+    with pytest.raises(ZeroBubbleArgumentError, match="either --zero-bubble-profile-window or the fork"):
+        validate(BASE + " --enable-zero-bubble --zero-bubble-pipeline-timers-end-iter 30 "
+                        "--zero-bubble-profile-window 1 2")
+
+
+def test_ours_and_fork_must_agree():
+    _, kw = validate(BASE + " --zero-bubble-schedule zb-v --zero-bubble-v-schedule")
+    assert kw["schedule"] == "zb-v"
+    with pytest.raises(ZeroBubbleArgumentError, match="--zero-bubble-schedule zb-h1 conflicts with the fork's flags, "
+                                                       "which select zb-v"):
+        validate(BASE + " --zero-bubble-schedule zb-h1 --zero-bubble-v-schedule")
+    with pytest.raises(ZeroBubbleArgumentError, match="disagree"):
+        validate(BASE + " --enable-zero-bubble --zero-bubble-memory-limit 4 --zero-bubble-max-pending-backward 6")
+
+
+@pytest.mark.parametrize("dest", sorted(NOT_AVAILABLE_FLAGS))
+def test_features_not_built_yet_parse_and_then_fail(dest):
+    flag, _ = NOT_AVAILABLE_FLAGS[dest]
+    value = {"offload_chunk_num": " 2", "offload_time": " 0.2", "interleave_group_size": " 4",
+             "num_seq_splits": " 2", "profile_memory_iter": " 3",
+             "zero_bubble_adaptive_memory_limit_percentile": " 85"}.get(dest, "")
+    args = parse(BASE + " --enable-zero-bubble " + flag + value)  # argparse accepts it
+    with pytest.raises(ZeroBubbleArgumentError, match=f"{flag} is not available yet in megatron-zb"):
+        validate_zero_bubble_args(args, before_megatron_validation=True)
+
+
+def test_harmless_values_of_not_built_flags_pass():
+    _, kw = validate(BASE + " --zero-bubble-schedule zb-h1 --num-seq-splits 1 --interleave-group-size 0 "
+                            "--offload-chunk-num 0")
+    assert kw["schedule"] == "zb-h1"
+
+
+def test_fork_example_command_line_parses_unchanged():
+    """The flags of the fork's examples/pretrain_zero_bubble.sh (ZB-V run), minus Megatron's own."""
+    args, kw = validate(BASE + " --enable-zb-runtime --zero-bubble-v-schedule --enable-zero-bubble "
+                               "--zero-bubble-pipeline-timers-start-iter 100 --zero-bubble-pipeline-timers-end-iter 110 "
+                               "--zero-bubble-max-pending-backward 8 --allow-padding-num-layers")
+    assert kw["schedule"] == "zb-v" and kw["profile_window"] == (100, 110)
+
+
+# -- combinations -------------------------------------------------------------------------------
+
+def test_pipeline_size_one_is_refused():
+    with pytest.raises(ZeroBubbleArgumentError, match="needs pipeline parallelism: --pipeline-model-parallel-size is 1"):
+        validate("--num-layers 4 --zero-bubble-schedule zb-h1")
+
+
+def test_v_needs_even_layers_per_stage_unless_padding():
+    with pytest.raises(ZeroBubbleArgumentError, match="V schedule zb-v needs an even number of layers per pipeline "
+                                                       "stage: --num-layers 12 is not divisible by 2 x"):
+        validate("--pipeline-model-parallel-size 4 --num-layers 12 --zero-bubble-schedule zb-v")
+    args, kw = validate("--pipeline-model-parallel-size 4 --num-layers 14 --zero-bubble-schedule zb-v "
+                        "--allow-padding-num-layers")
+    assert kw["chunks"] == 2 and args.num_virtual_stages_per_pipeline_rank == 2
+    with pytest.raises(ZeroBubbleArgumentError, match="needs --num-layers = k x 8 - 2"):
+        validate("--pipeline-model-parallel-size 4 --num-layers 12 --zero-bubble-schedule zb-v "
+                 "--allow-padding-num-layers")
+
+
+def test_v_refuses_user_virtual_pipeline_and_layouts():
+    for extra in ("--num-layers-per-virtual-pipeline-stage 2", "--num-virtual-stages-per-pipeline-rank 4"):
+        with pytest.raises(ZeroBubbleArgumentError, match="places 2 model chunks per rank in V order itself"):
+            validate(BASE + " --zero-bubble-schedule v-half " + extra)
+    for extra, flag in (("--decoder-first-pipeline-num-layers 3", "--decoder-first-pipeline-num-layers"),
+                        ("--pipeline-model-parallel-layout E|t|t|L", "--pipeline-model-parallel-layout")):
+        with pytest.raises(ZeroBubbleArgumentError, match=f"{flag} cannot be combined with V schedule"):
+            validate(BASE + " --zero-bubble-schedule zb-v " + extra)
+
+
+def test_v_after_megatron_validation_points_to_the_entry_point():
+    args = parse(BASE + " --zero-bubble-schedule zb-v")
+    args.virtual_pipeline_model_parallel_size = None  # Megatron's validate_args has run
+    with pytest.raises(ZeroBubbleArgumentError, match="python -m megatron_zb.megatron.pretrain_gpt"):
+        validate_zero_bubble_args(args)
+    args = parse(BASE + " --zero-bubble-schedule zb-h1")
+    args.virtual_pipeline_model_parallel_size = None
+    assert validate_zero_bubble_args(args)["schedule"] == "zb-h1"  # detected: after Megatron
+
+
+def test_padding_one_chunk_per_rank_sets_megatron_first_last_layers():
+    args, kw = validate("--pipeline-model-parallel-size 4 --num-layers 14 --zero-bubble-schedule zb-h1 "
+                        "--allow-padding-num-layers")
+    assert (args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers) == (3, 3)
+    args, _ = validate("--pipeline-model-parallel-size 4 --num-layers 16 --zero-bubble-schedule zb-h1 "
+                       "--allow-padding-num-layers")
+    assert args.decoder_first_pipeline_num_layers is None  # even split: nothing to pad
+    with pytest.raises(ZeroBubbleArgumentError, match="needs --num-layers = k x --pipeline-model-parallel-size - 2"):
+        validate("--pipeline-model-parallel-size 4 --num-layers 13 --zero-bubble-schedule zb-h1 "
+                 "--allow-padding-num-layers")
+    with pytest.raises(ZeroBubbleArgumentError, match="sets the first and last stage's layer counts itself"):
+        validate("--pipeline-model-parallel-size 4 --num-layers 14 --zero-bubble-schedule zb-h1 "
+                 "--allow-padding-num-layers --decoder-first-pipeline-num-layers 2")
+
+
+def test_one_chunk_schedules_refuse_virtual_pipeline():
+    with pytest.raises(ZeroBubbleArgumentError, match="schedule zb-h1 runs one model chunk per rank"):
+        validate(BASE + " --zero-bubble-schedule zb-h1 --num-layers-per-virtual-pipeline-stage 2")
+
+
+def test_looped_schedules_need_megatron_virtual_pipeline():
+    with pytest.raises(ZeroBubbleArgumentError, match="runs several model chunks per rank"):
+        validate(BASE + " --zero-bubble-schedule interleaved-1f1b")
+    _, kw = validate(BASE + " --zero-bubble-schedule interleaved-1f1b --num-layers-per-virtual-pipeline-stage 2")
+    assert kw["chunks"] == 2
+    _, kw = validate(BASE + " --zero-bubble-schedule looped-bfs --num-virtual-stages-per-pipeline-rank 4")
+    assert kw["chunks"] == 4
+    with pytest.raises(ZeroBubbleArgumentError, match="Megatron refuses a virtual pipeline at PP=2"):
+        validate("--pipeline-model-parallel-size 2 --num-layers 8 --zero-bubble-schedule interleaved-1f1b "
+                 "--num-layers-per-virtual-pipeline-stage 2 --no-overlap-p2p-communication")
+
+
+@pytest.mark.parametrize("extra,flag", [
+    ("--overlap-moe-expert-parallel-comm", "--overlap-moe-expert-parallel-comm"),
+    ("--defer-embedding-wgrad-compute", "--defer-embedding-wgrad-compute"),
+    ("--cuda-graph-impl full_iteration", "--cuda-graph-impl full_iteration"),
+])
+def test_conflicting_megatron_options(extra, flag):
+    with pytest.raises(ZeroBubbleArgumentError, match=flag):
+        validate(BASE + " --zero-bubble-schedule zb-h1 " + extra)
+
+
+# -- schedule preview ---------------------------------------------------------------------------
+
+def test_preview_simulates_and_refuses_an_impossible_memory_limit():
+    _, kw = validate(BASE + " --zero-bubble-schedule zb-h1")
+    sim, base = preview_schedule(kw, 4, 8)
+    assert sim.makespan == 27 and base.makespan == 33  # the ZB paper's p=4, m=8 figures
+    _, kw = validate(BASE + " --zero-bubble-schedule zb-h2 --zero-bubble-memory-limit 4")
+    with pytest.raises(ZeroBubbleArgumentError, match="schedule zb-h2 with pipeline size 4 and 8 microbatches"):
+        preview_schedule(kw, 4, 8)
+
+
+# -- inside Megatron's parser (megatron-core with megatron.training) ------------------------------
+
+@pytest.fixture()
+def megatron_parser():
+    from megatron_zb.megatron import cpu_shims
+    cpu_shims.apply()
+    try:
+        from megatron.training.arguments import add_megatron_arguments
+    except ImportError as e:
+        pytest.skip(f"this megatron-core has no megatron.training ({e}); run with MZB_MCORE=0.19.2")
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    add_megatron_arguments(parser)
+    return parser
+
+
+@pytest.mark.megatron
+def test_flags_do_not_collide_with_megatrons(megatron_parser):
+    parser = chain_providers(add_zero_bubble_args)(megatron_parser)  # argparse raises on a clash
+    args = parser.parse_args((BASE + " --micro-batch-size 1 --enable-zero-bubble --zero-bubble-v-schedule "
+                              "--zero-bubble-v-schedule-mem-setup half --allow-padding-num-layers "
+                              "--no-pre-communication-optimization --enable-zb-runtime").split())
+    kw = validate_zero_bubble_args(args, before_megatron_validation=True)
+    assert kw["schedule"] == "v-half" and args.num_virtual_stages_per_pipeline_rank == 2
+
+
+@pytest.mark.megatron
+def test_megatron_defaults_pass_validation(megatron_parser):
+    """Megatron's real defaults (overlap_p2p_comm True, cuda_graph_impl 'none', ...) raise nothing."""
+    parser = chain_providers(add_zero_bubble_args)(megatron_parser)
+    args = parser.parse_args((BASE + " --zero-bubble-schedule zb-h1").split())
+    assert validate_zero_bubble_args(args, before_megatron_validation=True)["schedule"] == "zb-h1"
