@@ -84,6 +84,7 @@ fi
 [ -n "${PROFILE_WINDOW:-}" ] && SCHEDULE_FLAGS+=(--zero-bubble-profile-window $PROFILE_WINDOW)
 
 # -- defaults: tiny CPU model, or a small GPU model ----------------------------------------------
+NNODES=${NNODES:-1}; NODE_RANK=${NODE_RANK:-0}
 if [ "$GPUS" -gt 0 ]; then
     NPROC=${NPROC:-$GPUS}
     NUM_LAYERS=${NUM_LAYERS:-$((4 * PP))}; HIDDEN=${HIDDEN:-1024}; HEADS=${HEADS:-16}; SEQ_LEN=${SEQ_LEN:-2048}
@@ -91,7 +92,7 @@ if [ "$GPUS" -gt 0 ]; then
     PRECISION=${PRECISION:-bf16}; LOG_INTERVAL=${LOG_INTERVAL:-10}
     export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 else
-    NPROC=${NPROC:-$((PP * TP))}
+    NPROC=${NPROC:-$(( (PP * TP + NNODES - 1) / NNODES ))}  # one process per model-parallel rank
     NUM_LAYERS=${NUM_LAYERS:-$((2 * PP))}; HIDDEN=${HIDDEN:-64}; HEADS=${HEADS:-4}; SEQ_LEN=${SEQ_LEN:-32}
     VOCAB=${VOCAB:-128}; MBS=${MBS:-2}; GBS=${GBS:-$((8 * MBS))}; ITERS=${ITERS:-20}; LR=${LR:-2e-3}
     PRECISION=${PRECISION:-fp32}; LOG_INTERVAL=${LOG_INTERVAL:-1}
@@ -103,7 +104,6 @@ FFN=${FFN:-$((4 * HIDDEN))}
 MIN_LR=${MIN_LR:-$(awk -v lr="$LR" 'BEGIN { printf "%g", lr / 10 }')}
 WARMUP=${WARMUP:-0}
 EVAL_INTERVAL=${EVAL_INTERVAL:-1000}; EVAL_ITERS=${EVAL_ITERS:-0}; SEED=${SEED:-1234}
-NNODES=${NNODES:-1}; NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}; MASTER_PORT=${MASTER_PORT:-29500}
 
 ARGS=(
