@@ -1,0 +1,241 @@
+"""The GPT pretraining entry point (``python -m megatron_zb.megatron.pretrain_gpt``) on CPU.
+
+Real trainings of a tiny GPT with 2 gloo ranks, launched through ``scripts/pretrain_gpt_zb.sh``
+(torchrun): Megatron's ``pretrain()`` with megatron-zb's schedules installed. Needs a
+megatron-core whose wheel has ``megatron.training`` (0.18+): run with ``MZB_MCORE=0.19.2``;
+on 0.16.1 these tests skip and only the "clear error" test runs.
+
+Also the NumPy stand-in for megatron's compiled dataset helpers, against a line-by-line Python
+transcription of the C++ loops.
+"""
+import importlib.util
+import os
+import re
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "scripts", "pretrain_gpt_zb.sh")
+ITERS = 8
+
+
+def _has_megatron_training() -> bool:
+    """Whether the selected megatron-core ships megatron.training (looked up without importing it)."""
+    spec = importlib.util.find_spec("megatron")
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    return any(os.path.isfile(os.path.join(d, "training", "arguments.py")) for d in locations)
+
+
+needs_training = pytest.mark.skipif(
+    not _has_megatron_training(),
+    reason="this megatron-core has no megatron.training (the 0.16.1 wheel does not ship it); "
+           "the entry point needs >= 0.18: run with MZB_MCORE=0.19.2")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(**extra):
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHON=sys.executable, FORCE_CPU="1")
+    if env.get("MZB_MCORE_PATH"):
+        env["MZB_MCORE"] = env["MZB_MCORE_PATH"]
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def run_script(timeout=240, **env):
+    proc = subprocess.run(["bash", SCRIPT], env=_env(MASTER_PORT=_free_port(), **env), cwd=ROOT,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    return proc.returncode, proc.stdout
+
+
+_ITER_RE = re.compile(r"iteration\s+(\d+)/\s*(\d+) \|.*?elapsed time per iteration \(ms\): ([0-9.]+) \|"
+                      r".*?learning rate: ([0-9.E+-]+) \|.*?lm loss: ([0-9.E+-]+)")
+
+
+def parse_log(text):
+    rows = [(int(m.group(1)), float(m.group(3)), float(m.group(4)), float(m.group(5)))
+            for m in _ITER_RE.finditer(text)]
+    return rows
+
+
+# --------------------------------------------------------------------------------------------
+# trainings
+# --------------------------------------------------------------------------------------------
+
+RUNS = {
+    "1f1b": dict(SCHEDULE="1f1b"),
+    "zb-h1": dict(SCHEDULE="zb-h1"),
+    # V placement (embedding and loss on rank 0) from the same weights as 1F1B: deterministic init
+    "zb-v/det": dict(SCHEDULE="zb-v", EXTRA_ARGS="--zero-bubble-deterministic-init"),
+    "1f1b/det": dict(SCHEDULE="1f1b", EXTRA_ARGS="--zero-bubble-deterministic-init"),
+}
+
+
+@pytest.fixture(scope="module")
+def trainings():
+    out = {}
+    for name, env in RUNS.items():
+        rc, text = run_script(ITERS=ITERS, PP=2, **env)
+        out[name] = (rc, text, parse_log(text))
+    return out
+
+
+def _check_ok(trainings, name):
+    rc, text, rows = trainings[name]
+    assert rc == 0, f"{name} failed (rc {rc}):\n{text[-4000:]}"
+    assert [r[0] for r in rows] == list(range(1, ITERS + 1)), f"{name}: iterations logged {[r[0] for r in rows]}"
+    return text, rows
+
+
+@pytest.mark.megatron
+@pytest.mark.dist
+@needs_training
+@pytest.mark.parametrize("name", list(RUNS))
+def test_trains_with_megatron_style_logs_and_falling_loss(trainings, name):
+    text, rows = _check_ok(trainings, name)
+    sched = RUNS[name]["SCHEDULE"]
+    assert f"megatron-zb: schedule {sched} installed" in text
+    losses = [r[3] for r in rows]
+    assert losses[-1] < losses[0] - 0.3, f"{name}: loss did not fall: {losses}"
+    assert all(r[1] > 0 for r in rows)  # ms per iteration
+    assert rows[0][2] > rows[-1][2]  # cosine learning rate decays
+
+
+@pytest.mark.megatron
+@pytest.mark.dist
+@needs_training
+def test_zb_h1_equals_1f1b_at_the_same_seed(trainings):
+    _, a = _check_ok(trainings, "1f1b")
+    _, b = _check_ok(trainings, "zb-h1")
+    for (i, _, _, la), (_, _, _, lb) in zip(a, b):
+        assert lb == pytest.approx(la, rel=2e-6), f"iteration {i}: 1f1b {la} vs zb-h1 {lb}"
+
+
+@pytest.mark.megatron
+@pytest.mark.dist
+@needs_training
+def test_v_placement_equals_1f1b_from_the_same_weights(trainings):
+    text, v = _check_ok(trainings, "zb-v/det")
+    _, ref = _check_ok(trainings, "1f1b/det")
+    assert "v placement, 2 chunk(s) per rank" in text
+    # rank 0 builds stages 0 and 3 (embedding and loss), rank 1 stages 1 and 2
+    assert re.search(r"pipeline rank 0 chunk 1: stage 3 of 4, layers 3-3, loss", text)
+    assert re.search(r"pipeline rank 1 chunk 1: stage 2 of 4, layers 2-2\b", text)
+    for (i, _, _, la), (_, _, _, lb) in zip(ref, v):
+        assert lb == pytest.approx(la, rel=2e-6), f"iteration {i}: 1f1b {la} vs zb-v {lb}"
+
+
+# --------------------------------------------------------------------------------------------
+# errors
+# --------------------------------------------------------------------------------------------
+
+def _entry(args, timeout=120):
+    cmd = [sys.executable, "-m", "megatron_zb.megatron.pretrain_gpt"] + args
+    return subprocess.run(cmd, env=_env(RANK="0", WORLD_SIZE="2"), cwd=ROOT, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, timeout=timeout)
+
+
+TINY = ("--pipeline-model-parallel-size 2 --num-layers 6 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+        "--max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 16 --train-iters 2 --lr 1e-3 "
+        "--tokenizer-type NullTokenizer --vocab-size 128").split()
+
+
+@pytest.mark.megatron
+@needs_training
+@pytest.mark.parametrize("flags,message", [
+    (["--zero-bubble-schedule", "zb-v"], "V schedule zb-v needs an even number of layers per pipeline stage"),
+    (["--enable-zero-bubble", "--cpu-offload"], "--cpu-offload is not available yet in megatron-zb"),
+    (["--zero-bubble-schedule", "zb-h2", "--zero-bubble-memory-limit", "2"],
+     "schedule zb-h2 with pipeline size 2 and 8 microbatches"),
+])
+def test_bad_flags_fail_before_training_with_one_line(flags, message):
+    proc = _entry(TINY + flags)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.megatron
+@pytest.mark.skipif(_has_megatron_training(), reason="this megatron-core has megatron.training")
+def test_entry_point_says_what_it_needs_without_megatron_training():
+    proc = _entry(TINY + ["--zero-bubble-schedule", "zb-h1"])
+    assert proc.returncode == 2
+    assert "needs megatron.training" in proc.stderr and "patches/megatron-lm-pretrain_gpt.patch" in proc.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# the NumPy stand-in for megatron's dataset helpers
+# --------------------------------------------------------------------------------------------
+
+def _reference_sample_idx(sizes, document_idx, seq_length, num_epochs, tokens_per_epoch, drop_last, add_extra):
+    """helpers.cpp's build_sample_idx, transcribed loop for loop."""
+    import math
+    if drop_last:
+        num_samples = (num_epochs * tokens_per_epoch - add_extra) // seq_length
+    else:
+        num_samples = math.ceil(float(np.float32(num_epochs * tokens_per_epoch - add_extra)) / seq_length)
+    out = [(0, 0)]
+    idx, offset = 0, 0
+    while len(out) <= num_samples:
+        remaining = seq_length + add_extra
+        while remaining != 0:
+            length = int(sizes[document_idx[idx]]) - offset
+            remaining -= length
+            if remaining <= 0:
+                offset += remaining + length - add_extra
+                remaining = 0
+            else:
+                if idx == len(document_idx) - 1:
+                    offset = int(sizes[document_idx[idx]]) - add_extra
+                    break
+                idx += 1
+                offset = 0
+        out.append((idx, offset))
+    return np.array(out)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("drop_last", [True, False])
+@pytest.mark.parametrize("add_extra", [1, 0])
+def test_numpy_sample_index_matches_the_cpp_loop(seed, drop_last, add_extra):
+    from megatron_zb.megatron.cpu_shims import _numpy_dataset_helpers
+    helpers = _numpy_dataset_helpers("helpers_cpp_test")
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(1, 40, size=50).astype(np.int32)
+    epochs = 2
+    document_idx = np.concatenate([rng.permutation(50) for _ in range(epochs)]).astype(np.int32)
+    tokens_per_epoch = int(sizes.sum())
+    seq = int(rng.integers(2, 30))
+    got = helpers.build_sample_idx_int32(sizes, document_idx, seq, epochs, tokens_per_epoch, drop_last, add_extra)
+    want = _reference_sample_idx(sizes, document_idx, seq, epochs, tokens_per_epoch, drop_last, add_extra)
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, want)
+
+
+def test_numpy_blending_indices_match_the_cpp_loops():
+    from megatron_zb.megatron.cpu_shims import _numpy_dataset_helpers
+    helpers = _numpy_dataset_helpers("helpers_cpp_test")
+    weights = np.array([0.5, 0.3, 0.2])
+    di, dsi = np.zeros(100, np.int16), np.zeros(100, np.int64)
+    helpers.build_blending_indices(di, dsi, weights, 3, 100, False)
+    cur = [0, 0, 0]
+    for i in range(100):  # the C++ loop
+        errs = [weights[d] * max(i, 1) - cur[d] for d in range(3)]
+        j = max(range(3), key=lambda d: (errs[d], -d))
+        assert (di[i], dsi[i]) == (j, cur[j])
+        cur[j] += 1
+    sizes = np.array([3, 5, 2], dtype=np.int64)
+    di, dsi = np.zeros(10, np.int16), np.zeros(10, np.int64)
+    helpers.build_exhaustive_blending_indices(di, dsi, sizes, 3)
+    assert np.bincount(di, minlength=3).tolist() == [3, 5, 2]
+    for d in range(3):
+        assert dsi[di == d].tolist() == list(range(sizes[d]))
