@@ -348,3 +348,43 @@ def test_megatron_defaults_pass_validation(megatron_parser):
     parser = chain_providers(add_zero_bubble_args)(megatron_parser)
     args = parser.parse_args((BASE + " --zero-bubble-schedule zb-h1").split())
     assert validate_zero_bubble_args(args, before_megatron_validation=True)["schedule"] == "zb-h1"
+
+
+@pytest.mark.megatron
+def test_install_from_args_after_megatron_validation(megatron_parser):
+    from megatron_zb.megatron.args import install_from_args
+    parser = chain_providers(add_zero_bubble_args)(megatron_parser)
+    args = parser.parse_args((BASE + " --micro-batch-size 1 --zero-bubble-schedule zb-h1").split())
+    args.virtual_pipeline_model_parallel_size = None  # as after Megatron's validate_args
+    import megatron.core.pipeline_parallel as mpp
+    before = mpp.get_forward_backward_func
+    handle = install_from_args(args)
+    try:
+        assert mpp.get_forward_backward_func(pp_size=4, vp_size=None) is handle.forward_backward
+        assert handle.forward_backward.options.schedule == "zb-h1"
+    finally:
+        handle.uninstall()
+    assert mpp.get_forward_backward_func is before
+    args = parser.parse_args(BASE.split())
+    args.virtual_pipeline_model_parallel_size = None
+    assert install_from_args(args) is None  # no zero-bubble flag: Megatron's schedules
+
+
+@pytest.mark.megatron
+def test_install_on_first_use_reads_megatrons_global_args(megatron_parser, monkeypatch):
+    from megatron_zb.megatron.args import install_on_first_use
+    import megatron.training
+    import megatron.training.training as T
+    parser = chain_providers(add_zero_bubble_args)(megatron_parser)
+    args = parser.parse_args((BASE + " --micro-batch-size 1 --enable-zero-bubble").split())
+    args.virtual_pipeline_model_parallel_size = None
+    monkeypatch.setattr(megatron.training, "get_args", lambda: args)
+    original = T.get_forward_backward_func
+    undo = install_on_first_use()
+    try:
+        fb = T.get_forward_backward_func(pp_size=4, vp_size=None)
+        assert fb.options.schedule == "zb-auto"
+        assert T.get_forward_backward_func(pp_size=4, vp_size=None) is fb
+    finally:
+        undo()
+    assert T.get_forward_backward_func is original
