@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import platform
+import queue
 import socket
 import statistics
 import sys
@@ -151,8 +152,18 @@ def run_cases(p, cases, unit, iterations=5, warmup=1, timeout=1800):
              for r in range(p)]
     for pr in procs:
         pr.start()
+    deadline = time.monotonic() + timeout
     try:
-        got = q.get(timeout=timeout)
+        while True:
+            try:
+                got = q.get(timeout=1)
+                break
+            except queue.Empty:
+                dead = [r for r, pr in enumerate(procs) if pr.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"rank(s) {dead} exited with an error (see their output above)")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"no result after {timeout} s")
     finally:
         for pr in procs:
             pr.join(timeout=30)
@@ -218,6 +229,7 @@ def main(argv=None):
     if "1f1b" not in schedules:
         schedules = ["1f1b"] + schedules
     unit = args.unit_ms / 1e3
+    load_before = os.getloadavg() if hasattr(os, "getloadavg") else None
     all_rows, hops = [], {}
     t0 = time.perf_counter()
     for p in args.pp:
@@ -240,6 +252,7 @@ def main(argv=None):
           f"max |error| {summary['max_abs_error_pct']:.2f}%, median {summary['median_abs_error_pct']:.2f}%; "
           f"wall {time.perf_counter() - t0:.0f} s")
     out = {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
+           "loadavg_before": load_before, "loadavg_after": os.getloadavg() if hasattr(os, "getloadavg") else None,
            "unit_s": unit, "iterations": args.iterations, "warmup": args.warmup,
            "hop_s": {str(k): v for k, v in hops.items()}, "summary": summary, "rows": all_rows}
     if args.out:

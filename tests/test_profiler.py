@@ -126,18 +126,24 @@ def test_auto_replans_names():
     assert not P.auto_replans("zb-h1") and not P.auto_replans("1f1b") and not P.auto_replans(None)
 
 
-def test_instrument_single_process_cpu(tmp_path):
-    """One rank holding both stages of a 2-stage pipeline (no p2p): timing, saved bytes, mem_w."""
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_instrument_single_process(tmp_path, device):
+    """One rank holding both stages of a 2-stage pipeline (no p2p): timing, activation bytes, mem_w.
+    CPU: saved-tensor bytes; CUDA: events and memory_allocated deltas."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from megatron_zb.core.ir import Schedule
     from megatron_zb.core.lower import lower
     from megatron_zb.runtime.executor import StagePasses, execute
 
     torch.manual_seed(0)
-    mbs, h = 16, 32
-    params = {s: (torch.randn(h, h, requires_grad=True), torch.randn(h, requires_grad=True)) for s in (0, 1)}
+    mbs, h = 64, 256
+    params = {s: (torch.randn(h, h, device=device, requires_grad=True),
+                  torch.randn(h, device=device, requires_grad=True)) for s in (0, 1)}
     graphs = {}
 
     def forward(s, mb, inp):
-        x = torch.randn(mbs, h) if s == 0 else inp
+        x = torch.randn(mbs, h, device=device) if s == 0 else inp
         y = torch.tanh(x @ params[s][0] + params[s][1])
         return y.square().mean() if s == 1 else y
 
@@ -152,15 +158,13 @@ def test_instrument_single_process_cpu(tmp_path):
         torch.autograd.grad(out, list(params[s]), grad)
 
     pl = Placement((0, 0))  # both stages on rank 0: local hand-over, no p2p
-    st = Setting(1, 3, chunks=2)
-    sched = generate("zb-h1", Setting(2, 3))
-    from megatron_zb.core.ir import Schedule
-    order = [a for o in sched.orders for a in o]  # both ranks' passes, in a runnable order
-    order = sorted(order, key=lambda a: (a.mb, {"F": 0, "B": 1, "W": 2}[a.kind], a.stage if a.kind == "F" else -a.stage))
-    one = lower(Schedule("seq", pl, 3, [order]), st)
+    order = sorted((a for o in generate("zb-h1", Setting(2, 3)).orders for a in o),  # runnable order
+                   key=lambda a: (a.mb, {"F": 0, "B": 1, "W": 2}[a.kind], a.stage if a.kind == "F" else -a.stage))
+    one = lower(Schedule("seq", pl, 3, [order]), Setting(1, 3, chunks=2))
     prof = P.PassProfiler((2, 2), str(tmp_path / "p.json"), schedule="seq", probe_rounds=0)
     prof.ignore_parameters([t for ps in params.values() for t in ps])
-    passes = StagePasses(forward=forward, backward=backward, weight=weight, recv_shape=lambda s, mb: (mbs, h))
+    passes = StagePasses(forward=forward, backward=backward, weight=weight, recv_shape=lambda s, mb: (mbs, h),
+                         device=torch.device(device))
     got = []
     for it in (1, 2, 3):
         run = passes
@@ -171,13 +175,23 @@ def test_instrument_single_process_cpu(tmp_path):
             got.append(prof.end_iteration(it, placement=pl, num_microbatches=3, rank=0))
     assert got[0] is not None and prof.done and not prof.in_window(2)
     prof_ = got[0]
-    assert os.path.exists(tmp_path / "p.json")
-    # each stage saves its input (mbs x h fp32) and the tanh output; square() saves the same y
-    assert prof_["mem_f"] == [2 * 2 * mbs * h * 4]
-    assert prof_["mem_w"] == prof_["mem_f"]  # the retained graph keeps everything until W
+    assert P.load_profile(str(tmp_path / "p.json")) == json.loads(json.dumps(prof_))
     assert prof_["samples"]["F"] == 6 and prof_["samples"]["B"] == 6 and prof_["samples"]["W"] == 6
     assert all(x > 0 for x in prof_["cost_f"] + prof_["cost_b"] + prof_["cost_w"])
-    assert prof_["iterations"] == 1 and prof_["mem_method"] == "saved_tensors_hooks"
+    assert prof_["iterations"] == 1 and prof_["device"] == device
+    act = mbs * h * 4
+    if device == "cpu":
+        assert prof_["mem_method"] == "saved_tensors_hooks"
+        # each stage saves its input (x, also stage 0's fresh batch) and the tanh output (square()
+        # saves the same y); the weights are ignored
+        assert prof_["mem_f"] == [2 * 2 * act]
+        assert prof_["mem_w"] == prof_["mem_f"]  # the retained graph keeps everything until W
+    else:
+        assert prof_["mem_method"] == "cuda.memory_allocated"
+        # allocated and still held after F: stage 0 its batch and y; stage 1 its y (its input is
+        # stage 0's output, allocated before), plus the scalar loss
+        assert 3 * act <= prof_["mem_f"][0] <= 3 * act + 4096, prof_["mem_f"]
+        assert 0 <= prof_["mem_w"][0] <= prof_["mem_f"][0]
 
 
 # --------------------------------------------------------------------------------------------
