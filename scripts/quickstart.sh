@@ -1,21 +1,21 @@
 #!/usr/bin/env bash
-# The main job: install megatron-zb and show which schedule to run for a realistic setting
-# (8 pipeline stages, 32 microbatches, measured-looking costs with a heavier loss stage),
-# then draw the timeline of the best zero-bubble schedule.
+# The main job: install everything, train a tiny GPT for real with megatron-zb's ZB-V schedule
+# (4 pipeline ranks; gloo processes on a CPU, NCCL when GPUs are present), then the same model,
+# data and seed with 1F1B, and compare: loss curves, time per iteration, bubble, and a timeline
+# picture of the schedule that ran (drawn with the F/B/W costs measured during the run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh >/dev/null
-MZB=.venv/bin/megatron-zb
-OUT=${OUT_DIR:-out}
+OUT=${OUT_DIR:-out/quickstart}
+PP=${PP:-4}
+ITERS=${ITERS:-30}
 mkdir -p "$OUT"
-COSTS=(--stages 8 --microbatches 32 --cost-f 1.0,1,1,1,1,1,1,1.3 --cost-b 1.0,1,1,1,1,1,1,1.4
-       --cost-w 0.8 --cost-comm 0.05 --mem-w 0.6)
-echo "== megatron-zb compare (P=8, M=32) =="
-$MZB compare "${COSTS[@]}"
+rm -f "$OUT"/pretrain_*.log
+for S in zb-v 1f1b; do
+    echo "================ training with --zero-bubble-schedule $S (PP=$PP, $ITERS iterations) ================"
+    SCHEDULE=$S PP=$PP ITERS=$ITERS LOG_DIR="$OUT" LOG_INTERVAL=${LOG_INTERVAL:-5} \
+        EXTRA_ARGS="--zero-bubble-deterministic-init --zero-bubble-profile-window 10 $((ITERS - 5)) --zero-bubble-profile-path $OUT/profile_$S.json ${EXTRA_ARGS:-}" \
+        bash scripts/pretrain_gpt_zb.sh 2>&1 | grep -v -i -E "warn|^\s*$" | grep -E "iteration +[0-9]+/|megatron-zb|error|Error" || true
+done
 echo
-echo "== the same under 1F1B's activation memory (8 microbatches per rank) =="
-$MZB compare "${COSTS[@]}" --memory-limit 8
-echo
-$MZB plot --schedule zb-h2 "${COSTS[@]}" --out "$OUT/zb-h2.png" "$OUT/zb-h2.svg" "$OUT/zb-h2.trace.json"
-$MZB plot --schedule 1f1b "${COSTS[@]}" --out "$OUT/1f1b.png"
-echo "timelines written to $OUT/ (open the .trace.json in Perfetto or chrome://tracing)"
+.venv/bin/python scripts/quickstart_report.py "$OUT"
