@@ -388,3 +388,11 @@ def test_install_on_first_use_reads_megatrons_global_args(megatron_parser, monke
     finally:
         undo()
     assert T.get_forward_backward_func is original
+
+
+def test_uneven_layers_need_padding():
+    with pytest.raises(ZeroBubbleArgumentError, match="--num-layers 14 cannot be split evenly over 4 pipeline stages"):
+        validate("--pipeline-model-parallel-size 4 --num-layers 14 --zero-bubble-schedule zb-h1")
+    _, kw = validate("--pipeline-model-parallel-size 4 --num-layers 14 --zero-bubble-schedule zb-h1 "
+                     "--decoder-first-pipeline-num-layers 2 --decoder-last-pipeline-num-layers 3")
+    assert kw["schedule"] == "zb-h1"  # Megatron's own uneven split

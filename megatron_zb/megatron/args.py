@@ -511,6 +511,12 @@ def validate_zero_bubble_args(args, *, before_megatron_validation: Optional[bool
                       "/ --num-virtual-stages-per-pipeline-rank / --pipeline-model-parallel-layout (or pick "
                       "interleaved-1f1b, or a V schedule such as zb-v)")
         chunks = 1
+        if L is not None and L % p and not pad and first is None and last is None \
+                and not getattr(args, "account_for_embedding_in_pipeline_split", False) \
+                and not getattr(args, "account_for_loss_in_pipeline_split", False):
+            raise err(f"--num-layers {L} cannot be split evenly over {p} pipeline stages: use a multiple of {p}, "
+                      f"or --allow-padding-num-layers with --num-layers = k x {p} - 2 (first and last stage one "
+                      "layer less)")
         _apply_padding_single(args, before_megatron_validation, name=name)
 
     if style == "v" and p == 2 and getattr(args, "overlap_p2p_comm", True) is False:

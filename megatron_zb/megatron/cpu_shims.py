@@ -51,6 +51,12 @@ def apply(force: bool = False) -> bool:
     return True
 
 
+def python_compat() -> None:
+    """Python 3.11 with megatron-core >= 0.17 (declared for 3.12): ``typing.override``. Safe with or
+    without CUDA; ``apply()`` includes it."""
+    _typing_override()
+
+
 def _typing_override():
     # megatron.training uses typing.override (Python 3.12); 3.11 has it in typing_extensions.
     if not hasattr(typing, "override"):

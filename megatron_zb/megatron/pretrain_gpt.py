@@ -78,6 +78,7 @@ def _cuda() -> bool:
 def _prepare_megatron() -> None:
     """CPU shims (no CUDA) and the dataset-helper fallback; then check megatron.training is usable."""
     from . import cpu_shims
+    cpu_shims.python_compat()
     if not _cuda():
         cpu_shims.apply()
     try:
