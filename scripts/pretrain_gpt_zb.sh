@@ -25,7 +25,8 @@
 #   SAVE LOAD SAVE_INTERVAL        checkpointing
 #   PROFILE_WINDOW "START END"     --zero-bubble-profile-window (writes a profile JSON)
 #   PRECISION     bf16 | fp16 | fp32 (default bf16 on GPU, fp32 on CPU)
-#   LOG_DIR       also write the output to $LOG_DIR/pretrain_<schedule>_<timestamp>.log
+#   LOG_DIR       also write the output to $LOG_DIR/pretrain_<schedule>_node<rank>_<timestamp>.log
+#   LOG_FILE      ... or to exactly this file
 #   MZB_MCORE     megatron-core to use: a version (<repo>/.venv/mcore-<version>) or a directory;
 #                 default: the installed one if it has megatron.training, else .venv/mcore-0.19.2
 #   PYTHON        interpreter (default: <repo>/.venv/bin/python if present, else python3)
@@ -147,9 +148,9 @@ if [ "${DRY_RUN:-0}" = 1 ]; then
     printf '%q ' "${CMD[@]}"; echo
     exit 0
 fi
-if [ -n "${LOG_DIR:-}" ]; then
-    mkdir -p "$LOG_DIR"
-    LOG="$LOG_DIR/pretrain_${SCHEDULE}_node${NODE_RANK}_$(date +%Y%m%d_%H%M%S).log"
+if [ -n "${LOG_FILE:-}" ] || [ -n "${LOG_DIR:-}" ]; then
+    LOG=${LOG_FILE:-$LOG_DIR/pretrain_${SCHEDULE}_node${NODE_RANK}_$(date +%Y%m%d_%H%M%S).log}
+    mkdir -p "$(dirname "$LOG")"
     echo "megatron-zb: log -> $LOG"
     "${CMD[@]}" 2>&1 | tee "$LOG"
     exit "${PIPESTATUS[0]}"
