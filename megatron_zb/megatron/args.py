@@ -38,7 +38,7 @@ from __future__ import annotations
 import argparse
 import math
 import re
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Optional
 
 from ..core import schedules as core_schedules
 from ..core.ir import ScheduleError

@@ -34,7 +34,6 @@ import time
 _PROGRAM_START_TIME = time.time()
 
 import argparse  # noqa: E402
-import contextlib  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 import warnings  # noqa: E402
@@ -166,13 +165,11 @@ def prepare_args(extra_args_provider: Optional[Callable] = None, args_defaults: 
         load_args_from_checkpoint(args)
     zb = validate_zero_bubble_args(args, before_megatron_validation=True)
     notes = _cpu_and_te_defaults(args)
-    if getattr(args, "data_path", None) is None and getattr(args, "data_args_path", None) is None \
-            and getattr(args, "per_split_data_args_path", None) is None and not getattr(args, "mock_data", False):
+    data_flags = ("data_path", "train_data_path", "valid_data_path", "test_data_path", "data_args_path",
+                  "per_split_data_args_path")
+    if not any(getattr(args, f, None) for f in data_flags) and not getattr(args, "mock_data", False):
         args.mock_data = True
         notes.append("--mock-data (no --data-path given)")
-    if getattr(args, "zero_bubble_placement", None) == "v" and getattr(args, "untie_embeddings_and_output_weights",
-                                                                          False) is False:
-        pass  # tied: both copies on rank 0, summed locally (finalize_model_grads_for)
     validate_args(args, defaults)
     set_global_variables(args)
     return args, zb, notes
@@ -559,10 +556,18 @@ def _print0(msg: str) -> None:
         print(msg, flush=True)
 
 
+def _install_error():
+    try:
+        from .install import ZeroBubbleConfigError
+        return ZeroBubbleConfigError
+    except Exception:  # pragma: no cover
+        return ZeroBubbleArgumentError
+
+
 def _cli() -> int:
     try:
         main()
-    except (ZeroBubbleArgumentError, MegatronTrainingMissing) as e:
+    except (ZeroBubbleArgumentError, MegatronTrainingMissing, _install_error()) as e:
         print(f"megatron-zb: error: {e}", file=sys.stderr)
         return 2
     return 0
