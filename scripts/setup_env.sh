@@ -13,7 +13,7 @@ PY=${PYTHON:-python3}
 PIP="$VENV/bin/python -m pip --disable-pip-version-check -q"
 $PIP install torch==2.13.0
 $PIP install "megatron-core==0.16.1" "packaging>=24.2" numpy scipy matplotlib pytest hypothesis \
-    typing_extensions "torch==2.13.0"
+    typing_extensions psutil "torch==2.13.0"
 if [ ! -d "$VENV/mcore-0.19.2/megatron/core" ]; then
     $PIP install --no-deps --python-version 3.12 --only-binary=:all: --ignore-requires-python \
         --target "$VENV/mcore-0.19.2" megatron-core==0.19.2

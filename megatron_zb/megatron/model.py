@@ -172,7 +172,7 @@ def chunk_infos(placement: Placement, num_layers: int, pp_rank: int, **layer_kw)
     return out
 
 
-def _placement_layer_table(placement: Placement, num_layers: int, **layer_kw) -> Dict[Tuple[int, int], Tuple[int, int]]:
+def placement_layer_table(placement: Placement, num_layers: int, **layer_kw) -> Dict[Tuple[int, int], Tuple[int, int]]:
     """(pp_rank, vp_stage) -> (global layer offset, layer count) for every chunk of every rank."""
     table = {}
     for r in range(placement.num_ranks):
@@ -288,7 +288,7 @@ def _lookup_layers(config, vp_stage, pp_rank) -> Optional[Tuple[int, int]]:
     return spec["table"].get(key)
 
 
-def _install_layer_hooks() -> None:
+def install_layer_hooks() -> None:
     """Wrap megatron's layer-count / layer-offset functions once (idempotent)."""
     import megatron.core.transformer.transformer_block as tb
     import megatron.core.transformer.transformer_layer as tl
@@ -345,7 +345,7 @@ def build_model_chunks(model_cfg: TinyGPTConfig, placement: Placement, *, config
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    _install_layer_hooks()
+    install_layer_hooks()
     own_rank = parallel_state.get_pipeline_model_parallel_rank()
     if pp_rank is None:
         pp_rank = own_rank
@@ -358,13 +358,13 @@ def build_model_chunks(model_cfg: TinyGPTConfig, placement: Placement, *, config
     if getattr(config, "pipeline_model_parallel_layout", None) is not None:
         raise ScheduleError("pipeline_model_parallel_layout is not supported with megatron-zb placements")
     config._mzb_layers = {"own_rank": own_rank, "placement_rank": pp_rank,
-                          "table": _placement_layer_table(placement, model_cfg.num_layers, **layer_kw),
+                          "table": placement_layer_table(placement, model_cfg.num_layers, **layer_kw),
                           "placement": placement}
     multi = placement.chunks > 1
     chunks = []
     for info in infos:
         model = GPTModel(
-            config=config, transformer_layer_spec=_layer_spec(config, len(info.layers)),
+            config=config, transformer_layer_spec=layer_spec(config, len(info.layers)),
             vocab_size=model_cfg.vocab_size, max_sequence_length=model_cfg.seq_length,
             pre_process=info.pre_process, post_process=info.post_process,
             share_embeddings_and_output_weights=model_cfg.tie_embeddings,
@@ -402,7 +402,7 @@ class SequenceParallelTorchNorm:
         return norm
 
 
-def _layer_spec(config, num_layers: int):
+def layer_spec(config, num_layers: int):
     """megatron's local GPT layer spec; with sequence parallelism its norms are swapped for
     ``SequenceParallelTorchNorm`` and the block spec is given explicitly (so the final norm too)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec

@@ -235,16 +235,11 @@ class _ModelProvider:
         info = zb_model.chunk_infos(placement, args.num_layers, pp_rank, **_layer_kw(args))[vp_stage or 0]
         if placement.style == "v":
             pre_process, post_process = info.pre_process, info.post_process
-            zb_model._install_layer_hooks()
+            zb_model.install_layer_hooks()
             tcfg._mzb_layers = {"own_rank": None, "placement_rank": pp_rank,
-                                "table": zb_model._placement_layer_table(placement, args.num_layers, **_layer_kw(args)),
+                                "table": zb_model.placement_layer_table(placement, args.num_layers, **_layer_kw(args)),
                                 "placement": placement}
             tcfg.finalize_model_grads_func = partial(zb_model.finalize_model_grads_for, placement=placement)
-            # The executor hands the V turn-around's output to the next stage on this rank without
-            # pseudo-freeing it, so megatron's custom_backward (deallocate_pipeline_outputs, which
-            # megatron.training always sets) would refuse its backward. Keep outputs until the
-            # runtime frees them on local hand-over too.
-            tcfg.deallocate_pipeline_outputs = False
         if parallel_state.get_data_parallel_rank() == 0 and parallel_state.get_tensor_model_parallel_rank() == 0:
             layers = f"layers {info.layers[0]}-{info.layers[-1]}" if info.layers else "no layers"
             print(f" > pipeline rank {pp_rank} chunk {vp_stage or 0}: stage {info.stage} of {info.num_stages}, "
@@ -252,7 +247,7 @@ class _ModelProvider:
         if tcfg.transformer_impl == "local" and tcfg.sequence_parallel and model_cfg.transformer_layer_spec is None:
             # the local spec's torch norms refuse sequence parallelism (apex/TE norms are absent, e.g.
             # on CPU): model.py's local spec with sequence-parallel-capable torch norms
-            model_cfg.transformer_layer_spec = zb_model._layer_spec(tcfg, len(info.layers))
+            model_cfg.transformer_layer_spec = zb_model.layer_spec(tcfg, len(info.layers))
         model = GPTModelBuilder(model_cfg).build_model(pg_collection, pre_process=pre_process,
                                                        post_process=post_process, vp_stage=vp_stage)
         got = [int(layer.layer_number) - 1 for layer in model.decoder.layers]

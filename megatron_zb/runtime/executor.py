@@ -41,7 +41,7 @@ class StagePasses:
     after_last_backward: Optional[Callable[[int], None]] = None
     # timing hook: called with (kind, stage, mb, seconds) after each compute pass
     on_pass: Optional[Callable[[str, int, int, float], None]] = None
-    # release an activation that has been sent (Megatron's deallocate_pipeline_outputs)
+    # release an activation that has been sent or handed over (deallocate_pipeline_outputs)
     release_output: Optional[Callable[[torch.Tensor], None]] = None
 
 
@@ -124,6 +124,8 @@ def _step(a: Action, i: int, rank: int, pl: Placement, nst: int, ps: StagePasses
             st.saved[key] = (inp, out)
         if a.stage + 1 < nst and pl.rank_of(a.stage + 1) == rank:  # local hand-over (V turn)
             st.local_inputs[(a.stage + 1, a.mb)] = out.detach().requires_grad_(not forward_only)
+            if ps.release_output is not None and not forward_only:
+                ps.release_output(out)  # like a sent output: the detached copy keeps the data
         elif a.stage + 1 < nst:
             st.to_send_f[key] = out
     elif k == SEND_F:
