@@ -52,16 +52,21 @@ def _nonneg(name):
     return parse
 
 
-def _positive_int(name):
+def int_at_least(name, lo):
+    """argparse type: an integer >= lo, else one clear line naming the flag."""
     def parse(text):
         try:
             v = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer >= 1, got {text!r}") from None
-        if v < 1:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer >= 1, got {v}")
+            raise argparse.ArgumentTypeError(f"{name} must be an integer >= {lo}, got {text!r}") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer >= {lo}, got {v}")
         return v
     return parse
+
+
+def _positive_int(name):
+    return int_at_least(name, 1)
 
 
 def _add_setting_args(ap: argparse.ArgumentParser, schedule_required: bool = True):

@@ -133,15 +133,8 @@ def _pending_backward(text):
 
 
 def _nonneg_int(flag):
-    def parse(text):
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag} must be an integer >= 0, got {text!r}") from None
-        if v < 0:
-            raise argparse.ArgumentTypeError(f"{flag} must be an integer >= 0, got {text!r}")
-        return v
-    return parse
+    from ..cli import int_at_least
+    return int_at_least(flag, 0)
 
 
 # The fork's flags for features megatron-zb does not have yet: parsed (so the user's script gets
