@@ -91,7 +91,12 @@ def run_rank(rank, world, name, m, chunks, fwd_only, drop_sends_on=None, timeout
     if drop_sends_on == rank:  # a broken peer: never sends anything
         actions = [a for a in actions if not a.kind.startswith("SEND")]
         passes.forward = lambda s, mb, inp: stage_forward(params[s], s, nst, batch(mb) if s == 0 else inp).detach()
-    execute(actions, rank, pl, passes, p2p, forward_only=fwd_only)
+    calls = []
+    passes.overlap = lambda run_f, run_b: (calls.append(1), run_f(), run_b())
+    pairs = {i: j for r, i, j in low.meta.get("overlap_pairs", ()) if r == rank}
+    execute(actions, rank, pl, passes, p2p, forward_only=fwd_only, overlap_pairs=pairs)
+    if not fwd_only:
+        assert len(calls) == len(pairs), (len(calls), len(pairs))  # the hook ran every pair
     assert not graphs, f"W passes left: {sorted(graphs)}"
     return losses, {s: [None if p.grad is None else p.grad.numpy().copy() for p in params[s]] for s in params}
 

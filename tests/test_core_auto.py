@@ -3,7 +3,8 @@ import itertools
 
 import pytest
 
-from megatron_zb.core.ir import BW, F, B, ScheduleError, Setting
+from megatron_zb.core.ir import BW, F, B, OVERLAP, ScheduleError, Setting
+from megatron_zb.core.lower import lower
 from megatron_zb.core.schedules import generate
 from megatron_zb.core.simulate import simulate
 from megatron_zb.core.validate import validate
@@ -82,10 +83,17 @@ def test_looped_bfs_and_dualpipe_v():
     s, r = sim("looped-bfs", 4, 8, chunks=2)
     assert s.placement.style == "looped" and all(a.kind in (F, BW) for o in s.orders for a in o)
     s, r = sim("dualpipe-v", 4, 10)
-    assert s.placement.style == "v" and s.meta["overlap_pairs"]
-    for rank, i in s.meta["overlap_pairs"]:
-        a, b = s.orders[rank][i], s.orders[rank][i + 1]
-        assert a.kind == F and b.kind in (B, BW) and a.stage != b.stage
+    pairs = [a for o in s.orders for a in o if a.kind == OVERLAP]
+    assert s.placement.style == "v" and pairs
+    for a in pairs:
+        f, b = a.parts
+        assert f.kind == F and b.kind in (B, BW) and f.stage != b.stage
+    flat = s.flat()
+    assert len(flat.meta["overlap_pairs"]) == len(pairs)
+    low = lower(s)
+    for rank, i, j in low.meta["overlap_pairs"]:
+        o = low.orders[rank]
+        assert o[i].kind == F and o[j].kind in (B, BW) and not any(x.is_compute for x in o[i + 1:j])
     # fewer microbatches than 2p: the extra ones are dropped, still valid
     sim("dualpipe-v", 4, 3)
 

@@ -100,3 +100,14 @@ def test_setting_errors():
         Setting(4, 4, cost_b=-1)
     with pytest.raises(ScheduleError, match="cannot exceed mem-f"):
         Setting(4, 4, mem_w=2)
+
+
+def test_overlap_pairs_round_trip_torch_format():
+    s = generate("dualpipe-v", Setting(2, 6))
+    text = sio.to_csv(s)
+    assert "OVERLAP_F_B" in text and "(0F" in text
+    s2 = sio.from_csv(text)
+    assert s2.orders == s.orders
+    assert sio.from_json(sio.to_json(s)).orders == s.orders
+    with pytest.raises(ScheduleError, match="forward and a backward"):
+        sio.from_csv("(0B0;1F0)OVERLAP_F_B\n")

@@ -12,7 +12,7 @@ import json
 import re
 from typing import List
 
-from .ir import ALL_KINDS, B, BW, F, W, Action, Placement, Schedule, ScheduleError
+from .ir import ALL_KINDS, B, BW, F, OVERLAP, W, Action, Placement, Schedule, ScheduleError
 
 FORMAT_VERSION = 1
 
@@ -30,7 +30,18 @@ def to_json(schedule: Schedule) -> str:
 
 
 def _encode(a: Action):
+    if a.kind == OVERLAP:
+        return [a.kind, _encode(a.parts[0]), _encode(a.parts[1])]
     return [a.kind, a.stage, a.mb] if a.peer is None else [a.kind, a.stage, a.mb, a.peer]
+
+
+def _decode(item, where: str) -> Action:
+    if isinstance(item, list) and len(item) == 3 and item[0] == OVERLAP:
+        return Action.overlap(_decode(item[1], where), _decode(item[2], where))
+    if not (isinstance(item, list) and len(item) in (3, 4) and item[0] in ALL_KINDS and item[0] != OVERLAP):
+        raise ScheduleError(f"{where}: bad action {item!r}; expected [kind, stage, microbatch(, peer)] "
+                            f"or [\"{OVERLAP}\", [F...], [B...]]")
+    return Action(item[0], int(item[1]), int(item[2]), int(item[3]) if len(item) == 4 else None)
 
 
 def from_json(text: str) -> Schedule:
@@ -42,14 +53,7 @@ def from_json(text: str) -> Schedule:
         raise ScheduleError("not a megatron-zb schedule JSON (expected \"format\": \"megatron-zb-schedule\")")
     orders = []
     for r, row in enumerate(d["orders"]):
-        order = []
-        for i, item in enumerate(row):
-            if not (isinstance(item, list) and len(item) in (3, 4) and item[0] in ALL_KINDS):
-                raise ScheduleError(f"rank {r} position {i}: bad action {item!r}; "
-                                    "expected [kind, stage, microbatch(, peer)]")
-            order.append(Action(item[0], int(item[1]), int(item[2]),
-                                int(item[3]) if len(item) == 4 else None))
-        orders.append(order)
+        orders.append([_decode(item, f"rank {r} position {i}") for i, item in enumerate(row)])
     return Schedule(d.get("name", "custom"), Placement.from_dict(d["placement"]),
                     int(d["microbatches"]), orders, d.get("meta", {}))
 
@@ -57,18 +61,20 @@ def from_json(text: str) -> Schedule:
 _TO_TORCH = {F: "F", B: "I", W: "W", BW: "B"}
 _FROM_TORCH = {v: k for k, v in _TO_TORCH.items()}
 _CELL = re.compile(r"^\s*(\d+)\s*(F|I|W|B)\s*(\d+)\s*$")
+_PAIR = re.compile(r"^\s*\(([^;()]+);([^;()]+)\)\s*OVERLAP_F_B\s*$")
+
+
+def _cell(a: Action) -> str:
+    if a.kind == OVERLAP:
+        return f"({_cell(a.parts[0])};{_cell(a.parts[1])}){OVERLAP}"
+    return f"{a.stage}{_TO_TORCH[a.kind]}{a.mb}"
 
 
 def to_csv(schedule: Schedule) -> str:
     out = io.StringIO()
     w = csv.writer(out, lineterminator="\n")
     for r, order in enumerate(schedule.orders):
-        cells = []
-        for a in order:
-            if not a.is_compute:
-                continue
-            cells.append(f"{a.stage}{_TO_TORCH[a.kind]}{a.mb}")
-        w.writerow(cells)
+        w.writerow([_cell(a) for a in order if a.is_compute])
     return out.getvalue()
 
 
@@ -86,17 +92,22 @@ def from_csv(text: str, name: str = "csv") -> Schedule:
         for col, cell in enumerate(row):
             if not cell.strip():
                 continue  # idle slot
-            mt = _CELL.match(cell)
-            if not mt:
-                raise ScheduleError(f"CSV row {r} (rank {r}) column {col}: cannot read {cell!r}; "
-                                    "expected <stage><F|I|W|B><microbatch>, e.g. 0F3 or 1I2")
-            stage, kind, mb = int(mt.group(1)), _FROM_TORCH[mt.group(2)], int(mt.group(3))
-            prev = stage_rank.setdefault(stage, r)
-            if prev != r:
-                raise ScheduleError(f"CSV row {r} column {col}: stage {stage} also appears on rank {prev}; "
-                                    "each stage must live on one rank")
-            max_mb = max(max_mb, mb)
-            order.append(Action(kind, stage, mb))
+            pair = _PAIR.match(cell)
+            texts = [pair.group(1), pair.group(2)] if pair else [cell]
+            acts = []
+            for text in texts:
+                mt = _CELL.match(text)
+                if not mt:
+                    raise ScheduleError(f"CSV row {r} (rank {r}) column {col}: cannot read {cell!r}; expected "
+                                        "<stage><F|I|W|B><microbatch>, e.g. 0F3 or 1I2, or (0F3;7B1)OVERLAP_F_B")
+                stage, kind, mb = int(mt.group(1)), _FROM_TORCH[mt.group(2)], int(mt.group(3))
+                prev = stage_rank.setdefault(stage, r)
+                if prev != r:
+                    raise ScheduleError(f"CSV row {r} column {col}: stage {stage} also appears on rank {prev}; "
+                                        "each stage must live on one rank")
+                max_mb = max(max_mb, mb)
+                acts.append(Action(kind, stage, mb))
+            order.append(Action.overlap(*acts) if pair else acts[0])
         orders.append(order)
     n = max(stage_rank) + 1 if stage_rank else 0
     missing = [s for s in range(n) if s not in stage_rank]

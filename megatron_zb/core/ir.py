@@ -15,7 +15,11 @@ COMPUTE_KINDS = (F, B, W, BW)
 # Lowered communication actions: the tensor of (stage, mb) produced by the named pass.
 SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
 COMM_KINDS = (SEND_F, RECV_F, SEND_B, RECV_B)
-ALL_KINDS = COMPUTE_KINDS + COMM_KINDS
+# A compound action: a forward and a backward (of other stages/microbatches) that a runtime with
+# an overlap hook may run together (DualPipe's overlapped F&B). ``parts`` holds the two passes;
+# without a hook they run one after the other, which is what the simulator assumes.
+OVERLAP = "OVERLAP_F_B"
+ALL_KINDS = COMPUTE_KINDS + COMM_KINDS + (OVERLAP,)
 
 
 class ScheduleError(ValueError):
@@ -28,14 +32,23 @@ class Action:
     stage: int
     mb: int
     peer: Optional[int] = None  # only for SEND/RECV: the other rank
+    parts: Optional[Tuple["Action", "Action"]] = None  # only for OVERLAP: (F, B or BW)
 
     def __str__(self) -> str:
+        if self.parts is not None:
+            return f"({self.parts[0]};{self.parts[1]}){self.kind}"
         s = f"{self.kind}{self.stage}.{self.mb}"
         return s if self.peer is None else f"{s}@{self.peer}"
 
     @property
     def is_compute(self) -> bool:
-        return self.kind in COMPUTE_KINDS
+        return self.kind in COMPUTE_KINDS or self.kind == OVERLAP
+
+    @classmethod
+    def overlap(cls, f: "Action", b: "Action") -> "Action":
+        if f.kind != F or b.kind not in (B, BW):
+            raise ScheduleError(f"an overlapped pair is a forward and a backward, got {f} and {b}")
+        return cls(OVERLAP, -1, -1, None, (f, b))
 
 
 @dataclass(frozen=True)
@@ -121,7 +134,25 @@ class Schedule:
                         [[a for a in o if a.is_compute] for o in self.orders], dict(self.meta))
 
     def uses_split_backward(self) -> bool:
-        return any(a.kind == W for o in self.orders for a in o)
+        return any(a.kind == W for o in self.flat().orders for a in o)
+
+    def flat(self) -> "Schedule":
+        """Overlapped pairs expanded into their two passes; ``meta['overlap_pairs']`` then lists
+        (rank, position of the F) in the expanded lists. The schedule itself if it has none."""
+        if not any(a.kind == OVERLAP for o in self.orders for a in o):
+            return self
+        orders, pairs = [], []
+        for r, o in enumerate(self.orders):
+            out = []
+            for a in o:
+                if a.kind == OVERLAP:
+                    pairs.append((r, len(out)))
+                    out += list(a.parts)
+                else:
+                    out.append(a)
+            orders.append(out)
+        return Schedule(self.name, self.placement, self.num_microbatches, orders,
+                        dict(self.meta, overlap_pairs=pairs))
 
 
 def deps(action: Action, num_stages: int) -> List[Tuple[str, int, int]]:

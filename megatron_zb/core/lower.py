@@ -27,7 +27,11 @@ from .simulate import simulate
 
 
 def lower(schedule: Schedule, setting: Optional[Setting] = None) -> Schedule:
-    """Return a copy of ``schedule`` with SEND/RECV actions inserted (compute order unchanged)."""
+    """Return a copy of ``schedule`` with SEND/RECV actions inserted (compute order unchanged).
+
+    Overlapped pairs come out as their two passes; ``meta['overlap_pairs']`` then lists
+    (rank, position of the F, position of the B) in the lowered lists."""
+    schedule = schedule.flat()
     if any(not a.is_compute for o in schedule.orders for a in o):
         raise ScheduleError("schedule is already lowered (it has SEND/RECV actions)")
     pl = schedule.placement
@@ -52,15 +56,20 @@ def lower(schedule: Schedule, setting: Optional[Setting] = None) -> Schedule:
                 inserted[q][i + 1].append((key, Action(send_kind, a.stage, a.mb, r)))
                 gap = _first_start_at_or_after(timed[r], t.end)
                 inserted[r][gap].append((key, Action(recv_kind, dst_stage, a.mb, q)))
-    orders = []
+    orders, where = [], []
     for r, tl in enumerate(timed):
         out: List[Action] = []
+        pos = {}
         for g in range(len(tl) + 1):
             out += [a for _, a in sorted(inserted[r].get(g, ()), key=lambda x: x[0])]
             if g < len(tl):
+                pos[g] = len(out)
                 out.append(tl[g].action)
         orders.append(out)
+        where.append(pos)
     meta = dict(schedule.meta, lowered=True)
+    if "overlap_pairs" in meta:
+        meta["overlap_pairs"] = [(r, where[r][i], where[r][i + 1]) for r, i in meta["overlap_pairs"]]
     return dataclasses.replace(schedule, orders=orders, meta=meta)
 
 
@@ -77,9 +86,11 @@ def _first_start_at_or_after(tl, t: float) -> int:
 
 def forward_only(schedule: Schedule) -> Schedule:
     """The forward passes of ``schedule`` in the same per-rank order (evaluation)."""
+    schedule = schedule.flat()
+    meta = {k: v for k, v in schedule.meta.items() if k != "overlap_pairs"}
     orders = [[a for a in o if a.kind == F] for o in schedule.orders]
     return dataclasses.replace(schedule, name=schedule.name + "/forward-only", orders=orders,
-                               meta=dict(schedule.meta, forward_only=True))
+                               meta=dict(meta, forward_only=True))
 
 
 def check_pair_order(lowered: Schedule) -> None:

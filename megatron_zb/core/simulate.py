@@ -61,6 +61,7 @@ class Deadlock(ScheduleError):
 
 def simulate(schedule: Schedule, setting: Setting) -> SimResult:
     """Time every compute pass. Raises Deadlock naming each stuck rank's waiting pass."""
+    schedule = schedule.flat()
     pl = schedule.placement
     nst = pl.num_stages
     if pl.num_ranks != setting.stages:

@@ -16,6 +16,7 @@ def validate(schedule: Schedule, setting: Optional[Setting] = None,
     ``memory_limit`` (per rank, units of mem-f) defaults to ``setting.memory_limit``.
     Without a setting, dependencies are checked with unit costs and memory is not checked.
     """
+    schedule = schedule.flat()  # positions below count an overlapped pair as its two passes
     pl = schedule.placement
     m = schedule.num_microbatches
     if len(schedule.orders) != pl.num_ranks:

@@ -50,6 +50,7 @@ class ScheduleOptions:
     cost_comm: float = 0.0
     mem_w: Optional[float] = None
     timeout_s: float = 300.0
+    overlap: Optional[Callable] = None  # overlap(run_f, run_b) for overlapped F&B pairs (dualpipe-v)
     # profiler (runtime.profiler): time passes over iterations [start, end] (counted from 1, calls
     # with forward_only=False) and write the profile JSON to profile_path at the window's end
     profile_window: Optional[tuple] = None
@@ -262,13 +263,15 @@ class ZeroBubbleForwardBackward:
                              recv_shape=lambda s, mb: shape, dtype=config.pipeline_dtype,
                              device=_device(), before_last_backward=before_last_backward,
                              after_last_backward=after_last_backward, on_pass=on_pass,
-                             release_output=release)
+                             release_output=release, overlap=self.options.overlap)
+        pairs = {i: j for r, i, j in sched.meta.get("overlap_pairs", ()) if r == me}
         run_passes, run_p2p = passes, p2p
         if prof is not None:
             prof.ignore_parameters(prm for m in models for prm in m.parameters())
             run_passes, run_p2p = prof.instrument(passes, p2p)
         try:
-            execute(sched.orders[me], me, pl, run_passes, run_p2p, forward_only=forward_only)
+            execute(sched.orders[me], me, pl, run_passes, run_p2p, forward_only=forward_only,
+                    overlap_pairs=pairs)
         finally:
             for stack in sync_off.values():
                 stack.close()
@@ -337,7 +340,7 @@ def _call_finalize(config, models, num_tokens, pg_collection, force_all_reduce):
 
 def _check_forward_order(sched: Schedule) -> None:
     """Megatron's data iterators are read in order: each stage's forwards must run mb 0, 1, ..."""
-    for r, order in enumerate(sched.orders):
+    for r, order in enumerate(sched.flat().orders):
         nxt = {}
         for i, a in enumerate(order):
             if a.kind == F:

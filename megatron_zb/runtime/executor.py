@@ -43,6 +43,9 @@ class StagePasses:
     on_pass: Optional[Callable[[str, int, int, float], None]] = None
     # release an activation that has been sent or handed over (deallocate_pipeline_outputs)
     release_output: Optional[Callable[[torch.Tensor], None]] = None
+    # overlapped F&B pairs (DualPipe): overlap(run_f, run_b) runs both thunks, e.g. on two CUDA
+    # streams; without it they run one after the other
+    overlap: Optional[Callable[[Callable[[], None], Callable[[], None]], None]] = None
 
 
 Key = Tuple[int, int]  # (stage, microbatch)
@@ -64,26 +67,63 @@ class ExecutionError(RuntimeError):
 
 
 def execute(actions: List[Action], rank: int, placement: Placement, passes: StagePasses,
-            p2p: Optional[P2P], forward_only: bool = False) -> None:
-    """Run ``actions`` (this rank's lowered list) to the end."""
+            p2p: Optional[P2P], forward_only: bool = False,
+            overlap_pairs: Optional[Dict[int, int]] = None) -> None:
+    """Run ``actions`` (this rank's lowered list) to the end.
+
+    ``overlap_pairs`` maps the position of an overlapped pair's F to its B's (only messages lie
+    between them): the receives in between are posted first, then ``passes.overlap`` gets the F
+    (with the sends that follow it) and the B as two thunks.
+    """
     nst = placement.num_stages
     st = _State()
-    first_bwd, last_bwd = _backward_bounds(actions)
-    for i, a in enumerate(actions):
+    last_b, last = _backward_bounds(actions)
+    pairs = overlap_pairs or {}
+
+    def step(i):
+        a = actions[i]
         try:
-            _step(a, i, rank, placement, nst, passes, p2p, st, forward_only, first_bwd, last_bwd)
+            _step(a, i, rank, placement, nst, passes, p2p, st, forward_only, last_b, last)
         except ExecutionError:
             raise
         except Exception as e:
             if type(e).__name__ == "PipelineTimeout":
                 raise
             raise ExecutionError(f"rank {rank}: {a} (position {i}) failed: {type(e).__name__}: {e}") from e
+
+    i = 0
+    while i < len(actions):
+        if i in pairs and not forward_only:
+            j = pairs[i]
+            between = range(i + 1, j)
+            if actions[i].kind != F or actions[j].kind not in (B, BW) or any(actions[k].is_compute for k in between):
+                raise ExecutionError(f"rank {rank}: positions {i} and {j} are not an overlapped F&B pair")
+            for k in between:
+                if actions[k].kind in (RECV_F, RECV_B):
+                    step(k)
+
+            def run_f(i=i, between=between):
+                step(i)
+                for k in between:
+                    if actions[k].kind in (SEND_F, SEND_B):
+                        step(k)
+
+            (passes.overlap or _one_after_the_other)(run_f, lambda j=j: step(j))
+            i = j + 1
+            continue
+        step(i)
+        i += 1
     if p2p is not None:
         p2p.reap_sends(block=True)
     leftovers = list(st.pending_inputs) + list(st.pending_grads) + list(st.local_inputs) + \
         list(st.local_grads) + list(st.to_send_f) + list(st.to_send_b)
     if leftovers:
         raise ExecutionError(f"rank {rank}: received tensors that no pass consumed: {leftovers}")
+
+
+def _one_after_the_other(run_f, run_b):
+    run_f()
+    run_b()
 
 
 def _backward_bounds(actions):

@@ -9,10 +9,10 @@ in its eight steps (built for max(m, 2p) microbatches; with m < 2p the extra one
 (B1 split, W, F1); (4) m-2p+r+1 x (F0 with B1, F1 with B0), the overlapped pairs; (5) p-r-1 x
 (B1, F1 with B0); (6) r+1 x (B1, B0), switching to split backwards half-way (odd ranks before B1,
 even ranks before B0); (7) p-r-1 x (W, B0 split); (8) r+1 x W. A split backward queues its W
-(first in, first out); an unsplit one is a fused BW. The overlapped F&B pairs are listed in
-``meta['overlap_pairs']`` as (rank, position of the F): the two passes are adjacent, so a runtime
-with an overlap hook can run them together; without one they run one after the other, which is
-what the simulator assumes.
+(first in, first out); an unsplit one is a fused BW. The overlapped F&B pairs are compound
+``OVERLAP_F_B`` actions (torch writes them ``(1F1;2B0)OVERLAP_F_B``): a runtime with an overlap
+hook runs their two passes together; without one they run one after the other, which is what
+the simulator assumes.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def looped_bfs(setting: Setting) -> Schedule:
 def dualpipe_v(setting: Setting) -> Schedule:
     p, m_real = setting.stages, setting.microbatches
     m = max(m_real, 2 * p)  # fewer microbatches: build for 2p, then drop the extra ones
-    orders, overlaps = [], []
+    orders = []
     for r in range(p):
         s0, s1 = r, 2 * p - 1 - r
         nxt = {"F0": 0, "F1": 0, "B0": 0, "B1": 0}
@@ -62,9 +62,9 @@ def dualpipe_v(setting: Setting) -> Schedule:
             order.append(Action(W, s, mb))
 
         def fb(fphase, bphase):
-            overlaps.append((r, len(order)))
             f(fphase)
             b(bphase)
+            order[-2:] = [Action.overlap(order[-2], order[-1])]
 
         for _ in range(2 * (p - r - 1)):
             f(0)
@@ -95,13 +95,15 @@ def dualpipe_v(setting: Setting) -> Schedule:
         while wq:
             w()
         orders.append(order)
-    if m_real < m:
-        kept_pairs = []
+    if m_real < m:  # drop the extra microbatches (a pair losing one pass becomes that pass)
         for r, order in enumerate(orders):
-            keep = [i for i, a in enumerate(order) if a.mb < m_real]
-            new_pos = {old: new for new, old in enumerate(keep)}
-            kept_pairs += [(rr, new_pos[i]) for rr, i in overlaps if rr == r and i in new_pos
-                           and i + 1 in new_pos and new_pos[i + 1] == new_pos[i] + 1]
-            orders[r] = [order[i] for i in keep]
-        overlaps = kept_pairs
-    return Schedule("dualpipe-v", Placement.vshape(p), m_real, orders, {"overlap_pairs": overlaps})
+            kept = []
+            for a in order:
+                if a.parts is None:
+                    if a.mb < m_real:
+                        kept.append(a)
+                    continue
+                live = [x for x in a.parts if x.mb < m_real]
+                kept += [a] if len(live) == 2 else live
+            orders[r] = kept
+    return Schedule("dualpipe-v", Placement.vshape(p), m_real, orders)
