@@ -6,8 +6,10 @@ runs the whole group before the next chunk. Forward k runs (mb, chunk) of that t
 runs the same microbatch on chunk v-1-chunk. Rank r does (p-r-1)*2 + (v-1)*group warm-up
 forwards (all of them if that exceeds m*v), then one F / one BW alternately, then the cool-down.
 
-Megatron itself refuses m < group and a last group of 1..p-1 microbatches (dependency bubbles);
-this generator accepts them and produces the same table (the simulator shows the bubbles).
+Microbatch counts: any multiple of the group size works, and so does m < group (everything is
+warm-up; Megatron refuses that, we run it). A last group of 1..p-1 microbatches after full groups
+(m > group, 0 < m % group < p) makes Megatron's order deadlock; Megatron refuses it and so does
+this generator, with the counts that work.
 """
 from __future__ import annotations
 
@@ -32,6 +34,13 @@ def interleaved_1f1b(setting: Setting, group: Optional[int] = None) -> Schedule:
     group = p if group is None else group
     if group < 1:
         raise ScheduleError(f"microbatch group size must be >= 1, got {group}")
+    rest = m % group
+    if m > group and 0 < rest < p:
+        ok = sorted({(m // group) * group, (m // group) * group + p})
+        raise ScheduleError(f"interleaved-1f1b: {m} microbatches leave a last group of {rest} (< pipeline size {p}) "
+                            f"after groups of {group}, and Megatron's interleaved order then deadlocks (Megatron "
+                            f"refuses it too); use a multiple of {group} or at least {p} in the last group, e.g. "
+                            f"{' or '.join(map(str, ok))} microbatches")
     table = schedule_table(m, v, group)
     total = m * v
     orders = []
