@@ -58,11 +58,11 @@ def test_every_schedule_valid_deadlock_free_within_claim(s, name):
     chunks = s["chunks"] if spec.chunks is None else spec.chunks
     setting = Setting(p, m, chunks=chunks, cost_f=cf, cost_b=s["b"], cost_w=s["w"], cost_comm=s["comm"],
                       mem_w=s["mem_w"])
-    if name == "interleaved-1f1b" and m > p and 0 < m % p < p:
-        with pytest.raises(ScheduleError, match="leave a last group of .* Megatron"):
-            generate(name, setting)  # Megatron's order deadlocks there; both refuse it
+    try:
+        sched = generate(name, setting)
+    except ScheduleError as e:  # only where Megatron's interleaved order deadlocks (Megatron refuses too)
+        assert name == "interleaved-1f1b" and m > p and 0 < m % p < p and "deadlocks" in str(e), str(e)
         return
-    sched = generate(name, setting)
     setting = Setting(**{**setting.to_dict(), "chunks": sched.placement.chunks})
     validate(sched, setting)  # complete, placed right, no deadlock
     res = simulate(sched, setting)

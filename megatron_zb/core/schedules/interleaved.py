@@ -7,15 +7,17 @@ runs the same microbatch on chunk v-1-chunk. Rank r does (p-r-1)*2 + (v-1)*group
 forwards (all of them if that exceeds m*v), then one F / one BW alternately, then the cool-down.
 
 Microbatch counts: any multiple of the group size works, and so does m < group (everything is
-warm-up; Megatron refuses that, we run it). A last group of 1..p-1 microbatches after full groups
-(m > group, 0 < m % group < p) makes Megatron's order deadlock; Megatron refuses it and so does
-this generator, with the counts that work.
+warm-up; Megatron refuses that, we run it). Megatron also refuses a last group of 1..p-1
+microbatches after full groups (m > group, 0 < m % group < p); there its order sometimes
+deadlocks (e.g. p=5, m=7, v=2) and sometimes only has extra bubbles (p=2, m=5): this generator
+runs the latter and refuses the former with the counts that work.
 """
 from __future__ import annotations
 
 from typing import List, Optional, Tuple
 
 from ..ir import BW, F, Action, Placement, Schedule, ScheduleError, Setting
+from ..simulate import Deadlock, simulate
 
 
 def schedule_table(m: int, v: int, group: int) -> List[Tuple[int, int]]:
@@ -34,13 +36,6 @@ def interleaved_1f1b(setting: Setting, group: Optional[int] = None) -> Schedule:
     group = p if group is None else group
     if group < 1:
         raise ScheduleError(f"microbatch group size must be >= 1, got {group}")
-    rest = m % group
-    if m > group and 0 < rest < p:
-        ok = sorted({(m // group) * group, (m // group) * group + p})
-        raise ScheduleError(f"interleaved-1f1b: {m} microbatches leave a last group of {rest} (< pipeline size {p}) "
-                            f"after groups of {group}, and Megatron's interleaved order then deadlocks (Megatron "
-                            f"refuses it too); use a multiple of {group} or at least {p} in the last group, e.g. "
-                            f"{' or '.join(map(str, ok))} microbatches")
     table = schedule_table(m, v, group)
     total = m * v
     orders = []
@@ -58,5 +53,16 @@ def interleaved_1f1b(setting: Setting, group: Optional[int] = None) -> Schedule:
             order += [fwd(warm + k), bwd(k)]
         order += [bwd(k) for k in range(total - warm, total)]
         orders.append(order)
-    return Schedule("interleaved-1f1b", Placement.looped(p, v), m, orders,
-                    {"group": group})
+    sched = Schedule("interleaved-1f1b", Placement.looped(p, v), m, orders, {"group": group})
+    rest = m % group
+    if m > group and 0 < rest < p:
+        try:
+            simulate(sched, Setting(p, m, chunks=v))
+        except Deadlock:
+            ok = sorted({(m // group) * group, (m // group) * group + p})
+            raise ScheduleError(
+                f"interleaved-1f1b: {m} microbatches leave a last group of {rest} (< pipeline size {p}) after "
+                f"groups of {group}, and Megatron's interleaved order then deadlocks (Megatron refuses such "
+                f"counts); use a multiple of {group} or at least {p} in the last group, e.g. "
+                f"{' or '.join(map(str, ok))} microbatches") from None
+    return sched
