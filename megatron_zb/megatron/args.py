@@ -81,17 +81,12 @@ def _positive_float(flag):
 
 
 def _cost(flag):
+    """A number, or a comma list (one per pipeline rank); the CLI's parser, unwrapped when single."""
+    from ..cli import _number_list
+    parse_list = _number_list(flag)
+
     def parse(text):
-        vals = []
-        for part in str(text).split(","):
-            try:
-                x = float(part)
-            except ValueError:
-                raise argparse.ArgumentTypeError(f"{flag} must be a number or a comma list of numbers (one per "
-                                                 f"pipeline rank), got {text!r}") from None
-            if not (x >= 0 and math.isfinite(x)):
-                raise argparse.ArgumentTypeError(f"{flag} must be non-negative, got {text!r}")
-            vals.append(x)
+        vals = parse_list(text)
         return vals[0] if len(vals) == 1 else vals
     return parse
 

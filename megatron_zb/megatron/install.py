@@ -107,7 +107,7 @@ class ZeroBubbleForwardBackward:
         if key not in self._schedules:
             o = self.options
             try:
-                c = self.spec.resolve_chunks(chunks if (self.spec.chunks is None or chunks != 1) else None)
+                c = self.spec.resolve_chunks(chunks if self.spec.chunks is None else None)
             except ScheduleError as e:
                 raise ZeroBubbleConfigError(str(e)) from None
             if c != chunks:
