@@ -5,37 +5,45 @@ fit the limit, then a local search from the best (``improve.py``). Default limit
 (1F1B's peak, where it matches ZB-H1's bubble or beats it); with 2p it reaches zero bubble at
 equal costs. An infeasible limit is an error stating the least memory that works.
 
-V family (rank r holds stages r and 2p-1-r, so embedding and loss both live on rank 0):
+V family (rank r holds stages r and 2p-1-r, so embedding and loss both live on rank 0), all
+with the real per-stage costs:
 
-* zb-v: greedy under 1F1B's peak (p x mem-f), zero bubble at equal costs when m >= 2p.
-* v-half / v-min: the building blocks of "Pipeline Parallelism with Controllable Memory": one
-  microbatch's F (chunk 0), f (chunk 1), B (chunk 1) and b (chunk 0) at fixed slot offsets
-  per rank, repeated every 6 slots (the other two slots are for the W's, each placed in the first
-  free slot after its B); the slot order is then squeezed with the real costs by the simulator.
-  V-Half offsets (2i, 3p-i-2, 3p+d+2i-1, 6p+d-i-2), d = 3 for even p; V-Min offsets (i, 2p-i-1,
-  2p+d+i, 4p+d-i-1), d = 2 when 3 | p. The greedy under the same peak memory is tried too, and
-  the local search tightens warm-up and cool-down without raising the peak.
-* v-auto: given a memory limit, the best of all of the above that fits.
+* v-auto: under a memory limit (default p x mem-f), the best of (a) building-block schedules
+  (``vblock.py``: a periodic block of one microbatch's passes, repeated, squeezed, warm-up and
+  cool-down reordered, W's refilled; searched over the block's period and hop waits), (b) the
+  paper's unit-slot V-Half/V-Min blocks reordered the same way, where they fit, and (c) the
+  memory-bounded greedy variants.
+* zb-v: v-auto at 1F1B's peak (p x mem-f): zero bubble at equal costs when m >= 2p.
+* v-half / v-min: v-auto at the peak memory of the paper's V-Half / V-Min block (about half /
+  a third of 1F1B's: p/2 + 1 and p/3 + 1 x mem-f with the default mem-w); the block itself is a
+  candidate, so a schedule always exists. Near a third of 1F1B's memory a block's steady state
+  needs more than F+B+W per microbatch once F, B and W differ: V-Min's bubble grows with the
+  imbalance (the paper says the same).
+
+Every search here is deterministic (work budgets, no clocks): each rank generates the schedule
+on its own and all must get the same one.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, Optional
 
 from ..ir import B, F, W, Action, Placement, Schedule, ScheduleError, Setting
 from ..simulate import simulate
+from . import vblock
 from .greedy import best_of
 from .improve import improve, lower_bound
 
 
-def _budget(setting: Setting) -> float:
+def _evals(setting: Setting) -> int:
+    """Local-search budget (simulations): it pays on small settings and costs on big ones."""
     n = setting.stages * setting.microbatches * (setting.chunks or 1)
-    return 1.0 if n <= 256 else (0.3 if n <= 2048 else 0.0)
+    return 400 if n <= 256 else (100 if n <= 2048 else 0)
 
 
 def _finish(best: Schedule, setting: Setting, limit: Optional[float], name: str, claim) -> Schedule:
-    if _budget(setting) > 0:
-        best = improve(best, setting, limit, budget_s=_budget(setting))
+    if _evals(setting) > 0:
+        best = improve(best, setting, limit, max_evals=_evals(setting))
     res = simulate(best, setting)
     lb = lower_bound(setting, best.placement, limit)
     meta = dict(best.meta, memory_limit=limit, memory_claim=claim, lower_bound=round(lb, 9),
@@ -97,16 +105,9 @@ def _v_setting(setting: Setting) -> Setting:
     return dataclasses.replace(setting, chunks=2)
 
 
-def zb_v(setting: Setting) -> Schedule:
-    st = _v_setting(setting)
-    p = st.stages
-    limit = p * max(st.mem_f)
-    best = best_of(st, Placement.vshape(p), limit, "zb-v")
-    return _finish(best, st, limit, "zb-v", limit)
-
-
 def block_schedule(p: int, m: int, offsets: Callable[[int], List[int]], name: str) -> Schedule:
-    """Repeat one microbatch's building block every 6 slots; W's go to the first free slot."""
+    """The paper's unit-slot block: one microbatch's F (chunk 0), f, B (chunk 1), b at the slot
+    offsets of its rank, repeated every 6 slots; each W in the first free slot after its B."""
     orders = []
     for i in range(p):
         used, events = set(), []
@@ -138,33 +139,56 @@ def v_min_offsets(p: int):
     return lambda i: [i, 2 * p - i - 1, 2 * p + d + i, 4 * p + d - i - 1]
 
 
-def _v_block(setting: Setting, offsets, name: str) -> Schedule:
-    st = _v_setting(setting)
-    p, m = st.stages, st.microbatches
-    block = block_schedule(p, m, offsets(p), name)
-    limit = max(simulate(block, st).peak_memory)
-    cands = [block]
+def _paper_block(setting: Setting, name: str) -> Optional[Schedule]:
+    offsets = {"v-half": v_half_offsets, "v-min": v_min_offsets}[name]
     try:
-        cands.append(best_of(st, Placement.vshape(p), limit, name))
+        return block_schedule(setting.stages, setting.microbatches, offsets(setting.stages), name)
     except ScheduleError:
-        pass
-    best = _pick(cands, st, limit)
+        return None
+
+
+def _timing(schedule: Schedule, setting: Setting) -> Dict:
+    res = simulate(schedule, setting)
+    return {(t.action.kind, t.action.stage, t.action.mb): t.start for tl in res.timeline for t in tl}
+
+
+def _v_search(name: str, setting: Setting, limit: Optional[float] = None) -> Schedule:
+    """The best V schedule under ``limit``; v-half / v-min (limit None) take the peak memory of
+    the paper's block of that name."""
+    st = _v_setting(setting)
+    p = st.stages
+    pl = Placement.vshape(p)
+    paper = {n: _paper_block(st, n) for n in ("v-half", "v-min")}
+    paper = {n: s for n, s in paper.items() if s is not None}
+    if limit is None:
+        limit = max(simulate(paper[name], st).peak_memory)
+    cands = list(paper.values())
+    # the paper's blocks that fit, timed with the real costs, as starting points for reordering
+    extra = [(f"paper {n} block", lambda mb, n=n: _timing(_paper_block(dataclasses.replace(st, microbatches=mb), n),
+                                                          dataclasses.replace(st, microbatches=mb)))
+             for n, s in paper.items() if max(simulate(s, st).peak_memory) <= limit + 1e-9]
+    blocks = vblock.search(st, pl, limit, name, extra=extra)
+    if blocks is not None:
+        cands.append(blocks)
+        res = simulate(blocks, st)
+        if res.makespan <= lower_bound(st, pl, limit) + 1e-9:  # optimal: no greedy needed
+            return _finish(blocks, st, limit, name, limit)
+    best = _search(name, st, pl, limit, cands, max(st.mem_f) / 2, p * max(st.mem_f))
     return _finish(best, st, limit, name, limit)
 
 
+def zb_v(setting: Setting) -> Schedule:
+    return _v_search("zb-v", setting, setting.stages * max(setting.mem_f))
+
+
 def v_half(setting: Setting) -> Schedule:
-    return _v_block(setting, v_half_offsets, "v-half")
+    return _v_search("v-half", setting)
 
 
 def v_min(setting: Setting) -> Schedule:
-    return _v_block(setting, v_min_offsets, "v-min")
+    return _v_search("v-min", setting)
 
 
 def v_auto(setting: Setting) -> Schedule:
-    st = _v_setting(setting)
-    p, m = st.stages, st.microbatches
-    limit = setting.memory_limit if setting.memory_limit is not None else p * max(st.mem_f)
-    pl = Placement.vshape(p)
-    cands = [block_schedule(p, m, off(p), "v-auto") for off in (v_half_offsets, v_min_offsets)]
-    best = _search("v-auto", st, pl, limit, cands, max(st.mem_f) / 2, p * max(st.mem_f))
-    return _finish(best, st, limit, "v-auto", limit)
+    limit = setting.memory_limit if setting.memory_limit is not None else setting.stages * max(setting.mem_f)
+    return _v_search("v-auto", setting, limit)
