@@ -20,8 +20,16 @@ SETTINGS = [
     ("P=8 M=32, heavy loss stage", dict(stages=8, microbatches=32, cost_f=[1.2] + [1] * 6 + [1.5],
                                          cost_b=[1.2] + [1] * 6 + [1.8], cost_w=[0.9] * 8, cost_comm=0.05, mem_w=0.6)),
     ("P=16 M=64, F=1 B=2 W=1", dict(stages=16, microbatches=64, cost_f=1, cost_b=2, cost_w=1)),
+    ("P=8 M=32, measured H100 layer costs (F 43.8, B 59.2, W 32 ms, comm 0.5)",
+     dict(stages=8, microbatches=32, cost_f=43.8, cost_b=59.2, cost_w=32.0, cost_comm=0.5)),
 ]
-SPEED = [("zb-auto", 32, 256), ("zb-auto", 64, 512), ("zb-v", 32, 256), ("v-auto", 32, 256)]
+# v-auto's bubble against its memory limit (x mem-f; 1F1B's peak is P)
+SWEEP = [("P=8 M=32, F=B=W, mem-w = mem-f", dict(stages=8, microbatches=32, mem_w=1.0)),
+         ("P=8 M=32, H100 costs", dict(stages=8, microbatches=32, cost_f=43.8, cost_b=59.2, cost_w=32.0,
+                                      cost_comm=0.5))]
+SWEEP_LIMITS = (8 / 3 + 1, 4, 5, 6, 7, 8)
+SPEED = [("zb-auto", 32, 256), ("zb-auto", 64, 512), ("zb-v", 32, 256), ("v-auto", 32, 256), ("v-half", 32, 256),
+         ("v-half", 16, 64)]
 
 
 def main():
@@ -60,6 +68,22 @@ def main():
                   f"{r['peak_memory']:>6.2f} {gap:>7} {r['generate_s']:>6.2f}")
             md.append(f"| {r['schedule']} | {r['chunks']} | {r['bubble_rate']:.4f} | {r['speedup_vs_1f1b']:.3f}x | "
                       f"{r['peak_memory']:.2f} | {gap or '-'} |")
+    out["sweep"] = []
+    md.append("\n### v-auto: bubble against the memory limit\n\n| setting | 1F1B bubble | "
+              + " | ".join(f"limit {x:.2f}" for x in SWEEP_LIMITS) + " |\n|---|---|" + "---|" * len(SWEEP_LIMITS))
+    print("\nv-auto bubble against the memory limit")
+    for title, kw in SWEEP:
+        one = simulate(generate("1f1b", Setting(**kw)), Setting(**kw))
+        cells = []
+        for lim in SWEEP_LIMITS:
+            st = Setting(**kw, memory_limit=lim)
+            s = generate("v-auto", st)
+            r = simulate(s, Setting(**{**st.to_dict(), "chunks": 2}))
+            cells.append(f"{r.bubble_rate:.4f} (peak {max(r.peak_memory):.2f})")
+            out["sweep"].append({"title": title, "limit": lim, "bubble_rate": r.bubble_rate,
+                                 "peak_memory": max(r.peak_memory), "bubble_1f1b": one.bubble_rate})
+        print(f"{title}: 1F1B {one.bubble_rate:.4f} | " + " | ".join(cells))
+        md.append(f"| {title} | {one.bubble_rate:.4f} | " + " | ".join(cells) + " |")
     print("\nautomatic scheduler speed")
     md.append("\n### Automatic scheduler speed\n\n| schedule | P | M | seconds | bubble rate | gap to lower bound |\n|---|---|---|---|---|---|")
     for name, p, m in SPEED:

@@ -59,7 +59,7 @@ def _free_arcs(busy: List[Tuple[float, float]], period: float) -> List[Tuple[flo
 
 def _packs(items: Sequence[float], arcs: List[Tuple[float, float]]) -> bool:
     """Can ``items`` (durations) be laid into the free arcs without overlapping?"""
-    items = sorted(items, reverse=True)
+    items = sorted((x for x in items if x > EPS), reverse=True)  # zero-cost passes fit anywhere
     room = sorted((length for _, length in arcs), reverse=True)
 
     def fill(k: int) -> bool:
@@ -82,6 +82,8 @@ def _packs(items: Sequence[float], arcs: List[Tuple[float, float]]) -> bool:
 
 def _place(busy, rest: List[float], ready: float, d: float, period: float) -> float:
     """Earliest t >= ready where [t, t+d) is free modulo the period and ``rest`` still fits."""
+    if d <= EPS:
+        return ready
     sums = {0.0}
     for x in rest:
         sums |= {s + x for s in sums}
@@ -134,7 +136,8 @@ def building_block(setting: Setting, placement: Placement, period: float, down: 
         r, d = pl.rank_of(s), cost(kind, s)
         rest[r].remove(d)
         t = _place(busy[r], rest[r], ready, d, period)
-        busy[r].append((t % period, d))
+        if d > EPS:  # a zero-cost pass takes no room
+            busy[r].append((t % period, d))
         start[(kind, s)] = t
 
     prev = None
@@ -376,6 +379,8 @@ def search(setting: Setting, placement: Placement, limit: float, name: str, prob
     short = min(m, 2 * placement.num_ranks + 4)
     short_st = dataclasses.replace(st, microbatches=short)
     unit = period_of(st, placement) / 6
+    if unit <= EPS:  # nothing costs time: any valid order is optimal, leave it to the others
+        return None
     blocks = []
     seen = set()
     for stretch, down, up, reverse in itertools.product(STRETCHES, DOWN, UP, (False, True)):
