@@ -45,7 +45,13 @@ def test_pp4_every_schedule(mcore_path):
     cases += [V.make_case("zb-h1", 4, num_microbatches=2, iterations=2, label="m<p"),
               V.make_case("zb-h2", 4, num_microbatches=3, iterations=2, label="m<p"),
               V.make_case("gpipe-v", 4, num_microbatches=5, iterations=2, allow_padding_num_layers=True,
-                          num_layers=14, label="V + padding")]
+                          num_layers=14, label="V + padding"),
+              # building-block orders with unequal costs: reordered warm-up/cool-down, refilled W's
+              V.make_case("v-half", 4, num_microbatches=10, iterations=2,
+                          schedule_options={"cost_f": 1.0, "cost_b": 2.0, "cost_w": 1.0}, label="B = 2F"),
+              V.make_case("v-auto", 4, num_microbatches=9, iterations=2, memory_limit=3.0,
+                          schedule_options={"cost_f": 1.3, "cost_b": 2.1, "cost_w": 0.7, "cost_comm": 0.1},
+                          label="limit 3, measured-like costs")]
     _check(V.run_verify_many(cases, timeout=900, mcore_path=mcore_path))
 
 

@@ -335,12 +335,13 @@ def polish(setting: Setting, placement: Placement, times: Dict[Key, float], limi
     best, best_res = None, None
     for _ in range(rounds):
         orders = orders_by_time(placement, compact(setting, placement, times, limit))
-        cands = [orders]
+        cands = []
         for eager in (False, True):
             try:
                 cands.append(refill_w(setting, placement, orders, limit, eager))
             except ScheduleError:
                 pass
+        cands = cands or [orders]
         improved = False
         for o in cands:
             s = Schedule(name, placement, m, o)
@@ -396,6 +397,8 @@ def search(setting: Setting, placement: Placement, limit: float, name: str, prob
             blocks.append((-peak, stretch, down, up, reverse, blk, period))
     # per stretch, the blocks that use the most memory (long lifespans fill the warm-up best)
     blocks.sort(key=lambda c: c[:5])
+    if placement.num_ranks * short > 1024:  # big pipelines: one block per stretch
+        probe = 1
     chosen = [c for k, c in enumerate(blocks) if sum(1 for d in blocks[:k] if d[1] == c[1]) < probe]
     starts = [(f"block stretch={c[1]:g} down={c[2]:g} up={c[3]:g}" + (" reverse" if c[4] else ""),
                lambda mb, blk=c[5], period=c[6]: unroll(blk, period, mb)) for c in chosen]
