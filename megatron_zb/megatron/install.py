@@ -141,7 +141,7 @@ class ZeroBubbleForwardBackward:
     def groups(self, pp_ranks: List[int], placement: Placement) -> PairGroups:
         pairs = {(placement.rank_of(s), placement.rank_of(s + 1)) for s in range(placement.num_stages - 1)}
         key = (tuple(pp_ranks), tuple(sorted(pairs)))
-        if key not in self._groups:
+        if key not in self._groups or not self._groups[key].alive():
             self._groups[key] = PairGroups(pp_ranks, pairs)
         return self._groups[key]
 

@@ -230,9 +230,24 @@ def _embedding_and_loss_on_one_rank(placement: Placement) -> bool:
 
 
 def destroy_parallel_state() -> None:
+    """Megatron's ``destroy_model_parallel`` and the torch process groups behind it (all but WORLD).
+
+    Megatron only drops its references (and destroys its gloo copies), so every re-initialisation
+    would leave each group's gloo threads running: a process that initialises many times (verify,
+    the tests) slows to a crawl. Collective when torch.distributed is up: every rank calls it, as
+    every rank calls ``init_parallel_state``.
+    """
+    import torch.distributed as dist
     from megatron.core import parallel_state
+
+    from ..runtime.p2p import registered_groups
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()  # no peer is still using a group this rank is about to close
+        for group in registered_groups():
+            if group is not dist.group.WORLD:
+                dist.destroy_process_group(group)
 
 
 def make_transformer_config(model_cfg: TinyGPTConfig, *, tensor_parallel_size: int = 1,

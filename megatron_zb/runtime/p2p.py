@@ -15,6 +15,11 @@ import torch
 import torch.distributed as dist
 
 
+def registered_groups() -> List[dist.ProcessGroup]:
+    """The process groups torch still holds (WORLD included); a destroyed group is gone from it."""
+    return list(dist.distributed_c10d._world.pg_map)
+
+
 class PipelineTimeout(RuntimeError):
     """A rank waited too long for a message; names the rank, the pass and the peer."""
 
@@ -47,6 +52,11 @@ class PairGroups:
 
     def group(self, a: int, b: int) -> dist.ProcessGroup:
         return self.groups[tuple(sorted((a, b)))]
+
+    def alive(self) -> bool:
+        """False once any of these groups was destroyed (e.g. model parallel state re-initialised)."""
+        live = set(map(id, registered_groups()))
+        return all(id(g) in live for g in self.groups.values())
 
     def destroy(self):
         for g in self.groups.values():

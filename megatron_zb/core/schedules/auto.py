@@ -159,14 +159,15 @@ def _v_search(name: str, setting: Setting, limit: Optional[float] = None) -> Sch
     p = st.stages
     pl = Placement.vshape(p)
     paper = {n: _paper_block(st, n) for n in ("v-half", "v-min")}
-    paper = {n: s for n, s in paper.items() if s is not None}
-    if limit is None:
-        limit = max(simulate(paper[name], st).peak_memory)
-    cands = list(paper.values())
-    # the paper's blocks that fit, timed with the real costs, as starting points for reordering
+    peak = {n: max(simulate(s, st).peak_memory) for n, s in paper.items() if s is not None}
+    if limit is None:  # the paper's memory; its formula where its block does not fit this p
+        limit = peak.get(name, (p / 2 + 1 if name == "v-half" else p / 3 + 1) * max(st.mem_f))
+    fits = [n for n in peak if peak[n] <= limit + 1e-9]
+    cands = [paper[n] for n in fits]
+    # those blocks, timed with the real costs, are starting points for reordering too
     extra = [(f"paper {n} block", lambda mb, n=n: _timing(_paper_block(dataclasses.replace(st, microbatches=mb), n),
                                                           dataclasses.replace(st, microbatches=mb)))
-             for n, s in paper.items() if max(simulate(s, st).peak_memory) <= limit + 1e-9]
+             for n in fits]
     blocks = vblock.search(st, pl, limit, name, extra=extra)
     if blocks is not None:
         cands.append(blocks)
