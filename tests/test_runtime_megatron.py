@@ -12,13 +12,15 @@ from megatron_zb.core.schedules import get, names
 pytestmark = [pytest.mark.megatron, pytest.mark.dist]
 
 
-def _check(results):
+def _check(results, mcore_version=None):
     bad = [f"{r['case']}: {r.get('error') or r.get('problems')} rel={r.get('max_rel_grad_diff')} "
            f"loss={r.get('max_abs_loss_diff')}" for r in results if not r["passed"]]
     assert not bad, "\n".join(bad)
+    for r in results:  # the ranks ran the megatron-core under test
+        assert not mcore_version or r["megatron_core"].startswith(mcore_version), (r["case"], r["megatron_core"])
 
 
-def test_pp2_every_schedule_and_megatron_options(mcore_path):
+def test_pp2_every_schedule_and_megatron_options(mcore_path, mcore_version):
     cases = [V.make_case(n, 2, num_microbatches=4, iterations=2) for n in names()]
     cases += [
         V.make_case("zb-h1", 2, num_microbatches=1, iterations=2, label="m<p"),
@@ -37,10 +39,10 @@ def test_pp2_every_schedule_and_megatron_options(mcore_path):
         V.make_case("zb-h1", 2, num_microbatches=4, iterations=2,
                     config_overrides={"deallocate_pipeline_outputs": True}, label="dealloc outputs"),
     ]
-    _check(V.run_verify_many(cases, timeout=900, mcore_path=mcore_path))
+    _check(V.run_verify_many(cases, timeout=900, mcore_path=mcore_path), mcore_version)
 
 
-def test_pp4_every_schedule(mcore_path):
+def test_pp4_every_schedule(mcore_path, mcore_version):
     cases = [V.make_case(n, 4, num_microbatches=8 if get(n).chunks != 2 else 4, iterations=2) for n in names()]
     cases += [V.make_case("zb-h1", 4, num_microbatches=2, iterations=2, label="m<p"),
               V.make_case("zb-h2", 4, num_microbatches=3, iterations=2, label="m<p"),
@@ -52,13 +54,13 @@ def test_pp4_every_schedule(mcore_path):
               V.make_case("v-auto", 4, num_microbatches=9, iterations=2, memory_limit=3.0,
                           schedule_options={"cost_f": 1.3, "cost_b": 2.1, "cost_w": 0.7, "cost_comm": 0.1},
                           label="limit 3, measured-like costs")]
-    _check(V.run_verify_many(cases, timeout=900, mcore_path=mcore_path))
+    _check(V.run_verify_many(cases, timeout=900, mcore_path=mcore_path), mcore_version)
 
 
-def test_tp2_pp2_sequence_parallel(mcore_path):
+def test_tp2_pp2_sequence_parallel(mcore_path, mcore_version):
     cases = [V.make_case(n, 2, tensor_parallel_size=2, num_microbatches=4, iterations=2, sequence_parallel=True)
              for n in ("zb-h1", "zb-h2", "gpipe-v")]
     cases.append(V.make_case("zb-h1", 2, tensor_parallel_size=2, num_microbatches=4, iterations=2,
                              sequence_parallel=True, overlap_grad_reduce=True, gradient_accumulation_fusion=True,
                              label="tp+sp+overlap+gaf"))
-    _check(V.run_verify_many(cases, timeout=900, mcore_path=mcore_path))
+    _check(V.run_verify_many(cases, timeout=900, mcore_path=mcore_path), mcore_version)

@@ -253,28 +253,4 @@ def test_cli_verify_json_last_line(capsys, mcore_path):
     assert any(line.startswith("PASSED") for line in out[:-1])
 
 
-# -- real megatron-zb schedules, once megatron_zb.megatron.install exists ------------------------
-
-def _install_available():
-    try:
-        import megatron_zb.megatron.install  # noqa: F401
-        return True
-    except Exception:
-        return False
-
-
-@pytest.mark.dist
-@pytest.mark.megatron
-@pytest.mark.skipif(not _install_available(), reason="megatron_zb.megatron.install not available yet")
-def test_installed_schedules_pp2(mcore_path, mcore_version):
-    from megatron_zb.core import schedules
-    names = schedules.names()  # every registered schedule, through install() and megatron's API
-    cases = [V.make_case(n, 2, num_microbatches=4, iterations=2, label=n) for n in names]
-    res = V.run_verify_many(cases, timeout=300, mcore_path=mcore_path)
-    bad = [(r["case"], r.get("error", "")[:2000], r["max_rel_grad_diff"], r["max_abs_loss_diff"]) for r in res
-           if not r["passed"]]
-    assert not bad, bad
-    for r in res:
-        _check_result(r, 2)
-        if mcore_version:
-            assert r["megatron_core"].startswith(mcore_version)
+# Every registered schedule through install() and megatron's API: tests/test_runtime_megatron.py.

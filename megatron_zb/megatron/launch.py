@@ -4,11 +4,14 @@
     results = launch(fn, 2, "arg")                  # fn("arg") on ranks 0 and 1 -> [r0, r1]
     per_case = run_cases(fn, [c1, c2, c3], 4)        # one process group, fn(c) for each case
 
-* Each rank is a fresh ``python`` subprocess with ``OMP_NUM_THREADS=1`` and one torch thread, the
+* One fresh ``python`` subprocess per launch (the *zygote*) gets ``OMP_NUM_THREADS=1``, the
   parent's ``sys.path`` (so functions defined in test modules resolve) and, first of all, the
   megatron-core directory chosen by ``mcore_path`` / ``$MZB_MCORE_PATH`` / ``$MZB_MCORE``
-  (a version: ``<repo>/.venv/mcore-<version>``). On a machine without CUDA the CPU shims are
-  applied before anything imports megatron.
+  (a version: ``<repo>/.venv/mcore-<version>``). With gloo it imports torch, applies the CPU
+  shims (no CUDA) and imports megatron-core once, then forks one process per rank (each in its
+  own session, one torch thread): a rank costs no import of its own, which is most of a small
+  launch's time. With NCCL it forks first and every rank imports for itself (CUDA must not be
+  touched before a fork).
 * The process group (gloo by default) rendezvouses through a ``TCPStore`` the parent opens on
   127.0.0.1 with a port the OS picks, so there is no port race.
 * ``fn`` and the cases must be picklable (module-level functions); results must be picklable.
@@ -160,7 +163,8 @@ def run_cases(fn: Callable, cases: Sequence[Any], world_size: int, *, timeout: f
     cases = list(cases)
     mpath = resolve_mcore_path(mcore_path)
     workdir = tempfile.mkdtemp(prefix="mzb-launch-")
-    procs: List[subprocess.Popen] = []
+    procs: List[_Rank] = []
+    zygote: Optional[subprocess.Popen] = None
     logs: List[Any] = []
     store = None
     try:
@@ -170,7 +174,8 @@ def run_cases(fn: Callable, cases: Sequence[Any], world_size: int, *, timeout: f
         sys_path = [p for p in sys.path if p]
         if mpath:
             sys_path = [mpath] + [p for p in sys_path if os.path.abspath(p) != mpath]
-        header = {"sys_path": sys_path, "mcore_path": mpath, "cpu_shims": cpu_shims}
+        header = {"sys_path": sys_path, "mcore_path": mpath, "cpu_shims": cpu_shims, "world_size": world_size,
+                  "backend": backend}
         payload = os.path.join(workdir, "payload.pkl")
         with open(payload, "wb") as f:
             pickle.dump(header, f)
@@ -188,18 +193,24 @@ def run_cases(fn: Callable, cases: Sequence[Any], world_size: int, *, timeout: f
         for r in range(world_size):
             with open(_status_file(workdir, r), "wb") as f:
                 f.write(b"\0" * _STATUS_BYTES)
-            e = dict(child_env, RANK=str(r), LOCAL_RANK=str(r))
-            log = open(os.path.join(workdir, f"rank{r}.log"), "wb")
-            logs.append(log)
-            cmd = [sys.executable, "-c", "import sys; from megatron_zb.megatron.launch import _worker_main; "
-                   "_worker_main(sys.argv[1], int(sys.argv[2]))", workdir, str(r)]
-            procs.append(subprocess.Popen(cmd, env=e, stdout=log, stderr=subprocess.STDOUT,
-                                          stdin=subprocess.DEVNULL, start_new_session=True))
+        log = open(os.path.join(workdir, "zygote.log"), "wb")
+        logs.append(log)
+        cmd = [sys.executable, "-c", "import sys; from megatron_zb.megatron.launch import _zygote_main; "
+               "_zygote_main(sys.argv[1])", workdir]
+        zygote = subprocess.Popen(cmd, env=child_env, stdout=log, stderr=subprocess.STDOUT,
+                                  stdin=subprocess.DEVNULL, start_new_session=True)
+        procs = [_Rank(workdir, r, zygote) for r in range(world_size)]
         return _wait(procs, workdir, world_size, timeout, grace)
     finally:
         for p in procs:
             if p.poll() is None:
                 _kill(p)
+        if zygote is not None and zygote.poll() is None:
+            try:
+                os.killpg(zygote.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            zygote.wait()
         for log in logs:
             try:
                 log.close()
@@ -255,18 +266,50 @@ def _load_result(workdir: str, r: int):
         return pickle.load(f)
 
 
-def _kill(p: subprocess.Popen) -> None:
+class _Rank:
+    """A rank forked by the launch's zygote: its pid (once forked) and exit code (once reaped),
+    read from the small files the zygote writes into the launch's folder."""
+
+    def __init__(self, workdir: str, rank: int, zygote: subprocess.Popen):
+        self.workdir, self.rank, self.zygote = workdir, rank, zygote
+
+    @property
+    def pid(self) -> Optional[int]:
+        return _read_int(os.path.join(self.workdir, f"pid{self.rank}"))
+
+    def poll(self) -> Optional[int]:
+        code = _read_int(os.path.join(self.workdir, f"exit{self.rank}"))
+        if code is None and self.zygote.poll() is not None:  # the zygote is gone: nobody will report
+            code = _read_int(os.path.join(self.workdir, f"exit{self.rank}"))
+            if code is None:
+                code = self.zygote.returncode or -1
+        return code
+
+
+def _read_int(path: str) -> Optional[int]:
     try:
-        os.killpg(p.pid, signal.SIGKILL)  # the rank's own session: it and anything it started
-    except (ProcessLookupError, PermissionError):
+        with open(path) as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def _write_int(path: str, value: int) -> None:
+    with open(path + ".tmp", "w") as f:
+        f.write(str(value))
+    os.replace(path + ".tmp", path)
+
+
+def _kill(p: _Rank) -> None:
+    pid = p.pid
+    if pid is not None:
         try:
-            p.kill()
-        except ProcessLookupError:
+            os.killpg(pid, signal.SIGKILL)  # the rank's own session: it and anything it started
+        except (ProcessLookupError, PermissionError):
             pass
-    try:
-        p.wait(timeout=5)
-    except subprocess.TimeoutExpired:  # pragma: no cover
-        pass
+    deadline = time.monotonic() + 5
+    while p.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 def _wait(procs, workdir, world_size, timeout, grace) -> List[List[Any]]:
@@ -295,7 +338,8 @@ def _wait(procs, workdir, world_size, timeout, grace) -> List[List[Any]]:
             unfinished = [r for r, p in enumerate(procs) if p.poll() is None]
             for r in unfinished:
                 try:
-                    os.kill(procs[r].pid, signal.SIGUSR1)  # faulthandler: dump Python stacks to the log
+                    if procs[r].pid is not None:
+                        os.kill(procs[r].pid, signal.SIGUSR1)  # faulthandler: Python stacks into the log
                 except ProcessLookupError:
                     pass
             time.sleep(0.5)
@@ -337,15 +381,13 @@ def _raise_rank_error(procs, workdir, world_size, hint_rank):
 # rank side
 # --------------------------------------------------------------------------------------------
 
-def _worker_main(workdir: str, rank: int) -> None:
-    global _status_map
-    import faulthandler
-    faulthandler.enable()
-    try:
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
-    except (AttributeError, ValueError):  # pragma: no cover
-        pass
-    case_index = None
+_PRELOAD = ("megatron.core.models.gpt", "megatron.core.pipeline_parallel.schedules",
+            "megatron.core.distributed", "megatron.core.optimizer")
+
+
+def _zygote_main(workdir: str) -> None:
+    """Import once, fork every rank, reap them (writing ``pid<r>`` and ``exit<r>`` files)."""
+    body = None
     try:
         with open(os.path.join(workdir, "payload.pkl"), "rb") as f:
             header = pickle.load(f)
@@ -353,28 +395,90 @@ def _worker_main(workdir: str, rank: int) -> None:
                 if p in sys.path:
                     sys.path.remove(p)
                 sys.path.insert(0, p)
-            mpath = header.get("mcore_path")
-            if mpath:
-                if mpath in sys.path:
-                    sys.path.remove(mpath)
-                sys.path.insert(0, mpath)
-            fd = os.open(_status_file(workdir, rank), os.O_RDWR)
-            _status_map = mmap.mmap(fd, _STATUS_BYTES)
-            os.close(fd)
-            set_status("starting: importing torch")
-            import torch
-            torch.set_num_threads(1)
-            if header.get("cpu_shims", True):
-                set_status("starting: applying CPU shims / importing megatron")
-                from megatron_zb.megatron import cpu_shims
-                cpu_shims.apply()
-            set_status("starting: loading the payload")
-            body = pickle.load(f)
+            warm = header["backend"] == "gloo"
+            if warm:
+                _import_runtime(header)
+                body = pickle.load(f)
+        pids = {}
+        for rank in range(header["world_size"]):
+            pid = os.fork()
+            if pid == 0:
+                _rank_main(workdir, rank, header, body)  # never returns
+            pids[pid] = rank
+            _write_int(os.path.join(workdir, f"pid{rank}"), pid)
+        while pids:
+            pid, status = os.wait()
+            if pid in pids:
+                _write_int(os.path.join(workdir, f"exit{pids.pop(pid)}"), os.waitstatus_to_exitcode(status))
+        os._exit(0)
+    except BaseException as e:  # noqa: BLE001 - the ranks report the zygote's failure as theirs
+        tb = traceback.format_exc()
+        sys.stderr.write(tb)
+        sys.stderr.flush()
+        for r in range(_world_size_of(workdir)):
+            if not os.path.exists(_result_file(workdir, r)):
+                _write_result(workdir, r, {"ok": False, "case": None, "exc_type": type(e).__name__,
+                                           "message": f"before the rank started: {e}", "traceback": tb,
+                                           "time": time.time(), "status": "starting"})
+        os._exit(1)
+
+
+def _world_size_of(workdir: str) -> int:
+    try:
+        with open(os.path.join(workdir, "payload.pkl"), "rb") as f:
+            return int(pickle.load(f)["world_size"])
+    except Exception:  # noqa: BLE001
+        return 0
+
+
+def _import_runtime(header: dict) -> None:
+    """torch with one thread, the CPU shims (no CUDA), and the megatron-core modules ranks use."""
+    import importlib
+    set_status("starting: importing torch")
+    import torch
+    torch.set_num_threads(1)
+    if header.get("cpu_shims", True):
+        set_status("starting: applying CPU shims / importing megatron")
+        from megatron_zb.megatron import cpu_shims
+        cpu_shims.apply()
+        for name in _PRELOAD:
+            try:
+                importlib.import_module(name)
+            except Exception:  # noqa: BLE001 - the rank that needs it reports the error
+                pass
+
+
+def _rank_main(workdir: str, rank: int, header: dict, body: Optional[dict]) -> None:
+    global _status_map
+    case_index = None
+    try:
+        os.setsid()
+        log = os.open(os.path.join(workdir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.close(log)
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
+        import faulthandler
+        faulthandler.enable()
+        try:
+            faulthandler.register(signal.SIGUSR1, all_threads=True)
+        except (AttributeError, ValueError):  # pragma: no cover
+            pass
+        fd = os.open(_status_file(workdir, rank), os.O_RDWR)
+        _status_map = mmap.mmap(fd, _STATUS_BYTES)
+        os.close(fd)
+        if body is None:  # not warm: this rank imports for itself
+            _import_runtime(header)
+            with open(os.path.join(workdir, "payload.pkl"), "rb") as f:
+                pickle.load(f)
+                set_status("starting: loading the payload")
+                body = pickle.load(f)
+        import torch
         import torch.distributed as dist
-        ws, timeout = body["world_size"], body["timeout"]
+        ws, timeout = header["world_size"], body["timeout"]
         set_status("starting: joining the process group")
         store = dist.TCPStore("127.0.0.1", body["port"], ws + 1, False, timeout=_td(timeout + 30))
-        backend = body["backend"]
+        backend = header["backend"]
         if backend == "nccl":  # pragma: no cover - GPU machines
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % max(1, torch.cuda.device_count()))
         dist.init_process_group(backend, store=store, rank=rank, world_size=ws, timeout=_td(timeout + 30))
