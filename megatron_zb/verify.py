@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import math
 import sys
 import time
@@ -475,6 +476,9 @@ def _rank_case(case: VerifyCase) -> dict:
     t_start = time.perf_counter()
     rank = dist.get_rank()
     tag = case.describe()
+    # DDP's per-bucket parameter lists (INFO once megatron.training configured logging) would fill
+    # the rank logs that a failure or a timeout quotes
+    logging.getLogger("megatron.core.distributed").setLevel(logging.WARNING)
     # 1. the reference, on rank 0 (cached per launch for identical model/data)
     set_status(f"[{tag}] reference: setting up")
     M.init_parallel_state(1, 1, seed=case.seed)
