@@ -46,8 +46,14 @@ def test_zb_auto_heterogeneous_stages_and_gap():
 
 
 def test_zb_auto_infeasible_limit_names_least_memory():
-    with pytest.raises(ScheduleError, match=r"no schedule fits memory limit 0.5; the least that works is about"):
-        generate("zb-auto", Setting(4, 8, memory_limit=0.5))
+    with pytest.raises(ScheduleError, match=r"no schedule fits memory limit 0.5; the least that works is about 1 "):
+        generate("zb-auto", Setting(4, 8, memory_limit=0.5))  # one microbatch in flight: F, B, W, F, ...
+    assert max(sim("zb-auto", 4, 8, memory_limit=1)[1].peak_memory) <= 1 + 1e-9
+    with pytest.raises(ScheduleError, match=r"the least that works is about 2 "):
+        generate("zb-auto", Setting(4, 8, mem_f=2, memory_limit=1.5))
+    # V: rank 0 holds both chunks of a microbatch (mem-f / 2 each) before its first B
+    with pytest.raises(ScheduleError, match=r"v-auto: no schedule fits memory limit 0.4; the least that works is about 1 "):
+        generate("v-auto", Setting(4, 8, memory_limit=0.4))
 
 
 @pytest.mark.parametrize("p", [2, 3, 4, 5, 8])

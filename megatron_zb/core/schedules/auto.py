@@ -64,29 +64,50 @@ def _pick(cands: List[Schedule], setting: Setting, limit: Optional[float]) -> Op
 
 
 def _search(name: str, st: Setting, pl: Placement, limit: float, cands: List[Schedule], lo: float,
-            hi: float) -> Schedule:
+            hi: float, other: Optional[Callable[[float], Optional[Schedule]]] = None) -> Schedule:
     """The best of ``cands`` and the greedy variants under ``limit``; an infeasible limit is an
-    error naming the least memory that works (searched between lo and hi)."""
+    error naming the least memory at which the greedy variants or ``other`` find a schedule
+    (searched between lo and hi)."""
     try:
         cands = cands + [best_of(st, pl, limit, name)]
     except ScheduleError:
         pass
     best = _pick(cands, st, limit)
     if best is None:
-        need = _least_memory(lambda x: best_of(st, pl, x, name), lo, hi)
+        def attempt(x: float) -> Schedule:
+            try:
+                return best_of(st, pl, x, name)
+            except ScheduleError:
+                found = other(x) if other is not None else None
+                if found is None:
+                    raise
+                return found
+        need = _least_memory(attempt, st, lo, hi)
         raise ScheduleError(f"{name}: no schedule fits memory limit {limit:g}; the least that works is about "
                             f"{need:g} (units of mem-f)")
     return best
 
 
-def _least_memory(fn: Callable[[float], Schedule], lo: float, hi: float) -> float:
-    for x in [lo + (hi - lo) * i / 8 for i in range(1, 9)]:
+def _least_memory(fn: Callable[[float], Schedule], setting: Setting, lo: float, hi: float) -> float:
+    """The least peak memory of a schedule ``fn`` finds under a limit in [lo, hi] (bisection;
+    each schedule found counts with its own peak, which may lie below the limit asked for)."""
+    def peak(x: float) -> Optional[float]:
         try:
-            fn(x)
-            return x
+            return max(simulate(fn(x), setting).peak_memory)
         except ScheduleError:
-            pass
-    return hi
+            return None
+
+    bad, good = lo, hi
+    for x in [lo] + [None] * 6:
+        x = (bad + good) / 2 if x is None else x
+        found = peak(x)
+        if found is None:
+            bad = x
+        else:
+            good = min(good, found, x)
+        if good <= lo + 1e-9:
+            break
+    return good
 
 
 def zb_auto(setting: Setting) -> Schedule:
@@ -174,7 +195,8 @@ def _v_search(name: str, setting: Setting, limit: Optional[float] = None) -> Sch
         res = simulate(blocks, st)
         if res.makespan <= lower_bound(st, pl, limit) + 1e-9:  # optimal: no greedy needed
             return _finish(blocks, st, limit, name, limit)
-    best = _search(name, st, pl, limit, cands, max(st.mem_f) / 2, p * max(st.mem_f))
+    best = _search(name, st, pl, limit, cands, max(st.mem_f) / 2, p * max(st.mem_f),
+                   other=lambda x: vblock.search(st, pl, x, name))
     return _finish(best, st, limit, name, limit)
 
 

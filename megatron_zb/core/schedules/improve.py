@@ -56,7 +56,7 @@ def improve(schedule: Schedule, setting: Setting, limit: Optional[float], max_ev
                     break
             if improved or evals >= max_evals:
                 break
-    validate(best, setting)
+    validate(best, setting, memory_limit=float("inf") if limit is None else limit)
     return best
 
 
