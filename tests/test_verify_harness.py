@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 
 import pytest
@@ -40,6 +41,22 @@ def test_launch_reraises_rank_exception_with_its_traceback():
     e = ei.value
     assert e.rank == 1 and e.case == 1 and e.exc_type == "ValueError"
     assert "boom from rank one" in str(e) and "raise_on_rank1_in_case1" in e.rank_traceback
+
+
+@pytest.mark.dist
+def test_launch_reports_a_failure_before_the_ranks_start(monkeypatch):
+    # a function the ranks cannot import (its module exists only in this process): every rank
+    # reports the error; nothing hangs
+    import types
+    mod = types.ModuleType("mzb_only_in_the_parent")
+    exec("def fn(case):\n    return case\n", mod.__dict__)
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    t = time.time()
+    with pytest.raises(L.RankError) as ei:
+        L.run_cases(mod.fn, [0], 2, cpu_shims=False, timeout=60)
+    assert ei.value.exc_type == "ModuleNotFoundError" and "before the rank started" in str(ei.value)
+    assert "rank 1 also failed" in str(ei.value)
+    assert time.time() - t < 40
 
 
 @pytest.mark.dist

@@ -180,8 +180,8 @@ def run_cases(fn: Callable, cases: Sequence[Any], world_size: int, *, timeout: f
         with open(payload, "wb") as f:
             pickle.dump(header, f)
             _Pickler(f, protocol=pickle.HIGHEST_PROTOCOL).dump(
-                {"fn": fn, "cases": cases, "world_size": world_size, "port": port, "backend": backend,
-                 "timeout": timeout, "barrier_between": barrier_between})
+                {"fn": fn, "cases": cases, "port": port, "timeout": timeout,
+                 "barrier_between": barrier_between})
         child_env = dict(os.environ)
         child_env.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world_size),
@@ -387,10 +387,11 @@ _PRELOAD = ("megatron.core.models.gpt", "megatron.core.pipeline_parallel.schedul
 
 def _zygote_main(workdir: str) -> None:
     """Import once, fork every rank, reap them (writing ``pid<r>`` and ``exit<r>`` files)."""
-    body = None
+    body, world_size = None, 0
     try:
         with open(os.path.join(workdir, "payload.pkl"), "rb") as f:
             header = pickle.load(f)
+            world_size = header["world_size"]
             for p in reversed(header["sys_path"]):
                 if p in sys.path:
                     sys.path.remove(p)
@@ -400,7 +401,7 @@ def _zygote_main(workdir: str) -> None:
                 _import_runtime(header)
                 body = pickle.load(f)
         pids = {}
-        for rank in range(header["world_size"]):
+        for rank in range(world_size):
             pid = os.fork()
             if pid == 0:
                 _rank_main(workdir, rank, header, body)  # never returns
@@ -415,20 +416,12 @@ def _zygote_main(workdir: str) -> None:
         tb = traceback.format_exc()
         sys.stderr.write(tb)
         sys.stderr.flush()
-        for r in range(_world_size_of(workdir)):
+        for r in range(world_size):
             if not os.path.exists(_result_file(workdir, r)):
                 _write_result(workdir, r, {"ok": False, "case": None, "exc_type": type(e).__name__,
                                            "message": f"before the rank started: {e}", "traceback": tb,
                                            "time": time.time(), "status": "starting"})
         os._exit(1)
-
-
-def _world_size_of(workdir: str) -> int:
-    try:
-        with open(os.path.join(workdir, "payload.pkl"), "rb") as f:
-            return int(pickle.load(f)["world_size"])
-    except Exception:  # noqa: BLE001
-        return 0
 
 
 def _import_runtime(header: dict) -> None:
