@@ -97,16 +97,17 @@ def _least_memory(fn: Callable[[float], Schedule], setting: Setting, lo: float, 
         except ScheduleError:
             return None
 
+    found = peak(lo)
+    if found is not None:
+        return found
     bad, good = lo, hi
-    for x in [lo] + [None] * 6:
-        x = (bad + good) / 2 if x is None else x
-        found = peak(x)
+    for _ in range(6):
+        mid = (bad + good) / 2
+        found = peak(mid)
         if found is None:
-            bad = x
+            bad = mid
         else:
-            good = min(good, found, x)
-        if good <= lo + 1e-9:
-            break
+            good = min(good, found)
     return good
 
 
