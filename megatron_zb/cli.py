@@ -11,6 +11,7 @@ import os
 import sys
 from typing import List, Optional
 
+from .argtypes import nonneg, number_list, positive_int
 from .core import io as sched_io
 from .core import schedules
 from .core.ir import Schedule, ScheduleError, Setting
@@ -27,68 +28,26 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: {message}")
 
 
-def _number_list(name):
-    def parse(text: str):
-        vals = []
-        for part in str(text).split(","):
-            try:
-                x = float(part)
-            except ValueError:
-                raise argparse.ArgumentTypeError(f"{name} must be a number or a comma list of numbers, "
-                                                 f"got {text!r}") from None
-            if not (x >= 0 and x != float("inf")):
-                raise argparse.ArgumentTypeError(f"{name} must be non-negative, got {text!r}")
-            vals.append(x)
-        return vals
-    return parse
-
-
-def _nonneg(name):
-    def parse(text):
-        vals = _number_list(name)(text)
-        if len(vals) != 1:
-            raise argparse.ArgumentTypeError(f"{name} takes one number, got {text!r}")
-        return vals[0]
-    return parse
-
-
-def int_at_least(name, lo):
-    """argparse type: an integer >= lo, else one clear line naming the flag."""
-    def parse(text):
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer >= {lo}, got {text!r}") from None
-        if v < lo:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer >= {lo}, got {v}")
-        return v
-    return parse
-
-
-def _positive_int(name):
-    return int_at_least(name, 1)
-
-
 def _add_setting_args(ap: argparse.ArgumentParser, schedule_required: bool = True):
     if schedule_required:
         g = ap.add_mutually_exclusive_group(required=True)
         g.add_argument("--schedule", help="schedule name: " + ", ".join(schedules.names()))
         g.add_argument("--load", metavar="FILE", help="a schedule file (.json ours, .csv torch compute-only)")
-    ap.add_argument("--stages", "-p", type=_positive_int("--stages"), help="pipeline ranks P")
-    ap.add_argument("--microbatches", "-m", type=_positive_int("--microbatches"), help="microbatches M")
-    ap.add_argument("--chunks", "-v", type=_positive_int("--chunks"), default=None,
+    ap.add_argument("--stages", "-p", type=positive_int("--stages"), help="pipeline ranks P")
+    ap.add_argument("--microbatches", "-m", type=positive_int("--microbatches"), help="microbatches M")
+    ap.add_argument("--chunks", "-v", type=positive_int("--chunks"), default=None,
                     help="model chunks per rank (interleaved; V schedules use 2)")
-    ap.add_argument("--cost-f", type=_number_list("--cost-f"), default=[1.0],
+    ap.add_argument("--cost-f", type=number_list("--cost-f"), default=[1.0],
                     help="F time of a whole stage; a comma list gives one per stage (default 1)")
-    ap.add_argument("--cost-b", type=_number_list("--cost-b"), default=[1.0], help="B time (default 1)")
-    ap.add_argument("--cost-w", type=_number_list("--cost-w"), default=[1.0], help="W time (default 1)")
-    ap.add_argument("--cost-comm", type=_nonneg("--cost-comm"), default=0.0,
+    ap.add_argument("--cost-b", type=number_list("--cost-b"), default=[1.0], help="B time (default 1)")
+    ap.add_argument("--cost-w", type=number_list("--cost-w"), default=[1.0], help="W time (default 1)")
+    ap.add_argument("--cost-comm", type=nonneg("--cost-comm"), default=0.0,
                     help="time of one hop between ranks (default 0)")
-    ap.add_argument("--mem-f", type=_number_list("--mem-f"), default=[1.0],
+    ap.add_argument("--mem-f", type=number_list("--mem-f"), default=[1.0],
                     help="activation one F allocates on a stage (default 1)")
-    ap.add_argument("--mem-w", type=_number_list("--mem-w"), default=None,
+    ap.add_argument("--mem-w", type=number_list("--mem-w"), default=None,
                     help="part of it still needed by W (default 0.5 x mem-f)")
-    ap.add_argument("--memory-limit", type=_nonneg("--memory-limit"), default=None,
+    ap.add_argument("--memory-limit", type=nonneg("--memory-limit"), default=None,
                     help="per-rank activation limit, in mem-f units")
 
 
@@ -294,25 +253,25 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--out", nargs="+", required=True, metavar="FILE")
     pl.set_defaults(func=cmd_plot)
     pn = sub.add_parser("plan", help="rank schedules for a GPT model and a GPU memory budget")
-    pn.add_argument("--num-layers", type=_positive_int("--num-layers"), required=True)
-    pn.add_argument("--hidden-size", type=_positive_int("--hidden-size"), required=True)
-    pn.add_argument("--num-attention-heads", type=_positive_int("--num-attention-heads"), required=True)
-    pn.add_argument("--seq-length", type=_positive_int("--seq-length"), required=True)
-    pn.add_argument("--micro-batch-size", type=_positive_int("--micro-batch-size"), default=1)
-    pn.add_argument("--vocab-size", type=_positive_int("--vocab-size"), default=32000)
-    pn.add_argument("--ffn-hidden-size", type=_positive_int("--ffn-hidden-size"), default=None)
-    pn.add_argument("--tensor-parallel-size", type=_positive_int("--tensor-parallel-size"), default=1)
+    pn.add_argument("--num-layers", type=positive_int("--num-layers"), required=True)
+    pn.add_argument("--hidden-size", type=positive_int("--hidden-size"), required=True)
+    pn.add_argument("--num-attention-heads", type=positive_int("--num-attention-heads"), required=True)
+    pn.add_argument("--seq-length", type=positive_int("--seq-length"), required=True)
+    pn.add_argument("--micro-batch-size", type=positive_int("--micro-batch-size"), default=1)
+    pn.add_argument("--vocab-size", type=positive_int("--vocab-size"), default=32000)
+    pn.add_argument("--ffn-hidden-size", type=positive_int("--ffn-hidden-size"), default=None)
+    pn.add_argument("--tensor-parallel-size", type=positive_int("--tensor-parallel-size"), default=1)
     pn.add_argument("--sequence-parallel", action="store_true")
-    pn.add_argument("--data-parallel-size", type=_positive_int("--data-parallel-size"), default=1)
+    pn.add_argument("--data-parallel-size", type=positive_int("--data-parallel-size"), default=1)
     pn.add_argument("--use-distributed-optimizer", action="store_true")
     pn.add_argument("--no-flash-attention", action="store_true",
                     help="count the 5as attention-score activations (no flash attention)")
-    pn.add_argument("--pipeline-parallel-size", type=_positive_int("--pipeline-parallel-size"), required=True)
-    pn.add_argument("--num-microbatches", type=_positive_int("--num-microbatches"), required=True)
-    pn.add_argument("--gpu-memory-gb", type=_nonneg("--gpu-memory-gb"), default=80.0)
+    pn.add_argument("--pipeline-parallel-size", type=positive_int("--pipeline-parallel-size"), required=True)
+    pn.add_argument("--num-microbatches", type=positive_int("--num-microbatches"), required=True)
+    pn.add_argument("--gpu-memory-gb", type=nonneg("--gpu-memory-gb"), default=80.0)
     pn.add_argument("--gpu", choices=["h100", "h200", "a100", "b200", "mi300x"], default="h100")
-    pn.add_argument("--peak-tflops", type=_nonneg("--peak-tflops"), default=None, help="overrides --gpu")
-    pn.add_argument("--efficiency", type=_nonneg("--efficiency"), default=0.5, help="fraction of peak reached")
+    pn.add_argument("--peak-tflops", type=nonneg("--peak-tflops"), default=None, help="overrides --gpu")
+    pn.add_argument("--efficiency", type=nonneg("--efficiency"), default=0.5, help="fraction of peak reached")
     pn.add_argument("--profile", metavar="JSON", help="measured costs (a megatron-zb profile JSON)")
     pn.add_argument("--allow-padding-num-layers", action="store_true",
                     help="first and last stage take one layer less (embedding and loss cost)")

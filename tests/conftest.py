@@ -4,14 +4,14 @@
   ``installed``) = the one installed in the venv (0.16.1 here); a version such as ``0.19.2`` =
   ``<repo>/.venv/mcore-0.19.2``; or a directory holding ``megatron/core``. The chosen directory is
   put first on ``sys.path`` in this process and on ``PYTHONPATH`` for every subprocess, and
-  ``megatron_zb.megatron.launch`` puts it first in every rank it starts.
+  ``megatron_zb.verify.launch`` puts it first in every rank it starts.
 * Multi-process tests are marked ``dist`` (``pytest -m dist``), tests that import megatron
   ``megatron`` (``scripts/run_tests.sh`` reruns ``-m megatron`` on megatron-core 0.19.2).
 * Fixtures: ``mcore_path`` (the directory or None), ``mcore_version`` (the version string the
   ranks must report, or None when it is "whatever is installed"), and ``rank_pool``: a callable
   ``rank_pool(fn, cases, world_size, timeout=...)`` -> ``results[case][rank]`` that runs
   ``fn(case)`` on ``world_size`` real gloo processes (one launch for all cases; see
-  ``megatron_zb.megatron.launch.run_cases``).
+  ``megatron_zb.verify.launch.run_cases``).
 
 Nothing here imports torch or megatron (the schedule-core tests stay light).
 """
@@ -83,7 +83,7 @@ def mcore_version():
 @pytest.fixture(scope="session")
 def rank_pool():
     """``rank_pool(fn, cases, world_size, timeout=300, **kw)`` -> results[case][rank]."""
-    from megatron_zb.megatron.launch import run_cases
+    from megatron_zb.verify.launch import run_cases
 
     def run(fn, cases, world_size, timeout=300.0, **kw):
         kw.setdefault("mcore_path", MCORE_PATH)

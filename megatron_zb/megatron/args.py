@@ -82,7 +82,7 @@ def _positive_float(flag):
 
 def _cost(flag):
     """A number, or a comma list (one per pipeline rank); the CLI's parser, unwrapped when single."""
-    from ..cli import _number_list
+    from ..argtypes import number_list as _number_list
     parse_list = _number_list(flag)
 
     def parse(text):
@@ -128,7 +128,7 @@ def _pending_backward(text):
 
 
 def _nonneg_int(flag):
-    from ..cli import int_at_least
+    from ..argtypes import int_at_least
     return int_at_least(flag, 0)
 
 

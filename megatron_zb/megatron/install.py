@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ..core import schedules as core_schedules
-from ..core.ir import B, BW, F, Placement, Schedule, ScheduleError, Setting
+from ..core.ir import F, Placement, Schedule, ScheduleError, Setting
 from ..core.lower import forward_only as forward_only_schedule
 from ..core.lower import lower
 from ..core.validate import validate

@@ -16,7 +16,7 @@ fork's (``megatron_zb.megatron.args``). What this module adds to Megatron's flow
 * ``install()``: Megatron's ``get_forward_backward_func`` returns the megatron-zb schedule;
 * V placement (zb-v, v-half, v-min, v-auto, dualpipe-v, gpipe-v): rank r builds stages r and
   2P-1-r, so the embedding and the loss both live on pipeline rank 0. The layer numbering uses
-  ``megatron_zb.megatron.model``'s layer-table hooks, the embedding group is rank 0 alone, the
+  ``megatron_zb.megatron.placement``'s layer-table hooks, the embedding group is rank 0 alone, the
   tied output weight is summed locally (``finalize_model_grads_for``), and the losses are handed to
   the last pipeline rank, where Megatron's training loop reads and logs them;
 * no CUDA: the CPU shims (``cpu_shims.apply`` / ``apply_training``), the gloo backend, the local
@@ -209,8 +209,8 @@ class _ModelProvider:
 
     Builds each chunk with Megatron's own ``GPTModelBuilder`` (TE spec when Transformer Engine is
     present, the local spec otherwise, MoE etc. from the flags). For a V schedule the chunk's stage,
-    pre/post-process and layers come from the V placement (``model.chunk_infos``) and megatron's layer
-    count/offset functions answer from the placement's layer table (``model``'s hooks).
+    pre/post-process and layers come from the V placement (``placement.chunk_infos``) and megatron's
+    layer count/offset functions answer from the placement's layer table (``placement``'s hooks).
     """
 
     def __init__(self):
@@ -223,7 +223,8 @@ class _ModelProvider:
         from megatron.training.argument_utils import gpt_config_from_args
         from megatron.training.models.gpt import GPTModelBuilder
 
-        from . import model as zb_model
+        from . import placement as zb_placement
+        from .local_spec import layer_spec
 
         args = get_args()
         if pg_collection is None:
@@ -232,36 +233,34 @@ class _ModelProvider:
         tcfg = model_cfg.transformer
         placement = _placement(args)
         pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-        info = zb_model.chunk_infos(placement, args.num_layers, pp_rank, **_layer_kw(args))[vp_stage or 0]
+        info = zb_placement.chunk_infos(placement, args.num_layers, pp_rank, **_layer_kw(args))[vp_stage or 0]
         if placement.style == "v":
             pre_process, post_process = info.pre_process, info.post_process
-            zb_model.install_layer_hooks()
-            tcfg._mzb_layers = {"own_rank": None, "placement_rank": pp_rank,
-                                "table": zb_model.placement_layer_table(placement, args.num_layers, **_layer_kw(args)),
-                                "placement": placement}
-            tcfg.finalize_model_grads_func = partial(zb_model.finalize_model_grads_for, placement=placement)
+            zb_placement.attach_layer_table(tcfg, placement, args.num_layers, placement_rank=pp_rank,
+                                            **_layer_kw(args))
+            tcfg.finalize_model_grads_func = partial(zb_placement.finalize_model_grads_for, placement=placement)
         if parallel_state.get_data_parallel_rank() == 0 and parallel_state.get_tensor_model_parallel_rank() == 0:
             layers = f"layers {info.layers[0]}-{info.layers[-1]}" if info.layers else "no layers"
             print(f" > pipeline rank {pp_rank} chunk {vp_stage or 0}: stage {info.stage} of {info.num_stages}, "
                   f"{layers}{', embedding' if pre_process else ''}{', loss' if post_process else ''}", flush=True)
         if tcfg.transformer_impl == "local" and tcfg.sequence_parallel and model_cfg.transformer_layer_spec is None:
             # the local spec's torch norms refuse sequence parallelism (apex/TE norms are absent, e.g.
-            # on CPU): model.py's local spec with sequence-parallel-capable torch norms
-            model_cfg.transformer_layer_spec = zb_model.layer_spec(tcfg, len(info.layers))
+            # on CPU): megatron's local spec with sequence-parallel-capable torch norms
+            model_cfg.transformer_layer_spec = layer_spec(tcfg, len(info.layers))
         model = GPTModelBuilder(model_cfg).build_model(pg_collection, pre_process=pre_process,
                                                        post_process=post_process, vp_stage=vp_stage)
         got = [int(layer.layer_number) - 1 for layer in model.decoder.layers]
         if got != list(info.layers):
             raise RuntimeError(f"pipeline rank {pp_rank} chunk {vp_stage}: megatron built layers {got}, "
                                f"the placement wants {list(info.layers)}")
-        # global parameter names (model.py's convention): the V tied-embedding sum and the
+        # global parameter names (placement.py's convention): the V tied-embedding sum and the
         # deterministic initialisation find parameters by them
         tied = bool(model.share_embeddings_and_output_weights)
         for name, p in model.named_parameters():
-            p.mzb_global_name = zb_model.global_param_name(name, info, tied)
+            p.mzb_global_name = zb_placement.global_param_name(name, info, tied)
         model.mzb_chunk_info = info
         if getattr(args, "zero_bubble_deterministic_init", False):
-            zb_model.deterministic_init_([model], seed=args.seed, std=args.init_method_std)
+            zb_placement.deterministic_init_([model], seed=args.seed, std=args.init_method_std)
         elif placement.style == "v" and post_process and tied:
             self._copy_tied_embedding(model)
         self._built.append(model)
@@ -372,11 +371,11 @@ def _dataset_needed_on(vp_stage) -> bool:
     from megatron.core import parallel_state as ps
     from megatron.training import get_args
 
-    from . import model as zb_model
+    from . import placement as zb_placement
     if ps.get_tensor_model_parallel_rank() != 0:
         return False
     args = get_args()
-    infos = zb_model.chunk_infos(_placement(args), args.num_layers, ps.get_pipeline_model_parallel_rank(),
+    infos = zb_placement.chunk_infos(_placement(args), args.num_layers, ps.get_pipeline_model_parallel_rank(),
                                  **_layer_kw(args))
     chosen = infos if vp_stage is None else [infos[vp_stage]]
     return any(i.pre_process or i.post_process for i in chosen)

@@ -1,6 +1,6 @@
 """Run a Python function on N real processes (one torch.distributed rank each), never hanging.
 
-    from megatron_zb.megatron.launch import launch, run_cases
+    from megatron_zb.verify.launch import launch, run_cases
     results = launch(fn, 2, "arg")                  # fn("arg") on ranks 0 and 1 -> [r0, r1]
     per_case = run_cases(fn, [c1, c2, c3], 4)        # one process group, fn(c) for each case
 
@@ -195,7 +195,7 @@ def run_cases(fn: Callable, cases: Sequence[Any], world_size: int, *, timeout: f
                 f.write(b"\0" * _STATUS_BYTES)
         log = open(os.path.join(workdir, "zygote.log"), "wb")
         logs.append(log)
-        cmd = [sys.executable, "-c", "import sys; from megatron_zb.megatron.launch import _zygote_main; "
+        cmd = [sys.executable, "-c", "import sys; from megatron_zb.verify.launch import _zygote_main; "
                "_zygote_main(sys.argv[1])", workdir]
         zygote = subprocess.Popen(cmd, env=child_env, stdout=log, stderr=subprocess.STDOUT,
                                   stdin=subprocess.DEVNULL, start_new_session=True)

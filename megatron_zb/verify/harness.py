@@ -1,13 +1,13 @@
-"""`megatron-zb verify`: train a tiny real megatron-core GPT with a pipeline schedule and check it
+"""The verification harness: train a tiny real megatron-core GPT with a pipeline schedule and check it
 against the non-pipelined single-process reference.
 
-One launch of P x T CPU processes (gloo; see ``megatron.launch``) runs, per case:
+One launch of P x T CPU processes (gloo; see ``verify.launch``) runs, per case:
 
 1. **Reference** (rank 0 only): PP=1, TP=1, full weights, megatron's
    ``forward_backward_no_pipelining``; ``iterations`` steps of plain SGD, recording the loss and
    every parameter's gradient (by global name) at every iteration.
 2. **Pipelined run** (all ranks): megatron ``parallel_state`` for PP x TP, this rank's model
-   chunks for the schedule's placement (``megatron.model``), identical initial weights (hashed
+   chunks for the schedule's placement (``verify.tinygpt`` on ``megatron.placement``), identical initial weights (hashed
    from global parameter names) and identical data; the schedule is picked the way a Megatron
    user would get it: ``megatron_zb.megatron.install.install(schedule)`` and then megatron's own
    ``get_forward_backward_func()``. Gradients are gathered per global name (TP shards
@@ -27,22 +27,20 @@ Pseudo-schedules that need no ``install()`` (useful to check this harness itself
   real p2p between ranks. It checks model placement (e.g. V) independently of any schedule.
 
 It never hangs: the launch has a timeout; a stuck rank is reported with its last status (the
-pass it was in, as set through ``megatron.launch.set_status``) and its Python stack.
+pass it was in, as set through ``verify.launch.set_status``) and its Python stack.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import logging
 import math
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
-__all__ = ["VerifyCase", "VerifyUsageError", "make_case", "run_verify", "run_verify_many", "main_verify",
-           "PSEUDO_SCHEDULES", "DEFAULT_GRAD_RTOL", "DEFAULT_LOSS_ATOL"]
+__all__ = ["VerifyCase", "VerifyUsageError", "make_case", "run_verify", "run_verify_many", "compare",
+           "PSEUDO_SCHEDULES", "DEFAULT_GRAD_RTOL", "DEFAULT_LOSS_ATOL", "SequentialForwardBackward"]
 
 PSEUDO_SCHEDULES = ("megatron-1f1b", "megatron-interleaved", "sequential")
 DEFAULT_GRAD_RTOL = 1e-5
@@ -93,7 +91,7 @@ class VerifyCase:
         return self.pipeline_parallel_size * self.tensor_parallel_size
 
     def model_config(self):
-        from .megatron.model import TinyGPTConfig
+        from .tinygpt import TinyGPTConfig
         return TinyGPTConfig(num_layers=self.num_layers, hidden_size=self.hidden_size,
                              num_attention_heads=self.num_attention_heads, vocab_size=self.vocab_size,
                              seq_length=self.seq_length, micro_batch_size=self.micro_batch_size,
@@ -118,8 +116,8 @@ class VerifyCase:
 
 def _schedule_placement(name: str, p: int, m: int, chunks: Optional[int]):
     """(style, chunks) of a core schedule, from the pure-Python schedule core."""
-    from .core import schedules as core_schedules
-    from .core.ir import ScheduleError, Setting
+    from ..core import schedules as core_schedules
+    from ..core.ir import ScheduleError, Setting
     try:
         spec = core_schedules.get(name)
         c = spec.resolve_chunks(chunks)
@@ -194,10 +192,10 @@ def make_case(schedule: str, pipeline_parallel_size: int, tensor_parallel_size: 
         num_layers = stages * max(1, math.ceil(4 / stages))
     case = VerifyCase(schedule=schedule, pipeline_parallel_size=p, tensor_parallel_size=t, num_microbatches=m,
                       iterations=iterations, chunks=chunks, placement=placement, num_layers=num_layers, **options)
-    from .core.ir import ScheduleError
-    from .megatron import model as _m  # no torch-heavy work at import
+    from ..core.ir import ScheduleError
+    from ..megatron import placement as _pl
     try:
-        _m.stage_layer_counts(case.num_layers, stages, layers_per_stage=case.layers_per_stage,
+        _pl.stage_layer_counts(case.num_layers, stages, layers_per_stage=case.layers_per_stage,
                               allow_padding_num_layers=case.allow_padding_num_layers)
     except ScheduleError as e:
         raise VerifyUsageError(str(e)) from None
@@ -238,7 +236,7 @@ def run_verify(schedule: str, pipeline_parallel_size: int, tensor_parallel_size:
 def run_verify_many(cases: Sequence[VerifyCase], *, timeout: float = 600.0, mcore_path: Optional[str] = None,
                     raise_errors: bool = False) -> List[dict]:
     """Run several cases (same P x T) in one launch, paying process start and imports once."""
-    from .megatron import launch as L
+    from . import launch as L
     cases = list(cases)
     if not cases:
         return []
@@ -439,8 +437,8 @@ def _run_reference(case: VerifyCase) -> dict:
     """PP=1, TP=1, full model on this process; megatron's forward_backward_no_pipelining."""
     import torch
     from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
-    from .megatron import model as M
-    from .megatron.launch import set_status
+    from . import tinygpt as M
+    from .launch import set_status
     cfg = case.model_config()
     ref = M.build_reference_model(cfg, **_reference_overrides(case))
     ref.config.finalize_model_grads_func = _reference_finalize
@@ -470,8 +468,10 @@ def _rank_case(case: VerifyCase) -> dict:
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
-    from .megatron import model as M
-    from .megatron.launch import set_status
+
+    from ..megatron import placement as _pl
+    from . import tinygpt as M
+    from .launch import set_status
 
     t_start = time.perf_counter()
     rank = dist.get_rank()
@@ -490,7 +490,7 @@ def _rank_case(case: VerifyCase) -> dict:
         reference = _REFERENCE_CACHE[key]
     # 2. the pipelined run
     set_status(f"[{tag}] pipelined: initialising parallel state (other ranks may still run the reference)")
-    placement = M.make_placement(case.placement, case.pipeline_parallel_size, case.chunks)
+    placement = _pl.make_placement(case.placement, case.pipeline_parallel_size, case.chunks)
     M.init_parallel_state(case.tensor_parallel_size, case.pipeline_parallel_size, placement, seed=case.seed)
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
@@ -513,10 +513,10 @@ def _rank_case(case: VerifyCase) -> dict:
         config = chunks[0].config
         if case.ddp:
             chunks = M.wrap_ddp(chunks, overlap_grad_reduce=case.overlap_grad_reduce)
-        M.configure_grad_sync(config, chunks, placement=placement, ddp=case.ddp,
+        _pl.configure_grad_sync(config, chunks, placement=placement, ddp=case.ddp,
                               overlap_grad_reduce=case.overlap_grad_reduce)
         fb = _forward_backward_func(case, placement)
-        infos = [M.unwrap(c).mzb_chunk_info for c in chunks]
+        infos = [_pl.unwrap(c).mzb_chunk_info for c in chunks]
         holds_last = any(i.post_process for i in infos)
         losses, grads, times = [], [], []
         for it in range(case.iterations):
@@ -551,7 +551,7 @@ def _rank_case(case: VerifyCase) -> dict:
 
 def _install(case: VerifyCase):
     try:
-        from .megatron.install import install
+        from ..megatron.install import install
     except ImportError as e:
         raise RuntimeError(f"schedule {case.schedule!r} needs megatron_zb.megatron.install, which is not "
                            f"available ({e}); the pseudo-schedules {', '.join(PSEUDO_SCHEDULES)} work without it")
@@ -592,7 +592,7 @@ class SequentialForwardBackward:
         import torch.distributed as dist
         from megatron.core import parallel_state
         from megatron.core.utils import get_attr_wrapped_model, get_model_config
-        from .megatron.launch import set_status
+        from .launch import set_status
 
         chunks = model if isinstance(model, list) else [model]
         iters = data_iterator if isinstance(data_iterator, list) else [data_iterator]
@@ -683,136 +683,3 @@ class SequentialForwardBackward:
             config.finalize_model_grads_func(chunks, total_tokens if config.calculate_per_token_loss else None)
         holds_last = pl.rank_of(S - 1) == me
         return store if holds_last else []
-
-
-# --------------------------------------------------------------------------------------------
-# CLI
-# --------------------------------------------------------------------------------------------
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise VerifyUsageError(f"{self.prog}: {message}")
-
-
-def _pos_int(name):
-    from .cli import _positive_int
-    return _positive_int(name)
-
-
-def _build_parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog="megatron-zb verify",
-                 description="Train a tiny megatron-core GPT on P x T CPU processes with a pipeline schedule and "
-                             "compare losses and gradients with the non-pipelined single-process reference.")
-    ap.add_argument("--schedule", required=True,
-                    help="a megatron-zb schedule (installed through megatron_zb.megatron.install) or one of "
-                         + ", ".join(PSEUDO_SCHEDULES))
-    ap.add_argument("--pipeline-parallel-size", "-p", type=_pos_int("--pipeline-parallel-size"), required=True)
-    ap.add_argument("--tensor-parallel-size", "-t", type=_pos_int("--tensor-parallel-size"), default=1)
-    ap.add_argument("--num-microbatches", "-m", type=_pos_int("--num-microbatches"), default=None,
-                    help="default 2 x pipeline size")
-    ap.add_argument("--iterations", "-n", type=_pos_int("--iterations"), default=3)
-    ap.add_argument("--chunks", "-v", type=_pos_int("--chunks"), default=None, help="model chunks per rank")
-    ap.add_argument("--placement", choices=("single", "looped", "v"), default=None,
-                    help="only for --schedule sequential")
-    ap.add_argument("--num-layers", type=_pos_int("--num-layers"), default=None)
-    ap.add_argument("--allow-padding-num-layers", action="store_true",
-                    help="first and last stage get one layer less when layers do not split evenly")
-    ap.add_argument("--sequence-parallel", action="store_true")
-    ap.add_argument("--no-ddp", action="store_true", help="plain autograd grads instead of megatron DDP")
-    ap.add_argument("--overlap-grad-reduce", action="store_true")
-    ap.add_argument("--gradient-accumulation-fusion", action="store_true")
-    ap.add_argument("--variable-seq-lengths", action="store_true")
-    ap.add_argument("--untied", action="store_true", help="untie embedding and output weights")
-    ap.add_argument("--forward-only", action="store_true")
-    ap.add_argument("--memory-limit", type=float, default=None, help="passed to install() (zb-auto, v-auto)")
-    ap.add_argument("--grad-rtol", type=float, default=DEFAULT_GRAD_RTOL)
-    ap.add_argument("--loss-atol", type=float, default=DEFAULT_LOSS_ATOL)
-    ap.add_argument("--timeout", type=float, default=300.0, help="seconds for the whole run (default 300)")
-    ap.add_argument("--mcore-path", default=None, help="a directory holding another megatron-core (megatron/core)")
-    ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-    return ap
-
-
-def _fmt(x) -> str:
-    return "n/a" if x is None else f"{x:.3e}"
-
-
-def main_verify(argv: Optional[Sequence[str]] = None) -> int:
-    """`megatron-zb verify ...`: 0 passed, 1 failed (or a rank crashed / hung), 2 bad input."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        a = _build_parser().parse_args(argv)
-        if a.placement is not None and a.schedule != "sequential":
-            raise VerifyUsageError("--placement only applies to --schedule sequential")
-        for nm in ("grad_rtol", "loss_atol", "timeout"):
-            v = getattr(a, nm)
-            if not (v > 0 and math.isfinite(v)):
-                raise VerifyUsageError(f"--{nm.replace('_', '-')} must be a positive number, got {v}")
-        if a.mcore_path is not None:
-            from .megatron.launch import LaunchError, resolve_mcore_path
-            try:
-                resolve_mcore_path(a.mcore_path)
-            except LaunchError as e:
-                raise VerifyUsageError(str(e)) from None
-        opts = dict(chunks=a.chunks, placement=a.placement, num_layers=a.num_layers,
-                    allow_padding_num_layers=a.allow_padding_num_layers, sequence_parallel=a.sequence_parallel,
-                    ddp=not a.no_ddp, overlap_grad_reduce=a.overlap_grad_reduce,
-                    gradient_accumulation_fusion=a.gradient_accumulation_fusion,
-                    variable_seq_lengths=a.variable_seq_lengths, tie_embeddings=not a.untied,
-                    forward_only=a.forward_only, memory_limit=a.memory_limit, grad_rtol=a.grad_rtol,
-                    loss_atol=a.loss_atol)
-        case = make_case(a.schedule, a.pipeline_parallel_size, a.tensor_parallel_size, a.num_microbatches,
-                         a.iterations, **opts)
-    except VerifyUsageError as e:
-        msg = str(e).splitlines()[0] if str(e) else "bad input"
-        if not msg.startswith("megatron-zb verify"):
-            msg = f"megatron-zb verify: {msg}"
-        print(msg, file=sys.stderr)
-        return 2
-    print(f"megatron-zb verify: {case.describe()} on {case.world_size} CPU process(es), "
-          f"{case.iterations} iteration(s)", flush=True)
-    res = run_verify_many([case], timeout=a.timeout, mcore_path=a.mcore_path)[0]
-    if res.get("error"):
-        print(f"ERROR ({res['error_type']}): {res['error']}")
-    else:
-        print(f"megatron-core {res.get('megatron_core')}")
-        for row in res["per_iteration"]:
-            line = (f"iteration {row['iteration']}: loss {_loss(row['loss'])} (reference {_loss(row['reference_loss'])}, "
-                    f"|diff| {_fmt(row['abs_loss_diff'])})")
-            if "max_rel_grad_diff" in row:
-                line += f", max rel grad diff {_fmt(row['max_rel_grad_diff'])}"
-            print(line)
-        for p in res["problems"]:
-            print(f"problem: {p}")
-        w = res.get("worst_param")
-        if w and not case.forward_only:
-            print(f"worst gradient: {w['param']} (rank {w['rank']}, iteration {w['iteration']}): "
-                  f"{_fmt(w['rel_diff'])}")
-        t = res["timing"]
-        print(f"timing: median iteration {t.get('median_iteration_ms')} ms "
-              f"(reference {t.get('reference_median_iteration_ms')} ms), wall {t.get('launch_wall_s')} s")
-        verdict = "PASSED" if res["passed"] else "FAILED"
-        grad_part = "" if case.forward_only else \
-            f"max rel grad diff {_fmt(res['max_rel_grad_diff'])} (tol {case.grad_rtol:g}), "
-        print(f"{verdict}: {grad_part}max abs loss diff {_fmt(res['max_abs_loss_diff'])} (tol {case.loss_atol:g})")
-    if a.json:
-        print(json.dumps(_jsonable(res), sort_keys=True))
-    return 0 if res["passed"] else 1
-
-
-def _loss(x) -> str:
-    return "n/a" if x is None else f"{x:.6f}"
-
-
-def _jsonable(obj):
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else (None if math.isnan(obj) else ("inf" if obj > 0 else "-inf"))
-    if isinstance(obj, dict):
-        return {k: _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
-    return obj
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main_verify())

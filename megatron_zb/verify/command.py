@@ -1,0 +1,137 @@
+"""`megatron-zb verify`: the command line of the verification harness (``verify.harness``).
+
+Exit codes: 0 passed, 1 failed (or a rank crashed / hung), 2 bad input (one line on stderr).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from typing import Optional, Sequence
+
+from ..argtypes import positive_int
+from .harness import (DEFAULT_GRAD_RTOL, DEFAULT_LOSS_ATOL, PSEUDO_SCHEDULES, VerifyUsageError, make_case,
+                      run_verify_many)
+
+__all__ = ["main_verify"]
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise VerifyUsageError(f"{self.prog}: {message}")
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    ap = _Parser(prog="megatron-zb verify",
+                 description="Train a tiny megatron-core GPT on P x T CPU processes with a pipeline schedule and "
+                             "compare losses and gradients with the non-pipelined single-process reference.")
+    ap.add_argument("--schedule", required=True,
+                    help="a megatron-zb schedule (installed through megatron_zb.megatron.install) or one of "
+                         + ", ".join(PSEUDO_SCHEDULES))
+    ap.add_argument("--pipeline-parallel-size", "-p", type=positive_int("--pipeline-parallel-size"), required=True)
+    ap.add_argument("--tensor-parallel-size", "-t", type=positive_int("--tensor-parallel-size"), default=1)
+    ap.add_argument("--num-microbatches", "-m", type=positive_int("--num-microbatches"), default=None,
+                    help="default 2 x pipeline size")
+    ap.add_argument("--iterations", "-n", type=positive_int("--iterations"), default=3)
+    ap.add_argument("--chunks", "-v", type=positive_int("--chunks"), default=None, help="model chunks per rank")
+    ap.add_argument("--placement", choices=("single", "looped", "v"), default=None,
+                    help="only for --schedule sequential")
+    ap.add_argument("--num-layers", type=positive_int("--num-layers"), default=None)
+    ap.add_argument("--allow-padding-num-layers", action="store_true",
+                    help="first and last stage get one layer less when layers do not split evenly")
+    ap.add_argument("--sequence-parallel", action="store_true")
+    ap.add_argument("--no-ddp", action="store_true", help="plain autograd grads instead of megatron DDP")
+    ap.add_argument("--overlap-grad-reduce", action="store_true")
+    ap.add_argument("--gradient-accumulation-fusion", action="store_true")
+    ap.add_argument("--variable-seq-lengths", action="store_true")
+    ap.add_argument("--untied", action="store_true", help="untie embedding and output weights")
+    ap.add_argument("--forward-only", action="store_true")
+    ap.add_argument("--memory-limit", type=float, default=None, help="passed to install() (zb-auto, v-auto)")
+    ap.add_argument("--grad-rtol", type=float, default=DEFAULT_GRAD_RTOL)
+    ap.add_argument("--loss-atol", type=float, default=DEFAULT_LOSS_ATOL)
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds for the whole run (default 300)")
+    ap.add_argument("--mcore-path", default=None, help="a directory holding another megatron-core (megatron/core)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    return ap
+
+
+def _fmt(x) -> str:
+    return "n/a" if x is None else f"{x:.3e}"
+
+
+def main_verify(argv: Optional[Sequence[str]] = None) -> int:
+    """`megatron-zb verify ...`: 0 passed, 1 failed (or a rank crashed / hung), 2 bad input."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        a = _build_parser().parse_args(argv)
+        if a.placement is not None and a.schedule != "sequential":
+            raise VerifyUsageError("--placement only applies to --schedule sequential")
+        for nm in ("grad_rtol", "loss_atol", "timeout"):
+            v = getattr(a, nm)
+            if not (v > 0 and math.isfinite(v)):
+                raise VerifyUsageError(f"--{nm.replace('_', '-')} must be a positive number, got {v}")
+        if a.mcore_path is not None:
+            from .launch import LaunchError, resolve_mcore_path
+            try:
+                resolve_mcore_path(a.mcore_path)
+            except LaunchError as e:
+                raise VerifyUsageError(str(e)) from None
+        opts = dict(chunks=a.chunks, placement=a.placement, num_layers=a.num_layers,
+                    allow_padding_num_layers=a.allow_padding_num_layers, sequence_parallel=a.sequence_parallel,
+                    ddp=not a.no_ddp, overlap_grad_reduce=a.overlap_grad_reduce,
+                    gradient_accumulation_fusion=a.gradient_accumulation_fusion,
+                    variable_seq_lengths=a.variable_seq_lengths, tie_embeddings=not a.untied,
+                    forward_only=a.forward_only, memory_limit=a.memory_limit, grad_rtol=a.grad_rtol,
+                    loss_atol=a.loss_atol)
+        case = make_case(a.schedule, a.pipeline_parallel_size, a.tensor_parallel_size, a.num_microbatches,
+                         a.iterations, **opts)
+    except VerifyUsageError as e:
+        msg = str(e).splitlines()[0] if str(e) else "bad input"
+        if not msg.startswith("megatron-zb verify"):
+            msg = f"megatron-zb verify: {msg}"
+        print(msg, file=sys.stderr)
+        return 2
+    print(f"megatron-zb verify: {case.describe()} on {case.world_size} CPU process(es), "
+          f"{case.iterations} iteration(s)", flush=True)
+    res = run_verify_many([case], timeout=a.timeout, mcore_path=a.mcore_path)[0]
+    if res.get("error"):
+        print(f"ERROR ({res['error_type']}): {res['error']}")
+    else:
+        print(f"megatron-core {res.get('megatron_core')}")
+        for row in res["per_iteration"]:
+            line = (f"iteration {row['iteration']}: loss {_loss(row['loss'])} (reference {_loss(row['reference_loss'])}, "
+                    f"|diff| {_fmt(row['abs_loss_diff'])})")
+            if "max_rel_grad_diff" in row:
+                line += f", max rel grad diff {_fmt(row['max_rel_grad_diff'])}"
+            print(line)
+        for p in res["problems"]:
+            print(f"problem: {p}")
+        w = res.get("worst_param")
+        if w and not case.forward_only:
+            print(f"worst gradient: {w['param']} (rank {w['rank']}, iteration {w['iteration']}): "
+                  f"{_fmt(w['rel_diff'])}")
+        t = res["timing"]
+        print(f"timing: median iteration {t.get('median_iteration_ms')} ms "
+              f"(reference {t.get('reference_median_iteration_ms')} ms), wall {t.get('launch_wall_s')} s")
+        verdict = "PASSED" if res["passed"] else "FAILED"
+        grad_part = "" if case.forward_only else \
+            f"max rel grad diff {_fmt(res['max_rel_grad_diff'])} (tol {case.grad_rtol:g}), "
+        print(f"{verdict}: {grad_part}max abs loss diff {_fmt(res['max_abs_loss_diff'])} (tol {case.loss_atol:g})")
+    if a.json:
+        print(json.dumps(_jsonable(res), sort_keys=True))
+    return 0 if res["passed"] else 1
+
+
+def _loss(x) -> str:
+    return "n/a" if x is None else f"{x:.6f}"
+
+
+def _jsonable(obj):
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else (None if math.isnan(obj) else ("inf" if obj > 0 else "-inf"))
+    if isinstance(obj, dict):
+        return {k: _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    return obj
