@@ -188,7 +188,7 @@ def cmd_plot(args) -> int:
         ext = os.path.splitext(path)[1].lower()
         if ext not in (".png", ".svg", ".json"):
             raise UsageError(f"--out {path!r}: use .png, .svg (picture) or .json (Chrome trace / Perfetto)")
-        plot.save(res, path)
+        plot.save(res, path, time_unit=args.time_unit)
         print(f"wrote {path}")
     return 0
 
@@ -251,6 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plot", help="timeline picture (.png/.svg) or Chrome trace (.json)")
     _add_setting_args(pl)
     pl.add_argument("--out", nargs="+", required=True, metavar="FILE")
+    pl.add_argument("--time-unit", choices=["ms", "s", "us"], default="ms",
+                    help="unit of the --cost-* values (default ms): the picture's axis and the trace's "
+                         "microsecond timestamps follow it")
     pl.set_defaults(func=cmd_plot)
     pn = sub.add_parser("plan", help="rank schedules for a GPT model and a GPU memory budget")
     pn.add_argument("--num-layers", type=positive_int("--num-layers"), required=True)
