@@ -521,7 +521,11 @@ def main(argv: Optional[Sequence[str]] = None, extra_args_provider: Optional[Cal
         _print0(f"megatron-zb: schedule {schedule} installed ({placement.style} placement, {placement.chunks} "
                 f"chunk(s) per rank, pipeline size {placement.num_ranks}, {m} microbatches"
                 + (f", memory limit {limit:.3g} microbatches" if limit else "") + ")")
-        _print0(f"megatron-zb: simulated with the schedule's costs: bubble {100 * sim.bubble_rate:.1f}%"
+        costs = [kwargs.get(k) for k in ("cost_f", "cost_b", "cost_w")]
+        given = any(c is not None for c in costs)
+        what = ("with the given --zero-bubble-cost-f/-b/-w" if given else
+                "with unit costs F=B=W=1, not measured ones (--zero-bubble-cost-f/-b/-w give yours)")
+        _print0(f"megatron-zb: schedule preview, simulated {what}: bubble {100 * sim.bubble_rate:.1f}%"
                 + (f" (1f1b {100 * base.bubble_rate:.1f}%)" if base is not None else "")
                 + f", peak activation {max(sim.peak_memory):.3g} microbatches per rank")
         if placement.style == "v":
