@@ -147,7 +147,7 @@ def gpu_speed(out, schedules, logs, window_end):
             base = os.path.join(out, "timeline_zb-v")
             for ext in (".png", ".svg", ".trace.json"):
                 plot.save(res, base + ext, time_unit="s",
-                          title=f"zb-v simulated with the F/B/W times profiled on the GPUs")
+                          title="zb-v simulated with the F/B/W times profiled on the GPUs")
             pictures.append(base)
     return rows, pictures
 

@@ -542,6 +542,8 @@ def main(argv: Optional[Sequence[str]] = None, extra_args_provider: Optional[Cal
         run(cfg, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step,
             model_provider=model_provider(), get_embedding_ranks=get_emb, store=store)
     finally:
+        from .shutdown import stop_checkpoint_writer
+        stop_checkpoint_writer()  # megatron's checkpoint-writer Manager process, if a save started it
         if undo is not None:
             undo()
         if handle is not None:
