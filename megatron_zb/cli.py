@@ -51,11 +51,32 @@ def _add_setting_args(ap: argparse.ArgumentParser, schedule_required: bool = Tru
                     help="per-rank activation limit, in mem-f units")
 
 
+# Largest pipeline the commands take: stages x microbatches x chunks per rank. The simulator needs
+# a few seconds at this size (1f1b, P=256, M=256 on a 2-core box); far beyond it, minutes.
+MAX_STAGE_MICROBATCHES = 65536
+
+
+def check_size(p: int, m: int, chunks: int = 1, flags=("--stages", "--microbatches")) -> None:
+    """Refuse at once a pipeline too big to simulate in seconds."""
+    n = p * m * max(1, chunks)
+    if n > MAX_STAGE_MICROBATCHES:
+        v = f" x {chunks} chunks" if chunks > 1 else ""
+        raise UsageError(f"{flags[0]} {p} x {flags[1]} {m}{v} = {n} stage-microbatches is more than the "
+                         f"simulator handles in a few seconds (at most {MAX_STAGE_MICROBATCHES}, e.g. 256 stages "
+                         "x 256 microbatches); use fewer")
+
+
 def _setting(args, stages=None, microbatches=None, chunks=None) -> Setting:
     p = stages if stages is not None else args.stages
     m = microbatches if microbatches is not None else args.microbatches
     if p is None or m is None:
         raise UsageError("--stages and --microbatches are required")
+    v = chunks or args.chunks
+    if v is None:  # the schedule's own chunk count (V schedules: 2); compare covers them all
+        name = getattr(args, "schedule", None)
+        spec = schedules.get(name) if name in schedules.names() else None
+        v = (spec.chunks if spec is not None else None) or (1 if name else 2)
+    check_size(p, m, v)
     return Setting(p, m, chunks=chunks if chunks is not None else args.chunks,
                    cost_f=args.cost_f, cost_b=args.cost_b, cost_w=args.cost_w,
                    cost_comm=args.cost_comm, mem_f=args.mem_f, mem_w=args.mem_w,
@@ -71,6 +92,7 @@ def _build(args):
         text = open(path).read()
         sched = sched_io.from_csv(text, os.path.basename(path)) if path.endswith(".csv") \
             else sched_io.from_json(text)
+        _check_loaded(args, path, sched)
         setting = _setting(args, stages=sched.num_ranks, microbatches=sched.num_microbatches,
                            chunks=sched.placement.chunks)
     else:
@@ -87,6 +109,18 @@ def _build(args):
                              f"--memory-limit {limit:g}; `megatron-zb compare --memory-limit {limit:g}` "
                              "lists the schedules that fit")
     return sched, setting
+
+
+def _check_loaded(args, path: str, sched: Schedule) -> None:
+    """--stages/--microbatches/--chunks given with --load must be the file's own."""
+    have = {"--stages": sched.num_ranks, "--microbatches": sched.num_microbatches,
+            "--chunks": sched.placement.chunks}
+    given = {"--stages": args.stages, "--microbatches": args.microbatches, "--chunks": args.chunks}
+    wrong = [f"{k} {given[k]}" for k in have if given[k] is not None and given[k] != have[k]]
+    if wrong:
+        raise UsageError(f"--load {path} holds {sched.num_ranks} pipeline ranks, {sched.num_microbatches} "
+                         f"microbatches and {sched.placement.chunks} chunk(s) per rank, not {', '.join(wrong)}; "
+                         "leave those flags out (the file sets them) or give the file's values")
 
 
 def _result_dict(sched: Schedule, setting: Setting, res: SimResult) -> dict:
@@ -204,6 +238,8 @@ def cmd_plan(args) -> int:
                        flash_attention=not args.no_flash_attention)
     tflops = args.peak_tflops if args.peak_tflops is not None else P.GPU_PEAK_TFLOPS[args.gpu]
     profile = P.load_profile(args.profile) if args.profile else None
+    check_size(args.pipeline_parallel_size, args.num_microbatches, 2,
+               flags=("--pipeline-parallel-size", "--num-microbatches"))
     rows = P.plan(spec, args.pipeline_parallel_size, args.num_microbatches, args.gpu_memory_gb, tflops=tflops,
                   efficiency=args.efficiency, profile=profile, pad_ends=args.allow_padding_num_layers)
     if args.json:
