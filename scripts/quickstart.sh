@@ -7,7 +7,8 @@
 #      point-to-point messages, each pass waiting the F/B/W time one transformer layer took on an
 #      H100 (benchmarks/results/fbw_h100_h4096_s4096.json): measured iteration time and speed-up
 #      over 1f1b for 1f1b, zb-h1 and zb-v next to the simulator's prediction, and a timeline
-#      picture of the zb-v iteration as it ran.
+#      picture of the zb-v iteration as it ran. It runs in the background during step 2 (its
+#      passes wait; they need almost no CPU).
 # With at least $PP GPUs (nvidia-smi) steps 2 and 3 are one: 1f1b, zb-h1 and zb-v train a small
 # bf16 GPT with real compute, and the report compares their measured iteration times with the
 # simulator's prediction from each run's profiled F/B/W times (FORCE_CPU=1: the CPU path anyway).
@@ -18,7 +19,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT_DIR:-out/quickstart}
 PP=${PP:-4}
 mkdir -p "$OUT"
-rm -f "$OUT"/train_*.log "$OUT"/profile_*.json "$OUT"/timeline_* "$OUT"/quickstart.json
+rm -f "$OUT"/train_*.log "$OUT"/profile_*.json "$OUT"/timeline_* "$OUT"/quickstart.json "$OUT"/emulated.json
 
 echo "megatron-zb quickstart: setting up .venv (output in $OUT/setup.log)"
 if ! bash scripts/setup_env.sh >"$OUT/setup.log" 2>&1; then
@@ -36,6 +37,14 @@ if [ "$GPUS" -ge "$PP" ]; then
 else
     MODE=cpu; SCHEDULES="zb-v 1f1b"; ITERS=${ITERS:-20}
     export FORCE_CPU=1
+fi
+
+EMU=
+if [ "$MODE" = cpu ]; then
+    # The emulated run needs almost no CPU (its passes wait): it runs during the training.
+    .venv/bin/python scripts/quickstart_report.py "$OUT" --emulate --pp "$PP" >"$OUT/emulate.log" 2>&1 &
+    EMU=$!
+    trap '[ -n "$EMU" ] && kill "$EMU" 2>/dev/null; true' EXIT
 fi
 
 # Megatron's iteration lines and megatron-zb's own lines; everything else stays in the log.
@@ -62,5 +71,15 @@ for S in $SCHEDULES; do
         exit 1
     fi
 done
+if [ -n "$EMU" ]; then
+    echo "== waiting for the emulated-compute run (1f1b, zb-h1, zb-v on $PP processes; log: $OUT/emulate.log) =="
+    if ! wait "$EMU"; then
+        EMU=
+        echo "the emulated run failed; the last lines of $OUT/emulate.log:"
+        tail -n 30 "$OUT/emulate.log"
+        exit 1
+    fi
+    EMU=
+fi
 echo
 .venv/bin/python scripts/quickstart_report.py "$OUT" --mode "$MODE" --pp "$PP" --schedules $SCHEDULES

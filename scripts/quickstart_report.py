@@ -5,7 +5,8 @@
 cpu: the losses of the tiny GPT trained on CPU with each schedule (they must be identical), then
      the same pipeline with emulated compute (``megatron_zb.verify.emulate``: real processes and
      real point-to-point messages, each pass a wait of the F/B/W time measured for a transformer
-     layer on an H100) for the schedules in EMULATED, against the simulator's prediction.
+     layer on an H100) for the schedules in EMULATED, against the simulator's prediction, read from
+     <out>/emulated.json, which ``--emulate`` writes (the quickstart runs it during the training).
 gpu: the training runs used real compute: their measured time per iteration against the
      simulator's prediction from each run's own profiled F/B/W times.
 Also writes <out>/quickstart.json and the timeline pictures.
@@ -16,6 +17,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import statistics
 import sys
 
@@ -74,30 +76,14 @@ def correctness(out, schedules):
     return logs, its, worst
 
 
-def emulated_speed(out, pp, microbatches):
+def run_emulation(out, pp, microbatches):
+    """Run the emulated-compute comparison; write <out>/emulated.json and the timeline pictures."""
     from megatron_zb.verify.emulate import emulate
 
     layer = json.load(open(H100_LAYER))
     f, b, w = (layer["median_s"][k] * 1e3 for k in ("f", "b", "w"))
-    cfg = layer["config"]
     k = LAYERS_PER_RANK
-    print(f"Speed with EMULATED compute (no GPU here): {pp} real processes (gloo) run each schedule and exchange\n"
-          f"real point-to-point messages; each pass waits the time one megatron-core transformer layer\n"
-          f"(hidden {cfg['hidden']}, sequence {cfg['seq']}, batch {cfg['batch']}, fp32) took on an H100: "
-          f"F {f:.1f}, B {b:.1f}, W {w:.1f} ms\n"
-          f"({os.path.relpath(H100_LAYER, ROOT)}), {k} layers per rank, {microbatches} microbatches. "
-          "Running it (about 40 s) ...", flush=True)
     rows = emulate(EMULATED, pp, microbatches, k * f, k * b, k * w, unit_s=1e-3, iterations=3, warmup=1)
-    hop = rows[0]["hop"]
-    print(f"simulated = the simulator with the same F/B/W times and this machine's measured message time "
-          f"({hop:.2f} ms per hop)")
-    print(f"{'schedule':<26}{'ms per iteration':^30}{'speed-up over ' + rows[0]['label']:^24}")
-    print(f"{'':<26}{'measured':>10}{'simulated':>11}{'diff':>9}{'measured':>12}{'simulated':>12}")
-    for r in rows:
-        pred = f"{r['predicted']:>11.1f}{r['error_pct']:>+8.1f}%" if r["predicted"] else f"{'-':>11}{'-':>9}"
-        sp = f"{r['speedup_predicted']:>11.3f}x" if r["speedup_predicted"] else f"{'-':>12}"
-        print(f"{r['label']:<26}{r['measured']:>10.1f}{pred}{r['speedup_measured']:>11.3f}x{sp}")
-    pictures = []
     for r in rows:
         if r["schedule"] in ("zb-v", "1f1b") and not r["post_validation"]:
             base = os.path.join(out, f"timeline_{r['schedule']}")
@@ -105,10 +91,35 @@ def emulated_speed(out, pp, microbatches):
                      f"iteration {r['per_iteration'][-1]:.0f} ms")
             for ext in ((".png", ".svg", ".trace.json") if r["schedule"] == "zb-v" else (".png",)):
                 plot.save(r["timeline"], base + ext, title=title, time_unit="ms")
-            pictures.append(base)
-    for r in rows:
+            r["picture"] = base
         r.pop("timeline")
-    return rows, pictures
+    with open(os.path.join(out, "emulated.json"), "w") as fh:
+        json.dump({"pp": pp, "microbatches": microbatches, "layers_per_rank": k, "layer": layer["config"],
+                   "layer_ms": {"f": f, "b": b, "w": w}, "source": os.path.relpath(H100_LAYER, ROOT),
+                   "rows": rows}, fh, indent=1)
+
+
+def emulated_speed(out):
+    path = os.path.join(out, "emulated.json")
+    if not os.path.exists(path):
+        sys.exit(f"quickstart_report: no {path}: the emulated run did not finish (see {out}/emulate.log)")
+    d = json.load(open(path))
+    rows, cfg, ms = d["rows"], d["layer"], d["layer_ms"]
+    print(f"Speed with EMULATED compute (no GPU here): {d['pp']} real processes (gloo) run each schedule through\n"
+          "megatron-zb's runtime and exchange real point-to-point messages; each pass waits the time one\n"
+          f"megatron-core transformer layer (hidden {cfg['hidden']}, sequence {cfg['seq']}, batch {cfg['batch']}, "
+          f"fp32) took on an H100:\nF {ms['f']:.1f}, B {ms['b']:.1f}, W {ms['w']:.1f} ms ({d['source']});\n"
+          f"{d['layers_per_rank']} layers per rank, {d['microbatches']} microbatches. It ran alongside the CPU "
+          "training above (the waits need almost no CPU).")
+    print(f"simulated = the simulator with the same F/B/W times and this machine's measured message time "
+          f"({rows[0]['hop']:.2f} ms per hop)")
+    print(f"{'schedule':<26}{'ms per iteration':^30}{'speed-up over ' + rows[0]['label']:^24}")
+    print(f"{'':<26}{'measured':>10}{'simulated':>11}{'diff':>9}{'measured':>12}{'simulated':>12}")
+    for r in rows:
+        pred = f"{r['predicted']:>11.1f}{r['error_pct']:>+8.1f}%" if r["predicted"] else f"{'-':>11}{'-':>9}"
+        sp = f"{r['speedup_predicted']:>11.3f}x" if r["speedup_predicted"] else f"{'-':>12}"
+        print(f"{r['label']:<26}{r['measured']:>10.1f}{pred}{r['speedup_measured']:>11.3f}x{sp}")
+    return rows, [r["picture"] for r in rows if r.get("picture")]
 
 
 def gpu_speed(out, schedules, logs, window_end):
@@ -160,13 +171,19 @@ def main(argv=None):
     ap.add_argument("--schedules", nargs="+", default=["zb-v", "1f1b"])
     ap.add_argument("--microbatches", type=int, default=8, help="cpu mode: for the emulated run (the tiny GPT's)")
     ap.add_argument("--profile-window-end", type=int, default=20, help="gpu mode")
+    ap.add_argument("--emulate", action="store_true",
+                    help="only run the emulated-compute comparison (writes <out>/emulated.json and pictures)")
     args = ap.parse_args(argv)
     out = args.out
+    if args.emulate:
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # clean up the launched ranks when stopped
+        run_emulation(out, args.pp, args.microbatches)
+        return
     logs, its, worst = correctness(out, args.schedules)
     first, last = its[0], its[-1]
     print()
     if args.mode == "cpu":
-        rows, pictures = emulated_speed(out, args.pp, args.microbatches)
+        rows, pictures = emulated_speed(out)
     else:
         rows, pictures = gpu_speed(out, args.schedules, logs, args.profile_window_end)
     with open(os.path.join(out, "quickstart.json"), "w") as f:

@@ -71,3 +71,23 @@ def test_report_reads_megatron_lines_and_compares_gpu_runs(tmp_path, capsys):
     assert by["zb-v"]["speedup_measured"] == pytest.approx(1.25)
     assert by["1f1b"]["predicted"] == pytest.approx(1e3 * (4 + 1) * 0.03)  # (m + p - 1)(F+B+W), in ms
     assert (out / "timeline_zb-v.trace.json").exists()
+
+
+def test_report_cpu_mode_reads_the_emulated_run(tmp_path, capsys):
+    for s in ("zb-v", "1f1b"):
+        lines = [LINE.format(i=i, ms=300.0, loss=f"{4.0 - 0.01 * i:.6E}") for i in (1, 5, 10)]
+        (tmp_path / f"train_{s}.log").write_text("\n".join(lines) + "\n")
+    rows = [{"label": s, "schedule": s, "post_validation": False, "hop": 0.05, "measured": ms, "predicted": pred,
+             "per_iteration": [ms], "error_pct": 100 * (ms - pred) / pred, "speedup_measured": 3000 / ms,
+             "speedup_predicted": 2970 / pred} for s, ms, pred in (("1f1b", 3000, 2970), ("zb-v", 2360, 2340))]
+    rows[1]["picture"] = str(tmp_path / "timeline_zb-v")
+    (tmp_path / "emulated.json").write_text(json.dumps({
+        "pp": 4, "microbatches": 8, "layers_per_rank": 2, "layer": {"hidden": 4096, "seq": 4096, "batch": 1},
+        "layer_ms": {"f": 43.8, "b": 59.2, "w": 32.0}, "source": "x.json", "rows": rows}))
+    report.main([str(tmp_path), "--mode", "cpu", "--schedules", "zb-v", "1f1b"])
+    out = capsys.readouterr().out
+    assert "EMULATED compute" in out and "F 43.8, B 59.2, W 32.0 ms" in out
+    summary = out[out.index("== summary =="):]
+    assert "zb-v trained the GPT with the same losses as 1f1b" in summary
+    assert "zb-v 1.271x the iteration speed of 1f1b measured, 1.269x simulated" in summary
+    assert "timeline_zb-v.png" in summary and "time in ms" in summary
