@@ -83,7 +83,7 @@ def run_emulation(out, pp, microbatches):
     layer = json.load(open(H100_LAYER))
     f, b, w = (layer["median_s"][k] * 1e3 for k in ("f", "b", "w"))
     k = LAYERS_PER_RANK
-    rows = emulate(EMULATED, pp, microbatches, k * f, k * b, k * w, unit_s=1e-3, iterations=3, warmup=1)
+    rows = emulate(EMULATED, pp, microbatches, k * f, k * b, k * w, unit_s=1e-3, iterations=5, warmup=1)
     for r in rows:
         if r["schedule"] in ("zb-v", "1f1b") and not r["post_validation"]:
             base = os.path.join(out, f"timeline_{r['schedule']}")
@@ -109,8 +109,9 @@ def emulated_speed(out):
           "megatron-zb's runtime and exchange real point-to-point messages; each pass waits the time one\n"
           f"megatron-core transformer layer (hidden {cfg['hidden']}, sequence {cfg['seq']}, batch {cfg['batch']}, "
           f"fp32) took on an H100:\nF {ms['f']:.1f}, B {ms['b']:.1f}, W {ms['w']:.1f} ms ({d['source']});\n"
-          f"{d['layers_per_rank']} layers per rank, {d['microbatches']} microbatches. It ran alongside the CPU "
-          "training above (the waits need almost no CPU).")
+          f"{d['layers_per_rank']} layers per rank, {d['microbatches']} microbatches; median of "
+          f"{len(rows[0]['per_iteration'])} iterations. It ran alongside the CPU training above (its\n"
+          "waits need almost no CPU; the training ran at a lower priority).")
     print(f"simulated = the simulator with the same F/B/W times and this machine's measured message time "
           f"({rows[0]['hop']:.2f} ms per hop)")
     print(f"{'schedule':<26}{'ms per iteration':^30}{'speed-up over ' + rows[0]['label']:^24}")
