@@ -1,7 +1,6 @@
 """Rank code for tests/test_processes.py (module level, so launched ranks can import it)."""
 from __future__ import annotations
 
-import os
 
 
 def descendants() -> list:
