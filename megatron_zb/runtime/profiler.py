@@ -327,8 +327,9 @@ class PassProfiler:
         if self.probe_rounds < 1 or getattr(p2p, "groups", None) is None:
             return []
         pl = placement
-        pairs = sorted({tuple(sorted((pl.rank_of(s), pl.rank_of(s + 1))))
-                        for s in range(pl.num_stages - 1) if pl.rank_of(s) != pl.rank_of(s + 1)})
+        nxt = [(s, pl.next_stage(s)) for s in range(pl.num_stages)]
+        pairs = sorted({tuple(sorted((pl.rank_of(s), pl.rank_of(n))))
+                        for s, n in nxt if n is not None and pl.rank_of(s) != pl.rank_of(n)})
         dev = device if device is not None else "cpu"
         cuda = torch.device(dev).type == "cuda" and torch.cuda.is_available()
         buf = torch.zeros(tuple(shape), dtype=dtype, device=dev)
