@@ -166,10 +166,17 @@ def test_zeropp_units_and_limits():
     res = simulate(s, Setting(p, m, chunks=2))
     zb1 = simulate(generate("zb-h1", Setting(p, m)), Setting(p, m))
     assert res.bubble_rate < zb1.bubble_rate and max(res.peak_memory) <= p
-    # more memory: larger units and a fuller warm-up are tried (here no worse)
-    more = generate("zeropp", Setting(p, m, memory_limit=2.0 * p))
-    assert simulate(more, Setting(p, m, chunks=2)).makespan <= res.makespan + 1e-9
-    with pytest.raises(ScheduleError, match=r"smallest scheduling unit needs \(2.5"):
+    # at 1F1B's memory with p dividing m: torch's ZB1P order (interleaved-zb)
+    assert s.orders == generate("interleaved-zb", Setting(p, m, chunks=2)).orders
+    # more memory: larger units and fuller warm-ups are tried (never worse: the default is a candidate)
+    st = dict(cost_f=1, cost_b=1.1, cost_w=0.9, cost_comm=0.05)
+    base = simulate(generate("zeropp", Setting(8, 32, **st)), Setting(8, 32, chunks=2, **st))
+    more = generate("zeropp", Setting(8, 32, memory_limit=12.0, **st))
+    r = simulate(more, Setting(8, 32, chunks=2, **st))
+    assert r.makespan < base.makespan and more.meta["unit"] == 16 and max(r.peak_memory) <= 12.0
+    # any microbatch count (a last, shorter unit)
+    validate(generate("zeropp", Setting(4, 10)), Setting(4, 10, chunks=2))
+    with pytest.raises(ScheduleError, match=r"smallest scheduling unit needs \(4"):
         generate("zeropp", Setting(p, m, memory_limit=2.0))
 
 

@@ -473,6 +473,11 @@ def build_profile(rank_stats: Sequence[dict], *, schedule: Optional[str], placem
                 "recv_wait_f": _median(wf), "recv_wait_b": _median(wb),
                 "recv_wait_total_per_iter": (sum(wf) + sum(wb)) / max(1, len(st.get("iterations", [])) or 1),
             })
+    if placement.replicated:  # a microbatch runs through one path's chunks: the average over paths
+        k = placement.num_paths
+        for lst in (cost["f"], cost["b"], cost["w"], cost["bw"], mem_f, mem_w):
+            for r in range(p):
+                lst[r] /= k
     for r in range(p):
         if not mem_w_known[r]:
             mem_w[r] = DEFAULT_MEM_W_RATIO * mem_f[r]

@@ -11,7 +11,8 @@ earliest decides next:
    rank's cap (the cap counts every held activation, pending W's included);
 3. else, with a split backward, the oldest pending W if the rank would otherwise idle at least that
    long (``fill='fit'``), whenever it would idle (``fill='idle'``), or when memory blocks a ready
-   forward;
+   forward; and always before anything else while more than ``lag[r]`` W's are pending (ZB-H1's
+   rule: rank r keeps r W's in reserve for the cool-down);
 4. else the rank idles until the next moment something may become ready.
 
 With the caps of 1F1B-like warm-ups this reproduces the familiar warm-up / steady / cool-down
@@ -38,6 +39,7 @@ class Plan:
     cap: List[float]  # per rank, activation memory (units of mem-f)
     split: bool = True
     fill: str = "fit"  # 'fit' | 'idle'
+    lag: Optional[List[int]] = None  # per rank: at most this many W's pending (older ones run first)
 
 
 def run(name: str, setting: Setting, placement: Placement, plan: Plan, m: int,
@@ -125,7 +127,11 @@ def run(name: str, setting: Setting, placement: Placement, plan: Plan, m: int,
         frt = f_ready(r) if has_f else None
         fits = has_f and mem[r] + fmem[r] <= plan.cap[r] + EPS
         ran = True
-        if brt is not None and brt <= t + EPS:
+        if plan.lag is not None and len(pending[r]) > plan.lag[r]:
+            s, mb = pending[r].popleft()
+            run_pass(r, W, s, mb, t)
+            mem[r] += wmem[r]
+        elif brt is not None and brt <= t + EPS:
             s, mb = plan.b_seq[r][bi[r]]
             bi[r] += 1
             run_pass(r, bkind, s, mb, t)

@@ -9,13 +9,16 @@ the whole block before the next chunk (forwards in chunk order, backwards in rev
 units follow each other (the last one may be shorter). Blockwise, a chunk's weights are touched
 once per unit, which is what lets the paper gather sharded (FSDP) weights once per unit.
 
-The F, B and W tasks are staggered by the list scheduler (``listsched``) with the real costs: B as
-soon as its gradient arrives, F while the rank's activations fit under the memory limit, W where
-the rank would otherwise wait (or when memory blocks a forward). The unit size is adaptive: every
-U in {p, 2p, 3p, ...} (U = m when m <= p) whose first unit fits the limit is tried, and the
-shortest schedule wins (then the smaller peak). Default limit: 1F1B's peak (p x mem-f), where U = p
-and the schedule behaves like an interleaved ZB-H1; a larger limit buys larger units (fewer weight
-gathers in the paper's FSDP setting) and a fuller warm-up.
+Within that order every rank runs a warm-up of (v-1)·U + p-1-r (+ e) forwards, then one F, one B
+(input gradient) and, once it holds more than r un-run W's, the W of its oldest B, and finally the
+remaining B's and W's: the F, B and W tasks of consecutive units interleave, rank r keeping r W's
+in reserve to fill the cool-down (ZB-H1's stagger). The scheduling unit is adaptive: every U in
+{p, 2p, 4p, ...} (U = m when m <= p) and every extra warm-up e in {0, 1, 2, p/2, p-1} whose schedule fits the
+memory limit is simulated with the real costs, and the shortest wins (then the smaller peak, the
+smaller unit). Default limit: 1F1B's peak (p x mem-f), where U = p and e = 0 give the order of
+``interleaved-zb`` (torch's ZB1P) when p divides m; a larger limit buys larger units (fewer weight
+gathers in the paper's FSDP setting) and fuller warm-ups, which absorb communication and unequal
+costs. A unit order whose strict alternation would deadlock is skipped.
 
 With Megatron the sharded-data-parallel side is Megatron's distributed optimizer (ZeRO-1: optimizer
 states sharded, gradients reduce-scattered, parameters all-gathered after the step); ZeroPP's
@@ -23,11 +26,12 @@ per-unit gathering of FSDP-sharded weights (ZeRO-3) is not reproduced (docs/sche
 """
 from __future__ import annotations
 
+import dataclasses
+from collections import deque
 from typing import List, Optional
 
-from ..ir import Placement, Schedule, ScheduleError, Setting
+from ..ir import B, F, W, Action, Placement, Schedule, ScheduleError, Setting
 from ..simulate import simulate
-from . import listsched
 
 
 def unit_table(m: int, v: int, unit: int):
@@ -39,14 +43,29 @@ def unit_table(m: int, v: int, unit: int):
     return table
 
 
-def zeropp_with_unit(setting: Setting, unit: int, limit: float) -> Schedule:
+def zeropp_with_unit(setting: Setting, unit: int, extra: int = 0) -> Schedule:
+    """The ZeroPP order for one scheduling unit size and extra warm-up (no memory check)."""
     p, m, v = setting.stages, setting.microbatches, setting.chunks
-    pl = Placement.looped(p, v)
     table = unit_table(m, v, unit)
-    f_seq = [[(c * p + r, mb) for mb, c in table] for r in range(p)]
-    b_seq = [[((v - 1 - c) * p + r, mb) for mb, c in table] for r in range(p)]
-    plan = listsched.Plan(f_seq, b_seq, [limit] * p, split=True, fill="fit")
-    return listsched.run("zeropp", setting, pl, plan, m, {"unit": unit, "memory_claim": limit})
+    total = len(table)
+    orders = []
+    for r in range(p):
+        warm = min((v - 1) * min(unit, m) + (p - 1 - r) + extra, total)
+        order, pending = [], deque()
+        for k in range(total + warm):
+            if k < total:
+                mb, c = table[k]
+                order.append(Action(F, c * p + r, mb))
+            if k >= warm:
+                mb, c = table[k - warm]
+                s = (v - 1 - c) * p + r
+                order.append(Action(B, s, mb))
+                pending.append((s, mb))
+                if len(pending) > r:
+                    order.append(Action(W, *pending.popleft()))
+        order += [Action(W, s, mb) for s, mb in pending]
+        orders.append(order)
+    return Schedule("zeropp", Placement.looped(p, v), m, orders, {"unit": unit, "extra_warmup": extra})
 
 
 def zeropp(setting: Setting) -> Schedule:
@@ -54,26 +73,28 @@ def zeropp(setting: Setting) -> Schedule:
     if v is None or v < 2:
         raise ScheduleError("zeropp needs --chunks >= 2 (model chunks per rank); with one chunk use zb-h1 or zb-auto")
     limit = float(p) if setting.memory_limit is None else float(setting.memory_limit)
-    fmax = max(setting.mem_f) / v
-    units: List[int] = [m] if m <= p else list(range(p, m + 1, p))
+    st = dataclasses.replace(setting, memory_limit=None)
+    units: List[int] = [m] if m <= p else [p << i for i in range(m.bit_length()) if p << i <= m]
     best: Optional[Schedule] = None
     key = None
     least = None
     for unit in units:
-        need = ((v - 1) * min(unit, m) + 1) * fmax  # the first backward needs the unit's deepest forward
-        least = need if least is None else min(least, need)
-        if need > limit + 1e-9:
-            continue
-        try:
-            s = zeropp_with_unit(setting, unit, limit)
-        except ScheduleError:
-            continue
-        res = simulate(s, setting)
-        k = (round(res.makespan, 9), round(max(res.peak_memory), 9), unit)
-        if key is None or k < key:
-            best, key = s, k
+        for extra in sorted({0, 1, 2, p // 2, p - 1} & set(range(p))):
+            s = zeropp_with_unit(st, unit, extra)
+            try:
+                res = simulate(s, st)
+            except ScheduleError:  # this unit's strict alternation deadlocks
+                continue
+            peak = max(res.peak_memory)
+            least = peak if least is None else min(least, peak)
+            if peak > limit + 1e-9:
+                continue
+            k = (round(res.makespan, 9), round(peak, 9), unit, extra)
+            if key is None or k < key:
+                best, key = s, k
     if best is None:
-        raise ScheduleError(f"zeropp: memory limit {limit:g} is below what the smallest scheduling unit needs "
-                            f"({least:g} x mem-f: the deepest chunk's forward of the first unit must fit before "
-                            "the first backward)")
+        raise ScheduleError(f"zeropp: memory limit {limit:g} is below what its smallest scheduling unit needs "
+                            f"({least:g} x mem-f)" if least is not None else
+                            f"zeropp: no scheduling unit runs {m} microbatches on {p} ranks without deadlock")
+    best.meta["memory_claim"] = limit
     return best
