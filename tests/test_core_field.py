@@ -1,8 +1,8 @@
 """The other schedules of the field (issue 17): bitpipe (replicated stages), zeropp, interleaved-zb.
 
 Property tests over random settings (valid, deadlock-free, messages paired, memory claim kept),
-torch's own ScheduleInterleavedZeroBubble order, BitPipe's placement and routing, the simulator's
-replica gradient sync, and the errors where a setting does not apply.
+BitPipe's placement and routing, the simulator's replica gradient sync, and the errors where a
+setting does not apply (pure Python; torch's own order and the runtime's sync: test_field_torch.py).
 """
 import itertools
 import json
@@ -52,32 +52,6 @@ def test_field_schedules_valid_deadlock_free_within_claim(name, p, m, v, f, b, w
     check_pair_order(lower(sched, setting))
     kinds = {a.kind for o in sched.orders for a in o}
     assert kinds <= ({F, BW} if name == "bitpipe" else {F, B, W})
-
-
-def _torch_order(p, v, m, rank):
-    """torch.distributed.pipelining's own ZB1P rank order (its private helpers, idle slots dropped)."""
-    S = pytest.importorskip("torch.distributed.pipelining.schedules")
-    rounds = max(1, m // p)
-    per_round = m // rounds
-    warm = S._get_warmup_ops(rank, v, per_round, p, m, multiply_factor=1)
-    total = v * m
-
-    def fwd(step):
-        return ((step // per_round) % v) * p + rank
-
-    def bwd(step):
-        return (v - 1 - ((step - warm) // per_round) % v) * p + rank
-    ops = S._get_1f1b_rank_ops(v, p, warm, total - warm, warm, rank, fwd, bwd, rank, enable_zero_bubble=True)
-    names = {"F": F, "I": B, "W": W}
-    return [(names[a.computation_type.value], a.stage_index, a.microbatch_index) for a in ops if a is not None]
-
-
-@pytest.mark.parametrize("p,v,m", [(2, 2, 4), (4, 2, 8), (4, 3, 8), (4, 2, 6), (4, 2, 3), (3, 2, 8), (8, 2, 16),
-                                   (4, 4, 12)])
-def test_interleaved_zb_is_torchs_order(p, v, m):
-    sched = generate("interleaved-zb", Setting(p, m, chunks=v))
-    for r in range(p):
-        assert [(a.kind, a.stage, a.mb) for a in sched.orders[r]] == _torch_order(p, v, m, r)
 
 
 def test_interleaved_zb_rounds_rule():
@@ -188,3 +162,4 @@ def test_field_equal_costs_table(p, m):
         s = generate(name, Setting(p, m))
         r = simulate(s, Setting(p, m, chunks=s.placement.chunks))
         assert r.bubble_rate < one and max(r.peak_memory) <= p + 1e-9, name
+
