@@ -66,7 +66,7 @@ def bitpipe(setting: Setting) -> Schedule:
         counts = [min(3 * p // 2 + min(r, p - 1 - r) + 1, 2 * m) for r in range(p)]
         cap = listsched.in_flight_cap(setting, pl, counts)
         claim = max(c / pl.chunks for c in counts)
-    plan = listsched.Plan(f_seq, b_seq, cap, split=False)
+    plan = listsched.Plan(f_seq, b_seq, cap)
     try:
         return listsched.run("bitpipe", setting, pl, plan, m, {"memory_claim": claim})
     except ScheduleError as e:
