@@ -58,7 +58,7 @@ for S in $SCHEDULES; do
         SETUP=(env NPROC="$PP")
     else
         echo "== training the tiny GPT with --zero-bubble-schedule $S (CPU, $PP pipeline ranks, $ITERS iterations) =="
-        SETUP=(nice -n 10)  # the emulated run beside it measures time: it gets the CPU first
+        SETUP=(nice -n 19)  # the emulated run beside it measures time: it gets the CPU first
     fi
     set +e
     env SCHEDULE="$S" PP="$PP" ITERS="$ITERS" LOG_FILE="$LOG" LOG_INTERVAL="${LOG_INTERVAL:-5}" \
