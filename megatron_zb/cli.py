@@ -54,11 +54,32 @@ def _add_setting_args(ap: argparse.ArgumentParser, schedule_required: bool = Tru
                     help="per-rank activation limit, in mem-f units")
 
 
+# Largest pipeline the commands take: stages x microbatches x chunks per rank. The simulator needs
+# a few seconds at this size (1f1b, P=256, M=256 on a 2-core box); far beyond it, minutes.
+MAX_STAGE_MICROBATCHES = 65536
+
+
+def check_size(p: int, m: int, chunks: int = 1, flags=("--stages", "--microbatches")) -> None:
+    """Refuse at once a pipeline too big to simulate in seconds."""
+    n = p * m * max(1, chunks)
+    if n > MAX_STAGE_MICROBATCHES:
+        v = f" x {chunks} chunks" if chunks > 1 else ""
+        raise UsageError(f"{flags[0]} {p} x {flags[1]} {m}{v} = {n} stage-microbatches is more than the "
+                         f"simulator handles in a few seconds (at most {MAX_STAGE_MICROBATCHES}, e.g. 256 stages "
+                         "x 256 microbatches); use fewer")
+
+
 def _setting(args, stages=None, microbatches=None, chunks=None) -> Setting:
     p = stages if stages is not None else args.stages
     m = microbatches if microbatches is not None else args.microbatches
     if p is None or m is None:
         raise UsageError("--stages and --microbatches are required")
+    v = chunks or args.chunks
+    if v is None:  # the schedule's own chunk count (V schedules: 2); compare covers them all
+        name = getattr(args, "schedule", None)
+        spec = schedules.get(name) if name in schedules.names() else None
+        v = (spec.chunks if spec is not None else None) or (1 if name else 2)
+    check_size(p, m, v)
     return Setting(p, m, chunks=chunks if chunks is not None else args.chunks,
                    cost_f=args.cost_f, cost_b=args.cost_b, cost_w=args.cost_w,
                    cost_comm=args.cost_comm, mem_f=args.mem_f, mem_w=args.mem_w,
@@ -74,6 +95,7 @@ def _build(args):
         text = open(path).read()
         sched = sched_io.from_csv(text, os.path.basename(path)) if path.endswith(".csv") \
             else sched_io.from_json(text)
+        _check_loaded(args, path, sched)
         setting = _setting(args, stages=sched.num_ranks, microbatches=sched.num_microbatches,
                            chunks=sched.placement.chunks)
     else:
@@ -90,6 +112,18 @@ def _build(args):
                              f"--memory-limit {limit:g}; `megatron-zb compare --memory-limit {limit:g}` "
                              "lists the schedules that fit")
     return sched, setting
+
+
+def _check_loaded(args, path: str, sched: Schedule) -> None:
+    """--stages/--microbatches/--chunks given with --load must be the file's own."""
+    have = {"--stages": sched.num_ranks, "--microbatches": sched.num_microbatches,
+            "--chunks": sched.placement.chunks}
+    given = {"--stages": args.stages, "--microbatches": args.microbatches, "--chunks": args.chunks}
+    wrong = [f"{k} {given[k]}" for k in have if given[k] is not None and given[k] != have[k]]
+    if wrong:
+        raise UsageError(f"--load {path} holds {sched.num_ranks} pipeline ranks, {sched.num_microbatches} "
+                         f"microbatches and {sched.placement.chunks} chunk(s) per rank, not {', '.join(wrong)}; "
+                         "leave those flags out (the file sets them) or give the file's values")
 
 
 def _result_dict(sched: Schedule, setting: Setting, res: SimResult) -> dict:
@@ -196,7 +230,7 @@ def cmd_plot(args) -> int:
         ext = os.path.splitext(path)[1].lower()
         if ext not in (".png", ".svg", ".json"):
             raise UsageError(f"--out {path!r}: use .png, .svg (picture) or .json (Chrome trace / Perfetto)")
-        plot.save(res, path)
+        plot.save(res, path, time_unit=args.time_unit)
         print(f"wrote {path}")
     return 0
 
@@ -212,6 +246,8 @@ def cmd_plan(args) -> int:
                        flash_attention=not args.no_flash_attention)
     tflops = args.peak_tflops if args.peak_tflops is not None else P.GPU_PEAK_TFLOPS[args.gpu]
     profile = P.load_profile(args.profile) if args.profile else None
+    check_size(args.pipeline_parallel_size, args.num_microbatches, 2,
+               flags=("--pipeline-parallel-size", "--num-microbatches"))
     rows = P.plan(spec, args.pipeline_parallel_size, args.num_microbatches, args.gpu_memory_gb, tflops=tflops,
                   efficiency=args.efficiency, profile=profile, pad_ends=args.allow_padding_num_layers)
     if args.json:
@@ -220,23 +256,73 @@ def cmd_plan(args) -> int:
                           "costs_from": "profile" if profile else f"FLOPs at {tflops:g} TFLOPS x {args.efficiency:g}",
                           "rows": rows}))
         return 0
+    _print_plan(args, spec, rows, profile, tflops)
+    return 0
+
+
+PLAN_COLUMNS = """columns:
+  #              ranking: schedules that fit first, then by time per iteration
+  time ms        simulated time of one iteration's pipeline passes, in milliseconds (the longest
+                 pipeline rank's span; optimizer step and data loading not included)
+  bubble         idle share of the pipeline ranks over that time
+  vs 1f1b        iteration speed relative to 1F1B with the same costs (1.10x = 10% faster)
+  act GiB min/max  peak activation memory of a pipeline rank, smallest and largest over the ranks
+  peak GiB       activations + model states (weights, gradients, optimizer) of the fullest
+                 pipeline rank, and which rank that is
+  fits           peak GiB <= --gpu-memory-gb
+Below the table: the flags of the fastest schedule that fits, ready to paste into a Megatron
+command, then those of the others that fit (--zero-bubble-memory-limit counts microbatches: one
+is the activation memory of one microbatch on the fullest rank, given in GiB below them)."""
+
+
+def _print_plan(args, spec, rows, profile, tflops) -> None:
     gib = 1024 ** 3
-    print(f"P={args.pipeline_parallel_size} M={args.num_microbatches} layers={spec.num_layers} h={spec.hidden_size} "
-          f"s={spec.seq_length} b={spec.micro_batch_size} TP={spec.tensor_parallel_size} budget "
-          f"{args.gpu_memory_gb:g} GiB/GPU; costs from "
-          + ("the profile" if profile else f"FLOPs at {tflops:g} TFLOPS x {args.efficiency:g}"))
-    hdr = f"{'rank':>4} {'schedule':<17} {'bubble':>7} {'vs 1F1B':>8} {'max GiB':>8} {'act GiB/rank':<28} fits  flags"
-    print(hdr)
-    print("-" * len(hdr))
-    for i, r in enumerate((r for r in rows if "error" not in r), 1):
-        act = " ".join(f"{x / gib:.1f}" for x in r["activation_bytes"])
+    p, m = args.pipeline_parallel_size, args.num_microbatches
+    extras = [f"TP={spec.tensor_parallel_size}" + (" (sequence parallel)" if spec.sequence_parallel else ""),
+              f"DP={spec.data_parallel_size}" + (" (distributed optimizer)" if spec.distributed_optimizer else "")]
+    print(f"plan: {p} pipeline ranks, {m} microbatches; {spec.num_layers} layers, hidden {spec.hidden_size}, "
+          f"sequence {spec.seq_length}, micro-batch {spec.micro_batch_size}, " + ", ".join(extras))
+    print(f"      {args.gpu_memory_gb:g} GiB per GPU; F/B/W times "
+          + (f"from the profile {args.profile}" if profile else
+             f"from FLOPs at {tflops:g} TFLOPS x {args.efficiency:g} efficiency")
+          + "; activations by Megatron's per-layer formula, model states 18 bytes/parameter")
+    ok = [r for r in rows if "error" not in r]
+    hdr1 = f"{'#':>3}  {'schedule':<17} {'time ms':>9} {'bubble':>7} {'vs 1f1b':>8}  {'act GiB':^13}  {'peak GiB':^14}  fits"
+    hdr2 = f"{'':>3}  {'':<17} {'':>9} {'':>7} {'':>8}  {'min':>6} {'max':>6}  {'max':>6} {'on rank':>7}"
+    print(hdr1)
+    print(hdr2)
+    print("-" * len(hdr1))
+    for i, r in enumerate(ok, 1):
+        act = [x / gib for x in r["activation_bytes"]]
+        peak = [x / gib for x in r["peak_bytes"]]
+        worst = max(range(len(peak)), key=peak.__getitem__)
         tp = r.get("throughput_vs_1f1b")
-        print(f"{i:>4} {r['schedule']:<17} {r['bubble_rate']:>7.3f} {(f'{tp:.3f}x' if tp else '-'):>8} "
-              f"{max(r['peak_bytes']) / gib:>8.1f} {act:<28} {'yes' if r['fits'] else 'NO ':<4}  {r['flags']}")
+        print(f"{i:>3}  {r['schedule']:<17} {1e3 * r['makespan_s']:>9.1f} {100 * r['bubble_rate']:>6.1f}% "
+              f"{(f'{tp:.3f}x' if tp else '-'):>8}  {min(act):>6.1f} {max(act):>6.1f}  {peak[worst]:>6.1f} "
+              f"{worst:>7}  {'yes' if r['fits'] else 'NO'}")
     for r in rows:
         if "error" in r:
-            print(f"   - {r['schedule']:<17} n/a: {r['error']}")
-    return 0
+            print(f"{'-':>3}  {r['schedule']:<17} n/a: {r['error']}")
+    fitting = [r for r in ok if r["fits"]]
+    print()
+    if not fitting:
+        print(f"no schedule fits {args.gpu_memory_gb:g} GiB per GPU: more pipeline or tensor parallelism, "
+              "--use-distributed-optimizer or fewer microbatches in flight would help")
+        return
+    best, rest = fitting[0], fitting[1:]
+    print(f"suggested flags ({best['schedule']}, the fastest that fits), ready to paste into your Megatron command:")
+    print(f"  {best['flags']}")
+    if rest:
+        print("the other schedules that fit:")
+        width = max(len(r["schedule"]) for r in rest)
+        for r in rest:
+            print(f"  {r['schedule']:<{width}}  {r['flags']}")
+    for r in fitting:
+        lim = r.get("memory_limit_microbatches")
+        if lim:
+            unit = r["activation_unit_bytes"] / gib
+            print(f"{r['schedule']}: --zero-bubble-memory-limit counts microbatches: {lim:g} x {unit:.2f} GiB "
+                  f"(one microbatch's activations on the fullest rank) = {lim * unit:.1f} GiB")
 
 
 def cmd_verify(argv) -> int:
@@ -259,31 +345,60 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plot", help="timeline picture (.png/.svg) or Chrome trace (.json)")
     _add_setting_args(pl)
     pl.add_argument("--out", nargs="+", required=True, metavar="FILE")
+    pl.add_argument("--time-unit", choices=["ms", "s", "us"], default="ms",
+                    help="unit of the --cost-* values (default ms): the picture's axis and the trace's "
+                         "microsecond timestamps follow it")
     pl.set_defaults(func=cmd_plot)
-    pn = sub.add_parser("plan", help="rank schedules for a GPT model and a GPU memory budget")
-    pn.add_argument("--num-layers", type=positive_int("--num-layers"), required=True)
-    pn.add_argument("--hidden-size", type=positive_int("--hidden-size"), required=True)
-    pn.add_argument("--num-attention-heads", type=positive_int("--num-attention-heads"), required=True)
-    pn.add_argument("--seq-length", type=positive_int("--seq-length"), required=True)
-    pn.add_argument("--micro-batch-size", type=positive_int("--micro-batch-size"), default=1)
-    pn.add_argument("--vocab-size", type=positive_int("--vocab-size"), default=32000)
-    pn.add_argument("--ffn-hidden-size", type=positive_int("--ffn-hidden-size"), default=None)
-    pn.add_argument("--tensor-parallel-size", type=positive_int("--tensor-parallel-size"), default=1)
-    pn.add_argument("--sequence-parallel", action="store_true")
-    pn.add_argument("--data-parallel-size", type=positive_int("--data-parallel-size"), default=1)
-    pn.add_argument("--use-distributed-optimizer", action="store_true")
+    pn = sub.add_parser("plan", help="rank schedules for a GPT model and a GPU memory budget",
+                        description="Rank every schedule for one GPT model, pipeline size and GPU memory "
+                        "budget: simulated time per iteration, bubble, speed-up over 1F1B, memory per "
+                        "pipeline rank and whether it fits; then the Megatron flags to use. F/B/W times come "
+                        "from the ZB paper's per-layer FLOPs at a GPU's peak x --efficiency, or from a profile "
+                        "written while training (--profile); activation memory from Megatron's per-layer "
+                        "formula, model states at 18 bytes per parameter.",
+                        epilog=PLAN_COLUMNS, formatter_class=argparse.RawDescriptionHelpFormatter)
+    pn.add_argument("--num-layers", type=positive_int("--num-layers"), required=True,
+                    help="transformer layers of the model (Megatron's --num-layers)")
+    pn.add_argument("--hidden-size", type=positive_int("--hidden-size"), required=True, help="hidden size h")
+    pn.add_argument("--num-attention-heads", type=positive_int("--num-attention-heads"), required=True,
+                    help="attention heads a (must divide --hidden-size)")
+    pn.add_argument("--seq-length", type=positive_int("--seq-length"), required=True, help="sequence length s")
+    pn.add_argument("--micro-batch-size", type=positive_int("--micro-batch-size"), default=1,
+                    help="sequences per microbatch b (default 1)")
+    pn.add_argument("--vocab-size", type=positive_int("--vocab-size"), default=32000,
+                    help="vocabulary size: the output layer's cost and logits memory on the loss stage "
+                         "(default 32000)")
+    pn.add_argument("--ffn-hidden-size", type=positive_int("--ffn-hidden-size"), default=None,
+                    help="MLP hidden size (default 4 x --hidden-size)")
+    pn.add_argument("--tensor-parallel-size", type=positive_int("--tensor-parallel-size"), default=1,
+                    help="tensor-parallel size t: divides costs and most memory (default 1)")
+    pn.add_argument("--sequence-parallel", action="store_true",
+                    help="sequence parallelism: the LayerNorm/dropout activations are divided by t too")
+    pn.add_argument("--data-parallel-size", type=positive_int("--data-parallel-size"), default=1,
+                    help="data-parallel size: only matters with --use-distributed-optimizer (default 1)")
+    pn.add_argument("--use-distributed-optimizer", action="store_true",
+                    help="optimizer states sharded over the data-parallel ranks (12 of the 18 bytes/parameter)")
     pn.add_argument("--no-flash-attention", action="store_true",
                     help="count the 5as attention-score activations (no flash attention)")
-    pn.add_argument("--pipeline-parallel-size", type=positive_int("--pipeline-parallel-size"), required=True)
-    pn.add_argument("--num-microbatches", type=positive_int("--num-microbatches"), required=True)
-    pn.add_argument("--gpu-memory-gb", type=nonneg("--gpu-memory-gb"), default=80.0)
-    pn.add_argument("--gpu", choices=["h100", "h200", "a100", "b200", "mi300x"], default="h100")
-    pn.add_argument("--peak-tflops", type=nonneg("--peak-tflops"), default=None, help="overrides --gpu")
-    pn.add_argument("--efficiency", type=nonneg("--efficiency"), default=0.5, help="fraction of peak reached")
-    pn.add_argument("--profile", metavar="JSON", help="measured costs (a megatron-zb profile JSON)")
+    pn.add_argument("--pipeline-parallel-size", type=positive_int("--pipeline-parallel-size"), required=True,
+                    help="pipeline ranks P (>= 2)")
+    pn.add_argument("--num-microbatches", type=positive_int("--num-microbatches"), required=True,
+                    help="microbatches per iteration M (global batch / (micro-batch x data-parallel size))")
+    pn.add_argument("--gpu-memory-gb", type=nonneg("--gpu-memory-gb"), default=80.0,
+                    help="memory budget per GPU in GiB (default 80); zb-auto and v-auto search under it")
+    pn.add_argument("--gpu", choices=["h100", "h200", "a100", "b200", "mi300x"], default="h100",
+                    help="GPU whose dense bf16 peak sets the FLOP-based times (default h100: 989 TFLOPS)")
+    pn.add_argument("--peak-tflops", type=nonneg("--peak-tflops"), default=None,
+                    help="peak TFLOPS to use instead of --gpu's")
+    pn.add_argument("--efficiency", type=nonneg("--efficiency"), default=0.5,
+                    help="fraction of the peak a pass reaches (default 0.5)")
+    pn.add_argument("--profile", metavar="JSON",
+                    help="take F/B/W (and message) times, in seconds, from a profile JSON written while training "
+                         "(--zero-bubble-profile-window) instead of FLOPs")
     pn.add_argument("--allow-padding-num-layers", action="store_true",
-                    help="first and last stage take one layer less (embedding and loss cost)")
-    pn.add_argument("--json", action="store_true")
+                    help="first and last stage take one layer less (they hold the embedding and the loss)")
+    pn.add_argument("--json", action="store_true",
+                    help="print one JSON object instead (per-rank lists in bytes and seconds)")
     pn.set_defaults(func=cmd_plan)
     sub.add_parser("verify", help="train a tiny megatron GPT with a schedule vs the reference "
                    "(see `megatron-zb verify --help`)", add_help=False)

@@ -221,6 +221,9 @@ def plan(spec: ModelSpec, pipeline_parallel_size: int, microbatches: int, gpu_me
         row = {"schedule": name, "chunks": v, "makespan_s": res.makespan, "bubble_rate": res.bubble_rate,
                "activation_bytes": act_bytes, "state_bytes": states, "peak_bytes": total,
                "fits": max(total) <= budget, "layers_per_stage": counts,
+               "activation_unit_bytes": unit,  # one microbatch's activation on the fullest rank
+               "memory_limit_microbatches": (math.floor(limit_units * 100) / 100
+                                             if name in ("zb-auto", "v-auto") and limit_units else None),
                "weight_copies": res.weight_copies or [1.0] * p,
                "flags": _flags(name, p, v, limit_units, counts, pad_ends)}
         if name == "1f1b":

@@ -530,7 +530,11 @@ def main(argv: Optional[Sequence[str]] = None, extra_args_provider: Optional[Cal
         _print0(f"megatron-zb: schedule {schedule} installed ({placement.style} placement, {placement.models_per_rank} "
                 f"chunk(s) per rank, pipeline size {placement.num_ranks}, {m} microbatches"
                 + (f", memory limit {limit:.3g} microbatches" if limit else "") + ")")
-        _print0(f"megatron-zb: simulated with the schedule's costs: bubble {100 * sim.bubble_rate:.1f}%"
+        costs = [kwargs.get(k) for k in ("cost_f", "cost_b", "cost_w")]
+        given = any(c is not None for c in costs)
+        what = ("with the given --zero-bubble-cost-f/-b/-w" if given else
+                "with unit costs F=B=W=1, not measured ones (--zero-bubble-cost-f/-b/-w give yours)")
+        _print0(f"megatron-zb: schedule preview, simulated {what}: bubble {100 * sim.bubble_rate:.1f}%"
                 + (f" (1f1b {100 * base.bubble_rate:.1f}%)" if base is not None else "")
                 + f", peak activation {max(sim.peak_memory):.3g} microbatches per rank")
         if placement.style in ("v", "bitpipe"):
@@ -547,6 +551,8 @@ def main(argv: Optional[Sequence[str]] = None, extra_args_provider: Optional[Cal
         run(cfg, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step,
             model_provider=model_provider(), get_embedding_ranks=get_emb, store=store)
     finally:
+        from .shutdown import stop_checkpoint_writer
+        stop_checkpoint_writer()  # megatron's checkpoint-writer Manager process, if a save started it
         if undo is not None:
             undo()
         if handle is not None:
