@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from .ir import B, BW, F, W, Action, Schedule, ScheduleError, Setting, deps
 
@@ -59,8 +59,12 @@ class Deadlock(ScheduleError):
     pass
 
 
-def simulate(schedule: Schedule, setting: Setting) -> SimResult:
-    """Time every compute pass. Raises Deadlock naming each stuck rank's waiting pass."""
+def simulate(schedule: Schedule, setting: Setting,
+             release: Optional[Dict[Tuple[int, int], float]] = None) -> SimResult:
+    """Time every compute pass. Raises Deadlock naming each stuck rank's waiting pass.
+
+    ``release`` (optional): {(rank, i): t} -- the i-th compute pass of that rank starts no earlier
+    than t (``core.iteration`` uses it for iterations back to back)."""
     schedule = schedule.flat()
     pl = schedule.placement
     nst = pl.num_stages
@@ -81,6 +85,8 @@ def simulate(schedule: Schedule, setting: Setting) -> SimResult:
             while pos[r] < len(order):
                 a = order[pos[r]]
                 ready = clock[r]
+                if release:
+                    ready = max(ready, release.get((r, pos[r]), ready))
                 ok = True
                 for dk, ds, dmb in deps(a, nst):
                     t = done.get((dk, ds, dmb))
