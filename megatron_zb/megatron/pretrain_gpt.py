@@ -507,7 +507,7 @@ def main(argv: Optional[Sequence[str]] = None, extra_args_provider: Optional[Cal
     args, zb, notes = prepare_args(extra_args_provider, args_defaults, argv)
     if notes:
         _print0("megatron-zb: adjusted for this machine: " + ", ".join(notes))
-    handle, undo = None, None
+    handle, undo, undo_pv = None, None, None
     get_emb = None
     if zb is not None:
         from megatron.core.num_microbatches_calculator import get_num_microbatches
@@ -527,6 +527,11 @@ def main(argv: Optional[Sequence[str]] = None, extra_args_provider: Optional[Cal
         if placement.style == "v":
             get_emb = get_embedding_ranks
             undo = _route_losses_for_v(placement.rank_of(placement.num_stages - 1))
+        if kwargs.get("post_validation"):
+            from .optimizer import patch_megatron_training
+            undo_pv = patch_megatron_training(handle)
+            _print0("megatron-zb: optimizer post-validation on (synchronous steps until 10 in a row are neither "
+                    "clipped nor skipped; Megatron's log shows the previous step's grad norm)")
     else:
         _print0("megatron-zb: no zero-bubble flag given; Megatron's own pipeline schedules run")
 
@@ -538,6 +543,8 @@ def main(argv: Optional[Sequence[str]] = None, extra_args_provider: Optional[Cal
         run(cfg, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step,
             model_provider=model_provider(), get_embedding_ranks=get_emb, store=store)
     finally:
+        if undo_pv is not None:
+            undo_pv()
         if undo is not None:
             undo()
         if handle is not None:
