@@ -183,7 +183,6 @@ class PostValidator:
         return min(float(getattr(p.config, "grad_norm_skip_threshold", math.inf)) for p in self.parts)
 
     def _eager_step(self):
-        from megatron.core.optimizer.clip_grads import get_grad_norm_fp32
         local = self._local()
         eager = _Eager(self.iteration, False, [], [_hyper(p) for p in self.parts],
                        [_scaler_state(p) for p in self.parts],
@@ -192,13 +191,9 @@ class PostValidator:
             eager.found = [bool(p.prepare_grads()) for p in self.parts]
             sumsq, zeros = 0.0, 0.0
             if not any(eager.found):
-                grads = [g for p in self.parts for g in p.get_main_grads_for_grad_norm()]
-                norm = get_grad_norm_fp32(grads, grad_stats_parallel_group=local[0]) if grads else 0.0
-                if len({id(g) for g in local}) > 1:  # parts reduce over different groups
-                    norm = math.sqrt(sum(get_grad_norm_fp32(p.get_main_grads_for_grad_norm(),
-                                                            grad_stats_parallel_group=g) ** 2
-                                         for p, g in zip(self.parts, local)))
-                sumsq = float(norm) ** 2
+                # each part's norm over this stage (Megatron's get_grad_norm on the local group)
+                sumsq = sum(float(p.get_grad_norm() or 0.0) ** 2 for p in self.parts
+                            if not getattr(p, "is_stub_optimizer", False))
                 if self.optimizer.config.log_num_zeros_in_grad:
                     zeros = float(sum(p.count_zeros() for p in self.parts))
         eager.grads = [(prm, prm.grad.clone()) for part in self.parts if part.optimizer is not None

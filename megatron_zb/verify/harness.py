@@ -247,12 +247,13 @@ def make_case(schedule: str, pipeline_parallel_size: int, tensor_parallel_size: 
 def _check_optimizer_options(case: VerifyCase) -> None:
     if case.post_validation and case.optimizer is None:
         case.optimizer = "adam"
-    uses = [k for k in ("bf16", "fp16", "use_distributed_optimizer", "clip_grad", "loss_scale") if getattr(case, k)]
+    uses = ["--" + k.replace("_", "-") for k in ("bf16", "fp16", "use_distributed_optimizer", "clip_grad", "loss_scale")
+            if getattr(case, k)]
     if case.inject_nonfinite_at is not None:
-        uses.append("inject_nonfinite_at")
+        uses.append("--inject-nonfinite-at")
     if case.optimizer is None:
         if uses:
-            raise VerifyUsageError(f"{', '.join(uses)} need Megatron's optimizer: --optimizer adam|sgd "
+            raise VerifyUsageError(f"{', '.join(uses)}: needs Megatron's optimizer: --optimizer adam|sgd "
                                    "(or --optimizer-post-validation)")
         return
     if case.optimizer not in ("adam", "sgd"):
