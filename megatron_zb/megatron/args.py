@@ -235,6 +235,11 @@ def add_zero_bubble_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     f.add_argument("--no-pre-communication-optimization", action="store_false",
                    dest="pre_communication_optimization", default=True,
                    help="Accepted for compatibility; megatron-zb sends no pre-communication messages.")
+    f.add_argument("--zero-bubble-post-validation-min-clean-steps", type=_nonneg_int(
+                       "--zero-bubble-post-validation-min-clean-steps"), default=None, metavar="N",
+                   help="With --enable-optimizer-post-validation: optimizer steps stay synchronous until N steps in a "
+                        "row were neither clipped nor skipped, and again after each rollback (default 10, the "
+                        "fork's rule; 0 post-validates from the first step).")
     f.add_argument("--enable-optimizer-post-validation", action="store_true", default=False,
                    help="Optimizer post-validation: each pipeline rank steps as soon as its own last pass is done; "
                         "the gradient norm and inf/NaN flags are reduced along the pipeline and the step is "
@@ -577,6 +582,8 @@ def validate_zero_bubble_args(args, *, before_megatron_validation: Optional[bool
                 raise err(f"--enable-optimizer-post-validation cannot be combined with {flag}: the rollback needs "
                           "the optimizer step (and its parameter all-gather) whole on this rank")
         kwargs["post_validation"] = True
+    elif _given(args, "zero_bubble_post_validation_min_clean_steps"):
+        raise err("--zero-bubble-post-validation-min-clean-steps needs --enable-optimizer-post-validation")
 
     args.zero_bubble_resolved_schedule = name
     args.zero_bubble_placement = style

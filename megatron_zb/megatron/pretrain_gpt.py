@@ -528,10 +528,12 @@ def main(argv: Optional[Sequence[str]] = None, extra_args_provider: Optional[Cal
             get_emb = get_embedding_ranks
             undo = _route_losses_for_v(placement.rank_of(placement.num_stages - 1))
         if kwargs.get("post_validation"):
-            from .optimizer import patch_megatron_training
-            undo_pv = patch_megatron_training(handle)
-            _print0("megatron-zb: optimizer post-validation on (synchronous steps until 10 in a row are neither "
-                    "clipped nor skipped; Megatron's log shows the previous step's grad norm)")
+            from .optimizer import FORK_MIN_CLEAN_STEPS, patch_megatron_training
+            n = getattr(args, "zero_bubble_post_validation_min_clean_steps", None)
+            n = FORK_MIN_CLEAN_STEPS if n is None else n
+            undo_pv = patch_megatron_training(handle, min_clean_steps=n)
+            _print0(f"megatron-zb: optimizer post-validation on (steps synchronous until {n} in a row were neither "
+                    "clipped nor skipped; Megatron's log line shows the grad norm of the previous iteration's step)")
     else:
         _print0("megatron-zb: no zero-bubble flag given; Megatron's own pipeline schedules run")
 
