@@ -77,7 +77,8 @@ class PostValidator:
     """Post-validation attached to one Megatron optimizer (see the module docstring)."""
 
     def __init__(self, optimizer, model_chunks: Sequence[torch.nn.Module], controller: PostValidation, *,
-                 pp_group=None, min_clean_steps: int = 0, log: Optional[Callable[[str], None]] = None):
+                 pp_group=None, min_clean_steps: int = 0, log: Optional[Callable[[str], None]] = None,
+                 eager_with_one_stage: bool = False):
         from megatron.core import parallel_state
         self.optimizer = optimizer
         self.parts = list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
@@ -85,6 +86,7 @@ class PostValidator:
         self.pv = controller
         self.pp_group = pp_group if pp_group is not None else parallel_state.get_pipeline_model_parallel_group()
         self.min_clean_steps = int(min_clean_steps)
+        self.eager_with_one_stage = eager_with_one_stage  # time the eager path without a pipeline (GPU test)
         self.log = log if log is not None else _log_on_last_rank
         self.scheduler = None
         self.iteration = 0
@@ -163,7 +165,7 @@ class PostValidator:
         self.iteration += 1
         if self.pv.pending is not None:  # no iteration ran since the last step
             self.pv.finish()
-        if self.pp_group.size() == 1 or self.streak < self.min_clean_steps:
+        if (self.pp_group.size() == 1 and not self.eager_with_one_stage) or self.streak < self.min_clean_steps:
             ok, norm, zeros = self._megatron_step()
             self.synchronous_steps += 1
             self._count(ok, norm)
