@@ -191,12 +191,18 @@ def rank_main_iterations(rank, world, port, cases, unit, opt_s, iterations, warm
             pv = PostValidation(timeout_s=120) if mode == "post-validated" else None
             if pv is not None:
                 pv.channel(world_group)  # collective set-up outside the timed loop
-            ends = []
+            ends, waits = [], []
+
+            def validate(pv=pv):  # time spent waiting at the validation point
+                t = time.perf_counter()
+                ok = pv.validate()
+                waits.append(time.perf_counter() - t)
+                return ok
             dist.barrier()
             t0 = time.perf_counter()
             for it in range(warmup + iterations):
                 execute(low.orders[rank], rank, low.placement, passes, p2p,
-                        validate=(pv.validate if pv is not None and pv.due else None))
+                        validate=(validate if pv is not None and pv.due else None))
                 p2p.reap_sends(block=True)
                 if pv is None:
                     dist.all_reduce(flag, group=world_group)  # Megatron's global norm / inf check
@@ -212,6 +218,9 @@ def rank_main_iterations(rank, world, port, cases, unit, opt_s, iterations, warm
             dist.all_gather_object(allends, ends)
             slowest = [max(e[i] for e in allends) for i in range(len(ends))]
             out[mode] = (slowest[-1] - slowest[warmup - 1]) / iterations if warmup else slowest[-1] / iterations
+            allwaits = [None] * world
+            dist.all_gather_object(allwaits, waits[warmup:])
+            out[mode + " wait"] = max((sum(w) / len(w) for w in allwaits if w), default=0.0)
         results.append(out)
     if rank == 0:
         q.put({"results": results})
@@ -244,6 +253,7 @@ def run_iteration_cases(p, cases, unit, opt_ms, iterations=8, warmup=2, timeout=
         row.update(unit_s=unit, optimizer_step_s=opt_ms / 1e3,
                    simulated_sync_s=sim_sync * unit, measured_sync_s=res["synchronous"],
                    simulated_post_s=sim_post * unit, measured_post_s=res["post-validated"])
+        row["validation_wait_s"] = res["post-validated wait"]  # the worst rank's mean wait per iteration
         row["error_sync_pct"] = 100 * (row["measured_sync_s"] - row["simulated_sync_s"]) / row["simulated_sync_s"]
         row["error_post_pct"] = 100 * (row["measured_post_s"] - row["simulated_post_s"]) / row["simulated_post_s"]
         rows.append(row)
@@ -258,13 +268,14 @@ def run_iteration_cases(p, cases, unit, opt_ms, iterations=8, warmup=2, timeout=
 
 def fmt_iteration_table(rows):
     head = (f"{'schedule':<12}{'P':>2}{'M':>4} {'costs (ms)':<15}{'sync sim':>9}{'meas':>8}{'err %':>7}"
-            f"{'postval sim':>12}{'meas':>8}{'err %':>7}{'vs zb-h1 sync':>14}{'postval':>8}")
+            f"{'postval sim':>12}{'meas':>8}{'err %':>7}{'wait':>6}{'vs zb-h1 sync':>14}{'postval':>8}")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r['schedule']:<12}{r['p']:>2}{r['m']:>4} {r['costs']:<15}{r['simulated_sync_s'] * 1e3:>9.1f}"
                      f"{r['measured_sync_s'] * 1e3:>8.1f}{r['error_sync_pct']:>+7.2f}"
                      f"{r['simulated_post_s'] * 1e3:>12.1f}{r['measured_post_s'] * 1e3:>8.1f}"
-                     f"{r['error_post_pct']:>+7.2f}{r.get('gain_vs_zbh1_sync_measured', float('nan')):>14.3f}"
+                     f"{r['error_post_pct']:>+7.2f}{r['validation_wait_s'] * 1e3:>6.1f}"
+                     f"{r.get('gain_vs_zbh1_sync_measured', float('nan')):>14.3f}"
                      f"{r.get('gain_vs_zbh1_post_measured', float('nan')):>8.3f}")
     return "\n".join(lines)
 
