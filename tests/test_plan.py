@@ -26,9 +26,9 @@ def test_plan_table_and_json(capsys):
     out = capsys.readouterr().out
     assert "zb-v" in out and "--zero-bubble-schedule" in out
     lines = out.splitlines()
-    head = next(i for i, l in enumerate(lines) if "schedule" in l and "time ms" in l)
+    head = next(i for i, l in enumerate(lines) if "schedule" in l and "iteration ms" in l)
     assert all(w in lines[head] for w in ("bubble", "vs 1f1b", "act GiB", "peak GiB", "fits"))
-    assert all(w in lines[head + 1] for w in ("min", "max", "on rank"))
+    assert all(w in lines[head + 1] for w in ("sync", "postval", "min", "max", "on rank"))
     # one ready-to-paste line for the best schedule that fits, then the others aligned
     i = next(i for i, l in enumerate(lines) if l.startswith("suggested flags ("))
     assert lines[i + 1].strip().startswith("--pipeline-model-parallel-size 4 --zero-bubble-schedule ")
@@ -83,5 +83,5 @@ def test_plan_help_documents_every_option_and_column(capsys):
     for action in plan._actions:
         if action.option_strings and action.dest != "help":
             assert action.help, f"{action.option_strings[0]} has no help text"
-    for col in ("time ms", "bubble", "vs 1f1b", "act GiB", "peak GiB", "fits", "microbatches"):
+    for col in ("iteration ms", "sync", "postval", "bubble", "vs 1f1b", "act GiB", "peak GiB", "fits", "microbatches"):
         assert col in text

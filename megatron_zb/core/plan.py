@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 from .ir import Placement, ScheduleError, Setting
+from .iteration import iteration_times
 from .schedules import generate, get, names
 from .simulate import simulate
 
@@ -177,8 +178,13 @@ def _replicated_stage_costs(spec: ModelSpec, pl: Placement, tflops: float, effic
 
 def plan(spec: ModelSpec, pipeline_parallel_size: int, microbatches: int, gpu_memory_gb: float,
          tflops: float = GPU_PEAK_TFLOPS["h100"], efficiency: float = 0.5, profile: Optional[dict] = None,
-         schedules: Optional[List[str]] = None, pad_ends: bool = False, interleave_chunks: int = 2) -> List[dict]:
+         schedules: Optional[List[str]] = None, pad_ends: bool = False, interleave_chunks: int = 2,
+         cost_optimizer: float = 0.0, post_validation: bool = False) -> List[dict]:
+    """Rows sorted by (fits, time per training iteration): with Megatron's synchronous optimizer
+    step, or with optimizer post-validation when ``post_validation`` (``cost_optimizer`` seconds
+    per step). Each row carries both times."""
     spec.validate()
+    key = "iteration_time_post_validated_s" if post_validation else "iteration_time_s"
     p, m = pipeline_parallel_size, microbatches
     if p < 2:
         raise ScheduleError("--pipeline-parallel-size must be >= 2: pipeline schedules need several stages")
@@ -212,13 +218,17 @@ def plan(spec: ModelSpec, pipeline_parallel_size: int, microbatches: int, gpu_me
                               mem_f=[x / unit for x in mf], mem_w=[min(a, b) / unit for a, b in zip(mw, mf)],
                               memory_limit=limit_units if name in ("zb-auto", "v-auto") else None)
             sched = generate(name, setting)
-            res = simulate(sched, Setting(**{**setting.to_dict(), "chunks": sched.placement.chunks}))
+            sim_setting = Setting(**{**setting.to_dict(), "chunks": sched.placement.chunks})
+            res = simulate(sched, sim_setting)
+            it = iteration_times(sched, sim_setting, cost_optimizer)
         except ScheduleError as e:
             rows.append({"schedule": name, "error": str(e)})
             continue
         act_bytes = [x * unit for x in res.peak_memory]
         total = [a + s for a, s in zip(act_bytes, states)]
         row = {"schedule": name, "chunks": v, "makespan_s": res.makespan, "bubble_rate": res.bubble_rate,
+               "iteration_time_s": it.iteration_time,
+               "iteration_time_post_validated_s": it.iteration_time_post_validated, "ranked_by": key,
                "activation_bytes": act_bytes, "state_bytes": states, "peak_bytes": total,
                "fits": max(total) <= budget, "layers_per_stage": counts,
                "activation_unit_bytes": unit,  # one microbatch's activation on the fullest rank
@@ -231,8 +241,10 @@ def plan(spec: ModelSpec, pipeline_parallel_size: int, microbatches: int, gpu_me
         rows.append(row)
     ok = [r for r in rows if "error" not in r]
     for r in ok:
-        r["throughput_vs_1f1b"] = round(base["makespan_s"] / r["makespan_s"], 4) if base else None
-    ok.sort(key=lambda r: (not r["fits"], r["makespan_s"]))
+        r["throughput_vs_1f1b"] = round(base[key] / r[key], 4) if base and r[key] else None
+        if post_validation:
+            r["flags"] += " --enable-optimizer-post-validation"
+    ok.sort(key=lambda r: (not r["fits"], r[key], r["makespan_s"]))
     return ok + [r for r in rows if "error" in r]
 
 

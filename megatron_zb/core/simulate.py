@@ -136,8 +136,12 @@ def _deadlock_message(schedule: Schedule, orders, pos, done) -> str:
             + "; ".join(f"rank {r} at position {index[r][pos[r]]} waits in {orders[r][pos[r]]}" for r in stuck))
 
 
-def simulate(schedule: Schedule, setting: Setting) -> SimResult:
-    """Time every compute pass. Raises Deadlock naming each stuck rank's waiting pass."""
+def simulate(schedule: Schedule, setting: Setting,
+             release: Optional[Dict[Tuple[int, int], float]] = None) -> SimResult:
+    """Time every compute pass. Raises Deadlock naming each stuck rank's waiting pass.
+
+    ``release`` (optional): {(rank, i): t} -- the i-th compute pass of that rank starts no earlier
+    than t (``core.iteration`` uses it for iterations back to back)."""
     schedule = schedule.flat()
     pl = schedule.placement
     nst = pl.num_stages
@@ -158,6 +162,8 @@ def simulate(schedule: Schedule, setting: Setting) -> SimResult:
             while pos[r] < len(order):
                 a = order[pos[r]]
                 ready = clock[r]
+                if release:
+                    ready = max(ready, release.get((r, pos[r]), ready))
                 ok = True
                 for dk, ds, dmb in deps(a, nst, pl):
                     t = done.get((dk, ds, dmb))

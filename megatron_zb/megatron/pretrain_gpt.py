@@ -516,7 +516,7 @@ def main(argv: Optional[Sequence[str]] = None, extra_args_provider: Optional[Cal
     args, zb, notes = prepare_args(extra_args_provider, args_defaults, argv)
     if notes:
         _print0("megatron-zb: adjusted for this machine: " + ", ".join(notes))
-    handle, undo = None, None
+    handle, undo, undo_pv = None, None, None
     get_emb = None
     if zb is not None:
         from megatron.core.num_microbatches_calculator import get_num_microbatches
@@ -540,6 +540,13 @@ def main(argv: Optional[Sequence[str]] = None, extra_args_provider: Optional[Cal
         if placement.style in ("v", "bitpipe"):
             get_emb = get_embedding_ranks
             undo = _route_losses_for_v(placement.loss_rank)
+        if kwargs.get("post_validation"):
+            from .optimizer import FORK_MIN_CLEAN_STEPS, patch_megatron_training
+            n = getattr(args, "zero_bubble_post_validation_min_clean_steps", None)
+            n = FORK_MIN_CLEAN_STEPS if n is None else n
+            undo_pv = patch_megatron_training(handle, min_clean_steps=n)
+            _print0(f"megatron-zb: optimizer post-validation on (steps synchronous until {n} in a row were neither "
+                    "clipped nor skipped; Megatron's log line shows the grad norm of the previous iteration's step)")
     else:
         _print0("megatron-zb: no zero-bubble flag given; Megatron's own pipeline schedules run")
 
@@ -553,6 +560,8 @@ def main(argv: Optional[Sequence[str]] = None, extra_args_provider: Optional[Cal
     finally:
         from .shutdown import stop_checkpoint_writer
         stop_checkpoint_writer()  # megatron's checkpoint-writer Manager process, if a save started it
+        if undo_pv is not None:
+            undo_pv()
         if undo is not None:
             undo()
         if handle is not None:
