@@ -34,7 +34,7 @@ EMULATED = [
     Entry("1f1b"),
     Entry("zb-h1"),
     Entry("zb-v"),
-    # Entry("zb-h2", post_validation=True),  # once the simulator has iteration_time_post_validated
+    Entry("zb-h2", post_validation=True),  # iterations back to back, as optimizer post-validation runs them
 ]
 # F/B/W of one transformer layer measured on an H100 (benchmarks/bench_split_overhead.py)
 H100_LAYER = os.path.join(ROOT, "benchmarks", "results", "fbw_h100_h4096_s4096.json")

@@ -36,8 +36,9 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence, Union
 
 from ..core.ir import Action, Setting
+from ..core.iteration import iteration_times
 from ..core.schedules import generate
-from ..core.simulate import SimResult, Timed, simulate
+from ..core.simulate import SimResult, Timed
 
 __all__ = ["Entry", "emulate", "predicted_iteration"]
 
@@ -63,10 +64,8 @@ def _setting(stages, microbatches, cost_f, cost_b, cost_w, cost_comm=0.0) -> Set
 def predicted_iteration(entry: Entry, setting: Setting) -> Optional[float]:
     """The simulator's iteration time for ``entry`` (None where it has no prediction)."""
     sched = generate(entry.schedule, setting)
-    res = simulate(sched, dataclasses.replace(setting, chunks=sched.placement.chunks))
-    if entry.post_validation:
-        return getattr(res, "iteration_time_post_validated", None)
-    return max(tl[-1].end for tl in res.timeline if tl)  # every rank starts at 0, as after a barrier
+    it = iteration_times(sched, dataclasses.replace(setting, chunks=sched.placement.chunks))
+    return it.iteration_time_post_validated if entry.post_validation else it.iteration_time
 
 
 def _rank_main(job: dict) -> dict:
