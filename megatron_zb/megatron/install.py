@@ -31,6 +31,7 @@ from ..core.validate import validate
 from ..runtime.executor import StagePasses, execute
 from ..runtime.p2p import P2P, PairGroups
 from ..runtime.profiler import PassProfiler, ProfileError, auto_replans, profile_to_setting_kwargs
+from ..runtime.progress import tracker as progress_tracker
 from ..runtime.wqueue import WQueue
 from .wgrad import attach_wgrad_queue
 
@@ -181,8 +182,11 @@ class ZeroBubbleForwardBackward:
         stages = pl.stages_of(me)
         chunk_of = {s: i for i, s in enumerate(stages)}
         pp_ranks = dist.get_process_group_ranks(pp_group)
+        prog = progress_tracker(pp_rank=me)
+        if prog is not None:
+            prog.iteration = self.iterations
         p2p = P2P(self.groups(pp_ranks, pl), me, timeout_s=self.options.timeout_s,
-                  exchange_shapes=bool(config.variable_seq_lengths))
+                  exchange_shapes=bool(config.variable_seq_lengths), progress=prog)
         queues = [self.queue(m) for m in models] if not forward_only else []
         cp_size = cp_group.size() if cp_group is not None else 1
 
