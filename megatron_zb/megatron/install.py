@@ -182,7 +182,7 @@ class ZeroBubbleForwardBackward:
         stages = pl.stages_of(me)
         chunk_of = {s: i for i, s in enumerate(stages)}
         pp_ranks = dist.get_process_group_ranks(pp_group)
-        prog = progress_tracker(pp_rank=me)
+        prog = progress_tracker(pp_rank=me, group=pp_ranks)
         if prog is not None:
             prog.iteration = self.iterations
         p2p = P2P(self.groups(pp_ranks, pl), me, timeout_s=self.options.timeout_s,

@@ -17,6 +17,12 @@ waited for" blames a healthy rank. This module lets a rank that times out name t
   oldest stopped first. If every rank responds, it follows "rank a waits for rank b" from the
   waiting rank to the first rank that is not waiting for a pipeline message (stuck in a pass, a
   collective or data loading), or finds a cycle (a deadlock: a schedule bug).
+* **Outside the schedule** (``enable_stall_watch``, the training entry point turns it on): a rank
+  stopped between iterations leaves the others blocked in Megatron's collectives (optimizer,
+  loss and gradient reductions), which wait for ``--distributed-timeout-minutes``, not for our
+  timeout. With the stall watch on, the publishing thread also checks that the rank has not
+  spent more than the timeout outside the schedule's actions (checkpoint saving excluded:
+  ``paused``); if it has, it diagnoses as above, prints one line and ends the process.
 * A culprit found **stopped** (``SIGSTOP``, state ``T``) on this host is killed (``SIGKILL``):
   the job is failing anyway, and a stopped process ignores the launcher's ``SIGTERM`` (torchrun
   would wait 30 s before its ``SIGKILL``).
@@ -35,7 +41,8 @@ import threading
 import time
 from typing import Dict, List, Optional, Sequence
 
-__all__ = ["Progress", "tracker", "read_records", "diagnose_records", "PERIOD_S", "CHECK_S"]
+__all__ = ["Progress", "tracker", "read_records", "diagnose_records", "enable_stall_watch", "pause", "stop",
+           "PERIOD_S", "CHECK_S"]
 
 PERIOD_S = 0.5   # heartbeat period
 CHECK_S = 1.2    # a rank whose heartbeat did not move over this long is not responding (> 2 periods)
@@ -77,15 +84,18 @@ class Progress:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._host = socket.gethostname()
+        self.group: Sequence[int] = ()  # global ranks of this rank's pipeline group
+        self.paused: Optional[str] = None  # e.g. "saving a checkpoint": the stall watch is off
+        self.last_activity = time.time()
 
     # -- hot path: attribute writes only ------------------------------------------------------
     def begin(self, action) -> None:
         self.current = action
-        self.current_t = time.time()
+        self.current_t = self.last_activity = time.time()
 
     def end(self, action) -> None:
         self.last_done = action
-        self.last_done_t = time.time()
+        self.last_done_t = self.last_activity = time.time()
         self.current = None
 
     def waiting(self, what: str, peer: int, peer_global: int) -> None:
@@ -93,6 +103,12 @@ class Progress:
 
     def wait_over(self) -> None:
         self.wait = None
+        self.last_activity = time.time()
+
+    def pause(self, why: Optional[str]) -> None:
+        """Turn the stall watch off while ``why`` (e.g. saving a checkpoint); ``None``: on again."""
+        self.paused = why
+        self.last_activity = time.time()
 
     # -- publishing -----------------------------------------------------------------------------
     def record(self) -> dict:
@@ -136,6 +152,29 @@ class Progress:
                 failures += 1
                 if failures >= 3:
                     return
+            if _STALL_S is not None:
+                self._check_stall(_STALL_S)
+
+    def _check_stall(self, limit: float) -> None:
+        """The stall watch: too long outside the schedule's actions and waits -> diagnose and exit."""
+        if self.paused is not None or self.current is not None or self.wait is not None:
+            return
+        idle = time.time() - self.last_activity
+        if idle <= limit:
+            return
+        after = f"after {self.last_done}" if self.last_done is not None else "before its first pipeline action"
+        blame = self.diagnose(self.group or (self.rank,), None)
+        who = f"pipeline rank {self.pp_rank} (global rank {self.rank})"
+        msg = (f"{who} spent {idle:.0f}s outside the pipeline schedule ({after} in iteration {self.iteration}: "
+               f"optimizer step, gradient or loss collectives), more than the timeout {limit:g}s; {blame}")
+        if _ON_STALL is not None:
+            _ON_STALL(msg)
+        else:
+            try:
+                os.write(2, f"megatron-zb: error: {msg}\n".encode())
+            except OSError:
+                pass
+        os._exit(1)
 
     def stop(self) -> None:
         self._stop.set()
@@ -145,10 +184,11 @@ class Progress:
             return read_records(self._client, ranks)
 
     # -- diagnosing -----------------------------------------------------------------------------
-    def diagnose(self, group_ranks: Sequence[int], waited_for: int, check_s: float = CHECK_S) -> str:
+    def diagnose(self, group_ranks: Sequence[int], waited_for: Optional[int], check_s: float = CHECK_S) -> str:
         """One sentence naming the rank of ``group_ranks`` (global ranks) that stopped first.
 
-        ``waited_for``: the global rank this rank's timed-out wait was for. Takes ``check_s``
+        ``waited_for``: the global rank this rank's timed-out wait was for (None: this rank is
+        stuck outside the schedule, e.g. in a collective). Takes ``check_s``
         seconds (two reads of the records).
         """
         try:
@@ -209,7 +249,7 @@ def _stopped_here(rec: dict) -> bool:
 
 
 def diagnose_records(first: Dict[int, Optional[dict]], second: Dict[int, Optional[dict]], me: int,
-                     waited_for: int, kill_stopped: bool = False, now: Optional[float] = None) -> str:
+                     waited_for: Optional[int], kill_stopped: bool = False, now: Optional[float] = None) -> str:
     """Name the rank that stopped progressing first, from two reads of the records (see module doc)."""
     now = time.time() if now is None else now
     silent = [g for g in second if g != me and (second[g] is None or first.get(g) is None
@@ -230,6 +270,13 @@ def diagnose_records(first: Dict[int, Optional[dict]], second: Dict[int, Optiona
             except OSError:
                 pass
         return text + "; read its log first"
+    if waited_for is None:  # this rank waits outside the schedule (a collective): who is still inside?
+        inside = [g for g, rec in sorted(second.items()) if g != me and rec and (rec.get("wait") or rec.get("cur"))]
+        if not inside:
+            return ("every rank of this pipeline responds and is outside the schedule too: the collective may be "
+                    "waiting for a rank of another pipeline (data parallelism) or for a slow step")
+        return "ranks still inside the pipeline schedule: " + "; ".join(
+            f"{_who(second[g], g)}: {_state(second[g], now)}" for g in inside)
     # every rank responds: follow who waits for whom
     chain = [me]
     cur = waited_for
@@ -256,15 +303,41 @@ def diagnose_records(first: Dict[int, Optional[dict]], second: Dict[int, Optiona
 
 _TRACKER: Optional[Progress] = None
 _DISABLED = False
+_STALL_S: Optional[float] = None
+_ON_STALL = None
 
 
-def tracker(pp_rank: Optional[int] = None) -> Optional[Progress]:
+def enable_stall_watch(seconds: Optional[float], on_stall=None) -> None:
+    """Let this process's tracker end the process when it spends more than ``seconds`` outside the
+    schedule's actions (see the module doc). ``on_stall(message)`` reports the line (default:
+    stderr) before the process exits with status 1; ``None`` seconds turns the watch off."""
+    global _STALL_S, _ON_STALL
+    _STALL_S = None if seconds is None else float(seconds)
+    _ON_STALL = on_stall
+
+
+def pause(why: Optional[str]) -> None:
+    """``tracker().pause(why)`` if this process has a tracker."""
+    if _TRACKER is not None:
+        _TRACKER.pause(why)
+
+
+def stop() -> None:
+    """Stop this process's tracker (the end of training: nothing is watched any more)."""
+    enable_stall_watch(None)
+    if _TRACKER is not None:
+        _TRACKER.stop()
+
+
+def tracker(pp_rank: Optional[int] = None, group: Optional[Sequence[int]] = None) -> Optional[Progress]:
     """This process's ``Progress`` (started on first use), or None when torch.distributed has no
     TCPStore to publish to (or ``MZB_PROGRESS=0``). ``pp_rank``: this rank's pipeline rank."""
     global _TRACKER, _DISABLED
     if _TRACKER is not None and _TRACKER._stop.is_set() is False:
         if pp_rank is not None:
             _TRACKER.pp_rank = pp_rank
+        if group is not None:
+            _TRACKER.group = tuple(group)
         return _TRACKER
     if _DISABLED or os.environ.get("MZB_PROGRESS", "1") == "0":
         return None
@@ -278,6 +351,7 @@ def tracker(pp_rank: Optional[int] = None) -> Optional[Progress]:
             return None
         prog = Progress(dist.get_rank(), endpoint)
         prog.pp_rank = pp_rank
+        prog.group = tuple(group or ())
         _TRACKER = prog.start()
     except Exception:  # noqa: BLE001 - progress is a diagnostic; never fail training for it
         _DISABLED = True
