@@ -665,7 +665,7 @@ def _cli() -> int:
         report(e, known=True)
         return 2
     except Exception as e:  # noqa: BLE001
-        if type(e).__name__ == "PipelineTimeout" or type(getattr(e, "__cause__", None)).__name__ == "PipelineTimeout":
+        if type(e).__name__ == "PipelineTimeout":
             line = f"megatron-zb: error: {e}"
             record_for_torchrun(line)
             print(line, file=sys.stderr, flush=True)
@@ -676,4 +676,8 @@ def _cli() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_cli())
+    _code = _cli()
+    if _code:  # after a failure, no orderly teardown: collectives with a stuck peer could hang it
+        from ..runtime.supervise import exit_now
+        exit_now(_code)
+    sys.exit(0)

@@ -57,15 +57,18 @@ def first_to_report(summary: str) -> Optional[str]:
         return "other"
 
 
-def record_for_torchrun(message: str, callstack: Optional[str] = None) -> None:
-    """Write torchrun's per-rank error file (what ``@record`` writes), if torchrun asked for one."""
+def record_for_torchrun(message: str, callstack: Optional[str] = None, exit_code: int = 1) -> None:
+    """Write torchrun's per-rank error file (what ``@record`` writes), if torchrun asked for one;
+    ``exit_code`` is kept in it for ``megatron_zb.megatron.torchrun`` (the rank may be stopped by
+    torchrun before it exits with that code)."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
     try:
         with open(path, "w") as f:
             json.dump({"message": {"message": message, "extraInfo": {"py_callstack": callstack or message,
-                                                                     "timestamp": str(int(time.time()))}}}, f)
+                                                                     "timestamp": str(int(time.time()))}},
+                       "mzb_exit_code": int(exit_code)}, f)
     except OSError:
         pass
 
@@ -85,7 +88,7 @@ def report(exc: BaseException, known: bool) -> None:
         return
     if known:
         line = f"megatron-zb: error: {exc}"
-        record_for_torchrun(line)
+        record_for_torchrun(line, exit_code=2)
         print(line, file=sys.stderr, flush=True)
         return
     if who == "other":

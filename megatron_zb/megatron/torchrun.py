@@ -25,12 +25,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         run(args)
     except ChildFailedError as e:
         rank, first = e.get_first_failure()
+        data = first.error_file_data if isinstance(first.error_file_data, dict) else {}
+        code = data.get("mzb_exit_code")
+        if code is not None:  # megatron-zb's rank reported its error (rank_errors) before it ended
+            print(f"megatron-zb: training failed; the first error (global rank {rank}) is printed above",
+                  file=sys.stderr, flush=True)
+            return 2 if code == 2 else 1
         how = f"exit code {first.exitcode}" if first.exitcode >= 0 else f"signal {first.signal_name()}"
-        others = len(e.failures) - 1
-        print(f"megatron-zb: training failed: global rank {rank} (pid {first.pid}) ended first with {how}; its "
-              f"error is printed above" + (f" ({others} other rank(s) were stopped after it)" if others else ""),
-              file=sys.stderr, flush=True)
-        return 2 if first.exitcode == 2 else 1
+        print(f"megatron-zb: training failed: global rank {rank} (pid {first.pid}) ended first with {how}; read its "
+              "output above", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

@@ -174,7 +174,8 @@ class Progress:
                 os.write(2, f"megatron-zb: error: {msg}\n".encode())
             except OSError:
                 pass
-        os._exit(1)
+        from .supervise import exit_now
+        exit_now(1)
 
     def stop(self) -> None:
         self._stop.set()

@@ -21,7 +21,7 @@ import sys
 import threading
 from typing import Optional
 
-__all__ = ["die_with_parent", "watch_parent", "EXIT_CODE"]
+__all__ = ["die_with_parent", "watch_parent", "kill_children", "exit_now", "EXIT_CODE"]
 
 EXIT_CODE = 70  # os._exit status of a rank whose launcher died (EX_SOFTWARE)
 _PR_SET_PDEATHSIG = 1
@@ -41,6 +41,38 @@ def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> bool:
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(EXIT_CODE)
     return ok
+
+
+def kill_children() -> None:
+    """SIGKILL this process's child processes (Linux /proc; e.g. the multiprocessing manager and
+    writer Megatron's checkpointing starts), which would outlive an ``os._exit`` of their parent."""
+    me = str(os.getpid())
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return
+    for pid in entries:
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+            if stat[stat.rindex(")") + 2:].split()[1] == me:
+                os.kill(int(pid), signal.SIGKILL)
+        except (OSError, ValueError, IndexError):
+            continue
+
+
+def exit_now(code: int) -> None:
+    """End this process at once (``os._exit``: no cleanup that could hang on a stuck peer), and
+    its child processes with it."""
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except Exception:  # noqa: BLE001
+        pass
+    kill_children()
+    os._exit(code)
 
 
 def watch_parent(poll_s: float = 0.2, what: str = "the launcher", label: Optional[str] = None) -> bool:
@@ -65,7 +97,7 @@ def watch_parent(poll_s: float = 0.2, what: str = "the launcher", label: Optiona
                                  "unsupervised rank keeps training or writing checkpoints\n").encode())
                 except OSError:
                     pass
-                os._exit(EXIT_CODE)
+                exit_now(EXIT_CODE)
 
     threading.Thread(target=run, name="megatron-zb-parent-watch", daemon=True).start()
     return True
