@@ -65,3 +65,46 @@ def write_pid_and_sleep(case):
         f.write(str(os.getpid()))
     while True:
         time.sleep(0.05)
+
+
+def stop_outside_schedule(case):
+    """Like ``stop_one_rank``, but ``stop_rank`` stops itself between iterations (after its
+    forward-backward returned), while the others enter an all-reduce (a collective outside the
+    schedule, as Megatron's optimizer step and loss reductions are). The others' stall watch
+    (``runtime.progress.enable_stall_watch``) writes its message to ``out/rank<r>.txt`` and ends
+    the process."""
+    import torch
+    import torch.distributed as dist
+
+    import megatron_zb.megatron.placement as P
+    import megatron_zb.verify.tinygpt as M
+    from megatron_zb.megatron.install import install
+    from megatron_zb.runtime import progress
+
+    rank = dist.get_rank()
+
+    def on_stall(message):
+        with open(os.path.join(case["out"], f"rank{rank}.txt"), "w") as f:
+            f.write(f"{time.time()}\n{message}")
+
+    progress.enable_stall_watch(case["timeout"], on_stall=on_stall)
+    placement = P.make_placement(case["placement"], case["pp"], case.get("chunks"))
+    M.init_parallel_state(1, case["pp"], placement, seed=1234)
+    cfg = M.TinyGPTConfig(num_layers=placement.num_stages)
+    chunks = M.build_model_chunks(cfg, placement)
+    P.configure_grad_sync(chunks[0].config, chunks, placement=placement, ddp=False)
+    install(case["schedule"], chunks=placement.chunks, timeout_s=case["timeout"])
+    import megatron.core.pipeline_parallel as mpp
+    fb = mpp.get_forward_backward_func()
+    for it in range(case["stop_at"] + 1):
+        M.zero_grads_(chunks)
+        batches = M.make_batches(cfg, 2 * case["pp"], it)
+        fb(forward_step_func=M.forward_step_func, data_iterator=M.batch_iterators(batches, len(chunks)),
+           model=list(chunks), num_microbatches=2 * case["pp"], seq_length=cfg.seq_length,
+           micro_batch_size=cfg.micro_batch_size, decoder_seq_length=cfg.seq_length)
+    if rank == case["stop_rank"]:
+        with open(os.path.join(case["out"], "stopped_at"), "w") as f:
+            f.write(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGSTOP)
+    dist.all_reduce(torch.ones(1))  # the others wait here for the stopped rank
+    time.sleep(60)

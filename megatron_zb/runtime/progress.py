@@ -23,8 +23,9 @@ waited for" blames a healthy rank. This module lets a rank that times out name t
   timeout. With the stall watch on, the publishing thread also checks that the rank has not
   spent more than the timeout outside the schedule's actions (checkpoint saving excluded:
   ``paused``); if it has, it diagnoses as above, prints one line and ends the process.
-* A culprit found **stopped** (``SIGSTOP``, state ``T``) on this host is killed (``SIGKILL``):
-  the job is failing anyway, and a stopped process ignores the launcher's ``SIGTERM`` (torchrun
+* A culprit found **stopped** (``SIGSTOP``, state ``T``) on this host is killed (``SIGKILL``),
+  ``KILL_GRACE_S`` after the diagnosis (so the other ranks' timeouts fire and name it too): the
+  job is failing anyway, and a stopped process ignores the launcher's ``SIGTERM`` (torchrun
   would wait 30 s before its ``SIGKILL``).
 
 Records are JSON under ``mzb/progress/<restart>/<global rank>`` (``<restart>``: torchrun's
@@ -46,6 +47,7 @@ __all__ = ["Progress", "tracker", "read_records", "diagnose_records", "enable_st
 
 PERIOD_S = 0.5   # heartbeat period
 CHECK_S = 1.2    # a rank whose heartbeat did not move over this long is not responding (> 2 periods)
+KILL_GRACE_S = 2.5  # before killing a stopped rank: the other ranks' timeouts fire meanwhile
 
 
 def _key(global_rank: int) -> str:
@@ -265,8 +267,12 @@ def diagnose_records(first: Dict[int, Optional[dict]], second: Dict[int, Optiona
                 f"{now - rec['hb']:.0f}s (stopped, dead, or hung holding the interpreter); its last record: "
                 f"{_state(rec, rec['hb'])}")
         if kill_stopped and _stopped_here(rec):
+            # let the other ranks' timeouts fire and name it first (they would see their
+            # connections to it close instead), then end it: a stopped process ignores SIGTERM
+            time.sleep(KILL_GRACE_S)
             try:
-                os.kill(int(rec["pid"]), signal.SIGKILL)
+                if _stopped_here(rec):
+                    os.kill(int(rec["pid"]), signal.SIGKILL)
                 text += "; it was stopped (SIGSTOP), so megatron-zb killed it to let the job end"
             except OSError:
                 pass
