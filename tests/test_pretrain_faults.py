@@ -170,7 +170,10 @@ def test_the_launch_script_says_one_line_and_exits_2_before_torchrun(env, messag
     assert len(lines) == 1 and lines[0].startswith("megatron-zb: error:") and message in lines[0], proc.stderr
     assert "usage:" not in proc.stdout + proc.stderr
     assert "torch.distributed" not in proc.stdout + proc.stderr  # torchrun never started
-    assert secs < 15, f"{secs:.1f}s"
+    # under 15 s on an unloaded machine (mostly importing megatron-core); scaled when the host is
+    # busier than its cores (the test suite runs two passes side by side)
+    limit = 15 * max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
+    assert secs < limit, f"{secs:.1f}s (limit {limit:.0f}s at load {os.getloadavg()[0]:.1f})"
 
 
 # --------------------------------------------------------------------------------------------
@@ -253,7 +256,7 @@ def test_a_stopped_rank_is_named_by_every_rank_and_the_job_ends(tmp_path):
         assert errors, text[-3000:]
         for line in errors:  # whether it waited in the schedule or in a collective after it
             assert "the rank that stopped progressing first is pipeline rank 2 (global rank 2," in line, line
-        assert rc == 1 and "megatron-zb: training failed; the first error" in text
+        assert rc == 1 and "megatron-zb: training failed; the error is printed above" in text
         assert secs < TIMEOUT_S + 15, f"the job ended {secs:.1f}s after the stop"
         assert not _alive(job.ranks[2])
     finally:

@@ -84,12 +84,14 @@ def report(exc: BaseException, known: bool) -> None:
     first_line = (str(exc).splitlines() or [""])[0]
     summary = f"{type(exc).__name__}: {first_line}"
     who = first_to_report(summary)
-    if who is None:
-        return
     if known:
         line = f"megatron-zb: error: {exc}"
         record_for_torchrun(line, exit_code=2)
-        print(line, file=sys.stderr, flush=True)
+        if who is not None:
+            print(line, file=sys.stderr, flush=True)
+        return
+    if who is None:
+        record_for_torchrun(f"rank {rank}: {summary}")
         return
     if who == "other":
         print(f"megatron-zb: rank {rank} failed too: {summary}", file=sys.stderr, flush=True)

@@ -24,17 +24,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         run(args)
     except ChildFailedError as e:
+        # ranks that reported through rank_errors left their exit code in torchrun's error file;
+        # the rank that failed first may be one megatron-zb ended itself (a stopped rank it killed)
+        reported = sorted((f.timestamp, r, f.error_file_data["mzb_exit_code"]) for r, f in e.failures.items()
+                          if isinstance(f.error_file_data, dict) and "mzb_exit_code" in f.error_file_data)
+        if reported:
+            print("megatron-zb: training failed; the error is printed above", file=sys.stderr, flush=True)
+            return 2 if reported[0][2] == 2 else 1
         rank, first = e.get_first_failure()
-        data = first.error_file_data if isinstance(first.error_file_data, dict) else {}
-        code = data.get("mzb_exit_code")
-        if code is not None:  # megatron-zb's rank reported its error (rank_errors) before it ended
-            print(f"megatron-zb: training failed; the first error (global rank {rank}) is printed above",
-                  file=sys.stderr, flush=True)
-            return 2 if code == 2 else 1
         how = f"exit code {first.exitcode}" if first.exitcode >= 0 else f"signal {first.signal_name()}"
         print(f"megatron-zb: training failed: global rank {rank} (pid {first.pid}) ended first with {how}; read its "
               "output above", file=sys.stderr, flush=True)
-        return 1
+        return 2 if first.exitcode == 2 else 1
     return 0
 
 
