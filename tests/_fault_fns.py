@@ -108,3 +108,36 @@ def stop_outside_schedule(case):
         os.kill(os.getpid(), signal.SIGSTOP)
     dist.all_reduce(torch.ones(1))  # the others wait here for the stopped rank
     time.sleep(60)
+
+
+def slow_forward_on_one_rank(case):
+    """Train; at iteration ``case['slow_at']`` pipeline rank ``case['slow_rank']``'s forward steps
+    sleep ``case['sleep']`` seconds each (a rank that responds but does not progress)."""
+    import torch.distributed as dist
+
+    import megatron_zb.megatron.placement as P
+    import megatron_zb.verify.tinygpt as M
+    from megatron_zb.megatron.install import install
+
+    rank = dist.get_rank()
+    placement = P.make_placement(case["placement"], case["pp"], case.get("chunks"))
+    M.init_parallel_state(1, case["pp"], placement, seed=1234)
+    cfg = M.TinyGPTConfig(num_layers=placement.num_stages)
+    chunks = M.build_model_chunks(cfg, placement)
+    P.configure_grad_sync(chunks[0].config, chunks, placement=placement, ddp=False)
+    install(case["schedule"], chunks=placement.chunks, timeout_s=case["timeout"])
+    import megatron.core.pipeline_parallel as mpp
+    fb = mpp.get_forward_backward_func()
+    for it in range(case["slow_at"] + 1):
+        slow = it == case["slow_at"] and rank == case["slow_rank"]
+
+        def step(data_iterator, model, slow=slow):
+            if slow:
+                time.sleep(case["sleep"])
+            return M.forward_step_func(data_iterator, model)
+        M.zero_grads_(chunks)
+        batches = M.make_batches(cfg, 2 * case["pp"], it)
+        fb(forward_step_func=step, data_iterator=M.batch_iterators(batches, len(chunks)),
+           model=list(chunks), num_microbatches=2 * case["pp"], seq_length=cfg.seq_length,
+           micro_batch_size=cfg.micro_batch_size, decoder_seq_length=cfg.seq_length)
+    return rank

@@ -164,3 +164,17 @@ def test_a_rank_stopped_outside_the_schedule_is_named_by_the_stall_watch(rank_po
         assert "outside the pipeline schedule" in msg, msg
         assert "the rank that stopped progressing first is pipeline rank 2 (global rank 2," in msg, (name, msg)
         assert TIMEOUT_S <= secs < TIMEOUT_S + 9, (name, secs)
+
+
+@pytest.mark.megatron
+@pytest.mark.dist
+def test_the_launch_timeout_names_a_rank_stuck_in_a_pass(rank_pool):
+    from megatron_zb.verify.launch import LaunchTimeout
+    from tests import _fault_fns
+
+    case = dict(schedule="1f1b", placement="single", pp=4, timeout=300.0, slow_rank=2, slow_at=1, sleep=600.0)
+    with pytest.raises(LaunchTimeout) as info:
+        rank_pool(_fault_fns.slow_forward_on_one_rank, [case], 4, timeout=30)
+    text = info.value.progress
+    assert "the rank that stopped progressing first is pipeline rank 2 (global rank 2," in text, text
+    assert "responds but is not waiting for a pipeline message: running F2." in text, text

@@ -39,27 +39,39 @@ def _losses(text):
 # checkpoints and placement
 # --------------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def ckpt_runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("ckpt")
-    runs = {}
-
+def _runner(runs):
     def run(name, **env):  # the flag check before torchrun has its own tests
         runs[name] = run_script(PREFLIGHT=0, **env)
         return runs[name]
+    return run
 
-    # the uninterrupted zb-v run, saving torch_dist checkpoints at iterations 2 and 4
-    run("zb-v dist", SCHEDULE="zb-v", PP=2, ITERS=ITERS, SAVE=tmp / "dist", SAVE_INTERVAL=2)
-    # zb-v, per-rank torch format, saved at iteration 2 (the same learning-rate schedule)
-    run("zb-v torch", SCHEDULE="zb-v", PP=2, ITERS=ITERS, SAVE=tmp / "torch",
-        EXTRA_ARGS="--ckpt-format torch --exit-interval 2")
-    run("1f1b from zb-v torch", SCHEDULE="1f1b", PP=2, ITERS=3, LOAD=tmp / "torch", EXTRA_ARGS="--ckpt-format torch")
+
+@pytest.fixture(scope="module")
+def torch_runs(tmp_path_factory):
+    """zb-v saving per-rank (torch format) checkpoints; 1f1b loading one; the converted one."""
+    tmp = tmp_path_factory.mktemp("torch")
+    runs = {}
+    run = _runner(runs)
+    # saves at iteration 2, logs iteration 3's loss, saves again at 3 and exits
+    run("zb-v torch", SCHEDULE="zb-v", PP=2, ITERS=ITERS, SAVE=tmp / "torch", SAVE_INTERVAL=2,
+        EXTRA_ARGS="--ckpt-format torch --exit-interval 3")
+    run("1f1b from zb-v torch", SCHEDULE="1f1b", PP=2, ITERS=ITERS, LOAD=tmp / "torch", EXTRA_ARGS="--ckpt-format torch")
     conv = subprocess.run([sys.executable, "-m", "megatron_zb.megatron.convert_checkpoint", "--load", str(tmp / "torch"),
-                           "--save", str(tmp / "torch-1f1b"), "--to-schedule", "1f1b"], env=_env(), cwd=ROOT,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
+                           "--save", str(tmp / "torch-1f1b"), "--to-schedule", "1f1b", "--iteration", "2"],
+                          env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
     runs["convert"] = (conv.returncode, conv.stdout)
-    run("1f1b from converted", SCHEDULE="1f1b", PP=2, ITERS=3, LOAD=tmp / "torch-1f1b",
-        EXTRA_ARGS="--ckpt-format torch --no-load-optim")
+    run("1f1b from converted", SCHEDULE="1f1b", PP=2, ITERS=ITERS, LOAD=tmp / "torch-1f1b",
+        EXTRA_ARGS="--ckpt-format torch --no-load-optim --exit-interval 3")
+    return runs
+
+
+@pytest.fixture(scope="module")
+def dist_runs(tmp_path_factory):
+    """zb-v saving torch_dist checkpoints (uninterrupted); 1f1b and interleaved-1f1b resuming one."""
+    tmp = tmp_path_factory.mktemp("dist")
+    runs = {}
+    run = _runner(runs)
+    run("zb-v dist", SCHEDULE="zb-v", PP=2, ITERS=ITERS, SAVE=tmp / "dist", SAVE_INTERVAL=2)
     for sched, extra in (("1f1b", ""), ("interleaved-1f1b", "--num-layers-per-virtual-pipeline-stage 1")):
         run(f"{sched} from zb-v dist", SCHEDULE=sched, PP=2, ITERS=ITERS, LOAD=tmp / "dist",
             EXTRA_ARGS=f"--ckpt-step 2 {extra}")
@@ -72,9 +84,9 @@ def _ok(runs, name):
     return text
 
 
-def test_a_per_rank_checkpoint_of_another_placement_is_refused_with_one_line(ckpt_runs):
-    _ok(ckpt_runs, "zb-v torch")
-    rc, text = ckpt_runs["1f1b from zb-v torch"]
+def test_a_per_rank_checkpoint_of_another_placement_is_refused_with_one_line(torch_runs):
+    _ok(torch_runs, "zb-v torch")
+    rc, text = torch_runs["1f1b from zb-v torch"]
     assert rc == 2, text[-3000:]
     errors = [line for line in text.splitlines() if line.startswith("megatron-zb: error:")]
     assert len(errors) == 1, errors
@@ -84,20 +96,20 @@ def test_a_per_rank_checkpoint_of_another_placement_is_refused_with_one_line(ckp
     assert "Traceback" not in text and "iteration        1/" not in text
 
 
-def test_the_converted_checkpoint_gives_the_uninterrupted_loss(ckpt_runs):
-    rc, out = ckpt_runs["convert"]
+def test_the_converted_checkpoint_gives_the_uninterrupted_loss(torch_runs):
+    rc, out = torch_runs["convert"]
     assert rc == 0 and "zb-v, v placement" in out and "-> 1f1b, single placement" in out, out
-    ref = _losses(_ok(ckpt_runs, "zb-v dist"))
-    got = _losses(_ok(ckpt_runs, "1f1b from converted"))
+    ref = _losses(_ok(torch_runs, "zb-v torch"))
+    got = _losses(_ok(torch_runs, "1f1b from converted"))
     assert sorted(got) == [3], got
     # iteration 3's loss is computed with the loaded weights (before any update): exact
     assert got[3] == pytest.approx(ref[3], rel=1e-6), (got, ref)
 
 
 @pytest.mark.parametrize("sched", ["1f1b", "interleaved-1f1b"])
-def test_torch_dist_moves_between_placements_with_the_uninterrupted_losses(ckpt_runs, sched):
-    ref = _losses(_ok(ckpt_runs, "zb-v dist"))
-    text = _ok(ckpt_runs, f"{sched} from zb-v dist")
+def test_torch_dist_moves_between_placements_with_the_uninterrupted_losses(dist_runs, sched):
+    ref = _losses(_ok(dist_runs, "zb-v dist"))
+    text = _ok(dist_runs, f"{sched} from zb-v dist")
     got = _losses(text)
     assert "the torch_dist format maps layers by their global names" in text
     assert sorted(got) == [3, 4, 5], got
