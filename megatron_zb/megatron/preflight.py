@@ -63,7 +63,7 @@ def _check_data(args) -> None:
                 "(give the prefix of a Megatron indexed dataset, without .bin/.idx; or no data path for mock data)")
 
 
-def _check_tokenizer(args) -> None:
+def _check_tokenizer(args, build: bool = True) -> None:
     for dest in ("vocab_file", "merge_file"):
         path = getattr(args, dest, None)
         if path and not os.path.isfile(path):
@@ -77,6 +77,8 @@ def _check_tokenizer(args) -> None:
         raise PreflightError("--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file (gpt2-vocab.json, "
                              "gpt2-merges.txt; VOCAB_FILE / MERGE_FILE in the launch script); without them Megatron "
                              "tries to download them, which needs the wget package and a network")
+    if not build:
+        return
     from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
     try:
         build_tokenizer(args)
@@ -114,6 +116,15 @@ def _check_batch(args) -> int:
         raise PreflightError(f"--global-batch-size {gbs} is not a multiple of --micro-batch-size {mbs} x data-parallel "
                              f"size {dp} = {mbs * dp}")
     return gbs // (mbs * dp)
+
+
+def check_in_rank(args) -> None:
+    """The checks that need no extra work, on Megatron's validated ``args`` inside a rank (for a
+    job started with torchrun directly): the model configuration, the data paths, the tokenizer's
+    files. Raises ``PreflightError`` (reported once by the entry point)."""
+    _check_model(args)
+    _check_data(args)
+    _check_tokenizer(args, build=False)
 
 
 def check(argv: Sequence[str], world_size: int) -> Optional[str]:

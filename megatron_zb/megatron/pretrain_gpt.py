@@ -586,6 +586,8 @@ def main(argv: Optional[Sequence[str]] = None, extra_args_provider: Optional[Cal
 
     set_startup_timestamps(program_start=_PROGRAM_START_TIME, main_entry=time.time())
     args, zb, notes = prepare_args(extra_args_provider, args_defaults, argv)
+    from .preflight import check_in_rank
+    check_in_rank(args)  # what the launch script's preflight checks, for jobs started without it
     if notes:
         _print0("megatron-zb: adjusted for this machine: " + ", ".join(notes))
     handle, undo = None, None
