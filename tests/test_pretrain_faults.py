@@ -269,7 +269,8 @@ def test_a_stopped_rank_is_named_by_every_rank_and_the_job_ends(tmp_path):
         for line in errors:  # whether it waited in the schedule or in a collective after it
             assert "the rank that stopped progressing first is pipeline rank 2 (global rank 2," in line, line
         assert rc == 1 and "megatron-zb: training failed; the error is printed above" in text
-        assert secs < TIMEOUT_S + 15, f"the job ended {secs:.1f}s after the stop"
+        slack = 15 * max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
+        assert secs < TIMEOUT_S + slack, f"the job ended {secs:.1f}s after the stop"
         assert not _alive(job.ranks[2])
     finally:
         job.close()
