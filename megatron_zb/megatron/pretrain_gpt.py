@@ -613,10 +613,16 @@ def main(argv: Optional[Sequence[str]] = None, extra_args_provider: Optional[Cal
     else:
         _print0("megatron-zb: no zero-bubble flag given; Megatron's own pipeline schedules run")
 
+    from ..core.ir import ScheduleError
     from ..runtime import progress
     from . import checkpoint_placement
-    undos = [checkpoint_placement.install(checkpoint_placement.record(
-        _placement(args), args.num_layers, zb["schedule"] if zb else None, **_layer_kw(args)))]
+    undos = []
+    try:
+        record = checkpoint_placement.record(_placement(args), args.num_layers, zb["schedule"] if zb else None,
+                                             **_layer_kw(args))
+        undos.append(checkpoint_placement.install(record))
+    except ScheduleError:  # a layout our tables do not describe (Megatron's own uneven splits): no record
+        pass
     if zb is not None:
         progress.enable_stall_watch(zb["timeout_s"], on_stall=_on_stall)
         undos.append(_pause_stall_watch_while_saving())
