@@ -52,6 +52,8 @@ def stop_one_rank(case):
                 t = time.time()
                 with open(os.path.join(case["out"], f"rank{rank}.txt"), "w") as f:
                     f.write(f"{t}\n{type(e).__name__}: {e}")
+                from megatron_zb.runtime.progress import finish_kills
+                finish_kills()
                 raise
             M.sgd_step_(chunks, 0.1)
     finally:

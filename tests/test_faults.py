@@ -102,7 +102,7 @@ def test_the_stopped_rank_is_named_by_every_rank(rank_pool, tmp_path):
     for name, (secs, msg) in messages.items():
         assert msg.startswith("PipelineTimeout: pipeline rank"), msg
         assert "the rank that stopped progressing first is pipeline rank 1 (global rank 1," in msg, (name, msg)
-        # detected within the timeout plus the 1.2 s check and a little slack for a loaded machine
+        # detected within the timeout plus the 1.2 s check (and slack for a loaded machine)
         assert TIMEOUT_S <= secs < TIMEOUT_S + 9 * _overload(), (name, secs)
 
 
@@ -179,9 +179,9 @@ def test_the_launch_timeout_names_a_rank_stuck_in_a_pass(rank_pool):
     from megatron_zb.verify.launch import LaunchTimeout
     from tests import _fault_fns
 
-    case = dict(schedule="1f1b", placement="single", pp=4, timeout=300.0, slow_rank=2, slow_at=1, sleep=600.0)
+    case = dict(schedule="1f1b", placement="single", pp=4, timeout=300.0, slow_rank=2, slow_at=0, sleep=600.0)
     with pytest.raises(LaunchTimeout) as info:
-        rank_pool(_fault_fns.slow_forward_on_one_rank, [case], 4, timeout=30)
+        rank_pool(_fault_fns.slow_forward_on_one_rank, [case], 4, timeout=45)
     text = info.value.progress
     assert "the rank that stopped progressing first is pipeline rank 2 (global rank 2," in text, text
     assert "responds but is not waiting for a pipeline message: running F2." in text, text

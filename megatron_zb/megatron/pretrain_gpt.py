@@ -674,9 +674,11 @@ def _cli() -> int:
         return 2
     except Exception as e:  # noqa: BLE001
         if type(e).__name__ == "PipelineTimeout":
+            from ..runtime.progress import finish_kills
             line = f"megatron-zb: error: {e}"
             record_for_torchrun(line)
             print(line, file=sys.stderr, flush=True)
+            finish_kills()  # a stopped rank this rank named is ended before it exits
             return 1
         report(e, known=False)
         return 1

@@ -24,7 +24,8 @@ waited for" blames a healthy rank. This module lets a rank that times out name t
   spent more than the timeout outside the schedule's actions (checkpoint saving excluded:
   ``paused``); if it has, it diagnoses as above, prints one line and ends the process.
 * A culprit found **stopped** (``SIGSTOP``, state ``T``) on this host is killed (``SIGKILL``),
-  ``KILL_GRACE_S`` after the diagnosis (so the other ranks' timeouts fire and name it too): the
+  ``KILL_GRACE_S`` after the diagnosis, from a thread (``finish_kills`` waits for it before the
+  process exits; meanwhile the other ranks' timeouts fire and name it too): the
   job is failing anyway, and a stopped process ignores the launcher's ``SIGTERM`` (torchrun
   would wait 30 s before its ``SIGKILL``).
 
@@ -43,6 +44,7 @@ import time
 from typing import Dict, List, Optional, Sequence
 
 __all__ = ["Progress", "tracker", "read_records", "diagnose_records", "enable_stall_watch", "pause", "stop",
+           "finish_kills",
            "PERIOD_S", "CHECK_S"]
 
 PERIOD_S = 0.5   # heartbeat period
@@ -176,6 +178,7 @@ class Progress:
                 os.write(2, f"megatron-zb: error: {msg}\n".encode())
             except OSError:
                 pass
+        finish_kills()
         from .supervise import exit_now
         exit_now(1)
 
@@ -251,6 +254,31 @@ def _stopped_here(rec: dict) -> bool:
         return False
 
 
+_KILLS: List[threading.Thread] = []
+
+
+def _kill_later(rec: dict) -> None:
+    """SIGKILL a stopped rank after KILL_GRACE_S, from a thread: meanwhile this rank reports and the
+    other ranks' timeouts fire and name it too (they would see their connections to it close
+    instead). A stopped process ignores the launcher's SIGTERM."""
+    def run():
+        time.sleep(KILL_GRACE_S)
+        if _stopped_here(rec):
+            try:
+                os.kill(int(rec["pid"]), signal.SIGKILL)
+            except OSError:
+                pass
+    t = threading.Thread(target=run, name="megatron-zb-end-stopped-rank", daemon=True)
+    t.start()
+    _KILLS.append(t)
+
+
+def finish_kills() -> None:
+    """Wait for the pending kills of stopped ranks (call before this process exits)."""
+    while _KILLS:
+        _KILLS.pop().join()
+
+
 def diagnose_records(first: Dict[int, Optional[dict]], second: Dict[int, Optional[dict]], me: int,
                      waited_for: Optional[int], kill_stopped: bool = False, now: Optional[float] = None) -> str:
     """Name the rank that stopped progressing first, from two reads of the records (see module doc)."""
@@ -267,15 +295,8 @@ def diagnose_records(first: Dict[int, Optional[dict]], second: Dict[int, Optiona
                 f"{now - rec['hb']:.0f}s (stopped, dead, or hung holding the interpreter); its last record: "
                 f"{_state(rec, rec['hb'])}")
         if kill_stopped and _stopped_here(rec):
-            # let the other ranks' timeouts fire and name it first (they would see their
-            # connections to it close instead), then end it: a stopped process ignores SIGTERM
-            time.sleep(KILL_GRACE_S)
-            try:
-                if _stopped_here(rec):
-                    os.kill(int(rec["pid"]), signal.SIGKILL)
-                text += "; it was stopped (SIGSTOP), so megatron-zb killed it to let the job end"
-            except OSError:
-                pass
+            _kill_later(rec)
+            text += f"; it is stopped (SIGSTOP): megatron-zb ends it in {KILL_GRACE_S:g}s so that the job can end"
         return text + "; read its log first"
     if waited_for is None:  # this rank waits outside the schedule (a collective): who is still inside?
         inside = [g for g, rec in sorted(second.items()) if g != me and rec and (rec.get("wait") or rec.get("cur"))]
