@@ -20,7 +20,7 @@ Two families of flags, both accepted by ``add_zero_bubble_args``:
   ``--zero-bubble-max-pending-backward``, ``--zero-bubble-pipeline-timers-start-iter/-end-iter``,
   ``--allow-padding-num-layers``, ``--enable-zb-runtime`` and ``--no-pre-communication-optimization``
   (accepted, nothing to do). The fork's flags for features megatron-zb does not have yet
-  (offload, optimizer post-validation, ...) parse, and validation then refuses them with a
+  (offload, ...) parse, and validation then refuses them with a
   "not available yet in megatron-zb" message.
 
 ``validate_zero_bubble_args`` checks the combination up front (before any process group exists)
@@ -135,7 +135,6 @@ def _nonneg_int(flag):
 # The fork's flags for features megatron-zb does not have yet: parsed (so the user's script gets
 # past argparse) and refused by validation. dest -> (flag, is_given(value)).
 NOT_AVAILABLE_FLAGS: Dict[str, tuple] = {
-    "enable_optimizer_post_validation": ("--enable-optimizer-post-validation", bool),
     "enable_exactly_numeric_match": ("--enable-exactly-numeric-match", bool),
     "enable_1f1b_v": ("--enable-1f1b-v", bool),
     "cpu_offload": ("--cpu-offload", bool),
@@ -157,7 +156,6 @@ NOT_AVAILABLE_FLAGS: Dict[str, tuple] = {
 _WHAT_INSTEAD = {
     "enable_1f1b_v": "for a V-placement run with fused backward use --zero-bubble-schedule gpipe-v, "
                      "or zb-v for the zero-bubble V schedule",
-    "enable_optimizer_post_validation": "the optimizer step stays synchronous (Megatron's)",
     "enable_exactly_numeric_match": "megatron-zb's schedules already give the same gradients as 1F1B; "
                                     "`megatron-zb verify` checks it",
     "zero_bubble_adaptive_memory_limit_percentile": "give --zero-bubble-max-pending-backward N or "
@@ -237,9 +235,16 @@ def add_zero_bubble_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     f.add_argument("--no-pre-communication-optimization", action="store_false",
                    dest="pre_communication_optimization", default=True,
                    help="Accepted for compatibility; megatron-zb sends no pre-communication messages.")
-    # not available yet: parsed here, refused by validate_zero_bubble_args
+    f.add_argument("--zero-bubble-post-validation-min-clean-steps", type=_nonneg_int(
+                       "--zero-bubble-post-validation-min-clean-steps"), default=None, metavar="N",
+                   help="With --enable-optimizer-post-validation: optimizer steps stay synchronous until N steps in a "
+                        "row were neither clipped nor skipped, and again after each rollback (default 10, the "
+                        "fork's rule; 0 post-validates from the first step).")
     f.add_argument("--enable-optimizer-post-validation", action="store_true", default=False,
-                   help="Not available yet in megatron-zb.")
+                   help="Optimizer post-validation: each pipeline rank steps as soon as its own last pass is done; "
+                        "the gradient norm and inf/NaN flags are reduced along the pipeline and the step is "
+                        "rolled back and redone when they say Megatron's step would have clipped or skipped.")
+    # not available yet: parsed here, refused by validate_zero_bubble_args
     f.add_argument("--enable-exactly-numeric-match", action="store_true", default=False,
                    help="Not available yet in megatron-zb.")
     f.add_argument("--enable-1f1b-v", action="store_true", default=False,
@@ -386,7 +391,8 @@ def validate_zero_bubble_args(args, *, before_megatron_validation: Optional[bool
 
     name = _resolve_schedule(args)
     if name is None:
-        for flag, dest in (("--zero-bubble-memory-limit", "zero_bubble_memory_limit"),
+        for flag, dest in (("--enable-optimizer-post-validation", "enable_optimizer_post_validation"),
+                           ("--zero-bubble-memory-limit", "zero_bubble_memory_limit"),
                            ("--zero-bubble-max-pending-backward", "zero_bubble_max_pending_backward"),
                            ("--zero-bubble-profile-window", "zero_bubble_profile_window"),
                            ("--zero-bubble-pipeline-timers-start-iter", "zero_bubble_pipeline_timers_start_iter"),
@@ -439,9 +445,12 @@ def validate_zero_bubble_args(args, *, before_megatron_validation: Optional[bool
                   f"megatron-zb schedule {name}")
 
     # -- model layout ------------------------------------------------------------------------------
-    if style == "v":
-        if nlpvs is not None or nvspr not in (None, 2) or (not before_megatron_validation and vpp not in (None, 2)):
-            raise err(f"schedule {name} places 2 model chunks per rank in V order itself; drop "
+    if style in ("v", "bitpipe"):
+        models = 4 if style == "bitpipe" else 2
+        what = "in BitPipe order (two V pipelines)" if style == "bitpipe" else "in V order"
+        if nlpvs is not None or nvspr not in (None, models) or \
+                (not before_megatron_validation and vpp not in (None, models)):
+            raise err(f"schedule {name} places {models} model chunks per rank {what} itself; drop "
                       "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank")
         for dest, flag in (("pipeline_model_parallel_layout", "--pipeline-model-parallel-layout"),
                            ("decoder_first_pipeline_num_layers", "--decoder-first-pipeline-num-layers"),
@@ -465,8 +474,11 @@ def validate_zero_bubble_args(args, *, before_megatron_validation: Optional[bool
                 if (L + 2) % S or (L + 2) // S < 2:
                     raise err(f"--allow-padding-num-layers with V schedule {name} needs --num-layers = k x {S} - 2 "
                               f"(k >= 2, first and last stage one layer less), got {L}")
-        args.num_virtual_stages_per_pipeline_rank = 2
+        args.num_virtual_stages_per_pipeline_rank = models
         chunks = 2
+        if style == "bitpipe" and not getattr(args, "zero_bubble_deterministic_init", False):
+            # the two replicas of every stage must start identical: draw every weight from its global name
+            args.zero_bubble_deterministic_init = True
     elif style == "looped":
         if layout is not None:
             raise err(f"--pipeline-model-parallel-layout cannot be combined with megatron-zb schedule {name}")
@@ -565,6 +577,19 @@ def validate_zero_bubble_args(args, *, before_megatron_validation: Optional[bool
         kwargs["profile_path"] = path
     elif getattr(args, "zero_bubble_profile_path", None):
         raise err("--zero-bubble-profile-path needs a profiling window (--zero-bubble-profile-window START END)")
+
+    if getattr(args, "enable_optimizer_post_validation", False):
+        for dest, flag in (("overlap_param_gather", "--overlap-param-gather"),
+                           ("overlap_param_gather_with_optimizer_step", "--overlap-param-gather-with-optimizer-step"),
+                           ("optimizer_cpu_offload", "--optimizer-cpu-offload"),
+                           ("use_precision_aware_optimizer", "--use-precision-aware-optimizer"),
+                           ("use_megatron_fsdp", "--use-megatron-fsdp")):
+            if _given(args, dest):
+                raise err(f"--enable-optimizer-post-validation cannot be combined with {flag}: the rollback needs "
+                          "the optimizer step (and its parameter all-gather) whole on this rank")
+        kwargs["post_validation"] = True
+    elif _given(args, "zero_bubble_post_validation_min_clean_steps"):
+        raise err("--zero-bubble-post-validation-min-clean-steps needs --enable-optimizer-post-validation")
 
     args.zero_bubble_resolved_schedule = name
     args.zero_bubble_placement = style

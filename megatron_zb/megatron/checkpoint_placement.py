@@ -52,8 +52,10 @@ def record(placement: Placement, num_layers: int, schedule: Optional[str], **lay
     infos = [i for r in range(placement.num_ranks) for i in P.chunk_infos(placement, num_layers, r, **layer_kw)]
     infos.sort(key=lambda i: i.stage)
     return {"schedule": schedule or "megatron", "style": placement.style, "pipeline_size": placement.num_ranks,
-            "chunks": placement.chunks, "num_layers": int(num_layers),
-            "stages": [[i.rank, i.vp_stage, list(i.layers)] for i in infos], "version": version()}
+            "chunks": placement.models_per_rank, "num_layers": int(num_layers),
+            "stages": [[i.rank, i.vp_stage, list(i.layers)] for i in infos],
+            "embedding": [[i.rank, i.vp_stage] for i in infos if i.pre_process],
+            "loss": [[i.rank, i.vp_stage] for i in infos if i.post_process], "version": version()}
 
 
 def record_from_args(args) -> Optional[dict]:
@@ -66,10 +68,10 @@ def record_from_args(args) -> Optional[dict]:
         return None
     style = getattr(args, "zero_bubble_placement", None)
     vpp = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
-    if style not in ("single", "looped", "v"):
+    if style not in ("single", "looped", "v", "bitpipe"):
         style = "looped" if vpp > 1 else "single"
     try:
-        placement = P.make_placement(style, int(p), 2 if style == "v" else (int(vpp) if style == "looped" else None))
+        placement = P.make_placement(style, int(p), int(vpp) if style == "looped" else None)
         return record(placement, int(L), getattr(args, "zero_bubble_resolved_schedule", None),
                       allow_padding_num_layers=bool(getattr(args, "allow_padding_num_layers", False)))
     except Exception:  # noqa: BLE001 - a layout we cannot reconstruct (e.g. uneven first/last stages)

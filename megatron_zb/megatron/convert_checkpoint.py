@@ -126,7 +126,9 @@ def convert(load: str, save: str, schedule: str, chunks: Optional[int] = None,
 
     def chunk_table(rec):  # (rank, chunk) -> (layers, pre, post)
         n = len(rec["stages"])
-        return {(r, c): (layers, s == 0, s == n - 1) for s, (r, c, layers) in enumerate(rec["stages"])}
+        emb = {tuple(x) for x in rec.get("embedding", [rec["stages"][0][:2]])}
+        loss = {tuple(x) for x in rec.get("loss", [rec["stages"][n - 1][:2]])}
+        return {(r, c): (layers, (r, c) in emb, (r, c) in loss) for r, c, layers in rec["stages"]}
 
     src_tab, dst_tab = chunk_table(source), chunk_table(target)
     src_chunks, dst_chunks = source["chunks"], target["chunks"]

@@ -60,6 +60,7 @@ class _State:
     saved: Dict[Key, Tuple[Optional[torch.Tensor], torch.Tensor]] = field(default_factory=dict)
     to_send_f: Dict[Key, torch.Tensor] = field(default_factory=dict)
     to_send_b: Dict[Key, torch.Tensor] = field(default_factory=dict)
+    drain: bool = False  # post-validation rejected the step: pass messages on, compute nothing
 
 
 class ExecutionError(RuntimeError):
@@ -68,17 +69,24 @@ class ExecutionError(RuntimeError):
 
 def execute(actions: List[Action], rank: int, placement: Placement, passes: StagePasses,
             p2p: Optional[P2P], forward_only: bool = False,
-            overlap_pairs: Optional[Dict[int, int]] = None) -> None:
+            overlap_pairs: Optional[Dict[int, int]] = None,
+            validate: Optional[Callable[[], bool]] = None) -> bool:
     """Run ``actions`` (this rank's lowered list) to the end.
 
     ``overlap_pairs`` maps the position of an overlapped pair's F to its B's (only messages lie
     between them): the receives in between are posted first, then ``passes.overlap`` gets the F
     (with the sends that follow it) and the B as two thunks.
+
+    ``validate`` (optimizer post-validation, ``runtime.postval``): called once, right before the
+    rank's first backward (before the overlapped pair holding it). If it returns False the rest
+    of the list runs without computing: receives are taken and dropped, sends carry zeros of the
+    right shape, so every peer's messages still match. Returns False in that case, else True.
     """
     nst = placement.num_stages
     st = _State()
     last_b, last = _backward_bounds(actions)
     pairs = overlap_pairs or {}
+    check_at = _validation_position(actions, pairs) if validate is not None and not forward_only else None
 
     prog = getattr(p2p, "progress", None)  # runtime.progress: what this rank runs / finished last
 
@@ -99,7 +107,9 @@ def execute(actions: List[Action], rank: int, placement: Placement, passes: Stag
 
     i = 0
     while i < len(actions):
-        if i in pairs and not forward_only:
+        if i == check_at and not validate():
+            st.drain = True
+        if i in pairs and not forward_only and not st.drain:
             j = pairs[i]
             between = range(i + 1, j)
             if actions[i].kind != F or actions[j].kind not in (B, BW) or any(actions[k].is_compute for k in between):
@@ -125,6 +135,15 @@ def execute(actions: List[Action], rank: int, placement: Placement, passes: Stag
         list(st.local_grads) + list(st.to_send_f) + list(st.to_send_b)
     if leftovers:
         raise ExecutionError(f"rank {rank}: received tensors that no pass consumed: {leftovers}")
+    return not st.drain
+
+
+def _validation_position(actions, pairs) -> Optional[int]:
+    first = next((i for i, a in enumerate(actions) if a.kind in (B, BW)), None)
+    for i, j in pairs.items():
+        if j == first:
+            return i
+    return first
 
 
 def _one_after_the_other(run_f, run_b):
@@ -147,14 +166,16 @@ def _step(a: Action, i: int, rank: int, pl: Placement, nst: int, ps: StagePasses
           st: _State, forward_only: bool, last_b: Dict[int, int], last: Dict[int, int]) -> None:
     key = (a.stage, a.mb)
     k = a.kind
-    if k == RECV_F:
+    if st.drain and k in (F, B, BW, W):
+        _drain(a, key, rank, pl, nst, ps, st)
+    elif k == RECV_F:
         st.pending_inputs[key] = p2p.recv(ps.recv_shape(*key), ps.dtype, ps.device, a.peer,
                                           f"the input of F{a.stage}.{a.mb}")
     elif k == RECV_B:
         st.pending_grads[key] = p2p.recv(ps.recv_shape(*key), ps.dtype, ps.device, a.peer,
                                          f"the output gradient of B{a.stage}.{a.mb}")
     elif k == F:
-        if a.stage == 0:
+        if pl.is_first(a.stage):
             inp = None
         elif key in st.pending_inputs:
             inp = st.pending_inputs.pop(key).wait().requires_grad_(not forward_only)
@@ -162,17 +183,18 @@ def _step(a: Action, i: int, rank: int, pl: Placement, nst: int, ps: StagePasses
             inp = st.local_inputs.pop(key)
         else:
             raise ExecutionError(f"rank {rank}: F{a.stage}.{a.mb} has no input: no RECV_F was posted "
-                                 f"and stage {a.stage - 1} did not run here")
+                                 f"and stage {pl.prev_stage(a.stage)} did not run here")
         t0 = time.perf_counter()
         out = ps.forward(a.stage, a.mb, inp)
         _timed(ps, "F", a, t0)
         if not forward_only:
             st.saved[key] = (inp, out)
-        if a.stage + 1 < nst and pl.rank_of(a.stage + 1) == rank:  # local hand-over (V turn)
-            st.local_inputs[(a.stage + 1, a.mb)] = out.detach().requires_grad_(not forward_only)
+        nxt = pl.next_stage(a.stage)
+        if nxt is not None and pl.rank_of(nxt) == rank:  # local hand-over (V turn)
+            st.local_inputs[(nxt, a.mb)] = out.detach().requires_grad_(not forward_only)
             if ps.release_output is not None and not forward_only:
                 ps.release_output(out)  # like a sent output: the detached copy keeps the data
-        elif a.stage + 1 < nst:
+        elif nxt is not None:
             st.to_send_f[key] = out
     elif k == SEND_F:
         out = st.to_send_f.pop(key)
@@ -183,7 +205,7 @@ def _step(a: Action, i: int, rank: int, pl: Placement, nst: int, ps: StagePasses
     elif k in (B, BW):
         if i == last_b.get(a.stage) and ps.before_last_backward is not None:
             ps.before_last_backward(a.stage)
-        if a.stage == nst - 1:
+        if pl.is_last(a.stage):
             grad = None
         elif key in st.pending_grads:
             grad = st.pending_grads.pop(key).wait()
@@ -191,14 +213,15 @@ def _step(a: Action, i: int, rank: int, pl: Placement, nst: int, ps: StagePasses
             grad = st.local_grads.pop(key)
         else:
             raise ExecutionError(f"rank {rank}: {a} has no output gradient: no RECV_B was posted "
-                                 f"and stage {a.stage + 1} did not run its backward here")
+                                 f"and stage {pl.next_stage(a.stage)} did not run its backward here")
         inp, out = st.saved.pop(key)
         t0 = time.perf_counter()
         in_grad = ps.backward(a.stage, a.mb, inp, out, grad, k == B)
         _timed(ps, k, a, t0)
-        if a.stage > 0:
-            if pl.rank_of(a.stage - 1) == rank:
-                st.local_grads[(a.stage - 1, a.mb)] = in_grad
+        prev = pl.prev_stage(a.stage)
+        if prev is not None:
+            if pl.rank_of(prev) == rank:
+                st.local_grads[(prev, a.mb)] = in_grad
             else:
                 st.to_send_b[key] = in_grad
         if i == last.get(a.stage) and ps.after_last_backward is not None:
@@ -214,6 +237,36 @@ def _step(a: Action, i: int, rank: int, pl: Placement, nst: int, ps: StagePasses
             ps.after_last_backward(a.stage)
     else:
         raise ExecutionError(f"rank {rank}: unknown action {a}")
+
+
+def _drain(a: Action, key: Key, rank: int, pl: Placement, nst: int, ps: StagePasses, st: _State) -> None:
+    """A pass after a rejected post-validation: consume its input, hand on zeros, compute nothing."""
+    def zeros(stage):
+        return torch.zeros(tuple(ps.recv_shape(stage, a.mb)), dtype=ps.dtype, device=ps.device)
+
+    if a.kind == F:
+        if a.stage > 0:
+            if key in st.pending_inputs:
+                st.pending_inputs.pop(key).wait()
+            else:
+                st.local_inputs.pop(key, None)
+        if a.stage + 1 < nst:
+            if pl.rank_of(a.stage + 1) == rank:
+                st.local_inputs[(a.stage + 1, a.mb)] = zeros(a.stage + 1)
+            else:
+                st.to_send_f[key] = zeros(a.stage + 1)
+    elif a.kind in (B, BW):
+        if a.stage < nst - 1:
+            if key in st.pending_grads:
+                st.pending_grads.pop(key).wait()
+            else:
+                st.local_grads.pop(key, None)
+        st.saved.pop(key, None)
+        if a.stage > 0:
+            if pl.rank_of(a.stage - 1) == rank:
+                st.local_grads[(a.stage - 1, a.mb)] = zeros(a.stage)
+            else:
+                st.to_send_b[key] = zeros(a.stage)
 
 
 def _timed(ps: StagePasses, kind: str, a: Action, t0: float) -> None:

@@ -24,15 +24,21 @@ class _Parser(argparse.ArgumentParser):
 
 def _build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="megatron-zb verify",
-                 description="Train a tiny megatron-core GPT on P x T CPU processes with a pipeline schedule and "
+                 description="Train a tiny megatron-core GPT on P x T x D CPU processes with a pipeline schedule and "
                              "compare losses and gradients with the non-pipelined single-process reference.")
     ap.add_argument("--schedule", required=True,
                     help="a megatron-zb schedule (installed through megatron_zb.megatron.install) or one of "
                          + ", ".join(PSEUDO_SCHEDULES))
     ap.add_argument("--pipeline-parallel-size", "-p", type=positive_int("--pipeline-parallel-size"), required=True)
     ap.add_argument("--tensor-parallel-size", "-t", type=positive_int("--tensor-parallel-size"), default=1)
+    ap.add_argument("--data-parallel-size", "-d", type=positive_int("--data-parallel-size"), default=1,
+                    help="data-parallel replicas (world size P x T x D); the reference trains on all their microbatches")
+    ap.add_argument("--use-distributed-optimizer", action="store_true",
+                    help="megatron's DistributedOptimizer: alone, it steps with Adam instead of SGD and gradients are "
+                         "compared (ZeroPP's sharded data parallelism); with --optimizer it is that optimizer's "
+                         "DistributedOptimizer")
     ap.add_argument("--num-microbatches", "-m", type=positive_int("--num-microbatches"), default=None,
-                    help="default 2 x pipeline size")
+                    help="per data-parallel replica; default 2 x pipeline size")
     ap.add_argument("--iterations", "-n", type=positive_int("--iterations"), default=3)
     ap.add_argument("--chunks", "-v", type=positive_int("--chunks"), default=None, help="model chunks per rank")
     ap.add_argument("--placement", choices=("single", "looped", "v"), default=None,
@@ -48,6 +54,23 @@ def _build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--untied", action="store_true", help="untie embedding and output weights")
     ap.add_argument("--forward-only", action="store_true")
     ap.add_argument("--memory-limit", type=float, default=None, help="passed to install() (zb-auto, v-auto)")
+    o = ap.add_argument_group("Megatron's optimizer (instead of the harness's plain SGD step)")
+    o.add_argument("--optimizer", choices=("adam", "sgd"), default=None,
+                   help="train with megatron.core.optimizer (get_megatron_optimizer); the reference is one process "
+                        "with the same optimizer")
+    o.add_argument("--optimizer-post-validation", action="store_true",
+                   help="also train with optimizer post-validation (implies --optimizer adam) and require it to be "
+                        "bit-identical to the synchronous pipelined run")
+    o.add_argument("--clip-grad", type=float, default=0.0, help="Megatron's clip_grad (default 0: off)")
+    o.add_argument("--inject-nonfinite-at", type=int, default=None, metavar="ITER",
+                   help="put an inf into one gradient at this iteration (Megatron then skips the step; needs a "
+                        "loss scaler: --fp16, or --bf16 / --use-distributed-optimizer, which get --loss-scale 1)")
+    o.add_argument("--bf16", action="store_true")
+    o.add_argument("--fp16", action="store_true", help="fp16 with Megatron's dynamic loss scaler")
+    o.add_argument("--loss-scale", type=float, default=None, help="constant loss scale (Megatron's --loss-scale)")
+    o.add_argument("--lr", type=float, default=1e-3, help="the optimizer's learning rate (default 1e-3)")
+    o.add_argument("--param-rtol", type=float, default=None,
+                   help="final parameters vs the reference (default 1e-3; 0.1 for bf16/fp16)")
     ap.add_argument("--grad-rtol", type=float, default=DEFAULT_GRAD_RTOL)
     ap.add_argument("--loss-atol", type=float, default=DEFAULT_LOSS_ATOL)
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds for the whole run (default 300)")
@@ -83,7 +106,11 @@ def main_verify(argv: Optional[Sequence[str]] = None) -> int:
                     gradient_accumulation_fusion=a.gradient_accumulation_fusion,
                     variable_seq_lengths=a.variable_seq_lengths, tie_embeddings=not a.untied,
                     forward_only=a.forward_only, memory_limit=a.memory_limit, grad_rtol=a.grad_rtol,
-                    loss_atol=a.loss_atol)
+                    loss_atol=a.loss_atol, data_parallel_size=a.data_parallel_size, optimizer=a.optimizer,
+                    post_validation=a.optimizer_post_validation, clip_grad=a.clip_grad,
+                    inject_nonfinite_at=a.inject_nonfinite_at, bf16=a.bf16, fp16=a.fp16,
+                    use_distributed_optimizer=a.use_distributed_optimizer, loss_scale=a.loss_scale,
+                    optimizer_lr=a.lr, param_rtol=a.param_rtol)
         case = make_case(a.schedule, a.pipeline_parallel_size, a.tensor_parallel_size, a.num_microbatches,
                          a.iterations, **opts)
     except VerifyUsageError as e:
@@ -107,15 +134,27 @@ def main_verify(argv: Optional[Sequence[str]] = None) -> int:
             print(line)
         for p in res["problems"]:
             print(f"problem: {p}")
+        if case.optimizer:
+            print(f"megatron optimizer: {res.get('skipped_iterations')} skipped step(s), "
+                  f"{res.get('clipped_iterations')} clipped in the reference; max rel param diff "
+                  f"{_fmt(res.get('max_rel_param_diff'))} (tol {case.param_rtol:g})")
+            if case.post_validation:
+                print(f"post-validation: {res.get('rollbacks')} rollback(s); bit-identical to the synchronous "
+                      f"pipelined run: {'yes' if res.get('bit_identical_to_synchronous') else 'NO'}")
         w = res.get("worst_param")
-        if w and not case.forward_only:
+        if w and not case.forward_only and not case.optimizer:
             print(f"worst gradient: {w['param']} (rank {w['rank']}, iteration {w['iteration']}): "
                   f"{_fmt(w['rel_diff'])}")
         t = res["timing"]
-        print(f"timing: median iteration {t.get('median_iteration_ms')} ms "
-              f"(reference {t.get('reference_median_iteration_ms')} ms), wall {t.get('launch_wall_s')} s")
+        if case.optimizer:
+            print(f"timing: median iteration {t.get('median_iteration_ms')} ms"
+                  + (f" post-validated, {t.get('synchronous_median_iteration_ms')} ms synchronous"
+                     if case.post_validation else "") + f", wall {t.get('launch_wall_s')} s")
+        else:
+            print(f"timing: median iteration {t.get('median_iteration_ms')} ms "
+                  f"(reference {t.get('reference_median_iteration_ms')} ms), wall {t.get('launch_wall_s')} s")
         verdict = "PASSED" if res["passed"] else "FAILED"
-        grad_part = "" if case.forward_only else \
+        grad_part = "" if case.forward_only or case.optimizer else \
             f"max rel grad diff {_fmt(res['max_rel_grad_diff'])} (tol {case.grad_rtol:g}), "
         print(f"{verdict}: {grad_part}max abs loss diff {_fmt(res['max_abs_loss_diff'])} (tol {case.loss_atol:g})")
     if a.json:
