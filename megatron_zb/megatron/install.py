@@ -32,6 +32,7 @@ from ..runtime.executor import StagePasses, execute
 from ..runtime.p2p import P2P, PairGroups
 from ..runtime.postval import PostValidation, replayable
 from ..runtime.profiler import PassProfiler, ProfileError, auto_replans, profile_to_setting_kwargs
+from ..runtime.progress import tracker as progress_tracker
 from ..runtime.replica import ReplicaGradSync, ReplicaGroups, grads_of
 from ..runtime.wqueue import WQueue
 from .placement import grad_of
@@ -201,8 +202,11 @@ class ZeroBubbleForwardBackward:
         self.last_schedule = sched
         pl = sched.placement
         pp_ranks = dist.get_process_group_ranks(pp_group)
+        prog = progress_tracker(pp_rank=me, group=pp_ranks)
+        if prog is not None:
+            prog.iteration = self.iterations
         p2p = P2P(self.groups(pp_ranks, pl), me, timeout_s=self.options.timeout_s,
-                  exchange_shapes=bool(config.variable_seq_lengths))
+                  exchange_shapes=bool(config.variable_seq_lengths), progress=prog)
         if pl.replicated:
             if not isinstance(data_iterator, list) and len(models) > 1 and data_iterator is not None:
                 raise ZeroBubbleConfigError(f"{self.options.schedule}: replicated stages need one data iterator per "

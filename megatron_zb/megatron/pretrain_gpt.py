@@ -144,10 +144,11 @@ def _cpu_and_te_defaults(args) -> List[str]:
 
 
 def prepare_args(extra_args_provider: Optional[Callable] = None, args_defaults: Optional[dict] = None,
-                 argv: Optional[Sequence[str]] = None):
+                 argv: Optional[Sequence[str]] = None, set_globals: bool = True):
     """Parse Megatron's + megatron-zb's flags, validate ours, then Megatron's; set Megatron's globals.
 
     Returns ``(args, install_kwargs, notes)``; ``install_kwargs`` is None without zero-bubble flags.
+    A bad flag or a failed Megatron argument check raises ``ZeroBubbleArgumentError`` (one line).
     """
     from megatron.training.arguments import parse_args, validate_args
     from megatron.training.global_vars import set_global_variables
@@ -155,13 +156,18 @@ def prepare_args(extra_args_provider: Optional[Callable] = None, args_defaults: 
     defaults = {"tokenizer_type": "GPT2BPETokenizer"}
     defaults.update(args_defaults or {})
     provider = chain_providers(extra_args_provider, add_zero_bubble_args, add_entry_args)
-    saved = sys.argv
+    saved, error = sys.argv, argparse.ArgumentParser.error
     if argv is not None:
         sys.argv = [saved[0] if saved else "pretrain_gpt"] + list(argv)
+
+    def one_line(parser, message):  # not the usage (hundreds of lines) and exit 2 on every rank
+        raise ZeroBubbleArgumentError(message)
+    argparse.ArgumentParser.error = one_line
     try:
         args = parse_args(extra_args_provider=provider)
     finally:
         sys.argv = saved
+        argparse.ArgumentParser.error = error
     if getattr(args, "yaml_cfg", None) is not None:
         raise ZeroBubbleArgumentError("--yaml-cfg is not supported by megatron-zb's pretrain_gpt; give the flags")
     if args.use_checkpoint_args or defaults.get("use_checkpoint_args", False):
@@ -174,9 +180,44 @@ def prepare_args(extra_args_provider: Optional[Callable] = None, args_defaults: 
     if not any(getattr(args, f, None) for f in data_flags) and not getattr(args, "mock_data", False):
         args.mock_data = True
         notes.append("--mock-data (no --data-path given)")
-    validate_args(args, defaults)
-    set_global_variables(args)
+    _check_sizes(args)
+    try:
+        validate_args(args, defaults)
+    except (AssertionError, ValueError, TypeError) as e:  # Megatron's own argument checks
+        raise ZeroBubbleArgumentError(megatron_check_message(e)) from None
+    if set_globals:
+        set_global_variables(args)
     return args, zb, notes
+
+
+def _check_sizes(args) -> None:
+    """World size vs model parallelism, and batch divisibility: the checks Megatron makes with an
+    assertion deep inside (or with a message about the *evaluation* batch size), said plainly."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    tp = int(args.tensor_model_parallel_size or 1)
+    pp = int(args.pipeline_model_parallel_size or 1)
+    cp = int(getattr(args, "context_parallel_size", 1) or 1)
+    model = tp * pp * cp
+    if world % model:
+        raise ZeroBubbleArgumentError(
+            f"world size {world} (processes in the job) is not a multiple of tensor x pipeline x context parallel "
+            f"size = {tp} x {pp} x {cp} = {model}")
+    dp = world // model
+    mbs, gbs = args.micro_batch_size, args.global_batch_size
+    if mbs and gbs and not getattr(args, "rampup_batch_size", None) and int(gbs) % (int(mbs) * dp):
+        raise ZeroBubbleArgumentError(
+            f"--global-batch-size {gbs} is not a multiple of --micro-batch-size {mbs} x data-parallel size {dp} "
+            f"= {int(mbs) * dp}")
+
+
+def megatron_check_message(e: BaseException) -> str:
+    """One line for a failed Megatron argument check (its message, or the failing assert's source)."""
+    import traceback
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    if not text:
+        frames = traceback.extract_tb(e.__traceback__)
+        text = f"assert {frames[-1].line}" if frames and frames[-1].line else type(e).__name__
+    return f"Megatron's argument check failed: {text}"
 
 
 # --------------------------------------------------------------------------------------------
@@ -502,9 +543,49 @@ def _route_losses_for_v(loss_rank: int) -> Callable[[], None]:
 # main
 # --------------------------------------------------------------------------------------------
 
+def _supervise() -> None:
+    """Under torchrun (or with MZB_EXIT_WITH_LAUNCHER=1): end this rank at once if its launcher dies."""
+    flag = os.environ.get("MZB_EXIT_WITH_LAUNCHER")
+    if flag == "1" or (flag != "0" and os.environ.get("TORCHELASTIC_RUN_ID")):
+        from ..runtime.supervise import watch_parent
+        watch_parent(what="the launcher (torchrun agent)")
+
+
+def _pause_stall_watch_while_saving() -> Callable[[], None]:
+    """Checkpoint saving may take long: the stall watch (runtime.progress) is off meanwhile."""
+    import megatron.training.training as T
+
+    from ..runtime import progress
+    inner = T.save_checkpoint
+
+    def save_checkpoint(*args, **kwargs):
+        progress.pause("saving a checkpoint")
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            progress.pause(None)
+    T.save_checkpoint = save_checkpoint
+
+    def undo():
+        if T.save_checkpoint is save_checkpoint:
+            T.save_checkpoint = inner
+    return undo
+
+
+def _on_stall(message: str) -> None:
+    from .rank_errors import record_for_torchrun
+    line = f"megatron-zb: error: {message}"
+    record_for_torchrun(line)
+    try:
+        os.write(2, (line + "\n").encode())
+    except OSError:
+        pass
+
+
 def main(argv: Optional[Sequence[str]] = None, extra_args_provider: Optional[Callable] = None,
          args_defaults: Optional[dict] = None) -> None:
     """Parse the flags (``argv``, default ``sys.argv``), install the schedule, run Megatron's pretrain()."""
+    _supervise()
     _prepare_megatron()
     from megatron.core.enums import ModelType
     from megatron.training import inprocess_restart, pretrain, print_rank_0, set_startup_timestamps
@@ -514,6 +595,8 @@ def main(argv: Optional[Sequence[str]] = None, extra_args_provider: Optional[Cal
 
     set_startup_timestamps(program_start=_PROGRAM_START_TIME, main_entry=time.time())
     args, zb, notes = prepare_args(extra_args_provider, args_defaults, argv)
+    from .preflight import check_in_rank
+    check_in_rank(args)  # what the launch script's preflight checks, for jobs started without it
     if notes:
         _print0("megatron-zb: adjusted for this machine: " + ", ".join(notes))
     handle, undo, undo_pv = None, None, None
@@ -550,6 +633,20 @@ def main(argv: Optional[Sequence[str]] = None, extra_args_provider: Optional[Cal
     else:
         _print0("megatron-zb: no zero-bubble flag given; Megatron's own pipeline schedules run")
 
+    from ..core.ir import ScheduleError
+    from ..runtime import progress
+    from . import checkpoint_placement
+    undos = []
+    try:
+        record = checkpoint_placement.record(_placement(args), args.num_layers, zb["schedule"] if zb else None,
+                                             **_layer_kw(args))
+        undos.append(checkpoint_placement.install(record))
+    except ScheduleError:  # a layout our tables do not describe (Megatron's own uneven splits): no record
+        pass
+    if zb is not None:
+        progress.enable_stall_watch(zb["timeout_s"], on_stall=_on_stall)
+        undos.append(_pause_stall_watch_while_saving())
+
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r"(?s).*recommended to use a ModelConfig")
         cfg = pretrain_cfg_container_from_args(args)
@@ -558,8 +655,11 @@ def main(argv: Optional[Sequence[str]] = None, extra_args_provider: Optional[Cal
         run(cfg, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step,
             model_provider=model_provider(), get_embedding_ranks=get_emb, store=store)
     finally:
+        progress.stop()
         from .shutdown import stop_checkpoint_writer
         stop_checkpoint_writer()  # megatron's checkpoint-writer Manager process, if a save started it
+        for u in reversed(undos):
+            u()
         if undo_pv is not None:
             undo_pv()
         if undo is not None:
@@ -574,22 +674,44 @@ def _print0(msg: str) -> None:
         print(msg, flush=True)
 
 
-def _install_error():
+def _known_errors():
+    """Errors whose message says everything: one line, once, exit code 2."""
+    from .checkpoint_placement import CheckpointPlacementError
+    known = [ZeroBubbleArgumentError, MegatronTrainingMissing, CheckpointPlacementError]
     try:
         from .install import ZeroBubbleConfigError
-        return ZeroBubbleConfigError
+        known.append(ZeroBubbleConfigError)
     except Exception:  # pragma: no cover
-        return ZeroBubbleArgumentError
+        pass
+    return tuple(known)
 
 
 def _cli() -> int:
+    """Run ``main()``; errors are reported once for the whole job (``rank_errors``): known ones as
+    one line with exit code 2, a pipeline timeout as one line per rank (each names the rank that
+    stopped first), anything else with its traceback on the first failing rank."""
+    from .rank_errors import record_for_torchrun, report
     try:
         main()
-    except (ZeroBubbleArgumentError, MegatronTrainingMissing, _install_error()) as e:
-        print(f"megatron-zb: error: {e}", file=sys.stderr)
+    except _known_errors() as e:
+        report(e, known=True)
         return 2
+    except Exception as e:  # noqa: BLE001
+        if type(e).__name__ == "PipelineTimeout":
+            from ..runtime.progress import finish_kills
+            line = f"megatron-zb: error: {e}"
+            record_for_torchrun(line)
+            print(line, file=sys.stderr, flush=True)
+            finish_kills()  # a stopped rank this rank named is ended before it exits
+            return 1
+        report(e, known=False)
+        return 1
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(_cli())
+    _code = _cli()
+    if _code:  # after a failure, no orderly teardown: collectives with a stuck peer could hang it
+        from ..runtime.supervise import exit_now
+        exit_now(_code)
+    sys.exit(0)

@@ -88,10 +88,16 @@ def execute(actions: List[Action], rank: int, placement: Placement, passes: Stag
     pairs = overlap_pairs or {}
     check_at = _validation_position(actions, pairs) if validate is not None and not forward_only else None
 
+    prog = getattr(p2p, "progress", None)  # runtime.progress: what this rank runs / finished last
+
     def step(i):
         a = actions[i]
+        if prog is not None:
+            prog.begin(a)
         try:
             _step(a, i, rank, placement, nst, passes, p2p, st, forward_only, last_b, last)
+            if prog is not None:
+                prog.end(a)
         except ExecutionError:
             raise
         except Exception as e:

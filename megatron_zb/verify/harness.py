@@ -217,6 +217,9 @@ def make_case(schedule: str, pipeline_parallel_size: int, tensor_parallel_size: 
         else:
             chunks = 2 if chunks is None else chunks
     else:
+        if p < 2:  # install() hands PP=1 to Megatron's forward_backward_no_pipelining: nothing of ours runs
+            raise VerifyUsageError(f"--pipeline-parallel-size 1 has no pipeline: schedule {schedule} would not run "
+                                   "(Megatron's own no-pipelining function runs at PP=1); use -p 2 or more")
         style, c = _schedule_placement(schedule, p, m, chunks)
         if placement not in (None, style):
             raise VerifyUsageError(f"schedule {schedule!r} uses the {style!r} placement, not {placement!r}")

@@ -72,11 +72,17 @@ class RankError(LaunchError):
 
 
 class LaunchTimeout(LaunchError):
-    """The launch ran past its timeout. ``ranks``: the unfinished ranks; ``statuses``: rank -> text."""
+    """The launch ran past its timeout. ``ranks``: the unfinished ranks; ``statuses``: rank -> text;
+    ``progress``: the pipeline progress report (``runtime.progress``), naming the rank that stopped
+    first, or ''."""
 
-    def __init__(self, timeout: float, ranks: List[int], statuses: Dict[int, str], logs: Dict[int, str]):
+    def __init__(self, timeout: float, ranks: List[int], statuses: Dict[int, str], logs: Dict[int, str],
+                 progress: str = ""):
         self.timeout, self.ranks, self.statuses, self.logs = timeout, ranks, statuses, logs
+        self.progress = progress
         lines = [f"timed out after {timeout:g} s; rank(s) {', '.join(map(str, ranks))} did not finish"]
+        if progress:
+            lines.append(progress)
         for r in ranks:
             lines.append(f"  rank {r}: last status: {statuses.get(r) or '(none)'}")
         for r in ranks:
@@ -190,7 +196,8 @@ def run_cases(fn: Callable, cases: Sequence[Any], world_size: int, *, timeout: f
         child_env = dict(os.environ)
         child_env.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world_size),
-                          "LOCAL_WORLD_SIZE": str(world_size), "PYTHONFAULTHANDLER": "1"})
+                          "LOCAL_WORLD_SIZE": str(world_size), "PYTHONFAULTHANDLER": "1",
+                          "MZB_LAUNCHER_PID": str(os.getpid())})
         old = child_env.get("PYTHONPATH")
         child_env["PYTHONPATH"] = os.pathsep.join(([mpath] if mpath else []) + [repo_root()] + ([old] if old else []))
         if env:
@@ -205,7 +212,7 @@ def run_cases(fn: Callable, cases: Sequence[Any], world_size: int, *, timeout: f
         zygote = subprocess.Popen(cmd, env=child_env, stdout=log, stderr=subprocess.STDOUT,
                                   stdin=subprocess.DEVNULL, start_new_session=True)
         procs = [_Rank(workdir, r, zygote) for r in range(world_size)]
-        return _wait(procs, workdir, world_size, timeout, grace)
+        return _wait(procs, workdir, world_size, timeout, grace, store)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -322,7 +329,31 @@ def _kill(p: _Rank) -> None:
         time.sleep(0.02)
 
 
-def _wait(procs, workdir, world_size, timeout, grace) -> List[List[Any]]:
+def _progress_report(store, world_size: int) -> str:
+    """The ranks' pipeline progress (``runtime.progress`` records in this launch's store): who
+    stopped first, and one line per rank. '' when no rank published any."""
+    from ..runtime import progress as P
+    try:
+        ranks = list(range(world_size))
+        first = P.read_records(store, ranks)
+        if not any(first.values()):
+            return ""
+        time.sleep(P.CHECK_S)
+        second = P.read_records(store, ranks)
+    except Exception:  # noqa: BLE001 - a report, best effort
+        return ""
+    waiting = [g for g, rec in second.items() if rec and rec.get("wait")]
+    silent = [g for g in ranks if second[g] is None or first[g] is None or second[g]["seq"] == first[g]["seq"]]
+    if silent or waiting:
+        me = waiting[0] if waiting else -1
+        peer = second[me]["wait"]["rank"] if waiting else -1
+        head = P.diagnose_records(first, second, me, peer, kill_stopped=False)
+    else:
+        head = "no rank is waiting for a pipeline message"
+    return "pipeline progress: " + head + "\n" + "\n".join("  " + l for l in P.group_summary(second))
+
+
+def _wait(procs, workdir, world_size, timeout, grace, store=None) -> List[List[Any]]:
     deadline = time.monotonic() + timeout
     first_fail = None  # (rank, time)
     while True:
@@ -352,13 +383,14 @@ def _wait(procs, workdir, world_size, timeout, grace) -> List[List[Any]]:
                         os.kill(procs[r].pid, signal.SIGUSR1)  # faulthandler: Python stacks into the log
                 except ProcessLookupError:
                     pass
+            progress = _progress_report(store, world_size) if store is not None else ""
             time.sleep(0.5)
             statuses = {r: _read_status(workdir, r) for r in unfinished}
             logs = {r: _log_tail(workdir, r, 40) for r in unfinished}
             for p in procs:
                 if p.poll() is None:
                     _kill(p)
-            raise LaunchTimeout(timeout, unfinished, statuses, logs)
+            raise LaunchTimeout(timeout, unfinished, statuses, logs, progress)
         time.sleep(0.02)
     per_rank = []
     for r in range(world_size):
@@ -399,6 +431,9 @@ def _zygote_main(workdir: str) -> None:
     """Import once, fork every rank, reap them (writing ``pid<r>`` and ``exit<r>`` files)."""
     body, world_size = None, 0
     try:
+        from ..runtime.supervise import die_with_parent
+        if os.environ.get("MZB_LAUNCHER_PID"):  # no unsupervised ranks: die with the launcher
+            die_with_parent(int(os.environ["MZB_LAUNCHER_PID"]))
         with open(os.path.join(workdir, "payload.pkl"), "rb") as f:
             header = pickle.load(f)
             world_size = header["world_size"]
@@ -412,9 +447,11 @@ def _zygote_main(workdir: str) -> None:
                 body = pickle.load(f)
         _become_subreaper()  # orphans of the ranks (megatron's helpers) come back here to be reaped
         pids = {}
+        zygote = os.getpid()
         for rank in range(world_size):
             pid = os.fork()
             if pid == 0:
+                die_with_parent(zygote)  # the zygote dies with the launcher, the ranks with the zygote
                 _rank_main(workdir, rank, header, body)  # never returns
             pids[pid] = rank
             _write_int(os.path.join(workdir, f"pid{rank}"), pid)
