@@ -49,6 +49,54 @@ def _add_setting_args(ap: argparse.ArgumentParser, schedule_required: bool = Tru
                     help="part of it still needed by W (default 0.5 x mem-f)")
     ap.add_argument("--memory-limit", type=nonneg("--memory-limit"), default=None,
                     help="per-rank activation limit, in mem-f units")
+    _add_offload_args(ap)
+
+
+def _add_offload_args(ap: argparse.ArgumentParser):
+    g = ap.add_argument_group("activation offload (docs/offload.md)")
+    g.add_argument("--offload-ratio", type=_offload_ratio, default=None, metavar="R|auto",
+                   help="offload this share (0..1) of each rank's activations to host memory, the "
+                        "longest-lived first; 'auto': as few as needed to fit --memory-limit (zb-auto and "
+                        "v-auto may then pick a schedule that needs more and offload it back under)")
+    g.add_argument("--offload-time", type=number_list("--offload-time"), default=None, metavar="K",
+                   help="one-way transfer of one microbatch's stage activation takes K x (F + B) of that "
+                        "stage (the ZB authors' --offload-time; a comma list gives one per stage; default 1)")
+    g.add_argument("--offload-half-duplex", action="store_true",
+                   help="D2H and H2D share one queue (one copy stream) instead of one queue each")
+    g.add_argument("--offload-chunk-num", type=positive_int("--offload-chunk-num"), default=None, metavar="N",
+                   help="offload only the first N model chunks of each rank (the ZB authors' flag)")
+
+
+def _offload_ratio(text):
+    if str(text).strip().lower() == "auto":
+        return "auto"
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--offload-ratio takes a number in 0..1 or 'auto', got {text!r}") from None
+    if not (0.0 <= v <= 1.0):
+        raise argparse.ArgumentTypeError(f"--offload-ratio takes a number in 0..1 or 'auto', got {text!r}")
+    return v
+
+
+def _offload_options(args, setting: Setting):
+    """OffloadOptions from the flags, or None without --offload-ratio (other offload flags alone
+    are an error)."""
+    from .core.offload import OffloadOptions
+    ratio = getattr(args, "offload_ratio", None)
+    if ratio is None:
+        given = [f for f, v in (("--offload-time", args.offload_time), ("--offload-half-duplex", args.offload_half_duplex),
+                                ("--offload-chunk-num", args.offload_chunk_num)) if v not in (None, False)]
+        if given:
+            raise UsageError(f"{given[0]} needs --offload-ratio R (0..1) or --offload-ratio auto")
+        return None
+    if ratio == "auto" and setting.memory_limit is None:
+        raise UsageError("--offload-ratio auto offloads as little as fits --memory-limit: give --memory-limit L")
+    time = args.offload_time if args.offload_time is not None else [1.0]
+    return OffloadOptions(ratio=None if ratio == "auto" else ratio, time=time if len(time) > 1 else time[0],
+                          overlap=not args.offload_half_duplex,
+                          memory_limit=setting.memory_limit if ratio == "auto" else None,
+                          chunks=args.offload_chunk_num)
 
 
 def _setting(args, stages=None, microbatches=None, chunks=None) -> Setting:
@@ -73,9 +121,18 @@ def _build(args):
             else sched_io.from_json(text)
         setting = _setting(args, stages=sched.num_ranks, microbatches=sched.num_microbatches,
                            chunks=sched.placement.chunks)
+        off = _offload_options(args, setting)
+        if off is not None:
+            from .core.offload import add_offload
+            sched = add_offload(sched, setting, off)
     else:
         setting = _setting(args)
-        sched = schedules.generate(args.schedule, setting)
+        off = _offload_options(args, setting)
+        if off is not None:
+            from .core.offload import generate_with_offload
+            sched = generate_with_offload(args.schedule, setting, off)
+        else:
+            sched = schedules.generate(args.schedule, setting)
     limit = setting.memory_limit
     validate(sched, setting, memory_limit=float("inf"))
     if limit is not None:
@@ -83,9 +140,12 @@ def _build(args):
         peak = max(res.peak_memory)
         if peak > limit + 1e-9:
             r = res.peak_memory.index(peak)
-            raise UsageError(f"{sched.name} peaks at {peak:g} activation units on rank {r}, over "
-                             f"--memory-limit {limit:g}; `megatron-zb compare --memory-limit {limit:g}` "
-                             "lists the schedules that fit")
+            hint = ("`--offload-ratio auto` offloads as little as fits; " if off is None else
+                    "a smaller --offload-time lets more activations travel; " if off.ratio is None else
+                    "--offload-ratio auto offloads as much as needed; ")
+            raise UsageError(f"{sched.name} peaks at {peak:g} activation units on rank {r}"
+                             + (" with offload" if off is not None else "") + f", over --memory-limit {limit:g}; "
+                             + hint + f"`megatron-zb compare --memory-limit {limit:g}` lists the schedules that fit")
     return sched, setting
 
 
@@ -111,6 +171,13 @@ def cmd_simulate(args) -> int:
     print(f"makespan      {d['makespan']:g}")
     print(f"bubble rate   {d['bubble_rate']:.4f}")
     print("peak memory   " + " ".join(f"{x:g}" for x in d["peak_memory"]) + "   (per rank, mem-f units)")
+    if "offload" in d:
+        o = d["offload"]
+        print("offload       " + f"K={_fmt(o['time'] if isinstance(o['time'], list) else [o['time']])} "
+              f"{'full' if o['overlap'] else 'half'} duplex; activations offloaded per rank "
+              + " ".join(str(x) for x in o["offloaded"]) + "; W parts " + " ".join(str(x) for x in o["offloaded_w"]))
+        print("without it    " + " ".join(f"{x:g}" for x in o["peak_memory_without_offload"])
+              + "   (peak memory per rank)")
     return 0
 
 
@@ -125,15 +192,20 @@ def _save_schedule(sched: Schedule, path: str):
         f.write(text)
 
 
-def compare_rows(setting: Setting, names: Optional[List[str]] = None) -> List[dict]:
-    """Simulate every schedule that applies to ``setting``; rows sorted by makespan."""
+def compare_rows(setting: Setting, names: Optional[List[str]] = None, offload=None) -> List[dict]:
+    """Simulate every schedule that applies to ``setting``; rows sorted by makespan. ``offload``
+    (core.offload.OffloadOptions) offloads every schedule's activations."""
     rows = []
     for name in names or schedules.names():
         spec = schedules.get(name)
         try:
             chunks = spec.resolve_chunks(setting.chunks if spec.chunks is None else None)
             st = Setting(**{**setting.to_dict(), "chunks": chunks})
-            sched = schedules.generate(name, st)
+            if offload is not None:
+                from .core.offload import generate_with_offload
+                sched = generate_with_offload(name, st, offload)
+            else:
+                sched = schedules.generate(name, st)
             res = simulate(sched, st)
         except ScheduleError as e:
             rows.append({"schedule": name, "error": str(e)})
@@ -150,7 +222,7 @@ def compare_rows(setting: Setting, names: Optional[List[str]] = None) -> List[di
 
 def cmd_compare(args) -> int:
     setting = _setting(args)
-    rows = compare_rows(setting)
+    rows = compare_rows(setting, offload=_offload_options(args, setting))
     ok = [r for r in rows if "error" not in r]
     if setting.memory_limit is not None and not any(r["fits"] for r in ok):
         least = min(max(r["peak_memory"]) for r in ok)
@@ -204,8 +276,14 @@ def cmd_plan(args) -> int:
                        flash_attention=not args.no_flash_attention)
     tflops = args.peak_tflops if args.peak_tflops is not None else P.GPU_PEAK_TFLOPS[args.gpu]
     profile = P.load_profile(args.profile) if args.profile else None
+    if args.offload_ratio is None and (args.offload_time is not None or args.host_link_gbps is not None):
+        raise UsageError("--offload-time / --host-link-gbps need --offload-ratio R (0..1) or auto")
+    if args.offload_time is not None and args.host_link_gbps is not None:
+        raise UsageError("give --offload-time K or --host-link-gbps B, not both")
     rows = P.plan(spec, args.pipeline_parallel_size, args.num_microbatches, args.gpu_memory_gb, tflops=tflops,
-                  efficiency=args.efficiency, profile=profile, pad_ends=args.allow_padding_num_layers)
+                  efficiency=args.efficiency, profile=profile, pad_ends=args.allow_padding_num_layers,
+                  offload_ratio=args.offload_ratio, offload_time=args.offload_time,
+                  host_link_gbps=args.host_link_gbps, offload_overlap=not args.offload_half_duplex)
     if args.json:
         print(json.dumps({"model": dataclasses.asdict(spec), "pipeline_parallel_size": args.pipeline_parallel_size,
                           "num_microbatches": args.num_microbatches, "gpu_memory_gb": args.gpu_memory_gb,
@@ -275,6 +353,15 @@ def build_parser() -> argparse.ArgumentParser:
     pn.add_argument("--profile", metavar="JSON", help="measured costs (a megatron-zb profile JSON)")
     pn.add_argument("--allow-padding-num-layers", action="store_true",
                     help="first and last stage take one layer less (embedding and loss cost)")
+    og = pn.add_argument_group("activation offload (docs/offload.md)")
+    og.add_argument("--offload-ratio", type=_offload_ratio, default=None, metavar="R|auto",
+                    help="offload this share of each schedule's activations; 'auto': as little as fits the budget")
+    og.add_argument("--offload-time", type=nonneg("--offload-time"), default=None, metavar="K",
+                    help="one-way transfer of a stage activation takes K x (F + B) (default 1, or from --host-link-gbps)")
+    og.add_argument("--host-link-gbps", type=nonneg("--host-link-gbps"), default=None, metavar="GB/s",
+                    help="one-way host link bandwidth per GPU; K follows from the activation bytes and F + B")
+    og.add_argument("--offload-half-duplex", action="store_true",
+                    help="D2H and H2D share one queue (one copy stream)")
     pn.add_argument("--json", action="store_true")
     pn.set_defaults(func=cmd_plan)
     sub.add_parser("verify", help="train a tiny megatron GPT with a schedule vs the reference "

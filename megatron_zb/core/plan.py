@@ -139,7 +139,14 @@ def stage_costs(spec: ModelSpec, p: int, v: int, placement_style: str, tflops: f
 
 def plan(spec: ModelSpec, pipeline_parallel_size: int, microbatches: int, gpu_memory_gb: float,
          tflops: float = GPU_PEAK_TFLOPS["h100"], efficiency: float = 0.5, profile: Optional[dict] = None,
-         schedules: Optional[List[str]] = None, pad_ends: bool = False, interleave_chunks: int = 2) -> List[dict]:
+         schedules: Optional[List[str]] = None, pad_ends: bool = False, interleave_chunks: int = 2,
+         offload_ratio=None, offload_time=None, host_link_gbps: Optional[float] = None,
+         offload_overlap: bool = True) -> List[dict]:
+    """Rows per schedule, fitting ones first, fastest first. Activation offload (``core.offload``):
+    ``offload_ratio`` R (0..1) offloads that share of every schedule's activations; ``'auto'``
+    offloads as little as brings each schedule under the memory budget (zb-auto / v-auto may then
+    take a schedule that needs more). The transfer time is ``offload_time`` K, or derived per rank
+    from ``host_link_gbps`` (one-way GB/s): K = activation bytes / bandwidth / (F + B)."""
     spec.validate()
     p, m = pipeline_parallel_size, microbatches
     if p < 2:
@@ -172,7 +179,13 @@ def plan(spec: ModelSpec, pipeline_parallel_size: int, microbatches: int, gpu_me
             setting = Setting(p, m, chunks=v, cost_f=cf, cost_b=cb, cost_w=cw, cost_comm=comm,
                               mem_f=[x / unit for x in mf], mem_w=[min(a, b) / unit for a, b in zip(mw, mf)],
                               memory_limit=limit_units if name in ("zb-auto", "v-auto") else None)
-            sched = generate(name, setting)
+            off = _offload_options(offload_ratio, offload_time, host_link_gbps, offload_overlap, mf, cf, cb,
+                                   limit_units)
+            if off is not None:
+                from .offload import generate_with_offload
+                sched = generate_with_offload(name, setting, off)
+            else:
+                sched = generate(name, setting)
             res = simulate(sched, Setting(**{**setting.to_dict(), "chunks": sched.placement.chunks}))
         except ScheduleError as e:
             rows.append({"schedule": name, "error": str(e)})
@@ -183,6 +196,14 @@ def plan(spec: ModelSpec, pipeline_parallel_size: int, microbatches: int, gpu_me
                "activation_bytes": act_bytes, "state_bytes": states, "peak_bytes": total,
                "fits": max(total) <= budget, "layers_per_stage": counts,
                "flags": _flags(name, p, v, limit_units, counts, pad_ends)}
+        if res.offload is not None:
+            o = res.offload.to_dict()
+            row["offload"] = {"time": o["time"], "offloaded": o["offloaded"], "offloaded_w": o["offloaded_w"],
+                              "activation_bytes_without_offload": [x * unit for x in o["peak_memory_without_offload"]]}
+            ks = o["time"] if isinstance(o["time"], list) else [o["time"]]
+            share = max(o["offloaded_share"]) if o["offloaded_share"] else 0.0
+            row["flags"] += (f" --cpu-offload --zero-bubble-offload-ratio {share:.2f} --offload-time "
+                             f"{max(ks):.3g}")
         if name == "1f1b":
             base = row
         rows.append(row)
@@ -191,6 +212,19 @@ def plan(spec: ModelSpec, pipeline_parallel_size: int, microbatches: int, gpu_me
         r["throughput_vs_1f1b"] = round(base["makespan_s"] / r["makespan_s"], 4) if base else None
     ok.sort(key=lambda r: (not r["fits"], r["makespan_s"]))
     return ok + [r for r in rows if "error" in r]
+
+
+def _offload_options(ratio, time, gbps, overlap, mf, cf, cb, limit_units):
+    if ratio is None:
+        return None
+    from .offload import OffloadOptions
+    if time is None:
+        if gbps is None:
+            time = 1.0
+        else:  # K per rank: bytes / bandwidth over (F + B) seconds (per chunk both scale alike)
+            time = [(mf[r] / (gbps * 1e9)) / (cf[r] + cb[r]) if cf[r] + cb[r] > 0 else 0.0 for r in range(len(mf))]
+    return OffloadOptions(ratio=None if ratio == "auto" else ratio, time=time, overlap=overlap,
+                          memory_limit=limit_units if ratio == "auto" else None)
 
 
 def _flags(name, p, v, limit_units, counts, pad_ends):

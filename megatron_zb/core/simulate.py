@@ -3,15 +3,17 @@
 Contract (product brief): every rank runs its compute passes in list order, each at the earliest
 time its dependencies and the rank's previous pass allow. A dependency on a pass of another rank
 is charged ``cost_comm``; one on the same rank (e.g. the V turn-around) is not. Communication
-actions of a lowered schedule take no time here.
+actions of a lowered schedule take no time here. OFFLOAD/RELOAD actions (``core.offload``) run on
+the rank's host link (``core.offload.HostLinks``): a B waits for its reload, and the offloaded
+activation leaves ``peak_memory`` between the end of its offload and the start of its reload.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
-from .ir import B, BW, F, W, Action, Schedule, ScheduleError, Setting, deps
+from .ir import B, BW, F, OFFLOAD_KINDS, W, Action, Schedule, ScheduleError, Setting, deps
 
 
 @dataclass
@@ -34,10 +36,11 @@ class SimResult:
     spans: List[float]
     busy: List[float]
     timeline: List[List[Timed]] = field(repr=False)
+    offload: Optional[object] = field(default=None, repr=False)  # core.offload.OffloadResult
 
     def to_dict(self) -> dict:
         ideal = max(self.busy) if self.busy else 0.0
-        return {
+        d = {
             "schedule": self.schedule,
             "stages": self.stages,
             "microbatches": self.microbatches,
@@ -49,6 +52,9 @@ class SimResult:
             "spans": [_r(x) for x in self.spans],
             "busy": [_r(x) for x in self.busy],
         }
+        if self.offload is not None:
+            d["offload"] = self.offload.to_dict()
+        return d
 
 
 def _r(x: float) -> float:
@@ -68,7 +74,12 @@ def simulate(schedule: Schedule, setting: Setting) -> SimResult:
         raise ScheduleError(f"schedule has {pl.num_ranks} ranks but the setting has {setting.stages} stages")
     if setting.chunks != pl.chunks:  # each chunk's pass costs the rank's value / chunks
         setting = dataclasses.replace(setting, chunks=pl.chunks)
-    orders = [[a for a in o if a.is_compute] for o in schedule.orders]
+    links = None
+    if schedule.meta.get("offload") is not None or any(a.kind in OFFLOAD_KINDS for o in schedule.orders for a in o):
+        from .offload import HostLinks
+        links = HostLinks(schedule, setting)
+    orders = [[a for a in o if a.is_compute or (links is not None and a.kind in OFFLOAD_KINDS)]
+              for o in schedule.orders]
     done: Dict[Tuple[str, int, int], float] = {}  # (kind, stage, mb) -> end time; BW also as 'B*'
     pos = [0] * len(orders)
     clock = [0.0] * len(orders)
@@ -80,6 +91,12 @@ def simulate(schedule: Schedule, setting: Setting) -> SimResult:
         for r, order in enumerate(orders):
             while pos[r] < len(order):
                 a = order[pos[r]]
+                if a.kind in OFFLOAD_KINDS:  # issued now; runs on the host link
+                    links.issue(r, a, clock[r])
+                    pos[r] += 1
+                    remaining -= 1
+                    progressed = True
+                    continue
                 ready = clock[r]
                 ok = True
                 for dk, ds, dmb in deps(a, nst):
@@ -93,6 +110,8 @@ def simulate(schedule: Schedule, setting: Setting) -> SimResult:
                         ready = t
                 if not ok:
                     break
+                if links is not None and a.kind in (B, BW):
+                    ready = links.gate(r, a, ready)
                 end = ready + setting.pass_cost(a.kind, r)
                 timeline[r].append(Timed(a, r, ready, end))
                 clock[r] = end
@@ -116,11 +135,15 @@ def simulate(schedule: Schedule, setting: Setting) -> SimResult:
             spans.append(0.0)
             busy.append(0.0)
         peaks.append(peak_memory(orders[r], r, setting))
+    offload = None
+    if links is not None:
+        offload = links.result(peaks, [sum(1 for t in tl if t.action.kind == F) for tl in timeline])
+        peaks = [links.peak(r, tl) for r, tl in enumerate(timeline)]
     makespan = max(spans) if spans else 0.0
     p = len(orders)
     bubble = 1.0 - sum(busy) / (p * makespan) if makespan > 0 else 0.0
     return SimResult(schedule.name, setting.stages, schedule.num_microbatches, pl.chunks,
-                     makespan, bubble, peaks, spans, busy, timeline)
+                     makespan, bubble, peaks, spans, busy, timeline, offload)
 
 
 def memory_trace(order: List[Action], rank: int, setting: Setting) -> List[float]:
