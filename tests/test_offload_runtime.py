@@ -189,3 +189,45 @@ def test_cuda_offload_frees_device_memory():
     assert x.grad is not None and mgr.end_iteration()["offloaded_bytes"] > 0
     link = measure_host_link("cuda", nbytes=64 << 20, repeats=2)
     assert "GPU" in link["what"] and link["h2d_gbps"] > 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_install_refuses_offload_without_cuda_outside_the_test_mode():
+    from megatron_zb.megatron.install import ZeroBubbleConfigError, install
+    with pytest.raises(ZeroBubbleConfigError, match="this machine has no CUDA device; without a GPU it only runs in "
+                                                    "its CPU test mode") as ei:
+        install("zb-h1", offload_ratio=1.0)
+    assert "\n" not in str(ei.value)
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(offload_ratio=1.5), "offload_ratio must be a number in 0..1 or 'auto'"),
+    (dict(offload_ratio="auto"), "give memory_limit"),
+    (dict(offload_ratio=1.0, offload_time=-1), "offload_time must be a number >= 0 or 'auto'"),
+    (dict(offload_ratio=1.0, offload_chunks=0), "offload_chunks must be an integer >= 1"),
+])
+def test_install_offload_options_checked(kw, msg):
+    from megatron_zb.megatron.install import ScheduleOptions, ZeroBubbleConfigError, ZeroBubbleForwardBackward
+    with pytest.raises(ZeroBubbleConfigError, match=msg):
+        ZeroBubbleForwardBackward(ScheduleOptions("zb-h1", offload_cpu_test=True, **kw))
+
+
+def test_auto_offload_time_estimate_on_cpu_is_labelled():
+    from megatron_zb.megatron.offload import estimate_offload_time
+    est = estimate_offload_time(hidden_size=256, num_attention_heads=4, seq_length=128, micro_batch_size=1,
+                                device="cpu")
+    assert est["offload_time"] > 0 and est["transfer_s"] > 0 and est["compute_s"] > 0
+    assert "CPU memcpy" in est["host_link"]["what"] and "CPU matmul" in est["matmul"]["what"]
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--schedule", "megatron-1f1b", "-p", "2", "--offload-ratio", "1"], "offload runs with megatron-zb schedules"),
+    (["--schedule", "zb-h1", "-p", "2", "--offload-half-duplex"], "--offload-half-duplex needs --offload-ratio"),
+    (["--schedule", "zb-h1", "-p", "2", "--offload-ratio", "auto"], "give --memory-limit"),
+    (["--schedule", "zb-h1", "-p", "2", "--offload-ratio", "2"], "takes a number in 0..1 or 'auto'"),
+])
+def test_verify_bad_offload_flags_one_line(argv, msg, capsys):
+    from megatron_zb.verify import main_verify
+    assert main_verify(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert msg in err and "\n" not in err

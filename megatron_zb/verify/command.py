@@ -10,7 +10,7 @@ import math
 import sys
 from typing import Optional, Sequence
 
-from ..argtypes import positive_int
+from ..argtypes import nonneg, positive_int
 from .harness import (DEFAULT_GRAD_RTOL, DEFAULT_LOSS_ATOL, PSEUDO_SCHEDULES, VerifyUsageError, make_case,
                       run_verify_many)
 
@@ -48,12 +48,31 @@ def _build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--untied", action="store_true", help="untie embedding and output weights")
     ap.add_argument("--forward-only", action="store_true")
     ap.add_argument("--memory-limit", type=float, default=None, help="passed to install() (zb-auto, v-auto)")
+    ap.add_argument("--offload-ratio", type=_offload_ratio, default=None, metavar="R|auto",
+                    help="train with activation offload (CPU test mode: synchronous copies to separate CPU "
+                         "buffers): this share of each rank's activations, or 'auto' (as little as fits "
+                         "--memory-limit)")
+    ap.add_argument("--offload-time", type=nonneg("--offload-time"), default=0.25, metavar="K",
+                    help="transfer time the schedule core plans with, in F+B of a stage (default 0.25)")
+    ap.add_argument("--offload-half-duplex", action="store_true", help="one copy queue instead of two")
     ap.add_argument("--grad-rtol", type=float, default=DEFAULT_GRAD_RTOL)
     ap.add_argument("--loss-atol", type=float, default=DEFAULT_LOSS_ATOL)
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds for the whole run (default 300)")
     ap.add_argument("--mcore-path", default=None, help="a directory holding another megatron-core (megatron/core)")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     return ap
+
+
+def _offload_ratio(text):
+    if str(text).strip().lower() == "auto":
+        return "auto"
+    try:
+        v = float(text)
+    except ValueError:
+        v = -1.0
+    if not (0.0 <= v <= 1.0):
+        raise argparse.ArgumentTypeError(f"--offload-ratio takes a number in 0..1 or 'auto', got {text!r}")
+    return v
 
 
 def _fmt(x) -> str:
@@ -83,7 +102,8 @@ def main_verify(argv: Optional[Sequence[str]] = None) -> int:
                     gradient_accumulation_fusion=a.gradient_accumulation_fusion,
                     variable_seq_lengths=a.variable_seq_lengths, tie_embeddings=not a.untied,
                     forward_only=a.forward_only, memory_limit=a.memory_limit, grad_rtol=a.grad_rtol,
-                    loss_atol=a.loss_atol)
+                    loss_atol=a.loss_atol, offload_ratio=a.offload_ratio, offload_time=a.offload_time,
+                    offload_half_duplex=a.offload_half_duplex)
         case = make_case(a.schedule, a.pipeline_parallel_size, a.tensor_parallel_size, a.num_microbatches,
                          a.iterations, **opts)
     except VerifyUsageError as e:
@@ -111,6 +131,11 @@ def main_verify(argv: Optional[Sequence[str]] = None) -> int:
         if w and not case.forward_only:
             print(f"worst gradient: {w['param']} (rank {w['rank']}, iteration {w['iteration']}): "
                   f"{_fmt(w['rel_diff'])}")
+        for o in res.get("offload", []):
+            last = o["iterations"][-1] if o["iterations"] else {}
+            print(f"offload rank {o['rank']}: peak resident activation {last.get('peak_resident_bytes', 0)} B, "
+                  f"{last.get('captured_bytes_per_forward', 0)} B per F, offloaded {last.get('offloaded_bytes', 0)} B "
+                  f"in {last.get('offloaded_parts', 0)} part(s), reloaded {last.get('reloaded_bytes', 0)} B")
         t = res["timing"]
         print(f"timing: median iteration {t.get('median_iteration_ms')} ms "
               f"(reference {t.get('reference_median_iteration_ms')} ms), wall {t.get('launch_wall_s')} s")

@@ -80,6 +80,11 @@ class VerifyCase:
     lr: float = 0.1
     seed: int = 1234
     memory_limit: Optional[float] = None
+    # activation offload (docs/offload.md), CPU test mode: ratio 0..1 or 'auto' (with memory_limit),
+    # the transfer time K the schedule core plans with, one copy queue instead of two
+    offload_ratio: Any = None
+    offload_time: float = 0.25
+    offload_half_duplex: bool = False
     schedule_options: Dict[str, Any] = field(default_factory=dict)  # passed to install()
     config_overrides: Dict[str, Any] = field(default_factory=dict)  # passed to TransformerConfig
     grad_rtol: float = DEFAULT_GRAD_RTOL
@@ -105,6 +110,9 @@ class VerifyCase:
                   "variable_seq_lengths"):
             if getattr(self, k):
                 bits.append(k)
+        if self.offload_ratio is not None:
+            bits.append(f"offload={self.offload_ratio} K={self.offload_time:g}"
+                        + (" half-duplex" if self.offload_half_duplex else ""))
         if not self.ddp:
             bits.append("no-ddp")
         if not self.tie_embeddings:
@@ -213,6 +221,18 @@ def make_case(schedule: str, pipeline_parallel_size: int, tensor_parallel_size: 
         raise VerifyUsageError("gradient_accumulation_fusion needs ddp (it accumulates into main_grad)")
     if case.iterations < 1:
         raise VerifyUsageError("iterations must be >= 1")
+    if case.offload_ratio is not None:
+        r = case.offload_ratio
+        if r != "auto" and not (isinstance(r, (int, float)) and not isinstance(r, bool) and 0 <= r <= 1):
+            raise VerifyUsageError(f"offload ratio must be a number in 0..1 or 'auto', got {r!r}")
+        if r == "auto" and case.memory_limit is None:
+            raise VerifyUsageError("--offload-ratio auto offloads as little as fits --memory-limit: give --memory-limit")
+        if case.schedule in PSEUDO_SCHEDULES:
+            raise VerifyUsageError(f"activation offload runs with megatron-zb schedules, not {case.schedule}")
+        if not (isinstance(case.offload_time, (int, float)) and case.offload_time >= 0):
+            raise VerifyUsageError(f"offload time must be a number >= 0, got {case.offload_time!r}")
+    elif case.offload_half_duplex:
+        raise VerifyUsageError("--offload-half-duplex needs --offload-ratio")
     return case
 
 
@@ -373,6 +393,7 @@ def compare(case: VerifyCase, ranks: List[dict]) -> dict:
         "forward_only": case.forward_only,
         "per_iteration": [{k: _finite(v) if isinstance(v, float) else v for k, v in row.items()} for row in per_iter],
         "problems": problems,
+        **_offload_report(ranks),
         "megatron_core": ranks[0].get("megatron_version"),
         "case": case.describe(),
         "timing": {
@@ -386,6 +407,14 @@ def compare(case: VerifyCase, ranks: List[dict]) -> dict:
         },
     }
     return res
+
+
+def _offload_report(ranks: List[dict]) -> dict:
+    """``offload``: per rank, the offload manager's counts of every iteration (absent without)."""
+    if not any(r.get("offload") for r in ranks):
+        return {}
+    return {"offload": [{"rank": r["rank"], "pp_rank": r.get("pp_rank"), "tp_rank": r.get("tp_rank"),
+                         "iterations": r.get("offload") or []} for r in ranks]}
 
 
 def _finite(x):
@@ -518,7 +547,7 @@ def _rank_case(case: VerifyCase) -> dict:
         fb = _forward_backward_func(case, placement)
         infos = [_pl.unwrap(c).mzb_chunk_info for c in chunks]
         holds_last = any(i.post_process for i in infos)
-        losses, grads, times = [], [], []
+        losses, grads, times, offload = [], [], [], []
         for it in range(case.iterations):
             set_status(f"[{tag}] pipelined: iteration {it} forward-backward")
             M.zero_grads_(chunks)
@@ -531,6 +560,9 @@ def _rank_case(case: VerifyCase) -> dict:
                      micro_batch_size=cfg.micro_batch_size, decoder_seq_length=cfg.seq_length,
                      forward_only=case.forward_only)
             times.append(time.perf_counter() - t0)
+            stats = getattr(getattr(handle, "forward_backward", None), "offload_stats", None)
+            if stats is not None:
+                offload.append(dict(stats))
             if holds_last and tp_rank == 0:
                 losses.append(M.iteration_loss(out))
             if not case.forward_only:
@@ -545,7 +577,7 @@ def _rank_case(case: VerifyCase) -> dict:
     set_status(f"[{tag}] done")
     return {"rank": rank, "pp_rank": pp_rank, "tp_rank": tp_rank, "reference": reference,
             "losses": losses if (holds_last and tp_rank == 0) else None, "grads": grads, "times": times,
-            "wall_s": time.perf_counter() - t_start, "megatron_version": M.megatron_version(),
+            "wall_s": time.perf_counter() - t_start, "megatron_version": M.megatron_version(), "offload": offload,
             "stages": [i.stage for i in infos], "layers": [list(i.layers) for i in infos]}
 
 
@@ -556,6 +588,9 @@ def _install(case: VerifyCase):
         raise RuntimeError(f"schedule {case.schedule!r} needs megatron_zb.megatron.install, which is not "
                            f"available ({e}); the pseudo-schedules {', '.join(PSEUDO_SCHEDULES)} work without it")
     kw = dict(case.schedule_options)
+    if case.offload_ratio is not None:
+        kw.update(offload_ratio=case.offload_ratio, offload_time=case.offload_time,
+                  offload_overlap=not case.offload_half_duplex, offload_cpu_test=True)
     return install(case.schedule, chunks=case.chunks, memory_limit=case.memory_limit, **kw)
 
 
