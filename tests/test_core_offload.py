@@ -149,7 +149,7 @@ def test_searched_schedules_take_more_memory_and_offload_it_back():
 
 
 def test_half_duplex_shares_one_queue():
-    st = _setting("zb-v", 8, 32)
+    st = _setting("zb-v", 4, 12)
     base = generate("zb-v", st)
     full = simulate(O.add_offload(base, st, O.OffloadOptions(ratio=1.0, time=0.5)), st)
     half = simulate(O.add_offload(base, st, O.OffloadOptions(ratio=1.0, time=0.5, overlap=False)), st)

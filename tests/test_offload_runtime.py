@@ -231,3 +231,21 @@ def test_verify_bad_offload_flags_one_line(argv, msg, capsys):
     assert main_verify(argv) == 2
     err = capsys.readouterr().err.strip()
     assert msg in err and "\n" not in err
+
+
+@cuda
+@pytest.mark.megatron
+def test_gpu_bench_runs_one_ranks_share(tmp_path):
+    # benchmarks/bench_offload_gpu.py on a small chunk: offload saves memory on this GPU
+    import json
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "g.json"
+    subprocess.run([sys.executable, os.path.join(root, "benchmarks", "bench_offload_gpu.py"), "--hidden", "1024",
+                    "--heads", "8", "--seq", "1024", "--stages", "4", "--microbatches", "8", "--out", str(out)],
+                   check=True, cwd=root, timeout=600)
+    d = json.loads(out.read_text())
+    assert d["offload"]["max_memory_allocated_above_model_bytes"] < d["no_offload"]["max_memory_allocated_above_model_bytes"]
+    assert d["k"]["measured_k"] > 0 and d["k"]["auto_offload_time_estimate"] > 0

@@ -29,9 +29,13 @@ The model (docs/offload.md has it with the figures):
 Policy (selective offload, longest lifespan first): the lifespan of a part is the time from the
 end of the pass that produced it to the start of the pass that needs it, in the schedule without
 offload. Only parts whose lifespan leaves room for both copies and some time on the host are
-candidates. ``ratio`` R offloads on every rank R x (its F passes) activations and R x (its W
-passes) W parts, the longest-lived first; ``memory_limit`` (ratio None) offloads on each rank as
-few parts as needed to bring its peak under the limit (largest memory x time first). A RELOAD
+candidates. Selection sweeps each rank's timeline and, wherever the activation is over a level,
+offloads the part on the device whose next use is furthest away (Belady's rule, i.e. the longest
+remaining lifespan first). ``memory_limit`` (ratio None): as few parts as keep each rank under
+the limit. ``ratio`` R: at most R x (its F passes) activations and R x (its W passes) W parts per
+rank, chosen to bring the level lowest; where the host link is the bottleneck (large K) the
+queue delays copies and offloading everything can keep more memory than offloading less, so each
+rank keeps the selection its simulation says is lowest (R is an upper bound). A RELOAD
 goes at the latest point from which its copy still ends before the pass that needs it; where the
 link's queue would make that pass wait anyway, the reload moves earlier (and a part that cannot be
 back in time without waiting stays on the device). Deterministic: every rank computes the same
@@ -228,6 +232,10 @@ class OffloadResult:
                 "offloaded_share": [_r(o / f) if f else 0.0 for o, f in zip(self.offloaded, self.forwards)],
                 "stall": [_r(x) for x in self.stalls],
                 "link_busy": [_r(sum(t.end - t.start for t in tl)) for tl in self.transfers],
+                "link_busy_d2h": [_r(sum(t.end - t.start for t in tl if t.action.kind in (OFFLOAD, OFFLOAD_W)))
+                                  for tl in self.transfers],
+                "link_busy_h2d": [_r(sum(t.end - t.start for t in tl if t.action.kind in (RELOAD, RELOAD_W)))
+                                  for tl in self.transfers],
                 "peak_memory_without_offload": [_r(x) for x in self.peak_without_offload]}
 
 
@@ -540,6 +548,20 @@ def _evict(events: List[tuple], cands: List[Candidate], window: Dict[tuple, Tupl
     return chosen
 
 
+def _queued(res) -> bool:
+    """Whether any copy of a simulation waited for its queue (not just for its own D2H)."""
+    if res.offload is None:
+        return False
+    for tl in res.offload.transfers:
+        done = {}
+        for t in tl:
+            ready = max(t.issue, done.get((PART_OF[t.action.kind], t.action.stage, t.action.mb), t.issue))
+            if t.start > ready + EPS:
+                return True
+            done[(PART_OF[t.action.kind], t.action.stage, t.action.mb)] = t.end
+    return False
+
+
 def add_offload(schedule: Schedule, setting: Setting, opts: OffloadOptions) -> Schedule:
     """``schedule`` with offload actions for the parts ``opts`` selects (see the module docstring).
 
@@ -569,34 +591,50 @@ def add_offload(schedule: Schedule, setting: Setting, opts: OffloadOptions) -> S
                        T, meta)
 
     if opts.ratio is not None:
-        picked = []
+        # per rank and part: R x n parts (and, as fallbacks, 3/4, 1/2 and 1/4 of that), chosen to
+        # bring the nominal level lowest and topped up with the longest-lived; where the link is
+        # the bottleneck the queue delays the copies and offloading everything may keep more
+        # memory than offloading less: R is an upper bound and each rank keeps the option its
+        # simulation says is lowest (ties: the one that offloads more)
+        fractions = (1.0, 0.75, 0.5, 0.25)
+        options = [[[] for _ in fractions] for _ in units]
         for r, u in enumerate(units):
-            mine = []
             for part in ("B", "W"):
                 n = sum(1 for k in u.src if k[0] == part and k in u.dst
                         and (opts.chunks is None or pl.chunk_of(k[1]) < opts.chunks))
-                want = int(math.floor(opts.ratio * n + 0.5))
                 pool = [c for c in cands[r] if c.part == part]
-                if want >= len(pool):
-                    mine += pool
-                    continue
-                # the lowest level reachable with `want` parts: bisect the limit
-                lo, hi = 0.0, max(base.peak_memory[r], 0.0)
-                got = _evict(events[r], pool, window[r], hi)
-                for _ in range(40):
-                    mid = (lo + hi) / 2
-                    sel = _evict(events[r], pool, window[r], mid)
-                    if len(sel) <= want:
-                        hi, got = mid, sel
-                    else:
-                        lo = mid
-                    if hi - lo < 1e-3 * max(1.0, hi):
-                        break
-                keys = {c.key for c in got}
-                rest = [c for c in pool if c.key not in keys][:want - len(got)]  # longest lifespans
-                mine += got + rest
-            picked.append(mine)
-        sched, _ = settle(picked)
+                top = max(base.peak_memory[r], 0.0)
+                for j, frac in enumerate(fractions):
+                    want = int(math.floor(frac * opts.ratio * n + 0.5))
+                    lo, hi, got = 0.0, top, _evict(events[r], pool, window[r], top)
+                    for _ in range(40):  # the lowest level reachable with `want` parts
+                        mid = (lo + hi) / 2
+                        sel = _evict(events[r], pool, window[r], mid)
+                        if len(sel) <= want:
+                            hi, got = mid, sel
+                        else:
+                            lo = mid
+                        if hi - lo < 1e-3 * max(1.0, hi):
+                            break
+                    keys = {c.key for c in got}
+                    options[r][j] += got + [c for c in pool if c.key not in keys][:max(0, want - len(got))]
+        levels = len(fractions) - 1
+        best, seen = None, set()
+        for j in range(levels + 1):
+            sig = tuple(frozenset(c.key for c in options[r][j]) for r in range(len(units)))
+            if sig in seen:
+                continue
+            seen.add(sig)
+            sched, res = settle([options[r][j] for r in range(len(units))])
+            if j == 0 and not _queued(res):
+                return sched  # no copy waited for the link: the nominal choice is the real one
+            for r in range(len(units)):
+                key = (round(res.peak_memory[r], 9), j)
+                if best is None:
+                    best = [None] * len(units)
+                if best[r] is None or key < best[r][0]:
+                    best[r] = (key, j)
+        sched, _ = settle([options[r][best[r][1]] for r in range(len(units))])
         return sched
     # as few parts as needed under the memory limit; where the real link timing (queueing, earlier
     # reloads) still leaves a rank over, aim lower on that rank and try again
