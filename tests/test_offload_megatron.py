@@ -27,7 +27,7 @@ def _m(name, p):
     return 8 if get(name).chunks != 2 else 4 * p // 2
 
 
-def _cases():
+def _cases(profile_path):
     cases = []
     for name in FAMILIES:
         for ratio in (0.5, 1.0):
@@ -50,6 +50,8 @@ def _cases():
         V.make_case("zb-auto", 4, num_microbatches=8, iterations=2, offload_ratio="auto", offload_time=K,
                     memory_limit=3.0, label="auto under limit 3"),
         V.make_case("zb-h2", 4, num_microbatches=8, iterations=2, offload_ratio=0.0, label="ratio 0"),
+        V.make_case("zb-h1", 4, num_microbatches=8, iterations=2, offload_ratio=1.0, offload_time=K,
+                    schedule_options={"profile_window": (1, 2), "profile_path": profile_path}, label="profiled"),
         V.make_case("zb-h2", 4, num_microbatches=8, iterations=2, label="no offload"),
     ]
     cases += [V.make_case("1f1b", 4, num_microbatches=8, iterations=2, offload_ratio=r, offload_time=K,
@@ -58,8 +60,13 @@ def _cases():
 
 
 @pytest.fixture(scope="module")
-def results(mcore_path):
-    cases = _cases()
+def profile_path(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("offload") / "profile.json")
+
+
+@pytest.fixture(scope="module")
+def results(mcore_path, profile_path):
+    cases = _cases(profile_path)
     res = V.run_verify_many(cases, timeout=1500, mcore_path=mcore_path)
     return {c.label: (c, r) for c, r in zip(cases, res)}
 
@@ -115,3 +122,15 @@ def test_measured_peak_is_the_simulators(results):
         peaks[ratio] = measured
     assert peaks[0.0] == pytest.approx([4, 3, 2, 1], abs=0.05)
     assert max(peaks[1.0]) < max(peaks[0.5]) < max(peaks[0.0])
+
+
+def test_profiler_reports_the_managers_counts(results, profile_path):
+    import json
+    assert results["profiled"][1]["passed"]
+    prof = json.loads(open(profile_path).read())
+    assert prof["mem_method"].startswith("offload manager")
+    assert all(x > 0 for x in prof["mem_f"]) and prof["mem_w_source"] == "measured"
+    rows = prof["offload"]
+    assert [r["rank"] for r in rows] == [0, 1, 2, 3] and all(r["iterations"] == 2 for r in rows)
+    assert all(r["peak_resident_bytes"] > 0 and r["captured_bytes_per_forward"] > 0 for r in rows)
+    assert rows[0]["offloaded_bytes"] > 0 and rows[0]["host_allocations"][-1] == 0
