@@ -50,6 +50,8 @@ def _cases(profile_path):
         V.make_case("zb-auto", 4, num_microbatches=8, iterations=2, offload_ratio="auto", offload_time=K,
                     memory_limit=3.0, label="auto under limit 3"),
         V.make_case("zb-h2", 4, num_microbatches=8, iterations=2, offload_ratio=0.0, label="ratio 0"),
+        V.make_case("zb-v", 4, num_microbatches=8, iterations=2, offload_ratio=1.0, offload_time="auto",
+                    label="auto offload time"),
         V.make_case("zb-h1", 4, num_microbatches=8, iterations=2, offload_ratio=1.0, offload_time=K,
                     schedule_options={"profile_window": (1, 2), "profile_path": profile_path}, label="profiled"),
         V.make_case("zb-h2", 4, num_microbatches=8, iterations=2, label="no offload"),
@@ -134,3 +136,11 @@ def test_profiler_reports_the_managers_counts(results, profile_path):
     assert [r["rank"] for r in rows] == [0, 1, 2, 3] and all(r["iterations"] == 2 for r in rows)
     assert all(r["peak_resident_bytes"] > 0 and r["captured_bytes_per_forward"] > 0 for r in rows)
     assert rows[0]["offloaded_bytes"] > 0 and rows[0]["host_allocations"][-1] == 0
+
+
+def test_auto_offload_time_is_measured_once_and_agreed(results):
+    # --auto-offload-time: every rank measures (here: CPU memcpy and matmul stand-ins) and all
+    # take the largest K, so they run the same schedule (else the run would hang or fail)
+    c, r = results["auto offload time"]
+    ks = {it["offload_time"] for o in r["offload"] for it in o["iterations"]}
+    assert len(ks) == 1 and isinstance(ks.pop(), float)

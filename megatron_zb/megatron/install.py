@@ -305,7 +305,7 @@ class ZeroBubbleForwardBackward:
         for q in queues:
             q.assert_empty()
         if offload is not None:
-            self.offload_stats = offload.end_iteration()
+            self.offload_stats = dict(offload.end_iteration(), offload_time=self.options.offload_time)
             if prof is not None:
                 prof.offload_stats.append(self.offload_stats)
         if prof is not None:

@@ -432,11 +432,12 @@ class OffloadManager:
 # measurements for --auto-offload-time
 
 
-def measure_host_link(device, nbytes: int = 256 << 20, repeats: int = 5) -> dict:
+def measure_host_link(device, nbytes: Optional[int] = None, repeats: int = 5) -> dict:
     """One-way copy bandwidth between the device and (pinned) host memory, in GB/s (median).
     On a CPU this is a memcpy between two CPU tensors, and is labelled so."""
     device = torch.device(device)
     cuda = device.type == "cuda"
+    nbytes = nbytes or ((256 << 20) if cuda else (32 << 20))
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
     d2h, h2d = [], []

@@ -52,8 +52,9 @@ def _build_parser() -> argparse.ArgumentParser:
                     help="train with activation offload (CPU test mode: synchronous copies to separate CPU "
                          "buffers): this share of each rank's activations, or 'auto' (as little as fits "
                          "--memory-limit)")
-    ap.add_argument("--offload-time", type=nonneg("--offload-time"), default=0.25, metavar="K",
-                    help="transfer time the schedule core plans with, in F+B of a stage (default 0.25)")
+    ap.add_argument("--offload-time", type=_offload_time, default=0.25, metavar="K|auto",
+                    help="transfer time the schedule core plans with, in F+B of a stage (default 0.25); 'auto': "
+                         "measured at the first iteration (here: CPU memcpy and matmul stand-ins)")
     ap.add_argument("--offload-half-duplex", action="store_true", help="one copy queue instead of two")
     ap.add_argument("--grad-rtol", type=float, default=DEFAULT_GRAD_RTOL)
     ap.add_argument("--loss-atol", type=float, default=DEFAULT_LOSS_ATOL)
@@ -73,6 +74,12 @@ def _offload_ratio(text):
     if not (0.0 <= v <= 1.0):
         raise argparse.ArgumentTypeError(f"--offload-ratio takes a number in 0..1 or 'auto', got {text!r}")
     return v
+
+
+def _offload_time(text):
+    if str(text).strip().lower() == "auto":
+        return "auto"
+    return nonneg("--offload-time")(text)
 
 
 def _fmt(x) -> str:

@@ -83,7 +83,7 @@ class VerifyCase:
     # activation offload (docs/offload.md), CPU test mode: ratio 0..1 or 'auto' (with memory_limit),
     # the transfer time K the schedule core plans with, one copy queue instead of two
     offload_ratio: Any = None
-    offload_time: float = 0.25
+    offload_time: Any = 0.25  # or 'auto' (measured at the first iteration, --auto-offload-time)
     offload_half_duplex: bool = False
     schedule_options: Dict[str, Any] = field(default_factory=dict)  # passed to install()
     config_overrides: Dict[str, Any] = field(default_factory=dict)  # passed to TransformerConfig
@@ -111,7 +111,7 @@ class VerifyCase:
             if getattr(self, k):
                 bits.append(k)
         if self.offload_ratio is not None:
-            bits.append(f"offload={self.offload_ratio} K={self.offload_time:g}"
+            bits.append(f"offload={self.offload_ratio} K={self.offload_time}"
                         + (" half-duplex" if self.offload_half_duplex else ""))
         if not self.ddp:
             bits.append("no-ddp")
@@ -229,8 +229,8 @@ def make_case(schedule: str, pipeline_parallel_size: int, tensor_parallel_size: 
             raise VerifyUsageError("--offload-ratio auto offloads as little as fits --memory-limit: give --memory-limit")
         if case.schedule in PSEUDO_SCHEDULES:
             raise VerifyUsageError(f"activation offload runs with megatron-zb schedules, not {case.schedule}")
-        if not (isinstance(case.offload_time, (int, float)) and case.offload_time >= 0):
-            raise VerifyUsageError(f"offload time must be a number >= 0, got {case.offload_time!r}")
+        if case.offload_time != "auto" and not (isinstance(case.offload_time, (int, float)) and case.offload_time >= 0):
+            raise VerifyUsageError(f"offload time must be a number >= 0 or 'auto', got {case.offload_time!r}")
     elif case.offload_half_duplex:
         raise VerifyUsageError("--offload-half-duplex needs --offload-ratio")
     return case
