@@ -211,3 +211,22 @@ def test_plot_draws_the_host_link(tmp_path):
     lanes = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M" and e["tid"] in (1, 2)}
     assert lanes == {"host link: offload (D2H)", "host link: reload (H2D)"}
     assert any(e.get("cat") == "RELOAD" for e in trace["traceEvents"])
+
+
+def test_plan_offloads_what_does_not_fit(capsys):
+    from megatron_zb.core import plan as P
+    spec = P.ModelSpec(num_layers=16, hidden_size=2048, num_attention_heads=16, seq_length=2048)
+    # a 400 GB/s host link (NVLink-C2C class): K ~ 0.35 here; over PCIe (K ~ 3) nothing has time
+    plain = {r["schedule"]: r for r in P.plan(spec, 4, 8, 7.0, schedules=["zb-h2", "1f1b"]) if "error" not in r}
+    off = {r["schedule"]: r for r in P.plan(spec, 4, 8, 7.0, schedules=["zb-h2", "1f1b"], offload_ratio="auto",
+                                            host_link_gbps=400.0) if "error" not in r}
+    assert not plain["zb-h2"]["fits"] and off["zb-h2"]["fits"] and plain["1f1b"]["fits"]
+    assert off["zb-h2"]["makespan_s"] < off["1f1b"]["makespan_s"]  # the faster schedule now fits
+    assert sum(off["1f1b"]["offload"]["offloaded"]) == 0  # it fitted already: nothing moves
+    assert max(off["zb-h2"]["activation_bytes"]) < max(plain["zb-h2"]["activation_bytes"])
+    assert "--cpu-offload" in off["zb-h2"]["flags"] and off["zb-h2"]["offload"]["offloaded"][0] > 0
+    assert cli.main(["plan", "--num-layers", "16", "--hidden-size", "2048", "--num-attention-heads", "16",
+                     "--seq-length", "2048", "--pipeline-parallel-size", "4", "--num-microbatches", "8",
+                     "--gpu-memory-gb", "12", "--offload-time", "0.5", "--host-link-gbps", "50",
+                     "--offload-ratio", "auto"]) == 2
+    assert "not both" in capsys.readouterr().err

@@ -46,7 +46,7 @@ def _cases(profile_path):
                     offload_time=K, overlap_grad_reduce=True, gradient_accumulation_fusion=True,
                     config_overrides={"deallocate_pipeline_outputs": True}, label="ddp overlap + gaf + dealloc"),
         V.make_case("zb-h2", 4, num_microbatches=8, iterations=2, offload_ratio=1.0, offload_time=K,
-                    offload_half_duplex=True, label="half duplex"),
+                    offload_half_duplex=True, ddp=False, label="half duplex, no ddp"),
         V.make_case("zb-auto", 4, num_microbatches=8, iterations=2, offload_ratio="auto", offload_time=K,
                     memory_limit=3.0, label="auto under limit 3"),
         V.make_case("zb-h2", 4, num_microbatches=8, iterations=2, offload_ratio=0.0, label="ratio 0"),

@@ -57,7 +57,8 @@ def manager_for(fb, models, queues, chunk_of, *_unused) -> OffloadManager:
     mgr.w_tensors = lambda stage, mb: queues[chunk_of[stage]].held_tensors(mb)
     mgr.ignore(p for m in models for p in m.parameters())
     for m in models:  # megatron DDP keeps parameters (and main grads) in contiguous buffers
-        for buf in getattr(m, "buffers", []) or []:
+        bufs = getattr(m, "buffers", None)  # (a plain module's .buffers is a method)
+        for buf in bufs if isinstance(bufs, (list, tuple)) else []:
             for name in ("param_data", "grad_data"):
                 t = getattr(buf, name, None)
                 if isinstance(t, torch.Tensor):
