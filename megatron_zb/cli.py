@@ -43,6 +43,9 @@ def _add_setting_args(ap: argparse.ArgumentParser, schedule_required: bool = Tru
     ap.add_argument("--cost-w", type=number_list("--cost-w"), default=[1.0], help="W time (default 1)")
     ap.add_argument("--cost-comm", type=nonneg("--cost-comm"), default=0.0,
                     help="time of one hop between ranks (default 0)")
+    ap.add_argument("--cost-sync", type=nonneg("--cost-sync"), default=0.0,
+                    help="replicated stages (bitpipe): time of the gradient all-reduce between the replicas "
+                         "of a whole stage, overlapped with the remaining passes (default 0)")
     ap.add_argument("--mem-f", type=number_list("--mem-f"), default=[1.0],
                     help="activation one F allocates on a stage (default 1)")
     ap.add_argument("--mem-w", type=number_list("--mem-w"), default=None,
@@ -107,7 +110,7 @@ def _setting(args, stages=None, microbatches=None, chunks=None) -> Setting:
     return Setting(p, m, chunks=chunks if chunks is not None else args.chunks,
                    cost_f=args.cost_f, cost_b=args.cost_b, cost_w=args.cost_w,
                    cost_comm=args.cost_comm, mem_f=args.mem_f, mem_w=args.mem_w,
-                   memory_limit=args.memory_limit)
+                   memory_limit=args.memory_limit, cost_sync=args.cost_sync)
 
 
 def _build(args):
@@ -178,6 +181,11 @@ def cmd_simulate(args) -> int:
               + " ".join(str(x) for x in o["offloaded"]) + "; W parts " + " ".join(str(x) for x in o["offloaded_w"]))
         print("without it    " + " ".join(f"{x:g}" for x in o["peak_memory_without_offload"])
               + "   (peak memory per rank)")
+    if "weight_copies" in d:
+        print("weights       " + " ".join(f"{x:g}" for x in d["weight_copies"]) +
+              "   (per rank, in 1F1B stages: replicated stages hold a second copy)")
+        last = max((s["end"] for s in d["gradient_syncs"]), default=0.0)
+        print(f"replica sync  {len(d['gradient_syncs'])} all-reduces, the last ends at {last:g}")
     return 0
 
 

@@ -203,3 +203,36 @@ def rank_case_with_stub_install(case):
     r = verify._rank_case(case)
     r["stub_calls"] = list(_STUB_CALLS)
     return r
+
+
+# -- replicated stages (runtime/replica.py, install's first-call check) -------------------------
+
+def replica_sync_and_check(case):
+    """Two ranks, each holding one copy of logical stages 0 and 1: the gradient all-reduce sums
+    copies (whatever order the ranks start them in); replicas with different weights are refused."""
+    import torch
+    import torch.distributed as dist
+    from megatron_zb.core.ir import Placement
+    from megatron_zb.megatron.install import ZeroBubbleConfigError, _check_replicas_equal
+    from megatron_zb.runtime.replica import ReplicaGradSync, ReplicaGroups
+    me = dist.get_rank()
+    pl = Placement.bitpipe(2)
+    groups = ReplicaGroups([0, 1], {l: [pl.rank_of(pl.path(k)[l]) for k in range(2)] for l in range(4)})
+    sync = ReplicaGradSync(groups, timeout_s=60)
+    grads = {l: torch.full((3,), float(10 * l + me + 1)) for l in range(4)}
+    for l in (range(4) if me == 0 else reversed(range(4))):  # opposite orders on the two ranks
+        sync.start(l, [grads[l]])
+    sync.finish()
+    out = {"sums": {l: grads[l].tolist() for l in range(4)}}
+    stages = pl.stages_of(me)
+    models = [torch.nn.Linear(2, 2) for _ in stages]
+    for mdl in models:
+        with torch.no_grad():
+            for prm in mdl.parameters():
+                prm.fill_(0.5 + (case == "differ" and me == 1 and mdl is models[0]))
+    try:
+        _check_replicas_equal(models, stages, pl, groups)
+        out["check"] = "ok"
+    except ZeroBubbleConfigError as e:
+        out["check"] = str(e)
+    return out

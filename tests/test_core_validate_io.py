@@ -47,14 +47,15 @@ def test_memory_limit():
 
 @pytest.mark.parametrize("name", names())
 def test_json_round_trip(name):
-    st = Setting(4, 6, chunks=get(name).default_chunks if get(name).chunks is None else None)
+    m = 8 if name == "bitpipe" else 6  # bitpipe: microbatches in units of the pipeline size
+    st = Setting(4, m, chunks=get(name).default_chunks if get(name).chunks is None else None)
     s = generate(name, st)
     s2 = sio.from_json(sio.to_json(s))
-    assert s2.orders == s.orders and s2.placement == s.placement and s2.num_microbatches == 6
+    assert s2.orders == s.orders and s2.placement == s.placement and s2.num_microbatches == m
     assert s2.name == s.name
 
 
-@pytest.mark.parametrize("name", names())
+@pytest.mark.parametrize("name", [n for n in names() if get(n).models_per_rank is None])  # no replicas in CSV
 def test_csv_round_trip(name):
     st = Setting(4, 6, chunks=get(name).default_chunks if get(name).chunks is None else None)
     s = generate(name, st)

@@ -88,6 +88,10 @@ RUNS = {
     # the ZB fork's offload flags (CPU test mode: synchronous copies to separate CPU buffers)
     "zb-h1/offload": dict(SCHEDULE="zb-h1", EXTRA_ARGS="--cpu-offload --offload-time 0.1 --offload-chunk-num 1 "
                                                       "--offload-overlap-sr --zero-bubble-offload-cpu-test"),
+    # replicated stages: deterministic init is implied (the replicas must start equal)
+    "bitpipe": dict(SCHEDULE="bitpipe"),
+    "zeropp/det": dict(SCHEDULE="zeropp",
+                       EXTRA_ARGS="--num-virtual-stages-per-pipeline-rank 2 --zero-bubble-deterministic-init"),
 }
 
 
@@ -154,6 +158,23 @@ def test_v_placement_equals_1f1b_from_the_same_weights(trainings):
     assert re.search(r"pipeline rank 1 chunk 1: stage 2 of 4, layers 2-2\b", text)
     for (i, _, _, la), (_, _, _, lb) in zip(ref, v):
         assert lb == pytest.approx(la, rel=2e-6), f"iteration {i}: 1f1b {la} vs zb-v {lb}"
+
+
+@pytest.mark.megatron
+@pytest.mark.dist
+@needs_training
+@pytest.mark.parametrize("name", ["bitpipe", "zeropp/det"])
+def test_field_schedules_equal_1f1b_from_the_same_weights(trainings, name):
+    """Adam with gradient clipping: the replicas' gradients are summed and counted once in the norm."""
+    text, rows = _check_ok(trainings, name)
+    _, ref = _check_ok(trainings, "1f1b/det")
+    if name == "bitpipe":
+        assert "bitpipe placement, 4 chunk(s) per rank" in text
+        # rank 1 holds the up direction's embedding and loss (logical stages 0 and 3 of path 1)
+        assert re.search(r"pipeline rank 1 chunk 2: stage 0 of 4 \(path 1\), layers 0-0, embedding", text)
+        assert re.search(r"pipeline rank 1 chunk 3: stage 3 of 4 \(path 1\), layers 3-3, loss", text)
+    for (i, _, _, la), (_, _, _, lb) in zip(ref, rows):
+        assert lb == pytest.approx(la, rel=2e-6), f"iteration {i}: 1f1b {la} vs {name} {lb}"
 
 
 # --------------------------------------------------------------------------------------------

@@ -14,7 +14,8 @@ tags, and no pair can wait on each other in opposite orders.
 Action fields for messages: ``stage`` is the stage of the rank that holds the action (SEND_F:
 the producing stage s, its peer holds s+1; RECV_F: the consuming stage s, its peer holds s-1;
 SEND_B: the stage whose input gradient is sent to s-1; RECV_B: the stage whose output gradient
-comes from s+1), ``peer`` the other rank.
+comes from s+1), ``peer`` the other rank. With replicated stages s-1 and s+1 are the neighbours
+along the stage's path.
 """
 from __future__ import annotations
 
@@ -47,7 +48,6 @@ def lower(schedule: Schedule, setting: Optional[Setting] = None) -> Schedule:
                 gaps[n].append(a)
         local.append(gaps)
     pl = schedule.placement
-    nst = pl.num_stages
     st = setting or Setting(pl.num_ranks, max(1, schedule.num_microbatches), chunks=pl.chunks)
     res = simulate(schedule, st)
     # (rank, position) of every compute pass, and its simulated start/end
@@ -58,10 +58,11 @@ def lower(schedule: Schedule, setting: Optional[Setting] = None) -> Schedule:
         for i, t in enumerate(tl):
             a = t.action
             msgs = []
-            if a.kind == F and a.stage + 1 < nst and pl.rank_of(a.stage + 1) != q:
-                msgs.append((SEND_F, RECV_F, a.stage + 1))
-            if a.kind in (B, BW) and a.stage > 0 and pl.rank_of(a.stage - 1) != q:
-                msgs.append((SEND_B, RECV_B, a.stage - 1))
+            nxt, prev = pl.next_stage(a.stage), pl.prev_stage(a.stage)
+            if a.kind == F and nxt is not None and pl.rank_of(nxt) != q:
+                msgs.append((SEND_F, RECV_F, nxt))
+            if a.kind in (B, BW) and prev is not None and pl.rank_of(prev) != q:
+                msgs.append((SEND_B, RECV_B, prev))
             for send_kind, recv_kind, dst_stage in msgs:
                 r = pl.rank_of(dst_stage)
                 key = (t.end, q, i)
@@ -109,6 +110,7 @@ def forward_only(schedule: Schedule) -> Schedule:
 def check_pair_order(lowered: Schedule) -> None:
     """Every pair of ranks sees its messages in the same order on both sides; each RECV is
     posted before the pass that consumes it and each SEND comes after its producer."""
+    pl = lowered.placement
     pair_seq: Dict[Tuple[int, int], Dict[int, list]] = defaultdict(dict)
     for r, order in enumerate(lowered.orders):
         done = set()
@@ -133,7 +135,7 @@ def check_pair_order(lowered: Schedule) -> None:
                     raise ScheduleError(f"rank {r} position {i}: {a} is posted after its consumer")
                 src, dst = a.peer, r
                 # name the message by its producer's stage so both sides agree
-                ps = a.stage - 1 if a.kind == RECV_F else a.stage + 1
+                ps = pl.prev_stage(a.stage) if a.kind == RECV_F else pl.next_stage(a.stage)
                 msg = ("F" if a.kind == RECV_F else "B", ps, a.mb, src, dst)
             seqs[tuple(sorted((src, dst)))].append(msg)
         for pair, seq in seqs.items():

@@ -13,6 +13,7 @@ LayerNorm/dropout part by t as well), of which M_W = 32 s b h / t is still held 
 The loss stage adds its fp32 logits (4 s b V / t), the embedding stage its output (2 s b h).
 Model states: 18 bytes per parameter (bf16 weight, fp32 main grad, fp32 master weight and two
 Adam moments; the distributed optimizer divides the 12 optimizer bytes by the data-parallel size).
+Replicated stages (bitpipe) hold both replicas' weights: twice a 1F1B rank's model states.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
-from .ir import ScheduleError, Setting
+from .ir import Placement, ScheduleError, Setting
 from .schedules import generate, get, names
 from .simulate import simulate
 
@@ -104,7 +105,13 @@ def layer_split(num_layers: int, num_stages: int, pad_ends: bool = False) -> Lis
 
 def stage_costs(spec: ModelSpec, p: int, v: int, placement_style: str, tflops: float, efficiency: float,
                 pad_ends: bool):
-    """Per-rank (cost_f, cost_b, cost_w in seconds; mem_f, mem_w in bytes; state bytes)."""
+    """Per-rank (cost_f, cost_b, cost_w in seconds; mem_f, mem_w in bytes; state bytes).
+
+    'bitpipe' (replicated stages, two paths): costs and activations are those of one path's chunks
+    on the rank (a microbatch runs through one path), averaged over the two paths; model states count
+    all four chunks (both replicas' weights)."""
+    if placement_style == "bitpipe":
+        return _replicated_stage_costs(spec, Placement.bitpipe(p), tflops, efficiency, pad_ends)
     nst = p * v
     counts = layer_split(spec.num_layers, nst, pad_ends)
     if placement_style == "v":
@@ -137,6 +144,37 @@ def stage_costs(spec: ModelSpec, p: int, v: int, placement_style: str, tflops: f
     return cf, cb, cw, mf, mw, [spec.state_bytes(x) for x in params], counts
 
 
+def _replicated_stage_costs(spec: ModelSpec, pl: Placement, tflops: float, efficiency: float, pad_ends: bool):
+    p, S, k = pl.num_ranks, pl.num_logical_stages, pl.num_paths
+    counts = layer_split(spec.num_layers, S, pad_ends)
+    lf, of = spec.layer_flops(), spec.output_flops()
+    m_b, m_w = spec.layer_activation_bytes()
+    speed = tflops * 1e12 * efficiency
+    b, sq, h, vv, t = spec.micro_batch_size, spec.seq_length, spec.hidden_size, spec.vocab_size, spec.tensor_parallel_size
+    cf, cb, cw, mf, mw, params = ([0.0] * p for _ in range(6))
+    for s in range(pl.num_stages):
+        r, l = pl.rank_of(s), pl.logical(s)
+        n = counts[l]
+        cf[r] += n * lf[0] / speed / k
+        cb[r] += n * lf[1] / speed / k
+        cw[r] += n * lf[2] / speed / k
+        mf[r] += n * m_b / k
+        mw[r] += n * m_w / k
+        params[r] += n * spec.params_per_layer()
+        if l == S - 1:  # output layer and loss of this path
+            cf[r] += of[0] / speed / k
+            cb[r] += of[1] / speed / k
+            cw[r] += of[2] / speed / k
+            mf[r] += 4.0 * sq * b * vv / t / k
+            mw[r] += 2.0 * sq * b * h / t / k
+            if pl.rank_of(pl.path(pl.path_of(s))[0]) != r:
+                params[r] += vv * h / t
+        if l == 0:
+            mf[r] += 2.0 * sq * b * h / k
+            params[r] += vv * h / t
+    return cf, cb, cw, mf, mw, [spec.state_bytes(x) for x in params], counts
+
+
 def plan(spec: ModelSpec, pipeline_parallel_size: int, microbatches: int, gpu_memory_gb: float,
          tflops: float = GPU_PEAK_TFLOPS["h100"], efficiency: float = 0.5, profile: Optional[dict] = None,
          schedules: Optional[List[str]] = None, pad_ends: bool = False, interleave_chunks: int = 2,
@@ -159,7 +197,8 @@ def plan(spec: ModelSpec, pipeline_parallel_size: int, microbatches: int, gpu_me
     for name in schedules or names():
         sp = get(name)
         v = sp.resolve_chunks(interleave_chunks if sp.chunks is None else None)
-        style = "v" if sp.chunks == 2 and name not in ("interleaved-1f1b", "looped-bfs") else \
+        style = "bitpipe" if sp.models_per_rank else \
+            "v" if sp.chunks == 2 and name not in ("interleaved-1f1b", "looped-bfs") else \
             ("looped" if v > 1 else "single")
         if v * p > spec.num_layers + (2 if pad_ends else 0):
             rows.append({"schedule": name, "error": f"{spec.num_layers} layers < {v * p} model chunks"})
@@ -195,6 +234,7 @@ def plan(spec: ModelSpec, pipeline_parallel_size: int, microbatches: int, gpu_me
         row = {"schedule": name, "chunks": v, "makespan_s": res.makespan, "bubble_rate": res.bubble_rate,
                "activation_bytes": act_bytes, "state_bytes": states, "peak_bytes": total,
                "fits": max(total) <= budget, "layers_per_stage": counts,
+               "weight_copies": res.weight_copies or [1.0] * p,
                "flags": _flags(name, p, v, limit_units, counts, pad_ends)}
         if res.offload is not None:
             o = res.offload.to_dict()
@@ -231,7 +271,7 @@ def _flags(name, p, v, limit_units, counts, pad_ends):
     f = [f"--pipeline-model-parallel-size {p}", f"--zero-bubble-schedule {name}"]
     if name in ("zb-auto", "v-auto") and limit_units:
         f.append(f"--zero-bubble-memory-limit {math.floor(limit_units * 100) / 100:g}")
-    if name in ("interleaved-1f1b", "looped-bfs"):
+    if name in ("interleaved-1f1b", "looped-bfs", "interleaved-zb", "zeropp"):
         f.append(f"--num-layers-per-virtual-pipeline-stage {max(1, min(counts))}")
     if pad_ends:
         f.append("--allow-padding-num-layers")

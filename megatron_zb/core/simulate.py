@@ -3,9 +3,18 @@
 Contract (product brief): every rank runs its compute passes in list order, each at the earliest
 time its dependencies and the rank's previous pass allow. A dependency on a pass of another rank
 is charged ``cost_comm``; one on the same rank (e.g. the V turn-around) is not. Communication
-actions of a lowered schedule take no time here. OFFLOAD/RELOAD actions (``core.offload``) run on
-the rank's host link (``core.offload.HostLinks``): a B waits for its reload, and the offloaded
-activation leaves ``peak_memory`` between the end of its offload and the start of its reload.
+actions of a lowered schedule take no time here.
+
+Replicated stages (``Placement.paths``): the replicas of a logical stage all-reduce their weight
+gradients once every replica has run its last backward pass (B, BW or W). The all-reduce takes
+``cost_sync / chunks`` and runs beside the compute (it only occupies the link between the
+replicas' ranks, one all-reduce at a time per rank); a rank is done when its last pass and its
+last all-reduce are. So an early sync is hidden behind the remaining passes and only the tail
+shows, which is what eager gradient synchronisation buys.
+
+OFFLOAD/RELOAD actions (``core.offload``) run on the rank's host link (``core.offload.HostLinks``):
+a B waits for its reload, and the offloaded activation leaves ``peak_memory`` between the end of
+its offload and the start of its reload.
 """
 from __future__ import annotations
 
@@ -36,6 +45,10 @@ class SimResult:
     spans: List[float]
     busy: List[float]
     timeline: List[List[Timed]] = field(repr=False)
+    # replicated stages only: (logical stage, ranks, start, end) of each gradient all-reduce, and
+    # the model weights each rank holds in 1F1B stages (2 where it holds two replicas' worth)
+    syncs: List[Tuple[int, Tuple[int, ...], float, float]] = field(default_factory=list, repr=False)
+    weight_copies: Optional[List[float]] = None
     offload: Optional[object] = field(default=None, repr=False)  # core.offload.OffloadResult
 
     def to_dict(self) -> dict:
@@ -51,6 +64,10 @@ class SimResult:
             "peak_memory": [_r(x) for x in self.peak_memory],
             "spans": [_r(x) for x in self.spans],
             "busy": [_r(x) for x in self.busy],
+            **({"weight_copies": [_r(x) for x in self.weight_copies],
+                "gradient_syncs": [{"logical_stage": l, "ranks": list(rk), "start": _r(a), "end": _r(b)}
+                                   for l, rk, a, b in self.syncs]}
+               if self.weight_copies is not None else {}),
         }
         if self.offload is not None:
             d["offload"] = self.offload.to_dict()
@@ -99,7 +116,7 @@ def simulate(schedule: Schedule, setting: Setting) -> SimResult:
                     continue
                 ready = clock[r]
                 ok = True
-                for dk, ds, dmb in deps(a, nst):
+                for dk, ds, dmb in deps(a, nst, pl):
                     t = done.get((dk, ds, dmb))
                     if t is None:
                         ok = False
@@ -126,10 +143,15 @@ def simulate(schedule: Schedule, setting: Setting) -> SimResult:
                      for r in range(len(orders)) if pos[r] < len(orders[r])]
             raise Deadlock("schedule deadlocks: " + "; ".join(stuck))
 
+    syncs = _replica_syncs(timeline, pl, setting) if pl.replicated else []
+    finish = [tl[-1].end if tl else 0.0 for tl in timeline]
+    for _, ranks, _, end in syncs:
+        for r in ranks:
+            finish[r] = max(finish[r], end)
     spans, busy, peaks = [], [], []
     for r, tl in enumerate(timeline):
         if tl:
-            spans.append(tl[-1].end - tl[0].start)
+            spans.append(finish[r] - tl[0].start)
             busy.append(sum(t.end - t.start for t in tl))
         else:
             spans.append(0.0)
@@ -142,8 +164,39 @@ def simulate(schedule: Schedule, setting: Setting) -> SimResult:
     makespan = max(spans) if spans else 0.0
     p = len(orders)
     bubble = 1.0 - sum(busy) / (p * makespan) if makespan > 0 else 0.0
+    copies = [pl.weight_copies(r) for r in range(p)] if pl.replicated else None
     return SimResult(schedule.name, setting.stages, schedule.num_microbatches, pl.chunks,
-                     makespan, bubble, peaks, spans, busy, timeline, offload)
+                     makespan, bubble, peaks, spans, busy, timeline, syncs, copies, offload)
+
+
+def _replica_syncs(timeline: List[List[Timed]], pl, setting: Setting):
+    """When each logical stage's replica all-reduce runs (see the module docstring)."""
+    last_end: Dict[int, float] = {}  # physical stage -> end of its last backward pass
+    for tl in timeline:
+        for t in tl:
+            if t.action.kind in (B, BW, W):
+                last_end[t.action.stage] = max(last_end.get(t.action.stage, 0.0), t.end)
+    jobs = []
+    for l in range(pl.num_logical_stages):
+        reps = [p[l] for p in pl.paths]
+        ran = [s for s in reps if s in last_end]
+        if len(ran) < 2:  # a replica no microbatch went through: nothing to sum
+            continue
+        ranks = tuple(sorted({pl.rank_of(s) for s in ran}))
+        jobs.append((max(last_end[s] for s in ran), l, ranks))
+    link_free = [0.0] * pl.num_ranks
+    dur = setting.cost_sync / pl.chunks
+    out = []
+    for ready, l, ranks in sorted(jobs):
+        if len(ranks) < 2:  # both replicas on one rank: a local sum, no link
+            out.append((l, ranks, ready, ready))
+            continue
+        start = max([ready] + [link_free[r] for r in ranks])
+        end = start + dur
+        for r in ranks:
+            link_free[r] = end
+        out.append((l, ranks, start, end))
+    return out
 
 
 def memory_trace(order: List[Action], rank: int, setting: Setting) -> List[float]:

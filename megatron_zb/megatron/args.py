@@ -476,9 +476,12 @@ def validate_zero_bubble_args(args, *, before_megatron_validation: Optional[bool
                   f"megatron-zb schedule {name}")
 
     # -- model layout ------------------------------------------------------------------------------
-    if style == "v":
-        if nlpvs is not None or nvspr not in (None, 2) or (not before_megatron_validation and vpp not in (None, 2)):
-            raise err(f"schedule {name} places 2 model chunks per rank in V order itself; drop "
+    if style in ("v", "bitpipe"):
+        models = 4 if style == "bitpipe" else 2
+        what = "in BitPipe order (two V pipelines)" if style == "bitpipe" else "in V order"
+        if nlpvs is not None or nvspr not in (None, models) or \
+                (not before_megatron_validation and vpp not in (None, models)):
+            raise err(f"schedule {name} places {models} model chunks per rank {what} itself; drop "
                       "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank")
         for dest, flag in (("pipeline_model_parallel_layout", "--pipeline-model-parallel-layout"),
                            ("decoder_first_pipeline_num_layers", "--decoder-first-pipeline-num-layers"),
@@ -502,8 +505,11 @@ def validate_zero_bubble_args(args, *, before_megatron_validation: Optional[bool
                 if (L + 2) % S or (L + 2) // S < 2:
                     raise err(f"--allow-padding-num-layers with V schedule {name} needs --num-layers = k x {S} - 2 "
                               f"(k >= 2, first and last stage one layer less), got {L}")
-        args.num_virtual_stages_per_pipeline_rank = 2
+        args.num_virtual_stages_per_pipeline_rank = models
         chunks = 2
+        if style == "bitpipe" and not getattr(args, "zero_bubble_deterministic_init", False):
+            # the two replicas of every stage must start identical: draw every weight from its global name
+            args.zero_bubble_deterministic_init = True
     elif style == "looped":
         if layout is not None:
             raise err(f"--pipeline-model-parallel-layout cannot be combined with megatron-zb schedule {name}")

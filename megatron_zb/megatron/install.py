@@ -31,7 +31,9 @@ from ..core.validate import validate
 from ..runtime.executor import StagePasses, execute
 from ..runtime.p2p import P2P, PairGroups
 from ..runtime.profiler import PassProfiler, ProfileError, auto_replans, profile_to_setting_kwargs
+from ..runtime.replica import ReplicaGradSync, ReplicaGroups, grads_of
 from ..runtime.wqueue import WQueue
+from .placement import grad_of
 from .wgrad import attach_wgrad_queue
 
 
@@ -48,6 +50,7 @@ class ScheduleOptions:
     cost_b: Any = 1.0
     cost_w: Any = 1.0
     cost_comm: float = 0.0
+    cost_sync: float = 0.0  # replicated stages (bitpipe): the replica gradient all-reduce of a stage
     mem_w: Optional[float] = None
     timeout_s: float = 300.0
     overlap: Optional[Callable] = None  # overlap(run_f, run_b) for overlapped F&B pairs (dualpipe-v)
@@ -85,6 +88,8 @@ class ZeroBubbleForwardBackward:
         self.spec = spec
         self._schedules: Dict[tuple, Schedule] = {}
         self._groups: Dict[tuple, PairGroups] = {}
+        self._replica_groups: Dict[tuple, ReplicaGroups] = {}
+        self._replicas_checked = False
         self._queues: Dict[int, WQueue] = {}
         self.last_schedule: Optional[Schedule] = None
         self.pass_times: Optional[List] = None  # set to a list to record (kind, stage, mb, s)
@@ -125,16 +130,19 @@ class ZeroBubbleForwardBackward:
                 c = self.spec.resolve_chunks(chunks if self.spec.chunks is None else None)
             except ScheduleError as e:
                 raise ZeroBubbleConfigError(str(e)) from None
-            if c != chunks:
+            want = self.spec.models(c)
+            if want != chunks:
+                how = (f", i.e. virtual pipeline size {want} in the order of "
+                       f"megatron_zb.megatron.placement.make_placement('bitpipe', {p}))" if self.spec.models_per_rank
+                       else ", i.e. virtual pipeline size 2 in V order)" if self.spec.chunks == 2 else ")")
                 raise ZeroBubbleConfigError(
-                    f"schedule {o.schedule} runs {c} model chunk(s) per rank, but Megatron passed {chunks} "
-                    f"(build the model with {c} chunk(s) per pipeline rank"
-                    + (", i.e. virtual pipeline size 2 in V order)" if self.spec.chunks == 2 else ")"))
+                    f"schedule {o.schedule} runs {want} model chunk(s) per rank, but Megatron passed {chunks} "
+                    f"(build the model with {want} chunk(s) per pipeline rank" + how)
             try:
                 setting = Setting(p, m, chunks=c, cost_f=o.cost_f, cost_b=o.cost_b, cost_w=o.cost_w,
                                   cost_comm=o.cost_comm,
                                   mem_w=None if o.mem_w is None else [o.mem_w],
-                                  memory_limit=o.memory_limit)
+                                  memory_limit=o.memory_limit, cost_sync=o.cost_sync)
                 if o.offload_ratio is not None and not forward_only:
                     from .offload import offload_schedule
                     sched = offload_schedule(o, setting, c)
@@ -158,11 +166,20 @@ class ZeroBubbleForwardBackward:
         return self._queues[key]
 
     def groups(self, pp_ranks: List[int], placement: Placement) -> PairGroups:
-        pairs = {(placement.rank_of(s), placement.rank_of(s + 1)) for s in range(placement.num_stages - 1)}
+        pairs = {(placement.rank_of(s), placement.rank_of(n)) for s in range(placement.num_stages)
+                 for n in [placement.next_stage(s)] if n is not None}
         key = (tuple(pp_ranks), tuple(sorted(pairs)))
         if key not in self._groups or not self._groups[key].alive():
             self._groups[key] = PairGroups(pp_ranks, pairs)
         return self._groups[key]
+
+    def replica_groups(self, pp_ranks: List[int], placement: Placement) -> ReplicaGroups:
+        members = {l: [placement.rank_of(placement.path(k)[l]) for k in range(placement.num_paths)]
+                   for l in range(placement.num_logical_stages)}
+        key = (tuple(pp_ranks), tuple(sorted((l, tuple(v)) for l, v in members.items())))
+        if key not in self._replica_groups or not self._replica_groups[key].alive():
+            self._replica_groups[key] = ReplicaGroups(pp_ranks, members)
+        return self._replica_groups[key]
 
     # -- megatron's forward_backward_func ----------------------------------------------------
     def __call__(self, *, forward_step_func, data_iterator, model, num_microbatches: int,
@@ -205,6 +222,19 @@ class ZeroBubbleForwardBackward:
         pp_ranks = dist.get_process_group_ranks(pp_group)
         p2p = P2P(self.groups(pp_ranks, pl), me, timeout_s=self.options.timeout_s,
                   exchange_shapes=bool(config.variable_seq_lengths))
+        replicated = pl.replicated
+        sync = None
+        if replicated:
+            if not isinstance(data_iterator, list) and len(models) > 1 and data_iterator is not None:
+                raise ZeroBubbleConfigError(f"{self.options.schedule}: replicated stages need one data iterator per "
+                                            "model chunk (a list, as Megatron passes for virtual pipelines)")
+            iters = [_RoutedIterator(it) for it in iters]
+            groups = self.replica_groups(pp_ranks, pl)
+            if not forward_only:
+                if not self._replicas_checked:
+                    _check_replicas_equal(models, stages, pl, groups)
+                    self._replicas_checked = True
+                sync = ReplicaGradSync(groups, timeout_s=self.options.timeout_s)
         queues = [self.queue(m) for m in models] if not forward_only else []
         cp_size = cp_group.size() if cp_group is not None else 1
         offload = None
@@ -240,20 +270,26 @@ class ZeroBubbleForwardBackward:
                     stack.enter_context(fn())
                     sync_off[c] = stack
         first_f_done = set()
+        mb_of_entry: List[int] = []  # microbatch of each forward_data_store entry (replicated: merged by mb)
+        deferred_grad_sync: List[int] = []
         bwd_kwargs = {"model_type": _model_type(models[0])} if "model_type" in inspect.signature(S.backward_step).parameters else {}
 
         def forward(stage, mb, inp):
             nonlocal total_num_tokens
             c = chunk_of[stage]
-            if c not in first_f_done:
+            first = c not in first_f_done  # mb 0 except on a replica (it sees its path's microbatches)
+            if first:
                 first_f_done.add(c)
                 if param_sync[c] is not None and c > 0 and not forward_only:
                     param_sync[c](models[c].parameters())
+            if replicated:
+                iters[c].target = mb
             out, num_tokens = S.forward_step(
                 forward_step_func, iters[c], models[c], num_microbatches, inp, forward_data_store,
                 config, cp_size, collect_non_loss_data, None,
-                is_first_microbatch=S.check_first_val_step(first_val_step, forward_only, mb == 0),
-                current_microbatch=mb, vp_stage=None, is_last_stage=(stage == nst - 1))
+                is_first_microbatch=S.check_first_val_step(first_val_step, forward_only, first),
+                current_microbatch=mb, vp_stage=None, is_last_stage=pl.is_last(stage))
+            mb_of_entry.extend([mb] * (len(forward_data_store) - len(mb_of_entry)))
             total_num_tokens += num_tokens
             return out
 
@@ -273,6 +309,13 @@ class ZeroBubbleForwardBackward:
 
         def after_last_backward(stage):
             c = chunk_of[stage]
+            if sync is not None and sync.start(pl.logical(stage), grads_of(models[c].parameters(), grad_of)):
+                # replica sum first; the data-parallel reduction of this chunk starts after it
+                if grad_sync[c] is not None:
+                    if c in sync_off:
+                        sync_off.pop(c).close()
+                    deferred_grad_sync.append(c)
+                return
             if grad_sync[c] is not None:
                 if c in sync_off:
                     sync_off.pop(c).close()
@@ -308,6 +351,16 @@ class ZeroBubbleForwardBackward:
             self.offload_stats = dict(offload.end_iteration(), offload_time=self.options.offload_time)
             if prof is not None:
                 prof.offload_stats.append(self.offload_stats)
+        if replicated:
+            for it in iters:
+                it.drain(num_microbatches)
+            if sync is not None:
+                sync.finish()
+                for c in deferred_grad_sync:
+                    grad_sync[c](models[c].parameters())
+            forward_data_store = _merge_losses(forward_data_store, mb_of_entry, pl, me, pp_group)
+            if config.calculate_per_token_loss and not forward_only:
+                dist.all_reduce(total_num_tokens, group=pp_group)  # the loss stages of every path
         if prof is not None:
             profile = prof.end_iteration(self.iterations, placement=pl, num_microbatches=num_microbatches,
                                          rank=me, group=pp_group, p2p=p2p, shape=shape,
@@ -370,17 +423,120 @@ def _call_finalize(config, models, num_tokens, pg_collection, force_all_reduce):
 
 
 def _check_forward_order(sched: Schedule) -> None:
-    """Megatron's data iterators are read in order: each stage's forwards must run mb 0, 1, ..."""
+    """Megatron's data iterators are read in order: each stage's forwards must run mb 0, 1, ...
+    (with replicated stages: its path's microbatches in increasing order)."""
+    routed = sched.placement.replicated
     for r, order in enumerate(sched.flat().orders):
         nxt = {}
         for i, a in enumerate(order):
             if a.kind == F:
                 want = nxt.get(a.stage, 0)
-                if a.mb != want:
+                if (a.mb < want) if routed else (a.mb != want):
                     raise ZeroBubbleConfigError(
                         f"rank {r} position {i}: {a} runs before F{a.stage}.{want}; the runtime reads "
                         "each stage's data iterator in order, so forwards must follow microbatch order")
                 nxt[a.stage] = want + 1
+
+
+class _RoutedIterator:
+    """A chunk's data iterator where the chunk sees only some microbatches (replicated stages):
+    reading microbatch ``target`` skips the items of the microbatches routed to other replicas,
+    and ``drain(m)`` skips the rest of the iteration's m items, so every chunk that reads data
+    consumes exactly m items per call, as Megatron expects. A chunk that never reads (a middle
+    stage whose ``forward_step_func`` ignores the iterator) consumes nothing."""
+
+    def __init__(self, it):
+        self.it = it
+        self.pos = 0  # items consumed in this call
+        self.target = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.it is None:
+            raise StopIteration
+        while self.pos < self.target:
+            next(self.it)
+            self.pos += 1
+        self.pos += 1
+        return next(self.it)
+
+    def drain(self, m: int) -> None:
+        if self.it is None or self.pos == 0:
+            return
+        while self.pos < m:
+            next(self.it)
+            self.pos += 1
+
+
+def _check_replicas_equal(models, stages, pl: Placement, groups) -> None:
+    """Replicas must start identical (a fingerprint of each chunk's weights, compared once)."""
+    for c in sorted(range(len(models)), key=lambda c: pl.logical(stages[c])):
+        group = groups.group(pl.logical(stages[c]))
+        if group is None:
+            continue
+        with torch.no_grad():
+            acc = torch.zeros(2, dtype=torch.float64)
+            for i, prm in enumerate(models[c].parameters()):
+                x = prm.detach().double().reshape(-1).cpu()
+                acc[0] += x.sum()
+                acc[1] += (x * torch.arange(1, x.numel() + 1, dtype=torch.float64)).sum() * (i + 1)
+        if torch.cuda.is_available() and dist.get_backend(group) == "nccl":
+            acc = acc.cuda()
+        lo, hi = acc.clone(), acc.clone()
+        dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
+        dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
+        if not torch.equal(lo, hi):
+            raise ZeroBubbleConfigError(
+                f"the replicas of logical stage {pl.logical(stages[c])} (global ranks "
+                f"{dist.get_process_group_ranks(group)}) start with different weights; build them identically "
+                "(megatron_zb.megatron.placement.deterministic_init_, --zero-bubble-deterministic-init) or copy "
+                "one replica into the other before creating the optimizer")
+
+
+def _merge_losses(store, mb_of_entry, pl: Placement, me: int, pp_group):
+    """Replicated stages: every path's loss stage holds its own microbatches' loss dicts; send them to
+    ``pl.loss_rank`` and return them there in microbatch order (elsewhere: [])."""
+    dst = pl.loss_rank
+    holders = sorted({pl.rank_of(pl.path(k)[-1]) for k in range(pl.num_paths)} - {dst})
+    if me not in holders and me != dst:
+        return store
+    ranks = dist.get_process_group_ranks(pp_group)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    if me != dst:
+        dist.send_object_list([[(mb, _to_cpu(e)) for mb, e in zip(mb_of_entry, store)]], dst=ranks[dst],
+                              group=pp_group, device=device)
+        return []
+    tagged = list(zip(mb_of_entry, store))
+    for src in holders:
+        box = [None]
+        dist.recv_object_list(box, src=ranks[src], group=pp_group, device=device)
+        tagged += [(mb, _to_device(e)) for mb, e in box[0]]
+    tagged.sort(key=lambda x: x[0])
+    return [e for _, e in tagged]
+
+
+def _to_cpu(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+def _to_device(obj):
+    if not torch.cuda.is_available():
+        return obj
+    if isinstance(obj, torch.Tensor):
+        return obj.cuda()
+    if isinstance(obj, dict):
+        return {k: _to_device(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_device(v) for v in obj)
+    return obj
 
 
 def _check_offload_options(o: ScheduleOptions) -> None:

@@ -48,7 +48,7 @@ __all__ = [
     "placement_layer_table", "embedding_and_loss_on_one_rank", "embedding_ranks", "install_layer_hooks",
     "attach_layer_table", "global_param_name", "name_params", "unwrap", "name_seed", "init_tensor",
     "deterministic_init_", "tied_embedding_copies", "sum_local_tied_copies", "finalize_model_grads_for",
-    "configure_grad_sync", "grad_of",
+    "configure_grad_sync", "grad_of", "mark_replica_copies",
 ]
 
 
@@ -74,7 +74,8 @@ class ChunkInfo:
 
 
 def make_placement(style: str, pipeline_parallel_size: int, chunks: Optional[int] = None) -> Placement:
-    """'single' (1 chunk per rank), 'looped' (``chunks`` per rank, stage s on rank s % p) or 'v'."""
+    """'single' (1 chunk per rank), 'looped' (``chunks`` per rank, stage s on rank s % p), 'v', or
+    'bitpipe' (two V pipelines in opposite directions: 2 chunks per rank and direction, 4 built)."""
     p = int(pipeline_parallel_size)
     if p < 1:
         raise ScheduleError(f"pipeline_parallel_size must be >= 1, got {p}")
@@ -91,7 +92,11 @@ def make_placement(style: str, pipeline_parallel_size: int, chunks: Optional[int
         if chunks not in (None, 2):
             raise ScheduleError(f"'v' placement has 2 chunks per rank, got chunks={chunks}")
         return Placement.vshape(p)
-    raise ScheduleError(f"unknown placement {style!r}; use 'single', 'looped' or 'v'")
+    if style == "bitpipe":
+        if chunks not in (None, 2):
+            raise ScheduleError(f"'bitpipe' placement has 2 chunks per rank and direction, got chunks={chunks}")
+        return Placement.bitpipe(p)
+    raise ScheduleError(f"unknown placement {style!r}; use 'single', 'looped', 'v' or 'bitpipe'")
 
 
 def stage_layer_counts(num_layers: int, num_stages: int, *, layers_per_stage: Optional[Sequence[int]] = None,
@@ -133,13 +138,16 @@ def stage_layer_ranges(num_layers: int, num_stages: int, **kw) -> List[range]:
 
 
 def chunk_infos(placement: Placement, num_layers: int, pp_rank: int, **layer_kw) -> List[ChunkInfo]:
-    """The chunks ``pp_rank`` builds, ordered by stage (index = vp_stage)."""
-    S = placement.num_stages
+    """The chunks ``pp_rank`` builds, ordered by stage (index = vp_stage). With replicated stages
+    the layers come from the chunk's logical stage (its copies hold the same layers) and
+    ``num_stages`` counts logical stages."""
+    S = placement.num_logical_stages
     ranges = stage_layer_ranges(num_layers, S, **layer_kw)
     out = []
     for vp, s in enumerate(placement.stages_of(pp_rank)):
-        out.append(ChunkInfo(stage=s, vp_stage=vp, rank=pp_rank, layers=tuple(ranges[s]),
-                             pre_process=(s == 0), post_process=(s == S - 1), num_stages=S))
+        l = placement.logical(s)
+        out.append(ChunkInfo(stage=s, vp_stage=vp, rank=pp_rank, layers=tuple(ranges[l]),
+                             pre_process=(l == 0), post_process=(l == S - 1), num_stages=S))
     return out
 
 
@@ -163,9 +171,11 @@ def embedding_and_loss_on_one_rank(placement: Placement) -> bool:
 
 def embedding_ranks(placement: Placement):
     """``get_embedding_ranks`` for megatron's ``initialize_model_parallel`` where the embedding and
-    the tied output layer live on one rank (V): the group is that rank alone. None otherwise
-    (megatron's default: first and last pipeline rank)."""
-    if not (placement.style == "v" or embedding_and_loss_on_one_rank(placement)):
+    the tied output layer live on one rank (V): the group is that rank alone. Also for replicated
+    stages (BitPipe: each direction's embedding and output layer share a rank; the replica
+    gradient sync joins the directions): a cross-rank embedding group would sum twice. None
+    otherwise (megatron's default: first and last pipeline rank)."""
+    if not (placement.style == "v" or placement.replicated or embedding_and_loss_on_one_rank(placement)):
         return None
     first = placement.rank_of(0)
 
@@ -329,6 +339,19 @@ def deterministic_init_(chunks: Sequence[torch.nn.Module], seed: int = 1234, std
 
 
 
+def mark_replica_copies(chunks: Sequence[torch.nn.Module], placement: Placement) -> None:
+    """Replicated stages: mark every parameter of a chunk on path 1, 2, ... ``shared`` (megatron's flag
+    for a duplicate: the gradient norm and the zero count skip it), so clipping sees each weight once.
+    Call before building the optimizer (megatron copies the flag into its main parameters)."""
+    if not placement.replicated:
+        return
+    for c in chunks:
+        info = getattr(unwrap(c), "mzb_chunk_info", None)
+        if info is not None and placement.path_of(info.stage) > 0:
+            for p in c.parameters():
+                p.shared = True
+
+
 def configure_grad_sync(config, chunks: Sequence[torch.nn.Module], *, placement: Placement, ddp: bool,
                         overlap_grad_reduce: bool = False) -> None:
     """Set ``config.finalize_model_grads_func`` (and DDP's no_sync / grad_sync hooks) the way
@@ -394,16 +417,27 @@ def finalize_model_grads_for(model: List[torch.nn.Module], num_tokens: Optional[
     """``config.finalize_model_grads_func`` for any placement, with or without megatron DDP.
 
     DDP chunks: megatron's ``finalize_model_grads`` (DP reduce, sequence-parallel norm grads,
-    embedding-group sum). Plain chunks: the same sums done on ``param.grad``. Then, where the
-    embedding and the output copy live on this rank in two chunks (V placement), their
-    gradients are summed locally. ``num_tokens`` (``calculate_per_token_loss``) is broadcast from
+    embedding-group sum). Plain chunks: the same sums done on ``param.grad``. Where the embedding
+    and the output copy live on this rank in two chunks (V placement, BitPipe), their gradients
+    are summed locally: before the data-parallel reduction when it has not started yet (with
+    megatron's distributed optimizer the two copies' reduce-scattered shards need not cover the
+    same elements), after it when DDP overlapped it with the backward. ``num_tokens`` (``calculate_per_token_loss``) is broadcast from
     the rank that holds the last stage (rank 0 for V, not megatron's last pipeline rank).
     """
     from megatron.core import parallel_state
     model = list(model)
-    v_like = placement is not None and embedding_and_loss_on_one_rank(placement)
+    v_like = placement is not None and (embedding_and_loss_on_one_rank(placement) or placement.replicated)
     if all(_is_ddp(c) for c in model):
         from megatron.core.distributed import finalize_model_grads
+        overlapped = any(getattr(c.ddp_config, "overlap_grad_reduce", False) for c in model)
+        if not overlapped:
+            sum_local_tied_copies(model)
+        elif len(tied_embedding_copies(model)) > 1 and \
+                any(getattr(c.ddp_config, "use_distributed_optimizer", False) for c in model):
+            raise RuntimeError("the embedding and its tied output-layer copy live on one rank (V placement / "
+                               "BitPipe): with the distributed optimizer their gradients must be summed before the "
+                               "data-parallel reduce-scatter, which overlap_grad_reduce starts during the backward; "
+                               "drop --overlap-grad-reduce or untie the embeddings")
         kw = {}
         if force_all_reduce:
             kw["force_all_reduce"] = force_all_reduce
@@ -412,9 +446,11 @@ def finalize_model_grads_for(model: List[torch.nn.Module], num_tokens: Optional[
         finalize_model_grads(model, None if v_like else num_tokens, **kw)
         if not v_like:
             num_tokens = None  # megatron scaled already
+        if overlapped:
+            sum_local_tied_copies(model)
     else:
         _plain_finalize(model)
-    sum_local_tied_copies(model)
+        sum_local_tied_copies(model)
     if num_tokens is not None:
         pp_group = parallel_state.get_pipeline_model_parallel_group()
         src_pp = placement.rank_of(placement.num_stages - 1) if placement is not None else \

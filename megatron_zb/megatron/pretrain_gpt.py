@@ -19,6 +19,10 @@ fork's (``megatron_zb.megatron.args``). What this module adds to Megatron's flow
   ``megatron_zb.megatron.placement``'s layer-table hooks, the embedding group is rank 0 alone, the
   tied output weight is summed locally (``finalize_model_grads_for``), and the losses are handed to
   the last pipeline rank, where Megatron's training loop reads and logs them;
+* BitPipe (bitpipe): four chunks per rank (``Placement.bitpipe``: two V pipelines in opposite
+  directions), handled like V (layer table, one-rank embedding group, losses to the last rank);
+  every weight is drawn from its global name (``--zero-bubble-deterministic-init`` is implied) so
+  the two replicas of each stage start identical, and the schedule runner sums their gradients;
 * no CUDA: the CPU shims (``cpu_shims.apply`` / ``apply_training``), the gloo backend, the local
   transformer implementation and no fused kernels;
 * data: Megatron's mock GPT dataset unless ``--data-path`` (Megatron indexed datasets) is given.
@@ -185,6 +189,8 @@ def _placement(args):
     style = getattr(args, "zero_bubble_placement", None)
     if style == "v":
         return Placement.vshape(p)
+    if style == "bitpipe":
+        return Placement.bitpipe(p)
     v = args.virtual_pipeline_model_parallel_size
     if v:
         return Placement.looped(p, v)
@@ -234,14 +240,16 @@ class _ModelProvider:
         placement = _placement(args)
         pp_rank = parallel_state.get_pipeline_model_parallel_rank()
         info = zb_placement.chunk_infos(placement, args.num_layers, pp_rank, **_layer_kw(args))[vp_stage or 0]
-        if placement.style == "v":
+        if placement.style in ("v", "bitpipe"):
             pre_process, post_process = info.pre_process, info.post_process
             zb_placement.attach_layer_table(tcfg, placement, args.num_layers, placement_rank=pp_rank,
                                             **_layer_kw(args))
             tcfg.finalize_model_grads_func = partial(zb_placement.finalize_model_grads_for, placement=placement)
         if parallel_state.get_data_parallel_rank() == 0 and parallel_state.get_tensor_model_parallel_rank() == 0:
             layers = f"layers {info.layers[0]}-{info.layers[-1]}" if info.layers else "no layers"
-            print(f" > pipeline rank {pp_rank} chunk {vp_stage or 0}: stage {info.stage} of {info.num_stages}, "
+            where = (f"stage {placement.logical(info.stage)} of {info.num_stages} (path {placement.path_of(info.stage)})"
+                     if placement.replicated else f"stage {info.stage} of {info.num_stages}")
+            print(f" > pipeline rank {pp_rank} chunk {vp_stage or 0}: {where}, "
                   f"{layers}{', embedding' if pre_process else ''}{', loss' if post_process else ''}", flush=True)
         if tcfg.transformer_impl == "local" and tcfg.sequence_parallel and model_cfg.transformer_layer_spec is None:
             # the local spec's torch norms refuse sequence parallelism (apex/TE norms are absent, e.g.
@@ -259,6 +267,7 @@ class _ModelProvider:
         for name, p in model.named_parameters():
             p.mzb_global_name = zb_placement.global_param_name(name, info, tied)
         model.mzb_chunk_info = info
+        zb_placement.mark_replica_copies([model], placement)  # clipping counts each replicated weight once
         if getattr(args, "zero_bubble_deterministic_init", False):
             zb_placement.deterministic_init_([model], seed=args.seed, std=args.init_method_std)
         elif placement.style == "v" and post_process and tied:
@@ -518,7 +527,7 @@ def main(argv: Optional[Sequence[str]] = None, extra_args_provider: Optional[Cal
         schedule = kwargs.pop("schedule")
         handle = install(schedule, **kwargs)
         limit = kwargs.get("memory_limit")
-        _print0(f"megatron-zb: schedule {schedule} installed ({placement.style} placement, {placement.chunks} "
+        _print0(f"megatron-zb: schedule {schedule} installed ({placement.style} placement, {placement.models_per_rank} "
                 f"chunk(s) per rank, pipeline size {placement.num_ranks}, {m} microbatches"
                 + (f", memory limit {limit:.3g} microbatches" if limit else "") + ")")
         _print0(f"megatron-zb: simulated with the schedule's costs: bubble {100 * sim.bubble_rate:.1f}%"
@@ -531,9 +540,9 @@ def main(argv: Optional[Sequence[str]] = None, extra_args_provider: Optional[Cal
                        else f"{kwargs.get('offload_time')}")
                     + f", {'two copy streams' if kwargs.get('offload_overlap', True) else 'one copy stream'}; "
                     f"peak activation without offload {max(o['peak_memory_without_offload']):.3g} microbatches")
-        if placement.style == "v":
+        if placement.style in ("v", "bitpipe"):
             get_emb = get_embedding_ranks
-            undo = _route_losses_for_v(placement.rank_of(placement.num_stages - 1))
+            undo = _route_losses_for_v(placement.loss_rank)
     else:
         _print0("megatron-zb: no zero-bubble flag given; Megatron's own pipeline schedules run")
 

@@ -160,7 +160,7 @@ def _step(a: Action, i: int, rank: int, pl: Placement, nst: int, ps: StagePasses
         st.pending_grads[key] = p2p.recv(ps.recv_shape(*key), ps.dtype, ps.device, a.peer,
                                          f"the output gradient of B{a.stage}.{a.mb}")
     elif k == F:
-        if a.stage == 0:
+        if pl.is_first(a.stage):
             inp = None
         elif key in st.pending_inputs:
             inp = st.pending_inputs.pop(key).wait().requires_grad_(not forward_only)
@@ -168,7 +168,7 @@ def _step(a: Action, i: int, rank: int, pl: Placement, nst: int, ps: StagePasses
             inp = st.local_inputs.pop(key)
         else:
             raise ExecutionError(f"rank {rank}: F{a.stage}.{a.mb} has no input: no RECV_F was posted "
-                                 f"and stage {a.stage - 1} did not run here")
+                                 f"and stage {pl.prev_stage(a.stage)} did not run here")
         t0 = time.perf_counter()
         if ps.offload is not None and not forward_only:
             with ps.offload.capture(a.stage, a.mb, key in st.offloaded, (inp,)):
@@ -178,11 +178,12 @@ def _step(a: Action, i: int, rank: int, pl: Placement, nst: int, ps: StagePasses
         _timed(ps, "F", a, t0)
         if not forward_only:
             st.saved[key] = (inp, out)
-        if a.stage + 1 < nst and pl.rank_of(a.stage + 1) == rank:  # local hand-over (V turn)
-            st.local_inputs[(a.stage + 1, a.mb)] = out.detach().requires_grad_(not forward_only)
+        nxt = pl.next_stage(a.stage)
+        if nxt is not None and pl.rank_of(nxt) == rank:  # local hand-over (V turn)
+            st.local_inputs[(nxt, a.mb)] = out.detach().requires_grad_(not forward_only)
             if ps.release_output is not None and not forward_only:
                 ps.release_output(out)  # like a sent output: the detached copy keeps the data
-        elif a.stage + 1 < nst:
+        elif nxt is not None:
             st.to_send_f[key] = out
     elif k == SEND_F:
         out = st.to_send_f.pop(key)
@@ -193,7 +194,7 @@ def _step(a: Action, i: int, rank: int, pl: Placement, nst: int, ps: StagePasses
     elif k in (B, BW):
         if i == last_b.get(a.stage) and ps.before_last_backward is not None:
             ps.before_last_backward(a.stage)
-        if a.stage == nst - 1:
+        if pl.is_last(a.stage):
             grad = None
         elif key in st.pending_grads:
             grad = st.pending_grads.pop(key).wait()
@@ -201,16 +202,17 @@ def _step(a: Action, i: int, rank: int, pl: Placement, nst: int, ps: StagePasses
             grad = st.local_grads.pop(key)
         else:
             raise ExecutionError(f"rank {rank}: {a} has no output gradient: no RECV_B was posted "
-                                 f"and stage {a.stage + 1} did not run its backward here")
+                                 f"and stage {pl.next_stage(a.stage)} did not run its backward here")
         inp, out = st.saved.pop(key)
         if ps.offload is not None:
             ps.offload.wait(a.stage, a.mb)
         t0 = time.perf_counter()
         in_grad = ps.backward(a.stage, a.mb, inp, out, grad, k == B)
         _timed(ps, k, a, t0)
-        if a.stage > 0:
-            if pl.rank_of(a.stage - 1) == rank:
-                st.local_grads[(a.stage - 1, a.mb)] = in_grad
+        prev = pl.prev_stage(a.stage)
+        if prev is not None:
+            if pl.rank_of(prev) == rank:
+                st.local_grads[(prev, a.mb)] = in_grad
             else:
                 st.to_send_b[key] = in_grad
         if i == last.get(a.stage) and ps.after_last_backward is not None:

@@ -343,8 +343,9 @@ class PassProfiler:
         if self.probe_rounds < 1 or getattr(p2p, "groups", None) is None:
             return []
         pl = placement
-        pairs = sorted({tuple(sorted((pl.rank_of(s), pl.rank_of(s + 1))))
-                        for s in range(pl.num_stages - 1) if pl.rank_of(s) != pl.rank_of(s + 1)})
+        nxt = [(s, pl.next_stage(s)) for s in range(pl.num_stages)]
+        pairs = sorted({tuple(sorted((pl.rank_of(s), pl.rank_of(n))))
+                        for s, n in nxt if n is not None and pl.rank_of(s) != pl.rank_of(n)})
         dev = device if device is not None else "cpu"
         cuda = torch.device(dev).type == "cuda" and torch.cuda.is_available()
         buf = torch.zeros(tuple(shape), dtype=dtype, device=dev)
@@ -488,6 +489,11 @@ def build_profile(rank_stats: Sequence[dict], *, schedule: Optional[str], placem
                 "recv_wait_f": _median(wf), "recv_wait_b": _median(wb),
                 "recv_wait_total_per_iter": (sum(wf) + sum(wb)) / max(1, len(st.get("iterations", [])) or 1),
             })
+    if placement.replicated:  # a microbatch runs through one path's chunks: the average over paths
+        k = placement.num_paths
+        for lst in (cost["f"], cost["b"], cost["w"], cost["bw"], mem_f, mem_w):
+            for r in range(p):
+                lst[r] /= k
     for r in range(p):
         if not mem_w_known[r]:
             mem_w[r] = DEFAULT_MEM_W_RATIO * mem_f[r]

@@ -24,15 +24,19 @@ class _Parser(argparse.ArgumentParser):
 
 def _build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="megatron-zb verify",
-                 description="Train a tiny megatron-core GPT on P x T CPU processes with a pipeline schedule and "
+                 description="Train a tiny megatron-core GPT on P x T x D CPU processes with a pipeline schedule and "
                              "compare losses and gradients with the non-pipelined single-process reference.")
     ap.add_argument("--schedule", required=True,
                     help="a megatron-zb schedule (installed through megatron_zb.megatron.install) or one of "
                          + ", ".join(PSEUDO_SCHEDULES))
     ap.add_argument("--pipeline-parallel-size", "-p", type=positive_int("--pipeline-parallel-size"), required=True)
     ap.add_argument("--tensor-parallel-size", "-t", type=positive_int("--tensor-parallel-size"), default=1)
+    ap.add_argument("--data-parallel-size", "-d", type=positive_int("--data-parallel-size"), default=1,
+                    help="data-parallel replicas (world size P x T x D); the reference trains on all their microbatches")
+    ap.add_argument("--use-distributed-optimizer", action="store_true",
+                    help="megatron's DistributedOptimizer (Adam) steps instead of SGD (ZeroPP's sharded data parallelism)")
     ap.add_argument("--num-microbatches", "-m", type=positive_int("--num-microbatches"), default=None,
-                    help="default 2 x pipeline size")
+                    help="per data-parallel replica; default 2 x pipeline size")
     ap.add_argument("--iterations", "-n", type=positive_int("--iterations"), default=3)
     ap.add_argument("--chunks", "-v", type=positive_int("--chunks"), default=None, help="model chunks per rank")
     ap.add_argument("--placement", choices=("single", "looped", "v"), default=None,
@@ -109,7 +113,9 @@ def main_verify(argv: Optional[Sequence[str]] = None) -> int:
                     gradient_accumulation_fusion=a.gradient_accumulation_fusion,
                     variable_seq_lengths=a.variable_seq_lengths, tie_embeddings=not a.untied,
                     forward_only=a.forward_only, memory_limit=a.memory_limit, grad_rtol=a.grad_rtol,
-                    loss_atol=a.loss_atol, offload_ratio=a.offload_ratio, offload_time=a.offload_time,
+                    loss_atol=a.loss_atol, data_parallel_size=a.data_parallel_size,
+                    use_distributed_optimizer=a.use_distributed_optimizer,
+                    offload_ratio=a.offload_ratio, offload_time=a.offload_time,
                     offload_half_duplex=a.offload_half_duplex)
         case = make_case(a.schedule, a.pipeline_parallel_size, a.tensor_parallel_size, a.num_microbatches,
                          a.iterations, **opts)

@@ -58,7 +58,7 @@ class VerifyCase:
     schedule: str
     pipeline_parallel_size: int
     tensor_parallel_size: int = 1
-    num_microbatches: int = 4
+    num_microbatches: int = 4  # per data-parallel rank
     iterations: int = 3
     chunks: Optional[int] = None  # model chunks per rank (None: the schedule's default)
     placement: Optional[str] = None  # 'single' | 'looped' | 'v' (None: the schedule's)
@@ -76,6 +76,12 @@ class VerifyCase:
     ddp: bool = True
     overlap_grad_reduce: bool = False
     gradient_accumulation_fusion: bool = False
+    data_parallel_size: int = 1  # world = PP x TP x DP; the reference trains on all DP ranks' microbatches
+    # megatron's DistributedOptimizer (ZeRO-1: gradients reduce-scattered, parameters all-gathered after
+    # the step) instead of the harness's SGD; it only runs Adam, so both sides step with Adam (eps 1:
+    # nearly linear in the gradient, so a wrong gradient still shows); the gradient shards are
+    # gathered over data parallelism before the comparison
+    use_distributed_optimizer: bool = False
     forward_only: bool = False
     lr: float = 0.1
     seed: int = 1234
@@ -93,7 +99,7 @@ class VerifyCase:
 
     @property
     def world_size(self) -> int:
-        return self.pipeline_parallel_size * self.tensor_parallel_size
+        return self.pipeline_parallel_size * self.tensor_parallel_size * self.data_parallel_size
 
     def model_config(self):
         from .tinygpt import TinyGPTConfig
@@ -106,6 +112,10 @@ class VerifyCase:
     def describe(self) -> str:
         bits = [self.schedule, f"PP={self.pipeline_parallel_size}", f"TP={self.tensor_parallel_size}",
                 f"{self.placement} x{self.chunks}", f"M={self.num_microbatches}", f"L={self.num_layers}"]
+        if self.data_parallel_size > 1:
+            bits.insert(3, f"DP={self.data_parallel_size}")
+        if self.use_distributed_optimizer:
+            bits.append("distributed-optimizer")
         for k in ("sequence_parallel", "overlap_grad_reduce", "gradient_accumulation_fusion", "forward_only",
                   "variable_seq_lengths"):
             if getattr(self, k):
@@ -134,7 +144,7 @@ def _schedule_placement(name: str, p: int, m: int, chunks: Optional[int]):
         raise VerifyUsageError(str(e)) from None
     pl = sched.placement
     style = pl.style
-    if style not in ("single", "looped", "v"):
+    if style not in ("single", "looped", "v", "bitpipe"):
         raise VerifyUsageError(f"schedule {name!r} uses a {style!r} placement, which the verifier cannot build")
     return style, pl.chunks
 
@@ -219,6 +229,13 @@ def make_case(schedule: str, pipeline_parallel_size: int, tensor_parallel_size: 
         raise VerifyUsageError("overlap_grad_reduce needs ddp")
     if case.gradient_accumulation_fusion and not case.ddp:
         raise VerifyUsageError("gradient_accumulation_fusion needs ddp (it accumulates into main_grad)")
+    if not isinstance(case.data_parallel_size, int) or isinstance(case.data_parallel_size, bool) \
+            or case.data_parallel_size < 1:
+        raise VerifyUsageError(f"data_parallel_size must be an integer >= 1, got {case.data_parallel_size!r}")
+    if case.use_distributed_optimizer and not case.ddp:
+        raise VerifyUsageError("use_distributed_optimizer needs ddp (megatron's DistributedOptimizer shards its buffers)")
+    if case.use_distributed_optimizer and case.forward_only:
+        raise VerifyUsageError("use_distributed_optimizer has no step to check with forward_only")
     if case.iterations < 1:
         raise VerifyUsageError("iterations must be >= 1")
     if case.offload_ratio is not None:
@@ -262,7 +279,7 @@ def run_verify_many(cases: Sequence[VerifyCase], *, timeout: float = 600.0, mcor
         return []
     ws = {c.world_size for c in cases}
     if len(ws) != 1:
-        raise VerifyUsageError(f"cases in one launch need the same P x T, got world sizes {sorted(ws)}")
+        raise VerifyUsageError(f"cases in one launch need the same P x T x DP, got world sizes {sorted(ws)}")
     t0 = time.time()
     if any(c.schedule not in PSEUDO_SCHEDULES for c in cases) and not _install_importable():
         err = RuntimeError("megatron-zb schedules are run through megatron_zb.megatron.install, which is not "
@@ -325,10 +342,20 @@ def compare(case: VerifyCase, ranks: List[dict]) -> dict:
     """Compare the pipelined ranks' results with the reference (rank 0 carries it)."""
     ref = ranks[0]["reference"]
     problems: List[str] = []
-    loss_reports = [r["losses"] for r in ranks if r.get("losses") is not None]
-    if len(loss_reports) != 1:
-        problems.append(f"expected exactly one rank to report losses, got {len(loss_reports)}")
-    losses = loss_reports[0] if loss_reports else []
+    loss_reports = [r for r in ranks if r.get("losses") is not None]
+    if len(loss_reports) != case.data_parallel_size:
+        problems.append(f"expected exactly {case.data_parallel_size} rank(s) to report losses (one per data-parallel "
+                        f"replica), got {len(loss_reports)}")
+    if len(loss_reports) == 1:
+        losses = loss_reports[0]["losses"]
+    else:  # data parallel: the per-token loss over every replica's microbatches
+        losses = []
+        for it in range(case.iterations):
+            parts = [r["loss_parts"][it] for r in loss_reports if it < len(r.get("loss_parts") or [])]
+            n = sum(x[1] for x in parts)
+            losses.append(sum(x[0] for x in parts) / n if parts and n else None)
+    for it, bad in _replica_mismatches(ranks, case):
+        problems.append(f"iteration {it}: copies of {bad[:3]} differ after the step (replicas must stay bit-identical)")
     per_iter = []
     max_loss = 0.0
     max_grad = 0.0
@@ -409,6 +436,27 @@ def compare(case: VerifyCase, ranks: List[dict]) -> dict:
     return res
 
 
+def _replica_mismatches(ranks: List[dict], case: "VerifyCase") -> List[tuple]:
+    """(iteration, names) where copies of a parameter (replicas, tied embeddings, data-parallel
+    copies) differ in any bit after the step; only where the ranks collected parameters."""
+    out = []
+    for it in range(case.iterations):
+        copies: Dict[str, list] = {}
+        for r in ranks:
+            params = r.get("params") or []
+            for name, ts in (params[it] if it < len(params) else {}).items():
+                copies.setdefault(name, []).extend(ts)
+        bad = sorted(n for n, ts in copies.items() if any(not _equal(ts[0], t) for t in ts[1:]))
+        if bad:
+            out.append((it, bad))
+    return out
+
+
+def _equal(a, b) -> bool:
+    import torch
+    return a.shape == b.shape and bool(torch.equal(a, b))
+
+
 def _offload_report(ranks: List[dict]) -> dict:
     """``offload``: per rank, the offload manager's counts of every iteration (absent without)."""
     if not any(r.get("offload") for r in ranks):
@@ -449,8 +497,9 @@ def _reference_overrides(case: VerifyCase) -> dict:
 
 
 def _reference_key(case: VerifyCase) -> tuple:
-    return (json.dumps(case.model_config().to_dict(), sort_keys=True), case.num_microbatches, case.iterations,
-            case.lr, case.forward_only, repr(sorted(_reference_overrides(case).items())))
+    return (json.dumps(case.model_config().to_dict(), sort_keys=True), case.num_microbatches * case.data_parallel_size,
+            case.iterations, case.lr, case.forward_only, case.use_distributed_optimizer,
+            repr(sorted(_reference_overrides(case).items())))
 
 
 def _reference_finalize(model, num_tokens=None, *args, **kwargs) -> None:
@@ -471,22 +520,28 @@ def _run_reference(case: VerifyCase) -> dict:
     cfg = case.model_config()
     ref = M.build_reference_model(cfg, **_reference_overrides(case))
     ref.config.finalize_model_grads_func = _reference_finalize
-    losses, grads, times = [], [], []
+    losses, grads, params, times = [], [], [], []
+    m = case.num_microbatches * case.data_parallel_size  # every data-parallel replica's microbatches
     for it in range(case.iterations):
         set_status(f"reference: iteration {it}")
         M.zero_grads_([ref])
-        batches = M.make_batches(cfg, case.num_microbatches, it)
+        batches = M.make_batches(cfg, m, it)
         t0 = time.perf_counter()
         out = forward_backward_no_pipelining(
             forward_step_func=M.forward_step_func, data_iterator=iter(batches), model=ref,
-            num_microbatches=case.num_microbatches, seq_length=cfg.seq_length,
+            num_microbatches=m, seq_length=cfg.seq_length,
             micro_batch_size=cfg.micro_batch_size, decoder_seq_length=cfg.seq_length,
             forward_only=case.forward_only)
         times.append(time.perf_counter() - t0)
         losses.append(M.iteration_loss(out))
         if not case.forward_only:
             grads.append(M.collect_full_grads([ref]))
-            M.sgd_step_([ref], case.lr)
+            if case.use_distributed_optimizer:
+                if it == 0:
+                    adam = torch.optim.AdamW(ref.parameters(), **_ADAM)
+                adam.step()
+            else:
+                M.sgd_step_([ref], case.lr)
         else:
             grads.append({})
     del ref
@@ -541,17 +596,24 @@ def _rank_case(case: VerifyCase) -> dict:
                                       gradient_accumulation_fusion=case.gradient_accumulation_fusion, **overrides)
         config = chunks[0].config
         if case.ddp:
-            chunks = M.wrap_ddp(chunks, overlap_grad_reduce=case.overlap_grad_reduce)
+            chunks = M.wrap_ddp(chunks, overlap_grad_reduce=case.overlap_grad_reduce,
+                                use_distributed_optimizer=case.use_distributed_optimizer)
         _pl.configure_grad_sync(config, chunks, placement=placement, ddp=case.ddp,
                               overlap_grad_reduce=case.overlap_grad_reduce)
+        optimizer = _distributed_adam(chunks) if case.use_distributed_optimizer else None
         fb = _forward_backward_func(case, placement)
         infos = [_pl.unwrap(c).mzb_chunk_info for c in chunks]
-        holds_last = any(i.post_process for i in infos)
-        losses, grads, times, offload = [], [], [], []
+        holds_last = pp_rank == placement.loss_rank  # replicated stages: the loss rank gets every path's losses
+        dp_rank = parallel_state.get_data_parallel_rank()
+        keep_params = placement.replicated
+        losses, loss_parts, grads, params, times, offload = [], [], [], [], [], []
+        m = case.num_microbatches
         for it in range(case.iterations):
             set_status(f"[{tag}] pipelined: iteration {it} forward-backward")
             M.zero_grads_(chunks)
-            batches = M.make_batches(cfg, case.num_microbatches, it)
+            if optimizer is not None:
+                optimizer.zero_grad()
+            batches = M.make_batches(cfg, m * case.data_parallel_size, it)[dp_rank * m:(dp_rank + 1) * m]
             iters = M.batch_iterators(batches, len(chunks))
             dist.barrier()  # time the schedule, not the ranks' skew
             t0 = time.perf_counter()
@@ -565,20 +627,65 @@ def _rank_case(case: VerifyCase) -> dict:
                 offload.append(dict(stats))
             if holds_last and tp_rank == 0:
                 losses.append(M.iteration_loss(out))
+                loss_parts.append(M.iteration_loss_parts(out))
             if not case.forward_only:
                 set_status(f"[{tag}] pipelined: iteration {it} gathering gradients")
+                if optimizer is not None:
+                    _gather_grad_shards(chunks)
                 grads.append(M.collect_full_grads(chunks))
-                M.sgd_step_(chunks, case.lr)
+                if optimizer is not None:
+                    ok, _, _ = optimizer.step()
+                    if not ok:
+                        raise RuntimeError(f"megatron's optimizer step failed at iteration {it}")
+                else:
+                    M.sgd_step_(chunks, case.lr)
+                params.append(M.collect_full_grads(chunks, params=True) if keep_params else {})
             else:
                 grads.append({})
+                params.append({})
     finally:
         if handle is not None:
             handle.uninstall()
     set_status(f"[{tag}] done")
-    return {"rank": rank, "pp_rank": pp_rank, "tp_rank": tp_rank, "reference": reference,
-            "losses": losses if (holds_last and tp_rank == 0) else None, "grads": grads, "times": times,
+    reports = holds_last and tp_rank == 0
+    return {"rank": rank, "pp_rank": pp_rank, "tp_rank": tp_rank, "dp_rank": dp_rank, "reference": reference,
+            "losses": losses if reports else None, "loss_parts": loss_parts if reports else None,
+            "grads": grads, "params": params, "times": times,
             "wall_s": time.perf_counter() - t_start, "megatron_version": M.megatron_version(), "offload": offload,
             "stages": [i.stage for i in infos], "layers": [list(i.layers) for i in infos]}
+
+
+# Adam for the distributed-optimizer cases (the reference runs torch's AdamW, megatron's Adam on a CPU)
+_ADAM = dict(lr=0.01, betas=(0.9, 0.999), eps=1.0, weight_decay=0.0)
+
+
+def _distributed_adam(chunks):
+    """megatron's DistributedOptimizer (Adam, no weight decay or clipping) over the DDP chunks."""
+    import torch
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    ocfg = OptimizerConfig(optimizer="adam", lr=_ADAM["lr"], min_lr=_ADAM["lr"], weight_decay=0.0,
+                           adam_beta1=_ADAM["betas"][0], adam_beta2=_ADAM["betas"][1], adam_eps=_ADAM["eps"],
+                           clip_grad=0.0, use_distributed_optimizer=True, bf16=False, fp16=False,
+                           params_dtype=torch.float32)
+    return get_megatron_optimizer(ocfg, list(chunks), use_gloo_process_groups=False)
+
+
+def _gather_grad_shards(chunks) -> None:
+    """After a reduce-scatter each data-parallel rank holds only its shard of every bucket reduced:
+    zero the rest and sum over data parallelism, so every rank holds the whole reduced gradient
+    (its own shard is unchanged, which is all the optimizer reads)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    group = parallel_state.get_data_parallel_group()
+    d, n = dist.get_rank(group), dist.get_world_size(group)
+    for c in chunks:
+        for buf in list(getattr(c, "buffers", [])) + list(getattr(c, "expert_parallel_buffers", [])):
+            for bucket in buf.buckets:
+                g = bucket.grad_data
+                size = g.numel() // n
+                g[:d * size].zero_()
+                g[(d + 1) * size:].zero_()
+                dist.all_reduce(g, group=group)
 
 
 def _install(case: VerifyCase):

@@ -19,13 +19,14 @@ import torch
 from ..core.ir import Placement, ScheduleError
 from ..megatron.local_spec import layer_spec
 from ..megatron.placement import (ChunkInfo, chunk_infos, deterministic_init_, embedding_ranks,
-                                  grad_of, name_params, name_seed, unwrap, attach_layer_table)
+                                  grad_of, mark_replica_copies, name_params, name_seed, unwrap,
+                                  attach_layer_table)
 
 __all__ = [
     "TinyGPTConfig", "megatron_version", "init_parallel_state", "destroy_parallel_state",
     "make_transformer_config", "build_model_chunks", "build_reference_model", "wrap_ddp",
     "collect_full_grads", "zero_grads_", "sgd_step_", "make_batches", "batch_iterators", "loss_func",
-    "forward_step_func", "iteration_loss",
+    "forward_step_func", "iteration_loss", "iteration_loss_parts",
 ]
 
 
@@ -77,7 +78,7 @@ def init_parallel_state(tensor_parallel_size: int = 1, pipeline_parallel_size: i
         raise ScheduleError(f"placement has {placement.num_ranks} ranks, pipeline_parallel_size is "
                             f"{pipeline_parallel_size}")
     destroy_parallel_state()
-    v = placement.chunks
+    v = placement.models_per_rank
     kwargs = dict(tensor_model_parallel_size=tensor_parallel_size,
                   pipeline_model_parallel_size=pipeline_parallel_size,
                   virtual_pipeline_model_parallel_size=(v if v > 1 else None),
@@ -169,12 +170,12 @@ def build_model_chunks(model_cfg: TinyGPTConfig, placement: Placement, *, config
     if config is None:
         config = make_transformer_config(
             model_cfg, tensor_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
-            pipeline_parallel_size=placement.num_ranks, chunks=placement.chunks, **config_kw)
+            pipeline_parallel_size=placement.num_ranks, chunks=placement.models_per_rank, **config_kw)
     if getattr(config, "pipeline_model_parallel_layout", None) is not None:
         raise ScheduleError("pipeline_model_parallel_layout is not supported with megatron-zb placements")
     attach_layer_table(config, placement, model_cfg.num_layers, placement_rank=pp_rank, own_rank=own_rank,
                        **layer_kw)
-    multi = placement.chunks > 1
+    multi = placement.models_per_rank > 1
     chunks = []
     for info in infos:
         model = GPTModel(
@@ -191,6 +192,7 @@ def build_model_chunks(model_cfg: TinyGPTConfig, placement: Placement, *, config
         chunks.append(model)
     if init:
         deterministic_init_(chunks, model_cfg.seed, model_cfg.init_std)
+    mark_replica_copies(chunks, placement)
     return chunks
 
 def _check_layers(model, info: ChunkInfo) -> None:
@@ -323,6 +325,16 @@ def forward_step_func(data_iterator, model):
     batch = next(data_iterator)
     output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
     return output, partial(loss_func, batch["loss_mask"])
+
+
+def iteration_loss_parts(loss_dicts: Sequence[dict]):
+    """(sum of the masked per-token losses, token count) of one iteration's loss dicts."""
+    tot, n = 0.0, 0.0
+    for d in loss_dicts or []:
+        r = d["lm loss"]
+        tot += float(r[0])
+        n += float(r[1])
+    return tot, n
 
 
 def iteration_loss(loss_dicts: Sequence[dict]) -> Optional[float]:
