@@ -154,6 +154,21 @@ def _max_abs(d):
                 for t in copies if t is not None), default=0.0)
 
 
+def _running_children():
+    """Command lines of this rank's running child processes (multiprocessing's resource tracker
+    left out: it ends with the rank)."""
+    import psutil
+    out = []
+    for c in psutil.Process().children():
+        try:
+            cmd = " ".join(c.cmdline())
+            if c.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in cmd:
+                out.append(cmd)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
 def resume_case(case):
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
@@ -161,6 +176,7 @@ def resume_case(case):
     from megatron_zb.megatron import placement as P
     from megatron_zb.verify import tinygpt as M
     from megatron_zb.megatron.install import install
+    from megatron_zb.megatron.shutdown import stop_checkpoint_writer
     from megatron_zb.verify.launch import set_status
 
     _allow_save_without_psutil()
@@ -221,8 +237,11 @@ def resume_case(case):
         M.destroy_parallel_state()
     finally:
         handle.uninstall()
+    writer = _running_children()
+    stopped = stop_checkpoint_writer()  # megatron's writer Manager: a process per rank otherwise
     set_status(f"[{tag}] done")
     return {
+        "writer_processes": writer, "writer_stopped": stopped, "children_after_stop": _running_children(),
         "rank": rank, "megatron_version": M.megatron_version(),
         "full_losses": full_losses, "first_losses": first_losses, "resumed_losses": rest_losses,
         "ckpt_files": files,

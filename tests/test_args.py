@@ -212,6 +212,23 @@ def test_features_not_built_yet_parse_and_then_fail(dest):
         validate_zero_bubble_args(args, before_megatron_validation=True)
 
 
+def test_optimizer_post_validation_flag():
+    _, kw = validate(BASE + " --enable-zero-bubble --enable-optimizer-post-validation")
+    assert kw["post_validation"] is True
+    _, kw = validate(BASE + " --zero-bubble-schedule zb-h2")
+    assert "post_validation" not in kw
+    with pytest.raises(ZeroBubbleArgumentError, match="--enable-optimizer-post-validation needs a megatron-zb "
+                                                       "schedule"):
+        validate(BASE + " --enable-optimizer-post-validation")
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    chain_providers(_megatron_like, add_zero_bubble_args)(parser)
+    parser.add_argument("--overlap-param-gather", action="store_true")
+    args = parser.parse_args((BASE + " --zero-bubble-schedule zb-v --enable-optimizer-post-validation "
+                                     "--overlap-param-gather").split())
+    with pytest.raises(ZeroBubbleArgumentError, match="cannot be combined with --overlap-param-gather"):
+        validate_zero_bubble_args(args, before_megatron_validation=True)
+
+
 def test_harmless_values_of_not_built_flags_pass():
     _, kw = validate(BASE + " --zero-bubble-schedule zb-h1 --num-seq-splits 1 --interleave-group-size 0 "
                             "--offload-chunk-num 0")

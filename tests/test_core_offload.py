@@ -230,3 +230,14 @@ def test_plan_offloads_what_does_not_fit(capsys):
                      "--gpu-memory-gb", "12", "--offload-time", "0.5", "--host-link-gbps", "50",
                      "--offload-ratio", "auto"]) == 2
     assert "not both" in capsys.readouterr().err
+
+
+def test_late_w_reload_stalls_the_w():
+    # the W part travels in mem-w / mem-f of the time: T_w = 0.5 x K (F + B) = 1 here
+    st = Setting(1, 1, chunks=1)
+    orders = [[Action(F, 0, 0), Action(B, 0, 0), Action(OFFLOAD_W, 0, 0), Action(RELOAD_W, 0, 0), Action(W, 0, 0)]]
+    res = simulate(Schedule("t", Placement.single(1), 1, orders, {"offload": {"time": 1.0}}), st)
+    tr = {str(t.action): (t.start, t.end) for t in res.offload.transfers[0]}
+    assert tr == {"OFFLOAD_W0.0": (2.0, 3.0), "RELOAD_W0.0": (3.0, 4.0)}
+    w = res.timeline[0][-1]
+    assert (w.start, w.end) == (4.0, 5.0) and res.offload.stalls == [2.0]

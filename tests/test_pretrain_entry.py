@@ -92,6 +92,9 @@ RUNS = {
     "bitpipe": dict(SCHEDULE="bitpipe"),
     "zeropp/det": dict(SCHEDULE="zeropp",
                        EXTRA_ARGS="--num-virtual-stages-per-pipeline-rank 2 --zero-bubble-deterministic-init"),
+    # the fork's flag in Megatron's own training loop, post-validating from the first step
+    "zb-h2/postval": dict(SCHEDULE="zb-h2", EXTRA_ARGS="--enable-optimizer-post-validation "
+                                                        "--zero-bubble-post-validation-min-clean-steps 0"),
 }
 
 
@@ -175,6 +178,22 @@ def test_field_schedules_equal_1f1b_from_the_same_weights(trainings, name):
         assert re.search(r"pipeline rank 1 chunk 3: stage 3 of 4 \(path 1\), layers 3-3, loss", text)
     for (i, _, _, la), (_, _, _, lb) in zip(ref, rows):
         assert lb == pytest.approx(la, rel=2e-6), f"iteration {i}: 1f1b {la} vs {name} {lb}"
+
+
+@pytest.mark.megatron
+@pytest.mark.dist
+@needs_training
+def test_optimizer_post_validation_in_megatrons_training_loop(trainings):
+    text, pv = _check_ok(trainings, "zb-h2/postval")
+    _, ref = _check_ok(trainings, "zb-h1")
+    assert "megatron-zb: optimizer post-validation on" in text
+    # Megatron clips (--clip-grad 1.0) these steps: each is rolled back and redone, and the run
+    # still trains like the synchronous one (zb-h1 there: same math, same seed)
+    assert re.search(r"megatron-zb post-validation: the step of iteration \d+ was rolled back and redone", text)
+    for (i, _, lr_a, la), (_, _, lr_b, lb) in zip(ref, pv):
+        assert lb == pytest.approx(la, rel=2e-6), f"iteration {i}: zb-h1 {la} vs zb-h2 post-validated {lb}"
+        assert lr_b == lr_a
+    assert "grad norm:" in text
 
 
 # --------------------------------------------------------------------------------------------

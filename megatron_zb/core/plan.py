@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 from .ir import Placement, ScheduleError, Setting
+from .iteration import iteration_times
 from .schedules import generate, get, names
 from .simulate import simulate
 
@@ -178,14 +179,18 @@ def _replicated_stage_costs(spec: ModelSpec, pl: Placement, tflops: float, effic
 def plan(spec: ModelSpec, pipeline_parallel_size: int, microbatches: int, gpu_memory_gb: float,
          tflops: float = GPU_PEAK_TFLOPS["h100"], efficiency: float = 0.5, profile: Optional[dict] = None,
          schedules: Optional[List[str]] = None, pad_ends: bool = False, interleave_chunks: int = 2,
+         cost_optimizer: float = 0.0, post_validation: bool = False,
          offload_ratio=None, offload_time=None, host_link_gbps: Optional[float] = None,
          offload_overlap: bool = True) -> List[dict]:
-    """Rows per schedule, fitting ones first, fastest first. Activation offload (``core.offload``):
+    """Rows sorted by (fits, time per training iteration): with Megatron's synchronous optimizer
+    step, or with optimizer post-validation when ``post_validation`` (``cost_optimizer`` seconds
+    per step). Each row carries both times. Activation offload (``core.offload``):
     ``offload_ratio`` R (0..1) offloads that share of every schedule's activations; ``'auto'``
     offloads as little as brings each schedule under the memory budget (zb-auto / v-auto may then
     take a schedule that needs more). The transfer time is ``offload_time`` K, or derived per rank
     from ``host_link_gbps`` (one-way GB/s): K = activation bytes / bandwidth / (F + B)."""
     spec.validate()
+    key = "iteration_time_post_validated_s" if post_validation else "iteration_time_s"
     p, m = pipeline_parallel_size, microbatches
     if p < 2:
         raise ScheduleError("--pipeline-parallel-size must be >= 2: pipeline schedules need several stages")
@@ -225,15 +230,22 @@ def plan(spec: ModelSpec, pipeline_parallel_size: int, microbatches: int, gpu_me
                 sched = generate_with_offload(name, setting, off)
             else:
                 sched = generate(name, setting)
-            res = simulate(sched, Setting(**{**setting.to_dict(), "chunks": sched.placement.chunks}))
+            sim_setting = Setting(**{**setting.to_dict(), "chunks": sched.placement.chunks})
+            res = simulate(sched, sim_setting)
+            it = iteration_times(sched, sim_setting, cost_optimizer)
         except ScheduleError as e:
             rows.append({"schedule": name, "error": str(e)})
             continue
         act_bytes = [x * unit for x in res.peak_memory]
         total = [a + s for a, s in zip(act_bytes, states)]
         row = {"schedule": name, "chunks": v, "makespan_s": res.makespan, "bubble_rate": res.bubble_rate,
+               "iteration_time_s": it.iteration_time,
+               "iteration_time_post_validated_s": it.iteration_time_post_validated, "ranked_by": key,
                "activation_bytes": act_bytes, "state_bytes": states, "peak_bytes": total,
                "fits": max(total) <= budget, "layers_per_stage": counts,
+               "activation_unit_bytes": unit,  # one microbatch's activation on the fullest rank
+               "memory_limit_microbatches": (math.floor(limit_units * 100) / 100
+                                             if name in ("zb-auto", "v-auto") and limit_units else None),
                "weight_copies": res.weight_copies or [1.0] * p,
                "flags": _flags(name, p, v, limit_units, counts, pad_ends)}
         if res.offload is not None:
@@ -249,8 +261,10 @@ def plan(spec: ModelSpec, pipeline_parallel_size: int, microbatches: int, gpu_me
         rows.append(row)
     ok = [r for r in rows if "error" not in r]
     for r in ok:
-        r["throughput_vs_1f1b"] = round(base["makespan_s"] / r["makespan_s"], 4) if base else None
-    ok.sort(key=lambda r: (not r["fits"], r["makespan_s"]))
+        r["throughput_vs_1f1b"] = round(base[key] / r[key], 4) if base and r[key] else None
+        if post_validation:
+            r["flags"] += " --enable-optimizer-post-validation"
+    ok.sort(key=lambda r: (not r["fits"], r[key], r["makespan_s"]))
     return ok + [r for r in rows if "error" in r]
 
 

@@ -79,11 +79,77 @@ def _r(x: float) -> float:
 
 
 class Deadlock(ScheduleError):
-    pass
+    """No rank can run its next pass. The message (built only when asked for: search loops catch
+    many of these) names the pass that comes too late and the cycle of ranks waiting on it, then
+    every stuck rank; positions count every action of the (flattened) rank list."""
+
+    def __init__(self, schedule: Schedule, orders: List[List[Action]], pos: List[int],
+                 done: Dict[Tuple[str, int, int], float]):
+        super().__init__("schedule deadlocks")
+        self._args = (schedule, orders, pos, done)
+        self._msg: Optional[str] = None
+
+    def __str__(self) -> str:
+        if self._msg is None:
+            self._msg = _deadlock_message(*self._args)
+        return self._msg
+
+    def __reduce__(self):  # pickles as the plain error it describes
+        return ScheduleError, (str(self),)
 
 
-def simulate(schedule: Schedule, setting: Setting) -> SimResult:
-    """Time every compute pass. Raises Deadlock naming each stuck rank's waiting pass."""
+def _deadlock_message(schedule: Schedule, orders, pos, done) -> str:
+    pl = schedule.placement
+    nst = pl.num_stages
+    index = [[i for i, a in enumerate(o) if a.is_compute] for o in schedule.orders]  # compute -> list position
+    where = {}  # (kind, stage, mb) -> (rank, compute index); B and BW also as 'B*'
+    for r, order in enumerate(orders):
+        for j, a in enumerate(order):
+            where.setdefault((a.kind, a.stage, a.mb), (r, j))
+            if a.kind in (B, BW):
+                where.setdefault(("B*", a.stage, a.mb), (r, j))
+    stuck = [r for r in range(len(orders)) if pos[r] < len(orders[r])]
+    waits = {}  # rank -> (its pass, the missing dependency, (rank, compute index) of it or None)
+    for r in stuck:
+        a = orders[r][pos[r]]
+        dep = next(d for d in deps(a, nst, pl) if d not in done)
+        waits[r] = (a, dep, where.get(dep))
+
+    def name(dep):
+        k, st, mb = dep
+        return f"{'B' if k == 'B*' else k}{st}.{mb}"
+
+    def at(r, j):
+        return f"rank {r} position {index[r][j]}"
+
+    lead = ""
+    missing = [r for r in stuck if waits[r][2] is None]
+    if missing:
+        r = missing[0]
+        a, dep, _ = waits[r]
+        lead = f"{at(r, pos[r])} ({a}) waits for {name(dep)}, which no rank runs; "
+    else:  # follow the waits from a stuck rank to a cycle; blame the wait whose pass lies furthest ahead
+        r, seen = stuck[0], []
+        while r not in seen:
+            seen.append(r)
+            r = waits[r][2][0]
+        cycle = seen[seen.index(r):]
+        late = max(cycle, key=lambda q: waits[q][2][1] - pos[waits[q][2][0]])
+        a, dep, (q, j) = waits[late]
+        others = [f"{at(c, pos[c])} ({waits[c][0]}) waits for {name(waits[c][1])} from rank {waits[c][2][0]}"
+                  for c in cycle if c != late]
+        lead = (f"{name(dep)} at {at(q, j)} comes too late: {at(late, pos[late])} ({a}) waits for it"
+                + (f", while {', '.join(others)}" if others else "") + "; ")
+    return ("schedule deadlocks: " + lead + "stuck: "
+            + "; ".join(f"rank {r} at position {index[r][pos[r]]} waits in {orders[r][pos[r]]}" for r in stuck))
+
+
+def simulate(schedule: Schedule, setting: Setting,
+             release: Optional[Dict[Tuple[int, int], float]] = None) -> SimResult:
+    """Time every compute pass. Raises Deadlock naming each stuck rank's waiting pass.
+
+    ``release`` (optional): {(rank, i): t} -- the i-th compute pass of that rank starts no earlier
+    than t (``core.iteration`` uses it for iterations back to back)."""
     schedule = schedule.flat()
     pl = schedule.placement
     nst = pl.num_stages
@@ -115,6 +181,8 @@ def simulate(schedule: Schedule, setting: Setting) -> SimResult:
                     progressed = True
                     continue
                 ready = clock[r]
+                if release:
+                    ready = max(ready, release.get((r, len(timeline[r])), ready))  # i-th compute pass
                 ok = True
                 for dk, ds, dmb in deps(a, nst, pl):
                     t = done.get((dk, ds, dmb))
@@ -127,7 +195,7 @@ def simulate(schedule: Schedule, setting: Setting) -> SimResult:
                         ready = t
                 if not ok:
                     break
-                if links is not None and a.kind in (B, BW):
+                if links is not None and a.kind in (B, BW, W):
                     ready = links.gate(r, a, ready)
                 end = ready + setting.pass_cost(a.kind, r)
                 timeline[r].append(Timed(a, r, ready, end))
@@ -139,9 +207,7 @@ def simulate(schedule: Schedule, setting: Setting) -> SimResult:
                 remaining -= 1
                 progressed = True
         if not progressed:
-            stuck = [f"rank {r} at position {pos[r]} waits in {orders[r][pos[r]]}"
-                     for r in range(len(orders)) if pos[r] < len(orders[r])]
-            raise Deadlock("schedule deadlocks: " + "; ".join(stuck))
+            raise Deadlock(schedule, orders, pos, done)
 
     syncs = _replica_syncs(timeline, pl, setting) if pl.replicated else []
     finish = [tl[-1].end if tl else 0.0 for tl in timeline]

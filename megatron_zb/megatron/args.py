@@ -20,7 +20,7 @@ Two families of flags, both accepted by ``add_zero_bubble_args``:
   ``--zero-bubble-max-pending-backward``, ``--zero-bubble-pipeline-timers-start-iter/-end-iter``,
   ``--allow-padding-num-layers``, ``--enable-zb-runtime`` and ``--no-pre-communication-optimization``
   (accepted, nothing to do). The fork's flags for features megatron-zb does not have yet
-  (optimizer post-validation, ...) parse, and validation then refuses them with a
+  (exact-numeric-match, ...) parse, and validation then refuses them with a
   "not available yet in megatron-zb" message. The fork's activation-offload flags work
   (``--cpu-offload``, ``--offload-chunk-num``, ``--offload-time``, ``--auto-offload-time``,
   ``--offload-overlap-sr``), with ours: ``--zero-bubble-offload-ratio``,
@@ -157,7 +157,6 @@ def _nonneg_int(flag):
 # The fork's flags for features megatron-zb does not have yet: parsed (so the user's script gets
 # past argparse) and refused by validation. dest -> (flag, is_given(value)).
 NOT_AVAILABLE_FLAGS: Dict[str, tuple] = {
-    "enable_optimizer_post_validation": ("--enable-optimizer-post-validation", bool),
     "enable_exactly_numeric_match": ("--enable-exactly-numeric-match", bool),
     "enable_1f1b_v": ("--enable-1f1b-v", bool),
     "interleave_group_size": ("--interleave-group-size", lambda v: v is not None and v > 0),
@@ -172,7 +171,6 @@ NOT_AVAILABLE_FLAGS: Dict[str, tuple] = {
 _WHAT_INSTEAD = {
     "enable_1f1b_v": "for a V-placement run with fused backward use --zero-bubble-schedule gpipe-v, "
                      "or zb-v for the zero-bubble V schedule",
-    "enable_optimizer_post_validation": "the optimizer step stays synchronous (Megatron's)",
     "enable_exactly_numeric_match": "megatron-zb's schedules already give the same gradients as 1F1B; "
                                     "`megatron-zb verify` checks it",
     "zero_bubble_adaptive_memory_limit_percentile": "give --zero-bubble-max-pending-backward N or "
@@ -262,9 +260,16 @@ def add_zero_bubble_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     f.add_argument("--no-pre-communication-optimization", action="store_false",
                    dest="pre_communication_optimization", default=True,
                    help="Accepted for compatibility; megatron-zb sends no pre-communication messages.")
-    # not available yet: parsed here, refused by validate_zero_bubble_args
+    f.add_argument("--zero-bubble-post-validation-min-clean-steps", type=_nonneg_int(
+                       "--zero-bubble-post-validation-min-clean-steps"), default=None, metavar="N",
+                   help="With --enable-optimizer-post-validation: optimizer steps stay synchronous until N steps in a "
+                        "row were neither clipped nor skipped, and again after each rollback (default 10, the "
+                        "fork's rule; 0 post-validates from the first step).")
     f.add_argument("--enable-optimizer-post-validation", action="store_true", default=False,
-                   help="Not available yet in megatron-zb.")
+                   help="Optimizer post-validation: each pipeline rank steps as soon as its own last pass is done; "
+                        "the gradient norm and inf/NaN flags are reduced along the pipeline and the step is "
+                        "rolled back and redone when they say Megatron's step would have clipped or skipped.")
+    # not available yet: parsed here, refused by validate_zero_bubble_args
     f.add_argument("--enable-exactly-numeric-match", action="store_true", default=False,
                    help="Not available yet in megatron-zb.")
     f.add_argument("--enable-1f1b-v", action="store_true", default=False,
@@ -420,7 +425,8 @@ def validate_zero_bubble_args(args, *, before_megatron_validation: Optional[bool
 
     name = _resolve_schedule(args)
     if name is None:
-        for flag, dest in (("--zero-bubble-memory-limit", "zero_bubble_memory_limit"),
+        for flag, dest in (("--enable-optimizer-post-validation", "enable_optimizer_post_validation"),
+                           ("--zero-bubble-memory-limit", "zero_bubble_memory_limit"),
                            ("--zero-bubble-max-pending-backward", "zero_bubble_max_pending_backward"),
                            ("--zero-bubble-profile-window", "zero_bubble_profile_window"),
                            ("--zero-bubble-pipeline-timers-start-iter", "zero_bubble_pipeline_timers_start_iter"),
@@ -609,6 +615,18 @@ def validate_zero_bubble_args(args, *, before_megatron_validation: Optional[bool
     elif getattr(args, "zero_bubble_profile_path", None):
         raise err("--zero-bubble-profile-path needs a profiling window (--zero-bubble-profile-window START END)")
 
+    if getattr(args, "enable_optimizer_post_validation", False):
+        for dest, flag in (("overlap_param_gather", "--overlap-param-gather"),
+                           ("overlap_param_gather_with_optimizer_step", "--overlap-param-gather-with-optimizer-step"),
+                           ("optimizer_cpu_offload", "--optimizer-cpu-offload"),
+                           ("use_precision_aware_optimizer", "--use-precision-aware-optimizer"),
+                           ("use_megatron_fsdp", "--use-megatron-fsdp")):
+            if _given(args, dest):
+                raise err(f"--enable-optimizer-post-validation cannot be combined with {flag}: the rollback needs "
+                          "the optimizer step (and its parameter all-gather) whole on this rank")
+        kwargs["post_validation"] = True
+    elif _given(args, "zero_bubble_post_validation_min_clean_steps"):
+        raise err("--zero-bubble-post-validation-min-clean-steps needs --enable-optimizer-post-validation")
     kwargs.update(_offload_kwargs(args, name=name, chunks=chunks, limit=limit))
 
     args.zero_bubble_resolved_schedule = name

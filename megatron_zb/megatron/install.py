@@ -30,6 +30,7 @@ from ..core.lower import lower
 from ..core.validate import validate
 from ..runtime.executor import StagePasses, execute
 from ..runtime.p2p import P2P, PairGroups
+from ..runtime.postval import PostValidation, replayable
 from ..runtime.profiler import PassProfiler, ProfileError, auto_replans, profile_to_setting_kwargs
 from ..runtime.replica import ReplicaGradSync, ReplicaGroups, grads_of
 from ..runtime.wqueue import WQueue
@@ -69,6 +70,9 @@ class ScheduleOptions:
     offload_chunks: Optional[int] = None
     offload_cpu_test: bool = False
     offload_min_elements: int = 1024
+    # optimizer post-validation (runtime.postval; the optimizer side: megatron.optimizer): wrap
+    # Megatron's optimizer with handle.post_validated_optimizer(...)
+    post_validation: bool = False
 
 
 class ZeroBubbleForwardBackward:
@@ -92,6 +96,8 @@ class ZeroBubbleForwardBackward:
         self._replicas_checked = False
         self._queues: Dict[int, WQueue] = {}
         self.last_schedule: Optional[Schedule] = None
+        self.post_validation: Optional[PostValidation] = (
+            PostValidation(options.timeout_s) if options.post_validation else None)
         self.pass_times: Optional[List] = None  # set to a list to record (kind, stage, mb, s)
         # -- profiler wiring ----------------------------------------------------------------------
         self.iterations = 0  # forward-backward calls with forward_only=False
@@ -216,32 +222,25 @@ class ZeroBubbleForwardBackward:
         sched = self.schedule_for(p, num_microbatches, len(models), forward_only)
         self.last_schedule = sched
         pl = sched.placement
-        nst = pl.num_stages
-        stages = pl.stages_of(me)
-        chunk_of = {s: i for i, s in enumerate(stages)}
         pp_ranks = dist.get_process_group_ranks(pp_group)
         p2p = P2P(self.groups(pp_ranks, pl), me, timeout_s=self.options.timeout_s,
                   exchange_shapes=bool(config.variable_seq_lengths))
-        replicated = pl.replicated
-        sync = None
-        if replicated:
+        if pl.replicated:
             if not isinstance(data_iterator, list) and len(models) > 1 and data_iterator is not None:
                 raise ZeroBubbleConfigError(f"{self.options.schedule}: replicated stages need one data iterator per "
                                             "model chunk (a list, as Megatron passes for virtual pipelines)")
-            iters = [_RoutedIterator(it) for it in iters]
-            groups = self.replica_groups(pp_ranks, pl)
-            if not forward_only:
-                if not self._replicas_checked:
-                    _check_replicas_equal(models, stages, pl, groups)
-                    self._replicas_checked = True
-                sync = ReplicaGradSync(groups, timeout_s=self.options.timeout_s)
+            if self.post_validation is not None:
+                raise ZeroBubbleConfigError(f"{self.options.schedule}: optimizer post-validation is not supported "
+                                            "with replicated stages yet; train it with the synchronous optimizer step")
+            if not forward_only and not self._replicas_checked:
+                _check_replicas_equal(models, pl.stages_of(me), pl, self.replica_groups(pp_ranks, pl))
+                self._replicas_checked = True
         queues = [self.queue(m) for m in models] if not forward_only else []
         cp_size = cp_group.size() if cp_group is not None else 1
         offload = None
         if self.options.offload_ratio is not None and not forward_only:
             from .offload import manager_for
-            offload = manager_for(self, models, queues, chunk_of, config, seq_length, micro_batch_size,
-                                  tp_group, cp_size)
+            offload = manager_for(self, models, queues, {s: i for i, s in enumerate(pl.stages_of(me))})
 
         seq = decoder_seq_length if decoder_seq_length is not None else seq_length
         seq = seq // cp_size
@@ -252,12 +251,66 @@ class ZeroBubbleForwardBackward:
             recv_shapes, _ = adjust_tensor_shapes_fn([shape], [shape])
             shape = list(recv_shapes[0])
 
+        pv = self.post_validation
+        if pv is not None and forward_only:
+            pv.finish()  # evaluation sees validated weights
+        validate = pv.validate if (pv is not None and pv.due and not forward_only) else None
+        if validate is not None:
+            iters = replayable(iters)  # a rolled-back iteration runs again on the same microbatches
+        if config.timers is not None:
+            config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
+        while True:  # one attempt; a second one only after a post-validation rollback
+            forward_data_store, total_num_tokens, completed = self._attempt(
+                forward_step_func, iters, models, num_microbatches, forward_only, collect_non_loss_data,
+                first_val_step, config, sched, me, p2p, queues, shape, cp_size, prof, validate, pp_group, pp_ranks,
+                offload)
+            if completed:
+                break
+            pv.recover()  # restore the eager step and redo it exactly as Megatron's synchronous step
+            for m in models:
+                if hasattr(m, "zero_grad_buffer"):
+                    m.zero_grad_buffer()
+            for it in iters:
+                if it is not None:
+                    it.rewind()
+            validate = None
+
+        if prof is not None:
+            profile = prof.end_iteration(self.iterations, placement=pl, num_microbatches=num_microbatches,
+                                         rank=me, group=pp_group, p2p=p2p, shape=shape,
+                                         dtype=config.pipeline_dtype, device=_device(),
+                                         schedule=self.options.schedule)
+            if profile is not None:
+                self.profile = profile
+                if auto_replans(self.options.schedule):
+                    self.replan_from(profile)
+
+        if config.finalize_model_grads_func is not None and not forward_only:
+            _call_finalize(config, models, total_num_tokens if config.calculate_per_token_loss else None,
+                           pg_collection, force_all_reduce)
+        if config.timers is not None:
+            config.timers("forward-backward").stop()
+        return forward_data_store
+
+    def _attempt(self, forward_step_func, iters, models, num_microbatches, forward_only, collect_non_loss_data,
+                 first_val_step, config, sched, me, p2p, queues, shape, cp_size, prof, validate, pp_group, pp_ranks,
+                 offload=None):
+        """Run this rank's list once; returns (forward data, token count, completed)."""
+        from megatron.core.pipeline_parallel import schedules as S
+
+        pl = sched.placement
+        replicated = pl.replicated
+        run_iters, sync = iters, None
+        if replicated:  # each chunk reads only the microbatches of its path
+            run_iters = [_RoutedIterator(it) for it in iters]
+            if not forward_only:
+                sync = ReplicaGradSync(self.replica_groups(pp_ranks, pl), timeout_s=self.options.timeout_s)
+        stages = pl.stages_of(me)
+        chunk_of = {s: i for i, s in enumerate(stages)}
         forward_data_store: List = []
         total_num_tokens = torch.zeros([], dtype=torch.int)
         if torch.cuda.is_available():
             total_num_tokens = total_num_tokens.cuda()
-        if config.timers is not None:
-            config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
 
         no_sync = _per_chunk(config.no_sync_func, len(models))
         grad_sync = _per_chunk(config.grad_sync_func, len(models))
@@ -283,9 +336,9 @@ class ZeroBubbleForwardBackward:
                 if param_sync[c] is not None and c > 0 and not forward_only:
                     param_sync[c](models[c].parameters())
             if replicated:
-                iters[c].target = mb
+                run_iters[c].target = mb
             out, num_tokens = S.forward_step(
-                forward_step_func, iters[c], models[c], num_microbatches, inp, forward_data_store,
+                forward_step_func, run_iters[c], models[c], num_microbatches, inp, forward_data_store,
                 config, cp_size, collect_non_loss_data, None,
                 is_first_microbatch=S.check_first_val_step(first_val_step, forward_only, first),
                 current_microbatch=mb, vp_stage=None, is_last_stage=pl.is_last(stage))
@@ -340,19 +393,25 @@ class ZeroBubbleForwardBackward:
             prof.ignore_parameters(prm for m in models for prm in m.parameters())
             run_passes, run_p2p = prof.instrument(passes, p2p)
         try:
-            execute(sched.orders[me], me, pl, run_passes, run_p2p, forward_only=forward_only,
-                    overlap_pairs=pairs)
+            completed = execute(sched.orders[me], me, pl, run_passes, run_p2p, forward_only=forward_only,
+                                overlap_pairs=pairs, validate=validate)
         finally:
             for stack in sync_off.values():
                 stack.close()
-        for q in queues:
-            q.assert_empty()
-        if offload is not None:
+        if completed:
+            for q in queues:
+                q.assert_empty()
+        else:
+            for q in queues:
+                q.clear()
+        if offload is not None and not completed:
+            offload.discard()  # post-validation drained the rest of the iteration
+        elif offload is not None:
             self.offload_stats = dict(offload.end_iteration(), offload_time=self.options.offload_time)
             if prof is not None:
                 prof.offload_stats.append(self.offload_stats)
         if replicated:
-            for it in iters:
+            for it in run_iters:
                 it.drain(num_microbatches)
             if sync is not None:
                 sync.finish()
@@ -361,22 +420,7 @@ class ZeroBubbleForwardBackward:
             forward_data_store = _merge_losses(forward_data_store, mb_of_entry, pl, me, pp_group)
             if config.calculate_per_token_loss and not forward_only:
                 dist.all_reduce(total_num_tokens, group=pp_group)  # the loss stages of every path
-        if prof is not None:
-            profile = prof.end_iteration(self.iterations, placement=pl, num_microbatches=num_microbatches,
-                                         rank=me, group=pp_group, p2p=p2p, shape=shape,
-                                         dtype=config.pipeline_dtype, device=_device(),
-                                         schedule=self.options.schedule)
-            if profile is not None:
-                self.profile = profile
-                if auto_replans(self.options.schedule):
-                    self.replan_from(profile)
-
-        if config.finalize_model_grads_func is not None and not forward_only:
-            _call_finalize(config, models, total_num_tokens if config.calculate_per_token_loss else None,
-                           pg_collection, force_all_reduce)
-        if config.timers is not None:
-            config.timers("forward-backward").stop()
-        return forward_data_store
+        return forward_data_store, total_num_tokens, completed
 
 
 def _device():
@@ -575,6 +619,23 @@ class InstallHandle:
     forward_backward: ZeroBubbleForwardBackward
     _restore: List = dataclasses.field(default_factory=list)
 
+    @property
+    def post_validation(self):
+        """The pipeline side of optimizer post-validation (``runtime.postval.PostValidation``), or
+        None when installed without ``post_validation=True``."""
+        return self.forward_backward.post_validation
+
+    def post_validated_optimizer(self, optimizer, model_chunks, **kw):
+        """Attach optimizer post-validation to Megatron's ``optimizer`` (``megatron.optimizer``;
+        ``kw``: min_clean_steps, log, pp_group). Returns the ``PostValidator``."""
+        if self.post_validation is None:
+            raise ZeroBubbleConfigError("post_validated_optimizer() needs install(..., post_validation=True)")
+        from .optimizer import PostValidationError, post_validated
+        try:
+            return post_validated(optimizer, model_chunks, self.post_validation, **kw)
+        except PostValidationError as e:
+            raise ZeroBubbleConfigError(str(e)) from None
+
     def uninstall(self) -> None:
         for mod, name, old in reversed(self._restore):
             setattr(mod, name, old)
@@ -595,7 +656,9 @@ def install(schedule: str, *, chunks: Optional[int] = None, memory_limit: Option
     patched). ``options``: cost_f, cost_b, cost_w, cost_comm, mem_w (schedule tuning),
     timeout_s (how long a rank waits for a message before failing with its rank, pass and peer),
     profile_window=(start, end) and profile_path (``runtime.profiler``: time F/B/W/p2p over those
-    training iterations, write the profile JSON; zb-auto*/v-auto* re-plan from it afterwards).
+    training iterations, write the profile JSON; zb-auto*/v-auto* re-plan from it afterwards),
+    post_validation=True (optimizer post-validation: then attach it to Megatron's optimizer with
+    ``handle.post_validated_optimizer(optimizer, model_chunks)``).
     """
     known = {f.name for f in dataclasses.fields(ScheduleOptions)} - {"schedule", "chunks", "memory_limit"}
     bad = sorted(set(options) - known)

@@ -291,6 +291,30 @@ def unwrap(model):
     return model
 
 
+def float16_chunks(config, chunks: Sequence[torch.nn.Module]) -> List[torch.nn.Module]:
+    """Megatron's ``Float16Module`` around each chunk, deciding "first stage" (cast the inputs)
+    and "last stage" (upcast the output to fp32) from the chunk's own stage. Megatron's decides
+    from the pipeline rank and the virtual index, which is right for its looped placement only:
+    on a V placement it would upcast rank P-1's second chunk (stage P, an intermediate one) and
+    send fp32 where the next rank expects ``pipeline_dtype``."""
+    from megatron.core.transformer.module import Float16Module, float16_to_fp32, fp32_to_float16
+    out = []
+    for c in chunks:
+        info = unwrap(c).mzb_chunk_info
+        w = Float16Module(config, c)
+
+        def forward(*inputs, fp32_output=True, _w=w, _info=info, **kwargs):
+            if _info.pre_process:
+                inputs = fp32_to_float16(inputs, _w.float16_convertor)
+            outputs = _w.module(*inputs, **kwargs)
+            if _info.post_process and fp32_output is True:
+                outputs = float16_to_fp32(outputs)
+            return outputs
+        w.forward = forward
+        out.append(w)
+    return out
+
+
 def name_seed(global_name: str, seed: int) -> int:
     h = hashlib.sha256(f"{seed}:{global_name}".encode()).digest()
     return int.from_bytes(h[:8], "little") & ((1 << 63) - 1)

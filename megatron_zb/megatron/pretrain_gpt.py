@@ -516,7 +516,7 @@ def main(argv: Optional[Sequence[str]] = None, extra_args_provider: Optional[Cal
     args, zb, notes = prepare_args(extra_args_provider, args_defaults, argv)
     if notes:
         _print0("megatron-zb: adjusted for this machine: " + ", ".join(notes))
-    handle, undo = None, None
+    handle, undo, undo_pv = None, None, None
     get_emb = None
     if zb is not None:
         from megatron.core.num_microbatches_calculator import get_num_microbatches
@@ -530,7 +530,11 @@ def main(argv: Optional[Sequence[str]] = None, extra_args_provider: Optional[Cal
         _print0(f"megatron-zb: schedule {schedule} installed ({placement.style} placement, {placement.models_per_rank} "
                 f"chunk(s) per rank, pipeline size {placement.num_ranks}, {m} microbatches"
                 + (f", memory limit {limit:.3g} microbatches" if limit else "") + ")")
-        _print0(f"megatron-zb: simulated with the schedule's costs: bubble {100 * sim.bubble_rate:.1f}%"
+        costs = [kwargs.get(k) for k in ("cost_f", "cost_b", "cost_w")]
+        given = any(c is not None for c in costs)
+        what = ("with the given --zero-bubble-cost-f/-b/-w" if given else
+                "with unit costs F=B=W=1, not measured ones (--zero-bubble-cost-f/-b/-w give yours)")
+        _print0(f"megatron-zb: schedule preview, simulated {what}: bubble {100 * sim.bubble_rate:.1f}%"
                 + (f" (1f1b {100 * base.bubble_rate:.1f}%)" if base is not None else "")
                 + f", peak activation {max(sim.peak_memory):.3g} microbatches per rank")
         if kwargs.get("offload_ratio") is not None and sim.offload is not None:
@@ -543,6 +547,13 @@ def main(argv: Optional[Sequence[str]] = None, extra_args_provider: Optional[Cal
         if placement.style in ("v", "bitpipe"):
             get_emb = get_embedding_ranks
             undo = _route_losses_for_v(placement.loss_rank)
+        if kwargs.get("post_validation"):
+            from .optimizer import FORK_MIN_CLEAN_STEPS, patch_megatron_training
+            n = getattr(args, "zero_bubble_post_validation_min_clean_steps", None)
+            n = FORK_MIN_CLEAN_STEPS if n is None else n
+            undo_pv = patch_megatron_training(handle, min_clean_steps=n)
+            _print0(f"megatron-zb: optimizer post-validation on (steps synchronous until {n} in a row were neither "
+                    "clipped nor skipped; Megatron's log line shows the grad norm of the previous iteration's step)")
     else:
         _print0("megatron-zb: no zero-bubble flag given; Megatron's own pipeline schedules run")
 
@@ -554,6 +565,10 @@ def main(argv: Optional[Sequence[str]] = None, extra_args_provider: Optional[Cal
         run(cfg, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step,
             model_provider=model_provider(), get_embedding_ranks=get_emb, store=store)
     finally:
+        from .shutdown import stop_checkpoint_writer
+        stop_checkpoint_writer()  # megatron's checkpoint-writer Manager process, if a save started it
+        if undo_pv is not None:
+            undo_pv()
         if undo is not None:
             undo()
         if handle is not None:

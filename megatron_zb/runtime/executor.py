@@ -68,6 +68,7 @@ class _State:
     to_send_f: Dict[Key, torch.Tensor] = field(default_factory=dict)
     to_send_b: Dict[Key, torch.Tensor] = field(default_factory=dict)
     offloaded: set = field(default_factory=set)  # (stage, mb) whose activation an OFFLOAD moves
+    drain: bool = False  # post-validation rejected the step: pass messages on, compute nothing
 
 
 class ExecutionError(RuntimeError):
@@ -76,12 +77,18 @@ class ExecutionError(RuntimeError):
 
 def execute(actions: List[Action], rank: int, placement: Placement, passes: StagePasses,
             p2p: Optional[P2P], forward_only: bool = False,
-            overlap_pairs: Optional[Dict[int, int]] = None) -> None:
+            overlap_pairs: Optional[Dict[int, int]] = None,
+            validate: Optional[Callable[[], bool]] = None) -> bool:
     """Run ``actions`` (this rank's lowered list) to the end.
 
     ``overlap_pairs`` maps the position of an overlapped pair's F to its B's (only messages lie
     between them): the receives in between are posted first, then ``passes.overlap`` gets the F
     (with the sends that follow it) and the B as two thunks.
+
+    ``validate`` (optimizer post-validation, ``runtime.postval``): called once, right before the
+    rank's first backward (before the overlapped pair holding it). If it returns False the rest
+    of the list runs without computing: receives are taken and dropped, sends carry zeros of the
+    right shape, so every peer's messages still match. Returns False in that case, else True.
     """
     nst = placement.num_stages
     st = _State()
@@ -91,6 +98,7 @@ def execute(actions: List[Action], rank: int, placement: Placement, passes: Stag
     if passes.offload is None and any(a.kind in (OFFLOAD, RELOAD, OFFLOAD_W, RELOAD_W) for a in actions):
         raise ExecutionError(f"rank {rank}: the schedule offloads activations but no offload manager was given "
                              "(StagePasses.offload)")
+    check_at = _validation_position(actions, pairs) if validate is not None and not forward_only else None
 
     def step(i):
         a = actions[i]
@@ -105,7 +113,9 @@ def execute(actions: List[Action], rank: int, placement: Placement, passes: Stag
 
     i = 0
     while i < len(actions):
-        if i in pairs and not forward_only:
+        if i == check_at and not validate():
+            st.drain = True
+        if i in pairs and not forward_only and not st.drain:
             j = pairs[i]
             between = range(i + 1, j)
             if actions[i].kind != F or actions[j].kind not in (B, BW) or any(actions[k].is_compute for k in between):
@@ -131,6 +141,15 @@ def execute(actions: List[Action], rank: int, placement: Placement, passes: Stag
         list(st.local_grads) + list(st.to_send_f) + list(st.to_send_b)
     if leftovers:
         raise ExecutionError(f"rank {rank}: received tensors that no pass consumed: {leftovers}")
+    return not st.drain
+
+
+def _validation_position(actions, pairs) -> Optional[int]:
+    first = next((i for i, a in enumerate(actions) if a.kind in (B, BW)), None)
+    for i, j in pairs.items():
+        if j == first:
+            return i
+    return first
 
 
 def _one_after_the_other(run_f, run_b):
@@ -153,7 +172,11 @@ def _step(a: Action, i: int, rank: int, pl: Placement, nst: int, ps: StagePasses
           st: _State, forward_only: bool, last_b: Dict[int, int], last: Dict[int, int]) -> None:
     key = (a.stage, a.mb)
     k = a.kind
-    if k == RECV_F:
+    if st.drain and k in (OFFLOAD, RELOAD, OFFLOAD_W, RELOAD_W):
+        return  # nothing is computed any more: nothing to move (the caller discards the manager's parts)
+    if st.drain and k in (F, B, BW, W):
+        _drain(a, key, rank, pl, nst, ps, st)
+    elif k == RECV_F:
         st.pending_inputs[key] = p2p.recv(ps.recv_shape(*key), ps.dtype, ps.device, a.peer,
                                           f"the input of F{a.stage}.{a.mb}")
     elif k == RECV_B:
@@ -238,6 +261,36 @@ def _step(a: Action, i: int, rank: int, pl: Placement, nst: int, ps: StagePasses
         ps.offload.reload_w(a.stage, a.mb)
     else:
         raise ExecutionError(f"rank {rank}: unknown action {a}")
+
+
+def _drain(a: Action, key: Key, rank: int, pl: Placement, nst: int, ps: StagePasses, st: _State) -> None:
+    """A pass after a rejected post-validation: consume its input, hand on zeros, compute nothing."""
+    def zeros(stage):
+        return torch.zeros(tuple(ps.recv_shape(stage, a.mb)), dtype=ps.dtype, device=ps.device)
+
+    if a.kind == F:
+        if a.stage > 0:
+            if key in st.pending_inputs:
+                st.pending_inputs.pop(key).wait()
+            else:
+                st.local_inputs.pop(key, None)
+        if a.stage + 1 < nst:
+            if pl.rank_of(a.stage + 1) == rank:
+                st.local_inputs[(a.stage + 1, a.mb)] = zeros(a.stage + 1)
+            else:
+                st.to_send_f[key] = zeros(a.stage + 1)
+    elif a.kind in (B, BW):
+        if a.stage < nst - 1:
+            if key in st.pending_grads:
+                st.pending_grads.pop(key).wait()
+            else:
+                st.local_grads.pop(key, None)
+        st.saved.pop(key, None)
+        if a.stage > 0:
+            if pl.rank_of(a.stage - 1) == rank:
+                st.local_grads[(a.stage - 1, a.mb)] = zeros(a.stage)
+            else:
+                st.to_send_b[key] = zeros(a.stage)
 
 
 def _timed(ps: StagePasses, kind: str, a: Action, t0: float) -> None:

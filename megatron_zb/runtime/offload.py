@@ -270,6 +270,17 @@ class OffloadManager:
         self._by_key.clear()
         return out
 
+    def discard(self) -> None:
+        """Forget this iteration's parts (optimizer post-validation drained the rest of it: the
+        passes that would have taken them back never ran). Host buffers go back to the pool."""
+        for slot in self._slots.values():
+            if slot.host is not None:
+                self._pool.setdefault(slot.host.numel(), []).append((slot.host, slot.event if self.cuda else None))
+                slot.host = None
+        self._slots.clear()
+        self._by_key.clear()
+        self.reset_stats()
+
     def stats(self) -> dict:
         cap = self._stats["captured_bytes"]
         return {**{k: v for k, v in self._stats.items() if k != "captured_bytes"},

@@ -34,7 +34,9 @@ def _build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--data-parallel-size", "-d", type=positive_int("--data-parallel-size"), default=1,
                     help="data-parallel replicas (world size P x T x D); the reference trains on all their microbatches")
     ap.add_argument("--use-distributed-optimizer", action="store_true",
-                    help="megatron's DistributedOptimizer (Adam) steps instead of SGD (ZeroPP's sharded data parallelism)")
+                    help="megatron's DistributedOptimizer: alone, it steps with Adam instead of SGD and gradients are "
+                         "compared (ZeroPP's sharded data parallelism); with --optimizer it is that optimizer's "
+                         "DistributedOptimizer")
     ap.add_argument("--num-microbatches", "-m", type=positive_int("--num-microbatches"), default=None,
                     help="per data-parallel replica; default 2 x pipeline size")
     ap.add_argument("--iterations", "-n", type=positive_int("--iterations"), default=3)
@@ -60,6 +62,23 @@ def _build_parser() -> argparse.ArgumentParser:
                     help="transfer time the schedule core plans with, in F+B of a stage (default 0.25); 'auto': "
                          "measured at the first iteration (here: CPU memcpy and matmul stand-ins)")
     ap.add_argument("--offload-half-duplex", action="store_true", help="one copy queue instead of two")
+    o = ap.add_argument_group("Megatron's optimizer (instead of the harness's plain SGD step)")
+    o.add_argument("--optimizer", choices=("adam", "sgd"), default=None,
+                   help="train with megatron.core.optimizer (get_megatron_optimizer); the reference is one process "
+                        "with the same optimizer")
+    o.add_argument("--optimizer-post-validation", action="store_true",
+                   help="also train with optimizer post-validation (implies --optimizer adam) and require it to be "
+                        "bit-identical to the synchronous pipelined run")
+    o.add_argument("--clip-grad", type=float, default=0.0, help="Megatron's clip_grad (default 0: off)")
+    o.add_argument("--inject-nonfinite-at", type=int, default=None, metavar="ITER",
+                   help="put an inf into one gradient at this iteration (Megatron then skips the step; needs a "
+                        "loss scaler: --fp16, or --bf16 / --use-distributed-optimizer, which get --loss-scale 1)")
+    o.add_argument("--bf16", action="store_true")
+    o.add_argument("--fp16", action="store_true", help="fp16 with Megatron's dynamic loss scaler")
+    o.add_argument("--loss-scale", type=float, default=None, help="constant loss scale (Megatron's --loss-scale)")
+    o.add_argument("--lr", type=float, default=1e-3, help="the optimizer's learning rate (default 1e-3)")
+    o.add_argument("--param-rtol", type=float, default=None,
+                   help="final parameters vs the reference (default 1e-3; 0.1 for bf16/fp16)")
     ap.add_argument("--grad-rtol", type=float, default=DEFAULT_GRAD_RTOL)
     ap.add_argument("--loss-atol", type=float, default=DEFAULT_LOSS_ATOL)
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds for the whole run (default 300)")
@@ -113,8 +132,11 @@ def main_verify(argv: Optional[Sequence[str]] = None) -> int:
                     gradient_accumulation_fusion=a.gradient_accumulation_fusion,
                     variable_seq_lengths=a.variable_seq_lengths, tie_embeddings=not a.untied,
                     forward_only=a.forward_only, memory_limit=a.memory_limit, grad_rtol=a.grad_rtol,
-                    loss_atol=a.loss_atol, data_parallel_size=a.data_parallel_size,
-                    use_distributed_optimizer=a.use_distributed_optimizer,
+                    loss_atol=a.loss_atol, data_parallel_size=a.data_parallel_size, optimizer=a.optimizer,
+                    post_validation=a.optimizer_post_validation, clip_grad=a.clip_grad,
+                    inject_nonfinite_at=a.inject_nonfinite_at, bf16=a.bf16, fp16=a.fp16,
+                    use_distributed_optimizer=a.use_distributed_optimizer, loss_scale=a.loss_scale,
+                    optimizer_lr=a.lr, param_rtol=a.param_rtol,
                     offload_ratio=a.offload_ratio, offload_time=a.offload_time,
                     offload_half_duplex=a.offload_half_duplex)
         case = make_case(a.schedule, a.pipeline_parallel_size, a.tensor_parallel_size, a.num_microbatches,
@@ -140,8 +162,15 @@ def main_verify(argv: Optional[Sequence[str]] = None) -> int:
             print(line)
         for p in res["problems"]:
             print(f"problem: {p}")
+        if case.optimizer:
+            print(f"megatron optimizer: {res.get('skipped_iterations')} skipped step(s), "
+                  f"{res.get('clipped_iterations')} clipped in the reference; max rel param diff "
+                  f"{_fmt(res.get('max_rel_param_diff'))} (tol {case.param_rtol:g})")
+            if case.post_validation:
+                print(f"post-validation: {res.get('rollbacks')} rollback(s); bit-identical to the synchronous "
+                      f"pipelined run: {'yes' if res.get('bit_identical_to_synchronous') else 'NO'}")
         w = res.get("worst_param")
-        if w and not case.forward_only:
+        if w and not case.forward_only and not case.optimizer:
             print(f"worst gradient: {w['param']} (rank {w['rank']}, iteration {w['iteration']}): "
                   f"{_fmt(w['rel_diff'])}")
         for o in res.get("offload", []):
@@ -150,10 +179,15 @@ def main_verify(argv: Optional[Sequence[str]] = None) -> int:
                   f"{last.get('captured_bytes_per_forward', 0)} B per F, offloaded {last.get('offloaded_bytes', 0)} B "
                   f"in {last.get('offloaded_parts', 0)} part(s), reloaded {last.get('reloaded_bytes', 0)} B")
         t = res["timing"]
-        print(f"timing: median iteration {t.get('median_iteration_ms')} ms "
-              f"(reference {t.get('reference_median_iteration_ms')} ms), wall {t.get('launch_wall_s')} s")
+        if case.optimizer:
+            print(f"timing: median iteration {t.get('median_iteration_ms')} ms"
+                  + (f" post-validated, {t.get('synchronous_median_iteration_ms')} ms synchronous"
+                     if case.post_validation else "") + f", wall {t.get('launch_wall_s')} s")
+        else:
+            print(f"timing: median iteration {t.get('median_iteration_ms')} ms "
+                  f"(reference {t.get('reference_median_iteration_ms')} ms), wall {t.get('launch_wall_s')} s")
         verdict = "PASSED" if res["passed"] else "FAILED"
-        grad_part = "" if case.forward_only else \
+        grad_part = "" if case.forward_only or case.optimizer else \
             f"max rel grad diff {_fmt(res['max_rel_grad_diff'])} (tol {case.grad_rtol:g}), "
         print(f"{verdict}: {grad_part}max abs loss diff {_fmt(res['max_abs_loss_diff'])} (tol {case.loss_atol:g})")
     if a.json:

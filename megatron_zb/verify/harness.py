@@ -45,6 +45,13 @@ __all__ = ["VerifyCase", "VerifyUsageError", "make_case", "run_verify", "run_ver
 PSEUDO_SCHEDULES = ("megatron-1f1b", "megatron-interleaved", "sequential")
 DEFAULT_GRAD_RTOL = 1e-5
 DEFAULT_LOSS_ATOL = 1e-5
+# optimizer cases, vs the non-pipelined reference: final parameters (L2 difference per parameter
+# relative to max(its norm, init std x sqrt(size)); Adam turns last-bit gradient differences into
+# small update differences), and for bf16/fp16
+# (16-bit GEMMs accumulate in another order on another layout) looser defaults
+DEFAULT_PARAM_RTOL = 1e-3
+HALF_PARAM_RTOL = 0.1
+HALF_LOSS_ATOL = 5e-3
 
 
 class VerifyUsageError(ValueError):
@@ -96,6 +103,19 @@ class VerifyCase:
     grad_rtol: float = DEFAULT_GRAD_RTOL
     loss_atol: float = DEFAULT_LOSS_ATOL
     label: Optional[str] = None
+    # Megatron's optimizer instead of the plain SGD step (verify.optimizer_cases): 'adam' | 'sgd'
+    optimizer: Optional[str] = None
+    optimizer_lr: float = 1e-3
+    clip_grad: float = 0.0
+    bf16: bool = False
+    fp16: bool = False
+    # use_distributed_optimizer (above) selects Megatron's DistributedOptimizer for these cases too
+    loss_scale: Optional[float] = None
+    initial_loss_scale: float = 2.0 ** 12  # fp16's dynamic scaler starts here
+    inject_nonfinite_at: Optional[int] = None  # iteration whose gradient gets an inf
+    post_validation: bool = False  # also train with optimizer post-validation, compare bit for bit
+    min_clean_steps: int = 0  # post-validation: synchronous steps until this many clean ones
+    param_rtol: Optional[float] = None  # default DEFAULT_PARAM_RTOL (HALF_PARAM_RTOL for bf16/fp16)
 
     @property
     def world_size(self) -> int:
@@ -129,6 +149,13 @@ class VerifyCase:
             bits.append("untied")
         if self.config_overrides:
             bits.append(",".join(f"{k}={v}" for k, v in sorted(self.config_overrides.items())))
+        if self.optimizer:
+            bits.append(f"megatron-{self.optimizer}" + (" bf16" if self.bf16 else "") + (" fp16" if self.fp16 else "")
+                        + (" dist-opt" if self.use_distributed_optimizer else "")
+                        + (f" clip={self.clip_grad:g}" if self.clip_grad else "")
+                        + (f" loss-scale={self.loss_scale:g}" if self.loss_scale is not None else "")
+                        + (f" inf@{self.inject_nonfinite_at}" if self.inject_nonfinite_at is not None else "")
+                        + (" post-validation" if self.post_validation else ""))
         return (self.label + ": " if self.label else "") + " ".join(bits)
 
 
@@ -250,7 +277,56 @@ def make_case(schedule: str, pipeline_parallel_size: int, tensor_parallel_size: 
             raise VerifyUsageError(f"offload time must be a number >= 0 or 'auto', got {case.offload_time!r}")
     elif case.offload_half_duplex:
         raise VerifyUsageError("--offload-half-duplex needs --offload-ratio")
+    _check_optimizer_options(case)
     return case
+
+
+def _check_optimizer_options(case: VerifyCase) -> None:
+    if case.post_validation and case.optimizer is None:
+        case.optimizer = "adam"
+    # --use-distributed-optimizer alone is the data-parallel Adam check (gradients compared); with
+    # --optimizer it selects Megatron's DistributedOptimizer for the optimizer cases
+    uses = ["--" + k.replace("_", "-") for k in ("bf16", "fp16", "clip_grad", "loss_scale") if getattr(case, k)]
+    if case.inject_nonfinite_at is not None:
+        uses.append("--inject-nonfinite-at")
+    if case.optimizer is None:
+        if uses:
+            raise VerifyUsageError(f"{', '.join(uses)}: needs Megatron's optimizer: --optimizer adam|sgd "
+                                   "(or --optimizer-post-validation)")
+        return
+    if case.optimizer not in ("adam", "sgd"):
+        raise VerifyUsageError(f"optimizer must be adam or sgd, got {case.optimizer!r}")
+    if case.data_parallel_size > 1:
+        raise VerifyUsageError("--optimizer / --optimizer-post-validation cases run without data parallelism "
+                               "(--data-parallel-size 1)")
+    if case.schedule in PSEUDO_SCHEDULES and case.post_validation:
+        raise VerifyUsageError("optimizer post-validation runs a megatron-zb schedule (through install()), "
+                               f"not {case.schedule}")
+    if case.pipeline_parallel_size < 2 and case.post_validation:
+        raise VerifyUsageError("optimizer post-validation needs --pipeline-parallel-size >= 2")
+    if not case.ddp:
+        raise VerifyUsageError("Megatron's optimizer needs DDP-wrapped chunks (drop --no-ddp)")
+    if case.forward_only:
+        raise VerifyUsageError("--forward-only trains nothing: no optimizer")
+    if case.bf16 and case.fp16:
+        raise VerifyUsageError("--bf16 and --fp16 are exclusive")
+    half = case.bf16 or case.fp16
+    if case.param_rtol is None:
+        case.param_rtol = HALF_PARAM_RTOL if half else DEFAULT_PARAM_RTOL
+    if half and case.loss_atol == DEFAULT_LOSS_ATOL:
+        case.loss_atol = HALF_LOSS_ATOL
+    if case.clip_grad < 0 or not math.isfinite(case.clip_grad):
+        raise VerifyUsageError(f"--clip-grad must be a number >= 0, got {case.clip_grad}")
+    if case.inject_nonfinite_at is not None:
+        if not 0 <= case.inject_nonfinite_at < case.iterations:
+            raise VerifyUsageError(f"--inject-nonfinite-at must be an iteration 0..{case.iterations - 1}, "
+                                   f"got {case.inject_nonfinite_at}")
+        if not case.fp16 and case.loss_scale is None:
+            if not (case.bf16 or case.use_distributed_optimizer):
+                raise VerifyUsageError("Megatron's FP32Optimizer never checks gradients for inf/NaN (a NaN "
+                                       "would enter the weights): inject a non-finite gradient with --fp16, "
+                                       "or with --bf16 / --use-distributed-optimizer and a loss scale")
+            case.loss_scale = 1.0  # a constant scaler of 1: Megatron then checks and skips, numerics unchanged
 
 
 # --------------------------------------------------------------------------------------------
@@ -289,6 +365,7 @@ def run_verify_many(cases: Sequence[VerifyCase], *, timeout: float = 600.0, mcor
             raise err
         return [_error_result(c, err, 0.0) for c in cases]
     try:
+        references = _optimizer_references(cases, timeout, mcore_path)
         per_case = L.run_cases(_rank_case, cases, ws.pop(), timeout=timeout, mcore_path=mcore_path)
     except L.LaunchError as e:
         if raise_errors:
@@ -298,10 +375,27 @@ def run_verify_many(cases: Sequence[VerifyCase], *, timeout: float = 600.0, mcor
     wall = time.time() - t0
     out = []
     for c, ranks in zip(cases, per_case):
+        if c.optimizer is not None:
+            ranks[0]["reference"] = references[_reference_key(c)]
         r = compare(c, ranks)
         r["timing"]["launch_wall_s"] = round(wall, 3)
         out.append(r)
     return out
+
+
+def _optimizer_references(cases, timeout, mcore_path) -> Dict[tuple, dict]:
+    """The non-pipelined references of the optimizer cases: one launch of world size 1."""
+    from . import launch as L
+    from .optimizer_cases import reference_case
+    todo = {}
+    for c in cases:
+        if c.optimizer is not None:
+            todo.setdefault(_reference_key(c), c)
+    if not todo:
+        return {}
+    keys = list(todo)
+    results = L.run_cases(reference_case, [todo[k] for k in keys], 1, timeout=timeout, mcore_path=mcore_path)
+    return {k: r[0] for k, r in zip(keys, results)}
 
 
 def _install_importable() -> bool:
@@ -340,6 +434,8 @@ def _rel(a, b) -> float:
 
 def compare(case: VerifyCase, ranks: List[dict]) -> dict:
     """Compare the pipelined ranks' results with the reference (rank 0 carries it)."""
+    if case.optimizer is not None:
+        return _compare_optimizer(case, ranks)
     ref = ranks[0]["reference"]
     problems: List[str] = []
     loss_reports = [r for r in ranks if r.get("losses") is not None]
@@ -465,6 +561,40 @@ def _offload_report(ranks: List[dict]) -> dict:
                          "iterations": r.get("offload") or []} for r in ranks]}
 
 
+def _compare_optimizer(case: VerifyCase, ranks: List[dict]) -> dict:
+    from .optimizer_cases import compare_optimizer_case
+    ref = ranks[0]["reference"]
+    o = compare_optimizer_case(case, ranks, ref)
+    problems = o.pop("problems_optimizer")
+    passed = o.pop("passed_optimizer")
+    times = [r["runs"]["post-validated" if case.post_validation else "synchronous"]["times"] for r in ranks]
+    iter_ms = [max(ts[i] for ts in times) * 1e3 for i in range(len(times[0]))] if times and times[0] else []
+    sync_times = [r["runs"]["synchronous"]["times"] for r in ranks]
+    sync_ms = [max(ts[i] for ts in sync_times) * 1e3 for i in range(len(sync_times[0]))] if sync_times else []
+    per_iter = []
+    for it in range(case.iterations):
+        lo = o["losses"][it] if it < len(o["losses"]) else None
+        rl = ref["losses"][it]
+        per_iter.append({"iteration": it, "loss": lo, "reference_loss": rl,
+                         "abs_loss_diff": _finite(abs(lo - rl)) if lo is not None else None,
+                         "skipped": not ref["steps"][it][0], "reference_grad_norm": ref["steps"][it][1]})
+    res = {
+        "passed": bool(passed), "schedule": case.schedule, "pipeline_parallel_size": case.pipeline_parallel_size,
+        "tensor_parallel_size": case.tensor_parallel_size, "num_microbatches": case.num_microbatches,
+        "iterations": case.iterations, "chunks": case.chunks, "placement": case.placement,
+        "num_layers": case.num_layers, "grad_rtol": case.grad_rtol, "loss_atol": case.loss_atol,
+        "param_rtol": case.param_rtol, "forward_only": False, "per_iteration": per_iter, "problems": problems,
+        "megatron_core": ranks[0].get("megatron_version"), "case": case.describe(),
+        "timing": {"iteration_ms": [round(x, 3) for x in iter_ms],
+                   "median_iteration_ms": round(_median(iter_ms[1:] or iter_ms), 3) if iter_ms else None,
+                   "synchronous_median_iteration_ms": round(_median(sync_ms[1:] or sync_ms), 3) if sync_ms else None,
+                   "rank_wall_s": round(max(r.get("wall_s", 0.0) for r in ranks), 3)},
+    }
+    for k, v in o.items():
+        res[k] = _finite(v) if isinstance(v, float) else v
+    return res
+
+
 def _finite(x):
     if x is None:
         return None
@@ -497,9 +627,11 @@ def _reference_overrides(case: VerifyCase) -> dict:
 
 
 def _reference_key(case: VerifyCase) -> tuple:
+    opt = (case.optimizer, case.optimizer_lr, case.clip_grad, case.bf16, case.fp16, case.use_distributed_optimizer,
+           case.loss_scale, case.initial_loss_scale, case.inject_nonfinite_at)
     return (json.dumps(case.model_config().to_dict(), sort_keys=True), case.num_microbatches * case.data_parallel_size,
             case.iterations, case.lr, case.forward_only, case.use_distributed_optimizer,
-            repr(sorted(_reference_overrides(case).items())))
+            repr(sorted(_reference_overrides(case).items())), opt if case.optimizer else None)
 
 
 def _reference_finalize(model, num_tokens=None, *args, **kwargs) -> None:
@@ -564,6 +696,8 @@ def _rank_case(case: VerifyCase) -> dict:
     # the rank logs that a failure or a timeout quotes
     logging.getLogger("megatron.core.distributed").setLevel(logging.WARNING)
     # 1. the reference, on rank 0 (cached per launch for identical model/data)
+    if case.optimizer is not None:
+        return _rank_optimizer_case(case, t_start)
     set_status(f"[{tag}] reference: setting up")
     M.init_parallel_state(1, 1, seed=case.seed)
     reference = None
@@ -688,7 +822,7 @@ def _gather_grad_shards(chunks) -> None:
                 dist.all_reduce(g, group=group)
 
 
-def _install(case: VerifyCase):
+def _install(case: VerifyCase, **extra):
     try:
         from ..megatron.install import install
     except ImportError as e:
@@ -698,7 +832,32 @@ def _install(case: VerifyCase):
     if case.offload_ratio is not None:
         kw.update(offload_ratio=case.offload_ratio, offload_time=case.offload_time,
                   offload_overlap=not case.offload_half_duplex, offload_cpu_test=True)
+    kw.update(extra)
     return install(case.schedule, chunks=case.chunks, memory_limit=case.memory_limit, **kw)
+
+
+def _rank_optimizer_case(case: VerifyCase, t_start: float) -> dict:
+    """An optimizer case on this rank: the synchronous and (optionally) post-validated runs."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from ..megatron import placement as _pl
+    from . import tinygpt as M
+    from .launch import set_status
+    from .optimizer_cases import rank_runs
+    logging.getLogger("megatron.core.distributed").setLevel(logging.WARNING)
+    logging.getLogger("megatron.core.optimizer").setLevel(logging.WARNING)
+    placement = _pl.make_placement(case.placement, case.pipeline_parallel_size, case.chunks)
+
+    def install_fn(c, post_validation):
+        if c.schedule in PSEUDO_SCHEDULES:
+            return None
+        return _install(c, **({"post_validation": True} if post_validation else {}))
+    runs = rank_runs(case, placement, install_fn, _forward_backward_func)
+    set_status(f"[{case.describe()}] done")
+    return {"rank": dist.get_rank(), "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
+            "tp_rank": parallel_state.get_tensor_model_parallel_rank(), "reference": None, "runs": runs,
+            "wall_s": time.perf_counter() - t_start, "megatron_version": M.megatron_version()}
 
 
 def _forward_backward_func(case: VerifyCase, placement):

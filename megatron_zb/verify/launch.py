@@ -20,6 +20,10 @@
   seconds, every rank still running is sent SIGUSR1 (faulthandler dumps its Python stacks into
   its log), then killed, and ``LaunchTimeout`` names the ranks that did not finish, the case they
   were in, their last ``set_status()`` text and the tail of their logs.
+* Nothing is left behind: before a rank ends it stops what it or megatron started (megatron's
+  checkpoint-writer Manager, any ``multiprocessing`` child); the zygote is a child subreaper
+  (Linux), kills whatever is left in each finished rank's process group, reaps every orphan that
+  comes back to it and exits only when it has no child left; the parent waits for that.
 * ``set_status(text)`` (callable from rank code, e.g. an executor about to wait on a receive) is a
   memory write into a small per-rank mmap'd file, cheap enough to call before every pass.
 """
@@ -42,6 +46,7 @@ __all__ = ["launch", "run_cases", "set_status", "get_status", "RankError", "Laun
            "LaunchError", "resolve_mcore_path", "repo_root"]
 
 _STATUS_BYTES = 4096
+_ZYGOTE_EXIT_S = 15.0  # how long the parent waits for the zygote to reap everything before killing it
 _status_map: Optional[mmap.mmap] = None
 _status_text = ""
 
@@ -206,11 +211,16 @@ def run_cases(fn: Callable, cases: Sequence[Any], world_size: int, *, timeout: f
             if p.poll() is None:
                 _kill(p)
         if zygote is not None and zygote.poll() is None:
-            try:
-                os.killpg(zygote.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            zygote.wait()
+            ranks_done = bool(procs) and all(
+                _read_int(os.path.join(workdir, f"exit{p.rank}")) is not None for p in procs)
+            try:  # with every rank reaped it only cleans up what they left behind, then exits
+                zygote.wait(timeout=_ZYGOTE_EXIT_S if ranks_done else 0.1)
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(zygote.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+                zygote.wait()
         for log in logs:
             try:
                 log.close()
@@ -400,6 +410,7 @@ def _zygote_main(workdir: str) -> None:
             if warm:
                 _import_runtime(header)
                 body = pickle.load(f)
+        _become_subreaper()  # orphans of the ranks (megatron's helpers) come back here to be reaped
         pids = {}
         for rank in range(world_size):
             pid = os.fork()
@@ -410,7 +421,9 @@ def _zygote_main(workdir: str) -> None:
         while pids:
             pid, status = os.wait()
             if pid in pids:
+                _kill_group(pid)  # whatever the rank left in its process group
                 _write_int(os.path.join(workdir, f"exit{pids.pop(pid)}"), os.waitstatus_to_exitcode(status))
+        _reap_all()
         os._exit(0)
     except BaseException as e:  # noqa: BLE001 - the ranks report the zygote's failure as theirs
         tb = traceback.format_exc()
@@ -422,6 +435,85 @@ def _zygote_main(workdir: str) -> None:
                                            "message": f"before the rank started: {e}", "traceback": tb,
                                            "time": time.time(), "status": "starting"})
         os._exit(1)
+
+
+def _become_subreaper() -> bool:
+    """Linux: orphaned descendants are re-parented to this process instead of init."""
+    try:
+        import ctypes
+        return ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        return False
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _children_of(pid: int) -> List[int]:
+    """Live child pids of ``pid`` (from /proc; empty where there is no /proc)."""
+    out = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:  # pragma: no cover
+        return out
+    for e in entries:
+        if not e.isdigit():
+            continue
+        try:
+            with open(f"/proc/{e}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()
+        if int(fields[1]) == pid and fields[0] != "Z":
+            out.append(int(e))
+    return out
+
+
+def _reap_all(deadline_s: float = 10.0) -> None:
+    """Kill every process still re-parented to this one and reap until no child is left."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        for pid in _children_of(os.getpid()):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            time.sleep(0.01)
+
+
+def _stop_own_children() -> None:
+    """In a rank about to end: stop megatron's checkpoint-writer Manager and any multiprocessing
+    child still running (``os._exit`` skips the interpreter's own clean-up of both)."""
+    if "megatron.core" in sys.modules:
+        try:
+            from ..megatron.shutdown import stop_checkpoint_writer
+            stop_checkpoint_writer()
+        except Exception:  # noqa: BLE001 - the zygote kills what is left
+            pass
+    mp = sys.modules.get("multiprocessing")
+    if mp is None:
+        return
+    try:
+        children = mp.active_children()
+    except Exception:  # noqa: BLE001
+        return
+    for c in children:
+        c.terminate()
+    for c in children:
+        c.join(2)
+        if c.is_alive():
+            c.kill()
+            c.join(1)
 
 
 def _import_runtime(header: dict) -> None:
@@ -489,6 +581,7 @@ def _rank_main(workdir: str, rank: int, header: dict, body: Optional[dict]) -> N
         _write_result(workdir, rank, {"ok": True, "results": results})
         if ws > 1:
             dist.barrier()
+        _stop_own_children()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
@@ -498,6 +591,7 @@ def _rank_main(workdir: str, rank: int, header: dict, body: Optional[dict]) -> N
             _write_result(workdir, rank, {"ok": False, "case": case_index, "exc_type": type(e).__name__,
                                           "message": str(e), "traceback": tb, "time": time.time(),
                                           "status": _status_text})
+            _stop_own_children()
         finally:
             sys.stderr.write(tb)
             sys.stderr.flush()
