@@ -55,6 +55,54 @@ def _add_setting_args(ap: argparse.ArgumentParser, schedule_required: bool = Tru
                     help="per-rank activation limit, in mem-f units")
     ap.add_argument("--cost-optimizer", type=nonneg("--cost-optimizer"), default=0.0,
                     help="time of one optimizer step, for the time per training iteration (default 0)")
+    _add_offload_args(ap)
+
+
+def _add_offload_args(ap: argparse.ArgumentParser):
+    g = ap.add_argument_group("activation offload (docs/offload.md)")
+    g.add_argument("--offload-ratio", type=_offload_ratio, default=None, metavar="R|auto",
+                   help="offload this share (0..1) of each rank's activations to host memory, the "
+                        "longest-lived first; 'auto': as few as needed to fit --memory-limit (zb-auto and "
+                        "v-auto may then pick a schedule that needs more and offload it back under)")
+    g.add_argument("--offload-time", type=number_list("--offload-time"), default=None, metavar="K",
+                   help="one-way transfer of one microbatch's stage activation takes K x (F + B) of that "
+                        "stage (the ZB authors' --offload-time; a comma list gives one per stage; default 1)")
+    g.add_argument("--offload-half-duplex", action="store_true",
+                   help="D2H and H2D share one queue (one copy stream) instead of one queue each")
+    g.add_argument("--offload-chunk-num", type=positive_int("--offload-chunk-num"), default=None, metavar="N",
+                   help="offload only the first N model chunks of each rank (the ZB authors' flag)")
+
+
+def _offload_ratio(text):
+    if str(text).strip().lower() == "auto":
+        return "auto"
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--offload-ratio takes a number in 0..1 or 'auto', got {text!r}") from None
+    if not (0.0 <= v <= 1.0):
+        raise argparse.ArgumentTypeError(f"--offload-ratio takes a number in 0..1 or 'auto', got {text!r}")
+    return v
+
+
+def _offload_options(args, setting: Setting):
+    """OffloadOptions from the flags, or None without --offload-ratio (other offload flags alone
+    are an error)."""
+    from .core.offload import OffloadOptions
+    ratio = getattr(args, "offload_ratio", None)
+    if ratio is None:
+        given = [f for f, v in (("--offload-time", args.offload_time), ("--offload-half-duplex", args.offload_half_duplex),
+                                ("--offload-chunk-num", args.offload_chunk_num)) if v not in (None, False)]
+        if given:
+            raise UsageError(f"{given[0]} needs --offload-ratio R (0..1) or --offload-ratio auto")
+        return None
+    if ratio == "auto" and setting.memory_limit is None:
+        raise UsageError("--offload-ratio auto offloads as little as fits --memory-limit: give --memory-limit L")
+    time = args.offload_time if args.offload_time is not None else [1.0]
+    return OffloadOptions(ratio=None if ratio == "auto" else ratio, time=time if len(time) > 1 else time[0],
+                          overlap=not args.offload_half_duplex,
+                          memory_limit=setting.memory_limit if ratio == "auto" else None,
+                          chunks=args.offload_chunk_num)
 
 
 def _add_post_validation_arg(ap: argparse.ArgumentParser, what: str):
@@ -107,9 +155,18 @@ def _build(args):
         _check_loaded(args, path, sched)
         setting = _setting(args, stages=sched.num_ranks, microbatches=sched.num_microbatches,
                            chunks=sched.placement.chunks)
+        off = _offload_options(args, setting)
+        if off is not None:
+            from .core.offload import add_offload
+            sched = add_offload(sched, setting, off)
     else:
         setting = _setting(args)
-        sched = schedules.generate(args.schedule, setting)
+        off = _offload_options(args, setting)
+        if off is not None:
+            from .core.offload import generate_with_offload
+            sched = generate_with_offload(args.schedule, setting, off)
+        else:
+            sched = schedules.generate(args.schedule, setting)
     limit = setting.memory_limit
     validate(sched, setting, memory_limit=float("inf"))
     if limit is not None:
@@ -117,9 +174,12 @@ def _build(args):
         peak = max(res.peak_memory)
         if peak > limit + 1e-9:
             r = res.peak_memory.index(peak)
-            raise UsageError(f"{sched.name} peaks at {peak:g} activation units on rank {r}, over "
-                             f"--memory-limit {limit:g}; `megatron-zb compare --memory-limit {limit:g}` "
-                             "lists the schedules that fit")
+            hint = ("`--offload-ratio auto` offloads as little as fits; " if off is None else
+                    "a smaller --offload-time lets more activations travel; " if off.ratio is None else
+                    "--offload-ratio auto offloads as much as needed; ")
+            raise UsageError(f"{sched.name} peaks at {peak:g} activation units on rank {r}"
+                             + (" with offload" if off is not None else "") + f", over --memory-limit {limit:g}; "
+                             + hint + f"`megatron-zb compare --memory-limit {limit:g}` lists the schedules that fit")
     return sched, setting
 
 
@@ -162,6 +222,13 @@ def cmd_simulate(args) -> int:
           f"{it.iteration_time_post_validated:g} with optimizer post-validation"
           + (f" (optimizer step {args.cost_optimizer:g})" if args.cost_optimizer else ""))
     print("peak memory   " + " ".join(f"{x:g}" for x in d["peak_memory"]) + "   (per rank, mem-f units)")
+    if "offload" in d:
+        o = d["offload"]
+        print("offload       " + f"K={_fmt(o['time'] if isinstance(o['time'], list) else [o['time']])} "
+              f"{'full' if o['overlap'] else 'half'} duplex; activations offloaded per rank "
+              + " ".join(str(x) for x in o["offloaded"]) + "; W parts " + " ".join(str(x) for x in o["offloaded_w"]))
+        print("without it    " + " ".join(f"{x:g}" for x in o["peak_memory_without_offload"])
+              + "   (peak memory per rank)")
     if "weight_copies" in d:
         print("weights       " + " ".join(f"{x:g}" for x in d["weight_copies"]) +
               "   (per rank, in 1F1B stages: replicated stages hold a second copy)")
@@ -182,9 +249,10 @@ def _save_schedule(sched: Schedule, path: str):
 
 
 def compare_rows(setting: Setting, names: Optional[List[str]] = None, cost_optimizer: float = 0.0,
-                 post_validation: bool = False) -> List[dict]:
+                 post_validation: bool = False, offload=None) -> List[dict]:
     """Simulate every schedule that applies to ``setting``; rows sorted by the time per training
-    iteration the user gets: with Megatron's synchronous optimizer step, or post-validated."""
+    iteration the user gets: with Megatron's synchronous optimizer step, or post-validated.
+    ``offload`` (core.offload.OffloadOptions) offloads every schedule's activations."""
     key = "iteration_time_post_validated" if post_validation else "iteration_time"
     rows = []
     for name in names or schedules.names():
@@ -192,7 +260,11 @@ def compare_rows(setting: Setting, names: Optional[List[str]] = None, cost_optim
         try:
             chunks = spec.resolve_chunks(setting.chunks if spec.chunks is None else None)
             st = Setting(**{**setting.to_dict(), "chunks": chunks})
-            sched = schedules.generate(name, st)
+            if offload is not None:
+                from .core.offload import generate_with_offload
+                sched = generate_with_offload(name, st, offload)
+            else:
+                sched = schedules.generate(name, st)
             res = simulate(sched, st)
             it = iteration_times(sched, st, cost_optimizer)
         except ScheduleError as e:
@@ -210,7 +282,8 @@ def compare_rows(setting: Setting, names: Optional[List[str]] = None, cost_optim
 
 def cmd_compare(args) -> int:
     setting = _setting(args)
-    rows = compare_rows(setting, cost_optimizer=args.cost_optimizer, post_validation=args.optimizer_post_validation)
+    rows = compare_rows(setting, cost_optimizer=args.cost_optimizer, post_validation=args.optimizer_post_validation,
+                        offload=_offload_options(args, setting))
     ok = [r for r in rows if "error" not in r]
     if setting.memory_limit is not None and not any(r["fits"] for r in ok):
         least = min(max(r["peak_memory"]) for r in ok)
@@ -282,11 +355,17 @@ def cmd_plan(args) -> int:
                        flash_attention=not args.no_flash_attention)
     tflops = args.peak_tflops if args.peak_tflops is not None else P.GPU_PEAK_TFLOPS[args.gpu]
     profile = P.load_profile(args.profile) if args.profile else None
+    if args.offload_ratio is None and (args.offload_time is not None or args.host_link_gbps is not None):
+        raise UsageError("--offload-time / --host-link-gbps need --offload-ratio R (0..1) or auto")
+    if args.offload_time is not None and args.host_link_gbps is not None:
+        raise UsageError("give --offload-time K or --host-link-gbps B, not both")
     check_size(args.pipeline_parallel_size, args.num_microbatches, 2,
                flags=("--pipeline-parallel-size", "--num-microbatches"))
     rows = P.plan(spec, args.pipeline_parallel_size, args.num_microbatches, args.gpu_memory_gb, tflops=tflops,
                   efficiency=args.efficiency, profile=profile, pad_ends=args.allow_padding_num_layers,
-                  cost_optimizer=args.cost_optimizer, post_validation=args.optimizer_post_validation)
+                  cost_optimizer=args.cost_optimizer, post_validation=args.optimizer_post_validation,
+                  offload_ratio=args.offload_ratio, offload_time=args.offload_time,
+                  host_link_gbps=args.host_link_gbps, offload_overlap=not args.offload_half_duplex)
     advice = _post_validation_advice(rows, args.optimizer_post_validation)
     if args.json:
         print(json.dumps({"model": dataclasses.asdict(spec), "pipeline_parallel_size": args.pipeline_parallel_size,
@@ -484,6 +563,15 @@ def build_parser() -> argparse.ArgumentParser:
     pn.add_argument("--cost-optimizer", type=nonneg("--cost-optimizer"), default=0.0,
                     help="seconds of one optimizer step, added to the time per iteration (default 0)")
     _add_post_validation_arg(pn, "rank by the time per iteration")
+    og = pn.add_argument_group("activation offload (docs/offload.md)")
+    og.add_argument("--offload-ratio", type=_offload_ratio, default=None, metavar="R|auto",
+                    help="offload this share of each schedule's activations; 'auto': as little as fits the budget")
+    og.add_argument("--offload-time", type=nonneg("--offload-time"), default=None, metavar="K",
+                    help="one-way transfer of a stage activation takes K x (F + B) (default 1, or from --host-link-gbps)")
+    og.add_argument("--host-link-gbps", type=nonneg("--host-link-gbps"), default=None, metavar="GB/s",
+                    help="one-way host link bandwidth per GPU; K follows from the activation bytes and F + B")
+    og.add_argument("--offload-half-duplex", action="store_true",
+                    help="D2H and H2D share one queue (one copy stream)")
     pn.add_argument("--json", action="store_true",
                     help="print one JSON object instead (per-rank lists in bytes and seconds)")
     pn.set_defaults(func=cmd_plan)

@@ -7,6 +7,9 @@
   chrome://tracing and https://ui.perfetto.dev open; one process per rank, one complete ("X")
   event per pass (``ts``/``dur`` in microseconds, as the format defines them).
 * ``save(result, path)``: picks one of the above from the file extension.
+* With activation offload (``core.offload``) each rank gets a host-link lane under its passes:
+  offloads (D2H) in its upper half, reloads (H2D) in its lower half; in the trace they are the
+  rank's threads 1 and 2.
 
 Every function takes ``time_unit``, the unit of the costs the result was simulated with:
 ``"ms"`` (the default: the CLI's costs are read as milliseconds), ``"s"`` (a profile written while
@@ -38,6 +41,9 @@ KIND_COLORS: Dict[str, str] = {
     BW: "#F0923A",  # orange
 }
 _KIND_ORDER = (F, B, W, BW)
+# host-link transfers of activation offload (lane under each rank)
+D2H_COLOR = "#D9705B"  # offload (device to host)
+H2D_COLOR = "#6BAF5B"  # reload (host to device)
 _HATCHES = ("", "/", "\\", "x", ".", "+")
 
 # Unit of the costs -> microseconds (Chrome trace) and the unit the picture's axis shows.
@@ -132,7 +138,9 @@ def plot_timeline(result: SimResult, path: str, title: Optional[str] = None, tim
     FigureCanvasAgg(fig)
     ax = fig.add_axes((0.06, bottom_in / height_in, 0.80, 1.0 - (bottom_in + top_in) / height_in))
 
-    bar_h = 0.8
+    transfers = _transfers(result)
+    bar_h = 0.8 if not transfers else 0.56
+    bar_y = 0.0 if not transfers else -0.12  # compute bar centre relative to the rank's row
     chunk_maps = _chunk_maps(result)
     groups: Dict[Tuple[str, int], List[Timed]] = {}
     for r, tl in enumerate(result.timeline):
@@ -152,8 +160,8 @@ def plot_timeline(result: SimResult, path: str, title: Optional[str] = None, tim
             ts = groups[(kind, chunk)]
             verts = []
             for t in ts:
-                y0 = t.rank - bar_h / 2
-                y1 = t.rank + bar_h / 2
+                y0 = t.rank + bar_y - bar_h / 2
+                y1 = t.rank + bar_y + bar_h / 2
                 verts.append(((t.start, y0), (t.start, y1), (t.end, y1), (t.end, y0)))
             color = _shade(KIND_COLORS.get(kind, "#999999"), chunk)
             hatch = _hatch(chunk)
@@ -163,6 +171,16 @@ def plot_timeline(result: SimResult, path: str, title: Optional[str] = None, tim
             label = f"{kind} chunk {chunk}" if multi_chunk else kind
             handles.append(Patch(facecolor=color, edgecolor="white", hatch=hatch or None,
                                  label=label))
+
+    if transfers:  # the host-link lane: D2H in its upper half, H2D in its lower half
+        for back, color, label in ((False, D2H_COLOR, "offload (D2H)"), (True, H2D_COLOR, "reload (H2D)")):
+            y_lo = 0.18 + (0.12 if back else 0.0)
+            verts = [((tr.start, tr.rank + y_lo), (tr.start, tr.rank + y_lo + 0.11), (tr.end, tr.rank + y_lo + 0.11),
+                      (tr.end, tr.rank + y_lo)) for tr in transfers if tr.action.kind.startswith("RELOAD") == back]
+            if verts:
+                ax.add_collection(PolyCollection(verts, facecolors=[color], edgecolors="white",
+                                                 linewidths=min(edge_w, 0.25)))
+                handles.append(Patch(facecolor=color, edgecolor="white", label=label))
 
     # Microbatch labels (F, B, W and BW boxes alike) where the box is wide and tall enough; a
     # smaller font for narrow boxes (W is often the narrowest).
@@ -180,10 +198,12 @@ def plot_timeline(result: SimResult, path: str, title: Optional[str] = None, tim
         if drawn >= _LABEL_MAX:
             break
         chunk = chunk_maps[t.rank].get(t.action.stage, 0)
-        ax.text((t.start + t.end) / 2, t.rank, text, ha="center", va="center",
+        ax.text((t.start + t.end) / 2, t.rank + bar_y, text, ha="center", va="center",
                 fontsize=size, color="white" if chunk > 0 else "black", clip_on=True)
         drawn += 1
 
+    if transfers:
+        t1 = max(t1, max(tr.end for tr in transfers))
     ax.set_xlim(t0, t1)
     ax.set_ylim(nranks - 0.5, -0.5)  # rank 0 on top
     ax.set_yticks(range(nranks))
@@ -203,6 +223,12 @@ def plot_timeline(result: SimResult, path: str, title: Optional[str] = None, tim
 
 # ---------------------------------------------------------------------------------------------
 # Chrome trace / Perfetto
+
+
+def _transfers(result: SimResult) -> list:
+    """The host-link transfers of a simulation with activation offload (empty without)."""
+    off = getattr(result, "offload", None)
+    return [tr for tl in off.transfers for tr in tl] if off is not None else []
 
 
 def chrome_trace(result: SimResult, time_unit: str = "ms") -> dict:
@@ -237,6 +263,17 @@ def chrome_trace(result: SimResult, time_unit: str = "ms") -> dict:
                 "args": {"stage": a.stage, "microbatch": a.mb,
                          "chunk": chunk_maps[r].get(a.stage, 0)},
             })
+    lanes = set()
+    for tr in _transfers(result):
+        tid = 2 if tr.action.kind.startswith("RELOAD") else 1
+        if (tr.rank, tid) not in lanes:
+            lanes.add((tr.rank, tid))
+            events.append({"ph": "M", "name": "thread_name", "pid": tr.rank, "tid": tid,
+                           "args": {"name": "host link: reload (H2D)" if tid == 2 else "host link: offload (D2H)"}})
+        a = tr.action
+        events.append({"name": f"{a.kind}{a.mb}", "cat": a.kind, "ph": "X", "ts": _us(tr.start),
+                       "dur": _us(tr.end - tr.start), "pid": tr.rank, "tid": tid,
+                       "args": {"stage": a.stage, "microbatch": a.mb, "issued": _us(tr.issue)}})
     return {
         "traceEvents": events,
         "displayTimeUnit": "ms",

@@ -6,6 +6,7 @@ that rank executes. Compute actions are F (forward), B (input gradient), W (weig
 BW (fused backward). Lowering (``core.lower``) adds SEND/RECV actions that name a peer rank.
 A placement may replicate stages (``Placement.paths``): a logical stage then exists on several
 ranks and each microbatch runs along one path of physical stages (BitPipe's two directions).
+``core.offload`` adds OFFLOAD/RELOAD actions (activation offload to host memory).
 """
 from __future__ import annotations
 
@@ -21,7 +22,12 @@ COMM_KINDS = (SEND_F, RECV_F, SEND_B, RECV_B)
 # an overlap hook may run together (DualPipe's overlapped F&B). ``parts`` holds the two passes;
 # without a hook they run one after the other, which is what the simulator assumes.
 OVERLAP = "OVERLAP_F_B"
-ALL_KINDS = COMPUTE_KINDS + COMM_KINDS + (OVERLAP,)
+# Activation offload (core.offload): OFFLOAD starts moving the activation F saved for (stage, mb)
+# to host memory, RELOAD brings it back before its B; OFFLOAD_W / RELOAD_W do the same, after B,
+# for the part W still needs. They run on the rank's host link, not on its compute stream.
+OFFLOAD, RELOAD, OFFLOAD_W, RELOAD_W = "OFFLOAD", "RELOAD", "OFFLOAD_W", "RELOAD_W"
+OFFLOAD_KINDS = (OFFLOAD, RELOAD, OFFLOAD_W, RELOAD_W)
+ALL_KINDS = COMPUTE_KINDS + COMM_KINDS + (OVERLAP,) + OFFLOAD_KINDS
 
 
 class ScheduleError(ValueError):
@@ -266,18 +272,22 @@ class Schedule:
 
     def flat(self) -> "Schedule":
         """Overlapped pairs expanded into their two passes; ``meta['overlap_pairs']`` then lists
-        (rank, position of the F) in the expanded lists. The schedule itself if it has none."""
+        (rank, position of the F among the compute passes of the expanded lists). The schedule
+        itself if it has none."""
         if not any(a.kind == OVERLAP for o in self.orders for a in o):
             return self
         orders, pairs = [], []
         for r, o in enumerate(self.orders):
             out = []
+            n = 0  # compute passes so far (offload actions may lie between them)
             for a in o:
                 if a.kind == OVERLAP:
-                    pairs.append((r, len(out)))
+                    pairs.append((r, n))
                     out += list(a.parts)
+                    n += 2
                 else:
                     out.append(a)
+                    n += a.is_compute
             orders.append(out)
         return Schedule(self.name, self.placement, self.num_microbatches, orders,
                         dict(self.meta, overlap_pairs=pairs))

@@ -23,7 +23,8 @@ import dataclasses
 from collections import defaultdict
 from typing import Dict, List, Optional, Tuple
 
-from .ir import B, BW, F, RECV_B, RECV_F, SEND_B, SEND_F, Action, Schedule, ScheduleError, Setting
+from .ir import (B, BW, F, OFFLOAD_KINDS, RECV_B, RECV_F, SEND_B, SEND_F, Action, Schedule, ScheduleError,
+                 Setting)
 from .simulate import simulate
 
 
@@ -33,8 +34,19 @@ def lower(schedule: Schedule, setting: Optional[Setting] = None) -> Schedule:
     Overlapped pairs come out as their two passes; ``meta['overlap_pairs']`` then lists
     (rank, position of the F, position of the B) in the lowered lists."""
     schedule = schedule.flat()
-    if any(not a.is_compute for o in schedule.orders for a in o):
+    if any(not a.is_compute and a.kind not in OFFLOAD_KINDS for o in schedule.orders for a in o):
         raise ScheduleError("schedule is already lowered (it has SEND/RECV actions)")
+    # OFFLOAD/RELOAD actions keep their place: after the messages of the gap they sit in
+    local: List[Dict[int, List[Action]]] = []
+    for o in schedule.orders:
+        gaps: Dict[int, List[Action]] = defaultdict(list)
+        n = 0
+        for a in o:
+            if a.is_compute:
+                n += 1
+            else:
+                gaps[n].append(a)
+        local.append(gaps)
     pl = schedule.placement
     st = setting or Setting(pl.num_ranks, max(1, schedule.num_microbatches), chunks=pl.chunks)
     res = simulate(schedule, st)
@@ -63,6 +75,7 @@ def lower(schedule: Schedule, setting: Optional[Setting] = None) -> Schedule:
         pos = {}
         for g in range(len(tl) + 1):
             out += [a for _, a in sorted(inserted[r].get(g, ()), key=lambda x: x[0])]
+            out += local[r].get(g, [])
             if g < len(tl):
                 pos[g] = len(out)
                 out.append(tl[g].action)
@@ -88,7 +101,7 @@ def _first_start_at_or_after(tl, t: float) -> int:
 def forward_only(schedule: Schedule) -> Schedule:
     """The forward passes of ``schedule`` in the same per-rank order (evaluation)."""
     schedule = schedule.flat()
-    meta = {k: v for k, v in schedule.meta.items() if k != "overlap_pairs"}
+    meta = {k: v for k, v in schedule.meta.items() if k not in ("overlap_pairs", "offload")}
     orders = [[a for a in o if a.kind == F] for o in schedule.orders]
     return dataclasses.replace(schedule, name=schedule.name + "/forward-only", orders=orders,
                                meta=dict(meta, forward_only=True))
@@ -105,6 +118,8 @@ def check_pair_order(lowered: Schedule) -> None:
         for i, a in enumerate(order):
             if a.is_compute:
                 done.add((a.kind, a.stage, a.mb))
+                continue
+            if a.kind in OFFLOAD_KINDS:
                 continue
             if a.kind in (SEND_F, SEND_B):
                 need = (F, a.stage, a.mb) if a.kind == SEND_F else None

@@ -179,10 +179,16 @@ def _replicated_stage_costs(spec: ModelSpec, pl: Placement, tflops: float, effic
 def plan(spec: ModelSpec, pipeline_parallel_size: int, microbatches: int, gpu_memory_gb: float,
          tflops: float = GPU_PEAK_TFLOPS["h100"], efficiency: float = 0.5, profile: Optional[dict] = None,
          schedules: Optional[List[str]] = None, pad_ends: bool = False, interleave_chunks: int = 2,
-         cost_optimizer: float = 0.0, post_validation: bool = False) -> List[dict]:
+         cost_optimizer: float = 0.0, post_validation: bool = False,
+         offload_ratio=None, offload_time=None, host_link_gbps: Optional[float] = None,
+         offload_overlap: bool = True) -> List[dict]:
     """Rows sorted by (fits, time per training iteration): with Megatron's synchronous optimizer
     step, or with optimizer post-validation when ``post_validation`` (``cost_optimizer`` seconds
-    per step). Each row carries both times."""
+    per step). Each row carries both times. Activation offload (``core.offload``):
+    ``offload_ratio`` R (0..1) offloads that share of every schedule's activations; ``'auto'``
+    offloads as little as brings each schedule under the memory budget (zb-auto / v-auto may then
+    take a schedule that needs more). The transfer time is ``offload_time`` K, or derived per rank
+    from ``host_link_gbps`` (one-way GB/s): K = activation bytes / bandwidth / (F + B)."""
     spec.validate()
     key = "iteration_time_post_validated_s" if post_validation else "iteration_time_s"
     p, m = pipeline_parallel_size, microbatches
@@ -217,7 +223,13 @@ def plan(spec: ModelSpec, pipeline_parallel_size: int, microbatches: int, gpu_me
             setting = Setting(p, m, chunks=v, cost_f=cf, cost_b=cb, cost_w=cw, cost_comm=comm,
                               mem_f=[x / unit for x in mf], mem_w=[min(a, b) / unit for a, b in zip(mw, mf)],
                               memory_limit=limit_units if name in ("zb-auto", "v-auto") else None)
-            sched = generate(name, setting)
+            off = _offload_options(offload_ratio, offload_time, host_link_gbps, offload_overlap, mf, cf, cb,
+                                   limit_units)
+            if off is not None:
+                from .offload import generate_with_offload
+                sched = generate_with_offload(name, setting, off)
+            else:
+                sched = generate(name, setting)
             sim_setting = Setting(**{**setting.to_dict(), "chunks": sched.placement.chunks})
             res = simulate(sched, sim_setting)
             it = iteration_times(sched, sim_setting, cost_optimizer)
@@ -236,6 +248,14 @@ def plan(spec: ModelSpec, pipeline_parallel_size: int, microbatches: int, gpu_me
                                              if name in ("zb-auto", "v-auto") and limit_units else None),
                "weight_copies": res.weight_copies or [1.0] * p,
                "flags": _flags(name, p, v, limit_units, counts, pad_ends)}
+        if res.offload is not None:
+            o = res.offload.to_dict()
+            row["offload"] = {"time": o["time"], "offloaded": o["offloaded"], "offloaded_w": o["offloaded_w"],
+                              "activation_bytes_without_offload": [x * unit for x in o["peak_memory_without_offload"]]}
+            ks = o["time"] if isinstance(o["time"], list) else [o["time"]]
+            share = max(o["offloaded_share"]) if o["offloaded_share"] else 0.0
+            row["flags"] += (f" --cpu-offload --zero-bubble-offload-ratio {share:.2f} --offload-time "
+                             f"{max(ks):.3g}")
         if name == "1f1b":
             base = row
         rows.append(row)
@@ -246,6 +266,19 @@ def plan(spec: ModelSpec, pipeline_parallel_size: int, microbatches: int, gpu_me
             r["flags"] += " --enable-optimizer-post-validation"
     ok.sort(key=lambda r: (not r["fits"], r[key], r["makespan_s"]))
     return ok + [r for r in rows if "error" in r]
+
+
+def _offload_options(ratio, time, gbps, overlap, mf, cf, cb, limit_units):
+    if ratio is None:
+        return None
+    from .offload import OffloadOptions
+    if time is None:
+        if gbps is None:
+            time = 1.0
+        else:  # K per rank: bytes / bandwidth over (F + B) seconds (per chunk both scale alike)
+            time = [(mf[r] / (gbps * 1e9)) / (cf[r] + cb[r]) if cf[r] + cb[r] > 0 else 0.0 for r in range(len(mf))]
+    return OffloadOptions(ratio=None if ratio == "auto" else ratio, time=time, overlap=overlap,
+                          memory_limit=limit_units if ratio == "auto" else None)
 
 
 def _flags(name, p, v, limit_units, counts, pad_ends):

@@ -11,6 +11,10 @@ gradients once every replica has run its last backward pass (B, BW or W). The al
 replicas' ranks, one all-reduce at a time per rank); a rank is done when its last pass and its
 last all-reduce are. So an early sync is hidden behind the remaining passes and only the tail
 shows, which is what eager gradient synchronisation buys.
+
+OFFLOAD/RELOAD actions (``core.offload``) run on the rank's host link (``core.offload.HostLinks``):
+a B waits for its reload, and the offloaded activation leaves ``peak_memory`` between the end of
+its offload and the start of its reload.
 """
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from .ir import B, BW, F, W, Action, Schedule, ScheduleError, Setting, deps
+from .ir import B, BW, F, OFFLOAD_KINDS, W, Action, Schedule, ScheduleError, Setting, deps
 
 
 @dataclass
@@ -45,10 +49,11 @@ class SimResult:
     # the model weights each rank holds in 1F1B stages (2 where it holds two replicas' worth)
     syncs: List[Tuple[int, Tuple[int, ...], float, float]] = field(default_factory=list, repr=False)
     weight_copies: Optional[List[float]] = None
+    offload: Optional[object] = field(default=None, repr=False)  # core.offload.OffloadResult
 
     def to_dict(self) -> dict:
         ideal = max(self.busy) if self.busy else 0.0
-        return {
+        d = {
             "schedule": self.schedule,
             "stages": self.stages,
             "microbatches": self.microbatches,
@@ -64,6 +69,9 @@ class SimResult:
                                    for l, rk, a, b in self.syncs]}
                if self.weight_copies is not None else {}),
         }
+        if self.offload is not None:
+            d["offload"] = self.offload.to_dict()
+        return d
 
 
 def _r(x: float) -> float:
@@ -149,7 +157,12 @@ def simulate(schedule: Schedule, setting: Setting,
         raise ScheduleError(f"schedule has {pl.num_ranks} ranks but the setting has {setting.stages} stages")
     if setting.chunks != pl.chunks:  # each chunk's pass costs the rank's value / chunks
         setting = dataclasses.replace(setting, chunks=pl.chunks)
-    orders = [[a for a in o if a.is_compute] for o in schedule.orders]
+    links = None
+    if schedule.meta.get("offload") is not None or any(a.kind in OFFLOAD_KINDS for o in schedule.orders for a in o):
+        from .offload import HostLinks
+        links = HostLinks(schedule, setting)
+    orders = [[a for a in o if a.is_compute or (links is not None and a.kind in OFFLOAD_KINDS)]
+              for o in schedule.orders]
     done: Dict[Tuple[str, int, int], float] = {}  # (kind, stage, mb) -> end time; BW also as 'B*'
     pos = [0] * len(orders)
     clock = [0.0] * len(orders)
@@ -161,9 +174,15 @@ def simulate(schedule: Schedule, setting: Setting,
         for r, order in enumerate(orders):
             while pos[r] < len(order):
                 a = order[pos[r]]
+                if a.kind in OFFLOAD_KINDS:  # issued now; runs on the host link
+                    links.issue(r, a, clock[r])
+                    pos[r] += 1
+                    remaining -= 1
+                    progressed = True
+                    continue
                 ready = clock[r]
                 if release:
-                    ready = max(ready, release.get((r, pos[r]), ready))
+                    ready = max(ready, release.get((r, len(timeline[r])), ready))  # i-th compute pass
                 ok = True
                 for dk, ds, dmb in deps(a, nst, pl):
                     t = done.get((dk, ds, dmb))
@@ -176,6 +195,8 @@ def simulate(schedule: Schedule, setting: Setting,
                         ready = t
                 if not ok:
                     break
+                if links is not None and a.kind in (B, BW, W):
+                    ready = links.gate(r, a, ready)
                 end = ready + setting.pass_cost(a.kind, r)
                 timeline[r].append(Timed(a, r, ready, end))
                 clock[r] = end
@@ -202,12 +223,16 @@ def simulate(schedule: Schedule, setting: Setting,
             spans.append(0.0)
             busy.append(0.0)
         peaks.append(peak_memory(orders[r], r, setting))
+    offload = None
+    if links is not None:
+        offload = links.result(peaks, [sum(1 for t in tl if t.action.kind == F) for tl in timeline])
+        peaks = [links.peak(r, tl) for r, tl in enumerate(timeline)]
     makespan = max(spans) if spans else 0.0
     p = len(orders)
     bubble = 1.0 - sum(busy) / (p * makespan) if makespan > 0 else 0.0
     copies = [pl.weight_copies(r) for r in range(p)] if pl.replicated else None
     return SimResult(schedule.name, setting.stages, schedule.num_microbatches, pl.chunks,
-                     makespan, bubble, peaks, spans, busy, timeline, syncs, copies)
+                     makespan, bubble, peaks, spans, busy, timeline, syncs, copies, offload)
 
 
 def _replica_syncs(timeline: List[List[Timed]], pl, setting: Setting):

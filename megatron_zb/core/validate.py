@@ -5,7 +5,8 @@ import dataclasses
 from collections import Counter
 from typing import Optional
 
-from .ir import B, BW, COMPUTE_KINDS, F, W, Schedule, ScheduleError, Setting
+from .ir import B, BW, COMPUTE_KINDS, F, OFFLOAD_KINDS, W, Schedule, ScheduleError, Setting
+from .offload import check_offload
 from .simulate import Deadlock, simulate
 
 
@@ -70,6 +71,9 @@ def validate(schedule: Schedule, setting: Optional[Setting] = None,
         if not nbw and not (nb and nw):
             missing = "B and W (or one BW)" if not (nb or nw) else ("W" if nb else "B")
             raise ScheduleError(f"rank {r}: stage {s} microbatch {mb} is missing {missing}")
+    offload = any(a.kind in OFFLOAD_KINDS for o in schedule.orders for a in o)
+    if offload:
+        check_offload(schedule)
     try:
         result = simulate(schedule, setting or Setting(pl.num_ranks, max(m, 1), chunks=pl.chunks))
     except Deadlock as e:
@@ -78,6 +82,12 @@ def validate(schedule: Schedule, setting: Optional[Setting] = None,
         return result
     limit = setting.memory_limit if memory_limit is None else memory_limit
     if limit is None or limit == float("inf"):
+        return result
+    if offload:  # offloaded activations leave the count: the simulator's time-based peak
+        for r, peak in enumerate(result.peak_memory):
+            if peak > limit + 1e-9:
+                raise ScheduleError(f"rank {r}: activation memory peaks at {peak:g} even with offload, over "
+                                    f"the limit {limit:g}")
         return result
     st = dataclasses.replace(setting, chunks=pl.chunks)
     for r, order in enumerate(schedule.orders):

@@ -60,6 +60,17 @@ class ScheduleOptions:
     # with forward_only=False) and write the profile JSON to profile_path at the window's end
     profile_window: Optional[tuple] = None
     profile_path: Optional[str] = None
+    # activation offload (core.offload + runtime.offload; docs/offload.md): offload_ratio R (0..1),
+    # or 'auto' (as little as fits memory_limit); offload_time K, or 'auto' (measured at the first
+    # iteration: matmul speed and host-link bandwidth); full-duplex copies unless offload_overlap
+    # is False; only the first offload_chunks chunks of each rank; offload_cpu_test allows the
+    # synchronous CPU test mode without CUDA
+    offload_ratio: Any = None
+    offload_time: Any = 1.0
+    offload_overlap: bool = True
+    offload_chunks: Optional[int] = None
+    offload_cpu_test: bool = False
+    offload_min_elements: int = 1024
     # optimizer post-validation (runtime.postval; the optimizer side: megatron.optimizer): wrap
     # Megatron's optimizer with handle.post_validated_optimizer(...)
     post_validation: bool = False
@@ -92,6 +103,10 @@ class ZeroBubbleForwardBackward:
         # -- profiler wiring ----------------------------------------------------------------------
         self.iterations = 0  # forward-backward calls with forward_only=False
         self.profile: Optional[dict] = None  # the gathered profile once the window has ended
+        self.offload = None  # runtime.offload.OffloadManager, made at the first training call
+        self.offload_stats: Optional[dict] = None  # the manager's counts of the last iteration
+        self.offload_time_measured: Optional[dict] = None  # --auto-offload-time's measurement
+        _check_offload_options(options)
         self.profiler = None
         if options.profile_window is not None:
             try:
@@ -135,7 +150,11 @@ class ZeroBubbleForwardBackward:
                                   cost_comm=o.cost_comm,
                                   mem_w=None if o.mem_w is None else [o.mem_w],
                                   memory_limit=o.memory_limit, cost_sync=o.cost_sync)
-                sched = core_schedules.generate(o.schedule, setting)
+                if o.offload_ratio is not None and not forward_only:
+                    from .offload import offload_schedule
+                    sched = offload_schedule(o, setting, c)
+                else:
+                    sched = core_schedules.generate(o.schedule, setting)
                 validate(sched, setting)
             except ScheduleError as e:
                 raise ZeroBubbleConfigError(f"{o.schedule} with pipeline size {p}, {m} microbatches: {e}") from None
@@ -198,6 +217,9 @@ class ZeroBubbleForwardBackward:
                 decoder_seq_length=decoder_seq_length, forward_only=forward_only,
                 collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step)
         _check_config(config, models, self.options.schedule)
+        if self.options.offload_ratio is not None and self.options.offload_time == "auto" and not forward_only:
+            from .offload import resolve_auto_offload_time  # --auto-offload-time: measured once, here
+            resolve_auto_offload_time(self, config, seq_length, micro_batch_size, tp_group, cp_group)
         sched = self.schedule_for(p, num_microbatches, len(models), forward_only)
         self.last_schedule = sched
         pl = sched.placement
@@ -219,6 +241,10 @@ class ZeroBubbleForwardBackward:
                 self._replicas_checked = True
         queues = [self.queue(m) for m in models] if not forward_only else []
         cp_size = cp_group.size() if cp_group is not None else 1
+        offload = None
+        if self.options.offload_ratio is not None and not forward_only:
+            from .offload import manager_for
+            offload = manager_for(self, models, queues, {s: i for i, s in enumerate(pl.stages_of(me))})
 
         seq = decoder_seq_length if decoder_seq_length is not None else seq_length
         seq = seq // cp_size
@@ -240,7 +266,8 @@ class ZeroBubbleForwardBackward:
         while True:  # one attempt; a second one only after a post-validation rollback
             forward_data_store, total_num_tokens, completed = self._attempt(
                 forward_step_func, iters, models, num_microbatches, forward_only, collect_non_loss_data,
-                first_val_step, config, sched, me, p2p, queues, shape, cp_size, prof, validate, pp_group, pp_ranks)
+                first_val_step, config, sched, me, p2p, queues, shape, cp_size, prof, validate, pp_group, pp_ranks,
+                offload)
             if completed:
                 break
             pv.recover()  # restore the eager step and redo it exactly as Megatron's synchronous step
@@ -270,7 +297,8 @@ class ZeroBubbleForwardBackward:
         return forward_data_store
 
     def _attempt(self, forward_step_func, iters, models, num_microbatches, forward_only, collect_non_loss_data,
-                 first_val_step, config, sched, me, p2p, queues, shape, cp_size, prof, validate, pp_group, pp_ranks):
+                 first_val_step, config, sched, me, p2p, queues, shape, cp_size, prof, validate, pp_group, pp_ranks,
+                 offload=None):
         """Run this rank's list once; returns (forward data, token count, completed)."""
         from megatron.core.pipeline_parallel import schedules as S
 
@@ -362,7 +390,7 @@ class ZeroBubbleForwardBackward:
                              recv_shape=lambda s, mb: shape, dtype=config.pipeline_dtype,
                              device=_device(), before_last_backward=before_last_backward,
                              after_last_backward=after_last_backward, on_pass=on_pass,
-                             release_output=release, overlap=self.options.overlap)
+                             release_output=release, overlap=self.options.overlap, offload=offload)
         pairs = {i: j for r, i, j in sched.meta.get("overlap_pairs", ()) if r == me}
         run_passes, run_p2p = passes, p2p
         if prof is not None:
@@ -380,6 +408,12 @@ class ZeroBubbleForwardBackward:
         else:
             for q in queues:
                 q.clear()
+        if offload is not None and not completed:
+            offload.discard()  # post-validation drained the rest of the iteration
+        elif offload is not None:
+            self.offload_stats = dict(offload.end_iteration(), offload_time=self.options.offload_time)
+            if prof is not None:
+                prof.offload_stats.append(self.offload_stats)
         if replicated:
             for it in run_iters:
                 it.drain(num_microbatches)
@@ -551,6 +585,26 @@ def _to_device(obj):
     if isinstance(obj, (list, tuple)):
         return type(obj)(_to_device(v) for v in obj)
     return obj
+
+
+def _check_offload_options(o: ScheduleOptions) -> None:
+    if o.offload_ratio is None:
+        return
+    r = o.offload_ratio
+    if r != "auto" and not (isinstance(r, (int, float)) and not isinstance(r, bool) and 0 <= r <= 1):
+        raise ZeroBubbleConfigError(f"offload_ratio must be a number in 0..1 or 'auto', got {r!r}")
+    if r == "auto" and o.memory_limit is None:
+        raise ZeroBubbleConfigError("offload_ratio='auto' offloads as little as fits memory_limit: give memory_limit")
+    k = o.offload_time
+    if k != "auto" and not (isinstance(k, (int, float)) and not isinstance(k, bool) and 0 <= k < float("inf")):
+        raise ZeroBubbleConfigError(f"offload_time must be a number >= 0 or 'auto', got {k!r}")
+    if o.offload_chunks is not None and (not isinstance(o.offload_chunks, int) or o.offload_chunks < 1):
+        raise ZeroBubbleConfigError(f"offload_chunks must be an integer >= 1, got {o.offload_chunks!r}")
+    if not torch.cuda.is_available() and not o.offload_cpu_test:
+        raise ZeroBubbleConfigError(
+            "activation offload moves activations from the GPU to host memory, and this machine has no CUDA "
+            "device; without a GPU it only runs in its CPU test mode (offload_cpu_test=True, "
+            "--zero-bubble-offload-cpu-test), which checks correctness, not speed")
 
 
 def _check_config(config, models, name):

@@ -620,6 +620,13 @@ def main(argv: Optional[Sequence[str]] = None, extra_args_provider: Optional[Cal
         _print0(f"megatron-zb: schedule preview, simulated {what}: bubble {100 * sim.bubble_rate:.1f}%"
                 + (f" (1f1b {100 * base.bubble_rate:.1f}%)" if base is not None else "")
                 + f", peak activation {max(sim.peak_memory):.3g} microbatches per rank")
+        if kwargs.get("offload_ratio") is not None and sim.offload is not None:
+            o = sim.offload.to_dict()
+            _print0(f"megatron-zb: activation offload ratio {kwargs['offload_ratio']}, K "
+                    + ("measured at the first iteration (previewed with 1)" if kwargs.get("offload_time") == "auto"
+                       else f"{kwargs.get('offload_time')}")
+                    + f", {'two copy streams' if kwargs.get('offload_overlap', True) else 'one copy stream'}; "
+                    f"peak activation without offload {max(o['peak_memory_without_offload']):.3g} microbatches")
         if placement.style in ("v", "bitpipe"):
             get_emb = get_embedding_ranks
             undo = _route_losses_for_v(placement.loss_rank)

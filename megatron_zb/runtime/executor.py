@@ -11,6 +11,9 @@ through a stage:
   B / BW  wait for it, run backward (B: input gradient only, weight gradients deferred)
   SEND_B  send the input gradient to the previous stage's rank (or hand it over locally)
   W       run the deferred weight gradients of this stage and microbatch
+
+With activation offload (``StagePasses.offload``): F runs under ``capture``; OFFLOAD / RELOAD
+(OFFLOAD_W / RELOAD_W for what W needs) start the copies; B (W) first ``wait``s for its reload.
 """
 from __future__ import annotations
 
@@ -20,7 +23,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..core.ir import B, BW, F, RECV_B, RECV_F, SEND_B, SEND_F, W, Action, Placement
+from ..core.ir import (B, BW, F, OFFLOAD, OFFLOAD_W, RECV_B, RECV_F, RELOAD, RELOAD_W, SEND_B, SEND_F, W, Action,
+                       Placement)
 from .p2p import P2P
 
 
@@ -46,6 +50,9 @@ class StagePasses:
     # overlapped F&B pairs (DualPipe): overlap(run_f, run_b) runs both thunks, e.g. on two CUDA
     # streams; without it they run one after the other
     overlap: Optional[Callable[[Callable[[], None], Callable[[], None]], None]] = None
+    # activation offload (runtime.offload.OffloadManager or the same methods): capture(stage, mb,
+    # offload, inputs) around every F, offload/reload(_w) at OFFLOAD/RELOAD(_W), wait(_w) before B/W
+    offload: Optional[object] = None
 
 
 Key = Tuple[int, int]  # (stage, microbatch)
@@ -60,6 +67,7 @@ class _State:
     saved: Dict[Key, Tuple[Optional[torch.Tensor], torch.Tensor]] = field(default_factory=dict)
     to_send_f: Dict[Key, torch.Tensor] = field(default_factory=dict)
     to_send_b: Dict[Key, torch.Tensor] = field(default_factory=dict)
+    offloaded: set = field(default_factory=set)  # (stage, mb) whose activation an OFFLOAD moves
     drain: bool = False  # post-validation rejected the step: pass messages on, compute nothing
 
 
@@ -86,6 +94,10 @@ def execute(actions: List[Action], rank: int, placement: Placement, passes: Stag
     st = _State()
     last_b, last = _backward_bounds(actions)
     pairs = overlap_pairs or {}
+    st.offloaded = {(a.stage, a.mb) for a in actions if a.kind == OFFLOAD}
+    if passes.offload is None and any(a.kind in (OFFLOAD, RELOAD, OFFLOAD_W, RELOAD_W) for a in actions):
+        raise ExecutionError(f"rank {rank}: the schedule offloads activations but no offload manager was given "
+                             "(StagePasses.offload)")
     check_at = _validation_position(actions, pairs) if validate is not None and not forward_only else None
 
     prog = getattr(p2p, "progress", None)  # runtime.progress: what this rank runs / finished last
@@ -115,13 +127,13 @@ def execute(actions: List[Action], rank: int, placement: Placement, passes: Stag
             if actions[i].kind != F or actions[j].kind not in (B, BW) or any(actions[k].is_compute for k in between):
                 raise ExecutionError(f"rank {rank}: positions {i} and {j} are not an overlapped F&B pair")
             for k in between:
-                if actions[k].kind in (RECV_F, RECV_B):
+                if actions[k].kind in (RECV_F, RECV_B, RELOAD, RELOAD_W):
                     step(k)
 
             def run_f(i=i, between=between):
                 step(i)
                 for k in between:
-                    if actions[k].kind in (SEND_F, SEND_B):
+                    if actions[k].kind in (SEND_F, SEND_B, OFFLOAD, OFFLOAD_W):
                         step(k)
 
             (passes.overlap or _one_after_the_other)(run_f, lambda j=j: step(j))
@@ -166,6 +178,8 @@ def _step(a: Action, i: int, rank: int, pl: Placement, nst: int, ps: StagePasses
           st: _State, forward_only: bool, last_b: Dict[int, int], last: Dict[int, int]) -> None:
     key = (a.stage, a.mb)
     k = a.kind
+    if st.drain and k in (OFFLOAD, RELOAD, OFFLOAD_W, RELOAD_W):
+        return  # nothing is computed any more: nothing to move (the caller discards the manager's parts)
     if st.drain and k in (F, B, BW, W):
         _drain(a, key, rank, pl, nst, ps, st)
     elif k == RECV_F:
@@ -185,7 +199,11 @@ def _step(a: Action, i: int, rank: int, pl: Placement, nst: int, ps: StagePasses
             raise ExecutionError(f"rank {rank}: F{a.stage}.{a.mb} has no input: no RECV_F was posted "
                                  f"and stage {pl.prev_stage(a.stage)} did not run here")
         t0 = time.perf_counter()
-        out = ps.forward(a.stage, a.mb, inp)
+        if ps.offload is not None and not forward_only:
+            with ps.offload.capture(a.stage, a.mb, key in st.offloaded, (inp,)):
+                out = ps.forward(a.stage, a.mb, inp)
+        else:
+            out = ps.forward(a.stage, a.mb, inp)
         _timed(ps, "F", a, t0)
         if not forward_only:
             st.saved[key] = (inp, out)
@@ -215,6 +233,8 @@ def _step(a: Action, i: int, rank: int, pl: Placement, nst: int, ps: StagePasses
             raise ExecutionError(f"rank {rank}: {a} has no output gradient: no RECV_B was posted "
                                  f"and stage {pl.next_stage(a.stage)} did not run its backward here")
         inp, out = st.saved.pop(key)
+        if ps.offload is not None:
+            ps.offload.wait(a.stage, a.mb)
         t0 = time.perf_counter()
         in_grad = ps.backward(a.stage, a.mb, inp, out, grad, k == B)
         _timed(ps, k, a, t0)
@@ -230,11 +250,21 @@ def _step(a: Action, i: int, rank: int, pl: Placement, nst: int, ps: StagePasses
         p2p.send(st.to_send_b.pop(key), a.peer)
         p2p.reap_sends()
     elif k == W:
+        if ps.offload is not None:
+            ps.offload.wait_w(a.stage, a.mb)
         t0 = time.perf_counter()
         ps.weight(a.stage, a.mb)
         _timed(ps, "W", a, t0)
         if i == last.get(a.stage) and ps.after_last_backward is not None:
             ps.after_last_backward(a.stage)
+    elif k == OFFLOAD:
+        ps.offload.offload(a.stage, a.mb)
+    elif k == RELOAD:
+        ps.offload.reload(a.stage, a.mb)
+    elif k == OFFLOAD_W:
+        ps.offload.offload_w(a.stage, a.mb)
+    elif k == RELOAD_W:
+        ps.offload.reload_w(a.stage, a.mb)
     else:
         raise ExecutionError(f"rank {rank}: unknown action {a}")
 

@@ -10,7 +10,7 @@ import math
 import sys
 from typing import Optional, Sequence
 
-from ..argtypes import positive_int
+from ..argtypes import nonneg, positive_int
 from .harness import (DEFAULT_GRAD_RTOL, DEFAULT_LOSS_ATOL, PSEUDO_SCHEDULES, VerifyUsageError, make_case,
                       run_verify_many)
 
@@ -54,6 +54,14 @@ def _build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--untied", action="store_true", help="untie embedding and output weights")
     ap.add_argument("--forward-only", action="store_true")
     ap.add_argument("--memory-limit", type=float, default=None, help="passed to install() (zb-auto, v-auto)")
+    ap.add_argument("--offload-ratio", type=_offload_ratio, default=None, metavar="R|auto",
+                    help="train with activation offload (CPU test mode: synchronous copies to separate CPU "
+                         "buffers): this share of each rank's activations, or 'auto' (as little as fits "
+                         "--memory-limit)")
+    ap.add_argument("--offload-time", type=_offload_time, default=0.25, metavar="K|auto",
+                    help="transfer time the schedule core plans with, in F+B of a stage (default 0.25); 'auto': "
+                         "measured at the first iteration (here: CPU memcpy and matmul stand-ins)")
+    ap.add_argument("--offload-half-duplex", action="store_true", help="one copy queue instead of two")
     o = ap.add_argument_group("Megatron's optimizer (instead of the harness's plain SGD step)")
     o.add_argument("--optimizer", choices=("adam", "sgd"), default=None,
                    help="train with megatron.core.optimizer (get_megatron_optimizer); the reference is one process "
@@ -77,6 +85,24 @@ def _build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--mcore-path", default=None, help="a directory holding another megatron-core (megatron/core)")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     return ap
+
+
+def _offload_ratio(text):
+    if str(text).strip().lower() == "auto":
+        return "auto"
+    try:
+        v = float(text)
+    except ValueError:
+        v = -1.0
+    if not (0.0 <= v <= 1.0):
+        raise argparse.ArgumentTypeError(f"--offload-ratio takes a number in 0..1 or 'auto', got {text!r}")
+    return v
+
+
+def _offload_time(text):
+    if str(text).strip().lower() == "auto":
+        return "auto"
+    return nonneg("--offload-time")(text)
 
 
 def _fmt(x) -> str:
@@ -110,7 +136,9 @@ def main_verify(argv: Optional[Sequence[str]] = None) -> int:
                     post_validation=a.optimizer_post_validation, clip_grad=a.clip_grad,
                     inject_nonfinite_at=a.inject_nonfinite_at, bf16=a.bf16, fp16=a.fp16,
                     use_distributed_optimizer=a.use_distributed_optimizer, loss_scale=a.loss_scale,
-                    optimizer_lr=a.lr, param_rtol=a.param_rtol)
+                    optimizer_lr=a.lr, param_rtol=a.param_rtol,
+                    offload_ratio=a.offload_ratio, offload_time=a.offload_time,
+                    offload_half_duplex=a.offload_half_duplex)
         case = make_case(a.schedule, a.pipeline_parallel_size, a.tensor_parallel_size, a.num_microbatches,
                          a.iterations, **opts)
     except VerifyUsageError as e:
@@ -145,6 +173,11 @@ def main_verify(argv: Optional[Sequence[str]] = None) -> int:
         if w and not case.forward_only and not case.optimizer:
             print(f"worst gradient: {w['param']} (rank {w['rank']}, iteration {w['iteration']}): "
                   f"{_fmt(w['rel_diff'])}")
+        for o in res.get("offload", []):
+            last = o["iterations"][-1] if o["iterations"] else {}
+            print(f"offload rank {o['rank']}: peak resident activation {last.get('peak_resident_bytes', 0)} B, "
+                  f"{last.get('captured_bytes_per_forward', 0)} B per F, offloaded {last.get('offloaded_bytes', 0)} B "
+                  f"in {last.get('offloaded_parts', 0)} part(s), reloaded {last.get('reloaded_bytes', 0)} B")
         t = res["timing"]
         if case.optimizer:
             print(f"timing: median iteration {t.get('median_iteration_ms')} ms"

@@ -93,6 +93,11 @@ class VerifyCase:
     lr: float = 0.1
     seed: int = 1234
     memory_limit: Optional[float] = None
+    # activation offload (docs/offload.md), CPU test mode: ratio 0..1 or 'auto' (with memory_limit),
+    # the transfer time K the schedule core plans with, one copy queue instead of two
+    offload_ratio: Any = None
+    offload_time: Any = 0.25  # or 'auto' (measured at the first iteration, --auto-offload-time)
+    offload_half_duplex: bool = False
     schedule_options: Dict[str, Any] = field(default_factory=dict)  # passed to install()
     config_overrides: Dict[str, Any] = field(default_factory=dict)  # passed to TransformerConfig
     grad_rtol: float = DEFAULT_GRAD_RTOL
@@ -135,6 +140,9 @@ class VerifyCase:
                   "variable_seq_lengths"):
             if getattr(self, k):
                 bits.append(k)
+        if self.offload_ratio is not None:
+            bits.append(f"offload={self.offload_ratio} K={self.offload_time}"
+                        + (" half-duplex" if self.offload_half_duplex else ""))
         if not self.ddp:
             bits.append("no-ddp")
         if not self.tie_embeddings:
@@ -260,6 +268,18 @@ def make_case(schedule: str, pipeline_parallel_size: int, tensor_parallel_size: 
         raise VerifyUsageError("use_distributed_optimizer has no step to check with forward_only")
     if case.iterations < 1:
         raise VerifyUsageError("iterations must be >= 1")
+    if case.offload_ratio is not None:
+        r = case.offload_ratio
+        if r != "auto" and not (isinstance(r, (int, float)) and not isinstance(r, bool) and 0 <= r <= 1):
+            raise VerifyUsageError(f"offload ratio must be a number in 0..1 or 'auto', got {r!r}")
+        if r == "auto" and case.memory_limit is None:
+            raise VerifyUsageError("--offload-ratio auto offloads as little as fits --memory-limit: give --memory-limit")
+        if case.schedule in PSEUDO_SCHEDULES:
+            raise VerifyUsageError(f"activation offload runs with megatron-zb schedules, not {case.schedule}")
+        if case.offload_time != "auto" and not (isinstance(case.offload_time, (int, float)) and case.offload_time >= 0):
+            raise VerifyUsageError(f"offload time must be a number >= 0 or 'auto', got {case.offload_time!r}")
+    elif case.offload_half_duplex:
+        raise VerifyUsageError("--offload-half-duplex needs --offload-ratio")
     _check_optimizer_options(case)
     return case
 
@@ -499,6 +519,7 @@ def compare(case: VerifyCase, ranks: List[dict]) -> dict:
         "forward_only": case.forward_only,
         "per_iteration": [{k: _finite(v) if isinstance(v, float) else v for k, v in row.items()} for row in per_iter],
         "problems": problems,
+        **_offload_report(ranks),
         "megatron_core": ranks[0].get("megatron_version"),
         "case": case.describe(),
         "timing": {
@@ -533,6 +554,14 @@ def _replica_mismatches(ranks: List[dict], case: "VerifyCase") -> List[tuple]:
 def _equal(a, b) -> bool:
     import torch
     return a.shape == b.shape and bool(torch.equal(a, b))
+
+
+def _offload_report(ranks: List[dict]) -> dict:
+    """``offload``: per rank, the offload manager's counts of every iteration (absent without)."""
+    if not any(r.get("offload") for r in ranks):
+        return {}
+    return {"offload": [{"rank": r["rank"], "pp_rank": r.get("pp_rank"), "tp_rank": r.get("tp_rank"),
+                         "iterations": r.get("offload") or []} for r in ranks]}
 
 
 def _compare_optimizer(case: VerifyCase, ranks: List[dict]) -> dict:
@@ -714,7 +743,7 @@ def _rank_case(case: VerifyCase) -> dict:
         holds_last = pp_rank == placement.loss_rank  # replicated stages: the loss rank gets every path's losses
         dp_rank = parallel_state.get_data_parallel_rank()
         keep_params = placement.replicated
-        losses, loss_parts, grads, params, times = [], [], [], [], []
+        losses, loss_parts, grads, params, times, offload = [], [], [], [], [], []
         m = case.num_microbatches
         for it in range(case.iterations):
             set_status(f"[{tag}] pipelined: iteration {it} forward-backward")
@@ -730,6 +759,9 @@ def _rank_case(case: VerifyCase) -> dict:
                      micro_batch_size=cfg.micro_batch_size, decoder_seq_length=cfg.seq_length,
                      forward_only=case.forward_only)
             times.append(time.perf_counter() - t0)
+            stats = getattr(getattr(handle, "forward_backward", None), "offload_stats", None)
+            if stats is not None:
+                offload.append(dict(stats))
             if holds_last and tp_rank == 0:
                 losses.append(M.iteration_loss(out))
                 loss_parts.append(M.iteration_loss_parts(out))
@@ -756,7 +788,7 @@ def _rank_case(case: VerifyCase) -> dict:
     return {"rank": rank, "pp_rank": pp_rank, "tp_rank": tp_rank, "dp_rank": dp_rank, "reference": reference,
             "losses": losses if reports else None, "loss_parts": loss_parts if reports else None,
             "grads": grads, "params": params, "times": times,
-            "wall_s": time.perf_counter() - t_start, "megatron_version": M.megatron_version(),
+            "wall_s": time.perf_counter() - t_start, "megatron_version": M.megatron_version(), "offload": offload,
             "stages": [i.stage for i in infos], "layers": [list(i.layers) for i in infos]}
 
 
@@ -800,6 +832,9 @@ def _install(case: VerifyCase, **extra):
         raise RuntimeError(f"schedule {case.schedule!r} needs megatron_zb.megatron.install, which is not "
                            f"available ({e}); the pseudo-schedules {', '.join(PSEUDO_SCHEDULES)} work without it")
     kw = dict(case.schedule_options)
+    if case.offload_ratio is not None:
+        kw.update(offload_ratio=case.offload_ratio, offload_time=case.offload_time,
+                  offload_overlap=not case.offload_half_duplex, offload_cpu_test=True)
     kw.update(extra)
     return install(case.schedule, chunks=case.chunks, memory_limit=case.memory_limit, **kw)
 
