@@ -370,11 +370,12 @@ def test_profiles_on_gloo_pipeline():
         profiles[case] = p0
     # sleeps of known length: F=20 ms, B=30, W=10 per stage
     zs, fs = profiles[("zb-h1", "sleep")], profiles[("1f1b", "sleep")]
+    # a sleep never ends early; it ends late by the host's scheduling delay, which grows with its load
+    late = 0.002 + 0.002 * max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
     for r in range(world):
-        assert zs["cost_f"][r] == pytest.approx(0.020, rel=0.1)
-        assert zs["cost_b"][r] == pytest.approx(0.030, rel=0.1)
-        assert zs["cost_w"][r] == pytest.approx(0.010, rel=0.15)
-        assert fs["cost_bw"][r] == pytest.approx(0.040, rel=0.1)
+        for got, want in ((zs["cost_f"][r], 0.020), (zs["cost_b"][r], 0.030), (zs["cost_w"][r], 0.010),
+                          (fs["cost_bw"][r], 0.040)):
+            assert want * 0.9 <= got <= want + late, (r, got, want, late)
     assert fs["backward_split"].startswith("assumed") and zs["backward_split"] == "measured"
     assert zs["p2p_wait_per_iter"][1] > 0.015  # rank 1 waits at least for the first F of rank 0
     # real autograd work: sane numbers, B + W close to the fused backward, saved bytes exact
