@@ -117,6 +117,8 @@ def _build(args):
     else:
         setting = _setting(args)
         sched = schedules.generate(args.schedule, setting)
+    if getattr(args, "exact", False):
+        sched = _exact(args, sched, setting)
     limit = setting.memory_limit
     validate(sched, setting, memory_limit=float("inf"))
     if limit is not None:
@@ -130,8 +132,21 @@ def _build(args):
     return sched, setting
 
 
+def _exact(args, sched: Schedule, setting: Setting) -> Schedule:
+    """--exact: the MILP (HiGHS) under the automatic scheduler's memory limit, seeded with its
+    makespan; the shorter schedule of the two."""
+    from .core.schedules import exact
+    if getattr(args, "load", None) or args.schedule not in exact.AUTOMATIC:
+        raise UsageError(f"--exact applies to the automatic schedules ({', '.join(exact.AUTOMATIC)}), "
+                         f"not {getattr(args, 'schedule', None) or '--load'}")
+    return exact.refine(sched, setting, node_limit=args.exact_nodes, time_limit=args.exact_seconds)
+
+
 def _result_dict(sched: Schedule, setting: Setting, res: SimResult) -> dict:
     d = res.to_dict()
+    for k in ("lower_bound", "gap_to_lower_bound", "exact"):
+        if k in sched.meta:
+            d[k] = sched.meta[k]
     d.update({"placement": sched.placement.style, "cost_f": setting.cost_f, "cost_b": setting.cost_b,
               "cost_w": setting.cost_w, "cost_comm": setting.cost_comm, "mem_f": setting.mem_f,
               "mem_w": setting.mem_w, "memory_limit": setting.memory_limit})
@@ -152,6 +167,11 @@ def cmd_simulate(args) -> int:
     print(f"makespan      {d['makespan']:g}")
     print(f"bubble rate   {d['bubble_rate']:.4f}")
     print("peak memory   " + " ".join(f"{x:g}" for x in d["peak_memory"]) + "   (per rank, mem-f units)")
+    if "gap_to_lower_bound" in sched.meta:
+        print(f"lower bound   {sched.meta['lower_bound']:g}   (gap {sched.meta['gap_to_lower_bound']:.4f})")
+    if "exact" in sched.meta:
+        e = sched.meta["exact"]
+        print(f"exact (MILP)  {e['status']}; heuristic makespan {e['heuristic_makespan']:g}, nodes {e.get('nodes', 0)}")
     return 0
 
 
@@ -246,7 +266,8 @@ def cmd_plan(args) -> int:
     tflops = args.peak_tflops if args.peak_tflops is not None else P.GPU_PEAK_TFLOPS[args.gpu]
     profile = P.load_profile(args.profile) if args.profile else None
     rows = P.plan(spec, args.pipeline_parallel_size, args.num_microbatches, args.gpu_memory_gb, tflops=tflops,
-                  efficiency=args.efficiency, profile=profile, pad_ends=args.allow_padding_num_layers)
+                  efficiency=args.efficiency, profile=profile, pad_ends=args.allow_padding_num_layers,
+                  exact=(args.exact_nodes, args.exact_seconds) if args.exact else None)
     if args.json:
         print(json.dumps({"model": dataclasses.asdict(spec), "pipeline_parallel_size": args.pipeline_parallel_size,
                           "num_microbatches": args.num_microbatches, "gpu_memory_gb": args.gpu_memory_gb,
@@ -277,6 +298,17 @@ def cmd_verify(argv) -> int:
     return verify.main_verify(argv)
 
 
+def _add_exact_args(ap: argparse.ArgumentParser):
+    ap.add_argument("--exact", action="store_true",
+                    help="automatic schedules: also solve the exact MILP (HiGHS) and keep the shorter "
+                         "schedule; meant for small settings (p <= 4, m <= 8)")
+    ap.add_argument("--exact-nodes", type=_positive_int("--exact-nodes"), default=20000,
+                    help="branch-and-bound node limit of --exact (deterministic; default 20000)")
+    ap.add_argument("--exact-seconds", type=_nonneg("--exact-seconds"), default=None,
+                    help="time limit of --exact in seconds (machine-dependent: results can differ "
+                         "between machines; default none)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="megatron-zb", description="Zero-bubble pipeline schedules for megatron-core")
     sub = ap.add_subparsers(dest="cmd", parser_class=_Parser)
@@ -284,6 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_setting_args(s)
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.add_argument("--save", metavar="FILE", help="also write the schedule (.json or torch .csv)")
+    _add_exact_args(s)
     s.set_defaults(func=cmd_simulate)
     c = sub.add_parser("compare", help="every schedule for one setting in one table")
     _add_setting_args(c, schedule_required=False)
@@ -317,6 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
     pn.add_argument("--allow-padding-num-layers", action="store_true",
                     help="first and last stage take one layer less (embedding and loss cost)")
     pn.add_argument("--json", action="store_true")
+    _add_exact_args(pn)
     pn.set_defaults(func=cmd_plan)
     sub.add_parser("verify", help="train a tiny megatron GPT with a schedule vs the reference "
                    "(see `megatron-zb verify --help`)", add_help=False)

@@ -24,6 +24,7 @@ from typing import Dict, List, Optional
 
 from .ir import ScheduleError, Setting
 from .schedules import generate, get, names
+from .schedules.exact import AUTOMATIC, refine
 from .simulate import simulate
 
 GPU_PEAK_TFLOPS = {"h100": 989.0, "h200": 989.0, "a100": 312.0, "b200": 2250.0, "mi300x": 1307.0}
@@ -139,7 +140,10 @@ def stage_costs(spec: ModelSpec, p: int, v: int, placement_style: str, tflops: f
 
 def plan(spec: ModelSpec, pipeline_parallel_size: int, microbatches: int, gpu_memory_gb: float,
          tflops: float = GPU_PEAK_TFLOPS["h100"], efficiency: float = 0.5, profile: Optional[dict] = None,
-         schedules: Optional[List[str]] = None, pad_ends: bool = False, interleave_chunks: int = 2) -> List[dict]:
+         schedules: Optional[List[str]] = None, pad_ends: bool = False, interleave_chunks: int = 2,
+         exact: Optional[tuple] = None) -> List[dict]:
+    """Rank every schedule for the model. ``exact`` = (node limit, time limit or None): the
+    automatic schedules also get the exact MILP (``schedules.exact.refine``)."""
     spec.validate()
     p, m = pipeline_parallel_size, microbatches
     if p < 2:
@@ -173,6 +177,8 @@ def plan(spec: ModelSpec, pipeline_parallel_size: int, microbatches: int, gpu_me
                               mem_f=[x / unit for x in mf], mem_w=[min(a, b) / unit for a, b in zip(mw, mf)],
                               memory_limit=limit_units if name in ("zb-auto", "v-auto") else None)
             sched = generate(name, setting)
+            if exact is not None and name in AUTOMATIC:
+                sched = refine(sched, setting, node_limit=exact[0], time_limit=exact[1])
             res = simulate(sched, Setting(**{**setting.to_dict(), "chunks": sched.placement.chunks}))
         except ScheduleError as e:
             rows.append({"schedule": name, "error": str(e)})
@@ -183,6 +189,9 @@ def plan(spec: ModelSpec, pipeline_parallel_size: int, microbatches: int, gpu_me
                "activation_bytes": act_bytes, "state_bytes": states, "peak_bytes": total,
                "fits": max(total) <= budget, "layers_per_stage": counts,
                "flags": _flags(name, p, v, limit_units, counts, pad_ends)}
+        for k in ("gap_to_lower_bound", "exact"):
+            if k in sched.meta:
+                row[k] = sched.meta[k]
         if name == "1f1b":
             base = row
         rows.append(row)

@@ -31,12 +31,13 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 from ..ir import B, F, W, Action, Placement, Schedule, ScheduleError, Setting
 from ..simulate import simulate
 from ..validate import validate
-from . import vblock
+from . import vblock, vslots
 from .bounds import lower_bound
 from .evaluate import Coder
 from .greedy import best_of, capped_variants
 from .improve import improve
 from .rounds import round_variants
+from .vrounds import v_round_variants
 
 
 def _passes(setting: Setting) -> int:
@@ -81,11 +82,13 @@ def _rank(cands: List[Schedule], setting: Setting, limit: Optional[float]) -> Li
 
 
 def _finish(best: Schedule, setting: Setting, limit: Optional[float], name: str, claim,
-            ranked: Optional[List[Tuple[tuple, Schedule]]] = None, top: int = 3) -> Schedule:
+            ranked: Optional[List[Tuple[tuple, Schedule]]] = None, top: int = 3,
+            lb: Optional[float] = None) -> Schedule:
     """Local search on the best ``top`` distinct candidates (``ranked``, best first; default:
     ``best`` alone) unless the best already meets the lower bound; the shortest result, with
     its gap to the bound."""
-    lb = lower_bound(setting, best.placement, limit)
+    if lb is None:
+        lb = lower_bound(setting, best.placement, limit)
     ranked = ranked or _rank([best], setting, limit) or [((0,), best)]
     chosen = ranked[0][1]
     if ranked[0][0][0] > lb + 1e-9 and _evals(setting) > 0:
@@ -226,29 +229,43 @@ def _timing(schedule: Schedule, setting: Setting) -> Dict:
 
 def _v_search(name: str, setting: Setting, limit: Optional[float] = None) -> Schedule:
     """The best V schedule under ``limit``; v-half / v-min (limit None) take the peak memory of
-    the paper's block of that name."""
+    the paper's block of that name. Candidates, each family only while the best so far is above
+    the lower bound: the round heuristic (``vrounds``), the paper's V-Half / V-Min blocks, the
+    real-cost building blocks (``vblock``; on big settings only when nothing else fits), the
+    unit-slot building blocks (``vslots``; small settings) and the greedy variants."""
     st = _v_setting(setting)
-    p = st.stages
+    p, m = st.stages, st.microbatches
     pl = Placement.vshape(p)
     paper = {n: _paper_block(st, n) for n in ("v-half", "v-min")}
-    peak = {n: max(simulate(s, st).peak_memory) for n, s in paper.items() if s is not None}
+    coder = Coder(st, pl, m)
+    peak = {n: max(coder.peak(o) for o in coder.encode(s.orders)) for n, s in paper.items() if s is not None}
     if limit is None:  # the paper's memory; its formula where its block does not fit this p
         limit = peak.get(name, (p / 2 + 1 if name == "v-half" else p / 3 + 1) * max(st.mem_f))
     fits = [n for n in peak if peak[n] <= limit + 1e-9]
     cands = [paper[n] for n in fits]
-    # those blocks, timed with the real costs, are starting points for reordering too
-    extra = [(f"paper {n} block", lambda mb, n=n: _timing(_paper_block(dataclasses.replace(st, microbatches=mb), n),
-                                                          dataclasses.replace(st, microbatches=mb)))
-             for n in fits]
-    blocks = vblock.search(st, pl, limit, name, extra=extra)
-    if blocks is not None:
-        cands.append(blocks)
-        res = simulate(blocks, st)
-        if res.makespan <= lower_bound(st, pl, limit) + 1e-9:  # optimal: no greedy needed
-            return _finish(blocks, st, limit, name, limit)
+    lb = lower_bound(st, pl, limit)
+    small = p * m <= 1024
+
+    def optimal() -> bool:
+        ranked = _rank(cands, st, limit)
+        return bool(ranked) and ranked[0][0][0] <= lb + 1e-9
+
+    rounds = v_round_variants(st, limit, name, keep=4)
+    cands += rounds
+    if not optimal() and (small or not rounds):
+        # those blocks, timed with the real costs, are starting points for reordering too
+        extra = [(f"paper {n} block",
+                  lambda mb, n=n: _timing(_paper_block(dataclasses.replace(st, microbatches=mb), n),
+                                          dataclasses.replace(st, microbatches=mb))) for n in fits]
+        blocks = vblock.search(st, pl, limit, name, extra=extra)
+        if blocks is not None:
+            cands.append(blocks)
+    if not optimal() and small:
+        cands += vslots.search(st, limit, name, keep=2)
     ranked = _search(name, st, pl, limit, cands, max(st.mem_f) / 2, p * max(st.mem_f),
-                     other=lambda x: vblock.search(st, pl, x, name))
-    return _finish(ranked[0][1], st, limit, name, limit, ranked)
+                     other=lambda x: vblock.search(st, pl, x, name),
+                     greedy_too=_passes(st) * p <= 150_000 and not optimal())
+    return _finish(ranked[0][1], st, limit, name, limit, ranked, lb=lb)
 
 
 def zb_v(setting: Setting) -> Schedule:

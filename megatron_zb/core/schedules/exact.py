@@ -64,7 +64,10 @@ def _precedes(pos, a: Tuple[str, int], b: Tuple[str, int]) -> bool:
 
 
 def solve(setting: Setting, placement: Placement, limit: Optional[float], upper: Optional[float] = None,
-          node_limit: Optional[int] = 20000, time_limit: Optional[float] = None) -> ExactResult:
+          node_limit: Optional[int] = 20000, time_limit: Optional[float] = None,
+          lower: float = 0.0) -> ExactResult:
+    """Solve the model; ``upper`` caps the makespan (an incumbent's), ``lower`` is a known lower
+    bound (it tightens the relaxation)."""
     import numpy as np
     from scipy.optimize import Bounds, LinearConstraint, milp
     from scipy.sparse import coo_matrix
@@ -196,7 +199,7 @@ def solve(setting: Setting, placement: Placement, limit: Optional[float], upper:
         x = (W, s, m - 1)
         add([(iC, 1.0), (idx[x], -1.0)], cost[(W, s)] - start[rank[s]], inf)
     A = coo_matrix((vals, (rows, cols)), shape=(row[0], n)).tocsr()
-    lb = np.array([es[x] for x in keys] + [0.0] * n_z + [0.0])
+    lb = np.array([es[x] for x in keys] + [0.0] * n_z + [min(lower, upper)])
     ub = np.array([ls[x] for x in keys] + [1.0] * n_z + [upper + 1e-9])
     for r in range(R):  # first passes start as the simulator starts them
         i = idx[(F, first_stage[r], 0)]
@@ -213,8 +216,14 @@ def solve(setting: Setting, placement: Placement, limit: Optional[float], upper:
                constraints=LinearConstraint(A, np.array(lo), np.array(hi)), options=options)
     nodes = int(getattr(res, "mip_node_count", 0) or 0)
     dual = getattr(res, "mip_dual_bound", None)
-    status = {0: "optimal", 1: "limit reached", 2: "infeasible under the cap", 3: "unbounded", 4: "other"}.get(
-        res.status, str(res.status))
+    if res.status == 0:
+        status = "optimal"
+    elif res.status == 2:
+        status = "infeasible under the cap"
+    elif res.status == 1 or "limit" in str(res.message).lower():  # HiGHS may call a node limit a solution limit
+        status = "node or time limit reached"
+    else:
+        status = "stopped: " + str(res.message)
     if res.x is None:
         return ExactResult(None, None, float(dual) if dual is not None else 0.0, False, status, nodes, n_z)
     times = res.x[:n_t]
@@ -229,3 +238,45 @@ def solve(setting: Setting, placement: Placement, limit: Optional[float], upper:
     if dual is None or optimal:
         dual = res.fun if optimal else 0.0
     return ExactResult(sched, mk, float(dual), optimal, status, nodes, n_z)
+
+
+AUTOMATIC = ("zb-auto", "v-auto", "zb-v", "v-half", "v-min")
+MAX_BINARIES = 20000  # beyond this the model takes longer to build than it is worth
+
+
+def refine(schedule: Schedule, setting: Setting, node_limit: Optional[int] = 20000,
+           time_limit: Optional[float] = None) -> Schedule:
+    """``schedule`` (from an automatic scheduler) or a shorter one from the MILP under the same
+    memory limit, with ``meta['exact']`` saying what the solver proved and ``lower_bound`` /
+    ``gap_to_lower_bound`` updated with its dual bound."""
+    from .bounds import lower_bound
+    pl = schedule.placement
+    st = dataclasses.replace(setting, chunks=pl.chunks)
+    limit = schedule.meta.get("memory_limit", setting.memory_limit)
+    heur = simulate(schedule, st).makespan
+    lb = lower_bound(st, pl, limit)
+    info = {"node_limit": node_limit, "time_limit": time_limit, "heuristic_makespan": round(heur, 9)}
+    best, bound = schedule, lb
+    if heur <= lb + 1e-9:
+        info.update(status="the heuristic meets the lower bound", optimal=True, nodes=0)
+    else:
+        S, m = pl.num_stages, st.microbatches
+        per_rank = 3 * m * (S // pl.num_ranks)
+        estimate = pl.num_ranks * per_rank * (per_rank - 1) // 2
+        if estimate > 4 * MAX_BINARIES:
+            info.update(status=f"too large for exact mode (about {estimate // 2} order variables; "
+                        "meant for small settings such as p <= 4, m <= 8)", optimal=False, nodes=0)
+        else:
+            r = solve(st, pl, limit, upper=heur, node_limit=node_limit, time_limit=time_limit, lower=lb)
+            info.update(status=r.status, optimal=r.optimal, nodes=r.nodes, binaries=r.binaries,
+                        dual_bound=round(r.dual_bound, 9))
+            bound = max(lb, r.dual_bound)
+            if r.schedule is not None and r.makespan < heur - 1e-9:
+                best = r.schedule
+            if r.optimal:
+                bound = max(bound, min(heur, r.makespan if r.makespan is not None else heur))
+    mk = simulate(best, st).makespan
+    info["makespan"] = round(mk, 9)
+    meta = dict(schedule.meta, exact=info, lower_bound=round(bound, 9),
+                gap_to_lower_bound=round(max(0.0, mk / bound - 1.0), 6) if bound > 0 else 0.0)
+    return dataclasses.replace(best, name=schedule.name, meta=meta)

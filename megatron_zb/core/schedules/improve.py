@@ -52,7 +52,8 @@ def critical_chain(coder: Coder, orders: Sequence[Sequence[int]], t: Timing) -> 
     return chain
 
 
-def _moves(coder: Coder, orders: Sequence[Sequence[int]], t: Timing, reach: int) -> Iterator[Tuple[int, List[int]]]:
+def _moves(coder: Coder, orders: Sequence[Sequence[int]], t: Timing, reach: int,
+           wide: bool) -> Iterator[Tuple[int, List[int]]]:
     chain = critical_chain(coder, orders, t)
     seen = set()
     on_chain = set(r for r, _ in chain)
@@ -77,10 +78,20 @@ def _moves(coder: Coder, orders: Sequence[Sequence[int]], t: Timing, reach: int)
             for j in range(i + 1, min(len(o), i + 1 + 2 * reach)):
                 if o[j] // (coder.S * coder.m) in (0, 2):  # an F or a W
                     yield r, o[:i] + [o[j]] + o[i:j] + o[j + 1:]
+    if not wide:
+        return
+    for r in sorted(on_chain):  # every pass of those ranks a few places earlier or later
+        o = orders[r]
+        for i in range(len(o)):
+            for k in range(1, 2 * reach + 1):
+                if i + k < len(o):
+                    yield r, o[:i] + o[i + 1:i + k + 1] + [o[i]] + o[i + k + 1:]
+                if i - k >= 0:
+                    yield r, o[:i - k] + [o[i]] + o[i - k:i] + o[i + 1:]
 
 
 def improve(schedule: Schedule, setting: Setting, limit: Optional[float], max_evals: int = 400,
-            reach: int = 3) -> Schedule:
+            reach: int = 3, wide: bool = True) -> Schedule:
     """The schedule after local search (at most ``max_evals`` timings); the same object if no
     move helps. The caller validates the result."""
     if max_evals <= 0:
@@ -99,7 +110,7 @@ def improve(schedule: Schedule, setting: Setting, limit: Optional[float], max_ev
     moved = False
     while evals < max_evals:
         better = False
-        for r, new in _moves(coder, orders, t, reach):
+        for r, new in _moves(coder, orders, t, reach, wide):
             if coder.peak(new) > lim:
                 continue
             trial = list(orders)
