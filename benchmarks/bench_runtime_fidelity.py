@@ -16,6 +16,18 @@ max per-rank span) except where the rank finishing last also started late; both 
 (``error_pct`` vs the iteration time, ``error_vs_makespan_pct`` vs the makespan). ``sim+hop`` re-simulates with the measured one-way
 hop time of a small message (ping-pong) as ``cost_comm``, to show how much of the gap is p2p.
 Sleeping ranks need no CPU, so P=4 ranks are fine on a 2-core machine.
+
+``--iteration-model`` measures whole training iterations instead (issue 11): ``--iterations``
+iterations back to back after ``--warmup`` ones, with the optimizer step as ``--optimizer-step-ms``
+of sleep, (a) **synchronous**: after its last pass a rank joins an all-reduce over every rank
+(Megatron's global norm / inf check), then steps; (b) **post-validated**: a rank steps at once and
+starts its next iteration; the partial reductions go through ``runtime.postval`` (its own gloo
+links and helper thread) and each rank waits for the result at the executor's validation point
+(before its first backward). The steady-state time per iteration (the slowest rank's) is compared
+with the simulator's ``iteration_time`` and ``iteration_time_post_validated`` (``core.iteration``).
+A schedule ``zb-auto@2p`` is zb-auto under a memory limit of 2 x P (2 x 1F1B's). Per mode the
+median over the timed iterations of how far the slowest rank's end moved (the mean is in the JSON);
+``wait`` is the worst rank's mean wait at its validation point.
 """
 from __future__ import annotations
 
@@ -135,6 +147,179 @@ def rank_main(rank, world, port, cases, unit, iterations, warmup, q):
     dist.destroy_process_group()
 
 
+def _iteration_setting(case):
+    from megatron_zb.core.ir import Setting
+    name, _, lim = case["schedule"].partition("@")
+    limit = 2.0 * case["p"] if lim == "2p" else None
+    return name, Setting(case["p"], case["m"], chunks=case["chunks"], cost_comm=0.0, memory_limit=limit, **case["kw"])
+
+
+def simulate_iterations_case(case, opt_units):
+    from megatron_zb.core.iteration import iteration_times
+    from megatron_zb.core.schedules import generate
+    import dataclasses
+    name, st = _iteration_setting(case)
+    sched = generate(name, st)
+    st = dataclasses.replace(st, chunks=sched.placement.chunks)
+    it = iteration_times(sched, st, opt_units)
+    return it.iteration_time, it.iteration_time_post_validated
+
+
+def rank_main_iterations(rank, world, port, cases, unit, opt_s, iterations, warmup, q):
+    """Training iterations back to back, synchronous vs post-validated optimizer step."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    from megatron_zb.core.lower import lower
+    from megatron_zb.core.schedules import generate
+    from megatron_zb.runtime.executor import execute
+    from megatron_zb.runtime.p2p import P2P, PairGroups
+    from megatron_zb.runtime.postval import PostValidation
+    from megatron_zb.runtime.sleep_passes import precise_sleep, sleep_passes
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    groups = PairGroups(list(range(world)), {(a, b) for a in range(world) for b in range(a + 1, world)})
+    p2p = P2P(groups, rank, timeout_s=120)
+    world_group = dist.new_group(list(range(world)))
+    flag = torch.zeros(2)
+    results = []
+    for case in cases:
+        name, st = _iteration_setting(case)
+        low = lower(generate(name, st))
+        passes = sleep_passes(st, rank, low.placement, unit=unit)
+        out = {}
+        for mode in ("synchronous", "post-validated"):
+            pv = PostValidation(timeout_s=120) if mode == "post-validated" else None
+            if pv is not None:
+                pv.channel(world_group)  # collective set-up outside the timed loop
+            ends, waits = [], []
+
+            def validate(pv=pv):  # time spent waiting at the validation point
+                t = time.perf_counter()
+                ok = pv.validate()
+                waits.append(time.perf_counter() - t)
+                return ok
+            dist.barrier()
+            t0 = time.perf_counter()
+            for it in range(warmup + iterations):
+                execute(low.orders[rank], rank, low.placement, passes, p2p,
+                        validate=(validate if pv is not None and pv.due else None))
+                p2p.reap_sends(block=True)
+                if pv is None:
+                    dist.all_reduce(flag, group=world_group)  # Megatron's global norm / inf check
+                    precise_sleep(opt_s)
+                else:
+                    precise_sleep(opt_s)  # the eager step, then the reduction along the pipeline
+                    pv.submit(world_group, it, torch.zeros(3, dtype=torch.float64),
+                              judge=lambda full: True, recover=lambda: None)
+                ends.append(time.perf_counter() - t0)
+            if pv is not None:
+                pv.finish()
+            allends = [None] * world
+            dist.all_gather_object(allends, ends)
+            slowest = [max(e[i] for e in allends) for i in range(len(ends))]
+            # per iteration: how far the slowest rank's end moved; the median resists one-off stalls
+            # of a busy machine (the mean is kept too)
+            steps = [b - a for a, b in zip([0.0] + slowest, slowest)][warmup:]
+            out[mode] = statistics.median(steps)
+            out[mode + " mean"] = sum(steps) / len(steps)
+            allwaits = [None] * world
+            dist.all_gather_object(allwaits, waits[warmup:])
+            out[mode + " wait"] = max((sum(w) / len(w) for w in allwaits if w), default=0.0)
+        results.append(out)
+    if rank == 0:
+        q.put({"results": results})
+    dist.barrier()
+    groups.destroy()
+    dist.destroy_process_group()
+
+
+def run_iteration_cases(p, cases, unit, opt_ms, iterations=8, warmup=2, timeout=1800):
+    """Synchronous vs post-validated time per iteration, measured and simulated; rows."""
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=rank_main_iterations,
+                         args=(r, p, port, cases, unit, opt_ms / 1e3, iterations, warmup, q)) for r in range(p)]
+    for pr in procs:
+        pr.start()
+    try:
+        got = q.get(timeout=timeout)
+    finally:
+        for pr in procs:
+            pr.join(timeout=30)
+            if pr.is_alive():
+                pr.kill()
+    rows = []
+    for case, res in zip(cases, got["results"]):
+        sim_sync, sim_post = simulate_iterations_case(case, opt_ms / 1e3 / unit)
+        row = {k: case[k] for k in ("schedule", "p", "m", "costs")}
+        row.update(unit_s=unit, optimizer_step_s=opt_ms / 1e3,
+                   simulated_sync_s=sim_sync * unit, measured_sync_s=res["synchronous"],
+                   simulated_post_s=sim_post * unit, measured_post_s=res["post-validated"])
+        row["mean_sync_s"], row["mean_post_s"] = res["synchronous mean"], res["post-validated mean"]
+        row["validation_wait_s"] = res["post-validated wait"]  # the worst rank's mean wait per iteration
+        row["error_sync_pct"] = 100 * (row["measured_sync_s"] - row["simulated_sync_s"]) / row["simulated_sync_s"]
+        row["error_post_pct"] = 100 * (row["measured_post_s"] - row["simulated_post_s"]) / row["simulated_post_s"]
+        rows.append(row)
+    base = {(r["p"], r["m"], r["costs"]): r for r in rows if r["schedule"] == "zb-h1"}
+    for r in rows:
+        b = base.get((r["p"], r["m"], r["costs"]))
+        if b:
+            r["gain_vs_zbh1_sync_measured"] = b["measured_sync_s"] / r["measured_sync_s"]
+            r["gain_vs_zbh1_post_measured"] = b["measured_post_s"] / r["measured_post_s"]
+    return rows
+
+
+def fmt_iteration_table(rows):
+    head = (f"{'schedule':<12}{'P':>2}{'M':>4} {'costs (ms)':<15}{'sync sim':>9}{'meas':>8}{'err %':>7}"
+            f"{'postval sim':>12}{'meas':>8}{'err %':>7}{'wait':>6}{'vs zb-h1 sync':>14}{'postval':>8}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['schedule']:<12}{r['p']:>2}{r['m']:>4} {r['costs']:<15}{r['simulated_sync_s'] * 1e3:>9.1f}"
+                     f"{r['measured_sync_s'] * 1e3:>8.1f}{r['error_sync_pct']:>+7.2f}"
+                     f"{r['simulated_post_s'] * 1e3:>12.1f}{r['measured_post_s'] * 1e3:>8.1f}"
+                     f"{r['error_post_pct']:>+7.2f}{r['validation_wait_s'] * 1e3:>6.1f}"
+                     f"{r.get('gain_vs_zbh1_sync_measured', float('nan')):>14.3f}"
+                     f"{r.get('gain_vs_zbh1_post_measured', float('nan')):>8.3f}")
+    return "\n".join(lines)
+
+
+def main_iterations(args):
+    unit = args.unit_ms / 1e3
+    schedules = args.schedules or ["1f1b", "zb-h1", "zb-h2", "zb-auto@2p", "zb-v"]
+    load_before = os.getloadavg() if hasattr(os, "getloadavg") else None
+    t0 = time.perf_counter()
+    rows = []
+    for p in args.pp:
+        ms = args.microbatches or [2 * p]
+        cases = [{"schedule": n, "p": p, "m": m, "chunks": None, "costs": c, "kw": COST_SETS[c]}
+                 for c in args.costs for m in ms for n in schedules]
+        got = run_iteration_cases(p, cases, unit, args.optimizer_step_ms, args.iterations, args.warmup)
+        print(f"\nP={p}: time per training iteration (ms), optimizer step {args.optimizer_step_ms:g} ms")
+        print(fmt_iteration_table(got), flush=True)
+        rows += got
+    errs = [abs(r[k]) for r in rows for k in ("error_sync_pct", "error_post_pct")]
+    summary = {"within_5pct": sum(e <= 5 for e in errs), "figures": len(errs),
+               "max_abs_error_pct": max(errs), "median_abs_error_pct": statistics.median(errs)}
+    print(f"\n{summary['within_5pct']}/{len(errs)} figures within 5% of the simulated ones; max |error| "
+          f"{summary['max_abs_error_pct']:.2f}%, median {summary['median_abs_error_pct']:.2f}%; "
+          f"wall {time.perf_counter() - t0:.0f} s; load average before {load_before}")
+    out = {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
+           "loadavg_before": load_before, "loadavg_after": os.getloadavg() if hasattr(os, "getloadavg") else None,
+           "unit_s": unit, "optimizer_step_ms": args.optimizer_step_ms, "iterations": args.iterations,
+           "warmup": args.warmup, "summary": summary, "rows": rows}
+    path = args.out if args.out != "benchmarks/results/runtime_fidelity.json" else \
+        "benchmarks/results/runtime_fidelity_iterations.json"
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"wrote {path}")
+    return out
+
+
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -224,7 +409,12 @@ def main(argv=None):
     ap.add_argument("--schedules", nargs="+", default=None, help="default: every registered schedule")
     ap.add_argument("--costs", nargs="+", default=list(COST_SETS), choices=list(COST_SETS))
     ap.add_argument("--out", default="benchmarks/results/runtime_fidelity.json")
+    ap.add_argument("--iteration-model", action="store_true",
+                    help="time whole training iterations: synchronous vs post-validated optimizer step")
+    ap.add_argument("--optimizer-step-ms", type=float, default=10.0, help="with --iteration-model (default 10)")
     args = ap.parse_args(argv)
+    if args.iteration_model:
+        return main_iterations(args)
     schedules = args.schedules or names()
     if "1f1b" not in schedules:
         schedules = ["1f1b"] + schedules

@@ -20,7 +20,8 @@ cpu_shims.apply()  # no-op when CUDA is present
 
 import megatron.core.pipeline_parallel as mpp  # noqa: E402
 
-from megatron_zb.megatron import model as M  # noqa: E402
+from megatron_zb.megatron import placement as P  # noqa: E402
+from megatron_zb.verify import tinygpt as M  # noqa: E402
 from megatron_zb.megatron.install import install  # noqa: E402
 
 SCHEDULE = os.environ.get("SCHEDULE", "zb-h1")
@@ -31,11 +32,11 @@ def main():
     pp = dist.get_world_size()
     handle = install(SCHEDULE)  # the one line a Megatron script needs
     fb = handle.forward_backward
-    placement = M.make_placement("v" if SCHEDULE in ("zb-v", "v-half", "v-min", "v-auto", "dualpipe-v") else "single", pp)
+    placement = P.make_placement("v" if SCHEDULE in ("zb-v", "v-half", "v-min", "v-auto", "dualpipe-v") else "single", pp)
     M.init_parallel_state(1, pp, placement)
     cfg = M.TinyGPTConfig(num_layers=2 * placement.num_stages)
     chunks = M.build_model_chunks(cfg, placement)
-    M.configure_grad_sync(chunks[0].config, chunks, placement=placement, ddp=False)
+    P.configure_grad_sync(chunks[0].config, chunks, placement=placement, ddp=False)
     m = 2 * pp
     for it in range(5):
         M.zero_grads_(chunks)

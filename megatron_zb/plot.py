@@ -5,14 +5,23 @@
   multi-chunk (interleaved / V) schedules drawn in a darker, hatched shade of the same colour.
 * ``chrome_trace(result)`` / ``write_chrome_trace(result, path)``: Chrome-trace JSON that
   chrome://tracing and https://ui.perfetto.dev open; one process per rank, one complete ("X")
-  event per pass, one simulation time unit shown as 1 ms.
+  event per pass (``ts``/``dur`` in microseconds, as the format defines them).
 * ``save(result, path)``: picks one of the above from the file extension.
+* With activation offload (``core.offload``) each rank gets a host-link lane under its passes:
+  offloads (D2H) in its upper half, reloads (H2D) in its lower half; in the trace they are the
+  rank's threads 1 and 2.
+
+Every function takes ``time_unit``, the unit of the costs the result was simulated with:
+``"ms"`` (the default: the CLI's costs are read as milliseconds), ``"s"`` (a profile written while
+training) or ``"us"``. The picture's time axis says its unit (ms for ``"s"`` and ``"ms"``); the
+trace converts to microseconds and records the unit in its metadata.
 
 matplotlib is imported only when a picture is drawn, through its object-oriented API with the
 Agg canvas: nothing here switches the global backend or opens a window.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Dict, List, Optional, Tuple
@@ -32,10 +41,15 @@ KIND_COLORS: Dict[str, str] = {
     BW: "#F0923A",  # orange
 }
 _KIND_ORDER = (F, B, W, BW)
+# host-link transfers of activation offload (lane under each rank)
+D2H_COLOR = "#D9705B"  # offload (device to host)
+H2D_COLOR = "#6BAF5B"  # reload (host to device)
 _HATCHES = ("", "/", "\\", "x", ".", "+")
 
-# Simulation time unit -> Chrome-trace microseconds (a unit cost shows as 1 ms).
-TRACE_US_PER_UNIT = 1000.0
+# Unit of the costs -> microseconds (Chrome trace) and the unit the picture's axis shows.
+TIME_UNITS = ("s", "ms", "us")
+_US_PER = {"s": 1e6, "ms": 1e3, "us": 1.0}
+_AXIS = {"s": ("ms", 1e3), "ms": ("ms", 1.0), "us": ("us", 1.0)}  # shown unit, factor
 
 _LABEL_MAX = 4000  # never draw more labels than this (keeps huge schedules fast)
 
@@ -71,21 +85,30 @@ def _hatch(chunk: int) -> str:
     return _HATCHES[chunk % len(_HATCHES)] if chunk > 0 else ""
 
 
-def _default_title(result: SimResult) -> str:
+def _check_unit(time_unit: str) -> None:
+    if time_unit not in TIME_UNITS:
+        raise ValueError(f"time_unit must be one of {', '.join(TIME_UNITS)}, got {time_unit!r}")
+
+
+def _default_title(result: SimResult, time_unit: str = "ms") -> str:
     extra = f", v={result.chunks}" if result.chunks > 1 else ""
+    shown, k = _AXIS[time_unit]
     return (f"{result.schedule} (p={result.stages}, m={result.microbatches}{extra}): "
-            f"makespan {result.makespan:.4g}, bubble {100.0 * result.bubble_rate:.1f}%")
+            f"makespan {result.makespan * k:.4g} {shown}, bubble {100.0 * result.bubble_rate:.1f}%")
 
 
 # ---------------------------------------------------------------------------------------------
 # picture
 
 
-def plot_timeline(result: SimResult, path: str, title: Optional[str] = None) -> None:
-    """Draw ``result`` as a timeline picture; the format (.png or .svg) follows ``path``."""
+def plot_timeline(result: SimResult, path: str, title: Optional[str] = None, time_unit: str = "ms") -> None:
+    """Draw ``result`` as a timeline picture; the format (.png or .svg) follows ``path``.
+    ``time_unit``: the unit of the result's times (the axis shows ms for "s" and "ms")."""
     ext = os.path.splitext(path)[1].lower()
     if ext not in PICTURE_EXTENSIONS:
         raise ValueError(f"plot_timeline writes {', '.join(PICTURE_EXTENSIONS)} files, got {path!r}")
+    _check_unit(time_unit)
+    shown, k = _AXIS[time_unit]
 
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.collections import PolyCollection
@@ -93,6 +116,10 @@ def plot_timeline(result: SimResult, path: str, title: Optional[str] = None) -> 
     from matplotlib.patches import Patch
 
     nranks = len(result.timeline)
+    default_title = _default_title(result, time_unit)
+    if k != 1.0:  # draw in the unit the axis shows
+        result = dataclasses.replace(result, timeline=[[dataclasses.replace(t, start=t.start * k, end=t.end * k)
+                                                         for t in tl] for tl in result.timeline])
     passes = [t for tl in result.timeline for t in tl]
     t0 = min((t.start for t in passes), default=0.0)
     t1 = max((t.end for t in passes), default=1.0)
@@ -111,7 +138,9 @@ def plot_timeline(result: SimResult, path: str, title: Optional[str] = None) -> 
     FigureCanvasAgg(fig)
     ax = fig.add_axes((0.06, bottom_in / height_in, 0.80, 1.0 - (bottom_in + top_in) / height_in))
 
-    bar_h = 0.8
+    transfers = _transfers(result)
+    bar_h = 0.8 if not transfers else 0.56
+    bar_y = 0.0 if not transfers else -0.12  # compute bar centre relative to the rank's row
     chunk_maps = _chunk_maps(result)
     groups: Dict[Tuple[str, int], List[Timed]] = {}
     for r, tl in enumerate(result.timeline):
@@ -131,8 +160,8 @@ def plot_timeline(result: SimResult, path: str, title: Optional[str] = None) -> 
             ts = groups[(kind, chunk)]
             verts = []
             for t in ts:
-                y0 = t.rank - bar_h / 2
-                y1 = t.rank + bar_h / 2
+                y0 = t.rank + bar_y - bar_h / 2
+                y1 = t.rank + bar_y + bar_h / 2
                 verts.append(((t.start, y0), (t.start, y1), (t.end, y1), (t.end, y0)))
             color = _shade(KIND_COLORS.get(kind, "#999999"), chunk)
             hatch = _hatch(chunk)
@@ -143,35 +172,49 @@ def plot_timeline(result: SimResult, path: str, title: Optional[str] = None) -> 
             handles.append(Patch(facecolor=color, edgecolor="white", hatch=hatch or None,
                                  label=label))
 
-    # Microbatch labels where the box is wide and tall enough.
+    if transfers:  # the host-link lane: D2H in its upper half, H2D in its lower half
+        for back, color, label in ((False, D2H_COLOR, "offload (D2H)"), (True, H2D_COLOR, "reload (H2D)")):
+            y_lo = 0.18 + (0.12 if back else 0.0)
+            verts = [((tr.start, tr.rank + y_lo), (tr.start, tr.rank + y_lo + 0.11), (tr.end, tr.rank + y_lo + 0.11),
+                      (tr.end, tr.rank + y_lo)) for tr in transfers if tr.action.kind.startswith("RELOAD") == back]
+            if verts:
+                ax.add_collection(PolyCollection(verts, facecolors=[color], edgecolors="white",
+                                                 linewidths=min(edge_w, 0.25)))
+                handles.append(Patch(facecolor=color, edgecolor="white", label=label))
+
+    # Microbatch labels (F, B, W and BW boxes alike) where the box is wide and tall enough; a
+    # smaller font for narrow boxes (W is often the narrowest).
     ax_h_px = (height_in - bottom_in - top_in) * dpi
     row_px = ax_h_px / max(nranks, 1) * bar_h
-    fontsize = 7.0 if row_px >= 14 else 6.0
-    char_px = fontsize * dpi / 72.0 * 0.62
-    if row_px >= fontsize * dpi / 72.0 * 1.1:
-        drawn = 0
-        for t in passes:
-            text = str(t.action.mb)
-            if (t.end - t.start) * px_per_unit < char_px * len(text) + 3:
-                continue
-            if drawn >= _LABEL_MAX:
-                break
-            chunk = chunk_maps[t.rank].get(t.action.stage, 0)
-            ax.text((t.start + t.end) / 2, t.rank, text, ha="center", va="center",
-                    fontsize=fontsize, color="white" if chunk > 0 else "black", clip_on=True)
-            drawn += 1
+    big = 7.0 if row_px >= 14 else 6.0
+    drawn = 0
+    for t in passes:
+        text = str(t.action.mb)
+        box_px = (t.end - t.start) * px_per_unit
+        size = next((fs for fs in (big, 5.0) if box_px >= fs * dpi / 72.0 * 0.62 * len(text) + 2
+                     and row_px >= fs * dpi / 72.0 * 1.1), None)
+        if size is None:
+            continue
+        if drawn >= _LABEL_MAX:
+            break
+        chunk = chunk_maps[t.rank].get(t.action.stage, 0)
+        ax.text((t.start + t.end) / 2, t.rank + bar_y, text, ha="center", va="center",
+                fontsize=size, color="white" if chunk > 0 else "black", clip_on=True)
+        drawn += 1
 
+    if transfers:
+        t1 = max(t1, max(tr.end for tr in transfers))
     ax.set_xlim(t0, t1)
     ax.set_ylim(nranks - 0.5, -0.5)  # rank 0 on top
     ax.set_yticks(range(nranks))
     ax.set_yticklabels([f"rank {r}" for r in range(nranks)],
                        fontsize=8 if nranks <= 16 else 6)
-    ax.set_xlabel("time")
+    ax.set_xlabel(f"time ({shown})")
     ax.grid(axis="x", color="#dddddd", linewidth=0.5)
     ax.set_axisbelow(True)
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
-    ax.set_title(title if title is not None else _default_title(result), fontsize=10)
+    ax.set_title(title if title is not None else default_title, fontsize=10)
     if handles:
         ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0),
                   fontsize=8, frameon=False, borderaxespad=0.0)
@@ -182,12 +225,21 @@ def plot_timeline(result: SimResult, path: str, title: Optional[str] = None) -> 
 # Chrome trace / Perfetto
 
 
-def _us(x: float) -> float:
-    return round(float(x) * TRACE_US_PER_UNIT, 6)
+def _transfers(result: SimResult) -> list:
+    """The host-link transfers of a simulation with activation offload (empty without)."""
+    off = getattr(result, "offload", None)
+    return [tr for tl in off.transfers for tr in tl] if off is not None else []
 
 
-def chrome_trace(result: SimResult) -> dict:
-    """Chrome-trace JSON object: pid = rank (named "rank r"), one "X" event per pass."""
+def chrome_trace(result: SimResult, time_unit: str = "ms") -> dict:
+    """Chrome-trace JSON object: pid = rank (named "rank r"), one "X" event per pass; ``ts`` and
+    ``dur`` in microseconds, converted from ``time_unit`` (the unit of the result's times)."""
+    _check_unit(time_unit)
+    per = _US_PER[time_unit]
+
+    def _us(x: float) -> float:
+        return round(float(x) * per, 6)
+
     events: List[dict] = []
     chunk_maps = _chunk_maps(result)
     for r in range(len(result.timeline)):
@@ -211,6 +263,17 @@ def chrome_trace(result: SimResult) -> dict:
                 "args": {"stage": a.stage, "microbatch": a.mb,
                          "chunk": chunk_maps[r].get(a.stage, 0)},
             })
+    lanes = set()
+    for tr in _transfers(result):
+        tid = 2 if tr.action.kind.startswith("RELOAD") else 1
+        if (tr.rank, tid) not in lanes:
+            lanes.add((tr.rank, tid))
+            events.append({"ph": "M", "name": "thread_name", "pid": tr.rank, "tid": tid,
+                           "args": {"name": "host link: reload (H2D)" if tid == 2 else "host link: offload (D2H)"}})
+        a = tr.action
+        events.append({"name": f"{a.kind}{a.mb}", "cat": a.kind, "ph": "X", "ts": _us(tr.start),
+                       "dur": _us(tr.end - tr.start), "pid": tr.rank, "tid": tid,
+                       "args": {"stage": a.stage, "microbatch": a.mb, "issued": _us(tr.issue)}})
     return {
         "traceEvents": events,
         "displayTimeUnit": "ms",
@@ -220,27 +283,31 @@ def chrome_trace(result: SimResult) -> dict:
             "microbatches": result.microbatches,
             "chunks": result.chunks,
             "makespan": result.makespan,
+            "makespan_unit": time_unit,
             "bubble_rate": result.bubble_rate,
-            "time_unit": "1 simulation time unit = 1 ms",
+            "time_unit": time_unit,
+            "note": f"costs and makespan in {time_unit}; event ts/dur in microseconds",
         },
     }
 
 
-def write_chrome_trace(result: SimResult, path: str) -> None:
+def write_chrome_trace(result: SimResult, path: str, time_unit: str = "ms") -> None:
+    trace = chrome_trace(result, time_unit)
     with open(path, "w") as f:
-        json.dump(chrome_trace(result), f)
+        json.dump(trace, f)
 
 
 # ---------------------------------------------------------------------------------------------
 
 
-def save(result: SimResult, path: str, title: Optional[str] = None) -> None:
-    """Write ``result`` to ``path``: .png/.svg -> timeline picture, .json -> Chrome trace."""
+def save(result: SimResult, path: str, title: Optional[str] = None, time_unit: str = "ms") -> None:
+    """Write ``result`` to ``path``: .png/.svg -> timeline picture, .json -> Chrome trace.
+    ``time_unit``: the unit of the result's times ("ms", "s" or "us")."""
     ext = os.path.splitext(path)[1].lower()
     if ext in PICTURE_EXTENSIONS:
-        plot_timeline(result, path, title=title)
+        plot_timeline(result, path, title=title, time_unit=time_unit)
     elif ext in TRACE_EXTENSIONS:
-        write_chrome_trace(result, path)
+        write_chrome_trace(result, path, time_unit=time_unit)
     else:
         raise ValueError(f"cannot save a timeline as {path!r}: the extension must be one of "
                          f"{', '.join(ALLOWED_EXTENSIONS)}")

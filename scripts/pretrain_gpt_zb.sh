@@ -31,6 +31,7 @@
 #                 default: the installed one if it has megatron.training, else .venv/mcore-0.19.2
 #   PYTHON        interpreter (default: <repo>/.venv/bin/python if present, else python3)
 #   DRY_RUN=1     print the command instead of running it
+#   PREFLIGHT=0   skip the flag check that runs (one process, a few seconds) before torchrun
 #
 # The ZB authors' fork's variables work too: PIPELINE_SIZE, TP_SIZE, LAYERS, HIDDEN_SIZE,
 # ATTENTION_HEADS, MICRO_BATCH_SIZE, GLOBAL_BATCH_SIZE, EXIT_INTERVAL (-> ITERS), ENABLE_ZERO_BUBBLE=1
@@ -139,7 +140,7 @@ else
     LAUNCH=(--nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$NPROC"
             --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT")
 fi
-CMD=("$PYTHON" -m torch.distributed.run "${LAUNCH[@]}" -m megatron_zb.megatron.pretrain_gpt
+CMD=("$PYTHON" -m megatron_zb.megatron.torchrun "${LAUNCH[@]}" -m megatron_zb.megatron.pretrain_gpt
      "${ARGS[@]}" "${SCHEDULE_FLAGS[@]}" $EXTRA_ARGS)
 
 echo "megatron-zb: schedule=$SCHEDULE PP=$PP TP=$TP nodes=$NNODES procs/node=$NPROC gpus/node=$GPUS" \
@@ -147,6 +148,11 @@ echo "megatron-zb: schedule=$SCHEDULE PP=$PP TP=$TP nodes=$NNODES procs/node=$NP
 if [ "${DRY_RUN:-0}" = 1 ]; then
     printf '%q ' "${CMD[@]}"; echo
     exit 0
+fi
+# one process checks the flags before torchrun starts the ranks: a bad input is one line, exit 2
+if [ "${PREFLIGHT:-1}" != 0 ]; then
+    "$PYTHON" -m megatron_zb.megatron.preflight --world-size $((NNODES * NPROC)) -- \
+        "${ARGS[@]}" "${SCHEDULE_FLAGS[@]}" $EXTRA_ARGS || exit $?
 fi
 if [ -n "${LOG_FILE:-}" ] || [ -n "${LOG_DIR:-}" ]; then
     LOG=${LOG_FILE:-$LOG_DIR/pretrain_${SCHEDULE}_node${NODE_RANK}_$(date +%Y%m%d_%H%M%S).log}

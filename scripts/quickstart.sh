@@ -1,21 +1,85 @@
 #!/usr/bin/env bash
-# The main job: install everything, train a tiny GPT for real with megatron-zb's ZB-V schedule
-# (4 pipeline ranks; gloo processes on a CPU, NCCL when GPUs are present), then the same model,
-# data and seed with 1F1B, and compare: loss curves, time per iteration, bubble, and a timeline
-# picture of the schedule that ran (drawn with the F/B/W costs measured during the run).
+# The main job (about 3 minutes on a 2-core CPU box):
+#   1. set-up (scripts/setup_env.sh; its output goes to $OUT/setup.log);
+#   2. correctness: train a tiny GPT for real with megatron-zb's zb-v schedule on 4 pipeline ranks
+#      (gloo processes on a CPU), then the same model, data and seed with 1f1b: identical losses;
+#   3. speed, with emulated compute: the same pipeline on 4 real processes exchanging real
+#      point-to-point messages, each pass waiting the F/B/W time one transformer layer took on an
+#      H100 (benchmarks/results/fbw_h100_h4096_s4096.json): measured iteration time and speed-up
+#      over 1f1b for 1f1b, zb-h1 and zb-v next to the simulator's prediction, and a timeline
+#      picture of the zb-v iteration as it ran. It runs in the background during step 2 (its
+#      passes wait; they need almost no CPU).
+# With at least $PP GPUs (nvidia-smi) steps 2 and 3 are one: 1f1b, zb-h1 and zb-v train a small
+# bf16 GPT with real compute, and the report compares their measured iteration times with the
+# simulator's prediction from each run's profiled F/B/W times (FORCE_CPU=1: the CPU path anyway).
+#
+#   OUT_DIR (default out/quickstart)  PP (4)  ITERS (20 on CPU, 60 on GPUs)  EXTRA_ARGS (more training flags)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup_env.sh >/dev/null
 OUT=${OUT_DIR:-out/quickstart}
 PP=${PP:-4}
-ITERS=${ITERS:-30}
 mkdir -p "$OUT"
-rm -f "$OUT"/pretrain_*.log
-for S in zb-v 1f1b; do
-    echo "================ training with --zero-bubble-schedule $S (PP=$PP, $ITERS iterations) ================"
-    SCHEDULE=$S PP=$PP ITERS=$ITERS LOG_DIR="$OUT" LOG_INTERVAL=${LOG_INTERVAL:-5} \
-        EXTRA_ARGS="--zero-bubble-deterministic-init --zero-bubble-profile-window 10 $((ITERS - 5)) --zero-bubble-profile-path $OUT/profile_$S.json ${EXTRA_ARGS:-}" \
-        bash scripts/pretrain_gpt_zb.sh 2>&1 | grep -v -i -E "warn|^\s*$" | grep -E "iteration +[0-9]+/|megatron-zb|error|Error" || true
+rm -f "$OUT"/train_*.log "$OUT"/profile_*.json "$OUT"/timeline_* "$OUT"/quickstart.json "$OUT"/emulated.json
+
+echo "megatron-zb quickstart: setting up .venv (output in $OUT/setup.log)"
+if ! bash scripts/setup_env.sh >"$OUT/setup.log" 2>&1; then
+    echo "set-up failed; the last lines of $OUT/setup.log:"
+    tail -n 20 "$OUT/setup.log"
+    exit 1
+fi
+
+GPUS=0
+if [ "${FORCE_CPU:-0}" != 1 ] && command -v nvidia-smi >/dev/null 2>&1; then
+    GPUS=$(nvidia-smi --list-gpus 2>/dev/null | wc -l || echo 0)
+fi
+if [ "$GPUS" -ge "$PP" ]; then
+    MODE=gpu; SCHEDULES="1f1b zb-h1 zb-v"; ITERS=${ITERS:-60}
+else
+    MODE=cpu; SCHEDULES="zb-v 1f1b"; ITERS=${ITERS:-20}
+    export FORCE_CPU=1
+fi
+
+EMU=
+if [ "$MODE" = cpu ]; then
+    # The emulated run needs almost no CPU (its passes wait): it runs during the training.
+    .venv/bin/python scripts/quickstart_report.py "$OUT" --emulate --pp "$PP" >"$OUT/emulate.log" 2>&1 &
+    EMU=$!
+    trap '[ -n "$EMU" ] && kill "$EMU" 2>/dev/null; true' EXIT
+fi
+
+# Megatron's iteration lines and megatron-zb's own lines; everything else stays in the log.
+SHOW='^ *\[[^]]*\] iteration +[0-9]+/|^megatron-zb: '
+for S in $SCHEDULES; do
+    LOG="$OUT/train_$S.log"
+    FLAGS="--zero-bubble-deterministic-init"
+    if [ "$MODE" = gpu ]; then
+        echo "== training a GPT with --zero-bubble-schedule $S on $PP GPUs (real compute, $ITERS iterations) =="
+        FLAGS="$FLAGS --zero-bubble-profile-window 10 20 --zero-bubble-profile-path $OUT/profile_$S.json"
+        SETUP=(env NPROC="$PP")
+    else
+        echo "== training the tiny GPT with --zero-bubble-schedule $S (CPU, $PP pipeline ranks, $ITERS iterations) =="
+        SETUP=(nice -n 19)  # the emulated run beside it measures time: it gets the CPU first
+    fi
+    set +e
+    env SCHEDULE="$S" PP="$PP" ITERS="$ITERS" LOG_FILE="$LOG" LOG_INTERVAL="${LOG_INTERVAL:-5}" \
+        EXTRA_ARGS="$FLAGS ${EXTRA_ARGS:-}" "${SETUP[@]}" bash scripts/pretrain_gpt_zb.sh 2>&1 | grep --line-buffered -E "$SHOW"
+    rc=${PIPESTATUS[0]}
+    set -e
+    if [ "$rc" -ne 0 ]; then
+        echo "training with $S failed (exit $rc); the last lines of $LOG:"
+        tail -n 30 "$LOG"
+        exit 1
+    fi
 done
+if [ -n "$EMU" ]; then
+    echo "== waiting for the emulated-compute run (1f1b, zb-h1, zb-v on $PP processes; log: $OUT/emulate.log) =="
+    if ! wait "$EMU"; then
+        EMU=
+        echo "the emulated run failed; the last lines of $OUT/emulate.log:"
+        tail -n 30 "$OUT/emulate.log"
+        exit 1
+    fi
+    EMU=
+fi
 echo
-.venv/bin/python scripts/quickstart_report.py "$OUT"
+.venv/bin/python scripts/quickstart_report.py "$OUT" --mode "$MODE" --pp "$PP" --schedules $SCHEDULES

@@ -1,79 +1,218 @@
-"""Compare the quickstart's two training runs (ZB-V and 1F1B) from their logs and profiles.
+"""The quickstart's report: correctness from the training logs, then speed.
 
-    python scripts/quickstart_report.py out/quickstart
+    python scripts/quickstart_report.py out/quickstart [--mode cpu|gpu] [--pp 4] [--schedules zb-v 1f1b]
+
+cpu: the losses of the tiny GPT trained on CPU with each schedule (they must be identical), then
+     the same pipeline with emulated compute (``megatron_zb.verify.emulate``: real processes and
+     real point-to-point messages, each pass a wait of the F/B/W time measured for a transformer
+     layer on an H100) for the schedules in EMULATED, against the simulator's prediction, read from
+     <out>/emulated.json, which ``--emulate`` writes (the quickstart runs it during the training).
+gpu: the training runs used real compute: their measured time per iteration against the
+     simulator's prediction from each run's own profiled F/B/W times.
+Also writes <out>/quickstart.json and the timeline pictures.
 """
-import glob
+from __future__ import annotations
+
+import argparse
 import json
 import os
 import re
+import signal
 import statistics
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
 from megatron_zb import plot  # noqa: E402
 from megatron_zb.core.ir import Setting  # noqa: E402
 from megatron_zb.core.schedules import generate  # noqa: E402
 from megatron_zb.core.simulate import simulate  # noqa: E402
+from megatron_zb.verify.emulate import Entry  # noqa: E402
+
+# The schedules the emulated run compares; the first is the baseline. One line per schedule.
+EMULATED = [
+    Entry("1f1b"),
+    Entry("zb-h1"),
+    Entry("zb-v"),
+    Entry("zb-h2", post_validation=True),  # iterations back to back, as optimizer post-validation runs them
+]
+# F/B/W of one transformer layer measured on an H100 (benchmarks/bench_split_overhead.py)
+H100_LAYER = os.path.join(ROOT, "benchmarks", "results", "fbw_h100_h4096_s4096.json")
+LAYERS_PER_RANK = 2  # the tiny GPT has 2 x PP layers (one per V chunk)
 
 LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ .*elapsed time per iteration \(ms\): ([\d.]+).*lm loss: ([\d.E+-]+)")
 
 
 def read_log(path):
+    """{iteration: (ms per iteration over the logging interval, lm loss)} from Megatron's lines."""
     it = {}
-    for line in open(path, errors="replace"):
-        m = LINE.search(line)
-        if m:
-            it[int(m.group(1))] = (float(m.group(2)), float(m.group(3)))
+    with open(path, errors="replace") as f:
+        for line in f:
+            m = LINE.search(line)
+            if m:
+                it[int(m.group(1))] = (float(m.group(2)), float(m.group(3)))
     return it
 
 
-def measured_bubble(profile, ms_per_iter):
-    """1 - (compute of every rank in one iteration) / (P x iteration time)."""
-    p, m = profile["pipeline_size"], profile["microbatches"]
-    busy = [m * (f + b + w) for f, b, w in zip(profile["cost_f"], profile["cost_b"], profile["cost_w"])]
-    return 1.0 - sum(busy) / (p * ms_per_iter / 1000.0)
-
-
-def main(out):
-    runs = {}
-    for s in ("zb-v", "1f1b"):
-        logs = sorted(glob.glob(os.path.join(out, f"pretrain_{s}_*.log")))
-        if not logs:
-            sys.exit(f"no log for {s} in {out}")
-        prof_path = os.path.join(out, f"profile_{s}.json")
-        runs[s] = (read_log(logs[-1]), json.load(open(prof_path)) if os.path.exists(prof_path) else None)
-    its = sorted(set(runs["zb-v"][0]) & set(runs["1f1b"][0]))
-    print(f"{'iteration':>9} {'loss zb-v':>12} {'loss 1f1b':>12} {'|diff|':>9}")
+def correctness(out, schedules):
+    """Print the loss table; return {schedule: log} and the largest difference to the first."""
+    logs = {}
+    for s in schedules:
+        path = os.path.join(out, f"train_{s}.log")
+        if not os.path.exists(path):
+            sys.exit(f"quickstart_report: no training log {path}")
+        logs[s] = read_log(path)
+        if not logs[s]:
+            sys.exit(f"quickstart_report: no iteration lines with an lm loss in {path}")
+    its = sorted(set.intersection(*(set(v) for v in logs.values())))
+    print("lm loss per logged iteration (Megatron's log lines):")
+    print(f"{'iteration':>9} " + " ".join(f"{s:>12}" for s in schedules) + f" {'largest |diff|':>15}")
+    worst = 0.0
     for i in its:
-        a, b = runs["zb-v"][0][i][1], runs["1f1b"][0][i][1]
-        print(f"{i:>9} {a:>12.6f} {b:>12.6f} {abs(a - b):>9.2e}")
-    worst = max(abs(runs["zb-v"][0][i][1] - runs["1f1b"][0][i][1]) for i in its)
+        vals = [logs[s][i][1] for s in schedules]
+        d = max(abs(v - vals[0]) for v in vals)
+        worst = max(worst, d)
+        print(f"{i:>9} " + " ".join(f"{v:>12.6f}" for v in vals) + f" {d:>15.2e}")
+    return logs, its, worst
+
+
+def run_emulation(out, pp, microbatches):
+    """Run the emulated-compute comparison; write <out>/emulated.json and the timeline pictures."""
+    from megatron_zb.verify.emulate import emulate
+
+    layer = json.load(open(H100_LAYER))
+    f, b, w = (layer["median_s"][k] * 1e3 for k in ("f", "b", "w"))
+    k = LAYERS_PER_RANK
+    rows = emulate(EMULATED, pp, microbatches, k * f, k * b, k * w, unit_s=1e-3, iterations=5, warmup=1)
+    for r in rows:
+        if r["schedule"] in ("zb-v", "1f1b") and not r["post_validation"]:
+            base = os.path.join(out, f"timeline_{r['schedule']}")
+            title = (f"{r['label']} as it ran, emulated H100 compute (P={pp}, M={microbatches}): "
+                     f"iteration {r['per_iteration'][-1]:.0f} ms")
+            for ext in ((".png", ".svg", ".trace.json") if r["schedule"] == "zb-v" else (".png",)):
+                plot.save(r["timeline"], base + ext, title=title, time_unit="ms")
+            r["picture"] = base
+        r.pop("timeline")
+    with open(os.path.join(out, "emulated.json"), "w") as fh:
+        json.dump({"pp": pp, "microbatches": microbatches, "layers_per_rank": k, "layer": layer["config"],
+                   "layer_ms": {"f": f, "b": b, "w": w}, "source": os.path.relpath(H100_LAYER, ROOT),
+                   "rows": rows}, fh, indent=1)
+
+
+def emulated_speed(out):
+    path = os.path.join(out, "emulated.json")
+    if not os.path.exists(path):
+        sys.exit(f"quickstart_report: no {path}: the emulated run did not finish (see {out}/emulate.log)")
+    d = json.load(open(path))
+    rows, cfg, ms = d["rows"], d["layer"], d["layer_ms"]
+    print(f"Speed with EMULATED compute (no GPU here): {d['pp']} real processes (gloo) run each schedule through\n"
+          "megatron-zb's runtime and exchange real point-to-point messages; each pass waits the time one\n"
+          f"megatron-core transformer layer (hidden {cfg['hidden']}, sequence {cfg['seq']}, batch {cfg['batch']}, "
+          f"fp32) took on an H100:\nF {ms['f']:.1f}, B {ms['b']:.1f}, W {ms['w']:.1f} ms ({d['source']});\n"
+          f"{d['layers_per_rank']} layers per rank, {d['microbatches']} microbatches; median of "
+          f"{len(rows[0]['per_iteration'])} iterations. It ran alongside the CPU training above (its\n"
+          "waits need almost no CPU; the training ran at a lower priority).")
+    print(f"simulated = the simulator with the same F/B/W times and this machine's measured message time "
+          f"({rows[0]['hop']:.2f} ms per hop)")
+    print(f"{'schedule':<26}{'ms per iteration':^30}{'speed-up over ' + rows[0]['label']:^24}")
+    print(f"{'':<26}{'measured':>10}{'simulated':>11}{'diff':>9}{'measured':>12}{'simulated':>12}")
+    for r in rows:
+        pred = f"{r['predicted']:>11.1f}{r['error_pct']:>+8.1f}%" if r["predicted"] else f"{'-':>11}{'-':>9}"
+        sp = f"{r['speedup_predicted']:>11.3f}x" if r["speedup_predicted"] else f"{'-':>12}"
+        print(f"{r['label']:<26}{r['measured']:>10.1f}{pred}{r['speedup_measured']:>11.3f}x{sp}")
+    return rows, [r["picture"] for r in rows if r.get("picture")]
+
+
+def gpu_speed(out, schedules, logs, window_end):
+    """Real compute: Megatron's measured ms/iteration (logged after the profiling window) against
+    the simulator's iteration time for the schedule that ran, with that run's profiled costs."""
+    rows = []
+    for s in schedules:
+        prof = json.load(open(os.path.join(out, f"profile_{s}.json")))
+        after = [ms for i, (ms, _) in logs[s].items() if i > window_end + 5]
+        if not after:
+            sys.exit(f"quickstart_report: no logged iteration after the profiling window for {s}")
+        p, m = prof["pipeline_size"], prof["microbatches"]
+        # the schedule that ran was generated with the default unit costs (no cost flags given)
+        sched = generate(s, Setting(p, m))
+        st = Setting(p, m, chunks=sched.placement.chunks, cost_f=prof["cost_f"], cost_b=prof["cost_b"],
+                     cost_w=prof["cost_w"], cost_comm=prof.get("cost_comm") or 0.0)
+        res = simulate(sched, st)
+        pred_ms = 1e3 * max(tl[-1].end for tl in res.timeline if tl)
+        rows.append({"label": s, "schedule": s, "measured": statistics.median(after), "predicted": pred_ms,
+                     "error_pct": 100.0 * (statistics.median(after) - pred_ms) / pred_ms, "result": res})
+    for r in rows:
+        r["speedup_measured"] = rows[0]["measured"] / r["measured"]
+        r["speedup_predicted"] = rows[0]["predicted"] / r["predicted"]
+    print("Speed with REAL compute on GPUs: Megatron's elapsed time per iteration (median of the logged\n"
+          "intervals after the profiling window) and the simulator's pipeline time for the same schedule with\n"
+          "the F/B/W and message times profiled in that run (it leaves out the optimizer step and data loading)")
+    print(f"{'schedule':<10}{'measured ms':>12}{'simulated ms':>13}{'diff':>8}{'x' + rows[0]['label'] + ' meas.':>14}"
+          f"{'simulated':>11}")
+    for r in rows:
+        print(f"{r['label']:<10}{r['measured']:>12.1f}{r['predicted']:>13.1f}{r['error_pct']:>+7.1f}%"
+              f"{r['speedup_measured']:>13.3f}x{r['speedup_predicted']:>10.3f}x")
+    pictures = []
+    for r in rows:
+        res = r.pop("result")
+        if r["schedule"] == "zb-v":
+            base = os.path.join(out, "timeline_zb-v")
+            for ext in (".png", ".svg", ".trace.json"):
+                plot.save(res, base + ext, time_unit="s",
+                          title="zb-v simulated with the F/B/W times profiled on the GPUs")
+            pictures.append(base)
+    return rows, pictures
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("out", nargs="?", default="out/quickstart")
+    ap.add_argument("--mode", choices=["cpu", "gpu"], default="cpu")
+    ap.add_argument("--pp", type=int, default=4)
+    ap.add_argument("--schedules", nargs="+", default=["zb-v", "1f1b"])
+    ap.add_argument("--microbatches", type=int, default=8, help="cpu mode: for the emulated run (the tiny GPT's)")
+    ap.add_argument("--profile-window-end", type=int, default=20, help="gpu mode")
+    ap.add_argument("--emulate", action="store_true",
+                    help="only run the emulated-compute comparison (writes <out>/emulated.json and pictures)")
+    args = ap.parse_args(argv)
+    out = args.out
+    if args.emulate:
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # clean up the launched ranks when stopped
+        run_emulation(out, args.pp, args.microbatches)
+        return
+    logs, its, worst = correctness(out, args.schedules)
     first, last = its[0], its[-1]
-    print(f"loss {runs['zb-v'][0][first][1]:.3f} -> {runs['zb-v'][0][last][1]:.3f}; largest |zb-v - 1f1b| = {worst:.2e}")
     print()
-    print(f"{'schedule':<8} {'ms/iter (median)':>17} {'bubble (measured)':>18} {'bubble (simulated)':>19}")
-    rows = {}
-    for s, (log, prof) in runs.items():
-        steady = [log[i][0] for i in its if i > 5]
-        ms = statistics.median(steady)
-        mb = measured_bubble(prof, ms) if prof else float("nan")
-        sim = None
-        if prof:
-            st = Setting(prof["pipeline_size"], prof["microbatches"], cost_f=prof["cost_f"], cost_b=prof["cost_b"],
-                         cost_w=prof["cost_w"], cost_comm=prof.get("cost_comm") or 0.0)
-            sched = generate(s, st)
-            sim = simulate(sched, Setting(**{**st.to_dict(), "chunks": sched.placement.chunks}))
-            if s == "zb-v":
-                for ext in ("png", "svg"):
-                    plot.save(sim, os.path.join(out, f"timeline_{s}.{ext}"),
-                              title=f"{s} as run (P={st.stages}, M={st.microbatches}, measured F/B/W costs)")
-                plot.save(sim, os.path.join(out, f"timeline_{s}.trace.json"))
-        rows[s] = ms
-        print(f"{s:<8} {ms:>17.1f} {mb:>18.3f} {sim.bubble_rate if sim else float('nan'):>19.3f}")
-    print(f"\nzb-v vs 1f1b: {rows['1f1b'] / rows['zb-v']:.3f}x iteration speed "
-          "(tiny model on CPU: per-pass overheads and the shared cores dominate; see benchmarks/ for timed runs)")
-    print(f"timeline of the schedule that ran: {os.path.join(out, 'timeline_zb-v.png')} (.svg, .trace.json)")
+    if args.mode == "cpu":
+        rows, pictures = emulated_speed(out)
+    else:
+        rows, pictures = gpu_speed(out, args.schedules, logs, args.profile_window_end)
+    with open(os.path.join(out, "quickstart.json"), "w") as f:
+        json.dump({"mode": args.mode, "largest_loss_diff": worst, "iterations": its,
+                   "losses": {s: [logs[s][i][1] for i in its] for s in args.schedules}, "speed": rows}, f, indent=1)
+
+    print("\n== summary ==")
+    others = " and ".join(args.schedules[1:])
+    where = "on CPU" if args.mode == "cpu" else f"on {args.pp} GPUs"
+    ref = args.schedules[0]
+    same = "the same losses as" if worst == 0.0 else f"losses within {worst:.1e} of"
+    print(f"correctness: {ref} trained the GPT with {same} {others} ({last} iterations {where}; "
+          f"largest |difference| {worst:.1e}; loss {logs[ref][first][1]:.3f} -> {logs[ref][last][1]:.3f})")
+    kind = "emulated H100 compute" if args.mode == "cpu" else "real compute"
+    base = rows[0]["label"]
+    for r in rows[1:]:
+        if r["predicted"]:
+            print(f"speed ({kind}): {r['label']} {r['speedup_measured']:.3f}x the iteration speed of {base} measured, "
+                  f"{r['speedup_predicted']:.3f}x simulated (iteration {r['measured']:.0f} ms measured, "
+                  f"{r['predicted']:.0f} ms simulated: {r['error_pct']:+.1f}%)")
+        else:
+            print(f"speed ({kind}): {r['label']} {r['speedup_measured']:.3f}x the iteration speed of {base} measured")
+    for p in pictures:
+        what = "emulated iteration as it ran" if args.mode == "cpu" else "schedule with the profiled times"
+        exts = "(.svg; Chrome trace .trace.json)" if p.endswith("zb-v") else ""
+        print(f"timeline of the {os.path.basename(p)[9:]} {what}: {p}.png {exts}".rstrip() + ", time in ms")
+    print(f"logs: {out}/setup.log, " + ", ".join(f"{out}/train_{s}.log" for s in args.schedules))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "out/quickstart")
+    main()

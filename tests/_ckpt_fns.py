@@ -37,10 +37,11 @@ def _allow_save_without_psutil():
 
 def _setup(case, M):
     """(Re)initialise parallel state, build (optionally DDP-wrapped) chunks and the optimizer."""
+    from megatron_zb.megatron import placement as P
     import torch
     from megatron.core import parallel_state
 
-    placement = M.make_placement(case["placement"], case["pp"], case.get("chunks"))
+    placement = P.make_placement(case["placement"], case["pp"], case.get("chunks"))
     M.init_parallel_state(case["tp"], case["pp"], placement, seed=1234)
     cfg = M.TinyGPTConfig(num_layers=case.get("num_layers", 4))
     chunks = M.build_model_chunks(cfg, placement)
@@ -48,7 +49,7 @@ def _setup(case, M):
     ddp = bool(case.get("ddp") or case.get("optimizer"))
     if ddp:
         chunks = M.wrap_ddp(chunks)
-    M.configure_grad_sync(config, chunks, placement=placement, ddp=ddp)
+    P.configure_grad_sync(config, chunks, placement=placement, ddp=ddp)
     opt = None
     if case.get("optimizer"):
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -59,7 +60,7 @@ def _setup(case, M):
         ocfg = OptimizerConfig(optimizer="adam", lr=case["adam_lr"], weight_decay=0.01, clip_grad=1.0,
                                bf16=False, fp16=False, params_dtype=torch.float32)
         opt = get_megatron_optimizer(ocfg, list(chunks), use_gloo_process_groups=False)
-    infos = [M.unwrap(c).mzb_chunk_info for c in chunks]
+    infos = [P.unwrap(c).mzb_chunk_info for c in chunks]
     reports = any(i.post_process for i in infos) and parallel_state.get_tensor_model_parallel_rank() == 0
     return {"placement": placement, "cfg": cfg, "chunks": chunks, "opt": opt, "reports_loss": reports}
 
@@ -115,6 +116,7 @@ def _params(M, chunks):
 
 def _optimizer_state(M, state):
     """{global name/state key: [tensor of each copy]} of megatron's optimizer (empty without one)."""
+    from megatron_zb.megatron import placement as P
     opt = state["opt"]
     if opt is None:
         return {}
@@ -125,7 +127,7 @@ def _optimizer_state(M, state):
             by_id.update({id(p): st for p, st in inner.state.items()})
     out = {}
     for c in state["chunks"]:
-        for _, p in M.unwrap(c).named_parameters():
+        for _, p in P.unwrap(c).named_parameters():
             st = by_id.get(id(p), {})
             for k in ("exp_avg", "exp_avg_sq", "step"):
                 v = st.get(k)
@@ -152,13 +154,30 @@ def _max_abs(d):
                 for t in copies if t is not None), default=0.0)
 
 
+def _running_children():
+    """Command lines of this rank's running child processes (multiprocessing's resource tracker
+    left out: it ends with the rank)."""
+    import psutil
+    out = []
+    for c in psutil.Process().children():
+        try:
+            cmd = " ".join(c.cmdline())
+            if c.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in cmd:
+                out.append(cmd)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
 def resume_case(case):
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
     from megatron.core.utils import unwrap_model
-    from megatron_zb.megatron import model as M
+    from megatron_zb.megatron import placement as P
+    from megatron_zb.verify import tinygpt as M
     from megatron_zb.megatron.install import install
-    from megatron_zb.megatron.launch import set_status
+    from megatron_zb.megatron.shutdown import stop_checkpoint_writer
+    from megatron_zb.verify.launch import set_status
 
     _allow_save_without_psutil()
     rank = dist.get_rank()
@@ -197,7 +216,7 @@ def resume_case(case):
         # 3. fresh state: rebuild with different weights and a fresh optimizer, load, resume
         set_status(f"[{tag}] rebuild + dist_checkpointing.load")
         st = _setup(case, M)
-        M.deterministic_init_([M.unwrap(c) for c in st["chunks"]], seed=_DIFFERENT_SEED)
+        P.deterministic_init_([P.unwrap(c) for c in st["chunks"]], seed=_DIFFERENT_SEED)
         before_load = _params(M, st["chunks"])
         sharded = _checkpoint_state(st, is_loading=True)
         loaded = dist_checkpointing.load(sharded, ckpt_dir)
@@ -218,8 +237,11 @@ def resume_case(case):
         M.destroy_parallel_state()
     finally:
         handle.uninstall()
+    writer = _running_children()
+    stopped = stop_checkpoint_writer()  # megatron's writer Manager: a process per rank otherwise
     set_status(f"[{tag}] done")
     return {
+        "writer_processes": writer, "writer_stopped": stopped, "children_after_stop": _running_children(),
         "rank": rank, "megatron_version": M.megatron_version(),
         "full_losses": full_losses, "first_losses": first_losses, "resumed_losses": rest_losses,
         "ckpt_files": files,

@@ -27,7 +27,7 @@ def raise_on_rank1_in_case1(case):
 def hang_on_rank1(case):
     import torch
     import torch.distributed as dist
-    from megatron_zb.megatron.launch import set_status
+    from megatron_zb.verify.launch import set_status
     if dist.get_rank() == 1:
         set_status("waiting RECV_F stage 1 mb 0 from rank 0")
         t = torch.zeros(1)
@@ -74,7 +74,8 @@ def placement_report(case):
     reference: layer assignment, megatron layer numbers, initial weights, gradients."""
     import torch
     from megatron.core import parallel_state
-    from megatron_zb.megatron import model as M
+    from megatron_zb.megatron import placement as P
+    from megatron_zb.verify import tinygpt as M
 
     out = {"megatron_version": M.megatron_version(), "placements": []}
     specs = [
@@ -98,7 +99,7 @@ def placement_report(case):
             (sl / nt / len(batches)).backward()
         ref_grads = {p.mzb_global_name: p.grad.detach().clone() for p in ref.parameters()}
 
-        pl = M.make_placement(spec["style"], spec["p"], spec.get("chunks"))
+        pl = P.make_placement(spec["style"], spec["p"], spec.get("chunks"))
         by_stage = {}
         chunks_of_rank = {}
         for r in range(pl.num_ranks):
@@ -125,10 +126,10 @@ def placement_report(case):
         losses = _run_stages(M, stages, batches)
         # what finalize does on each rank: sum the tied copies it holds (both on rank 0 for V)
         for r, chunks in chunks_of_rank.items():
-            M._sum_local_tied_copies(chunks)
-        if not M._embedding_and_loss_on_one_rank(pl):
+            P.sum_local_tied_copies(chunks)
+        if not P.embedding_and_loss_on_one_rank(pl):
             # copies on different ranks: the embedding group's all-reduce, done by hand here
-            copies = M.tied_embedding_copies(stages)
+            copies = P.tied_embedding_copies(stages)
             if len(copies) == 2:
                 total = copies[0].grad + copies[1].grad
                 for p in copies:
@@ -173,12 +174,13 @@ def _stub_install(schedule, *, chunks=None, memory_limit=None, **options):
     placement (from the schedule core)."""
     import megatron.core.pipeline_parallel as mpp
     from megatron.core import parallel_state
-    from megatron_zb import verify
-    from megatron_zb.megatron import model as M
+    from megatron_zb.verify import harness as verify
+    from megatron_zb.megatron import placement as P
+    from megatron_zb.verify import tinygpt as M
 
     p = parallel_state.get_pipeline_model_parallel_world_size()
     style, c = verify._schedule_placement(schedule, p, 2 * p, chunks)
-    placement = M.make_placement(style, p, c)
+    placement = P.make_placement(style, p, c)
     orig = mpp.get_forward_backward_func
     mpp.get_forward_backward_func = lambda *a, **k: verify.SequentialForwardBackward(placement)
     _STUB_CALLS.append([schedule, chunks, memory_limit, sorted(options)])
@@ -196,8 +198,41 @@ def rank_case_with_stub_install(case):
     mod = types.ModuleType("megatron_zb.megatron.install")
     mod.install = _stub_install
     sys.modules["megatron_zb.megatron.install"] = mod
-    from megatron_zb import verify
+    from megatron_zb.verify import harness as verify
     del _STUB_CALLS[:]
     r = verify._rank_case(case)
     r["stub_calls"] = list(_STUB_CALLS)
     return r
+
+
+# -- replicated stages (runtime/replica.py, install's first-call check) -------------------------
+
+def replica_sync_and_check(case):
+    """Two ranks, each holding one copy of logical stages 0 and 1: the gradient all-reduce sums
+    copies (whatever order the ranks start them in); replicas with different weights are refused."""
+    import torch
+    import torch.distributed as dist
+    from megatron_zb.core.ir import Placement
+    from megatron_zb.megatron.install import ZeroBubbleConfigError, _check_replicas_equal
+    from megatron_zb.runtime.replica import ReplicaGradSync, ReplicaGroups
+    me = dist.get_rank()
+    pl = Placement.bitpipe(2)
+    groups = ReplicaGroups([0, 1], {l: [pl.rank_of(pl.path(k)[l]) for k in range(2)] for l in range(4)})
+    sync = ReplicaGradSync(groups, timeout_s=60)
+    grads = {l: torch.full((3,), float(10 * l + me + 1)) for l in range(4)}
+    for l in (range(4) if me == 0 else reversed(range(4))):  # opposite orders on the two ranks
+        sync.start(l, [grads[l]])
+    sync.finish()
+    out = {"sums": {l: grads[l].tolist() for l in range(4)}}
+    stages = pl.stages_of(me)
+    models = [torch.nn.Linear(2, 2) for _ in stages]
+    for mdl in models:
+        with torch.no_grad():
+            for prm in mdl.parameters():
+                prm.fill_(0.5 + (case == "differ" and me == 1 and mdl is models[0]))
+    try:
+        _check_replicas_equal(models, stages, pl, groups)
+        out["check"] = "ok"
+    except ZeroBubbleConfigError as e:
+        out["check"] = str(e)
+    return out

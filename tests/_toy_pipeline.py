@@ -47,10 +47,16 @@ def reference(nst, m):
     return losses, {s: [p.grad.numpy().copy() for p in params[s]] for s in range(nst)}
 
 
-def run_rank(rank, world, name, m, chunks, fwd_only, drop_sends_on=None, timeout_s=60):
+def run_rank(rank, world, name, m, chunks, fwd_only, drop_sends_on=None, timeout_s=60, offload=None):
     spec = get(name)
     st = Setting(world, m, chunks=chunks if spec.chunks is None else None)
     sched = generate(name, st)
+    mgr = None
+    if offload is not None:  # activation offload at this ratio (copies: synchronous CPU test mode)
+        from megatron_zb.core.offload import OffloadOptions, add_offload
+        from megatron_zb.runtime.offload import OffloadManager
+        sched = add_offload(sched, st, OffloadOptions(ratio=offload, time=0.1, w_parts=False))
+        mgr = OffloadManager("cpu", cpu_test=True, min_elements=0)
     if fwd_only:
         sched = fwd_only_schedule(sched)
     low = lower(sched)
@@ -86,7 +92,9 @@ def run_rank(rank, world, name, m, chunks, fwd_only, drop_sends_on=None, timeout
     groups = _groups(world)
     p2p = P2P(groups, rank, timeout_s=timeout_s)
     passes = StagePasses(forward=forward, backward=backward, weight=weight,
-                         recv_shape=lambda s, mb: (MBS, H))
+                         recv_shape=lambda s, mb: (MBS, H), offload=mgr)
+    if mgr is not None:
+        mgr.ignore(p for ps in params.values() for p in ps)
     actions = low.orders[rank]
     if drop_sends_on == rank:  # a broken peer: never sends anything
         actions = [a for a in actions if not a.kind.startswith("SEND")]
@@ -98,7 +106,10 @@ def run_rank(rank, world, name, m, chunks, fwd_only, drop_sends_on=None, timeout
     if not fwd_only:
         assert len(calls) == len(pairs), (len(calls), len(pairs))  # the hook ran every pair
     assert not graphs, f"W passes left: {sorted(graphs)}"
-    return losses, {s: [None if p.grad is None else p.grad.numpy().copy() for p in params[s]] for s in params}
+    grads = {s: [None if p.grad is None else p.grad.numpy().copy() for p in params[s]] for s in params}
+    if mgr is not None:
+        return losses, grads, mgr.end_iteration()
+    return losses, grads
 
 
 _GROUPS = {}

@@ -4,14 +4,19 @@
   ``installed``) = the one installed in the venv (0.16.1 here); a version such as ``0.19.2`` =
   ``<repo>/.venv/mcore-0.19.2``; or a directory holding ``megatron/core``. The chosen directory is
   put first on ``sys.path`` in this process and on ``PYTHONPATH`` for every subprocess, and
-  ``megatron_zb.megatron.launch`` puts it first in every rank it starts.
+  ``megatron_zb.verify.launch`` puts it first in every rank it starts.
 * Multi-process tests are marked ``dist`` (``pytest -m dist``), tests that import megatron
   ``megatron`` (``scripts/run_tests.sh`` reruns ``-m megatron`` on megatron-core 0.19.2).
 * Fixtures: ``mcore_path`` (the directory or None), ``mcore_version`` (the version string the
   ranks must report, or None when it is "whatever is installed"), and ``rank_pool``: a callable
   ``rank_pool(fn, cases, world_size, timeout=...)`` -> ``results[case][rank]`` that runs
   ``fn(case)`` on ``world_size`` real gloo processes (one launch for all cases; see
-  ``megatron_zb.megatron.launch.run_cases``).
+  ``megatron_zb.verify.launch.run_cases``).
+
+* No process left behind: the pytest process is a child subreaper (Linux), so whatever a test
+  starts stays its descendant even when orphaned; after every test, a process that the test
+  started and that is still running (after a grace of a few seconds) fails the test's teardown,
+  naming the processes (they are then killed), and the session ends with the same check.
 
 Nothing here imports torch or megatron (the schedule-core tests stay light).
 """
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import pytest
 
@@ -52,6 +58,7 @@ if MCORE_PATH is not None:
 def pytest_configure(config):
     if _MCORE_ERROR:
         raise pytest.UsageError(_MCORE_ERROR)
+    _become_subreaper()
     for line in ("dist: launches several real torch.distributed processes",
                  "megatron: needs torch and megatron-core (run on both megatron-core versions)"):
         config.addinivalue_line("markers", line)
@@ -83,9 +90,84 @@ def mcore_version():
 @pytest.fixture(scope="session")
 def rank_pool():
     """``rank_pool(fn, cases, world_size, timeout=300, **kw)`` -> results[case][rank]."""
-    from megatron_zb.megatron.launch import run_cases
+    from megatron_zb.verify.launch import run_cases
 
     def run(fn, cases, world_size, timeout=300.0, **kw):
         kw.setdefault("mcore_path", MCORE_PATH)
         return run_cases(fn, cases, world_size, timeout=timeout, **kw)
     return run
+
+
+# -- no process left behind ----------------------------------------------------------------------
+
+LEFTOVER_GRACE_S = float(os.environ.get("MZB_LEFTOVER_GRACE_S", "10"))  # orphans may take a moment to exit
+
+
+def _become_subreaper() -> None:
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        pass
+
+
+def _own_helpers() -> set:
+    """Processes this pytest process keeps for itself: multiprocessing's resource tracker (it
+    exits with the process)."""
+    mods = sys.modules.get("multiprocessing.resource_tracker")
+    pid = getattr(getattr(mods, "_resource_tracker", None), "_pid", None)
+    return {pid} if pid else set()
+
+
+def live_descendants() -> dict:
+    """{pid: command line} of the running (not zombie) descendants of this process."""
+    import psutil
+    out = {}
+    own = _own_helpers()
+    for c in psutil.Process().children(recursive=True):
+        try:
+            if c.pid in own or c.status() == psutil.STATUS_ZOMBIE:
+                continue
+            out[c.pid] = " ".join(c.cmdline())[:160]
+        except psutil.NoSuchProcess:
+            continue
+    return out
+
+
+def leftover_processes(before=(), grace: float = LEFTOVER_GRACE_S) -> dict:
+    """Descendants not in ``before`` still running after up to ``grace`` seconds."""
+    end = time.monotonic() + grace
+    while True:
+        left = {p: c for p, c in live_descendants().items() if p not in before}
+        if not left or time.monotonic() > end:
+            return left
+        time.sleep(0.1)
+
+
+def _kill(pids) -> None:
+    import psutil
+    for pid in pids:
+        try:
+            psutil.Process(pid).kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+@pytest.fixture(autouse=True)
+def _no_process_left_behind(request):
+    before = set(live_descendants())
+    yield
+    left = leftover_processes(before)
+    if left:
+        _kill(left)
+        listing = "; ".join(f"pid {p}: {c}" for p, c in sorted(left.items()))
+        pytest.fail(f"{request.node.nodeid} left {len(left)} process(es) running: {listing}", pytrace=False)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    left = leftover_processes(grace=LEFTOVER_GRACE_S)
+    if left:
+        _kill(left)
+        sys.stderr.write(f"\nprocesses left running when the test session ended (killed now): "
+                         + "; ".join(f"pid {p}: {c}" for p, c in sorted(left.items())) + "\n")
+        session.exitstatus = 1

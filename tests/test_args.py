@@ -4,6 +4,7 @@ Most tests use a bare argparse parser with a few Megatron-like arguments (no tor
 the last ones (marked ``megatron``) check the flags inside Megatron's own parser.
 """
 import argparse
+import re
 
 import pytest
 
@@ -211,6 +212,23 @@ def test_features_not_built_yet_parse_and_then_fail(dest):
         validate_zero_bubble_args(args, before_megatron_validation=True)
 
 
+def test_optimizer_post_validation_flag():
+    _, kw = validate(BASE + " --enable-zero-bubble --enable-optimizer-post-validation")
+    assert kw["post_validation"] is True
+    _, kw = validate(BASE + " --zero-bubble-schedule zb-h2")
+    assert "post_validation" not in kw
+    with pytest.raises(ZeroBubbleArgumentError, match="--enable-optimizer-post-validation needs a megatron-zb "
+                                                       "schedule"):
+        validate(BASE + " --enable-optimizer-post-validation")
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    chain_providers(_megatron_like, add_zero_bubble_args)(parser)
+    parser.add_argument("--overlap-param-gather", action="store_true")
+    args = parser.parse_args((BASE + " --zero-bubble-schedule zb-v --enable-optimizer-post-validation "
+                                     "--overlap-param-gather").split())
+    with pytest.raises(ZeroBubbleArgumentError, match="cannot be combined with --overlap-param-gather"):
+        validate_zero_bubble_args(args, before_megatron_validation=True)
+
+
 def test_harmless_values_of_not_built_flags_pass():
     _, kw = validate(BASE + " --zero-bubble-schedule zb-h1 --num-seq-splits 1 --interleave-group-size 0 "
                             "--offload-chunk-num 0")
@@ -396,3 +414,58 @@ def test_uneven_layers_need_padding():
     _, kw = validate("--pipeline-model-parallel-size 4 --num-layers 14 --zero-bubble-schedule zb-h1 "
                      "--decoder-first-pipeline-num-layers 2 --decoder-last-pipeline-num-layers 3")
     assert kw["schedule"] == "zb-h1"  # Megatron's own uneven split
+
+
+# -- activation offload (the fork's flags and ours) -----------------------------------------------
+
+def test_fork_offload_flags_keep_their_meaning():
+    _, kw = validate(BASE + " --zero-bubble-v-schedule --num-layers 16 --cpu-offload --offload-chunk-num 1 "
+                            "--offload-time 0.5 --offload-overlap-sr --offload-continuous-buffers --no-paired-barrier")
+    assert (kw["offload_ratio"], kw["offload_time"], kw["offload_chunks"], kw["offload_overlap"]) == (1.0, 0.5, 1, True)
+    assert kw["offload_cpu_test"] is False
+    _, kw = validate(BASE + " --zero-bubble-schedule zb-h1 --zero-bubble-offload-ratio 0.5 --auto-offload-time "
+                            "--zero-bubble-offload-half-duplex --zero-bubble-offload-cpu-test")
+    assert (kw["offload_ratio"], kw["offload_time"], kw["offload_overlap"], kw["offload_cpu_test"]) == \
+        (0.5, "auto", False, True)
+    _, kw = validate(BASE + " --zero-bubble-schedule zb-auto --zero-bubble-offload-ratio auto "
+                            "--zero-bubble-memory-limit 2")
+    assert kw["offload_ratio"] == "auto" and kw["memory_limit"] == 2
+    _, kw = validate(BASE + " --zero-bubble-schedule zb-h1")
+    assert "offload_ratio" not in kw
+
+
+@pytest.mark.parametrize("flags, msg", [
+    ("--zero-bubble-schedule zb-h1 --offload-time 0.5", "--offload-time needs activation offload: add --cpu-offload"),
+    ("--zero-bubble-schedule zb-h1 --auto-offload-time", "--auto-offload-time needs activation offload"),
+    ("--zero-bubble-schedule zb-h1 --cpu-offload --offload-time 0.5 --auto-offload-time", "not both"),
+    ("--zero-bubble-schedule zb-h1 --cpu-offload --offload-chunk-num 2",
+     "--offload-chunk-num 2: schedule zb-h1 runs 1 model chunk(s) per rank, so give 1..1"),
+    ("--zero-bubble-schedule zb-v --cpu-offload --offload-chunk-num 0", "give 1..2"),
+    ("--zero-bubble-schedule zb-h1 --zero-bubble-offload-ratio auto", "add --zero-bubble-memory-limit"),
+    ("--zero-bubble-schedule zb-h1 --cpu-offload --offload-overlap-sr --zero-bubble-offload-half-duplex",
+     "contradict each other"),
+    ("--cpu-offload", "--cpu-offload needs a megatron-zb schedule"),
+    ("--zero-bubble-offload-ratio 0.5", "--zero-bubble-offload-ratio needs a megatron-zb schedule"),
+    ("--zero-bubble-schedule zb-h1 --zero-bubble-offload-half-duplex", "needs activation offload"),
+])
+def test_bad_offload_combinations_one_line(flags, msg):
+    with pytest.raises(ZeroBubbleArgumentError, match=re.escape(msg)) as ei:
+        validate(BASE + " " + flags)
+    assert "\n" not in str(ei.value)
+
+
+@pytest.mark.parametrize("text", ["1.5", "-0.1", "half"])
+def test_offload_ratio_parse_errors(text, capsys):
+    with pytest.raises(SystemExit):
+        parse(BASE + " --zero-bubble-schedule zb-h1 --zero-bubble-offload-ratio " + text)
+    assert "takes a number in 0..1 or 'auto'" in capsys.readouterr().err
+
+
+def test_preview_schedule_with_offload():
+    _, kw = validate(BASE + " --zero-bubble-schedule zb-h1 --cpu-offload --offload-time 0.5")
+    sim, base = preview_schedule(kw, 4, 16)
+    assert sim.offload is not None and max(sim.peak_memory) < max(base.peak_memory)
+    _, kw = validate(BASE + " --zero-bubble-schedule zb-h2 --zero-bubble-offload-ratio auto "
+                            "--zero-bubble-memory-limit 3 --offload-time 0.5")
+    sim, _ = preview_schedule(kw, 4, 16)
+    assert max(sim.peak_memory) <= 3

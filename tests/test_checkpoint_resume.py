@@ -58,6 +58,11 @@ def _check(case, ranks, mcore_version):
         assert rep["resumed_losses"][it] == pytest.approx(full[it], abs=LOSS_ATOL), \
             f"{tag} iteration {it}: resumed {rep['resumed_losses'][it]!r} vs uninterrupted {full[it]!r}"
     assert any(f.endswith(".distcp") for f in ranks[0]["ckpt_files"]), f"{tag}: {ranks[0]['ckpt_files']}"
+    # megatron's checkpoint writer keeps a spawn Manager process per rank; the ranks stop it
+    for r in ranks:
+        assert r["children_after_stop"] == [], f"{tag}: still running {r['children_after_stop']}"
+    writers = [r for r in ranks if r["writer_processes"]]
+    assert writers and all(r["writer_stopped"] == 1 for r in writers), tag
     holders = [r for r in ranks if r["num_params"]]  # TP rank 0 of each pipeline rank
     names = set()
     for r in holders:

@@ -83,3 +83,42 @@ def test_simulate_runs_without_torch():
             "from megatron_zb.cli import main; sys.exit(main(['compare', '-p', '4', '-m', '8']))")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
+
+
+def _saved(tmp_path, capsys, name="zb-h1", p=4, m=8):
+    f = tmp_path / f"{name}.json"
+    assert run(capsys, "simulate", "--schedule", name, "-p", str(p), "-m", str(m), "--save", str(f))[0] == 0
+    return f
+
+
+def test_load_checks_stages_and_microbatches(tmp_path, capsys):
+    f = _saved(tmp_path, capsys)
+    rc, out, err = run(capsys, "simulate", "--load", str(f), "--stages", "3", "--microbatches", "5")
+    assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert "holds 4 pipeline ranks, 8 microbatches" in err and "not --stages 3, --microbatches 5" in err
+    rc, _, err = run(capsys, "simulate", "--load", str(f), "--chunks", "2")
+    assert rc == 2 and "not --chunks 2" in err
+    assert run(capsys, "simulate", "--load", str(f), "--stages", "4", "--microbatches", "8")[0] == 0
+
+
+def test_load_names_the_broken_rank_and_position(tmp_path, capsys):
+    f = _saved(tmp_path, capsys)
+    d = json.loads(f.read_text())
+    last = d["orders"][3]  # the last rank: its first B moved before its F
+    i = next(i for i, a in enumerate(last) if a[0] == "B")
+    last.insert(0, last.pop(i))
+    f.write_text(json.dumps(d))
+    rc, _, err = run(capsys, "simulate", "--load", str(f))
+    assert rc == 2 and len(err.strip().splitlines()) == 1
+    assert "F3.0 at rank 3 position 1 comes too late: rank 3 position 0 (B3.0) waits for it" in err
+
+
+def test_unreasonable_size_refused_at_once(capsys):
+    import time
+    t = time.perf_counter()
+    rc, _, err = run(capsys, "simulate", "--schedule", "1f1b", "--stages", "100000", "--microbatches", "8")
+    assert rc == 2 and "more than the simulator handles in a few seconds" in err
+    rc, _, err = run(capsys, "plan", "--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4",
+                     "--seq-length", "32", "--pipeline-parallel-size", "4", "--num-microbatches", "1000000")
+    assert rc == 2 and "--num-microbatches 1000000" in err
+    assert time.perf_counter() - t < 2.0

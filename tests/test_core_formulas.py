@@ -61,6 +61,12 @@ def test_every_schedule_valid_deadlock_free_within_claim(s, name):
     try:
         sched = generate(name, setting)
     except ScheduleError as e:  # only where Megatron's interleaved order deadlocks (Megatron refuses too)
+        if name == "bitpipe":  # two directions pair rank r with p-1-r; microbatches in units of p
+            assert p % 2 or m % p, str(e)
+            return
+        if name == "interleaved-zb":  # torch's rule: m splits into max(1, m // p) equal rounds
+            assert m % max(1, m // p), str(e)
+            return
         assert name == "interleaved-1f1b" and m > p and 0 < m % p < p and "deadlocks" in str(e), str(e)
         return
     setting = Setting(**{**setting.to_dict(), "chunks": sched.placement.chunks})

@@ -10,18 +10,19 @@ from __future__ import annotations
 import pytest
 
 from megatron_zb.core.ir import Placement, ScheduleError
-from megatron_zb.megatron import model as M
+from megatron_zb.megatron import placement as P
+from megatron_zb.verify import tinygpt as M
 
 
 # -- pure Python -------------------------------------------------------------------------------
 
 def test_stage_layer_counts_even_padded_explicit():
-    assert M.stage_layer_counts(8, 4) == [2, 2, 2, 2]
-    assert M.stage_layer_counts(6, 4, allow_padding_num_layers=True) == [1, 2, 2, 1]
-    assert M.stage_layer_counts(4, 2, allow_padding_num_layers=True) == [2, 2]  # even: no padding
-    assert M.stage_layer_counts(14, 8, allow_padding_num_layers=True) == [1, 2, 2, 2, 2, 2, 2, 1]
-    assert M.stage_layer_counts(5, 3, layers_per_stage=[1, 3, 1]) == [1, 3, 1]
-    assert [list(r) for r in M.stage_layer_ranges(6, 4, allow_padding_num_layers=True)] == [[0], [1, 2], [3, 4], [5]]
+    assert P.stage_layer_counts(8, 4) == [2, 2, 2, 2]
+    assert P.stage_layer_counts(6, 4, allow_padding_num_layers=True) == [1, 2, 2, 1]
+    assert P.stage_layer_counts(4, 2, allow_padding_num_layers=True) == [2, 2]  # even: no padding
+    assert P.stage_layer_counts(14, 8, allow_padding_num_layers=True) == [1, 2, 2, 2, 2, 2, 2, 1]
+    assert P.stage_layer_counts(5, 3, layers_per_stage=[1, 3, 1]) == [1, 3, 1]
+    assert [list(r) for r in P.stage_layer_ranges(6, 4, allow_padding_num_layers=True)] == [[0], [1, 2], [3, 4], [5]]
 
 
 @pytest.mark.parametrize("kw, msg", [
@@ -32,16 +33,16 @@ def test_stage_layer_counts_even_padded_explicit():
 ])
 def test_stage_layer_counts_errors(kw, msg):
     with pytest.raises(ScheduleError, match=msg.replace("+", r"\+")):
-        M.stage_layer_counts(**kw)
+        P.stage_layer_counts(**kw)
 
 
 @pytest.mark.parametrize("p", [1, 2, 3, 4])
 def test_v_chunks(p):
-    pl = M.make_placement("v", p)
+    pl = P.make_placement("v", p)
     assert pl.stage_to_rank == Placement.vshape(p).stage_to_rank
     layers_seen = []
     for r in range(p):
-        infos = M.chunk_infos(pl, 4 * p, r)
+        infos = P.chunk_infos(pl, 4 * p, r)
         assert [i.stage for i in infos] == [r, 2 * p - 1 - r]
         assert [i.vp_stage for i in infos] == [0, 1]
         # rank 0 holds both the embedding (stage 0) and the loss (stage 2p-1), in two chunks
@@ -54,35 +55,35 @@ def test_v_chunks(p):
 
 
 def test_looped_and_single_chunks():
-    pl = M.make_placement("looped", 2, 3)
-    assert [i.stage for i in M.chunk_infos(pl, 6, 1)] == [1, 3, 5]
-    assert [i.post_process for i in M.chunk_infos(pl, 6, 1)] == [False, False, True]
-    assert [i.pre_process for i in M.chunk_infos(pl, 6, 0)] == [True, False, False]
-    single = M.make_placement("single", 3)
-    assert [(i.stage, list(i.layers)) for i in M.chunk_infos(single, 7, 1, layers_per_stage=[2, 3, 2])] == [(1, [2, 3, 4])]
+    pl = P.make_placement("looped", 2, 3)
+    assert [i.stage for i in P.chunk_infos(pl, 6, 1)] == [1, 3, 5]
+    assert [i.post_process for i in P.chunk_infos(pl, 6, 1)] == [False, False, True]
+    assert [i.pre_process for i in P.chunk_infos(pl, 6, 0)] == [True, False, False]
+    single = P.make_placement("single", 3)
+    assert [(i.stage, list(i.layers)) for i in P.chunk_infos(single, 7, 1, layers_per_stage=[2, 3, 2])] == [(1, [2, 3, 4])]
     with pytest.raises(ScheduleError):
-        M.make_placement("v", 2, chunks=3)
+        P.make_placement("v", 2, chunks=3)
     with pytest.raises(ScheduleError):
-        M.make_placement("zigzag", 2)
+        P.make_placement("zigzag", 2)
 
 
 def test_global_param_names():
-    info = M.ChunkInfo(stage=2, vp_stage=1, rank=1, layers=(5, 6), pre_process=False, post_process=True, num_stages=3)
-    assert M.global_param_name("decoder.layers.1.mlp.linear_fc1.weight", info, True) == "decoder.layers.6.mlp.linear_fc1.weight"
-    assert M.global_param_name("module.decoder.layers.0.input_layernorm.bias", info, True) == "decoder.layers.5.input_layernorm.bias"
+    info = P.ChunkInfo(stage=2, vp_stage=1, rank=1, layers=(5, 6), pre_process=False, post_process=True, num_stages=3)
+    assert P.global_param_name("decoder.layers.1.mlp.linear_fc1.weight", info, True) == "decoder.layers.6.mlp.linear_fc1.weight"
+    assert P.global_param_name("module.decoder.layers.0.input_layernorm.bias", info, True) == "decoder.layers.5.input_layernorm.bias"
     # the output layer of a tied model is a copy of the word embedding
-    assert M.global_param_name("output_layer.weight", info, True) == "embedding.word_embeddings.weight"
-    assert M.global_param_name("output_layer.weight", info, False) == "output_layer.weight"
-    assert M.global_param_name("decoder.final_layernorm.weight", info, True) == "decoder.final_layernorm.weight"
+    assert P.global_param_name("output_layer.weight", info, True) == "embedding.word_embeddings.weight"
+    assert P.global_param_name("output_layer.weight", info, False) == "output_layer.weight"
+    assert P.global_param_name("decoder.final_layernorm.weight", info, True) == "decoder.final_layernorm.weight"
 
 
 def test_init_depends_only_on_global_name():
     import torch
-    a = M.init_tensor("decoder.layers.3.mlp.linear_fc1.weight", (8, 4))
-    b = M.init_tensor("decoder.layers.3.mlp.linear_fc1.weight", (8, 4))
-    c = M.init_tensor("decoder.layers.4.mlp.linear_fc1.weight", (8, 4))
+    a = P.init_tensor("decoder.layers.3.mlp.linear_fc1.weight", (8, 4))
+    b = P.init_tensor("decoder.layers.3.mlp.linear_fc1.weight", (8, 4))
+    c = P.init_tensor("decoder.layers.4.mlp.linear_fc1.weight", (8, 4))
     assert torch.equal(a, b) and not torch.equal(a, c)
-    assert abs(float(M.init_tensor("decoder.final_layernorm.weight", (64,)).mean()) - 1.0) < 0.1
+    assert abs(float(P.init_tensor("decoder.final_layernorm.weight", (64,)).mean()) - 1.0) < 0.1
 
 
 def test_batches_are_deterministic():

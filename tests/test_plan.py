@@ -25,8 +25,19 @@ def test_plan_table_and_json(capsys):
     assert main(ARGS + ["--gpu-memory-gb", "80"]) == 0
     out = capsys.readouterr().out
     assert "zb-v" in out and "--zero-bubble-schedule" in out
+    lines = out.splitlines()
+    head = next(i for i, l in enumerate(lines) if "schedule" in l and "iteration ms" in l)
+    assert all(w in lines[head] for w in ("bubble", "vs 1f1b", "act GiB", "peak GiB", "fits"))
+    assert all(w in lines[head + 1] for w in ("sync", "postval", "min", "max", "on rank"))
+    # one ready-to-paste line for the best schedule that fits, then the others aligned
+    i = next(i for i, l in enumerate(lines) if l.startswith("suggested flags ("))
+    assert lines[i + 1].strip().startswith("--pipeline-model-parallel-size 4 --zero-bubble-schedule ")
+    assert len({l.index("--pipeline") for l in lines[i + 3:] if "--pipeline" in l}) == 1, lines[i:]
     assert main(ARGS + ["--gpu-memory-gb", "80", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
+    for r in (r for r in d["rows"] if r.get("memory_limit_microbatches")):  # the limit's unit is said
+        assert f"--zero-bubble-memory-limit {r['memory_limit_microbatches']:g}" in r["flags"]
+        assert f"{r['memory_limit_microbatches']:g} x {r['activation_unit_bytes'] / 1024 ** 3:.2f} GiB" in out
     rows = [r for r in d["rows"] if "error" not in r]
     assert rows[0]["fits"] and rows[0]["throughput_vs_1f1b"] >= 1.0
     by = {r["schedule"]: r for r in rows}
@@ -61,3 +72,16 @@ def test_errors(capsys):
     assert ">= 2" in capsys.readouterr().err
     with pytest.raises(ScheduleError, match="lacks cost_b"):
         P._profile_costs({"cost_f": [1, 1]}, 2)
+
+
+def test_plan_help_documents_every_option_and_column(capsys):
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    text = capsys.readouterr().out
+    from megatron_zb.cli import build_parser
+    plan = build_parser()._subparsers._group_actions[0].choices["plan"]
+    for action in plan._actions:
+        if action.option_strings and action.dest != "help":
+            assert action.help, f"{action.option_strings[0]} has no help text"
+    for col in ("iteration ms", "sync", "postval", "bubble", "vs 1f1b", "act GiB", "peak GiB", "fits", "microbatches"):
+        assert col in text

@@ -145,3 +145,37 @@ def test_plot_module_imports_neither_torch_nor_megatron():
             "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron')]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("unit,us", [("ms", 1e3), ("s", 1e6), ("us", 1.0)])
+def test_chrome_trace_time_unit(res_1f1b, unit, us):
+    trace = plot.chrome_trace(res_1f1b, time_unit=unit)
+    xs = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    first = min(xs, key=lambda e: (e["ts"], e["pid"]))
+    assert first["dur"] == pytest.approx(1.0 * us)  # a unit-cost F lasts 1 <unit>
+    assert max(e["ts"] + e["dur"] for e in xs) == pytest.approx(res_1f1b.makespan * us)
+    assert trace["otherData"]["time_unit"] == unit and "microseconds" in trace["otherData"]["note"]
+    with pytest.raises(ValueError, match="time_unit"):
+        plot.chrome_trace(res_1f1b, time_unit="minutes")
+
+
+def test_picture_axis_says_its_unit_and_labels_b_and_w(tmp_path):
+    pytest.importorskip("matplotlib")
+    res = simulate(one_f_one_b(2, 3, split=True), Setting(stages=2, microbatches=3, cost_f=0.04,
+                                                          cost_b=0.05, cost_w=0.02))
+    svg = tmp_path / "t.svg"
+    plot.plot_timeline(res, str(svg), time_unit="s")  # a profile's seconds are drawn in ms
+    text = svg.read_text()
+    assert "time (ms)" in text and f"makespan {res.makespan * 1e3:.4g} ms" in text
+    # every box carries its microbatch number (matplotlib writes each text as an SVG comment):
+    # microbatches 1 and 2 each label 2 ranks x (F, B, W) boxes; the ticks are 0, 50, 100...
+    assert text.count("<!-- 1 -->") == 6 and text.count("<!-- 2 -->") == 6
+
+
+def test_cli_plot_time_unit(tmp_path, capsys):
+    from megatron_zb.cli import main
+    out = tmp_path / "t.json"
+    assert main(["plot", "--schedule", "1f1b", "-p", "2", "-m", "2", "--cost-f", "0.5", "--time-unit", "s",
+                 "--out", str(out)]) == 0
+    xs = [e for e in json.loads(out.read_text())["traceEvents"] if e["ph"] == "X"]
+    assert min(e["dur"] for e in xs) == pytest.approx(0.5e6)

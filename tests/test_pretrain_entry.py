@@ -42,6 +42,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _cuda():
+    try:
+        import torch
+        return torch.cuda.is_available()
+    except ImportError:  # pragma: no cover
+        return False
+
+
 def _env(**extra):
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHON=sys.executable, FORCE_CPU="1")
@@ -77,6 +85,16 @@ RUNS = {
     # V placement (embedding and loss on rank 0) from the same weights as 1F1B: deterministic init
     "zb-v/det": dict(SCHEDULE="zb-v", EXTRA_ARGS="--zero-bubble-deterministic-init"),
     "1f1b/det": dict(SCHEDULE="1f1b", EXTRA_ARGS="--zero-bubble-deterministic-init"),
+    # the ZB fork's offload flags (CPU test mode: synchronous copies to separate CPU buffers)
+    "zb-h1/offload": dict(SCHEDULE="zb-h1", EXTRA_ARGS="--cpu-offload --offload-time 0.1 --offload-chunk-num 1 "
+                                                      "--offload-overlap-sr --zero-bubble-offload-cpu-test"),
+    # replicated stages: deterministic init is implied (the replicas must start equal)
+    "bitpipe": dict(SCHEDULE="bitpipe"),
+    "zeropp/det": dict(SCHEDULE="zeropp",
+                       EXTRA_ARGS="--num-virtual-stages-per-pipeline-rank 2 --zero-bubble-deterministic-init"),
+    # the fork's flag in Megatron's own training loop, post-validating from the first step
+    "zb-h2/postval": dict(SCHEDULE="zb-h2", EXTRA_ARGS="--enable-optimizer-post-validation "
+                                                        "--zero-bubble-post-validation-min-clean-steps 0"),
 }
 
 
@@ -123,6 +141,17 @@ def test_zb_h1_equals_1f1b_at_the_same_seed(trainings):
 @pytest.mark.megatron
 @pytest.mark.dist
 @needs_training
+def test_offload_flags_train_like_1f1b(trainings):
+    text, b = _check_ok(trainings, "zb-h1/offload")
+    _, a = _check_ok(trainings, "1f1b")
+    assert "megatron-zb: activation offload ratio 1.0, K 0.1, two copy streams" in text
+    for (i, _, _, la), (_, _, _, lb) in zip(a, b):
+        assert lb == pytest.approx(la, rel=2e-6), f"iteration {i}: 1f1b {la} vs zb-h1 + offload {lb}"
+
+
+@pytest.mark.megatron
+@pytest.mark.dist
+@needs_training
 def test_v_placement_equals_1f1b_from_the_same_weights(trainings):
     text, v = _check_ok(trainings, "zb-v/det")
     _, ref = _check_ok(trainings, "1f1b/det")
@@ -132,6 +161,39 @@ def test_v_placement_equals_1f1b_from_the_same_weights(trainings):
     assert re.search(r"pipeline rank 1 chunk 1: stage 2 of 4, layers 2-2\b", text)
     for (i, _, _, la), (_, _, _, lb) in zip(ref, v):
         assert lb == pytest.approx(la, rel=2e-6), f"iteration {i}: 1f1b {la} vs zb-v {lb}"
+
+
+@pytest.mark.megatron
+@pytest.mark.dist
+@needs_training
+@pytest.mark.parametrize("name", ["bitpipe", "zeropp/det"])
+def test_field_schedules_equal_1f1b_from_the_same_weights(trainings, name):
+    """Adam with gradient clipping: the replicas' gradients are summed and counted once in the norm."""
+    text, rows = _check_ok(trainings, name)
+    _, ref = _check_ok(trainings, "1f1b/det")
+    if name == "bitpipe":
+        assert "bitpipe placement, 4 chunk(s) per rank" in text
+        # rank 1 holds the up direction's embedding and loss (logical stages 0 and 3 of path 1)
+        assert re.search(r"pipeline rank 1 chunk 2: stage 0 of 4 \(path 1\), layers 0-0, embedding", text)
+        assert re.search(r"pipeline rank 1 chunk 3: stage 3 of 4 \(path 1\), layers 3-3, loss", text)
+    for (i, _, _, la), (_, _, _, lb) in zip(ref, rows):
+        assert lb == pytest.approx(la, rel=2e-6), f"iteration {i}: 1f1b {la} vs {name} {lb}"
+
+
+@pytest.mark.megatron
+@pytest.mark.dist
+@needs_training
+def test_optimizer_post_validation_in_megatrons_training_loop(trainings):
+    text, pv = _check_ok(trainings, "zb-h2/postval")
+    _, ref = _check_ok(trainings, "zb-h1")
+    assert "megatron-zb: optimizer post-validation on" in text
+    # Megatron clips (--clip-grad 1.0) these steps: each is rolled back and redone, and the run
+    # still trains like the synchronous one (zb-h1 there: same math, same seed)
+    assert re.search(r"megatron-zb post-validation: the step of iteration \d+ was rolled back and redone", text)
+    for (i, _, lr_a, la), (_, _, lr_b, lb) in zip(ref, pv):
+        assert lb == pytest.approx(la, rel=2e-6), f"iteration {i}: zb-h1 {la} vs zb-h2 post-validated {lb}"
+        assert lr_b == lr_a
+    assert "grad norm:" in text
 
 
 # --------------------------------------------------------------------------------------------
@@ -153,7 +215,9 @@ TINY = ("--pipeline-model-parallel-size 2 --num-layers 6 --hidden-size 64 --num-
 @needs_training
 @pytest.mark.parametrize("flags,message", [
     (["--zero-bubble-schedule", "zb-v"], "V schedule zb-v needs an even number of layers per pipeline stage"),
-    (["--enable-zero-bubble", "--cpu-offload"], "--cpu-offload is not available yet in megatron-zb"),
+    (["--enable-zero-bubble", "--offload-time", "0.5"], "--offload-time needs activation offload: add --cpu-offload"),
+    (["--enable-zero-bubble", "--cpu-offload", "--offload-chunk-num", "2"],
+     "--offload-chunk-num 2: schedule zb-auto runs 1 model chunk(s) per rank"),
     (["--zero-bubble-schedule", "zb-h2", "--zero-bubble-memory-limit", "2"],
      "schedule zb-h2 with pipeline size 2 and 8 microbatches"),
 ])
@@ -162,6 +226,15 @@ def test_bad_flags_fail_before_training_with_one_line(flags, message):
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.megatron
+@needs_training
+@pytest.mark.skipif(_cuda(), reason="the refusal is for machines without CUDA")
+def test_offload_without_cuda_needs_the_cpu_test_mode():
+    proc = _entry(TINY + ["--zero-bubble-schedule", "zb-h1", "--cpu-offload"])
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "this machine has no CUDA device" in proc.stderr and "--zero-bubble-offload-cpu-test" in proc.stderr
 
 
 @pytest.mark.megatron

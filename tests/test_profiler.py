@@ -58,6 +58,15 @@ def test_build_profile_sums_chunk_medians_per_rank():
     assert chunk3["rank"] == 0 and chunk3["chunk"] == 1 and chunk3["b"] == 8.0
 
 
+def test_build_profile_replicated_stages_average_the_paths():
+    pl = Placement.bitpipe(2)  # every rank holds 4 chunks, 2 per direction; a microbatch runs through 2
+    bw = {s: 2.0 for s in range(8)}
+    f = {s: 1.0 for s in range(8)}
+    stats = [_stats(r, pl.stages_of(r), f, bw=bw, mem_f={s: 100 for s in range(8)}) for r in (0, 1)]
+    prof = P.build_profile(stats, schedule="bitpipe", placement=pl, microbatches=4, window=(1, 1))
+    assert prof["cost_f"] == [2.0, 2.0] and prof["cost_bw"] == [4.0, 4.0] and prof["mem_f"] == [200, 200]
+
+
 def test_build_profile_fused_backward_only_and_missing_rank():
     pl = Placement.single(2)
     f = {0: 1.0, 1: 1.0}

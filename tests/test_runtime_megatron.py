@@ -53,13 +53,29 @@ def test_pp4_every_schedule(mcore_path, mcore_version):
                           schedule_options={"cost_f": 1.0, "cost_b": 2.0, "cost_w": 1.0}, label="B = 2F"),
               V.make_case("v-auto", 4, num_microbatches=9, iterations=2, memory_limit=3.0,
                           schedule_options={"cost_f": 1.3, "cost_b": 2.1, "cost_w": 0.7, "cost_comm": 0.1},
-                          label="limit 3, measured-like costs")]
+                          label="limit 3, measured-like costs"),
+              # replicated stages over two units (both directions twice), eager replica sync with DDP overlap
+              V.make_case("bitpipe", 4, num_microbatches=8, iterations=2, overlap_grad_reduce=True,
+                          gradient_accumulation_fusion=True, schedule_options={"cost_f": 1.0, "cost_b": 2.0},
+                          label="bitpipe 2 units, overlap + gaf"),
+              V.make_case("bitpipe", 4, num_microbatches=4, iterations=2, forward_only=True, label="bitpipe fwd only"),
+              V.make_case("zeropp", 4, num_microbatches=10, iterations=2, memory_limit=6.0, label="zeropp limit 6")]
     _check(V.run_verify_many(cases, timeout=900, mcore_path=mcore_path), mcore_version)
 
 
 def test_tp2_pp2_sequence_parallel(mcore_path, mcore_version):
+    """World size 4: TP=2 x PP=2 (sequence parallel), and PP=2 x DP=2 (data parallelism composed with the
+    replica gradient sync; megatron's distributed optimizer as ZeroPP's sharded data parallelism)."""
     cases = [V.make_case(n, 2, tensor_parallel_size=2, num_microbatches=4, iterations=2, sequence_parallel=True)
-             for n in ("zb-h1", "zb-h2", "gpipe-v")]
+             for n in ("zb-h1", "zb-h2", "gpipe-v", "bitpipe")]
+    cases += [V.make_case("bitpipe", 2, num_microbatches=4, iterations=2, data_parallel_size=2, label="dp2"),
+              V.make_case("bitpipe", 2, num_microbatches=4, iterations=2, data_parallel_size=2,
+                          overlap_grad_reduce=True, label="dp2 overlap"),
+              V.make_case("bitpipe", 2, num_microbatches=4, iterations=2, data_parallel_size=2,
+                          use_distributed_optimizer=True, label="dp2 distributed optimizer"),
+              V.make_case("zeropp", 2, num_microbatches=4, iterations=2, data_parallel_size=2,
+                          use_distributed_optimizer=True, label="ZeroPP + ZeRO-1"),
+              V.make_case("interleaved-zb", 2, num_microbatches=4, iterations=2, data_parallel_size=2, label="dp2")]
     cases.append(V.make_case("zb-h1", 2, tensor_parallel_size=2, num_microbatches=4, iterations=2,
                              sequence_parallel=True, overlap_grad_reduce=True, gradient_accumulation_fusion=True,
                              label="tp+sp+overlap+gaf"))

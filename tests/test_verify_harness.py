@@ -16,7 +16,7 @@ import time
 import pytest
 
 from megatron_zb import verify as V
-from megatron_zb.megatron import launch as L
+from megatron_zb.verify import launch as L
 from tests import _harness_fns as H
 
 
@@ -94,6 +94,8 @@ def test_resolve_mcore_path(monkeypatch, tmp_path):
     (("megatron-1f1b", 2), {"num_layers": 3}, "cannot be split"),
     (("sequential", 2), {"placement": "zigzag"}, "placement"),
     (("megatron-1f1b", 2), {"bogus_option": 1}, "unknown verify option"),
+    (("zb-h1", 1), {}, "has no pipeline: schedule zb-h1 would not run"),
+    (("zb-v", 1), {}, "has no pipeline: schedule zb-v would not run"),
 ])
 def test_make_case_rejects_bad_input(args, kw, msg):
     with pytest.raises(V.VerifyUsageError, match=msg):
@@ -118,6 +120,8 @@ def test_make_case_defaults():
     ["--schedule", "megatron-1f1b", "-p", "2", "--placement", "v"],
     ["--schedule", "megatron-1f1b", "-p", "2", "--mcore-path", "/nonexistent"],
     ["--schedule", "megatron-1f1b", "-p", "2", "--sequence-parallel"],
+    ["--schedule", "zb-h1", "-p", "1"],
+    ["--schedule", "zb-v", "-p", "1"],
 ])
 def test_cli_bad_input_exit_2_one_line(argv, capsys):
     assert V.main_verify(argv) == 2

@@ -71,6 +71,9 @@ def _cell(a: Action) -> str:
 
 
 def to_csv(schedule: Schedule) -> str:
+    if schedule.placement.replicated:
+        raise ScheduleError(f"{schedule.name} replicates stages on several ranks, which torch's CSV cannot "
+                            "express (a stage lives on one rank there); save it as .json")
     out = io.StringIO()
     w = csv.writer(out, lineterminator="\n")
     for r, order in enumerate(schedule.orders):

@@ -4,6 +4,9 @@ A *stage* is a global model-chunk index in pipeline order (0 = embedding side, S
 A *placement* maps stages to ranks. A *schedule* is, for every rank, the ordered list of actions
 that rank executes. Compute actions are F (forward), B (input gradient), W (weight gradient) and
 BW (fused backward). Lowering (``core.lower``) adds SEND/RECV actions that name a peer rank.
+A placement may replicate stages (``Placement.paths``): a logical stage then exists on several
+ranks and each microbatch runs along one path of physical stages (BitPipe's two directions).
+``core.offload`` adds OFFLOAD/RELOAD actions (activation offload to host memory).
 """
 from __future__ import annotations
 
@@ -19,7 +22,12 @@ COMM_KINDS = (SEND_F, RECV_F, SEND_B, RECV_B)
 # an overlap hook may run together (DualPipe's overlapped F&B). ``parts`` holds the two passes;
 # without a hook they run one after the other, which is what the simulator assumes.
 OVERLAP = "OVERLAP_F_B"
-ALL_KINDS = COMPUTE_KINDS + COMM_KINDS + (OVERLAP,)
+# Activation offload (core.offload): OFFLOAD starts moving the activation F saved for (stage, mb)
+# to host memory, RELOAD brings it back before its B; OFFLOAD_W / RELOAD_W do the same, after B,
+# for the part W still needs. They run on the rank's host link, not on its compute stream.
+OFFLOAD, RELOAD, OFFLOAD_W, RELOAD_W = "OFFLOAD", "RELOAD", "OFFLOAD_W", "RELOAD_W"
+OFFLOAD_KINDS = (OFFLOAD, RELOAD, OFFLOAD_W, RELOAD_W)
+ALL_KINDS = COMPUTE_KINDS + COMM_KINDS + (OVERLAP,) + OFFLOAD_KINDS
 
 
 class ScheduleError(ValueError):
@@ -53,10 +61,19 @@ class Action:
 
 @dataclass(frozen=True)
 class Placement:
-    """stage -> rank. ``style`` is informational: 'single', 'looped', 'v' or 'custom'."""
+    """stage -> rank. ``style`` is informational: 'single', 'looped', 'v', 'bitpipe' or 'custom'.
+
+    **Replicated stages** (``paths`` given): the model's logical stages exist more than once. Each
+    path is a chain of (physical) stages, one per logical stage, in pipeline order; every
+    microbatch runs along exactly one path (which one is read off the schedule: ``routes``), and
+    the copies of a logical stage (its *replicas*, one per path) sum their weight gradients before
+    the optimizer step. Without ``paths`` there is one implicit path 0, 1, ..., S-1 and everything
+    behaves as before.
+    """
 
     stage_to_rank: Tuple[int, ...]
     style: str = "custom"
+    paths: Optional[Tuple[Tuple[int, ...], ...]] = None
 
     def __post_init__(self):
         if not self.stage_to_rank:
@@ -64,6 +81,18 @@ class Placement:
         ranks = sorted(set(self.stage_to_rank))
         if ranks != list(range(len(ranks))):
             raise ScheduleError(f"placement ranks must be 0..R-1 with none unused, got {ranks}")
+        if self.paths is not None:
+            paths = tuple(tuple(int(s) for s in p) for p in self.paths)
+            object.__setattr__(self, "paths", paths)
+            if len(paths) < 2 or len({len(p) for p in paths}) != 1 or not paths[0]:
+                raise ScheduleError(f"replicated stages need at least two paths of equal, non-zero length, "
+                                    f"got lengths {[len(p) for p in paths]}")
+            flat = sorted(s for p in paths for s in p)
+            if flat != list(range(len(self.stage_to_rank))):
+                raise ScheduleError("the paths of a replicated placement must hold every stage exactly once")
+            if len(paths[0]) % self.num_ranks:
+                raise ScheduleError(f"{len(paths[0])} logical stages do not spread evenly over "
+                                    f"{self.num_ranks} ranks")
 
     @property
     def num_stages(self) -> int:
@@ -74,12 +103,29 @@ class Placement:
         return max(self.stage_to_rank) + 1
 
     @property
-    def chunks(self) -> int:
-        """Model chunks per rank (the most any rank holds)."""
+    def replicated(self) -> bool:
+        return self.paths is not None
+
+    @property
+    def num_logical_stages(self) -> int:
+        return len(self.paths[0]) if self.paths is not None else self.num_stages
+
+    @property
+    def models_per_rank(self) -> int:
+        """Model chunks (stages) the busiest rank builds."""
         counts = [0] * self.num_ranks
         for r in self.stage_to_rank:
             counts[r] += 1
         return max(counts)
+
+    @property
+    def chunks(self) -> int:
+        """Model chunks per rank, the unit of per-chunk costs (a pass costs the rank's value /
+        chunks). With replicated stages: logical stages per rank (each path's share); the rank
+        builds ``models_per_rank`` chunks."""
+        if self.paths is not None:
+            return self.num_logical_stages // self.num_ranks
+        return self.models_per_rank
 
     def rank_of(self, stage: int) -> int:
         return self.stage_to_rank[stage]
@@ -90,6 +136,64 @@ class Placement:
     def chunk_of(self, stage: int) -> int:
         """Index of ``stage`` among the stages its rank holds (0 = the earliest in the pipeline)."""
         return self.stages_of(self.rank_of(stage)).index(stage)
+
+    # -- paths (all of these work for plain placements too: one path 0..S-1) ------------------
+    def _where(self):
+        w = self.__dict__.get("_where_cache")
+        if w is None:
+            w = {s: (k, i) for k, p in enumerate(self.paths) for i, s in enumerate(p)}
+            object.__setattr__(self, "_where_cache", w)
+        return w
+
+    def logical(self, stage: int) -> int:
+        """The logical stage (position along its path) of a physical stage."""
+        return stage if self.paths is None else self._where()[stage][1]
+
+    def path_of(self, stage: int) -> int:
+        return 0 if self.paths is None else self._where()[stage][0]
+
+    def path(self, k: int) -> Tuple[int, ...]:
+        return tuple(range(self.num_stages)) if self.paths is None else self.paths[k]
+
+    @property
+    def num_paths(self) -> int:
+        return 1 if self.paths is None else len(self.paths)
+
+    def is_first(self, stage: int) -> bool:
+        return self.logical(stage) == 0
+
+    def is_last(self, stage: int) -> bool:
+        return self.logical(stage) == self.num_logical_stages - 1
+
+    def next_stage(self, stage: int) -> Optional[int]:
+        """The stage after ``stage`` on its path (None for the last)."""
+        if self.paths is None:
+            return stage + 1 if stage + 1 < self.num_stages else None
+        k, i = self._where()[stage]
+        return self.paths[k][i + 1] if i + 1 < len(self.paths[k]) else None
+
+    def prev_stage(self, stage: int) -> Optional[int]:
+        if self.paths is None:
+            return stage - 1 if stage > 0 else None
+        k, i = self._where()[stage]
+        return self.paths[k][i - 1] if i > 0 else None
+
+    def replicas(self, stage: int) -> List[int]:
+        """Every physical stage holding the same logical stage as ``stage`` (itself included)."""
+        if self.paths is None:
+            return [stage]
+        i = self.logical(stage)
+        return [p[i] for p in self.paths]
+
+    @property
+    def loss_rank(self) -> int:
+        """The rank that reports the losses: the one holding the last stage of path 0."""
+        return self.rank_of(self.path(0)[-1])
+
+    def weight_copies(self, rank: int) -> float:
+        """Model weights this rank holds, in units of 1/num_ranks of the model (a 1F1B stage):
+        1 for every plain even placement, 2 where each rank holds two replicas' worth."""
+        return len(self.stages_of(rank)) * self.num_ranks / self.num_logical_stages
 
     @classmethod
     def single(cls, p: int) -> "Placement":
@@ -105,12 +209,42 @@ class Placement:
         """V: rank r holds stages r and 2p-1-r; embedding and loss both on rank 0."""
         return cls(tuple(s if s < p else 2 * p - 1 - s for s in range(2 * p)), "v")
 
+    @classmethod
+    def bitpipe(cls, p: int) -> "Placement":
+        """BitPipe: two V pipelines in opposite directions over the same p ranks (p even).
+
+        Path 0 ("down", stages 0..2p-1): logical stage l on rank l for l < p, else 2p-1-l (the V
+        of ``vshape``). Path 1 ("up", stages 2p..4p-1): logical l on rank p-1-l for l < p, else
+        l-p. Rank r holds four chunks; its replicas all live on rank p-1-r."""
+        if p < 2 or p % 2:
+            raise ScheduleError(f"the BitPipe placement needs an even number of ranks >= 2, got {p}")
+        down = [l if l < p else 2 * p - 1 - l for l in range(2 * p)]
+        up = [p - 1 - l if l < p else l - p for l in range(2 * p)]
+        return cls(tuple(down + up), "bitpipe",
+                   (tuple(range(2 * p)), tuple(range(2 * p, 4 * p))))
+
     def to_dict(self) -> dict:
-        return {"stage_to_rank": list(self.stage_to_rank), "style": self.style}
+        d = {"stage_to_rank": list(self.stage_to_rank), "style": self.style}
+        if self.paths is not None:
+            d["paths"] = [list(p) for p in self.paths]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "Placement":
-        return cls(tuple(int(r) for r in d["stage_to_rank"]), d.get("style", "custom"))
+        paths = d.get("paths")
+        return cls(tuple(int(r) for r in d["stage_to_rank"]), d.get("style", "custom"),
+                   None if paths is None else tuple(tuple(int(s) for s in p) for p in paths))
+
+
+def routes(schedule: "Schedule") -> Dict[int, int]:
+    """microbatch -> index of the path it runs along (read off the schedule's forwards)."""
+    pl = schedule.placement
+    out: Dict[int, int] = {}
+    for o in schedule.flat().orders:
+        for a in o:
+            if a.kind == F and 0 <= a.stage < pl.num_stages:
+                out.setdefault(a.mb, pl.path_of(a.stage))
+    return out
 
 
 @dataclass
@@ -138,30 +272,42 @@ class Schedule:
 
     def flat(self) -> "Schedule":
         """Overlapped pairs expanded into their two passes; ``meta['overlap_pairs']`` then lists
-        (rank, position of the F) in the expanded lists. The schedule itself if it has none."""
+        (rank, position of the F among the compute passes of the expanded lists). The schedule
+        itself if it has none."""
         if not any(a.kind == OVERLAP for o in self.orders for a in o):
             return self
         orders, pairs = [], []
         for r, o in enumerate(self.orders):
             out = []
+            n = 0  # compute passes so far (offload actions may lie between them)
             for a in o:
                 if a.kind == OVERLAP:
-                    pairs.append((r, len(out)))
+                    pairs.append((r, n))
                     out += list(a.parts)
+                    n += 2
                 else:
                     out.append(a)
+                    n += a.is_compute
             orders.append(out)
         return Schedule(self.name, self.placement, self.num_microbatches, orders,
                         dict(self.meta, overlap_pairs=pairs))
 
 
-def deps(action: Action, num_stages: int) -> List[Tuple[str, int, int]]:
+def deps(action: Action, num_stages: int, placement: Optional[Placement] = None) -> List[Tuple[str, int, int]]:
     """The compute passes (kind, stage, mb) an F/B/W/BW pass waits for.
 
     F(s) <- F(s-1); B|BW(s) <- B|BW(s+1) (the last stage: its own F); W(s) <- B(s).
     B-or-BW producers are returned with kind 'B*' (either satisfies the dependency).
+    With a replicated ``placement``, s-1 and s+1 are the neighbours along the stage's path.
     """
     k, s, mb = action.kind, action.stage, action.mb
+    if placement is not None and placement.paths is not None:
+        if k == F:
+            prev = placement.prev_stage(s)
+            return [(F, prev, mb)] if prev is not None else []
+        if k in (B, BW):
+            nxt = placement.next_stage(s)
+            return [("B*", nxt, mb)] if nxt is not None else [(F, s, mb)]
     if k == F:
         return [(F, s - 1, mb)] if s > 0 else []
     if k in (B, BW):
@@ -189,6 +335,10 @@ class Setting:
     mem_f: Sequence[float] = (1.0,)
     mem_w: Optional[Sequence[float]] = None  # default: DEFAULT_MEM_W_RATIO * mem_f
     memory_limit: Optional[float] = None  # per rank, same units as mem_f
+    # replicated stages: time of the gradient all-reduce between the replicas of a whole stage
+    # (all layers of a 1F1B stage; a chunk's share is cost_sync / chunks). Only charged where a
+    # placement has replicated stages.
+    cost_sync: float = 0.0
 
     def __post_init__(self):
         p = self.stages
@@ -211,6 +361,8 @@ class Setting:
                                     "W only keeps part of what F allocated")
         if not _is_nonneg_number(self.cost_comm):
             raise ScheduleError(f"cost-comm must be a non-negative number, got {self.cost_comm!r}")
+        if not _is_nonneg_number(self.cost_sync):
+            raise ScheduleError(f"cost-sync must be a non-negative number, got {self.cost_sync!r}")
         if self.memory_limit is not None and not (_is_nonneg_number(self.memory_limit)):
             raise ScheduleError(f"memory-limit must be a non-negative number, got {self.memory_limit!r}")
 

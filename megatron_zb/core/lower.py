@@ -14,7 +14,8 @@ tags, and no pair can wait on each other in opposite orders.
 Action fields for messages: ``stage`` is the stage of the rank that holds the action (SEND_F:
 the producing stage s, its peer holds s+1; RECV_F: the consuming stage s, its peer holds s-1;
 SEND_B: the stage whose input gradient is sent to s-1; RECV_B: the stage whose output gradient
-comes from s+1), ``peer`` the other rank.
+comes from s+1), ``peer`` the other rank. With replicated stages s-1 and s+1 are the neighbours
+along the stage's path.
 """
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ import dataclasses
 from collections import defaultdict
 from typing import Dict, List, Optional, Tuple
 
-from .ir import B, BW, F, RECV_B, RECV_F, SEND_B, SEND_F, Action, Schedule, ScheduleError, Setting
+from .ir import (B, BW, F, OFFLOAD_KINDS, RECV_B, RECV_F, SEND_B, SEND_F, Action, Schedule, ScheduleError,
+                 Setting)
 from .simulate import simulate
 
 
@@ -32,10 +34,20 @@ def lower(schedule: Schedule, setting: Optional[Setting] = None) -> Schedule:
     Overlapped pairs come out as their two passes; ``meta['overlap_pairs']`` then lists
     (rank, position of the F, position of the B) in the lowered lists."""
     schedule = schedule.flat()
-    if any(not a.is_compute for o in schedule.orders for a in o):
+    if any(not a.is_compute and a.kind not in OFFLOAD_KINDS for o in schedule.orders for a in o):
         raise ScheduleError("schedule is already lowered (it has SEND/RECV actions)")
+    # OFFLOAD/RELOAD actions keep their place: after the messages of the gap they sit in
+    local: List[Dict[int, List[Action]]] = []
+    for o in schedule.orders:
+        gaps: Dict[int, List[Action]] = defaultdict(list)
+        n = 0
+        for a in o:
+            if a.is_compute:
+                n += 1
+            else:
+                gaps[n].append(a)
+        local.append(gaps)
     pl = schedule.placement
-    nst = pl.num_stages
     st = setting or Setting(pl.num_ranks, max(1, schedule.num_microbatches), chunks=pl.chunks)
     res = simulate(schedule, st)
     # (rank, position) of every compute pass, and its simulated start/end
@@ -46,10 +58,11 @@ def lower(schedule: Schedule, setting: Optional[Setting] = None) -> Schedule:
         for i, t in enumerate(tl):
             a = t.action
             msgs = []
-            if a.kind == F and a.stage + 1 < nst and pl.rank_of(a.stage + 1) != q:
-                msgs.append((SEND_F, RECV_F, a.stage + 1))
-            if a.kind in (B, BW) and a.stage > 0 and pl.rank_of(a.stage - 1) != q:
-                msgs.append((SEND_B, RECV_B, a.stage - 1))
+            nxt, prev = pl.next_stage(a.stage), pl.prev_stage(a.stage)
+            if a.kind == F and nxt is not None and pl.rank_of(nxt) != q:
+                msgs.append((SEND_F, RECV_F, nxt))
+            if a.kind in (B, BW) and prev is not None and pl.rank_of(prev) != q:
+                msgs.append((SEND_B, RECV_B, prev))
             for send_kind, recv_kind, dst_stage in msgs:
                 r = pl.rank_of(dst_stage)
                 key = (t.end, q, i)
@@ -62,6 +75,7 @@ def lower(schedule: Schedule, setting: Optional[Setting] = None) -> Schedule:
         pos = {}
         for g in range(len(tl) + 1):
             out += [a for _, a in sorted(inserted[r].get(g, ()), key=lambda x: x[0])]
+            out += local[r].get(g, [])
             if g < len(tl):
                 pos[g] = len(out)
                 out.append(tl[g].action)
@@ -87,7 +101,7 @@ def _first_start_at_or_after(tl, t: float) -> int:
 def forward_only(schedule: Schedule) -> Schedule:
     """The forward passes of ``schedule`` in the same per-rank order (evaluation)."""
     schedule = schedule.flat()
-    meta = {k: v for k, v in schedule.meta.items() if k != "overlap_pairs"}
+    meta = {k: v for k, v in schedule.meta.items() if k not in ("overlap_pairs", "offload")}
     orders = [[a for a in o if a.kind == F] for o in schedule.orders]
     return dataclasses.replace(schedule, name=schedule.name + "/forward-only", orders=orders,
                                meta=dict(meta, forward_only=True))
@@ -96,6 +110,7 @@ def forward_only(schedule: Schedule) -> Schedule:
 def check_pair_order(lowered: Schedule) -> None:
     """Every pair of ranks sees its messages in the same order on both sides; each RECV is
     posted before the pass that consumes it and each SEND comes after its producer."""
+    pl = lowered.placement
     pair_seq: Dict[Tuple[int, int], Dict[int, list]] = defaultdict(dict)
     for r, order in enumerate(lowered.orders):
         done = set()
@@ -103,6 +118,8 @@ def check_pair_order(lowered: Schedule) -> None:
         for i, a in enumerate(order):
             if a.is_compute:
                 done.add((a.kind, a.stage, a.mb))
+                continue
+            if a.kind in OFFLOAD_KINDS:
                 continue
             if a.kind in (SEND_F, SEND_B):
                 need = (F, a.stage, a.mb) if a.kind == SEND_F else None
@@ -118,7 +135,7 @@ def check_pair_order(lowered: Schedule) -> None:
                     raise ScheduleError(f"rank {r} position {i}: {a} is posted after its consumer")
                 src, dst = a.peer, r
                 # name the message by its producer's stage so both sides agree
-                ps = a.stage - 1 if a.kind == RECV_F else a.stage + 1
+                ps = pl.prev_stage(a.stage) if a.kind == RECV_F else pl.next_stage(a.stage)
                 msg = ("F" if a.kind == RECV_F else "B", ps, a.mb, src, dst)
             seqs[tuple(sorted((src, dst)))].append(msg)
         for pair, seq in seqs.items():

@@ -13,6 +13,7 @@ LayerNorm/dropout part by t as well), of which M_W = 32 s b h / t is still held 
 The loss stage adds its fp32 logits (4 s b V / t), the embedding stage its output (2 s b h).
 Model states: 18 bytes per parameter (bf16 weight, fp32 main grad, fp32 master weight and two
 Adam moments; the distributed optimizer divides the 12 optimizer bytes by the data-parallel size).
+Replicated stages (bitpipe) hold both replicas' weights: twice a 1F1B rank's model states.
 """
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
-from .ir import ScheduleError, Setting
+from .ir import Placement, ScheduleError, Setting
+from .iteration import iteration_times
 from .schedules import generate, get, names
 from .schedules.exact import AUTOMATIC, refine
 from .simulate import simulate
@@ -105,7 +107,13 @@ def layer_split(num_layers: int, num_stages: int, pad_ends: bool = False) -> Lis
 
 def stage_costs(spec: ModelSpec, p: int, v: int, placement_style: str, tflops: float, efficiency: float,
                 pad_ends: bool):
-    """Per-rank (cost_f, cost_b, cost_w in seconds; mem_f, mem_w in bytes; state bytes)."""
+    """Per-rank (cost_f, cost_b, cost_w in seconds; mem_f, mem_w in bytes; state bytes).
+
+    'bitpipe' (replicated stages, two paths): costs and activations are those of one path's chunks
+    on the rank (a microbatch runs through one path), averaged over the two paths; model states count
+    all four chunks (both replicas' weights)."""
+    if placement_style == "bitpipe":
+        return _replicated_stage_costs(spec, Placement.bitpipe(p), tflops, efficiency, pad_ends)
     nst = p * v
     counts = layer_split(spec.num_layers, nst, pad_ends)
     if placement_style == "v":
@@ -138,13 +146,56 @@ def stage_costs(spec: ModelSpec, p: int, v: int, placement_style: str, tflops: f
     return cf, cb, cw, mf, mw, [spec.state_bytes(x) for x in params], counts
 
 
+def _replicated_stage_costs(spec: ModelSpec, pl: Placement, tflops: float, efficiency: float, pad_ends: bool):
+    p, S, k = pl.num_ranks, pl.num_logical_stages, pl.num_paths
+    counts = layer_split(spec.num_layers, S, pad_ends)
+    lf, of = spec.layer_flops(), spec.output_flops()
+    m_b, m_w = spec.layer_activation_bytes()
+    speed = tflops * 1e12 * efficiency
+    b, sq, h, vv, t = spec.micro_batch_size, spec.seq_length, spec.hidden_size, spec.vocab_size, spec.tensor_parallel_size
+    cf, cb, cw, mf, mw, params = ([0.0] * p for _ in range(6))
+    for s in range(pl.num_stages):
+        r, l = pl.rank_of(s), pl.logical(s)
+        n = counts[l]
+        cf[r] += n * lf[0] / speed / k
+        cb[r] += n * lf[1] / speed / k
+        cw[r] += n * lf[2] / speed / k
+        mf[r] += n * m_b / k
+        mw[r] += n * m_w / k
+        params[r] += n * spec.params_per_layer()
+        if l == S - 1:  # output layer and loss of this path
+            cf[r] += of[0] / speed / k
+            cb[r] += of[1] / speed / k
+            cw[r] += of[2] / speed / k
+            mf[r] += 4.0 * sq * b * vv / t / k
+            mw[r] += 2.0 * sq * b * h / t / k
+            if pl.rank_of(pl.path(pl.path_of(s))[0]) != r:
+                params[r] += vv * h / t
+        if l == 0:
+            mf[r] += 2.0 * sq * b * h / k
+            params[r] += vv * h / t
+    return cf, cb, cw, mf, mw, [spec.state_bytes(x) for x in params], counts
+
+
 def plan(spec: ModelSpec, pipeline_parallel_size: int, microbatches: int, gpu_memory_gb: float,
          tflops: float = GPU_PEAK_TFLOPS["h100"], efficiency: float = 0.5, profile: Optional[dict] = None,
          schedules: Optional[List[str]] = None, pad_ends: bool = False, interleave_chunks: int = 2,
-         exact: Optional[tuple] = None) -> List[dict]:
-    """Rank every schedule for the model. ``exact`` = (node limit, time limit or None): the
-    automatic schedules also get the exact MILP (``schedules.exact.refine``)."""
+         cost_optimizer: float = 0.0, post_validation: bool = False,
+         offload_ratio=None, offload_time=None, host_link_gbps: Optional[float] = None,
+         offload_overlap: bool = True, exact: Optional[tuple] = None) -> List[dict]:
+    """Rows sorted by (fits, time per training iteration): with Megatron's synchronous optimizer
+    step, or with optimizer post-validation when ``post_validation`` (``cost_optimizer`` seconds
+    per step). Each row carries both times. Activation offload (``core.offload``):
+    ``offload_ratio`` R (0..1) offloads that share of every schedule's activations; ``'auto'``
+    offloads as little as brings each schedule under the memory budget (zb-auto / v-auto may then
+    take a schedule that needs more). The transfer time is ``offload_time`` K, or derived per rank
+    from ``host_link_gbps`` (one-way GB/s): K = activation bytes / bandwidth / (F + B). ``exact`` =
+    (node limit, time limit or None): the automatic schedules also get the exact MILP (``schedules.exact.refine``; not with offload)."""
+    if exact is not None and offload_ratio is not None:
+        raise ScheduleError("the exact mode solves schedules without activation offload (the MILP has no host "
+                            "link): leave out the offload ratio or the exact mode")
     spec.validate()
+    key = "iteration_time_post_validated_s" if post_validation else "iteration_time_s"
     p, m = pipeline_parallel_size, microbatches
     if p < 2:
         raise ScheduleError("--pipeline-parallel-size must be >= 2: pipeline schedules need several stages")
@@ -156,7 +207,8 @@ def plan(spec: ModelSpec, pipeline_parallel_size: int, microbatches: int, gpu_me
     for name in schedules or names():
         sp = get(name)
         v = sp.resolve_chunks(interleave_chunks if sp.chunks is None else None)
-        style = "v" if sp.chunks == 2 and name not in ("interleaved-1f1b", "looped-bfs") else \
+        style = "bitpipe" if sp.models_per_rank else \
+            "v" if sp.chunks == 2 and name not in ("interleaved-1f1b", "looped-bfs") else \
             ("looped" if v > 1 else "single")
         if v * p > spec.num_layers + (2 if pad_ends else 0):
             rows.append({"schedule": name, "error": f"{spec.num_layers} layers < {v * p} model chunks"})
@@ -176,37 +228,74 @@ def plan(spec: ModelSpec, pipeline_parallel_size: int, microbatches: int, gpu_me
             setting = Setting(p, m, chunks=v, cost_f=cf, cost_b=cb, cost_w=cw, cost_comm=comm,
                               mem_f=[x / unit for x in mf], mem_w=[min(a, b) / unit for a, b in zip(mw, mf)],
                               memory_limit=limit_units if name in ("zb-auto", "v-auto") else None)
-            sched = generate(name, setting)
-            if exact is not None and name in AUTOMATIC:
-                sched = refine(sched, setting, node_limit=exact[0], time_limit=exact[1])
-            res = simulate(sched, Setting(**{**setting.to_dict(), "chunks": sched.placement.chunks}))
+            off = _offload_options(offload_ratio, offload_time, host_link_gbps, offload_overlap, mf, cf, cb,
+                                   limit_units)
+            if off is not None:
+                from .offload import generate_with_offload
+                sched = generate_with_offload(name, setting, off)
+            else:
+                sched = generate(name, setting)
+                if exact is not None and name in AUTOMATIC:
+                    sched = refine(sched, setting, node_limit=exact[0], time_limit=exact[1])
+            sim_setting = Setting(**{**setting.to_dict(), "chunks": sched.placement.chunks})
+            res = simulate(sched, sim_setting)
+            it = iteration_times(sched, sim_setting, cost_optimizer)
         except ScheduleError as e:
             rows.append({"schedule": name, "error": str(e)})
             continue
         act_bytes = [x * unit for x in res.peak_memory]
         total = [a + s for a, s in zip(act_bytes, states)]
         row = {"schedule": name, "chunks": v, "makespan_s": res.makespan, "bubble_rate": res.bubble_rate,
+               "iteration_time_s": it.iteration_time,
+               "iteration_time_post_validated_s": it.iteration_time_post_validated, "ranked_by": key,
                "activation_bytes": act_bytes, "state_bytes": states, "peak_bytes": total,
                "fits": max(total) <= budget, "layers_per_stage": counts,
+               "activation_unit_bytes": unit,  # one microbatch's activation on the fullest rank
+               "memory_limit_microbatches": (math.floor(limit_units * 100) / 100
+                                             if name in ("zb-auto", "v-auto") and limit_units else None),
+               "weight_copies": res.weight_copies or [1.0] * p,
                "flags": _flags(name, p, v, limit_units, counts, pad_ends)}
         for k in ("gap_to_lower_bound", "exact"):
             if k in sched.meta:
                 row[k] = sched.meta[k]
+        if res.offload is not None:
+            o = res.offload.to_dict()
+            row["offload"] = {"time": o["time"], "offloaded": o["offloaded"], "offloaded_w": o["offloaded_w"],
+                              "activation_bytes_without_offload": [x * unit for x in o["peak_memory_without_offload"]]}
+            ks = o["time"] if isinstance(o["time"], list) else [o["time"]]
+            share = max(o["offloaded_share"]) if o["offloaded_share"] else 0.0
+            row["flags"] += (f" --cpu-offload --zero-bubble-offload-ratio {share:.2f} --offload-time "
+                             f"{max(ks):.3g}")
         if name == "1f1b":
             base = row
         rows.append(row)
     ok = [r for r in rows if "error" not in r]
     for r in ok:
-        r["throughput_vs_1f1b"] = round(base["makespan_s"] / r["makespan_s"], 4) if base else None
-    ok.sort(key=lambda r: (not r["fits"], r["makespan_s"]))
+        r["throughput_vs_1f1b"] = round(base[key] / r[key], 4) if base and r[key] else None
+        if post_validation:
+            r["flags"] += " --enable-optimizer-post-validation"
+    ok.sort(key=lambda r: (not r["fits"], r[key], r["makespan_s"]))
     return ok + [r for r in rows if "error" in r]
+
+
+def _offload_options(ratio, time, gbps, overlap, mf, cf, cb, limit_units):
+    if ratio is None:
+        return None
+    from .offload import OffloadOptions
+    if time is None:
+        if gbps is None:
+            time = 1.0
+        else:  # K per rank: bytes / bandwidth over (F + B) seconds (per chunk both scale alike)
+            time = [(mf[r] / (gbps * 1e9)) / (cf[r] + cb[r]) if cf[r] + cb[r] > 0 else 0.0 for r in range(len(mf))]
+    return OffloadOptions(ratio=None if ratio == "auto" else ratio, time=time, overlap=overlap,
+                          memory_limit=limit_units if ratio == "auto" else None)
 
 
 def _flags(name, p, v, limit_units, counts, pad_ends):
     f = [f"--pipeline-model-parallel-size {p}", f"--zero-bubble-schedule {name}"]
     if name in ("zb-auto", "v-auto") and limit_units:
         f.append(f"--zero-bubble-memory-limit {math.floor(limit_units * 100) / 100:g}")
-    if name in ("interleaved-1f1b", "looped-bfs"):
+    if name in ("interleaved-1f1b", "looped-bfs", "interleaved-zb", "zeropp"):
         f.append(f"--num-layers-per-virtual-pipeline-stage {max(1, min(counts))}")
     if pad_ends:
         f.append("--allow-padding-num-layers")

@@ -4,14 +4,25 @@ Contract (product brief): every rank runs its compute passes in list order, each
 time its dependencies and the rank's previous pass allow. A dependency on a pass of another rank
 is charged ``cost_comm``; one on the same rank (e.g. the V turn-around) is not. Communication
 actions of a lowered schedule take no time here.
+
+Replicated stages (``Placement.paths``): the replicas of a logical stage all-reduce their weight
+gradients once every replica has run its last backward pass (B, BW or W). The all-reduce takes
+``cost_sync / chunks`` and runs beside the compute (it only occupies the link between the
+replicas' ranks, one all-reduce at a time per rank); a rank is done when its last pass and its
+last all-reduce are. So an early sync is hidden behind the remaining passes and only the tail
+shows, which is what eager gradient synchronisation buys.
+
+OFFLOAD/RELOAD actions (``core.offload``) run on the rank's host link (``core.offload.HostLinks``):
+a B waits for its reload, and the offloaded activation leaves ``peak_memory`` between the end of
+its offload and the start of its reload.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
-from .ir import B, BW, F, W, Action, Schedule, ScheduleError, Setting, deps
+from .ir import B, BW, F, OFFLOAD_KINDS, W, Action, Schedule, ScheduleError, Setting, deps
 
 
 @dataclass
@@ -34,10 +45,15 @@ class SimResult:
     spans: List[float]
     busy: List[float]
     timeline: List[List[Timed]] = field(repr=False)
+    # replicated stages only: (logical stage, ranks, start, end) of each gradient all-reduce, and
+    # the model weights each rank holds in 1F1B stages (2 where it holds two replicas' worth)
+    syncs: List[Tuple[int, Tuple[int, ...], float, float]] = field(default_factory=list, repr=False)
+    weight_copies: Optional[List[float]] = None
+    offload: Optional[object] = field(default=None, repr=False)  # core.offload.OffloadResult
 
     def to_dict(self) -> dict:
         ideal = max(self.busy) if self.busy else 0.0
-        return {
+        d = {
             "schedule": self.schedule,
             "stages": self.stages,
             "microbatches": self.microbatches,
@@ -48,7 +64,14 @@ class SimResult:
             "peak_memory": [_r(x) for x in self.peak_memory],
             "spans": [_r(x) for x in self.spans],
             "busy": [_r(x) for x in self.busy],
+            **({"weight_copies": [_r(x) for x in self.weight_copies],
+                "gradient_syncs": [{"logical_stage": l, "ranks": list(rk), "start": _r(a), "end": _r(b)}
+                                   for l, rk, a, b in self.syncs]}
+               if self.weight_copies is not None else {}),
         }
+        if self.offload is not None:
+            d["offload"] = self.offload.to_dict()
+        return d
 
 
 def _r(x: float) -> float:
@@ -56,11 +79,77 @@ def _r(x: float) -> float:
 
 
 class Deadlock(ScheduleError):
-    pass
+    """No rank can run its next pass. The message (built only when asked for: search loops catch
+    many of these) names the pass that comes too late and the cycle of ranks waiting on it, then
+    every stuck rank; positions count every action of the (flattened) rank list."""
+
+    def __init__(self, schedule: Schedule, orders: List[List[Action]], pos: List[int],
+                 done: Dict[Tuple[str, int, int], float]):
+        super().__init__("schedule deadlocks")
+        self._args = (schedule, orders, pos, done)
+        self._msg: Optional[str] = None
+
+    def __str__(self) -> str:
+        if self._msg is None:
+            self._msg = _deadlock_message(*self._args)
+        return self._msg
+
+    def __reduce__(self):  # pickles as the plain error it describes
+        return ScheduleError, (str(self),)
 
 
-def simulate(schedule: Schedule, setting: Setting) -> SimResult:
-    """Time every compute pass. Raises Deadlock naming each stuck rank's waiting pass."""
+def _deadlock_message(schedule: Schedule, orders, pos, done) -> str:
+    pl = schedule.placement
+    nst = pl.num_stages
+    index = [[i for i, a in enumerate(o) if a.is_compute] for o in schedule.orders]  # compute -> list position
+    where = {}  # (kind, stage, mb) -> (rank, compute index); B and BW also as 'B*'
+    for r, order in enumerate(orders):
+        for j, a in enumerate(order):
+            where.setdefault((a.kind, a.stage, a.mb), (r, j))
+            if a.kind in (B, BW):
+                where.setdefault(("B*", a.stage, a.mb), (r, j))
+    stuck = [r for r in range(len(orders)) if pos[r] < len(orders[r])]
+    waits = {}  # rank -> (its pass, the missing dependency, (rank, compute index) of it or None)
+    for r in stuck:
+        a = orders[r][pos[r]]
+        dep = next(d for d in deps(a, nst, pl) if d not in done)
+        waits[r] = (a, dep, where.get(dep))
+
+    def name(dep):
+        k, st, mb = dep
+        return f"{'B' if k == 'B*' else k}{st}.{mb}"
+
+    def at(r, j):
+        return f"rank {r} position {index[r][j]}"
+
+    lead = ""
+    missing = [r for r in stuck if waits[r][2] is None]
+    if missing:
+        r = missing[0]
+        a, dep, _ = waits[r]
+        lead = f"{at(r, pos[r])} ({a}) waits for {name(dep)}, which no rank runs; "
+    else:  # follow the waits from a stuck rank to a cycle; blame the wait whose pass lies furthest ahead
+        r, seen = stuck[0], []
+        while r not in seen:
+            seen.append(r)
+            r = waits[r][2][0]
+        cycle = seen[seen.index(r):]
+        late = max(cycle, key=lambda q: waits[q][2][1] - pos[waits[q][2][0]])
+        a, dep, (q, j) = waits[late]
+        others = [f"{at(c, pos[c])} ({waits[c][0]}) waits for {name(waits[c][1])} from rank {waits[c][2][0]}"
+                  for c in cycle if c != late]
+        lead = (f"{name(dep)} at {at(q, j)} comes too late: {at(late, pos[late])} ({a}) waits for it"
+                + (f", while {', '.join(others)}" if others else "") + "; ")
+    return ("schedule deadlocks: " + lead + "stuck: "
+            + "; ".join(f"rank {r} at position {index[r][pos[r]]} waits in {orders[r][pos[r]]}" for r in stuck))
+
+
+def simulate(schedule: Schedule, setting: Setting,
+             release: Optional[Dict[Tuple[int, int], float]] = None) -> SimResult:
+    """Time every compute pass. Raises Deadlock naming each stuck rank's waiting pass.
+
+    ``release`` (optional): {(rank, i): t} -- the i-th compute pass of that rank starts no earlier
+    than t (``core.iteration`` uses it for iterations back to back)."""
     schedule = schedule.flat()
     pl = schedule.placement
     nst = pl.num_stages
@@ -68,7 +157,12 @@ def simulate(schedule: Schedule, setting: Setting) -> SimResult:
         raise ScheduleError(f"schedule has {pl.num_ranks} ranks but the setting has {setting.stages} stages")
     if setting.chunks != pl.chunks:  # each chunk's pass costs the rank's value / chunks
         setting = dataclasses.replace(setting, chunks=pl.chunks)
-    orders = [[a for a in o if a.is_compute] for o in schedule.orders]
+    links = None
+    if schedule.meta.get("offload") is not None or any(a.kind in OFFLOAD_KINDS for o in schedule.orders for a in o):
+        from .offload import HostLinks
+        links = HostLinks(schedule, setting)
+    orders = [[a for a in o if a.is_compute or (links is not None and a.kind in OFFLOAD_KINDS)]
+              for o in schedule.orders]
     done: Dict[Tuple[str, int, int], float] = {}  # (kind, stage, mb) -> end time; BW also as 'B*'
     pos = [0] * len(orders)
     clock = [0.0] * len(orders)
@@ -80,9 +174,17 @@ def simulate(schedule: Schedule, setting: Setting) -> SimResult:
         for r, order in enumerate(orders):
             while pos[r] < len(order):
                 a = order[pos[r]]
+                if a.kind in OFFLOAD_KINDS:  # issued now; runs on the host link
+                    links.issue(r, a, clock[r])
+                    pos[r] += 1
+                    remaining -= 1
+                    progressed = True
+                    continue
                 ready = clock[r]
+                if release:
+                    ready = max(ready, release.get((r, len(timeline[r])), ready))  # i-th compute pass
                 ok = True
-                for dk, ds, dmb in deps(a, nst):
+                for dk, ds, dmb in deps(a, nst, pl):
                     t = done.get((dk, ds, dmb))
                     if t is None:
                         ok = False
@@ -93,6 +195,8 @@ def simulate(schedule: Schedule, setting: Setting) -> SimResult:
                         ready = t
                 if not ok:
                     break
+                if links is not None and a.kind in (B, BW, W):
+                    ready = links.gate(r, a, ready)
                 end = ready + setting.pass_cost(a.kind, r)
                 timeline[r].append(Timed(a, r, ready, end))
                 clock[r] = end
@@ -103,24 +207,62 @@ def simulate(schedule: Schedule, setting: Setting) -> SimResult:
                 remaining -= 1
                 progressed = True
         if not progressed:
-            stuck = [f"rank {r} at position {pos[r]} waits in {orders[r][pos[r]]}"
-                     for r in range(len(orders)) if pos[r] < len(orders[r])]
-            raise Deadlock("schedule deadlocks: " + "; ".join(stuck))
+            raise Deadlock(schedule, orders, pos, done)
 
+    syncs = _replica_syncs(timeline, pl, setting) if pl.replicated else []
+    finish = [tl[-1].end if tl else 0.0 for tl in timeline]
+    for _, ranks, _, end in syncs:
+        for r in ranks:
+            finish[r] = max(finish[r], end)
     spans, busy, peaks = [], [], []
     for r, tl in enumerate(timeline):
         if tl:
-            spans.append(tl[-1].end - tl[0].start)
+            spans.append(finish[r] - tl[0].start)
             busy.append(sum(t.end - t.start for t in tl))
         else:
             spans.append(0.0)
             busy.append(0.0)
         peaks.append(peak_memory(orders[r], r, setting))
+    offload = None
+    if links is not None:
+        offload = links.result(peaks, [sum(1 for t in tl if t.action.kind == F) for tl in timeline])
+        peaks = [links.peak(r, tl) for r, tl in enumerate(timeline)]
     makespan = max(spans) if spans else 0.0
     p = len(orders)
     bubble = 1.0 - sum(busy) / (p * makespan) if makespan > 0 else 0.0
+    copies = [pl.weight_copies(r) for r in range(p)] if pl.replicated else None
     return SimResult(schedule.name, setting.stages, schedule.num_microbatches, pl.chunks,
-                     makespan, bubble, peaks, spans, busy, timeline)
+                     makespan, bubble, peaks, spans, busy, timeline, syncs, copies, offload)
+
+
+def _replica_syncs(timeline: List[List[Timed]], pl, setting: Setting):
+    """When each logical stage's replica all-reduce runs (see the module docstring)."""
+    last_end: Dict[int, float] = {}  # physical stage -> end of its last backward pass
+    for tl in timeline:
+        for t in tl:
+            if t.action.kind in (B, BW, W):
+                last_end[t.action.stage] = max(last_end.get(t.action.stage, 0.0), t.end)
+    jobs = []
+    for l in range(pl.num_logical_stages):
+        reps = [p[l] for p in pl.paths]
+        ran = [s for s in reps if s in last_end]
+        if len(ran) < 2:  # a replica no microbatch went through: nothing to sum
+            continue
+        ranks = tuple(sorted({pl.rank_of(s) for s in ran}))
+        jobs.append((max(last_end[s] for s in ran), l, ranks))
+    link_free = [0.0] * pl.num_ranks
+    dur = setting.cost_sync / pl.chunks
+    out = []
+    for ready, l, ranks in sorted(jobs):
+        if len(ranks) < 2:  # both replicas on one rank: a local sum, no link
+            out.append((l, ranks, ready, ready))
+            continue
+        start = max([ready] + [link_free[r] for r in ranks])
+        end = start + dur
+        for r in ranks:
+            link_free[r] = end
+        out.append((l, ranks, start, end))
+    return out
 
 
 def memory_trace(order: List[Action], rank: int, setting: Setting) -> List[float]:

@@ -5,7 +5,8 @@ import dataclasses
 from collections import Counter
 from typing import Optional
 
-from .ir import B, BW, COMPUTE_KINDS, F, W, Schedule, ScheduleError, Setting
+from .ir import B, BW, COMPUTE_KINDS, F, OFFLOAD_KINDS, W, Schedule, ScheduleError, Setting
+from .offload import check_offload
 from .simulate import Deadlock, simulate
 
 
@@ -46,18 +47,33 @@ def validate(schedule: Schedule, setting: Optional[Setting] = None,
                 raise ScheduleError(f"rank {r} position {i}: {a} appears twice "
                                     f"(first at rank {pr} position {pi})")
             where[key] = (r, i)
-    for s in range(pl.num_stages):
+    if pl.replicated:
+        route = {}
+        for r, order in enumerate(schedule.orders):
+            for i, a in enumerate(order):
+                if not a.is_compute:
+                    continue
+                k = pl.path_of(a.stage)
+                if route.setdefault(a.mb, k) != k:
+                    raise ScheduleError(f"rank {r} position {i}: {a} runs microbatch {a.mb} on path {k}, but it "
+                                        f"also runs on path {route[a.mb]}; a microbatch takes one path")
+        todo = [(s, mb) for mb in range(m) for s in pl.path(route.get(mb, 0))]
+    else:
+        todo = [(s, mb) for s in range(pl.num_stages) for mb in range(m)]
+    for s, mb in todo:
         r = pl.rank_of(s)
-        for mb in range(m):
-            if not seen[(F, s, mb)]:
-                raise ScheduleError(f"rank {r}: missing F for stage {s} microbatch {mb}")
-            nb, nw, nbw = seen[(B, s, mb)], seen[(W, s, mb)], seen[(BW, s, mb)]
-            if nbw and (nb or nw):
-                raise ScheduleError(f"rank {r}: stage {s} microbatch {mb} has both BW and B/W; "
-                                    "use either one BW or one B followed by one W")
-            if not nbw and not (nb and nw):
-                missing = "B and W (or one BW)" if not (nb or nw) else ("W" if nb else "B")
-                raise ScheduleError(f"rank {r}: stage {s} microbatch {mb} is missing {missing}")
+        if not seen[(F, s, mb)]:
+            raise ScheduleError(f"rank {r}: missing F for stage {s} microbatch {mb}")
+        nb, nw, nbw = seen[(B, s, mb)], seen[(W, s, mb)], seen[(BW, s, mb)]
+        if nbw and (nb or nw):
+            raise ScheduleError(f"rank {r}: stage {s} microbatch {mb} has both BW and B/W; "
+                                "use either one BW or one B followed by one W")
+        if not nbw and not (nb and nw):
+            missing = "B and W (or one BW)" if not (nb or nw) else ("W" if nb else "B")
+            raise ScheduleError(f"rank {r}: stage {s} microbatch {mb} is missing {missing}")
+    offload = any(a.kind in OFFLOAD_KINDS for o in schedule.orders for a in o)
+    if offload:
+        check_offload(schedule)
     try:
         result = simulate(schedule, setting or Setting(pl.num_ranks, max(m, 1), chunks=pl.chunks))
     except Deadlock as e:
@@ -66,6 +82,12 @@ def validate(schedule: Schedule, setting: Optional[Setting] = None,
         return result
     limit = setting.memory_limit if memory_limit is None else memory_limit
     if limit is None or limit == float("inf"):
+        return result
+    if offload:  # offloaded activations leave the count: the simulator's time-based peak
+        for r, peak in enumerate(result.peak_memory):
+            if peak > limit + 1e-9:
+                raise ScheduleError(f"rank {r}: activation memory peaks at {peak:g} even with offload, over "
+                                    f"the limit {limit:g}")
         return result
     st = dataclasses.replace(setting, chunks=pl.chunks)
     for r, order in enumerate(schedule.orders):

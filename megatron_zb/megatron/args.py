@@ -20,8 +20,11 @@ Two families of flags, both accepted by ``add_zero_bubble_args``:
   ``--zero-bubble-max-pending-backward``, ``--zero-bubble-pipeline-timers-start-iter/-end-iter``,
   ``--allow-padding-num-layers``, ``--enable-zb-runtime`` and ``--no-pre-communication-optimization``
   (accepted, nothing to do). The fork's flags for features megatron-zb does not have yet
-  (offload, optimizer post-validation, ...) parse, and validation then refuses them with a
-  "not available yet in megatron-zb" message.
+  (exact-numeric-match, ...) parse, and validation then refuses them with a
+  "not available yet in megatron-zb" message. The fork's activation-offload flags work
+  (``--cpu-offload``, ``--offload-chunk-num``, ``--offload-time``, ``--auto-offload-time``,
+  ``--offload-overlap-sr``), with ours: ``--zero-bubble-offload-ratio``,
+  ``--zero-bubble-offload-half-duplex``, ``--zero-bubble-offload-cpu-test``.
 
 ``validate_zero_bubble_args`` checks the combination up front (before any process group exists)
 and raises ``ZeroBubbleArgumentError`` with a message naming the flags; it returns the keyword
@@ -36,6 +39,7 @@ This module imports neither torch nor megatron.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import re
 from typing import Any, Callable, Dict, Optional
@@ -82,7 +86,7 @@ def _positive_float(flag):
 
 def _cost(flag):
     """A number, or a comma list (one per pipeline rank); the CLI's parser, unwrapped when single."""
-    from ..cli import _number_list
+    from ..argtypes import number_list as _number_list
     parse_list = _number_list(flag)
 
     def parse(text):
@@ -127,27 +131,37 @@ def _pending_backward(text):
     return v
 
 
+def _offload_ratio(text):
+    t = str(text).strip().lower()
+    if t == "auto":
+        return "auto"
+    try:
+        v = float(t)
+    except ValueError:
+        v = -1.0
+    if not (0.0 <= v <= 1.0):
+        raise argparse.ArgumentTypeError(f"--zero-bubble-offload-ratio takes a number in 0..1 or 'auto', got {text!r}")
+    return v
+
+
+def _nonneg_float(flag):
+    from ..argtypes import nonneg
+    return nonneg(flag)
+
+
 def _nonneg_int(flag):
-    from ..cli import int_at_least
+    from ..argtypes import int_at_least
     return int_at_least(flag, 0)
 
 
 # The fork's flags for features megatron-zb does not have yet: parsed (so the user's script gets
 # past argparse) and refused by validation. dest -> (flag, is_given(value)).
 NOT_AVAILABLE_FLAGS: Dict[str, tuple] = {
-    "enable_optimizer_post_validation": ("--enable-optimizer-post-validation", bool),
     "enable_exactly_numeric_match": ("--enable-exactly-numeric-match", bool),
     "enable_1f1b_v": ("--enable-1f1b-v", bool),
-    "cpu_offload": ("--cpu-offload", bool),
-    "offload_chunk_num": ("--offload-chunk-num", lambda v: v is not None and v > 0),
-    "offload_time": ("--offload-time", lambda v: v is not None),
-    "auto_offload_time": ("--auto-offload-time", bool),
-    "offload_overlap_sr": ("--offload-overlap-sr", bool),
-    "offload_continuous_buffers": ("--offload-continuous-buffers", bool),
     "interleave_group_size": ("--interleave-group-size", lambda v: v is not None and v > 0),
     "num_seq_splits": ("--num-seq-splits", lambda v: v is not None and v > 1),
     "recompute_lgd": ("--recompute-lgd", bool),
-    "no_paired_barrier": ("--no-paired-barrier", bool),
     "measure_activation_memory": ("--measure-activation-memory", bool),
     "profile_memory_iter": ("--profile-memory-iter", lambda v: v is not None and v >= 0),
     "zero_bubble_adaptive_memory_limit_percentile": ("--zero-bubble-adaptive-memory-limit-percentile",
@@ -157,7 +171,6 @@ NOT_AVAILABLE_FLAGS: Dict[str, tuple] = {
 _WHAT_INSTEAD = {
     "enable_1f1b_v": "for a V-placement run with fused backward use --zero-bubble-schedule gpipe-v, "
                      "or zb-v for the zero-bubble V schedule",
-    "enable_optimizer_post_validation": "the optimizer step stays synchronous (Megatron's)",
     "enable_exactly_numeric_match": "megatron-zb's schedules already give the same gradients as 1F1B; "
                                     "`megatron-zb verify` checks it",
     "zero_bubble_adaptive_memory_limit_percentile": "give --zero-bubble-max-pending-backward N or "
@@ -204,6 +217,16 @@ def add_zero_bubble_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                    help="Relative time of one pipeline hop (default 0).")
     g.add_argument("--zero-bubble-mem-w", type=float, default=None, metavar="RATIO",
                    help="Fraction of a microbatch's activation still held after B until W (default 0.5).")
+    g.add_argument("--zero-bubble-offload-ratio", type=_offload_ratio, default=None, metavar="R|auto",
+                   help="Activation offload (implies --cpu-offload): offload this share (0..1) of each rank's "
+                        "activations, the longest-lived first; 'auto': as few as fit --zero-bubble-memory-limit "
+                        "(zb-auto/v-auto may then take a schedule that needs more and offload it back under).")
+    g.add_argument("--zero-bubble-offload-half-duplex", action="store_true", default=False,
+                   help="One copy stream for offloads and reloads (the fork's default without "
+                        "--offload-overlap-sr); megatron-zb's default is one stream each.")
+    g.add_argument("--zero-bubble-offload-cpu-test", action="store_true", default=False,
+                   help="Allow activation offload without CUDA: synchronous copies between CPU tensors, to check "
+                        "correctness (not speed) on a CPU machine.")
     g.add_argument("--allow-padding-num-layers", action="store_true", default=False,
                    help="Allow a layer count that does not split evenly: the first and the last stage (which "
                         "also hold the embedding and the loss) get one layer less, i.e. --num-layers = k x "
@@ -237,27 +260,43 @@ def add_zero_bubble_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     f.add_argument("--no-pre-communication-optimization", action="store_false",
                    dest="pre_communication_optimization", default=True,
                    help="Accepted for compatibility; megatron-zb sends no pre-communication messages.")
-    # not available yet: parsed here, refused by validate_zero_bubble_args
+    f.add_argument("--zero-bubble-post-validation-min-clean-steps", type=_nonneg_int(
+                       "--zero-bubble-post-validation-min-clean-steps"), default=None, metavar="N",
+                   help="With --enable-optimizer-post-validation: optimizer steps stay synchronous until N steps in a "
+                        "row were neither clipped nor skipped, and again after each rollback (default 10, the "
+                        "fork's rule; 0 post-validates from the first step).")
     f.add_argument("--enable-optimizer-post-validation", action="store_true", default=False,
-                   help="Not available yet in megatron-zb.")
+                   help="Optimizer post-validation: each pipeline rank steps as soon as its own last pass is done; "
+                        "the gradient norm and inf/NaN flags are reduced along the pipeline and the step is "
+                        "rolled back and redone when they say Megatron's step would have clipped or skipped.")
+    # not available yet: parsed here, refused by validate_zero_bubble_args
     f.add_argument("--enable-exactly-numeric-match", action="store_true", default=False,
                    help="Not available yet in megatron-zb.")
     f.add_argument("--enable-1f1b-v", action="store_true", default=False,
                    help="Not available yet in megatron-zb (use --zero-bubble-schedule gpipe-v or zb-v).")
-    f.add_argument("--cpu-offload", action="store_true", default=False, help="Not available yet in megatron-zb.")
-    f.add_argument("--offload-chunk-num", type=int, default=None, help="Not available yet in megatron-zb.")
-    f.add_argument("--offload-time", type=float, default=None, help="Not available yet in megatron-zb.")
+    f.add_argument("--cpu-offload", action="store_true", default=False,
+                   help="Activation offload (PipeOffload): move activations to pinned host memory after their F "
+                        "and back before their B, on CUDA side streams, where the schedule leaves time "
+                        "(docs/offload.md). All that can travel unless --zero-bubble-offload-ratio says less.")
+    f.add_argument("--offload-chunk-num", type=int, default=None, metavar="N",
+                   help="Offload only the first N model chunks of each rank (1..chunks; default all).")
+    f.add_argument("--offload-time", type=_nonneg_float("--offload-time"), default=None, metavar="K",
+                   help="One-way transfer of one microbatch's stage activation takes K x (F + B) of that stage; "
+                        "the schedule places offloads and reloads with it (default 1).")
     f.add_argument("--auto-offload-time", action="store_true", default=False,
-                   help="Not available yet in megatron-zb.")
+                   help="Measure K at start-up: this GPU's matmul speed and host-link bandwidth (the largest K "
+                        "over all ranks is used).")
     f.add_argument("--offload-overlap-sr", action="store_true", default=False,
-                   help="Not available yet in megatron-zb.")
+                   help="D2H and H2D copies on separate streams, so offloads and reloads overlap (megatron-zb's "
+                        "default; see --zero-bubble-offload-half-duplex for one stream).")
     f.add_argument("--offload-continuous-buffers", action="store_true", default=False,
-                   help="Not available yet in megatron-zb.")
+                   help="Accepted: megatron-zb always packs each offloaded activation into one reused host "
+                        "buffer.")
     f.add_argument("--interleave-group-size", type=int, default=None, help="Not available yet in megatron-zb.")
     f.add_argument("--num-seq-splits", type=int, default=None, help="Not available yet in megatron-zb (> 1).")
     f.add_argument("--recompute-lgd", action="store_true", default=False, help="Not available yet in megatron-zb.")
     f.add_argument("--no-paired-barrier", action="store_true", default=False,
-                   help="Not available yet in megatron-zb.")
+                   help="Accepted: megatron-zb has no paired PCIe barrier between neighbouring GPUs.")
     f.add_argument("--measure-activation-memory", action="store_true", default=False,
                    help="Not available yet in megatron-zb.")
     f.add_argument("--profile-memory-iter", type=int, default=None, help="Not available yet in megatron-zb.")
@@ -386,14 +425,18 @@ def validate_zero_bubble_args(args, *, before_megatron_validation: Optional[bool
 
     name = _resolve_schedule(args)
     if name is None:
-        for flag, dest in (("--zero-bubble-memory-limit", "zero_bubble_memory_limit"),
+        for flag, dest in (("--enable-optimizer-post-validation", "enable_optimizer_post_validation"),
+                           ("--zero-bubble-memory-limit", "zero_bubble_memory_limit"),
                            ("--zero-bubble-max-pending-backward", "zero_bubble_max_pending_backward"),
                            ("--zero-bubble-profile-window", "zero_bubble_profile_window"),
                            ("--zero-bubble-pipeline-timers-start-iter", "zero_bubble_pipeline_timers_start_iter"),
-                           ("--zero-bubble-pipeline-timers-end-iter", "zero_bubble_pipeline_timers_end_iter")):
+                           ("--zero-bubble-pipeline-timers-end-iter", "zero_bubble_pipeline_timers_end_iter"),
+                           ("--cpu-offload", "cpu_offload"),
+                           ("--zero-bubble-offload-ratio", "zero_bubble_offload_ratio")):
             if _given(args, dest):
                 raise err(f"{flag} needs a megatron-zb schedule: add --zero-bubble-schedule NAME "
                           "(or the fork's --enable-zero-bubble / --zero-bubble-v-schedule)")
+        _offload_kwargs(args, name=None, chunks=1, limit=None)  # stray offload flags get their message
         args.zero_bubble_resolved_schedule = None
         args.zero_bubble_placement = None
         if getattr(args, "allow_padding_num_layers", False):
@@ -439,9 +482,12 @@ def validate_zero_bubble_args(args, *, before_megatron_validation: Optional[bool
                   f"megatron-zb schedule {name}")
 
     # -- model layout ------------------------------------------------------------------------------
-    if style == "v":
-        if nlpvs is not None or nvspr not in (None, 2) or (not before_megatron_validation and vpp not in (None, 2)):
-            raise err(f"schedule {name} places 2 model chunks per rank in V order itself; drop "
+    if style in ("v", "bitpipe"):
+        models = 4 if style == "bitpipe" else 2
+        what = "in BitPipe order (two V pipelines)" if style == "bitpipe" else "in V order"
+        if nlpvs is not None or nvspr not in (None, models) or \
+                (not before_megatron_validation and vpp not in (None, models)):
+            raise err(f"schedule {name} places {models} model chunks per rank {what} itself; drop "
                       "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank")
         for dest, flag in (("pipeline_model_parallel_layout", "--pipeline-model-parallel-layout"),
                            ("decoder_first_pipeline_num_layers", "--decoder-first-pipeline-num-layers"),
@@ -465,8 +511,11 @@ def validate_zero_bubble_args(args, *, before_megatron_validation: Optional[bool
                 if (L + 2) % S or (L + 2) // S < 2:
                     raise err(f"--allow-padding-num-layers with V schedule {name} needs --num-layers = k x {S} - 2 "
                               f"(k >= 2, first and last stage one layer less), got {L}")
-        args.num_virtual_stages_per_pipeline_rank = 2
+        args.num_virtual_stages_per_pipeline_rank = models
         chunks = 2
+        if style == "bitpipe" and not getattr(args, "zero_bubble_deterministic_init", False):
+            # the two replicas of every stage must start identical: draw every weight from its global name
+            args.zero_bubble_deterministic_init = True
     elif style == "looped":
         if layout is not None:
             raise err(f"--pipeline-model-parallel-layout cannot be combined with megatron-zb schedule {name}")
@@ -566,10 +615,65 @@ def validate_zero_bubble_args(args, *, before_megatron_validation: Optional[bool
     elif getattr(args, "zero_bubble_profile_path", None):
         raise err("--zero-bubble-profile-path needs a profiling window (--zero-bubble-profile-window START END)")
 
+    if getattr(args, "enable_optimizer_post_validation", False):
+        for dest, flag in (("overlap_param_gather", "--overlap-param-gather"),
+                           ("overlap_param_gather_with_optimizer_step", "--overlap-param-gather-with-optimizer-step"),
+                           ("optimizer_cpu_offload", "--optimizer-cpu-offload"),
+                           ("use_precision_aware_optimizer", "--use-precision-aware-optimizer"),
+                           ("use_megatron_fsdp", "--use-megatron-fsdp")):
+            if _given(args, dest):
+                raise err(f"--enable-optimizer-post-validation cannot be combined with {flag}: the rollback needs "
+                          "the optimizer step (and its parameter all-gather) whole on this rank")
+        kwargs["post_validation"] = True
+    elif _given(args, "zero_bubble_post_validation_min_clean_steps"):
+        raise err("--zero-bubble-post-validation-min-clean-steps needs --enable-optimizer-post-validation")
+    kwargs.update(_offload_kwargs(args, name=name, chunks=chunks, limit=limit))
+
     args.zero_bubble_resolved_schedule = name
     args.zero_bubble_placement = style
     args.zero_bubble_split_backward = bool(spec.split_backward)
     return kwargs
+
+
+_OFFLOAD_DETAIL_FLAGS = (("--offload-time", "offload_time"), ("--auto-offload-time", "auto_offload_time"),
+                         ("--offload-chunk-num", "offload_chunk_num"), ("--offload-overlap-sr", "offload_overlap_sr"),
+                         ("--offload-continuous-buffers", "offload_continuous_buffers"),
+                         ("--zero-bubble-offload-half-duplex", "zero_bubble_offload_half_duplex"),
+                         ("--zero-bubble-offload-cpu-test", "zero_bubble_offload_cpu_test"))
+
+
+def _offload_kwargs(args, *, name: Optional[str], chunks: int, limit: Optional[float]) -> Dict[str, Any]:
+    """install() keyword arguments for activation offload (none when it is off); one clear error
+    for a combination that cannot work."""
+    err = ZeroBubbleArgumentError
+    ratio = getattr(args, "zero_bubble_offload_ratio", None)
+    on = bool(getattr(args, "cpu_offload", False)) or ratio is not None
+    chunk_num = getattr(args, "offload_chunk_num", None)
+    if not on:
+        for flag, dest in _OFFLOAD_DETAIL_FLAGS:
+            v = getattr(args, dest, None)
+            if dest == "offload_chunk_num" and v == 0:
+                continue  # the fork's default: nothing to do
+            if v is not None and v is not False:
+                raise err(f"{flag} needs activation offload: add --cpu-offload (or --zero-bubble-offload-ratio R)")
+        return {}
+    if name is None:
+        return {}
+    if getattr(args, "offload_time", None) is not None and getattr(args, "auto_offload_time", False):
+        raise err("give either --offload-time K or --auto-offload-time (which measures K at start-up), not both")
+    if getattr(args, "offload_overlap_sr", False) and getattr(args, "zero_bubble_offload_half_duplex", False):
+        raise err("--offload-overlap-sr (separate copy streams) and --zero-bubble-offload-half-duplex (one stream) "
+                  "contradict each other; give one")
+    if chunk_num is not None and not (1 <= chunk_num <= max(1, chunks or 1)):
+        raise err(f"--offload-chunk-num {chunk_num}: schedule {name} runs {chunks or 1} model chunk(s) per rank, so "
+                  f"give 1..{chunks or 1} (or drop it to offload every chunk)")
+    if ratio == "auto" and limit is None:
+        raise err("--zero-bubble-offload-ratio auto offloads as little as fits the memory limit: add "
+                  "--zero-bubble-memory-limit L")
+    time = "auto" if getattr(args, "auto_offload_time", False) else getattr(args, "offload_time", None)
+    return {"offload_ratio": 1.0 if ratio is None else ratio, "offload_time": 1.0 if time is None else time,
+            "offload_overlap": not getattr(args, "zero_bubble_offload_half_duplex", False),
+            "offload_chunks": chunk_num, "offload_cpu_test": bool(getattr(args, "zero_bubble_offload_cpu_test", False))}
 
 
 def _apply_padding_single(args, before_megatron_validation, name):
@@ -618,7 +722,18 @@ def preview_schedule(install_kwargs: Dict[str, Any], pipeline_size: int, num_mic
     try:
         setting = Setting(int(pipeline_size), int(num_microbatches), chunks=install_kwargs.get("chunks"),
                           memory_limit=install_kwargs.get("memory_limit"), **kw)
-        sched = core_schedules.generate(name, setting)
+        ratio = install_kwargs.get("offload_ratio")
+        if ratio is not None:  # activation offload; an 'auto' K is measured at start-up: preview with 1
+            from ..core.offload import OffloadOptions, generate_with_offload
+            k = install_kwargs.get("offload_time", 1.0)
+            opts = OffloadOptions(ratio=None if ratio == "auto" else float(ratio), time=1.0 if k == "auto" else float(k),
+                                  overlap=install_kwargs.get("offload_overlap", True), chunks=install_kwargs.get("offload_chunks"),
+                                  memory_limit=install_kwargs.get("memory_limit") if ratio == "auto" else None)
+            sched = generate_with_offload(name, setting, opts)
+            if k == "auto":  # the measured K decides what fits: do not refuse on the guess
+                setting = dataclasses.replace(setting, memory_limit=None)
+        else:
+            sched = core_schedules.generate(name, setting)
         validate(sched, setting)
         result = simulate(sched, setting)
     except ScheduleError as e:

@@ -16,9 +16,13 @@ fork's (``megatron_zb.megatron.args``). What this module adds to Megatron's flow
 * ``install()``: Megatron's ``get_forward_backward_func`` returns the megatron-zb schedule;
 * V placement (zb-v, v-half, v-min, v-auto, dualpipe-v, gpipe-v): rank r builds stages r and
   2P-1-r, so the embedding and the loss both live on pipeline rank 0. The layer numbering uses
-  ``megatron_zb.megatron.model``'s layer-table hooks, the embedding group is rank 0 alone, the
+  ``megatron_zb.megatron.placement``'s layer-table hooks, the embedding group is rank 0 alone, the
   tied output weight is summed locally (``finalize_model_grads_for``), and the losses are handed to
   the last pipeline rank, where Megatron's training loop reads and logs them;
+* BitPipe (bitpipe): four chunks per rank (``Placement.bitpipe``: two V pipelines in opposite
+  directions), handled like V (layer table, one-rank embedding group, losses to the last rank);
+  every weight is drawn from its global name (``--zero-bubble-deterministic-init`` is implied) so
+  the two replicas of each stage start identical, and the schedule runner sums their gradients;
 * no CUDA: the CPU shims (``cpu_shims.apply`` / ``apply_training``), the gloo backend, the local
   transformer implementation and no fused kernels;
 * data: Megatron's mock GPT dataset unless ``--data-path`` (Megatron indexed datasets) is given.
@@ -140,10 +144,11 @@ def _cpu_and_te_defaults(args) -> List[str]:
 
 
 def prepare_args(extra_args_provider: Optional[Callable] = None, args_defaults: Optional[dict] = None,
-                 argv: Optional[Sequence[str]] = None):
+                 argv: Optional[Sequence[str]] = None, set_globals: bool = True):
     """Parse Megatron's + megatron-zb's flags, validate ours, then Megatron's; set Megatron's globals.
 
     Returns ``(args, install_kwargs, notes)``; ``install_kwargs`` is None without zero-bubble flags.
+    A bad flag or a failed Megatron argument check raises ``ZeroBubbleArgumentError`` (one line).
     """
     from megatron.training.arguments import parse_args, validate_args
     from megatron.training.global_vars import set_global_variables
@@ -151,13 +156,18 @@ def prepare_args(extra_args_provider: Optional[Callable] = None, args_defaults: 
     defaults = {"tokenizer_type": "GPT2BPETokenizer"}
     defaults.update(args_defaults or {})
     provider = chain_providers(extra_args_provider, add_zero_bubble_args, add_entry_args)
-    saved = sys.argv
+    saved, error = sys.argv, argparse.ArgumentParser.error
     if argv is not None:
         sys.argv = [saved[0] if saved else "pretrain_gpt"] + list(argv)
+
+    def one_line(parser, message):  # not the usage (hundreds of lines) and exit 2 on every rank
+        raise ZeroBubbleArgumentError(message)
+    argparse.ArgumentParser.error = one_line
     try:
         args = parse_args(extra_args_provider=provider)
     finally:
         sys.argv = saved
+        argparse.ArgumentParser.error = error
     if getattr(args, "yaml_cfg", None) is not None:
         raise ZeroBubbleArgumentError("--yaml-cfg is not supported by megatron-zb's pretrain_gpt; give the flags")
     if args.use_checkpoint_args or defaults.get("use_checkpoint_args", False):
@@ -170,9 +180,44 @@ def prepare_args(extra_args_provider: Optional[Callable] = None, args_defaults: 
     if not any(getattr(args, f, None) for f in data_flags) and not getattr(args, "mock_data", False):
         args.mock_data = True
         notes.append("--mock-data (no --data-path given)")
-    validate_args(args, defaults)
-    set_global_variables(args)
+    _check_sizes(args)
+    try:
+        validate_args(args, defaults)
+    except (AssertionError, ValueError, TypeError) as e:  # Megatron's own argument checks
+        raise ZeroBubbleArgumentError(megatron_check_message(e)) from None
+    if set_globals:
+        set_global_variables(args)
     return args, zb, notes
+
+
+def _check_sizes(args) -> None:
+    """World size vs model parallelism, and batch divisibility: the checks Megatron makes with an
+    assertion deep inside (or with a message about the *evaluation* batch size), said plainly."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    tp = int(args.tensor_model_parallel_size or 1)
+    pp = int(args.pipeline_model_parallel_size or 1)
+    cp = int(getattr(args, "context_parallel_size", 1) or 1)
+    model = tp * pp * cp
+    if world % model:
+        raise ZeroBubbleArgumentError(
+            f"world size {world} (processes in the job) is not a multiple of tensor x pipeline x context parallel "
+            f"size = {tp} x {pp} x {cp} = {model}")
+    dp = world // model
+    mbs, gbs = args.micro_batch_size, args.global_batch_size
+    if mbs and gbs and not getattr(args, "rampup_batch_size", None) and int(gbs) % (int(mbs) * dp):
+        raise ZeroBubbleArgumentError(
+            f"--global-batch-size {gbs} is not a multiple of --micro-batch-size {mbs} x data-parallel size {dp} "
+            f"= {int(mbs) * dp}")
+
+
+def megatron_check_message(e: BaseException) -> str:
+    """One line for a failed Megatron argument check (its message, or the failing assert's source)."""
+    import traceback
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    if not text:
+        frames = traceback.extract_tb(e.__traceback__)
+        text = f"assert {frames[-1].line}" if frames and frames[-1].line else type(e).__name__
+    return f"Megatron's argument check failed: {text}"
 
 
 # --------------------------------------------------------------------------------------------
@@ -185,6 +230,8 @@ def _placement(args):
     style = getattr(args, "zero_bubble_placement", None)
     if style == "v":
         return Placement.vshape(p)
+    if style == "bitpipe":
+        return Placement.bitpipe(p)
     v = args.virtual_pipeline_model_parallel_size
     if v:
         return Placement.looped(p, v)
@@ -209,8 +256,8 @@ class _ModelProvider:
 
     Builds each chunk with Megatron's own ``GPTModelBuilder`` (TE spec when Transformer Engine is
     present, the local spec otherwise, MoE etc. from the flags). For a V schedule the chunk's stage,
-    pre/post-process and layers come from the V placement (``model.chunk_infos``) and megatron's layer
-    count/offset functions answer from the placement's layer table (``model``'s hooks).
+    pre/post-process and layers come from the V placement (``placement.chunk_infos``) and megatron's
+    layer count/offset functions answer from the placement's layer table (``placement``'s hooks).
     """
 
     def __init__(self):
@@ -223,7 +270,8 @@ class _ModelProvider:
         from megatron.training.argument_utils import gpt_config_from_args
         from megatron.training.models.gpt import GPTModelBuilder
 
-        from . import model as zb_model
+        from . import placement as zb_placement
+        from .local_spec import layer_spec
 
         args = get_args()
         if pg_collection is None:
@@ -232,36 +280,37 @@ class _ModelProvider:
         tcfg = model_cfg.transformer
         placement = _placement(args)
         pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-        info = zb_model.chunk_infos(placement, args.num_layers, pp_rank, **_layer_kw(args))[vp_stage or 0]
-        if placement.style == "v":
+        info = zb_placement.chunk_infos(placement, args.num_layers, pp_rank, **_layer_kw(args))[vp_stage or 0]
+        if placement.style in ("v", "bitpipe"):
             pre_process, post_process = info.pre_process, info.post_process
-            zb_model.install_layer_hooks()
-            tcfg._mzb_layers = {"own_rank": None, "placement_rank": pp_rank,
-                                "table": zb_model.placement_layer_table(placement, args.num_layers, **_layer_kw(args)),
-                                "placement": placement}
-            tcfg.finalize_model_grads_func = partial(zb_model.finalize_model_grads_for, placement=placement)
+            zb_placement.attach_layer_table(tcfg, placement, args.num_layers, placement_rank=pp_rank,
+                                            **_layer_kw(args))
+            tcfg.finalize_model_grads_func = partial(zb_placement.finalize_model_grads_for, placement=placement)
         if parallel_state.get_data_parallel_rank() == 0 and parallel_state.get_tensor_model_parallel_rank() == 0:
             layers = f"layers {info.layers[0]}-{info.layers[-1]}" if info.layers else "no layers"
-            print(f" > pipeline rank {pp_rank} chunk {vp_stage or 0}: stage {info.stage} of {info.num_stages}, "
+            where = (f"stage {placement.logical(info.stage)} of {info.num_stages} (path {placement.path_of(info.stage)})"
+                     if placement.replicated else f"stage {info.stage} of {info.num_stages}")
+            print(f" > pipeline rank {pp_rank} chunk {vp_stage or 0}: {where}, "
                   f"{layers}{', embedding' if pre_process else ''}{', loss' if post_process else ''}", flush=True)
         if tcfg.transformer_impl == "local" and tcfg.sequence_parallel and model_cfg.transformer_layer_spec is None:
             # the local spec's torch norms refuse sequence parallelism (apex/TE norms are absent, e.g.
-            # on CPU): model.py's local spec with sequence-parallel-capable torch norms
-            model_cfg.transformer_layer_spec = zb_model.layer_spec(tcfg, len(info.layers))
+            # on CPU): megatron's local spec with sequence-parallel-capable torch norms
+            model_cfg.transformer_layer_spec = layer_spec(tcfg, len(info.layers))
         model = GPTModelBuilder(model_cfg).build_model(pg_collection, pre_process=pre_process,
                                                        post_process=post_process, vp_stage=vp_stage)
         got = [int(layer.layer_number) - 1 for layer in model.decoder.layers]
         if got != list(info.layers):
             raise RuntimeError(f"pipeline rank {pp_rank} chunk {vp_stage}: megatron built layers {got}, "
                                f"the placement wants {list(info.layers)}")
-        # global parameter names (model.py's convention): the V tied-embedding sum and the
+        # global parameter names (placement.py's convention): the V tied-embedding sum and the
         # deterministic initialisation find parameters by them
         tied = bool(model.share_embeddings_and_output_weights)
         for name, p in model.named_parameters():
-            p.mzb_global_name = zb_model.global_param_name(name, info, tied)
+            p.mzb_global_name = zb_placement.global_param_name(name, info, tied)
         model.mzb_chunk_info = info
+        zb_placement.mark_replica_copies([model], placement)  # clipping counts each replicated weight once
         if getattr(args, "zero_bubble_deterministic_init", False):
-            zb_model.deterministic_init_([model], seed=args.seed, std=args.init_method_std)
+            zb_placement.deterministic_init_([model], seed=args.seed, std=args.init_method_std)
         elif placement.style == "v" and post_process and tied:
             self._copy_tied_embedding(model)
         self._built.append(model)
@@ -372,11 +421,11 @@ def _dataset_needed_on(vp_stage) -> bool:
     from megatron.core import parallel_state as ps
     from megatron.training import get_args
 
-    from . import model as zb_model
+    from . import placement as zb_placement
     if ps.get_tensor_model_parallel_rank() != 0:
         return False
     args = get_args()
-    infos = zb_model.chunk_infos(_placement(args), args.num_layers, ps.get_pipeline_model_parallel_rank(),
+    infos = zb_placement.chunk_infos(_placement(args), args.num_layers, ps.get_pipeline_model_parallel_rank(),
                                  **_layer_kw(args))
     chosen = infos if vp_stage is None else [infos[vp_stage]]
     return any(i.pre_process or i.post_process for i in chosen)
@@ -494,9 +543,49 @@ def _route_losses_for_v(loss_rank: int) -> Callable[[], None]:
 # main
 # --------------------------------------------------------------------------------------------
 
+def _supervise() -> None:
+    """Under torchrun (or with MZB_EXIT_WITH_LAUNCHER=1): end this rank at once if its launcher dies."""
+    flag = os.environ.get("MZB_EXIT_WITH_LAUNCHER")
+    if flag == "1" or (flag != "0" and os.environ.get("TORCHELASTIC_RUN_ID")):
+        from ..runtime.supervise import watch_parent
+        watch_parent(what="the launcher (torchrun agent)")
+
+
+def _pause_stall_watch_while_saving() -> Callable[[], None]:
+    """Checkpoint saving may take long: the stall watch (runtime.progress) is off meanwhile."""
+    import megatron.training.training as T
+
+    from ..runtime import progress
+    inner = T.save_checkpoint
+
+    def save_checkpoint(*args, **kwargs):
+        progress.pause("saving a checkpoint")
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            progress.pause(None)
+    T.save_checkpoint = save_checkpoint
+
+    def undo():
+        if T.save_checkpoint is save_checkpoint:
+            T.save_checkpoint = inner
+    return undo
+
+
+def _on_stall(message: str) -> None:
+    from .rank_errors import record_for_torchrun
+    line = f"megatron-zb: error: {message}"
+    record_for_torchrun(line)
+    try:
+        os.write(2, (line + "\n").encode())
+    except OSError:
+        pass
+
+
 def main(argv: Optional[Sequence[str]] = None, extra_args_provider: Optional[Callable] = None,
          args_defaults: Optional[dict] = None) -> None:
     """Parse the flags (``argv``, default ``sys.argv``), install the schedule, run Megatron's pretrain()."""
+    _supervise()
     _prepare_megatron()
     from megatron.core.enums import ModelType
     from megatron.training import inprocess_restart, pretrain, print_rank_0, set_startup_timestamps
@@ -506,9 +595,11 @@ def main(argv: Optional[Sequence[str]] = None, extra_args_provider: Optional[Cal
 
     set_startup_timestamps(program_start=_PROGRAM_START_TIME, main_entry=time.time())
     args, zb, notes = prepare_args(extra_args_provider, args_defaults, argv)
+    from .preflight import check_in_rank
+    check_in_rank(args)  # what the launch script's preflight checks, for jobs started without it
     if notes:
         _print0("megatron-zb: adjusted for this machine: " + ", ".join(notes))
-    handle, undo = None, None
+    handle, undo, undo_pv = None, None, None
     get_emb = None
     if zb is not None:
         from megatron.core.num_microbatches_calculator import get_num_microbatches
@@ -519,17 +610,49 @@ def main(argv: Optional[Sequence[str]] = None, extra_args_provider: Optional[Cal
         schedule = kwargs.pop("schedule")
         handle = install(schedule, **kwargs)
         limit = kwargs.get("memory_limit")
-        _print0(f"megatron-zb: schedule {schedule} installed ({placement.style} placement, {placement.chunks} "
+        _print0(f"megatron-zb: schedule {schedule} installed ({placement.style} placement, {placement.models_per_rank} "
                 f"chunk(s) per rank, pipeline size {placement.num_ranks}, {m} microbatches"
                 + (f", memory limit {limit:.3g} microbatches" if limit else "") + ")")
-        _print0(f"megatron-zb: simulated with the schedule's costs: bubble {100 * sim.bubble_rate:.1f}%"
+        costs = [kwargs.get(k) for k in ("cost_f", "cost_b", "cost_w")]
+        given = any(c is not None for c in costs)
+        what = ("with the given --zero-bubble-cost-f/-b/-w" if given else
+                "with unit costs F=B=W=1, not measured ones (--zero-bubble-cost-f/-b/-w give yours)")
+        _print0(f"megatron-zb: schedule preview, simulated {what}: bubble {100 * sim.bubble_rate:.1f}%"
                 + (f" (1f1b {100 * base.bubble_rate:.1f}%)" if base is not None else "")
                 + f", peak activation {max(sim.peak_memory):.3g} microbatches per rank")
-        if placement.style == "v":
+        if kwargs.get("offload_ratio") is not None and sim.offload is not None:
+            o = sim.offload.to_dict()
+            _print0(f"megatron-zb: activation offload ratio {kwargs['offload_ratio']}, K "
+                    + ("measured at the first iteration (previewed with 1)" if kwargs.get("offload_time") == "auto"
+                       else f"{kwargs.get('offload_time')}")
+                    + f", {'two copy streams' if kwargs.get('offload_overlap', True) else 'one copy stream'}; "
+                    f"peak activation without offload {max(o['peak_memory_without_offload']):.3g} microbatches")
+        if placement.style in ("v", "bitpipe"):
             get_emb = get_embedding_ranks
-            undo = _route_losses_for_v(placement.rank_of(placement.num_stages - 1))
+            undo = _route_losses_for_v(placement.loss_rank)
+        if kwargs.get("post_validation"):
+            from .optimizer import FORK_MIN_CLEAN_STEPS, patch_megatron_training
+            n = getattr(args, "zero_bubble_post_validation_min_clean_steps", None)
+            n = FORK_MIN_CLEAN_STEPS if n is None else n
+            undo_pv = patch_megatron_training(handle, min_clean_steps=n)
+            _print0(f"megatron-zb: optimizer post-validation on (steps synchronous until {n} in a row were neither "
+                    "clipped nor skipped; Megatron's log line shows the grad norm of the previous iteration's step)")
     else:
         _print0("megatron-zb: no zero-bubble flag given; Megatron's own pipeline schedules run")
+
+    from ..core.ir import ScheduleError
+    from ..runtime import progress
+    from . import checkpoint_placement
+    undos = []
+    try:
+        record = checkpoint_placement.record(_placement(args), args.num_layers, zb["schedule"] if zb else None,
+                                             **_layer_kw(args))
+        undos.append(checkpoint_placement.install(record))
+    except ScheduleError:  # a layout our tables do not describe (Megatron's own uneven splits): no record
+        pass
+    if zb is not None:
+        progress.enable_stall_watch(zb["timeout_s"], on_stall=_on_stall)
+        undos.append(_pause_stall_watch_while_saving())
 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r"(?s).*recommended to use a ModelConfig")
@@ -539,6 +662,13 @@ def main(argv: Optional[Sequence[str]] = None, extra_args_provider: Optional[Cal
         run(cfg, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step,
             model_provider=model_provider(), get_embedding_ranks=get_emb, store=store)
     finally:
+        progress.stop()
+        from .shutdown import stop_checkpoint_writer
+        stop_checkpoint_writer()  # megatron's checkpoint-writer Manager process, if a save started it
+        for u in reversed(undos):
+            u()
+        if undo_pv is not None:
+            undo_pv()
         if undo is not None:
             undo()
         if handle is not None:
@@ -551,22 +681,44 @@ def _print0(msg: str) -> None:
         print(msg, flush=True)
 
 
-def _install_error():
+def _known_errors():
+    """Errors whose message says everything: one line, once, exit code 2."""
+    from .checkpoint_placement import CheckpointPlacementError
+    known = [ZeroBubbleArgumentError, MegatronTrainingMissing, CheckpointPlacementError]
     try:
         from .install import ZeroBubbleConfigError
-        return ZeroBubbleConfigError
+        known.append(ZeroBubbleConfigError)
     except Exception:  # pragma: no cover
-        return ZeroBubbleArgumentError
+        pass
+    return tuple(known)
 
 
 def _cli() -> int:
+    """Run ``main()``; errors are reported once for the whole job (``rank_errors``): known ones as
+    one line with exit code 2, a pipeline timeout as one line per rank (each names the rank that
+    stopped first), anything else with its traceback on the first failing rank."""
+    from .rank_errors import record_for_torchrun, report
     try:
         main()
-    except (ZeroBubbleArgumentError, MegatronTrainingMissing, _install_error()) as e:
-        print(f"megatron-zb: error: {e}", file=sys.stderr)
+    except _known_errors() as e:
+        report(e, known=True)
         return 2
+    except Exception as e:  # noqa: BLE001
+        if type(e).__name__ == "PipelineTimeout":
+            from ..runtime.progress import finish_kills
+            line = f"megatron-zb: error: {e}"
+            record_for_torchrun(line)
+            print(line, file=sys.stderr, flush=True)
+            finish_kills()  # a stopped rank this rank named is ended before it exits
+            return 1
+        report(e, known=False)
+        return 1
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(_cli())
+    _code = _cli()
+    if _code:  # after a failure, no orderly teardown: collectives with a stuck peer could hang it
+        from ..runtime.supervise import exit_now
+        exit_now(_code)
+    sys.exit(0)

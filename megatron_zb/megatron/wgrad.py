@@ -248,6 +248,10 @@ class _WgradTask:
         self.items = items  # [(input, gathered input or None, grad_output)]
         self.delivery = delivery  # shared by the tasks of one B pass (None in a BW pass)
 
+    def held_tensors(self):
+        """The tensors this task keeps for W (for activation offload between B and W)."""
+        return [t for item in (self.items or ()) for t in item if isinstance(t, torch.Tensor)]
+
     def __call__(self):
         """The W pass of this layer: compute, then hand over to the pass's shared delivery."""
         self.delivery.add(self.site.param, self.compute())

@@ -71,11 +71,14 @@ class P2P:
     """isend/irecv between pipeline ranks of one pipeline group."""
 
     def __init__(self, groups: PairGroups, my_pp_rank: int, timeout_s: float = 300.0,
-                 exchange_shapes: bool = False):
+                 exchange_shapes: bool = False, progress=None):
         self.groups = groups
         self.me = my_pp_rank
         self.timeout_s = timeout_s
         self.exchange_shapes = exchange_shapes
+        # runtime.progress.Progress: waits are published, and a timeout names the rank that
+        # stopped first (the executor also reports its actions to it)
+        self.progress = progress
         self._sends: List[Tuple[dist.Work, Optional[torch.Tensor]]] = []
 
     def _peer_global(self, pp_rank: int) -> int:
@@ -107,19 +110,29 @@ class P2P:
         return _Pending(self, buf, work, what, peer)
 
     def _wait(self, work, what: str, peer: int):
-        if self.timeout_s is None:
-            work.wait()
-            return
-        t0 = time.monotonic()
+        prog = self.progress
+        if prog is not None:
+            prog.waiting(what, peer, self._peer_global(peer))
         try:
-            work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
-        except RuntimeError as e:
-            if "imed out" not in str(e) and "imeout" not in str(e):
-                raise
-            raise PipelineTimeout(
-                f"pipeline rank {self.me} (global rank {dist.get_rank()}) waited "
-                f"{time.monotonic() - t0:.0f}s for {what} from pipeline rank {peer} "
-                f"(global rank {self._peer_global(peer)}); that rank is stuck or has failed") from None
+            if self.timeout_s is None:
+                work.wait()
+                return
+            t0 = time.monotonic()
+            try:
+                work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
+            except RuntimeError as e:
+                if "imed out" not in str(e) and "imeout" not in str(e):
+                    raise
+                waited = time.monotonic() - t0
+                blame = "that rank is stuck or has failed" if prog is None else \
+                    prog.diagnose(self.groups.pp_ranks, self._peer_global(peer))
+                raise PipelineTimeout(
+                    f"pipeline rank {self.me} (global rank {dist.get_rank()}) waited "
+                    f"{waited:.0f}s for {what} from pipeline rank {peer} "
+                    f"(global rank {self._peer_global(peer)}); {blame}") from None
+        finally:
+            if prog is not None:
+                prog.wait_over()
 
     def reap_sends(self, block: bool = False) -> None:
         """Forget completed sends (their buffers may be freed); with block, wait for all."""

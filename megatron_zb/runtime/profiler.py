@@ -179,6 +179,7 @@ class PassProfiler:
         self._saved: Dict[Tuple[int, int], _SavedBytes] = {}
         self._gpu_mem_at_f: Dict[Tuple[int, int], int] = {}
         self._t_iter: Optional[float] = None
+        self.offload_stats: List[dict] = []  # per window iteration, from the offload manager (if any)
 
     @property
     def done(self) -> bool:
@@ -203,12 +204,24 @@ class PassProfiler:
         self.mem_method = "cuda.memory_allocated" if cuda else "saved_tensors_hooks"
         self._t_iter = time.perf_counter()
         fwd, bwd, wgt = passes.forward, passes.backward, passes.weight
+        # with activation offload the offload manager's saved-tensor hooks capture the F pass (ours
+        # would hide them): its own count of the captured bytes is used instead
+        off = getattr(passes, "offload", None)
+        if off is not None and not cuda:
+            self.mem_method = "offload manager (saved_tensors_hooks)"
 
         def forward(stage, mb, inp):
             if cuda:
                 m0 = torch.cuda.memory_allocated()
                 out = self._timed_cuda(F, stage, fwd, stage, mb, inp)
                 self.mem_f[stage].append(torch.cuda.memory_allocated() - m0)
+                return out
+            if off is not None:
+                t0 = time.perf_counter()
+                out = fwd(stage, mb, inp)
+                self.times[(stage, F)].append(time.perf_counter() - t0)
+                self.mem_f[stage].append(off.last_captured_bytes)
+                self._saved[(stage, mb)] = off
                 return out
             reg = _SavedBytes(self._ignore)
             t0 = time.perf_counter()
@@ -238,7 +251,9 @@ class PassProfiler:
                 self.mem_w[stage].append(max(0, m0 - torch.cuda.memory_allocated()))
                 return res
             reg = self._saved.pop((stage, mb), None)
-            if reg is not None:  # what the F pass saved and is still alive after B
+            if reg is off and off is not None:
+                self.mem_w[stage].append(off.alive_bytes(stage, mb))
+            elif reg is not None:  # what the F pass saved and is still alive after B
                 self.mem_w[stage].append(reg.alive())
             t0 = time.perf_counter()
             res = wgt(stage, mb)
@@ -320,6 +335,7 @@ class PassProfiler:
             "recv_wait": {k: {str(s): v for (s, kk), v in self.recv_wait.items() if kk == k} for k in (F, B)},
             "iteration_s": list(self.iteration_s),
             "iterations": list(self.iterations),
+            "offload": list(self.offload_stats),
         }
 
     def _probe_comm(self, p2p, placement: Placement, me: int, shape, dtype, device) -> List[float]:
@@ -327,8 +343,9 @@ class PassProfiler:
         if self.probe_rounds < 1 or getattr(p2p, "groups", None) is None:
             return []
         pl = placement
-        pairs = sorted({tuple(sorted((pl.rank_of(s), pl.rank_of(s + 1))))
-                        for s in range(pl.num_stages - 1) if pl.rank_of(s) != pl.rank_of(s + 1)})
+        nxt = [(s, pl.next_stage(s)) for s in range(pl.num_stages)]
+        pairs = sorted({tuple(sorted((pl.rank_of(s), pl.rank_of(n))))
+                        for s, n in nxt if n is not None and pl.rank_of(s) != pl.rank_of(n)})
         dev = device if device is not None else "cpu"
         cuda = torch.device(dev).type == "cuda" and torch.cuda.is_available()
         buf = torch.zeros(tuple(shape), dtype=dtype, device=dev)
@@ -472,6 +489,11 @@ def build_profile(rank_stats: Sequence[dict], *, schedule: Optional[str], placem
                 "recv_wait_f": _median(wf), "recv_wait_b": _median(wb),
                 "recv_wait_total_per_iter": (sum(wf) + sum(wb)) / max(1, len(st.get("iterations", [])) or 1),
             })
+    if placement.replicated:  # a microbatch runs through one path's chunks: the average over paths
+        k = placement.num_paths
+        for lst in (cost["f"], cost["b"], cost["w"], cost["bw"], mem_f, mem_w):
+            for r in range(p):
+                lst[r] /= k
     for r in range(p):
         if not mem_w_known[r]:
             mem_w[r] = DEFAULT_MEM_W_RATIO * mem_f[r]
@@ -513,7 +535,27 @@ def build_profile(rank_stats: Sequence[dict], *, schedule: Optional[str], placem
         "iteration_s": _median(per_iter),
         "samples": counts,
         "per_chunk": per_chunk,
+        **_offload_section(by_rank, p),
     }
+
+
+def _offload_section(by_rank: Dict[int, dict], p: int) -> dict:
+    """``offload``: per rank, the offload manager's counts over the window (peak resident
+    activation bytes, bytes per F, offloaded and reloaded bytes, host buffer bytes); absent
+    without offload."""
+    if not any(by_rank[r].get("offload") for r in range(p)):
+        return {}
+    rows = []
+    for r in range(p):
+        its = by_rank[r].get("offload") or []
+        rows.append({"rank": r, "iterations": len(its),
+                     "peak_resident_bytes": max((x["peak_resident_bytes"] for x in its), default=0),
+                     "captured_bytes_per_forward": its[-1]["captured_bytes_per_forward"] if its else 0,
+                     "offloaded_bytes": its[-1]["offloaded_bytes"] if its else 0,
+                     "reloaded_bytes": its[-1]["reloaded_bytes"] if its else 0,
+                     "host_buffer_bytes": its[-1]["host_buffer_bytes"] if its else 0,
+                     "host_allocations": [x["host_allocations"] for x in its]})
+    return {"offload": rows}
 
 
 def save_profile(profile: dict, path: str) -> None:

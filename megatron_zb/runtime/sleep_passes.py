@@ -66,7 +66,7 @@ def sleep_passes(setting: Setting, rank: int, placement: Placement, shape: Seque
 
     def backward(stage, mb, inp, out, grad, split):
         t_end = time.perf_counter() + (dur[B] if split else dur[BW])
-        g = None if stage == 0 else torch.full(shape, float(mb), dtype=dtype, device=device)
+        g = None if placement.is_first(stage) else torch.full(shape, float(mb), dtype=dtype, device=device)
         precise_sleep(t_end - time.perf_counter())
         return g
 

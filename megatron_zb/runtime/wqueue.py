@@ -156,6 +156,21 @@ class WQueue:
             n += self.run(next(iter(self._pending)))
         return n
 
+    def held_tensors(self, mb: int) -> List[object]:
+        """The tensors microbatch ``mb``'s queued closures keep for its W (inputs and output
+        gradients), for activation offload between B and W. Closures report them through a
+        ``held_tensors()`` method; those without one (Transformer Engine's ``backward_dw``) keep
+        theirs where they are."""
+        entry = self._pending.get(self._check_mb(mb))
+        if entry is None:
+            return []
+        out = []
+        for fn in entry.closures:
+            held = getattr(fn, "held_tensors", None)
+            if callable(held):
+                out.extend(held())
+        return out
+
     def pending(self) -> List[int]:
         """Microbatches whose B ran under ``defer`` and whose W has not run yet, in B order."""
         return list(self._pending)

@@ -12,6 +12,9 @@ from .vshape import gpipe_v
 from .auto import v_auto, v_half, v_min, zb_auto, zb_v
 from .torch_peers import dualpipe_v, looped_bfs
 from .zb_handcrafted import zb_h1, zb_h2
+from .bitpipe import bitpipe
+from .interleaved_zb import interleaved_zb
+from .zeropp import zeropp
 
 
 @dataclass(frozen=True)
@@ -22,6 +25,11 @@ class ScheduleSpec:
     chunks: Optional[int] = 1  # fixed chunks per rank; None = user's --chunks (>= 2)
     default_chunks: int = 1
     split_backward: bool = False  # uses B/W passes
+    models_per_rank: Optional[int] = None  # model chunks a rank builds, where not ``chunks`` (replicas)
+
+    def models(self, chunks: int) -> int:
+        """Model chunks each rank builds for ``chunks`` chunks per rank."""
+        return self.models_per_rank or chunks
 
     def resolve_chunks(self, chunks: Optional[int]) -> int:
         if self.chunks is None:
@@ -30,7 +38,9 @@ class ScheduleSpec:
                 raise ScheduleError(f"{self.name} needs --chunks >= 2, got {c}")
             return c
         if chunks is not None and chunks != self.chunks:
-            raise ScheduleError(f"{self.name} uses {self.chunks} chunk(s) per rank, got --chunks {chunks}")
+            extra = (f" in each direction ({self.models_per_rank} model chunks per rank in all)"
+                     if self.models_per_rank else "")
+            raise ScheduleError(f"{self.name} uses {self.chunks} chunk(s) per rank{extra}, got --chunks {chunks}")
         return self.chunks
 
 
@@ -66,6 +76,15 @@ register(ScheduleSpec("dualpipe-v", dualpipe_v, "DualPipeV's order with B/W spli
                       chunks=2, default_chunks=2, split_backward=True))
 register(ScheduleSpec("gpipe-v", gpipe_v, "GPipe on the V placement (2 chunks per rank)",
                       chunks=2, default_chunks=2))
+register(ScheduleSpec("interleaved-zb", interleaved_zb,
+                      "torch's ScheduleInterleavedZeroBubble: ZB-H1 on the looped placement, v chunks per rank",
+                      chunks=None, default_chunks=2, split_backward=True))
+register(ScheduleSpec("zeropp", zeropp,
+                      "ZeroPP: looped placement in adaptive scheduling units, F/B/W staggered, under --memory-limit",
+                      chunks=None, default_chunks=2, split_backward=True))
+register(ScheduleSpec("bitpipe", bitpipe,
+                      "BitPipe: two V pipelines in opposite directions, replicated stages, eager gradient sync",
+                      chunks=2, default_chunks=2, models_per_rank=4))
 
 
 def names() -> List[str]:

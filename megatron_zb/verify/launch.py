@@ -1,6 +1,6 @@
 """Run a Python function on N real processes (one torch.distributed rank each), never hanging.
 
-    from megatron_zb.megatron.launch import launch, run_cases
+    from megatron_zb.verify.launch import launch, run_cases
     results = launch(fn, 2, "arg")                  # fn("arg") on ranks 0 and 1 -> [r0, r1]
     per_case = run_cases(fn, [c1, c2, c3], 4)        # one process group, fn(c) for each case
 
@@ -20,6 +20,10 @@
   seconds, every rank still running is sent SIGUSR1 (faulthandler dumps its Python stacks into
   its log), then killed, and ``LaunchTimeout`` names the ranks that did not finish, the case they
   were in, their last ``set_status()`` text and the tail of their logs.
+* Nothing is left behind: before a rank ends it stops what it or megatron started (megatron's
+  checkpoint-writer Manager, any ``multiprocessing`` child); the zygote is a child subreaper
+  (Linux), kills whatever is left in each finished rank's process group, reaps every orphan that
+  comes back to it and exits only when it has no child left; the parent waits for that.
 * ``set_status(text)`` (callable from rank code, e.g. an executor about to wait on a receive) is a
   memory write into a small per-rank mmap'd file, cheap enough to call before every pass.
 """
@@ -42,6 +46,7 @@ __all__ = ["launch", "run_cases", "set_status", "get_status", "RankError", "Laun
            "LaunchError", "resolve_mcore_path", "repo_root"]
 
 _STATUS_BYTES = 4096
+_ZYGOTE_EXIT_S = 15.0  # how long the parent waits for the zygote to reap everything before killing it
 _status_map: Optional[mmap.mmap] = None
 _status_text = ""
 
@@ -67,11 +72,17 @@ class RankError(LaunchError):
 
 
 class LaunchTimeout(LaunchError):
-    """The launch ran past its timeout. ``ranks``: the unfinished ranks; ``statuses``: rank -> text."""
+    """The launch ran past its timeout. ``ranks``: the unfinished ranks; ``statuses``: rank -> text;
+    ``progress``: the pipeline progress report (``runtime.progress``), naming the rank that stopped
+    first, or ''."""
 
-    def __init__(self, timeout: float, ranks: List[int], statuses: Dict[int, str], logs: Dict[int, str]):
+    def __init__(self, timeout: float, ranks: List[int], statuses: Dict[int, str], logs: Dict[int, str],
+                 progress: str = ""):
         self.timeout, self.ranks, self.statuses, self.logs = timeout, ranks, statuses, logs
+        self.progress = progress
         lines = [f"timed out after {timeout:g} s; rank(s) {', '.join(map(str, ranks))} did not finish"]
+        if progress:
+            lines.append(progress)
         for r in ranks:
             lines.append(f"  rank {r}: last status: {statuses.get(r) or '(none)'}")
         for r in ranks:
@@ -185,7 +196,8 @@ def run_cases(fn: Callable, cases: Sequence[Any], world_size: int, *, timeout: f
         child_env = dict(os.environ)
         child_env.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world_size),
-                          "LOCAL_WORLD_SIZE": str(world_size), "PYTHONFAULTHANDLER": "1"})
+                          "LOCAL_WORLD_SIZE": str(world_size), "PYTHONFAULTHANDLER": "1",
+                          "MZB_LAUNCHER_PID": str(os.getpid())})
         old = child_env.get("PYTHONPATH")
         child_env["PYTHONPATH"] = os.pathsep.join(([mpath] if mpath else []) + [repo_root()] + ([old] if old else []))
         if env:
@@ -195,22 +207,27 @@ def run_cases(fn: Callable, cases: Sequence[Any], world_size: int, *, timeout: f
                 f.write(b"\0" * _STATUS_BYTES)
         log = open(os.path.join(workdir, "zygote.log"), "wb")
         logs.append(log)
-        cmd = [sys.executable, "-c", "import sys; from megatron_zb.megatron.launch import _zygote_main; "
+        cmd = [sys.executable, "-c", "import sys; from megatron_zb.verify.launch import _zygote_main; "
                "_zygote_main(sys.argv[1])", workdir]
         zygote = subprocess.Popen(cmd, env=child_env, stdout=log, stderr=subprocess.STDOUT,
                                   stdin=subprocess.DEVNULL, start_new_session=True)
         procs = [_Rank(workdir, r, zygote) for r in range(world_size)]
-        return _wait(procs, workdir, world_size, timeout, grace)
+        return _wait(procs, workdir, world_size, timeout, grace, store)
     finally:
         for p in procs:
             if p.poll() is None:
                 _kill(p)
         if zygote is not None and zygote.poll() is None:
-            try:
-                os.killpg(zygote.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            zygote.wait()
+            ranks_done = bool(procs) and all(
+                _read_int(os.path.join(workdir, f"exit{p.rank}")) is not None for p in procs)
+            try:  # with every rank reaped it only cleans up what they left behind, then exits
+                zygote.wait(timeout=_ZYGOTE_EXIT_S if ranks_done else 0.1)
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(zygote.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+                zygote.wait()
         for log in logs:
             try:
                 log.close()
@@ -312,7 +329,31 @@ def _kill(p: _Rank) -> None:
         time.sleep(0.02)
 
 
-def _wait(procs, workdir, world_size, timeout, grace) -> List[List[Any]]:
+def _progress_report(store, world_size: int) -> str:
+    """The ranks' pipeline progress (``runtime.progress`` records in this launch's store): who
+    stopped first, and one line per rank. '' when no rank published any."""
+    from ..runtime import progress as P
+    try:
+        ranks = list(range(world_size))
+        first = P.read_records(store, ranks)
+        if not any(first.values()):
+            return ""
+        time.sleep(P.CHECK_S)
+        second = P.read_records(store, ranks)
+    except Exception:  # noqa: BLE001 - a report, best effort
+        return ""
+    waiting = [g for g, rec in second.items() if rec and rec.get("wait")]
+    silent = [g for g in ranks if second[g] is None or first[g] is None or second[g]["seq"] == first[g]["seq"]]
+    if silent or waiting:
+        me = waiting[0] if waiting else -1
+        peer = second[me]["wait"]["rank"] if waiting else -1
+        head = P.diagnose_records(first, second, me, peer, kill_stopped=False)
+    else:
+        head = "no rank is waiting for a pipeline message"
+    return "pipeline progress: " + head + "\n" + "\n".join("  " + l for l in P.group_summary(second))
+
+
+def _wait(procs, workdir, world_size, timeout, grace, store=None) -> List[List[Any]]:
     deadline = time.monotonic() + timeout
     first_fail = None  # (rank, time)
     while True:
@@ -342,13 +383,14 @@ def _wait(procs, workdir, world_size, timeout, grace) -> List[List[Any]]:
                         os.kill(procs[r].pid, signal.SIGUSR1)  # faulthandler: Python stacks into the log
                 except ProcessLookupError:
                     pass
+            progress = _progress_report(store, world_size) if store is not None else ""
             time.sleep(0.5)
             statuses = {r: _read_status(workdir, r) for r in unfinished}
             logs = {r: _log_tail(workdir, r, 40) for r in unfinished}
             for p in procs:
                 if p.poll() is None:
                     _kill(p)
-            raise LaunchTimeout(timeout, unfinished, statuses, logs)
+            raise LaunchTimeout(timeout, unfinished, statuses, logs, progress)
         time.sleep(0.02)
     per_rank = []
     for r in range(world_size):
@@ -389,6 +431,9 @@ def _zygote_main(workdir: str) -> None:
     """Import once, fork every rank, reap them (writing ``pid<r>`` and ``exit<r>`` files)."""
     body, world_size = None, 0
     try:
+        from ..runtime.supervise import die_with_parent
+        if os.environ.get("MZB_LAUNCHER_PID"):  # no unsupervised ranks: die with the launcher
+            die_with_parent(int(os.environ["MZB_LAUNCHER_PID"]))
         with open(os.path.join(workdir, "payload.pkl"), "rb") as f:
             header = pickle.load(f)
             world_size = header["world_size"]
@@ -400,17 +445,22 @@ def _zygote_main(workdir: str) -> None:
             if warm:
                 _import_runtime(header)
                 body = pickle.load(f)
+        _become_subreaper()  # orphans of the ranks (megatron's helpers) come back here to be reaped
         pids = {}
+        zygote = os.getpid()
         for rank in range(world_size):
             pid = os.fork()
             if pid == 0:
+                die_with_parent(zygote)  # the zygote dies with the launcher, the ranks with the zygote
                 _rank_main(workdir, rank, header, body)  # never returns
             pids[pid] = rank
             _write_int(os.path.join(workdir, f"pid{rank}"), pid)
         while pids:
             pid, status = os.wait()
             if pid in pids:
+                _kill_group(pid)  # whatever the rank left in its process group
                 _write_int(os.path.join(workdir, f"exit{pids.pop(pid)}"), os.waitstatus_to_exitcode(status))
+        _reap_all()
         os._exit(0)
     except BaseException as e:  # noqa: BLE001 - the ranks report the zygote's failure as theirs
         tb = traceback.format_exc()
@@ -422,6 +472,85 @@ def _zygote_main(workdir: str) -> None:
                                            "message": f"before the rank started: {e}", "traceback": tb,
                                            "time": time.time(), "status": "starting"})
         os._exit(1)
+
+
+def _become_subreaper() -> bool:
+    """Linux: orphaned descendants are re-parented to this process instead of init."""
+    try:
+        import ctypes
+        return ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        return False
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _children_of(pid: int) -> List[int]:
+    """Live child pids of ``pid`` (from /proc; empty where there is no /proc)."""
+    out = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:  # pragma: no cover
+        return out
+    for e in entries:
+        if not e.isdigit():
+            continue
+        try:
+            with open(f"/proc/{e}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()
+        if int(fields[1]) == pid and fields[0] != "Z":
+            out.append(int(e))
+    return out
+
+
+def _reap_all(deadline_s: float = 10.0) -> None:
+    """Kill every process still re-parented to this one and reap until no child is left."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        for pid in _children_of(os.getpid()):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            time.sleep(0.01)
+
+
+def _stop_own_children() -> None:
+    """In a rank about to end: stop megatron's checkpoint-writer Manager and any multiprocessing
+    child still running (``os._exit`` skips the interpreter's own clean-up of both)."""
+    if "megatron.core" in sys.modules:
+        try:
+            from ..megatron.shutdown import stop_checkpoint_writer
+            stop_checkpoint_writer()
+        except Exception:  # noqa: BLE001 - the zygote kills what is left
+            pass
+    mp = sys.modules.get("multiprocessing")
+    if mp is None:
+        return
+    try:
+        children = mp.active_children()
+    except Exception:  # noqa: BLE001
+        return
+    for c in children:
+        c.terminate()
+    for c in children:
+        c.join(2)
+        if c.is_alive():
+            c.kill()
+            c.join(1)
 
 
 def _import_runtime(header: dict) -> None:
@@ -489,6 +618,7 @@ def _rank_main(workdir: str, rank: int, header: dict, body: Optional[dict]) -> N
         _write_result(workdir, rank, {"ok": True, "results": results})
         if ws > 1:
             dist.barrier()
+        _stop_own_children()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
@@ -498,6 +628,7 @@ def _rank_main(workdir: str, rank: int, header: dict, body: Optional[dict]) -> N
             _write_result(workdir, rank, {"ok": False, "case": case_index, "exc_type": type(e).__name__,
                                           "message": str(e), "traceback": tb, "time": time.time(),
                                           "status": _status_text})
+            _stop_own_children()
         finally:
             sys.stderr.write(tb)
             sys.stderr.flush()

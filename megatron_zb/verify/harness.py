@@ -1,13 +1,13 @@
-"""`megatron-zb verify`: train a tiny real megatron-core GPT with a pipeline schedule and check it
+"""The verification harness: train a tiny real megatron-core GPT with a pipeline schedule and check it
 against the non-pipelined single-process reference.
 
-One launch of P x T CPU processes (gloo; see ``megatron.launch``) runs, per case:
+One launch of P x T CPU processes (gloo; see ``verify.launch``) runs, per case:
 
 1. **Reference** (rank 0 only): PP=1, TP=1, full weights, megatron's
    ``forward_backward_no_pipelining``; ``iterations`` steps of plain SGD, recording the loss and
    every parameter's gradient (by global name) at every iteration.
 2. **Pipelined run** (all ranks): megatron ``parallel_state`` for PP x TP, this rank's model
-   chunks for the schedule's placement (``megatron.model``), identical initial weights (hashed
+   chunks for the schedule's placement (``verify.tinygpt`` on ``megatron.placement``), identical initial weights (hashed
    from global parameter names) and identical data; the schedule is picked the way a Megatron
    user would get it: ``megatron_zb.megatron.install.install(schedule)`` and then megatron's own
    ``get_forward_backward_func()``. Gradients are gathered per global name (TP shards
@@ -27,26 +27,31 @@ Pseudo-schedules that need no ``install()`` (useful to check this harness itself
   real p2p between ranks. It checks model placement (e.g. V) independently of any schedule.
 
 It never hangs: the launch has a timeout; a stuck rank is reported with its last status (the
-pass it was in, as set through ``megatron.launch.set_status``) and its Python stack.
+pass it was in, as set through ``verify.launch.set_status``) and its Python stack.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import logging
 import math
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
-__all__ = ["VerifyCase", "VerifyUsageError", "make_case", "run_verify", "run_verify_many", "main_verify",
-           "PSEUDO_SCHEDULES", "DEFAULT_GRAD_RTOL", "DEFAULT_LOSS_ATOL"]
+__all__ = ["VerifyCase", "VerifyUsageError", "make_case", "run_verify", "run_verify_many", "compare",
+           "PSEUDO_SCHEDULES", "DEFAULT_GRAD_RTOL", "DEFAULT_LOSS_ATOL", "SequentialForwardBackward"]
 
 PSEUDO_SCHEDULES = ("megatron-1f1b", "megatron-interleaved", "sequential")
 DEFAULT_GRAD_RTOL = 1e-5
 DEFAULT_LOSS_ATOL = 1e-5
+# optimizer cases, vs the non-pipelined reference: final parameters (L2 difference per parameter
+# relative to max(its norm, init std x sqrt(size)); Adam turns last-bit gradient differences into
+# small update differences), and for bf16/fp16
+# (16-bit GEMMs accumulate in another order on another layout) looser defaults
+DEFAULT_PARAM_RTOL = 1e-3
+HALF_PARAM_RTOL = 0.1
+HALF_LOSS_ATOL = 5e-3
 
 
 class VerifyUsageError(ValueError):
@@ -60,7 +65,7 @@ class VerifyCase:
     schedule: str
     pipeline_parallel_size: int
     tensor_parallel_size: int = 1
-    num_microbatches: int = 4
+    num_microbatches: int = 4  # per data-parallel rank
     iterations: int = 3
     chunks: Optional[int] = None  # model chunks per rank (None: the schedule's default)
     placement: Optional[str] = None  # 'single' | 'looped' | 'v' (None: the schedule's)
@@ -78,22 +83,46 @@ class VerifyCase:
     ddp: bool = True
     overlap_grad_reduce: bool = False
     gradient_accumulation_fusion: bool = False
+    data_parallel_size: int = 1  # world = PP x TP x DP; the reference trains on all DP ranks' microbatches
+    # megatron's DistributedOptimizer (ZeRO-1: gradients reduce-scattered, parameters all-gathered after
+    # the step) instead of the harness's SGD; it only runs Adam, so both sides step with Adam (eps 1:
+    # nearly linear in the gradient, so a wrong gradient still shows); the gradient shards are
+    # gathered over data parallelism before the comparison
+    use_distributed_optimizer: bool = False
     forward_only: bool = False
     lr: float = 0.1
     seed: int = 1234
     memory_limit: Optional[float] = None
+    # activation offload (docs/offload.md), CPU test mode: ratio 0..1 or 'auto' (with memory_limit),
+    # the transfer time K the schedule core plans with, one copy queue instead of two
+    offload_ratio: Any = None
+    offload_time: Any = 0.25  # or 'auto' (measured at the first iteration, --auto-offload-time)
+    offload_half_duplex: bool = False
     schedule_options: Dict[str, Any] = field(default_factory=dict)  # passed to install()
     config_overrides: Dict[str, Any] = field(default_factory=dict)  # passed to TransformerConfig
     grad_rtol: float = DEFAULT_GRAD_RTOL
     loss_atol: float = DEFAULT_LOSS_ATOL
     label: Optional[str] = None
+    # Megatron's optimizer instead of the plain SGD step (verify.optimizer_cases): 'adam' | 'sgd'
+    optimizer: Optional[str] = None
+    optimizer_lr: float = 1e-3
+    clip_grad: float = 0.0
+    bf16: bool = False
+    fp16: bool = False
+    # use_distributed_optimizer (above) selects Megatron's DistributedOptimizer for these cases too
+    loss_scale: Optional[float] = None
+    initial_loss_scale: float = 2.0 ** 12  # fp16's dynamic scaler starts here
+    inject_nonfinite_at: Optional[int] = None  # iteration whose gradient gets an inf
+    post_validation: bool = False  # also train with optimizer post-validation, compare bit for bit
+    min_clean_steps: int = 0  # post-validation: synchronous steps until this many clean ones
+    param_rtol: Optional[float] = None  # default DEFAULT_PARAM_RTOL (HALF_PARAM_RTOL for bf16/fp16)
 
     @property
     def world_size(self) -> int:
-        return self.pipeline_parallel_size * self.tensor_parallel_size
+        return self.pipeline_parallel_size * self.tensor_parallel_size * self.data_parallel_size
 
     def model_config(self):
-        from .megatron.model import TinyGPTConfig
+        from .tinygpt import TinyGPTConfig
         return TinyGPTConfig(num_layers=self.num_layers, hidden_size=self.hidden_size,
                              num_attention_heads=self.num_attention_heads, vocab_size=self.vocab_size,
                              seq_length=self.seq_length, micro_batch_size=self.micro_batch_size,
@@ -103,23 +132,37 @@ class VerifyCase:
     def describe(self) -> str:
         bits = [self.schedule, f"PP={self.pipeline_parallel_size}", f"TP={self.tensor_parallel_size}",
                 f"{self.placement} x{self.chunks}", f"M={self.num_microbatches}", f"L={self.num_layers}"]
+        if self.data_parallel_size > 1:
+            bits.insert(3, f"DP={self.data_parallel_size}")
+        if self.use_distributed_optimizer:
+            bits.append("distributed-optimizer")
         for k in ("sequence_parallel", "overlap_grad_reduce", "gradient_accumulation_fusion", "forward_only",
                   "variable_seq_lengths"):
             if getattr(self, k):
                 bits.append(k)
+        if self.offload_ratio is not None:
+            bits.append(f"offload={self.offload_ratio} K={self.offload_time}"
+                        + (" half-duplex" if self.offload_half_duplex else ""))
         if not self.ddp:
             bits.append("no-ddp")
         if not self.tie_embeddings:
             bits.append("untied")
         if self.config_overrides:
             bits.append(",".join(f"{k}={v}" for k, v in sorted(self.config_overrides.items())))
+        if self.optimizer:
+            bits.append(f"megatron-{self.optimizer}" + (" bf16" if self.bf16 else "") + (" fp16" if self.fp16 else "")
+                        + (" dist-opt" if self.use_distributed_optimizer else "")
+                        + (f" clip={self.clip_grad:g}" if self.clip_grad else "")
+                        + (f" loss-scale={self.loss_scale:g}" if self.loss_scale is not None else "")
+                        + (f" inf@{self.inject_nonfinite_at}" if self.inject_nonfinite_at is not None else "")
+                        + (" post-validation" if self.post_validation else ""))
         return (self.label + ": " if self.label else "") + " ".join(bits)
 
 
 def _schedule_placement(name: str, p: int, m: int, chunks: Optional[int]):
     """(style, chunks) of a core schedule, from the pure-Python schedule core."""
-    from .core import schedules as core_schedules
-    from .core.ir import ScheduleError, Setting
+    from ..core import schedules as core_schedules
+    from ..core.ir import ScheduleError, Setting
     try:
         spec = core_schedules.get(name)
         c = spec.resolve_chunks(chunks)
@@ -128,7 +171,7 @@ def _schedule_placement(name: str, p: int, m: int, chunks: Optional[int]):
         raise VerifyUsageError(str(e)) from None
     pl = sched.placement
     style = pl.style
-    if style not in ("single", "looped", "v"):
+    if style not in ("single", "looped", "v", "bitpipe"):
         raise VerifyUsageError(f"schedule {name!r} uses a {style!r} placement, which the verifier cannot build")
     return style, pl.chunks
 
@@ -182,6 +225,9 @@ def make_case(schedule: str, pipeline_parallel_size: int, tensor_parallel_size: 
         else:
             chunks = 2 if chunks is None else chunks
     else:
+        if p < 2:  # install() hands PP=1 to Megatron's forward_backward_no_pipelining: nothing of ours runs
+            raise VerifyUsageError(f"--pipeline-parallel-size 1 has no pipeline: schedule {schedule} would not run "
+                                   "(Megatron's own no-pipelining function runs at PP=1); use -p 2 or more")
         style, c = _schedule_placement(schedule, p, m, chunks)
         if placement not in (None, style):
             raise VerifyUsageError(f"schedule {schedule!r} uses the {style!r} placement, not {placement!r}")
@@ -194,10 +240,10 @@ def make_case(schedule: str, pipeline_parallel_size: int, tensor_parallel_size: 
         num_layers = stages * max(1, math.ceil(4 / stages))
     case = VerifyCase(schedule=schedule, pipeline_parallel_size=p, tensor_parallel_size=t, num_microbatches=m,
                       iterations=iterations, chunks=chunks, placement=placement, num_layers=num_layers, **options)
-    from .core.ir import ScheduleError
-    from .megatron import model as _m  # no torch-heavy work at import
+    from ..core.ir import ScheduleError
+    from ..megatron import placement as _pl
     try:
-        _m.stage_layer_counts(case.num_layers, stages, layers_per_stage=case.layers_per_stage,
+        _pl.stage_layer_counts(case.num_layers, stages, layers_per_stage=case.layers_per_stage,
                               allow_padding_num_layers=case.allow_padding_num_layers)
     except ScheduleError as e:
         raise VerifyUsageError(str(e)) from None
@@ -213,9 +259,77 @@ def make_case(schedule: str, pipeline_parallel_size: int, tensor_parallel_size: 
         raise VerifyUsageError("overlap_grad_reduce needs ddp")
     if case.gradient_accumulation_fusion and not case.ddp:
         raise VerifyUsageError("gradient_accumulation_fusion needs ddp (it accumulates into main_grad)")
+    if not isinstance(case.data_parallel_size, int) or isinstance(case.data_parallel_size, bool) \
+            or case.data_parallel_size < 1:
+        raise VerifyUsageError(f"data_parallel_size must be an integer >= 1, got {case.data_parallel_size!r}")
+    if case.use_distributed_optimizer and not case.ddp:
+        raise VerifyUsageError("use_distributed_optimizer needs ddp (megatron's DistributedOptimizer shards its buffers)")
+    if case.use_distributed_optimizer and case.forward_only:
+        raise VerifyUsageError("use_distributed_optimizer has no step to check with forward_only")
     if case.iterations < 1:
         raise VerifyUsageError("iterations must be >= 1")
+    if case.offload_ratio is not None:
+        r = case.offload_ratio
+        if r != "auto" and not (isinstance(r, (int, float)) and not isinstance(r, bool) and 0 <= r <= 1):
+            raise VerifyUsageError(f"offload ratio must be a number in 0..1 or 'auto', got {r!r}")
+        if r == "auto" and case.memory_limit is None:
+            raise VerifyUsageError("--offload-ratio auto offloads as little as fits --memory-limit: give --memory-limit")
+        if case.schedule in PSEUDO_SCHEDULES:
+            raise VerifyUsageError(f"activation offload runs with megatron-zb schedules, not {case.schedule}")
+        if case.offload_time != "auto" and not (isinstance(case.offload_time, (int, float)) and case.offload_time >= 0):
+            raise VerifyUsageError(f"offload time must be a number >= 0 or 'auto', got {case.offload_time!r}")
+    elif case.offload_half_duplex:
+        raise VerifyUsageError("--offload-half-duplex needs --offload-ratio")
+    _check_optimizer_options(case)
     return case
+
+
+def _check_optimizer_options(case: VerifyCase) -> None:
+    if case.post_validation and case.optimizer is None:
+        case.optimizer = "adam"
+    # --use-distributed-optimizer alone is the data-parallel Adam check (gradients compared); with
+    # --optimizer it selects Megatron's DistributedOptimizer for the optimizer cases
+    uses = ["--" + k.replace("_", "-") for k in ("bf16", "fp16", "clip_grad", "loss_scale") if getattr(case, k)]
+    if case.inject_nonfinite_at is not None:
+        uses.append("--inject-nonfinite-at")
+    if case.optimizer is None:
+        if uses:
+            raise VerifyUsageError(f"{', '.join(uses)}: needs Megatron's optimizer: --optimizer adam|sgd "
+                                   "(or --optimizer-post-validation)")
+        return
+    if case.optimizer not in ("adam", "sgd"):
+        raise VerifyUsageError(f"optimizer must be adam or sgd, got {case.optimizer!r}")
+    if case.data_parallel_size > 1:
+        raise VerifyUsageError("--optimizer / --optimizer-post-validation cases run without data parallelism "
+                               "(--data-parallel-size 1)")
+    if case.schedule in PSEUDO_SCHEDULES and case.post_validation:
+        raise VerifyUsageError("optimizer post-validation runs a megatron-zb schedule (through install()), "
+                               f"not {case.schedule}")
+    if case.pipeline_parallel_size < 2 and case.post_validation:
+        raise VerifyUsageError("optimizer post-validation needs --pipeline-parallel-size >= 2")
+    if not case.ddp:
+        raise VerifyUsageError("Megatron's optimizer needs DDP-wrapped chunks (drop --no-ddp)")
+    if case.forward_only:
+        raise VerifyUsageError("--forward-only trains nothing: no optimizer")
+    if case.bf16 and case.fp16:
+        raise VerifyUsageError("--bf16 and --fp16 are exclusive")
+    half = case.bf16 or case.fp16
+    if case.param_rtol is None:
+        case.param_rtol = HALF_PARAM_RTOL if half else DEFAULT_PARAM_RTOL
+    if half and case.loss_atol == DEFAULT_LOSS_ATOL:
+        case.loss_atol = HALF_LOSS_ATOL
+    if case.clip_grad < 0 or not math.isfinite(case.clip_grad):
+        raise VerifyUsageError(f"--clip-grad must be a number >= 0, got {case.clip_grad}")
+    if case.inject_nonfinite_at is not None:
+        if not 0 <= case.inject_nonfinite_at < case.iterations:
+            raise VerifyUsageError(f"--inject-nonfinite-at must be an iteration 0..{case.iterations - 1}, "
+                                   f"got {case.inject_nonfinite_at}")
+        if not case.fp16 and case.loss_scale is None:
+            if not (case.bf16 or case.use_distributed_optimizer):
+                raise VerifyUsageError("Megatron's FP32Optimizer never checks gradients for inf/NaN (a NaN "
+                                       "would enter the weights): inject a non-finite gradient with --fp16, "
+                                       "or with --bf16 / --use-distributed-optimizer and a loss scale")
+            case.loss_scale = 1.0  # a constant scaler of 1: Megatron then checks and skips, numerics unchanged
 
 
 # --------------------------------------------------------------------------------------------
@@ -238,13 +352,13 @@ def run_verify(schedule: str, pipeline_parallel_size: int, tensor_parallel_size:
 def run_verify_many(cases: Sequence[VerifyCase], *, timeout: float = 600.0, mcore_path: Optional[str] = None,
                     raise_errors: bool = False) -> List[dict]:
     """Run several cases (same P x T) in one launch, paying process start and imports once."""
-    from .megatron import launch as L
+    from . import launch as L
     cases = list(cases)
     if not cases:
         return []
     ws = {c.world_size for c in cases}
     if len(ws) != 1:
-        raise VerifyUsageError(f"cases in one launch need the same P x T, got world sizes {sorted(ws)}")
+        raise VerifyUsageError(f"cases in one launch need the same P x T x DP, got world sizes {sorted(ws)}")
     t0 = time.time()
     if any(c.schedule not in PSEUDO_SCHEDULES for c in cases) and not _install_importable():
         err = RuntimeError("megatron-zb schedules are run through megatron_zb.megatron.install, which is not "
@@ -254,6 +368,7 @@ def run_verify_many(cases: Sequence[VerifyCase], *, timeout: float = 600.0, mcor
             raise err
         return [_error_result(c, err, 0.0) for c in cases]
     try:
+        references = _optimizer_references(cases, timeout, mcore_path)
         per_case = L.run_cases(_rank_case, cases, ws.pop(), timeout=timeout, mcore_path=mcore_path)
     except L.LaunchError as e:
         if raise_errors:
@@ -263,10 +378,27 @@ def run_verify_many(cases: Sequence[VerifyCase], *, timeout: float = 600.0, mcor
     wall = time.time() - t0
     out = []
     for c, ranks in zip(cases, per_case):
+        if c.optimizer is not None:
+            ranks[0]["reference"] = references[_reference_key(c)]
         r = compare(c, ranks)
         r["timing"]["launch_wall_s"] = round(wall, 3)
         out.append(r)
     return out
+
+
+def _optimizer_references(cases, timeout, mcore_path) -> Dict[tuple, dict]:
+    """The non-pipelined references of the optimizer cases: one launch of world size 1."""
+    from . import launch as L
+    from .optimizer_cases import reference_case
+    todo = {}
+    for c in cases:
+        if c.optimizer is not None:
+            todo.setdefault(_reference_key(c), c)
+    if not todo:
+        return {}
+    keys = list(todo)
+    results = L.run_cases(reference_case, [todo[k] for k in keys], 1, timeout=timeout, mcore_path=mcore_path)
+    return {k: r[0] for k, r in zip(keys, results)}
 
 
 def _install_importable() -> bool:
@@ -305,12 +437,24 @@ def _rel(a, b) -> float:
 
 def compare(case: VerifyCase, ranks: List[dict]) -> dict:
     """Compare the pipelined ranks' results with the reference (rank 0 carries it)."""
+    if case.optimizer is not None:
+        return _compare_optimizer(case, ranks)
     ref = ranks[0]["reference"]
     problems: List[str] = []
-    loss_reports = [r["losses"] for r in ranks if r.get("losses") is not None]
-    if len(loss_reports) != 1:
-        problems.append(f"expected exactly one rank to report losses, got {len(loss_reports)}")
-    losses = loss_reports[0] if loss_reports else []
+    loss_reports = [r for r in ranks if r.get("losses") is not None]
+    if len(loss_reports) != case.data_parallel_size:
+        problems.append(f"expected exactly {case.data_parallel_size} rank(s) to report losses (one per data-parallel "
+                        f"replica), got {len(loss_reports)}")
+    if len(loss_reports) == 1:
+        losses = loss_reports[0]["losses"]
+    else:  # data parallel: the per-token loss over every replica's microbatches
+        losses = []
+        for it in range(case.iterations):
+            parts = [r["loss_parts"][it] for r in loss_reports if it < len(r.get("loss_parts") or [])]
+            n = sum(x[1] for x in parts)
+            losses.append(sum(x[0] for x in parts) / n if parts and n else None)
+    for it, bad in _replica_mismatches(ranks, case):
+        problems.append(f"iteration {it}: copies of {bad[:3]} differ after the step (replicas must stay bit-identical)")
     per_iter = []
     max_loss = 0.0
     max_grad = 0.0
@@ -375,6 +519,7 @@ def compare(case: VerifyCase, ranks: List[dict]) -> dict:
         "forward_only": case.forward_only,
         "per_iteration": [{k: _finite(v) if isinstance(v, float) else v for k, v in row.items()} for row in per_iter],
         "problems": problems,
+        **_offload_report(ranks),
         "megatron_core": ranks[0].get("megatron_version"),
         "case": case.describe(),
         "timing": {
@@ -387,6 +532,69 @@ def compare(case: VerifyCase, ranks: List[dict]) -> dict:
             "rank_wall_s": round(max(r.get("wall_s", 0.0) for r in ranks), 3),
         },
     }
+    return res
+
+
+def _replica_mismatches(ranks: List[dict], case: "VerifyCase") -> List[tuple]:
+    """(iteration, names) where copies of a parameter (replicas, tied embeddings, data-parallel
+    copies) differ in any bit after the step; only where the ranks collected parameters."""
+    out = []
+    for it in range(case.iterations):
+        copies: Dict[str, list] = {}
+        for r in ranks:
+            params = r.get("params") or []
+            for name, ts in (params[it] if it < len(params) else {}).items():
+                copies.setdefault(name, []).extend(ts)
+        bad = sorted(n for n, ts in copies.items() if any(not _equal(ts[0], t) for t in ts[1:]))
+        if bad:
+            out.append((it, bad))
+    return out
+
+
+def _equal(a, b) -> bool:
+    import torch
+    return a.shape == b.shape and bool(torch.equal(a, b))
+
+
+def _offload_report(ranks: List[dict]) -> dict:
+    """``offload``: per rank, the offload manager's counts of every iteration (absent without)."""
+    if not any(r.get("offload") for r in ranks):
+        return {}
+    return {"offload": [{"rank": r["rank"], "pp_rank": r.get("pp_rank"), "tp_rank": r.get("tp_rank"),
+                         "iterations": r.get("offload") or []} for r in ranks]}
+
+
+def _compare_optimizer(case: VerifyCase, ranks: List[dict]) -> dict:
+    from .optimizer_cases import compare_optimizer_case
+    ref = ranks[0]["reference"]
+    o = compare_optimizer_case(case, ranks, ref)
+    problems = o.pop("problems_optimizer")
+    passed = o.pop("passed_optimizer")
+    times = [r["runs"]["post-validated" if case.post_validation else "synchronous"]["times"] for r in ranks]
+    iter_ms = [max(ts[i] for ts in times) * 1e3 for i in range(len(times[0]))] if times and times[0] else []
+    sync_times = [r["runs"]["synchronous"]["times"] for r in ranks]
+    sync_ms = [max(ts[i] for ts in sync_times) * 1e3 for i in range(len(sync_times[0]))] if sync_times else []
+    per_iter = []
+    for it in range(case.iterations):
+        lo = o["losses"][it] if it < len(o["losses"]) else None
+        rl = ref["losses"][it]
+        per_iter.append({"iteration": it, "loss": lo, "reference_loss": rl,
+                         "abs_loss_diff": _finite(abs(lo - rl)) if lo is not None else None,
+                         "skipped": not ref["steps"][it][0], "reference_grad_norm": ref["steps"][it][1]})
+    res = {
+        "passed": bool(passed), "schedule": case.schedule, "pipeline_parallel_size": case.pipeline_parallel_size,
+        "tensor_parallel_size": case.tensor_parallel_size, "num_microbatches": case.num_microbatches,
+        "iterations": case.iterations, "chunks": case.chunks, "placement": case.placement,
+        "num_layers": case.num_layers, "grad_rtol": case.grad_rtol, "loss_atol": case.loss_atol,
+        "param_rtol": case.param_rtol, "forward_only": False, "per_iteration": per_iter, "problems": problems,
+        "megatron_core": ranks[0].get("megatron_version"), "case": case.describe(),
+        "timing": {"iteration_ms": [round(x, 3) for x in iter_ms],
+                   "median_iteration_ms": round(_median(iter_ms[1:] or iter_ms), 3) if iter_ms else None,
+                   "synchronous_median_iteration_ms": round(_median(sync_ms[1:] or sync_ms), 3) if sync_ms else None,
+                   "rank_wall_s": round(max(r.get("wall_s", 0.0) for r in ranks), 3)},
+    }
+    for k, v in o.items():
+        res[k] = _finite(v) if isinstance(v, float) else v
     return res
 
 
@@ -422,8 +630,11 @@ def _reference_overrides(case: VerifyCase) -> dict:
 
 
 def _reference_key(case: VerifyCase) -> tuple:
-    return (json.dumps(case.model_config().to_dict(), sort_keys=True), case.num_microbatches, case.iterations,
-            case.lr, case.forward_only, repr(sorted(_reference_overrides(case).items())))
+    opt = (case.optimizer, case.optimizer_lr, case.clip_grad, case.bf16, case.fp16, case.use_distributed_optimizer,
+           case.loss_scale, case.initial_loss_scale, case.inject_nonfinite_at)
+    return (json.dumps(case.model_config().to_dict(), sort_keys=True), case.num_microbatches * case.data_parallel_size,
+            case.iterations, case.lr, case.forward_only, case.use_distributed_optimizer,
+            repr(sorted(_reference_overrides(case).items())), opt if case.optimizer else None)
 
 
 def _reference_finalize(model, num_tokens=None, *args, **kwargs) -> None:
@@ -439,27 +650,33 @@ def _run_reference(case: VerifyCase) -> dict:
     """PP=1, TP=1, full model on this process; megatron's forward_backward_no_pipelining."""
     import torch
     from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
-    from .megatron import model as M
-    from .megatron.launch import set_status
+    from . import tinygpt as M
+    from .launch import set_status
     cfg = case.model_config()
     ref = M.build_reference_model(cfg, **_reference_overrides(case))
     ref.config.finalize_model_grads_func = _reference_finalize
-    losses, grads, times = [], [], []
+    losses, grads, params, times = [], [], [], []
+    m = case.num_microbatches * case.data_parallel_size  # every data-parallel replica's microbatches
     for it in range(case.iterations):
         set_status(f"reference: iteration {it}")
         M.zero_grads_([ref])
-        batches = M.make_batches(cfg, case.num_microbatches, it)
+        batches = M.make_batches(cfg, m, it)
         t0 = time.perf_counter()
         out = forward_backward_no_pipelining(
             forward_step_func=M.forward_step_func, data_iterator=iter(batches), model=ref,
-            num_microbatches=case.num_microbatches, seq_length=cfg.seq_length,
+            num_microbatches=m, seq_length=cfg.seq_length,
             micro_batch_size=cfg.micro_batch_size, decoder_seq_length=cfg.seq_length,
             forward_only=case.forward_only)
         times.append(time.perf_counter() - t0)
         losses.append(M.iteration_loss(out))
         if not case.forward_only:
             grads.append(M.collect_full_grads([ref]))
-            M.sgd_step_([ref], case.lr)
+            if case.use_distributed_optimizer:
+                if it == 0:
+                    adam = torch.optim.AdamW(ref.parameters(), **_ADAM)
+                adam.step()
+            else:
+                M.sgd_step_([ref], case.lr)
         else:
             grads.append({})
     del ref
@@ -470,8 +687,10 @@ def _rank_case(case: VerifyCase) -> dict:
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
-    from .megatron import model as M
-    from .megatron.launch import set_status
+
+    from ..megatron import placement as _pl
+    from . import tinygpt as M
+    from .launch import set_status
 
     t_start = time.perf_counter()
     rank = dist.get_rank()
@@ -480,6 +699,8 @@ def _rank_case(case: VerifyCase) -> dict:
     # the rank logs that a failure or a timeout quotes
     logging.getLogger("megatron.core.distributed").setLevel(logging.WARNING)
     # 1. the reference, on rank 0 (cached per launch for identical model/data)
+    if case.optimizer is not None:
+        return _rank_optimizer_case(case, t_start)
     set_status(f"[{tag}] reference: setting up")
     M.init_parallel_state(1, 1, seed=case.seed)
     reference = None
@@ -490,7 +711,7 @@ def _rank_case(case: VerifyCase) -> dict:
         reference = _REFERENCE_CACHE[key]
     # 2. the pipelined run
     set_status(f"[{tag}] pipelined: initialising parallel state (other ranks may still run the reference)")
-    placement = M.make_placement(case.placement, case.pipeline_parallel_size, case.chunks)
+    placement = _pl.make_placement(case.placement, case.pipeline_parallel_size, case.chunks)
     M.init_parallel_state(case.tensor_parallel_size, case.pipeline_parallel_size, placement, seed=case.seed)
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
@@ -512,17 +733,24 @@ def _rank_case(case: VerifyCase) -> dict:
                                       gradient_accumulation_fusion=case.gradient_accumulation_fusion, **overrides)
         config = chunks[0].config
         if case.ddp:
-            chunks = M.wrap_ddp(chunks, overlap_grad_reduce=case.overlap_grad_reduce)
-        M.configure_grad_sync(config, chunks, placement=placement, ddp=case.ddp,
+            chunks = M.wrap_ddp(chunks, overlap_grad_reduce=case.overlap_grad_reduce,
+                                use_distributed_optimizer=case.use_distributed_optimizer)
+        _pl.configure_grad_sync(config, chunks, placement=placement, ddp=case.ddp,
                               overlap_grad_reduce=case.overlap_grad_reduce)
+        optimizer = _distributed_adam(chunks) if case.use_distributed_optimizer else None
         fb = _forward_backward_func(case, placement)
-        infos = [M.unwrap(c).mzb_chunk_info for c in chunks]
-        holds_last = any(i.post_process for i in infos)
-        losses, grads, times = [], [], []
+        infos = [_pl.unwrap(c).mzb_chunk_info for c in chunks]
+        holds_last = pp_rank == placement.loss_rank  # replicated stages: the loss rank gets every path's losses
+        dp_rank = parallel_state.get_data_parallel_rank()
+        keep_params = placement.replicated
+        losses, loss_parts, grads, params, times, offload = [], [], [], [], [], []
+        m = case.num_microbatches
         for it in range(case.iterations):
             set_status(f"[{tag}] pipelined: iteration {it} forward-backward")
             M.zero_grads_(chunks)
-            batches = M.make_batches(cfg, case.num_microbatches, it)
+            if optimizer is not None:
+                optimizer.zero_grad()
+            batches = M.make_batches(cfg, m * case.data_parallel_size, it)[dp_rank * m:(dp_rank + 1) * m]
             iters = M.batch_iterators(batches, len(chunks))
             dist.barrier()  # time the schedule, not the ranks' skew
             t0 = time.perf_counter()
@@ -531,32 +759,108 @@ def _rank_case(case: VerifyCase) -> dict:
                      micro_batch_size=cfg.micro_batch_size, decoder_seq_length=cfg.seq_length,
                      forward_only=case.forward_only)
             times.append(time.perf_counter() - t0)
+            stats = getattr(getattr(handle, "forward_backward", None), "offload_stats", None)
+            if stats is not None:
+                offload.append(dict(stats))
             if holds_last and tp_rank == 0:
                 losses.append(M.iteration_loss(out))
+                loss_parts.append(M.iteration_loss_parts(out))
             if not case.forward_only:
                 set_status(f"[{tag}] pipelined: iteration {it} gathering gradients")
+                if optimizer is not None:
+                    _gather_grad_shards(chunks)
                 grads.append(M.collect_full_grads(chunks))
-                M.sgd_step_(chunks, case.lr)
+                if optimizer is not None:
+                    ok, _, _ = optimizer.step()
+                    if not ok:
+                        raise RuntimeError(f"megatron's optimizer step failed at iteration {it}")
+                else:
+                    M.sgd_step_(chunks, case.lr)
+                params.append(M.collect_full_grads(chunks, params=True) if keep_params else {})
             else:
                 grads.append({})
+                params.append({})
     finally:
         if handle is not None:
             handle.uninstall()
     set_status(f"[{tag}] done")
-    return {"rank": rank, "pp_rank": pp_rank, "tp_rank": tp_rank, "reference": reference,
-            "losses": losses if (holds_last and tp_rank == 0) else None, "grads": grads, "times": times,
-            "wall_s": time.perf_counter() - t_start, "megatron_version": M.megatron_version(),
+    reports = holds_last and tp_rank == 0
+    return {"rank": rank, "pp_rank": pp_rank, "tp_rank": tp_rank, "dp_rank": dp_rank, "reference": reference,
+            "losses": losses if reports else None, "loss_parts": loss_parts if reports else None,
+            "grads": grads, "params": params, "times": times,
+            "wall_s": time.perf_counter() - t_start, "megatron_version": M.megatron_version(), "offload": offload,
             "stages": [i.stage for i in infos], "layers": [list(i.layers) for i in infos]}
 
 
-def _install(case: VerifyCase):
+# Adam for the distributed-optimizer cases (the reference runs torch's AdamW, megatron's Adam on a CPU)
+_ADAM = dict(lr=0.01, betas=(0.9, 0.999), eps=1.0, weight_decay=0.0)
+
+
+def _distributed_adam(chunks):
+    """megatron's DistributedOptimizer (Adam, no weight decay or clipping) over the DDP chunks."""
+    import torch
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    ocfg = OptimizerConfig(optimizer="adam", lr=_ADAM["lr"], min_lr=_ADAM["lr"], weight_decay=0.0,
+                           adam_beta1=_ADAM["betas"][0], adam_beta2=_ADAM["betas"][1], adam_eps=_ADAM["eps"],
+                           clip_grad=0.0, use_distributed_optimizer=True, bf16=False, fp16=False,
+                           params_dtype=torch.float32)
+    return get_megatron_optimizer(ocfg, list(chunks), use_gloo_process_groups=False)
+
+
+def _gather_grad_shards(chunks) -> None:
+    """After a reduce-scatter each data-parallel rank holds only its shard of every bucket reduced:
+    zero the rest and sum over data parallelism, so every rank holds the whole reduced gradient
+    (its own shard is unchanged, which is all the optimizer reads)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    group = parallel_state.get_data_parallel_group()
+    d, n = dist.get_rank(group), dist.get_world_size(group)
+    for c in chunks:
+        for buf in list(getattr(c, "buffers", [])) + list(getattr(c, "expert_parallel_buffers", [])):
+            for bucket in buf.buckets:
+                g = bucket.grad_data
+                size = g.numel() // n
+                g[:d * size].zero_()
+                g[(d + 1) * size:].zero_()
+                dist.all_reduce(g, group=group)
+
+
+def _install(case: VerifyCase, **extra):
     try:
-        from .megatron.install import install
+        from ..megatron.install import install
     except ImportError as e:
         raise RuntimeError(f"schedule {case.schedule!r} needs megatron_zb.megatron.install, which is not "
                            f"available ({e}); the pseudo-schedules {', '.join(PSEUDO_SCHEDULES)} work without it")
     kw = dict(case.schedule_options)
+    if case.offload_ratio is not None:
+        kw.update(offload_ratio=case.offload_ratio, offload_time=case.offload_time,
+                  offload_overlap=not case.offload_half_duplex, offload_cpu_test=True)
+    kw.update(extra)
     return install(case.schedule, chunks=case.chunks, memory_limit=case.memory_limit, **kw)
+
+
+def _rank_optimizer_case(case: VerifyCase, t_start: float) -> dict:
+    """An optimizer case on this rank: the synchronous and (optionally) post-validated runs."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from ..megatron import placement as _pl
+    from . import tinygpt as M
+    from .launch import set_status
+    from .optimizer_cases import rank_runs
+    logging.getLogger("megatron.core.distributed").setLevel(logging.WARNING)
+    logging.getLogger("megatron.core.optimizer").setLevel(logging.WARNING)
+    placement = _pl.make_placement(case.placement, case.pipeline_parallel_size, case.chunks)
+
+    def install_fn(c, post_validation):
+        if c.schedule in PSEUDO_SCHEDULES:
+            return None
+        return _install(c, **({"post_validation": True} if post_validation else {}))
+    runs = rank_runs(case, placement, install_fn, _forward_backward_func)
+    set_status(f"[{case.describe()}] done")
+    return {"rank": dist.get_rank(), "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
+            "tp_rank": parallel_state.get_tensor_model_parallel_rank(), "reference": None, "runs": runs,
+            "wall_s": time.perf_counter() - t_start, "megatron_version": M.megatron_version()}
 
 
 def _forward_backward_func(case: VerifyCase, placement):
@@ -592,7 +896,7 @@ class SequentialForwardBackward:
         import torch.distributed as dist
         from megatron.core import parallel_state
         from megatron.core.utils import get_attr_wrapped_model, get_model_config
-        from .megatron.launch import set_status
+        from .launch import set_status
 
         chunks = model if isinstance(model, list) else [model]
         iters = data_iterator if isinstance(data_iterator, list) else [data_iterator]
@@ -683,136 +987,3 @@ class SequentialForwardBackward:
             config.finalize_model_grads_func(chunks, total_tokens if config.calculate_per_token_loss else None)
         holds_last = pl.rank_of(S - 1) == me
         return store if holds_last else []
-
-
-# --------------------------------------------------------------------------------------------
-# CLI
-# --------------------------------------------------------------------------------------------
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise VerifyUsageError(f"{self.prog}: {message}")
-
-
-def _pos_int(name):
-    from .cli import _positive_int
-    return _positive_int(name)
-
-
-def _build_parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog="megatron-zb verify",
-                 description="Train a tiny megatron-core GPT on P x T CPU processes with a pipeline schedule and "
-                             "compare losses and gradients with the non-pipelined single-process reference.")
-    ap.add_argument("--schedule", required=True,
-                    help="a megatron-zb schedule (installed through megatron_zb.megatron.install) or one of "
-                         + ", ".join(PSEUDO_SCHEDULES))
-    ap.add_argument("--pipeline-parallel-size", "-p", type=_pos_int("--pipeline-parallel-size"), required=True)
-    ap.add_argument("--tensor-parallel-size", "-t", type=_pos_int("--tensor-parallel-size"), default=1)
-    ap.add_argument("--num-microbatches", "-m", type=_pos_int("--num-microbatches"), default=None,
-                    help="default 2 x pipeline size")
-    ap.add_argument("--iterations", "-n", type=_pos_int("--iterations"), default=3)
-    ap.add_argument("--chunks", "-v", type=_pos_int("--chunks"), default=None, help="model chunks per rank")
-    ap.add_argument("--placement", choices=("single", "looped", "v"), default=None,
-                    help="only for --schedule sequential")
-    ap.add_argument("--num-layers", type=_pos_int("--num-layers"), default=None)
-    ap.add_argument("--allow-padding-num-layers", action="store_true",
-                    help="first and last stage get one layer less when layers do not split evenly")
-    ap.add_argument("--sequence-parallel", action="store_true")
-    ap.add_argument("--no-ddp", action="store_true", help="plain autograd grads instead of megatron DDP")
-    ap.add_argument("--overlap-grad-reduce", action="store_true")
-    ap.add_argument("--gradient-accumulation-fusion", action="store_true")
-    ap.add_argument("--variable-seq-lengths", action="store_true")
-    ap.add_argument("--untied", action="store_true", help="untie embedding and output weights")
-    ap.add_argument("--forward-only", action="store_true")
-    ap.add_argument("--memory-limit", type=float, default=None, help="passed to install() (zb-auto, v-auto)")
-    ap.add_argument("--grad-rtol", type=float, default=DEFAULT_GRAD_RTOL)
-    ap.add_argument("--loss-atol", type=float, default=DEFAULT_LOSS_ATOL)
-    ap.add_argument("--timeout", type=float, default=300.0, help="seconds for the whole run (default 300)")
-    ap.add_argument("--mcore-path", default=None, help="a directory holding another megatron-core (megatron/core)")
-    ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-    return ap
-
-
-def _fmt(x) -> str:
-    return "n/a" if x is None else f"{x:.3e}"
-
-
-def main_verify(argv: Optional[Sequence[str]] = None) -> int:
-    """`megatron-zb verify ...`: 0 passed, 1 failed (or a rank crashed / hung), 2 bad input."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        a = _build_parser().parse_args(argv)
-        if a.placement is not None and a.schedule != "sequential":
-            raise VerifyUsageError("--placement only applies to --schedule sequential")
-        for nm in ("grad_rtol", "loss_atol", "timeout"):
-            v = getattr(a, nm)
-            if not (v > 0 and math.isfinite(v)):
-                raise VerifyUsageError(f"--{nm.replace('_', '-')} must be a positive number, got {v}")
-        if a.mcore_path is not None:
-            from .megatron.launch import LaunchError, resolve_mcore_path
-            try:
-                resolve_mcore_path(a.mcore_path)
-            except LaunchError as e:
-                raise VerifyUsageError(str(e)) from None
-        opts = dict(chunks=a.chunks, placement=a.placement, num_layers=a.num_layers,
-                    allow_padding_num_layers=a.allow_padding_num_layers, sequence_parallel=a.sequence_parallel,
-                    ddp=not a.no_ddp, overlap_grad_reduce=a.overlap_grad_reduce,
-                    gradient_accumulation_fusion=a.gradient_accumulation_fusion,
-                    variable_seq_lengths=a.variable_seq_lengths, tie_embeddings=not a.untied,
-                    forward_only=a.forward_only, memory_limit=a.memory_limit, grad_rtol=a.grad_rtol,
-                    loss_atol=a.loss_atol)
-        case = make_case(a.schedule, a.pipeline_parallel_size, a.tensor_parallel_size, a.num_microbatches,
-                         a.iterations, **opts)
-    except VerifyUsageError as e:
-        msg = str(e).splitlines()[0] if str(e) else "bad input"
-        if not msg.startswith("megatron-zb verify"):
-            msg = f"megatron-zb verify: {msg}"
-        print(msg, file=sys.stderr)
-        return 2
-    print(f"megatron-zb verify: {case.describe()} on {case.world_size} CPU process(es), "
-          f"{case.iterations} iteration(s)", flush=True)
-    res = run_verify_many([case], timeout=a.timeout, mcore_path=a.mcore_path)[0]
-    if res.get("error"):
-        print(f"ERROR ({res['error_type']}): {res['error']}")
-    else:
-        print(f"megatron-core {res.get('megatron_core')}")
-        for row in res["per_iteration"]:
-            line = (f"iteration {row['iteration']}: loss {_loss(row['loss'])} (reference {_loss(row['reference_loss'])}, "
-                    f"|diff| {_fmt(row['abs_loss_diff'])})")
-            if "max_rel_grad_diff" in row:
-                line += f", max rel grad diff {_fmt(row['max_rel_grad_diff'])}"
-            print(line)
-        for p in res["problems"]:
-            print(f"problem: {p}")
-        w = res.get("worst_param")
-        if w and not case.forward_only:
-            print(f"worst gradient: {w['param']} (rank {w['rank']}, iteration {w['iteration']}): "
-                  f"{_fmt(w['rel_diff'])}")
-        t = res["timing"]
-        print(f"timing: median iteration {t.get('median_iteration_ms')} ms "
-              f"(reference {t.get('reference_median_iteration_ms')} ms), wall {t.get('launch_wall_s')} s")
-        verdict = "PASSED" if res["passed"] else "FAILED"
-        grad_part = "" if case.forward_only else \
-            f"max rel grad diff {_fmt(res['max_rel_grad_diff'])} (tol {case.grad_rtol:g}), "
-        print(f"{verdict}: {grad_part}max abs loss diff {_fmt(res['max_abs_loss_diff'])} (tol {case.loss_atol:g})")
-    if a.json:
-        print(json.dumps(_jsonable(res), sort_keys=True))
-    return 0 if res["passed"] else 1
-
-
-def _loss(x) -> str:
-    return "n/a" if x is None else f"{x:.6f}"
-
-
-def _jsonable(obj):
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else (None if math.isnan(obj) else ("inf" if obj > 0 else "-inf"))
-    if isinstance(obj, dict):
-        return {k: _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
-    return obj
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main_verify())

@@ -1,0 +1,162 @@
+"""The training-iteration model: how long one training iteration takes, optimizer step included.
+
+A schedule's makespan (the longest per-rank span) is not what training gets. Megatron's optimizer
+step all-reduces the gradient norm and the inf/NaN flag over every rank of the model, pipeline
+ranks included, so each iteration ends with a barrier:
+
+* **synchronous** (``iteration_time``): every rank starts iteration k+1 at the same moment, the
+  end of the last pass of iteration k on any rank plus the optimizer step (``cost_optimizer``).
+  One iteration lasts ``max end - min start + cost_optimizer`` (all ranks start at 0).
+* **post-validated** (``iteration_time_post_validated``): each rank steps its optimizer as soon
+  as its own last pass ends and starts its next iteration after its own step. The partial
+  reductions travel rank 0 -> 1 -> ... -> P-1 (each hop ``cost_comm``, a rank adds its part when
+  its last pass has ended), the full result travels back P-1 -> ... -> 0, and a rank's first
+  backward pass (B or BW) of the next iteration waits for that result (the validation point:
+  the forwards before it are redone if the step is rolled back, nothing after it may use
+  unvalidated weights). Measured, not by formula: ``ITERATIONS`` iterations are simulated back
+  to back (``simulate(..., release=...)``) and the steady-state period is the average over the
+  last ones.
+
+Reference values, unit costs, P=4, M=8, cost_optimizer 0: 1f1b 33 / 33, zb-h1 27 / 27, zb-h2 27 / 24.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from .ir import B, BW, Schedule, ScheduleError, Setting
+from .simulate import SimResult, Timed, simulate
+
+# iterations simulated back to back, and how many of the last ones the period is averaged over
+# (a multiple of 1, 2, 3, 4 and 6 so a periodic steady state of that length averages exactly)
+ITERATIONS = 16
+AVERAGE_OVER = 12
+
+
+@dataclass
+class IterationResult:
+    schedule: str
+    cost_optimizer: float
+    iteration_time: float  # synchronous optimizer step (Megatron's)
+    iteration_time_post_validated: float
+    # per iteration simulated back to back (post-validated): per rank, (start of its first pass,
+    # end of its last pass) and the time the validation result of that iteration reaches it
+    windows: List[List[Tuple[float, float]]] = field(default_factory=list, repr=False)
+    validated_at: List[List[float]] = field(default_factory=list, repr=False)
+
+    def to_dict(self) -> dict:
+        return {"iteration_time": _r(self.iteration_time),
+                "iteration_time_post_validated": _r(self.iteration_time_post_validated),
+                "cost_optimizer": _r(self.cost_optimizer)}
+
+
+def _r(x: float) -> float:
+    return round(float(x), 10)
+
+
+def _check_cost(cost_optimizer) -> float:
+    if isinstance(cost_optimizer, bool) or not isinstance(cost_optimizer, (int, float)) \
+            or not (0 <= cost_optimizer < float("inf")):
+        raise ScheduleError(f"cost-optimizer must be a non-negative number, got {cost_optimizer!r}")
+    return float(cost_optimizer)
+
+
+def validation_points(schedule: Schedule) -> List[Optional[int]]:
+    """Per rank: the position (among its compute passes, overlapped pairs expanded) of its first
+    B or BW, where it validates the previous step; None for a rank without a backward."""
+    out = []
+    for order in schedule.flat().orders:
+        passes = [a for a in order if a.is_compute]
+        out.append(next((i for i, a in enumerate(passes) if a.kind in (B, BW)), None))
+    return out
+
+
+def validation_times(ends: Sequence[float], hop: float) -> List[float]:
+    """When the fully reduced result reaches each rank: partials go 0 -> P-1 (rank r adds its part
+    once its last pass ended at ``ends[r]``), the full result comes back P-1 -> 0; ``hop`` per message."""
+    p = len(ends)
+    acc = ends[0]
+    for r in range(1, p):
+        acc = max(acc + hop, ends[r])
+    out = [0.0] * p
+    out[p - 1] = acc
+    for r in range(p - 2, -1, -1):
+        out[r] = out[r + 1] + hop
+    return out
+
+
+def _rank_window(tl: List[Timed], default: float) -> Tuple[float, float]:
+    return (tl[0].start, tl[-1].end) if tl else (default, default)
+
+
+def simulate_iterations(schedule: Schedule, setting: Setting, iterations: int, cost_optimizer: float = 0.0,
+                        post_validated: bool = True) -> Tuple[List[SimResult], List[List[float]]]:
+    """Simulate ``iterations`` training iterations back to back (absolute times).
+
+    Returns (one ``SimResult`` per iteration, per iteration the time each rank gets the
+    validation result of that iteration's step; empty lists when synchronous)."""
+    cost_optimizer = _check_cost(cost_optimizer)
+    if not isinstance(iterations, int) or iterations < 1:
+        raise ScheduleError(f"iterations must be an integer >= 1, got {iterations!r}")
+    if setting.chunks != schedule.placement.chunks:
+        setting = dataclasses.replace(setting, chunks=schedule.placement.chunks)
+    first = simulate(schedule, setting)
+    p = len(first.timeline)
+    if not post_validated:
+        t = max((tl[-1].end for tl in first.timeline if tl), default=0.0) + cost_optimizer
+        return [_shifted(first, k * t) for k in range(iterations)], []
+    points = validation_points(schedule)
+    results, validated = [first], []
+    for k in range(1, iterations + 1):
+        prev = results[-1]
+        ends = [_rank_window(tl, 0.0)[1] for tl in prev.timeline]
+        v = validation_times(ends, setting.cost_comm)
+        validated.append(v)
+        if k == iterations:
+            break
+        release: Dict[Tuple[int, int], float] = {}
+        for r in range(p):
+            release[(r, 0)] = ends[r] + cost_optimizer
+            if points[r] is not None:
+                release[(r, points[r])] = max(release.get((r, points[r]), 0.0), v[r])
+        results.append(simulate(schedule, setting, release=release))
+    return results, validated
+
+
+def _shifted(res: SimResult, dt: float) -> SimResult:
+    tl = [[Timed(t.action, t.rank, t.start + dt, t.end + dt) for t in rank] for rank in res.timeline]
+    return dataclasses.replace(res, timeline=tl)
+
+
+def iteration_times(schedule: Schedule, setting: Setting, cost_optimizer: float = 0.0) -> IterationResult:
+    """Synchronous and post-validated time per training iteration of ``schedule`` (see the module)."""
+    cost_optimizer = _check_cost(cost_optimizer)
+    sync_runs, _ = simulate_iterations(schedule, setting, 1, cost_optimizer, post_validated=False)
+    base = sync_runs[0]
+    starts = [tl[0].start for tl in base.timeline if tl]
+    ends = [tl[-1].end for tl in base.timeline if tl]
+    sync = (max(ends) - min(starts) if ends else 0.0) + cost_optimizer
+    runs, validated = simulate_iterations(schedule, setting, ITERATIONS, cost_optimizer, post_validated=True)
+    last_end = [max(_rank_window(tl, 0.0)[1] for tl in res.timeline) for res in runs]
+    k1 = len(runs) - 1
+    k0 = k1 - AVERAGE_OVER
+    post = (last_end[k1] - last_end[k0]) / AVERAGE_OVER
+    windows = [[_rank_window(tl, 0.0) for tl in res.timeline] for res in runs]
+    return IterationResult(schedule.name, cost_optimizer, sync, post, windows, validated)
+
+
+def back_to_back(schedule: Schedule, setting: Setting, iterations: int, cost_optimizer: float = 0.0,
+                 post_validated: bool = False) -> SimResult:
+    """One ``SimResult`` holding ``iterations`` iterations back to back (for pictures): its timeline
+    has every pass of every iteration at its absolute time; makespan is the whole stretch."""
+    runs, _ = simulate_iterations(schedule, setting, iterations, cost_optimizer, post_validated)
+    first = runs[0]
+    tl = [[t for res in runs for t in res.timeline[r]] for r in range(len(first.timeline))]
+    start = min((x[0].start for x in tl if x), default=0.0)
+    end = max((x[-1].end for x in tl if x), default=0.0)
+    busy = [sum(t.end - t.start for t in x) for x in tl]
+    span = end - start
+    bubble = 1.0 - sum(busy) / (len(tl) * span) if span > 0 else 0.0
+    return dataclasses.replace(first, makespan=span, bubble_rate=bubble, busy=busy,
+                               spans=[(x[-1].end - x[0].start) if x else 0.0 for x in tl], timeline=tl)

@@ -1,0 +1,209 @@
+"""`megatron-zb verify`: the command line of the verification harness (``verify.harness``).
+
+Exit codes: 0 passed, 1 failed (or a rank crashed / hung), 2 bad input (one line on stderr).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from typing import Optional, Sequence
+
+from ..argtypes import nonneg, positive_int
+from .harness import (DEFAULT_GRAD_RTOL, DEFAULT_LOSS_ATOL, PSEUDO_SCHEDULES, VerifyUsageError, make_case,
+                      run_verify_many)
+
+__all__ = ["main_verify"]
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise VerifyUsageError(f"{self.prog}: {message}")
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    ap = _Parser(prog="megatron-zb verify",
+                 description="Train a tiny megatron-core GPT on P x T x D CPU processes with a pipeline schedule and "
+                             "compare losses and gradients with the non-pipelined single-process reference.")
+    ap.add_argument("--schedule", required=True,
+                    help="a megatron-zb schedule (installed through megatron_zb.megatron.install) or one of "
+                         + ", ".join(PSEUDO_SCHEDULES))
+    ap.add_argument("--pipeline-parallel-size", "-p", type=positive_int("--pipeline-parallel-size"), required=True)
+    ap.add_argument("--tensor-parallel-size", "-t", type=positive_int("--tensor-parallel-size"), default=1)
+    ap.add_argument("--data-parallel-size", "-d", type=positive_int("--data-parallel-size"), default=1,
+                    help="data-parallel replicas (world size P x T x D); the reference trains on all their microbatches")
+    ap.add_argument("--use-distributed-optimizer", action="store_true",
+                    help="megatron's DistributedOptimizer: alone, it steps with Adam instead of SGD and gradients are "
+                         "compared (ZeroPP's sharded data parallelism); with --optimizer it is that optimizer's "
+                         "DistributedOptimizer")
+    ap.add_argument("--num-microbatches", "-m", type=positive_int("--num-microbatches"), default=None,
+                    help="per data-parallel replica; default 2 x pipeline size")
+    ap.add_argument("--iterations", "-n", type=positive_int("--iterations"), default=3)
+    ap.add_argument("--chunks", "-v", type=positive_int("--chunks"), default=None, help="model chunks per rank")
+    ap.add_argument("--placement", choices=("single", "looped", "v"), default=None,
+                    help="only for --schedule sequential")
+    ap.add_argument("--num-layers", type=positive_int("--num-layers"), default=None)
+    ap.add_argument("--allow-padding-num-layers", action="store_true",
+                    help="first and last stage get one layer less when layers do not split evenly")
+    ap.add_argument("--sequence-parallel", action="store_true")
+    ap.add_argument("--no-ddp", action="store_true", help="plain autograd grads instead of megatron DDP")
+    ap.add_argument("--overlap-grad-reduce", action="store_true")
+    ap.add_argument("--gradient-accumulation-fusion", action="store_true")
+    ap.add_argument("--variable-seq-lengths", action="store_true")
+    ap.add_argument("--untied", action="store_true", help="untie embedding and output weights")
+    ap.add_argument("--forward-only", action="store_true")
+    ap.add_argument("--memory-limit", type=float, default=None, help="passed to install() (zb-auto, v-auto)")
+    ap.add_argument("--offload-ratio", type=_offload_ratio, default=None, metavar="R|auto",
+                    help="train with activation offload (CPU test mode: synchronous copies to separate CPU "
+                         "buffers): this share of each rank's activations, or 'auto' (as little as fits "
+                         "--memory-limit)")
+    ap.add_argument("--offload-time", type=_offload_time, default=0.25, metavar="K|auto",
+                    help="transfer time the schedule core plans with, in F+B of a stage (default 0.25); 'auto': "
+                         "measured at the first iteration (here: CPU memcpy and matmul stand-ins)")
+    ap.add_argument("--offload-half-duplex", action="store_true", help="one copy queue instead of two")
+    o = ap.add_argument_group("Megatron's optimizer (instead of the harness's plain SGD step)")
+    o.add_argument("--optimizer", choices=("adam", "sgd"), default=None,
+                   help="train with megatron.core.optimizer (get_megatron_optimizer); the reference is one process "
+                        "with the same optimizer")
+    o.add_argument("--optimizer-post-validation", action="store_true",
+                   help="also train with optimizer post-validation (implies --optimizer adam) and require it to be "
+                        "bit-identical to the synchronous pipelined run")
+    o.add_argument("--clip-grad", type=float, default=0.0, help="Megatron's clip_grad (default 0: off)")
+    o.add_argument("--inject-nonfinite-at", type=int, default=None, metavar="ITER",
+                   help="put an inf into one gradient at this iteration (Megatron then skips the step; needs a "
+                        "loss scaler: --fp16, or --bf16 / --use-distributed-optimizer, which get --loss-scale 1)")
+    o.add_argument("--bf16", action="store_true")
+    o.add_argument("--fp16", action="store_true", help="fp16 with Megatron's dynamic loss scaler")
+    o.add_argument("--loss-scale", type=float, default=None, help="constant loss scale (Megatron's --loss-scale)")
+    o.add_argument("--lr", type=float, default=1e-3, help="the optimizer's learning rate (default 1e-3)")
+    o.add_argument("--param-rtol", type=float, default=None,
+                   help="final parameters vs the reference (default 1e-3; 0.1 for bf16/fp16)")
+    ap.add_argument("--grad-rtol", type=float, default=DEFAULT_GRAD_RTOL)
+    ap.add_argument("--loss-atol", type=float, default=DEFAULT_LOSS_ATOL)
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds for the whole run (default 300)")
+    ap.add_argument("--mcore-path", default=None, help="a directory holding another megatron-core (megatron/core)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    return ap
+
+
+def _offload_ratio(text):
+    if str(text).strip().lower() == "auto":
+        return "auto"
+    try:
+        v = float(text)
+    except ValueError:
+        v = -1.0
+    if not (0.0 <= v <= 1.0):
+        raise argparse.ArgumentTypeError(f"--offload-ratio takes a number in 0..1 or 'auto', got {text!r}")
+    return v
+
+
+def _offload_time(text):
+    if str(text).strip().lower() == "auto":
+        return "auto"
+    return nonneg("--offload-time")(text)
+
+
+def _fmt(x) -> str:
+    return "n/a" if x is None else f"{x:.3e}"
+
+
+def main_verify(argv: Optional[Sequence[str]] = None) -> int:
+    """`megatron-zb verify ...`: 0 passed, 1 failed (or a rank crashed / hung), 2 bad input."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        a = _build_parser().parse_args(argv)
+        if a.placement is not None and a.schedule != "sequential":
+            raise VerifyUsageError("--placement only applies to --schedule sequential")
+        for nm in ("grad_rtol", "loss_atol", "timeout"):
+            v = getattr(a, nm)
+            if not (v > 0 and math.isfinite(v)):
+                raise VerifyUsageError(f"--{nm.replace('_', '-')} must be a positive number, got {v}")
+        if a.mcore_path is not None:
+            from .launch import LaunchError, resolve_mcore_path
+            try:
+                resolve_mcore_path(a.mcore_path)
+            except LaunchError as e:
+                raise VerifyUsageError(str(e)) from None
+        opts = dict(chunks=a.chunks, placement=a.placement, num_layers=a.num_layers,
+                    allow_padding_num_layers=a.allow_padding_num_layers, sequence_parallel=a.sequence_parallel,
+                    ddp=not a.no_ddp, overlap_grad_reduce=a.overlap_grad_reduce,
+                    gradient_accumulation_fusion=a.gradient_accumulation_fusion,
+                    variable_seq_lengths=a.variable_seq_lengths, tie_embeddings=not a.untied,
+                    forward_only=a.forward_only, memory_limit=a.memory_limit, grad_rtol=a.grad_rtol,
+                    loss_atol=a.loss_atol, data_parallel_size=a.data_parallel_size, optimizer=a.optimizer,
+                    post_validation=a.optimizer_post_validation, clip_grad=a.clip_grad,
+                    inject_nonfinite_at=a.inject_nonfinite_at, bf16=a.bf16, fp16=a.fp16,
+                    use_distributed_optimizer=a.use_distributed_optimizer, loss_scale=a.loss_scale,
+                    optimizer_lr=a.lr, param_rtol=a.param_rtol,
+                    offload_ratio=a.offload_ratio, offload_time=a.offload_time,
+                    offload_half_duplex=a.offload_half_duplex)
+        case = make_case(a.schedule, a.pipeline_parallel_size, a.tensor_parallel_size, a.num_microbatches,
+                         a.iterations, **opts)
+    except VerifyUsageError as e:
+        msg = str(e).splitlines()[0] if str(e) else "bad input"
+        if not msg.startswith("megatron-zb verify"):
+            msg = f"megatron-zb verify: {msg}"
+        print(msg, file=sys.stderr)
+        return 2
+    print(f"megatron-zb verify: {case.describe()} on {case.world_size} CPU process(es), "
+          f"{case.iterations} iteration(s)", flush=True)
+    res = run_verify_many([case], timeout=a.timeout, mcore_path=a.mcore_path)[0]
+    if res.get("error"):
+        print(f"ERROR ({res['error_type']}): {res['error']}")
+    else:
+        print(f"megatron-core {res.get('megatron_core')}")
+        for row in res["per_iteration"]:
+            line = (f"iteration {row['iteration']}: loss {_loss(row['loss'])} (reference {_loss(row['reference_loss'])}, "
+                    f"|diff| {_fmt(row['abs_loss_diff'])})")
+            if "max_rel_grad_diff" in row:
+                line += f", max rel grad diff {_fmt(row['max_rel_grad_diff'])}"
+            print(line)
+        for p in res["problems"]:
+            print(f"problem: {p}")
+        if case.optimizer:
+            print(f"megatron optimizer: {res.get('skipped_iterations')} skipped step(s), "
+                  f"{res.get('clipped_iterations')} clipped in the reference; max rel param diff "
+                  f"{_fmt(res.get('max_rel_param_diff'))} (tol {case.param_rtol:g})")
+            if case.post_validation:
+                print(f"post-validation: {res.get('rollbacks')} rollback(s); bit-identical to the synchronous "
+                      f"pipelined run: {'yes' if res.get('bit_identical_to_synchronous') else 'NO'}")
+        w = res.get("worst_param")
+        if w and not case.forward_only and not case.optimizer:
+            print(f"worst gradient: {w['param']} (rank {w['rank']}, iteration {w['iteration']}): "
+                  f"{_fmt(w['rel_diff'])}")
+        for o in res.get("offload", []):
+            last = o["iterations"][-1] if o["iterations"] else {}
+            print(f"offload rank {o['rank']}: peak resident activation {last.get('peak_resident_bytes', 0)} B, "
+                  f"{last.get('captured_bytes_per_forward', 0)} B per F, offloaded {last.get('offloaded_bytes', 0)} B "
+                  f"in {last.get('offloaded_parts', 0)} part(s), reloaded {last.get('reloaded_bytes', 0)} B")
+        t = res["timing"]
+        if case.optimizer:
+            print(f"timing: median iteration {t.get('median_iteration_ms')} ms"
+                  + (f" post-validated, {t.get('synchronous_median_iteration_ms')} ms synchronous"
+                     if case.post_validation else "") + f", wall {t.get('launch_wall_s')} s")
+        else:
+            print(f"timing: median iteration {t.get('median_iteration_ms')} ms "
+                  f"(reference {t.get('reference_median_iteration_ms')} ms), wall {t.get('launch_wall_s')} s")
+        verdict = "PASSED" if res["passed"] else "FAILED"
+        grad_part = "" if case.forward_only or case.optimizer else \
+            f"max rel grad diff {_fmt(res['max_rel_grad_diff'])} (tol {case.grad_rtol:g}), "
+        print(f"{verdict}: {grad_part}max abs loss diff {_fmt(res['max_abs_loss_diff'])} (tol {case.loss_atol:g})")
+    if a.json:
+        print(json.dumps(_jsonable(res), sort_keys=True))
+    return 0 if res["passed"] else 1
+
+
+def _loss(x) -> str:
+    return "n/a" if x is None else f"{x:.6f}"
+
+
+def _jsonable(obj):
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else (None if math.isnan(obj) else ("inf" if obj > 0 else "-inf"))
+    if isinstance(obj, dict):
+        return {k: _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    return obj

@@ -1,0 +1,193 @@
+"""Emulated compute: schedules run by the runtime on real processes with real point-to-point
+messages, the compute of each pass replaced by a wait of given F/B/W times.
+
+    from megatron_zb.verify.emulate import Entry, emulate
+    rows = emulate([Entry("1f1b"), Entry("zb-h1"), Entry("zb-v")], stages=4, microbatches=8,
+                   cost_f=87.6, cost_b=118.4, cost_w=64.1)            # ms per whole stage
+
+One launch of ``stages`` gloo processes (``megatron_zb.verify.launch``; no megatron import) runs
+every entry in turn: the core generates and lowers the schedule, the runtime's executor walks each
+rank's list with ``runtime.sleep_passes`` (a pass waits its cost, then hands a small real tensor
+to the runtime's p2p), so what is measured is the executor's order, the ranks waiting on each
+other's messages and the runtime's own overhead; what is not measured is compute (none runs) or
+the time of moving a real activation (the messages are small).
+
+Per entry, ``warmup`` (>= 1) iterations, then ``iterations`` timed ones. By default every rank leaves a
+barrier together before each iteration, as after Megatron's synchronous optimizer step; an
+iteration's time is from leaving the barrier to the end of the last rank's last pass (its sends
+completed). ``Entry(..., post_validation=True)`` runs the iterations back to back instead (each
+rank starts its next iteration as soon as its own last one ends, as optimizer post-validation
+allows) and measures the steady-state period. The prediction is the simulator's for the same
+costs, with ``cost_comm`` the one-way time of a small message between neighbouring ranks measured
+first (ping-pong; ``hop`` in the rows; the schedules are generated with it too): the end of the last pass with every rank starting at 0
+(synchronous), or the simulator's ``iteration_time_post_validated`` (post-validation).
+
+Each row: ``label``, ``schedule``, ``measured`` (median, in the costs' unit), ``per_iteration``,
+``predicted``, ``error_pct``, ``speedup_measured`` / ``speedup_predicted`` over the first entry,
+and ``timeline``: a ``SimResult`` of what ran in the last timed iteration (measured pass starts
+and ends, in the costs' unit, from the start of that iteration), which ``megatron_zb.plot`` draws.
+"""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Union
+
+from ..core.ir import Action, Setting
+from ..core.iteration import iteration_times
+from ..core.schedules import generate
+from ..core.simulate import SimResult, Timed
+
+__all__ = ["Entry", "emulate", "predicted_iteration"]
+
+Costs = Union[float, Sequence[float]]
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One schedule to run; ``label`` defaults to the schedule's name (plus the mode)."""
+    schedule: str
+    post_validation: bool = False
+    label: Optional[str] = None
+
+    @property
+    def name(self) -> str:
+        return self.label or (self.schedule + (" + post-validation" if self.post_validation else ""))
+
+
+def _setting(stages, microbatches, cost_f, cost_b, cost_w, cost_comm=0.0) -> Setting:
+    return Setting(stages, microbatches, cost_f=cost_f, cost_b=cost_b, cost_w=cost_w, cost_comm=cost_comm)
+
+
+def predicted_iteration(entry: Entry, setting: Setting) -> Optional[float]:
+    """The simulator's iteration time for ``entry`` (None where it has no prediction)."""
+    sched = generate(entry.schedule, setting)
+    it = iteration_times(sched, dataclasses.replace(setting, chunks=sched.placement.chunks))
+    return it.iteration_time_post_validated if entry.post_validation else it.iteration_time
+
+
+def _rank_main(job: dict) -> dict:
+    """Runs on every rank (launched by ``verify.launch``): each entry's timed iterations."""
+    import torch.distributed as dist
+
+    from ..core.lower import lower
+    from ..runtime.executor import execute
+    from ..runtime.p2p import P2P, PairGroups
+    from ..runtime.sleep_passes import sleep_passes
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    groups = PairGroups(list(range(world)), {(a, b) for a in range(world) for b in range(a + 1, world)})
+    p2p = P2P(groups, rank, timeout_s=job["timeout"])
+    unit = job["unit_s"]
+    out = []
+    try:
+        hops = [None] * world
+        dist.all_gather_object(hops, _ping_pong(groups, rank, world))
+        hop = statistics.median([x for xs in hops for x in xs]) if world > 1 else 0.0
+        out.append(hop)  # the same value on every rank: every rank generates the same schedules
+        for e in job["entries"]:
+            entry = Entry(**e)
+            st = _setting(job["stages"], job["microbatches"], job["cost_f"], job["cost_b"], job["cost_w"],
+                          hop / unit)
+            low = lower(generate(entry.schedule, st))
+            passes = sleep_passes(st, rank, low.placement, unit=unit)
+            record: List[tuple] = []
+            passes.on_pass = lambda kind, stage, mb, sec: record.append(
+                (kind, stage, mb, time.perf_counter() - sec, time.perf_counter()))
+            n = job["warmup"] + job["iterations"]
+            starts, ends = [], []
+            dist.barrier()
+            for i in range(n):
+                if not entry.post_validation:
+                    dist.barrier()
+                if i == n - 1:
+                    record.clear()
+                starts.append(time.perf_counter())
+                execute(low.orders[rank], rank, low.placement, passes, p2p)
+                ends.append(time.perf_counter())
+            dist.barrier()
+            out.append({"starts": starts, "ends": ends, "passes": list(record)})
+    finally:
+        groups.destroy()
+    return out
+
+
+def _ping_pong(groups, rank: int, world: int, rounds: int = 20) -> List[float]:
+    """One-way times (s) of a small message between neighbouring ranks: half of each round trip."""
+    import torch
+    import torch.distributed as dist
+    buf, out = torch.zeros(4), []
+    for a in range(world - 1):
+        if rank not in (a, a + 1):
+            continue
+        g, peer = groups.group(a, a + 1), a + 1 if rank == a else a
+        for i in range(rounds + 2):
+            t0 = time.perf_counter()
+            if rank == a:
+                dist.send(buf, peer, group=g)
+                dist.recv(buf, peer, group=g)
+                if i >= 2:
+                    out.append((time.perf_counter() - t0) / 2)
+            else:
+                dist.recv(buf, peer, group=g)
+                dist.send(buf, peer, group=g)
+    return out
+
+
+def emulate(entries: Sequence[Entry], stages: int, microbatches: int, cost_f: Costs, cost_b: Costs,
+            cost_w: Costs, unit_s: float = 1e-3, iterations: int = 3, warmup: int = 1,
+            timeout: float = 600.0) -> List[dict]:
+    """Run ``entries`` on ``stages`` real processes; one row per entry (see the module doc).
+    Costs are per whole stage, in units of ``unit_s`` seconds (default: milliseconds)."""
+    from .launch import run_cases
+
+    if iterations < 1 or warmup < 1:
+        raise ValueError(f"need iterations >= 1 and warmup >= 1, got {iterations}, {warmup}")
+    st = _setting(stages, microbatches, cost_f, cost_b, cost_w)
+    for e in entries:  # a bad entry fails here, before any process starts
+        generate(e.schedule, st)
+    job = {"entries": [dataclasses.asdict(e) for e in entries], "stages": stages, "microbatches": microbatches,
+           "cost_f": st.cost_f, "cost_b": st.cost_b, "cost_w": st.cost_w, "unit_s": unit_s,
+           "iterations": iterations, "warmup": warmup, "timeout": timeout}
+    per_rank = run_cases(_rank_main, [job], stages, timeout=timeout, cpu_shims=False)[0]
+    hop = per_rank[0][0]
+    st = dataclasses.replace(st, cost_comm=hop / unit_s)
+    rows = []
+    for k, entry in enumerate(entries):
+        ranks = [r[k + 1] for r in per_rank]
+        pred = predicted_iteration(entry, st)
+        if entry.post_validation:  # steady-state period: iteration i's end minus iteration i-1's
+            per_iter = [max(r["ends"][i] - r["ends"][i - 1] for r in ranks)
+                        for i in range(warmup, warmup + iterations)]
+        else:  # the slowest rank's end, from the common barrier exit (the earliest start)
+            per_iter = [max(r["ends"][i] for r in ranks) - min(r["starts"][i] for r in ranks)
+                        for i in range(warmup, warmup + iterations)]
+        per_iter = [t / unit_s for t in per_iter]
+        meas = statistics.median(per_iter)
+        rows.append({"label": entry.name, "schedule": entry.schedule, "post_validation": entry.post_validation,
+                     "hop": hop / unit_s, "measured": meas, "per_iteration": per_iter, "predicted": pred,
+                     "error_pct": 100.0 * (meas - pred) / pred if pred else None,
+                     "timeline": _timeline(entry, st, ranks, unit_s)})
+    base = rows[0] if rows else None
+    for r in rows:
+        r["speedup_measured"] = base["measured"] / r["measured"]
+        r["speedup_predicted"] = (base["predicted"] / r["predicted"]
+                                  if base["predicted"] and r["predicted"] else None)
+    return rows
+
+
+def _timeline(entry: Entry, st: Setting, ranks: List[dict], unit_s: float) -> SimResult:
+    """The last timed iteration as it ran: measured pass times, from that iteration's first start
+    (peak memory is not measured: zeros)."""
+    sched = generate(entry.schedule, st)
+    t0 = min(r["starts"][-1] for r in ranks)
+    tl = [[Timed(Action(kind, stage, mb), rank, (a - t0) / unit_s, (b - t0) / unit_s)
+           for kind, stage, mb, a, b in r["passes"]] for rank, r in enumerate(ranks)]
+    busy = [sum(t.end - t.start for t in x) for x in tl]
+    spans = [x[-1].end - x[0].start if x else 0.0 for x in tl]
+    makespan = max(spans)
+    return SimResult(entry.name, st.stages, st.microbatches, sched.placement.chunks, makespan,
+                     1.0 - sum(busy) / (st.stages * makespan) if makespan else 0.0, [0.0] * st.stages,
+                     spans, busy, tl)

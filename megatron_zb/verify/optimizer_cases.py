@@ -1,0 +1,278 @@
+"""Verification with Megatron's real optimizer (and optimizer post-validation).
+
+A case with ``optimizer`` set ('adam' or 'sgd') trains with ``megatron.core.optimizer.
+get_megatron_optimizer`` instead of the harness's plain SGD step, in the model's dtype (fp32,
+bf16 or fp16 through Megatron's ``Float16Module``), with or without the distributed optimizer,
+clipping at ``clip_grad`` and an optional non-finite gradient injected at one iteration (one
+element of ``decoder.final_layernorm.weight``'s gradient set to inf after the forward-backward;
+Megatron skips such a step when a loss scaler checks the gradients: fp16, or ``loss_scale``).
+
+Three runs, same weights, data and optimizer configuration:
+
+1. **reference**: one process, no pipeline (its own launch of world size 1), Megatron's
+   ``forward_backward_no_pipelining`` and synchronous ``optimizer.step()``;
+2. **synchronous**: the pipelined schedule through ``install()``, Megatron's ``optimizer.step()``;
+3. **post-validated** (``post_validation``): the same with ``install(..., post_validation=True)``
+   and the optimizer's step replaced by the post-validated one.
+
+``compare_optimizer_case`` checks losses and final parameters of (2) and (3) against (1) within
+tolerances (the pipeline reduces the gradient norm in another order: last-bit differences), and
+(3) against (2) **bit for bit**, with the same skipped steps.
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Dict, List
+
+NONFINITE_PARAM = "decoder.final_layernorm.weight"
+
+
+def needs_loss_scaler(case) -> bool:
+    return case.inject_nonfinite_at is not None
+
+
+def has_grad_scaler(case) -> bool:
+    """Does Megatron's optimizer for this case check gradients for inf/NaN (a grad scaler)?"""
+    return case.fp16 or (case.loss_scale is not None and (case.bf16 or case.use_distributed_optimizer))
+
+
+def _dtype(case):
+    import torch
+    return torch.float16 if case.fp16 else (torch.bfloat16 if case.bf16 else torch.float32)
+
+
+def _dtype_kw(case) -> dict:
+    import torch
+    dt = _dtype(case)
+    if dt == torch.float32:
+        return {}
+    return dict(params_dtype=dt, pipeline_dtype=dt, bf16=case.bf16, fp16=case.fp16)
+
+
+def build(case, placement, overrides: dict):
+    """(DDP-wrapped chunks, Megatron optimizer, transformer config) for this process's stages."""
+    import torch
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from ..megatron import placement as _pl
+    from . import tinygpt as M
+    cfg = case.model_config()
+    chunks = M.build_model_chunks(cfg, placement, layers_per_stage=case.layers_per_stage,
+                                  allow_padding_num_layers=case.allow_padding_num_layers,
+                                  sequence_parallel=case.sequence_parallel,
+                                  gradient_accumulation_fusion=case.gradient_accumulation_fusion,
+                                  **_dtype_kw(case), **overrides)
+    config = chunks[0].config
+    if _dtype(case) != torch.float32:
+        chunks = _pl.float16_chunks(config, chunks)
+    chunks = M.wrap_ddp(chunks, overlap_grad_reduce=case.overlap_grad_reduce,
+                        use_distributed_optimizer=case.use_distributed_optimizer)
+    _pl.configure_grad_sync(config, chunks, placement=placement, ddp=True,
+                            overlap_grad_reduce=case.overlap_grad_reduce)
+    kw = {}
+    if case.fp16:
+        kw["initial_loss_scale"] = case.initial_loss_scale
+    ocfg = OptimizerConfig(optimizer=case.optimizer, lr=case.optimizer_lr, weight_decay=0.01,
+                           clip_grad=case.clip_grad, bf16=case.bf16, fp16=case.fp16, params_dtype=_dtype(case),
+                           use_distributed_optimizer=case.use_distributed_optimizer, loss_scale=case.loss_scale,
+                           log_num_zeros_in_grad=True, **kw)
+    opt = get_megatron_optimizer(ocfg, list(chunks), use_gloo_process_groups=False)
+    config.grad_scale_func = opt.scale_loss
+    return chunks, opt, config
+
+
+def inject_nonfinite(chunks) -> int:
+    """Set the first element of NONFINITE_PARAM's gradient to inf on every copy this rank holds."""
+    from ..megatron.placement import grad_of, unwrap
+    n = 0
+    for c in chunks:
+        for _, p in unwrap(c).named_parameters():
+            if p.mzb_global_name == NONFINITE_PARAM:
+                grad_of(p).view(-1)[0] = float("inf")
+                n += 1
+    return n
+
+
+def train(case, chunks, opt, fb, holds_loss: bool, tag: str, validator=None) -> dict:
+    """``case.iterations`` training iterations; losses, step results, final parameters."""
+    import torch.distributed as dist
+
+    from . import tinygpt as M
+    from .launch import set_status
+    cfg = case.model_config()
+    losses, steps, times = [], [], []
+    for it in range(case.iterations):
+        set_status(f"[{tag}] iteration {it}")
+        M.zero_grads_(chunks)
+        opt.zero_grad()
+        batches = M.make_batches(cfg, case.num_microbatches, it)
+        t0 = time.perf_counter()
+        out = fb(forward_step_func=M.forward_step_func, data_iterator=M.batch_iterators(batches, len(chunks)),
+                 model=list(chunks), num_microbatches=case.num_microbatches, seq_length=cfg.seq_length,
+                 micro_batch_size=cfg.micro_batch_size, decoder_seq_length=cfg.seq_length, forward_only=False)
+        if holds_loss:
+            losses.append(M.iteration_loss(out))
+        if it == case.inject_nonfinite_at:
+            inject_nonfinite(chunks)
+        ok, norm, _ = opt.step()
+        times.append(time.perf_counter() - t0)
+        steps.append([bool(ok), None if norm is None else float(norm)])
+    set_status(f"[{tag}] validating the last step, gathering parameters")
+    if validator is not None:
+        validator.finish()
+    if dist.is_initialized():
+        dist.barrier()
+    params = M.collect_full_grads(chunks, params=True)
+    res = {"losses": losses if holds_loss else None, "steps": steps, "params": params, "times": times,
+           "loss_scale": float(opt.get_loss_scale())}
+    if validator is not None:
+        res.update(rollbacks=validator.rollbacks, skipped=validator.skipped, eager_steps=validator.eager_steps)
+    else:
+        res.update(rollbacks=0, skipped=sum(1 for ok, _ in steps if not ok))
+    return res
+
+
+def reference_case(case) -> dict:
+    """Rank function of the world-size-1 launch: the non-pipelined reference with Megatron's optimizer."""
+    from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
+
+    from ..core.ir import Placement
+    from . import tinygpt as M
+    from .harness import _reference_overrides
+
+    M.init_parallel_state(1, 1, seed=case.seed)
+    chunks, opt, _ = build(case, Placement.single(1), _reference_overrides(case))
+
+    def fb(*, model, **kw):
+        return forward_backward_no_pipelining(model=model[0], **kw)
+    res = train(case, chunks, opt, fb, True, "reference")
+    M.destroy_parallel_state()
+    return res
+
+
+def rank_runs(case, placement, install_fn, fb_fn) -> Dict[str, dict]:
+    """On every rank of the main launch: the synchronous run and, with post_validation, the
+    post-validated one (each from freshly initialised parallel state, model and optimizer)."""
+    from megatron.core import parallel_state
+
+    from ..megatron import placement as _pl
+    from . import tinygpt as M
+    out = {}
+    modes = ["synchronous"] + (["post-validated"] if case.post_validation else [])
+    for mode in modes:
+        M.init_parallel_state(case.tensor_parallel_size, case.pipeline_parallel_size, placement, seed=case.seed)
+        handle = install_fn(case, post_validation=(mode == "post-validated"))
+        try:
+            chunks, opt, _ = build(case, placement, dict(case.config_overrides))
+            validator = None
+            if mode == "post-validated":
+                validator = handle.post_validated_optimizer(opt, chunks, min_clean_steps=case.min_clean_steps,
+                                                            log=lambda msg: None)
+            infos = [_pl.unwrap(c).mzb_chunk_info for c in chunks]
+            holds = any(i.post_process for i in infos) and parallel_state.get_tensor_model_parallel_rank() == 0
+            out[mode] = train(case, chunks, opt, fb_fn(case, placement), holds, f"{case.describe()} {mode}",
+                              validator)
+            if validator is not None:
+                out[mode]["validated"] = handle.post_validation.validated
+        finally:
+            if handle is not None:
+                handle.uninstall()
+    return out
+
+
+def _rel(a, b, floor: float) -> float:
+    """||a - b|| / max(||b||, floor): relative, but a parameter that is still near zero (a bias
+    after a few steps) is measured against the size of an initialised tensor of its shape."""
+    a, b = a.double(), b.double()
+    if a.shape != b.shape:
+        return math.inf
+    dn = float((a - b).norm())
+    if dn == 0.0:
+        return 0.0
+    rn = max(float(b.norm()), floor)
+    return dn / rn if rn > 0 else math.inf
+
+
+def _losses(ranks, mode):
+    reps = [r["runs"][mode]["losses"] for r in ranks if r["runs"][mode]["losses"] is not None]
+    return reps[0] if len(reps) == 1 else None
+
+
+def _params(ranks, mode) -> Dict[str, list]:
+    merged: Dict[str, list] = {}
+    for r in ranks:
+        for name, copies in r["runs"][mode]["params"].items():
+            merged.setdefault(name, []).extend((r["rank"], t) for t in copies)
+    return merged
+
+
+def compare_optimizer_case(case, ranks: List[dict], reference: dict) -> dict:
+    """Result dict (the harness's fields plus the optimizer ones) for one optimizer case."""
+    import torch
+    problems: List[str] = []
+    modes = ["synchronous"] + (["post-validated"] if case.post_validation else [])
+    ref_params = reference["params"]
+    per_mode = {}
+    for mode in modes:
+        losses = _losses(ranks, mode)
+        if losses is None:
+            problems.append(f"{mode}: expected exactly one rank to report losses")
+            losses = []
+        loss_diff = max((abs(a - b) for a, b in zip(losses, reference["losses"])), default=math.inf)
+        if len(losses) != len(reference["losses"]):
+            loss_diff = math.inf
+        merged = _params(ranks, mode)
+        missing = sorted(set(ref_params) - set(merged))
+        if missing:
+            problems.append(f"{mode}: no parameter {missing[:5]}")
+        worst, where = 0.0, None
+        for name, copies in merged.items():
+            if name not in ref_params:
+                problems.append(f"{mode}: unexpected parameter {name}")
+                continue
+            for rank, t in copies:
+                e = _rel(t, ref_params[name][0], case.model_config().init_std * math.sqrt(t.numel()))
+                if e > worst or where is None:
+                    worst, where = max(worst, e), {"param": name, "rank": rank, "rel_diff": e}
+        skipped = [i for i, (ok, _) in enumerate(ranks[0]["runs"][mode]["steps"]) if not ok]
+        per_mode[mode] = {"losses": losses, "max_abs_loss_diff": loss_diff, "max_rel_param_diff": worst,
+                          "worst_param": where, "params": merged}
+    sync = per_mode["synchronous"]
+    ref_skipped = sum(1 for ok, _ in reference["steps"] if not ok)
+    if ranks[0]["runs"]["synchronous"]["skipped"] != ref_skipped:
+        problems.append(f"synchronous run skipped {ranks[0]['runs']['synchronous']['skipped']} step(s), "
+                        f"the reference {ref_skipped}")
+    out_mode = per_mode[modes[-1]]
+    res = {"optimizer": case.optimizer, "post_validation": case.post_validation,
+           "reference_losses": reference["losses"], "losses": out_mode["losses"],
+           "synchronous_losses": sync["losses"],
+           "max_abs_loss_diff": max(per_mode[m]["max_abs_loss_diff"] for m in modes),
+           "max_rel_param_diff": max(per_mode[m]["max_rel_param_diff"] for m in modes),
+           "worst_param": out_mode["worst_param"], "skipped_iterations": ref_skipped,
+           "clipped_iterations": sum(1 for ok, n in reference["steps"]
+                                     if ok and n is not None and case.clip_grad > 0
+                                     and case.clip_grad / (n + 1e-6) < 1.0),
+           "rollbacks": 0, "max_rel_grad_diff": None}
+    if case.post_validation:
+        pv = per_mode["post-validated"]
+        run = ranks[0]["runs"]["post-validated"]
+        same_losses = pv["losses"] == sync["losses"]
+        same_params = set(pv["params"]) == set(sync["params"]) and all(
+            len(pv["params"][n]) == len(sync["params"][n]) and
+            all(torch.equal(a[1], b[1]) for a, b in zip(pv["params"][n], sync["params"][n])) for n in sync["params"])
+        res["bit_identical_to_synchronous"] = bool(same_losses and same_params)
+        if not same_losses:
+            problems.append("post-validated losses differ from the synchronous run's")
+        if not same_params:
+            problems.append("post-validated parameters differ from the synchronous run's")
+        counts = {(r["runs"]["post-validated"]["rollbacks"], r["runs"]["post-validated"]["skipped"]) for r in ranks}
+        if len(counts) != 1:
+            problems.append(f"ranks disagree on (rollbacks, skipped): {sorted(counts)}")
+        res["rollbacks"] = run["rollbacks"]
+        res["eager_steps"] = run["eager_steps"]
+        if run["skipped"] != ref_skipped:
+            problems.append(f"post-validated run skipped {run['skipped']} step(s), the reference {ref_skipped}")
+    res["problems_optimizer"] = problems
+    res["passed_optimizer"] = (not problems and res["max_abs_loss_diff"] <= case.loss_atol
+                               and res["max_rel_param_diff"] <= case.param_rtol)
+    return res

@@ -1,0 +1,93 @@
+"""The quickstart's pieces: the emulated-compute runner (real processes, real p2p, passes that
+wait given F/B/W times) and the report's log reading and GPU-mode comparison."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+from megatron_zb.core.ir import BW, Setting
+from megatron_zb.core.schedules import generate
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import quickstart_report as report  # noqa: E402
+
+LINE = (" [2026-11-23 20:40:01.977951] iteration        {i}/      20 | consumed samples:           16 | "
+        "elapsed time per iteration (ms): {ms} | throughput per GPU (TFLOP/s/GPU): 0.0 | learning rate: "
+        "1.995070E-03 | global batch size:    16 | lm loss: {loss} | loss scale: 1.0 | grad norm: 0.645 |"
+        "[Rank 2] (after 1 iterations) memory (MB) | allocated: 0.00")
+
+
+@pytest.mark.dist
+def test_emulated_runs_match_the_simulator():
+    from megatron_zb.verify.emulate import Entry, emulate
+    entries = [Entry("1f1b"), Entry("zb-h1"), Entry("1f1b", post_validation=True, label="1f1b back to back")]
+    rows = emulate(entries, 2, 4, 10.0, 10.0, 10.0, unit_s=1e-3, iterations=2, warmup=1, timeout=120)
+    by = {r["label"]: r for r in rows}
+    assert set(by) == {"1f1b", "zb-h1", "1f1b back to back"}
+    assert 0 <= rows[0]["hop"] < 50  # ms
+    for label, sim in (("1f1b", 150.0), ("zb-h1", 130.0)):
+        r = by[label]
+        assert r["predicted"] == pytest.approx(sim, abs=0.5 + 10 * r["hop"])  # comm = the measured hop
+        assert r["measured"] >= 0.98 * r["predicted"]  # waits cannot end before the plan
+        assert abs(r["error_pct"]) < 40, r  # the quickstart shows the real figure; this is a smoke test
+        tl = r["timeline"].timeline
+        sched = generate(label, Setting(2, 4))
+        for rank in range(2):  # the timeline is what ran: each rank's passes in its schedule's order
+            ran = [(t.action.kind, t.action.stage, t.action.mb) for t in tl[rank]]
+            assert ran == [(a.kind, a.stage, a.mb) for a in sched.orders[rank] if a.is_compute]
+            assert all(t.end - t.start >= (19.0 if t.action.kind == BW else 9.5) for t in tl[rank])
+    assert by["zb-h1"]["speedup_predicted"] == pytest.approx(150 / 130, rel=0.02)
+    assert by["zb-h1"]["speedup_measured"] > 1.0
+    # back to back (post-validation's timing): 1f1b's steady period is its iteration time here
+    assert by["1f1b back to back"]["predicted"] is None or by["1f1b back to back"]["predicted"] > 0
+    assert by["1f1b back to back"]["measured"] == pytest.approx(by["1f1b"]["measured"], rel=0.4)
+
+
+def test_emulate_refuses_a_bad_entry_before_starting_processes():
+    from megatron_zb.core.ir import ScheduleError
+    from megatron_zb.verify.emulate import Entry, emulate
+    with pytest.raises(ScheduleError):
+        emulate([Entry("no-such-schedule")], 2, 4, 1.0, 1.0, 1.0)
+
+
+def test_report_reads_megatron_lines_and_compares_gpu_runs(tmp_path, capsys):
+    out = tmp_path
+    for s, ms in (("1f1b", 100.0), ("zb-v", 80.0)):
+        lines = [LINE.format(i=i, ms=ms, loss=f"{4.0 - 0.01 * i:.6E}") for i in range(5, 61, 5)]
+        (out / f"train_{s}.log").write_text("error_injection_type ... transient_error\n" + "\n".join(lines) + "\n")
+        prof = {"pipeline_size": 2, "microbatches": 4, "cost_f": [0.01, 0.01], "cost_b": [0.01, 0.01],
+                "cost_w": [0.01, 0.01], "cost_comm": 0.0}
+        (out / f"profile_{s}.json").write_text(json.dumps(prof))
+    assert report.read_log(str(out / "train_1f1b.log"))[5] == (100.0, pytest.approx(3.95))
+    report.main([str(out), "--mode", "gpu", "--pp", "2", "--schedules", "1f1b", "zb-v"])
+    text = capsys.readouterr().out
+    assert "REAL compute" in text and "same losses" in text
+    d = json.loads((out / "quickstart.json").read_text())
+    by = {r["schedule"]: r for r in d["speed"]}
+    assert by["zb-v"]["speedup_measured"] == pytest.approx(1.25)
+    assert by["1f1b"]["predicted"] == pytest.approx(1e3 * (4 + 1) * 0.03)  # (m + p - 1)(F+B+W), in ms
+    assert (out / "timeline_zb-v.trace.json").exists()
+
+
+def test_report_cpu_mode_reads_the_emulated_run(tmp_path, capsys):
+    for s in ("zb-v", "1f1b"):
+        lines = [LINE.format(i=i, ms=300.0, loss=f"{4.0 - 0.01 * i:.6E}") for i in (1, 5, 10)]
+        (tmp_path / f"train_{s}.log").write_text("\n".join(lines) + "\n")
+    rows = [{"label": s, "schedule": s, "post_validation": False, "hop": 0.05, "measured": ms, "predicted": pred,
+             "per_iteration": [ms], "error_pct": 100 * (ms - pred) / pred, "speedup_measured": 3000 / ms,
+             "speedup_predicted": 2970 / pred} for s, ms, pred in (("1f1b", 3000, 2970), ("zb-v", 2360, 2340))]
+    rows[1]["picture"] = str(tmp_path / "timeline_zb-v")
+    (tmp_path / "emulated.json").write_text(json.dumps({
+        "pp": 4, "microbatches": 8, "layers_per_rank": 2, "layer": {"hidden": 4096, "seq": 4096, "batch": 1},
+        "layer_ms": {"f": 43.8, "b": 59.2, "w": 32.0}, "source": "x.json", "rows": rows}))
+    report.main([str(tmp_path), "--mode", "cpu", "--schedules", "zb-v", "1f1b"])
+    out = capsys.readouterr().out
+    assert "EMULATED compute" in out and "F 43.8, B 59.2, W 32.0 ms" in out
+    summary = out[out.index("== summary =="):]
+    assert "zb-v trained the GPT with the same losses as 1f1b" in summary
+    assert "zb-v 1.271x the iteration speed of 1f1b measured, 1.269x simulated" in summary
+    assert "timeline_zb-v.png" in summary and "time in ms" in summary
