@@ -1,5 +1,8 @@
 """Bubble rate and peak activation of every schedule on realistic settings, zb-auto's and
-v-auto's gap to the lower bound, and how long the automatic schedulers take.
+v-auto's gap to the lower bound, the ZB paper's Table-5 cells, and how long the automatic
+schedulers take (CPU seconds of one process: the wall time on a shared machine says more
+about its load than about the search). With --md it writes docs/schedules.md, adding the
+summaries of bench_vs_authors.py and bench_exact.py from their JSON results where present.
 
     python benchmarks/bench_schedules.py [--out benchmarks/results/schedules.json] [--md docs/schedules.md]
 """
@@ -29,8 +32,18 @@ SWEEP = [("P=8 M=32, F=B=W, mem-w = mem-f", dict(stages=8, microbatches=32, mem_
          ("P=8 M=32, H100 costs", dict(stages=8, microbatches=32, cost_f=43.8, cost_b=59.2, cost_w=32.0,
                                       cost_comm=0.5))]
 SWEEP_LIMITS = (8 / 3 + 1, 4, 5, 6, 7, 8)
-SPEED = [("zb-auto", 32, 256), ("zb-auto", 64, 512), ("zb-v", 32, 256), ("v-auto", 32, 256), ("v-half", 32, 256),
-         ("v-half", 16, 64)]
+SPEED = [("zb-auto", 32, 256), ("zb-auto", 64, 512), ("v-auto", 32, 256), ("v-auto", 64, 512), ("zb-v", 32, 256),
+         ("v-half", 32, 256), ("v-half", 16, 64)]
+SPEED_COSTS = dict(cost_f=10.419, cost_b=10.207, cost_w=7.715, cost_comm=0.408)  # ZB Table 5, 28.3B
+# the ZB paper's Table 5 (memory in units of M_B = 34h + 5as, M_W = 32h, limit 2p M_B): (title, setting, paper)
+TABLE5 = [("1.5B: p=8, m=24", dict(p=8, m=24, f=18.522, b=18.086, w=9.337, comm=0.601, h=2304, a=24), 0.0433),
+          ("28.3B: p=32, m=96", dict(p=32, m=96, f=10.419, b=10.207, w=7.715, comm=0.408, h=6144, a=48), 0.0038)]
+
+
+def table5_setting(p, m, f, b, w, comm, h, a, s=1024, limit_x=2.0):
+    m_b, m_w = 34 * h + 5 * a * s, 32 * h
+    return Setting(p, m, cost_f=f, cost_b=b, cost_w=w, cost_comm=comm, mem_f=1.0, mem_w=m_w / m_b,
+                   memory_limit=limit_x * p)
 
 
 def main():
@@ -89,31 +102,94 @@ def main():
                                  "peak_memory": max(r.peak_memory), "bubble_1f1b": one.bubble_rate})
         print(f"{title}: 1F1B {one.bubble_rate:.4f} | " + " | ".join(cells))
         md.append(f"| {title} | {one.bubble_rate:.4f} | " + " | ".join(cells) + " |")
+    print("\nZB paper, Table 5")
+    out["table5"] = []
+    md.append("\n### The ZB paper's Table 5 (zb-auto)\n\nMemory in units of M_B = 34h + 5as (M_W = 32h), "
+              "costs from the paper. `pytest tests/test_core_search.py -k table5` checks the 2 p M_B column.\n\n"
+              "| model | limit | paper | zb-auto bubble | gap to lower bound |\n|---|---|---|---|---|")
+    for title, kw, paper in TABLE5:
+        for lx in (1.0, 1.5, 2.0):
+            st = table5_setting(**kw, limit_x=lx)
+            s = generate("zb-auto", st)
+            r = simulate(s, st)
+            out["table5"].append({"title": title, "limit_x_p": lx, "bubble_rate": r.bubble_rate,
+                                  "paper": paper if lx == 2.0 else None,
+                                  "gap_to_lower_bound": s.meta.get("gap_to_lower_bound")})
+            print(f"{title} limit {lx:g} p M_B: bubble {r.bubble_rate:.4f} gap {s.meta.get('gap_to_lower_bound')}")
+            md.append(f"| {title} | {lx:g} p M_B | {f'{paper:.4f}' if lx == 2.0 else '-'} | {r.bubble_rate:.4f} | "
+                      f"{s.meta.get('gap_to_lower_bound'):.4f} |")
     print("\nautomatic scheduler speed")
-    md.append("\n### Automatic scheduler speed\n\n| schedule | P | M | seconds | bubble rate | gap to lower bound |\n|---|---|---|---|---|---|")
+    md.append("\n### Automatic scheduler speed\n\nCosts of the 28.3B model (F 10.419, B 10.207, W 7.715, comm 0.408), "
+              "mem-w 0.5, default limit (1F1B's, p x mem-f); CPU seconds of one process.\n\n"
+              "| schedule | P | M | CPU seconds | bubble rate | gap to lower bound |\n|---|---|---|---|---|---|")
     for name, p, m in SPEED:
-        st = Setting(p, m)
-        t0 = time.perf_counter()
+        st = Setting(p, m, **SPEED_COSTS)
+        t0 = time.process_time()
         s = generate(name, st)
-        dt = time.perf_counter() - t0
-        r = simulate(s, Setting(p, m, chunks=s.placement.chunks))
-        out["speed"].append({"schedule": name, "p": p, "m": m, "seconds": dt, "bubble_rate": r.bubble_rate,
+        dt = time.process_time() - t0
+        r = simulate(s, Setting(p, m, chunks=s.placement.chunks, **SPEED_COSTS))
+        out["speed"].append({"schedule": name, "p": p, "m": m, "cpu_seconds": dt, "bubble_rate": r.bubble_rate,
                              "gap_to_lower_bound": s.meta.get("gap_to_lower_bound")})
         print(f"{name:<10} P={p:<3} M={m:<4} {dt:7.2f} s  bubble {r.bubble_rate:.4f}  gap {s.meta.get('gap_to_lower_bound')}")
         md.append(f"| {name} | {p} | {m} | {dt:.2f} | {r.bubble_rate:.4f} | {s.meta.get('gap_to_lower_bound')} |")
+    md += _other_results()
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
     print(f"wrote {args.out}")
     if args.md:
+        tail = _hand_written_sections(args.md)
         with open(args.md, "w") as f:
             f.write("# Schedules compared (simulator)\n\nGenerated by `python benchmarks/bench_schedules.py --md docs/schedules.md`."
                     " Costs are per whole stage (a rank's layers); mem-w defaults to 0.5 x mem-f; peak activation"
                     " is per rank in units of one microbatch's stage activation (1F1B: P). Speed-ups are per training"
                     " iteration (`core/iteration.py`): with Megatron's synchronous optimizer step (the makespan plus"
                     " the late start of the last rank), and with optimizer post-validation (`docs/post_validation.md`);"
-                    " optimizer step cost 0.\n" + "\n".join(md) + "\n")
+                    " optimizer step cost 0.\n" + "\n".join(md) + "\n" + tail)
         print(f"wrote {args.md}")
+
+
+def _hand_written_sections(path):
+    """The file's '## ' sections (written by hand or by other benchmarks), kept after the tables."""
+    if not os.path.exists(path):
+        return ""
+    text = open(path).read()
+    at = text.find("\n## ")
+    return "" if at < 0 else text[at:]
+
+
+def _other_results():
+    """Markdown summaries of bench_vs_authors.py and bench_exact.py results, where present."""
+    md = []
+    path = os.path.join(os.path.dirname(__file__), "results", "vs_authors.json")
+    if os.path.exists(path):
+        d = json.load(open(path))
+        md.append("\n### Against the authors' schedulers\n\n`python benchmarks/bench_vs_authors.py "
+                  "<checkout of sail-sg/zero-bubble-pipeline-parallelism>`: same settings, both timed by our "
+                  "simulator; zb-auto against `zb.py`, v-auto against the better of `zbv.py` (adaptive V) and "
+                  "`v_auto_schedule.py` (building blocks). Grid: p in {4, 8, 16}, m in {p, 2p, 3p, 4p}, "
+                  "M_W/M_B in {0.5, 0.88}, costs unit, B=2F, ZB Table-5 1.5B and 28.3B, H100 measured; "
+                  "\"theirs: none\": their code finds no schedule within the limit.\n\n"
+                  "| ours | limit (x p M_B) | settings | worse | equal | better | theirs: none |\n|---|---|---|---|---|---|---|")
+        for kind in ("zb", "v"):
+            if kind not in d:
+                continue
+            for lim, c in sorted(d[kind]["by_limit"].items(), key=lambda x: float(x[0])):
+                md.append(f"| {d[kind]['schedule']} | {float(lim):g} | {sum(c.values())} | {c['worse']} | {c['equal']} | "
+                          f"{c['better']} | {c['theirs: none']} |")
+            c = d[kind]["counts"]
+            md.append(f"| {d[kind]['schedule']} | all | {sum(c.values())} | {c['worse']} | {c['equal']} | "
+                      f"{c['better']} | {c['theirs: none']} |")
+    path = os.path.join(os.path.dirname(__file__), "results", "exact.json")
+    if os.path.exists(path):
+        d = json.load(open(path))
+        md.append(f"\n### Exact mode against the heuristics\n\n`python benchmarks/bench_exact.py` (MILP with HiGHS, "
+                  f"node limit {d['node_limit']}; settings listed in the script).\n\n"
+                  "| schedule | settings | optimum proven | heuristic optimal | worst gap to the optimum |\n|---|---|---|---|---|")
+        for sm in d.get("summary", []):
+            md.append(f"| {sm['schedule']} | {sm['settings']} | {sm['proven_optimal']} | {sm['heuristic_optimal']} | "
+                      f"{sm['worst_gap_to_optimum']:.4f} |")
+    return md
 
 
 if __name__ == "__main__":

@@ -167,6 +167,11 @@ def _build(args):
             sched = generate_with_offload(args.schedule, setting, off)
         else:
             sched = schedules.generate(args.schedule, setting)
+    if getattr(args, "exact", False):
+        if getattr(args, "offload_ratio", None) is not None:
+            raise UsageError("--exact solves schedules without activation offload (the MILP has no host link); "
+                             "leave out --offload-ratio or --exact")
+        sched = _exact(args, sched, setting)
     limit = setting.memory_limit
     validate(sched, setting, memory_limit=float("inf"))
     if limit is not None:
@@ -181,6 +186,16 @@ def _build(args):
                              + (" with offload" if off is not None else "") + f", over --memory-limit {limit:g}; "
                              + hint + f"`megatron-zb compare --memory-limit {limit:g}` lists the schedules that fit")
     return sched, setting
+
+
+def _exact(args, sched: Schedule, setting: Setting) -> Schedule:
+    """--exact: the MILP (HiGHS) under the automatic scheduler's memory limit, seeded with its
+    makespan; the shorter schedule of the two."""
+    from .core.schedules import exact
+    if getattr(args, "load", None) or args.schedule not in exact.AUTOMATIC:
+        raise UsageError(f"--exact applies to the automatic schedules ({', '.join(exact.AUTOMATIC)}), "
+                         f"not {getattr(args, 'schedule', None) or '--load'}")
+    return exact.refine(sched, setting, node_limit=args.exact_nodes, time_limit=args.exact_seconds)
 
 
 def _check_loaded(args, path: str, sched: Schedule) -> None:
@@ -198,6 +213,9 @@ def _check_loaded(args, path: str, sched: Schedule) -> None:
 def _result_dict(sched: Schedule, setting: Setting, res: SimResult, it: IterationResult) -> dict:
     d = res.to_dict()
     d.update(it.to_dict())
+    for k in ("lower_bound", "gap_to_lower_bound", "exact"):
+        if k in sched.meta:
+            d[k] = sched.meta[k]
     d.update({"placement": sched.placement.style, "cost_f": setting.cost_f, "cost_b": setting.cost_b,
               "cost_w": setting.cost_w, "cost_comm": setting.cost_comm, "mem_f": setting.mem_f,
               "mem_w": setting.mem_w, "memory_limit": setting.memory_limit})
@@ -222,6 +240,11 @@ def cmd_simulate(args) -> int:
           f"{it.iteration_time_post_validated:g} with optimizer post-validation"
           + (f" (optimizer step {args.cost_optimizer:g})" if args.cost_optimizer else ""))
     print("peak memory   " + " ".join(f"{x:g}" for x in d["peak_memory"]) + "   (per rank, mem-f units)")
+    if "gap_to_lower_bound" in sched.meta:
+        print(f"lower bound   {sched.meta['lower_bound']:g}   (gap {sched.meta['gap_to_lower_bound']:.4f})")
+    if "exact" in sched.meta:
+        e = sched.meta["exact"]
+        print(f"exact (MILP)  {e['status']}; heuristic makespan {e['heuristic_makespan']:g}, nodes {e.get('nodes', 0)}")
     if "offload" in d:
         o = d["offload"]
         print("offload       " + f"K={_fmt(o['time'] if isinstance(o['time'], list) else [o['time']])} "
@@ -365,7 +388,8 @@ def cmd_plan(args) -> int:
                   efficiency=args.efficiency, profile=profile, pad_ends=args.allow_padding_num_layers,
                   cost_optimizer=args.cost_optimizer, post_validation=args.optimizer_post_validation,
                   offload_ratio=args.offload_ratio, offload_time=args.offload_time,
-                  host_link_gbps=args.host_link_gbps, offload_overlap=not args.offload_half_duplex)
+                  host_link_gbps=args.host_link_gbps, offload_overlap=not args.offload_half_duplex,
+                  exact=(args.exact_nodes, args.exact_seconds) if args.exact else None)
     advice = _post_validation_advice(rows, args.optimizer_post_validation)
     if args.json:
         print(json.dumps({"model": dataclasses.asdict(spec), "pipeline_parallel_size": args.pipeline_parallel_size,
@@ -489,6 +513,17 @@ def cmd_verify(argv) -> int:
     return verify.main_verify(argv)
 
 
+def _add_exact_args(ap: argparse.ArgumentParser):
+    ap.add_argument("--exact", action="store_true",
+                    help="automatic schedules: also solve the exact MILP (HiGHS) and keep the shorter "
+                         "schedule; meant for small settings (p <= 4, m <= 8)")
+    ap.add_argument("--exact-nodes", type=positive_int("--exact-nodes"), default=20000,
+                    help="branch-and-bound node limit of --exact (deterministic; default 20000)")
+    ap.add_argument("--exact-seconds", type=nonneg("--exact-seconds"), default=None,
+                    help="time limit of --exact in seconds (machine-dependent: results can differ "
+                         "between machines; default none)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="megatron-zb", description="Zero-bubble pipeline schedules for megatron-core")
     sub = ap.add_subparsers(dest="cmd", parser_class=_Parser)
@@ -496,6 +531,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_setting_args(s)
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.add_argument("--save", metavar="FILE", help="also write the schedule (.json or torch .csv)")
+    _add_exact_args(s)
     s.set_defaults(func=cmd_simulate)
     c = sub.add_parser("compare", help="every schedule for one setting in one table")
     _add_setting_args(c, schedule_required=False)
@@ -574,6 +610,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="D2H and H2D share one queue (one copy stream)")
     pn.add_argument("--json", action="store_true",
                     help="print one JSON object instead (per-rank lists in bytes and seconds)")
+    _add_exact_args(pn)
     pn.set_defaults(func=cmd_plan)
     sub.add_parser("verify", help="train a tiny megatron GPT with a schedule vs the reference "
                    "(see `megatron-zb verify --help`)", add_help=False)

@@ -26,6 +26,7 @@ from typing import Dict, List, Optional
 from .ir import Placement, ScheduleError, Setting
 from .iteration import iteration_times
 from .schedules import generate, get, names
+from .schedules.exact import AUTOMATIC, refine
 from .simulate import simulate
 
 GPU_PEAK_TFLOPS = {"h100": 989.0, "h200": 989.0, "a100": 312.0, "b200": 2250.0, "mi300x": 1307.0}
@@ -181,14 +182,18 @@ def plan(spec: ModelSpec, pipeline_parallel_size: int, microbatches: int, gpu_me
          schedules: Optional[List[str]] = None, pad_ends: bool = False, interleave_chunks: int = 2,
          cost_optimizer: float = 0.0, post_validation: bool = False,
          offload_ratio=None, offload_time=None, host_link_gbps: Optional[float] = None,
-         offload_overlap: bool = True) -> List[dict]:
+         offload_overlap: bool = True, exact: Optional[tuple] = None) -> List[dict]:
     """Rows sorted by (fits, time per training iteration): with Megatron's synchronous optimizer
     step, or with optimizer post-validation when ``post_validation`` (``cost_optimizer`` seconds
     per step). Each row carries both times. Activation offload (``core.offload``):
     ``offload_ratio`` R (0..1) offloads that share of every schedule's activations; ``'auto'``
     offloads as little as brings each schedule under the memory budget (zb-auto / v-auto may then
     take a schedule that needs more). The transfer time is ``offload_time`` K, or derived per rank
-    from ``host_link_gbps`` (one-way GB/s): K = activation bytes / bandwidth / (F + B)."""
+    from ``host_link_gbps`` (one-way GB/s): K = activation bytes / bandwidth / (F + B). ``exact`` =
+    (node limit, time limit or None): the automatic schedules also get the exact MILP (``schedules.exact.refine``; not with offload)."""
+    if exact is not None and offload_ratio is not None:
+        raise ScheduleError("the exact mode solves schedules without activation offload (the MILP has no host "
+                            "link): leave out the offload ratio or the exact mode")
     spec.validate()
     key = "iteration_time_post_validated_s" if post_validation else "iteration_time_s"
     p, m = pipeline_parallel_size, microbatches
@@ -230,6 +235,8 @@ def plan(spec: ModelSpec, pipeline_parallel_size: int, microbatches: int, gpu_me
                 sched = generate_with_offload(name, setting, off)
             else:
                 sched = generate(name, setting)
+                if exact is not None and name in AUTOMATIC:
+                    sched = refine(sched, setting, node_limit=exact[0], time_limit=exact[1])
             sim_setting = Setting(**{**setting.to_dict(), "chunks": sched.placement.chunks})
             res = simulate(sched, sim_setting)
             it = iteration_times(sched, sim_setting, cost_optimizer)
@@ -248,6 +255,9 @@ def plan(spec: ModelSpec, pipeline_parallel_size: int, microbatches: int, gpu_me
                                              if name in ("zb-auto", "v-auto") and limit_units else None),
                "weight_copies": res.weight_copies or [1.0] * p,
                "flags": _flags(name, p, v, limit_units, counts, pad_ends)}
+        for k in ("gap_to_lower_bound", "exact"):
+            if k in sched.meta:
+                row[k] = sched.meta[k]
         if res.offload is not None:
             o = res.offload.to_dict()
             row["offload"] = {"time": o["time"], "offloaded": o["offloaded"], "offloaded_w": o["offloaded_w"],

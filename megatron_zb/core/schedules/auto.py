@@ -26,53 +26,100 @@ on its own and all must get the same one.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..ir import B, F, W, Action, Placement, Schedule, ScheduleError, Setting
 from ..simulate import simulate
-from . import vblock
-from .greedy import best_of
-from .improve import improve, lower_bound
+from ..validate import validate
+from . import vblock, vslots
+from .bounds import lower_bound
+from .evaluate import Coder
+from .greedy import best_of, capped_variants
+from .improve import improve
+from .rounds import round_variants
+from .vrounds import v_round_variants
+
+
+def _passes(setting: Setting) -> int:
+    return setting.stages * setting.microbatches * (setting.chunks or 1) * 3
 
 
 def _evals(setting: Setting) -> int:
-    """Local-search budget (simulations): it pays on small settings and costs on big ones."""
-    n = setting.stages * setting.microbatches * (setting.chunks or 1)
-    return 400 if n <= 256 else (100 if n <= 2048 else 0)
+    """Local-search budget (timings per candidate): scaled so that the work stays about the same
+    whatever the size (a timing costs one pass over every pass)."""
+    n = int(250_000 / _passes(setting))
+    return min(600, n) if n >= 10 else 0
 
 
-def _finish(best: Schedule, setting: Setting, limit: Optional[float], name: str, claim) -> Schedule:
-    if _evals(setting) > 0:
-        best = improve(best, setting, limit, max_evals=_evals(setting))
-    res = simulate(best, setting)
-    lb = lower_bound(setting, best.placement, limit)
-    meta = dict(best.meta, memory_limit=limit, memory_claim=claim, lower_bound=round(lb, 9),
-                gap_to_lower_bound=round(res.makespan / lb - 1.0, 6) if lb > 0 else 0.0)
-    return dataclasses.replace(best, name=name, meta=meta)
+def _key(coder: Coder, s: Schedule, limit: Optional[float]):
+    if "timing" in s.meta:  # timed as it was built (round heuristic)
+        k = tuple(s.meta["timing"])
+        return None if limit is not None and k[2] > limit + 1e-9 else k
+    orders = coder.encode(s.orders)
+    t = coder.time(orders)
+    if t is None:
+        return None
+    if limit is not None and any(coder.peak(o) > limit + 1e-9 for o in orders):
+        return None
+    return (round(t.makespan, 9), round(sum(t.spans), 9), round(max(coder.peak(o) for o in orders), 9))
+
+
+def _rank(cands: List[Schedule], setting: Setting, limit: Optional[float]) -> List[Tuple[tuple, Schedule]]:
+    """Valid candidates under the limit, best first (makespan, sum of spans, peak), duplicates
+    (same timing) dropped."""
+    if not cands:
+        return []
+    coder = Coder(setting, cands[0].placement, setting.microbatches)
+    out, seen = [], set()
+    for s in cands:
+        k = _key(coder, s, limit)
+        if k is None or k in seen:
+            continue
+        seen.add(k)
+        out.append((k, s))
+    out.sort(key=lambda x: x[0])
+    return out
+
+
+def _finish(best: Schedule, setting: Setting, limit: Optional[float], name: str, claim,
+            ranked: Optional[List[Tuple[tuple, Schedule]]] = None, top: int = 3,
+            lb: Optional[float] = None) -> Schedule:
+    """Local search on the best ``top`` distinct candidates (``ranked``, best first; default:
+    ``best`` alone) unless the best already meets the lower bound; the shortest result, with
+    its gap to the bound."""
+    if lb is None:
+        lb = lower_bound(setting, best.placement, limit)
+    ranked = ranked or _rank([best], setting, limit) or [((0,), best)]
+    chosen = ranked[0][1]
+    if ranked[0][0][0] > lb + 1e-9 and _evals(setting) > 0:
+        results = [improve(s, setting, limit, max_evals=_evals(setting)) for _, s in ranked[:top]]
+        chosen = _rank(results, setting, limit)[0][1]
+    res = validate(chosen, setting, memory_limit=float("inf") if limit is None else limit)
+    meta = {k: v for k, v in chosen.meta.items() if k not in ("timing", "near_ties")}
+    meta = dict(meta, memory_limit=limit, memory_claim=claim, lower_bound=round(lb, 9),
+                gap_to_lower_bound=round(max(0.0, res.makespan / lb - 1.0), 6) if lb > 0 else 0.0)
+    return dataclasses.replace(chosen, name=name, meta=meta)
 
 
 def _pick(cands: List[Schedule], setting: Setting, limit: Optional[float]) -> Optional[Schedule]:
-    best, key = None, None
-    for s in cands:
-        res = simulate(s, setting)
-        if limit is not None and max(res.peak_memory) > limit + 1e-9:
-            continue
-        k = (round(res.makespan, 9), round(max(res.peak_memory), 9))
-        if key is None or k < key:
-            best, key = s, k
-    return best
+    ranked = _rank(cands, setting, limit)
+    return ranked[0][1] if ranked else None
 
 
 def _search(name: str, st: Setting, pl: Placement, limit: float, cands: List[Schedule], lo: float,
-            hi: float, other: Optional[Callable[[float], Optional[Schedule]]] = None) -> Schedule:
-    """The best of ``cands`` and the greedy variants under ``limit``; an infeasible limit is an
-    error naming the least memory at which the greedy variants or ``other`` find a schedule
-    (searched between lo and hi)."""
-    try:
-        cands = cands + [best_of(st, pl, limit, name)]
-    except ScheduleError:
-        pass
-    best = _pick(cands, st, limit)
+            hi: float, other: Optional[Callable[[float], Optional[Schedule]]] = None,
+            greedy_too: bool = True) -> List[Tuple[tuple, Schedule]]:
+    """``cands`` and (``greedy_too``, or when none fits) the greedy variants under ``limit``,
+    ranked best first; an infeasible limit is an error naming the least memory at which the
+    greedy variants or ``other`` find a schedule (searched between lo and hi)."""
+    ranked = _rank(cands, st, limit)
+    if greedy_too or not ranked:
+        try:
+            g = best_of(st, pl, limit, name)
+            ranked = sorted(ranked + _rank([g], st, limit), key=lambda x: x[0])
+        except ScheduleError:
+            pass
+    best = ranked[0][1] if ranked else None
     if best is None:
         def attempt(x: float) -> Schedule:
             try:
@@ -85,7 +132,7 @@ def _search(name: str, st: Setting, pl: Placement, limit: float, cands: List[Sch
         need = _least_memory(attempt, st, lo, hi)
         raise ScheduleError(f"{name}: no schedule fits memory limit {limit:g}; the least that works is about "
                             f"{need:g} (units of mem-f)")
-    return best
+    return ranked
 
 
 def _least_memory(fn: Callable[[float], Schedule], setting: Setting, lo: float, hi: float) -> float:
@@ -114,13 +161,19 @@ def _least_memory(fn: Callable[[float], Schedule], setting: Setting, lo: float, 
 def zb_auto(setting: Setting) -> Schedule:
     from .basic import one_f_one_b
     from .zb_handcrafted import zb_h1, zb_h2
-    p, m = setting.stages, setting.microbatches
+    p = setting.stages
     limit = setting.memory_limit if setting.memory_limit is not None else p * max(setting.mem_f)
     pl = Placement.single(p)
     st = dataclasses.replace(setting, chunks=1)
     cands = [f(st) for f in (zb_h1, zb_h2, one_f_one_b)]
-    best = _search("zb-auto", st, pl, limit, cands, max(setting.mem_f), 2 * p * max(setting.mem_f))
-    return _finish(best, st, limit, "zb-auto", limit)
+    small = _passes(st) * p <= 150_000  # the event-driven greedy costs ~ passes x p; it rarely wins
+    if limit >= max(st.mem_f) - 1e-9:
+        cands += round_variants(st, limit, "zb-auto", keep=4)
+        if small:
+            cands += capped_variants(st, limit, "zb-auto")
+    ranked = _search("zb-auto", st, pl, limit, cands, max(setting.mem_f), 2 * p * max(setting.mem_f),
+                     greedy_too=small)
+    return _finish(ranked[0][1], st, limit, "zb-auto", limit, ranked)
 
 
 def _v_setting(setting: Setting) -> Setting:
@@ -176,29 +229,43 @@ def _timing(schedule: Schedule, setting: Setting) -> Dict:
 
 def _v_search(name: str, setting: Setting, limit: Optional[float] = None) -> Schedule:
     """The best V schedule under ``limit``; v-half / v-min (limit None) take the peak memory of
-    the paper's block of that name."""
+    the paper's block of that name. Candidates, each family only while the best so far is above
+    the lower bound: the round heuristic (``vrounds``), the paper's V-Half / V-Min blocks, the
+    real-cost building blocks (``vblock``; on big settings only when nothing else fits), the
+    unit-slot building blocks (``vslots``; small settings) and the greedy variants."""
     st = _v_setting(setting)
-    p = st.stages
+    p, m = st.stages, st.microbatches
     pl = Placement.vshape(p)
     paper = {n: _paper_block(st, n) for n in ("v-half", "v-min")}
-    peak = {n: max(simulate(s, st).peak_memory) for n, s in paper.items() if s is not None}
+    coder = Coder(st, pl, m)
+    peak = {n: max(coder.peak(o) for o in coder.encode(s.orders)) for n, s in paper.items() if s is not None}
     if limit is None:  # the paper's memory; its formula where its block does not fit this p
         limit = peak.get(name, (p / 2 + 1 if name == "v-half" else p / 3 + 1) * max(st.mem_f))
     fits = [n for n in peak if peak[n] <= limit + 1e-9]
     cands = [paper[n] for n in fits]
-    # those blocks, timed with the real costs, are starting points for reordering too
-    extra = [(f"paper {n} block", lambda mb, n=n: _timing(_paper_block(dataclasses.replace(st, microbatches=mb), n),
-                                                          dataclasses.replace(st, microbatches=mb)))
-             for n in fits]
-    blocks = vblock.search(st, pl, limit, name, extra=extra)
-    if blocks is not None:
-        cands.append(blocks)
-        res = simulate(blocks, st)
-        if res.makespan <= lower_bound(st, pl, limit) + 1e-9:  # optimal: no greedy needed
-            return _finish(blocks, st, limit, name, limit)
-    best = _search(name, st, pl, limit, cands, max(st.mem_f) / 2, p * max(st.mem_f),
-                   other=lambda x: vblock.search(st, pl, x, name))
-    return _finish(best, st, limit, name, limit)
+    lb = lower_bound(st, pl, limit)
+    small = p * m <= 1024
+
+    def optimal() -> bool:
+        ranked = _rank(cands, st, limit)
+        return bool(ranked) and ranked[0][0][0] <= lb + 1e-9
+
+    rounds = v_round_variants(st, limit, name, keep=4)
+    cands += rounds
+    if not optimal() and (small or not rounds):
+        # those blocks, timed with the real costs, are starting points for reordering too
+        extra = [(f"paper {n} block",
+                  lambda mb, n=n: _timing(_paper_block(dataclasses.replace(st, microbatches=mb), n),
+                                          dataclasses.replace(st, microbatches=mb))) for n in fits]
+        blocks = vblock.search(st, pl, limit, name, extra=extra)
+        if blocks is not None:
+            cands.append(blocks)
+    if not optimal() and small:
+        cands += vslots.search(st, limit, name, keep=2)
+    ranked = _search(name, st, pl, limit, cands, max(st.mem_f) / 2, p * max(st.mem_f),
+                     other=lambda x: vblock.search(st, pl, x, name),
+                     greedy_too=_passes(st) * p <= 150_000 and not optimal())
+    return _finish(ranked[0][1], st, limit, name, limit, ranked, lb=lb)
 
 
 def zb_v(setting: Setting) -> Schedule:

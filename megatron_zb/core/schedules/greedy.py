@@ -34,6 +34,7 @@ class Policy:
     fill: str = "fit"  # 'fit' | 'always'
     b_first: bool = True  # B before a ready F
     reserve: bool = True  # keep room for one F of the rank's deepest stage
+    cap: Optional[Tuple[int, ...]] = None  # per rank: most forwards in flight (F run, B not yet)
 
 
 def greedy(setting: Setting, placement: Placement, limit: float, policy: Policy = Policy(),
@@ -57,6 +58,7 @@ def greedy(setting: Setting, placement: Placement, limit: float, policy: Policy 
     next_b = {s: 0 for s in range(nst)}
     pending_w: List[List[Tuple[int, int]]] = [[] for _ in range(p)]  # (stage, mb), B order
     mem = [0.0] * p
+    inflight = [0] * p
     clock = [0.0] * p
     orders: List[List[Action]] = [[] for _ in range(p)]
     done = [0] * p
@@ -91,8 +93,10 @@ def greedy(setting: Setting, placement: Placement, limit: float, policy: Policy 
         if kind == F:
             next_f[s] += 1
             mem[r] += fmem[r]
+            inflight[r] += 1
         elif kind == B:
             next_b[s] += 1
+            inflight[r] -= 1
             mem[r] -= bfree[r]
             pending_w[r].append((s, mb))
         else:
@@ -119,11 +123,12 @@ def greedy(setting: Setting, placement: Placement, limit: float, policy: Policy 
         now = [c for c in cands if c[0] <= t + EPS]
         bs = sorted((c for c in now if c[1] == B), key=lambda c: -c[2])
         fs = []
-        for c in sorted((c for c in now if c[1] == F), key=lambda c: -c[2]):
+        capped = policy.cap is not None and inflight[r] >= policy.cap[r]
+        for c in sorted((c for c in now if c[1] == F and not capped), key=lambda c: -c[2]):
             need = fmem[r] + (fmem[r] if policy.reserve and c[2] != deepest[r] else 0.0)
             if mem[r] + need <= limit + EPS:
                 fs.append(c)
-        f_blocked = any(c[1] == F for c in now) and not fs
+        f_blocked = any(c[1] == F for c in now) and not fs and not capped
         pick = None
         if bs and (policy.b_first or not fs):
             pick = bs[0]
@@ -181,3 +186,36 @@ def best_of(setting: Setting, placement: Placement, limit: float, name: str,
     if best is None:
         raise ScheduleError(f"no schedule fits memory limit {limit:g}" + (f" ({errors[0]})" if errors else ""))
     return best
+
+
+def arrival_caps(setting: Setting, limit: float, overrun: float = 0.0, step: int = 1) -> Tuple[int, ...]:
+    """Per-rank forwards in flight for one stage per rank: the forwards that end (``overrun`` x F
+    later at most) before microbatch 0's gradient can come back to the rank, within the memory
+    limit, each rank at least ``step`` fewer than the one before (warm-up admission)."""
+    p, c = setting.stages, setting.cost_comm
+    caps = []
+    for r in range(p):
+        back = sum(setting.cost_f[s] + setting.cost_b[s] + 2 * c for s in range(r + 1, p))
+        f = setting.cost_f[r]
+        k = 1 + (int((back + overrun * f) / f + EPS) if f > 0 else setting.microbatches)
+        caps.append(max(1, min(k, int(limit / setting.mem_f[r] + EPS), setting.microbatches)))
+    for r in range(1, p):
+        caps[r] = max(1, min(caps[r], caps[r - 1] - step))
+    return tuple(caps)
+
+
+def capped_variants(setting: Setting, limit: float, name: str) -> List[Schedule]:
+    """Greedy schedules whose ranks keep at most their warm-up count of forwards in flight."""
+    pl = Placement.single(setting.stages)
+    out, seen = [], set()
+    for overrun, step in itertools.product((0.0, 0.5, 1.0), (1, 2)):
+        caps = arrival_caps(setting, limit, overrun, step)
+        if caps in seen:
+            continue
+        seen.add(caps)
+        for fill in ("fit", "always"):
+            try:
+                out.append(greedy(setting, pl, limit, Policy(fill, True, False, caps), name))
+            except ScheduleError:
+                pass
+    return out

@@ -1,92 +1,131 @@
-"""Local search that starts from a valid schedule and fills idle gaps, never raising peak memory
-above a limit: for the pass that follows an idle gap on some rank, try moving one of the next few
-passes of that rank (a W, or a ready F) in front of it; keep the move if the makespan (then the
-sum of spans) drops and the schedule stays valid. Stops after ``max_evals`` simulations or when no
-move helps. The budget counts work, not seconds: every rank generates its schedule on its own
-and must get the same one, whatever its load.
+"""Local search on per-rank orders, never raising any rank's peak memory above a limit.
 
-Also the lower bound every automatic result reports its gap against.
+Each round times the schedule (``evaluate.Coder``), follows the **critical chain** back from the
+last pass of the longest rank span (each pass to whatever made it start when it did: the
+previous pass on its rank, or its input from another pass), and tries, for every link where a
+pass waited for the one before it on its rank:
+
+* swapping the two (the earlier one is *delayed*: e.g. an F moved after a B, a W after an F),
+* moving the earlier one two or three places later, or the later one two or three earlier,
+
+and, on the ranks the chain crosses, moving a W or F from just after an idle gap into it. The
+first move that lowers (makespan, sum of spans) is kept and the chain is followed again. A move
+that deadlocks or breaks the memory limit is skipped. The budget counts timings, not seconds:
+every rank generates its schedule on its own and must get the same one, whatever its load.
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Iterator, List, Optional, Sequence, Tuple
 
-from ..ir import B, BW, F, W, Action, Schedule, ScheduleError, Setting
-from ..simulate import Deadlock, simulate
-from ..validate import validate
+from ..ir import Schedule, Setting
+from .bounds import lower_bound  # noqa: F401  (re-exported: callers import it from here)
+from .evaluate import Coder, Timing, score
+
+EPS = 1e-9
 
 
-def _score(res):
-    return (round(res.makespan, 9), round(sum(res.spans), 9))
+def critical_chain(coder: Coder, orders: Sequence[Sequence[int]], t: Timing) -> List[Tuple[int, int]]:
+    """(rank, position) of every pass on the chain that sets the longest span, latest first."""
+    where = {}
+    for r, o in enumerate(orders):
+        for i, x in enumerate(o):
+            where[x] = (r, i)
+            if x >= 3 * coder.S * coder.m:  # a fused backward stands for its B as an input
+                where[x - 2 * coder.S * coder.m] = (r, i)
+    rc = max(range(len(orders)), key=lambda r: (t.spans[r], -r))
+    if not orders[rc]:
+        return []
+    r, i = rc, len(orders[rc]) - 1
+    chain = []
+    for _ in range(sum(len(o) for o in orders)):
+        chain.append((r, i))
+        x = orders[r][i]
+        s = t.start[x]
+        d = coder.dep[x]
+        arrive = t.end[d] + coder.hop[x] if d >= 0 else -1.0
+        if i > 0 and t.end[orders[r][i - 1]] >= arrive - EPS and abs(t.end[orders[r][i - 1]] - s) <= EPS:
+            i -= 1
+        elif d >= 0 and abs(arrive - s) <= EPS:
+            r, i = where[d]
+        else:
+            break
+    return chain
+
+
+def _moves(coder: Coder, orders: Sequence[Sequence[int]], t: Timing, reach: int,
+           wide: bool) -> Iterator[Tuple[int, List[int]]]:
+    chain = critical_chain(coder, orders, t)
+    seen = set()
+    on_chain = set(r for r, _ in chain)
+    for r, i in chain:
+        o = orders[r]
+        if i == 0 or (r, i) in seen:
+            continue
+        seen.add((r, i))
+        if abs(t.end[o[i - 1]] - t.start[o[i]]) > EPS:
+            continue  # it waited for its input, not for its rank
+        yield r, o[:i - 1] + [o[i], o[i - 1]] + o[i + 1:]  # swap: the earlier pass is delayed
+        for k in range(2, reach + 1):
+            if i - 1 + k < len(o):  # the earlier pass k places later
+                yield r, o[:i - 1] + o[i:i + k] + [o[i - 1]] + o[i + k:]
+            if i - k >= 0:  # the later pass k places earlier
+                yield r, o[:i - k] + [o[i]] + o[i - k:i] + o[i + 1:]
+    for r in sorted(on_chain):  # fill idle gaps on the ranks the chain crosses
+        o = orders[r]
+        for i in range(1, len(o)):
+            if t.start[o[i]] <= t.end[o[i - 1]] + EPS:
+                continue
+            for j in range(i + 1, min(len(o), i + 1 + 2 * reach)):
+                if o[j] // (coder.S * coder.m) in (0, 2):  # an F or a W
+                    yield r, o[:i] + [o[j]] + o[i:j] + o[j + 1:]
+    if not wide:
+        return
+    for r in sorted(on_chain):  # every pass of those ranks a few places earlier or later
+        o = orders[r]
+        for i in range(len(o)):
+            for k in range(1, 2 * reach + 1):
+                if i + k < len(o):
+                    yield r, o[:i] + o[i + 1:i + k + 1] + [o[i]] + o[i + k + 1:]
+                if i - k >= 0:
+                    yield r, o[:i - k] + [o[i]] + o[i - k:i] + o[i + 1:]
 
 
 def improve(schedule: Schedule, setting: Setting, limit: Optional[float], max_evals: int = 400,
-            lookahead: int = 6) -> Schedule:
+            reach: int = 3, wide: bool = True) -> Schedule:
+    """The schedule after local search (at most ``max_evals`` timings); the same object if no
+    move helps. The caller validates the result."""
+    if max_evals <= 0:
+        return schedule
+    flat = schedule.flat()
+    if flat is not schedule:  # overlapped pairs are kept as they are
+        return schedule
+    coder = Coder(setting, schedule.placement, schedule.num_microbatches)
+    orders = coder.encode(schedule.orders)
+    t = coder.time(orders)
+    if t is None:
+        return schedule
+    key = score(t)
+    lim = float("inf") if limit is None else limit + 1e-9
     evals = 0
-    best = schedule
-    res = simulate(best, setting)
-    best_score = _score(res)
-    improved = True
-    while improved and evals < max_evals:
-        improved = False
-        for r, tl in enumerate(res.timeline):
-            for i in range(1, len(tl)):
-                if tl[i].start <= tl[i - 1].end + 1e-9:
-                    continue  # no gap before pass i
-                order = best.orders[r]
-                for j in range(i + 1, min(len(order), i + 1 + lookahead)):
-                    a = order[j]
-                    if a.kind not in (W, F):
-                        continue
-                    cand_order = order[:i] + [a] + order[i:j] + order[j + 1:]
-                    cand = Schedule(best.name, best.placement, best.num_microbatches,
-                                    best.orders[:r] + [cand_order] + best.orders[r + 1:], best.meta)
-                    evals += 1
-                    try:
-                        cres = simulate(cand, setting)
-                    except Deadlock:
-                        continue
-                    if limit is not None and max(cres.peak_memory) > limit + 1e-9:
-                        continue
-                    if _score(cres) < best_score:
-                        best, res, best_score = cand, cres, _score(cres)
-                        improved = True
-                        break
-                if improved or evals >= max_evals:
-                    break
-            if improved or evals >= max_evals:
+    moved = False
+    while evals < max_evals:
+        better = False
+        for r, new in _moves(coder, orders, t, reach, wide):
+            if coder.peak(new) > lim:
+                continue
+            trial = list(orders)
+            trial[r] = new
+            evals += 1
+            tt = coder.time(trial)
+            if tt is not None and score(tt) < key:
+                orders, t, key, better, moved = trial, tt, score(tt), True, True
                 break
-    validate(best, setting, memory_limit=float("inf") if limit is None else limit)
-    return best
-
-
-def lower_bound(setting: Setting, placement, limit: Optional[float]) -> float:
-    """A makespan no schedule can beat: the busiest rank's work, and on the rank holding stage 0
-    the wait for the first microbatch's gradient to come back, minus the forwards memory lets it
-    run meanwhile."""
-    p, m = setting.stages, setting.microbatches
-    v = placement.chunks
-    busy = [m * v * (setting.pass_cost(F, r) + setting.pass_cost(B, r) + setting.pass_cost(W, r))
-            for r in range(p)]
-    lb = max(busy)
-    nst = placement.num_stages
-    r0 = placement.rank_of(0)
-    rk = placement.rank_of
-
-    def cross(s):
-        return 1 if rk(s) != rk(s + 1) else 0
-
-    def chain(d):  # from F(0, mb 0) until B(d, mb 0) can start: down to the loss and back to d
-        f_all = sum(setting.pass_cost(F, rk(s)) for s in range(nst))
-        b_back = sum(setting.pass_cost(B, rk(s)) for s in range(d + 1, nst))
-        hops = sum(cross(s) for s in range(nst - 1)) + sum(cross(s) for s in range(d, nst - 1))
-        return f_all + b_back + hops * setting.cost_comm
-
-    first_b = min(chain(d) for d in placement.stages_of(r0))
-    f0 = setting.pass_cost(F, r0)
-    fmem = setting.mem_f[r0] / v
-    k = m * v if limit is None or fmem == 0 else max(1, int(limit / fmem + 1e-9))
-    # until its first B can start, rank r0 can only run forwards (no B, hence no W, exists yet)
-    wait = max(0.0, first_b - min(k, m * v) * f0)
-    lb = max(lb, busy[r0] + wait)
-    return lb
+            if evals >= max_evals:
+                break
+        if not better:
+            break
+    if not moved:
+        return schedule
+    meta = {k: v for k, v in schedule.meta.items() if k not in ("timing", "near_ties")}
+    return Schedule(schedule.name, schedule.placement, schedule.num_microbatches, coder.decode(orders),
+                    dict(meta, improved_by_local_search=True))

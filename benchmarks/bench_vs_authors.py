@@ -1,0 +1,143 @@
+"""Our automatic schedulers against the ZB authors' public ones, setting by setting.
+
+    python benchmarks/bench_vs_authors.py /path/to/zero-bubble-pipeline-parallelism \
+        [--quick] [--only zb|v] [--out benchmarks/results/vs_authors.json]
+
+The authors' repository is not a dependency: give the path of a local checkout (e.g.
+``git clone https://github.com/sail-sg/zero-bubble-pipeline-parallelism``); its scheduler files
+are loaded from there (``benchmarks/authors.py``). Both sides get the same setting and their
+schedules are timed by our simulator (``makespan`` = the longest rank span, the paper's measure).
+
+Grid: p in {4, 8, 16}, m in {p, 2p, 3p, 4p}, M_W/M_B in {0.5, 0.88}, the cost sets below, and a
+memory limit of {1, 1.5, 2} x p x M_B for ``zb-auto`` against ``zb.py``; ``v-auto`` against
+``zbv.py`` (their adaptive V scheduler) and ``v_auto_schedule.py`` (their building-block search)
+at {0.5, 0.75, 1, 1.5, 2} x p x M_B. A setting counts as worse / equal / better by the makespan
+(relative tolerance 1e-9); where the authors' code finds no schedule, or one over the limit in
+our memory model, it counts as "theirs: none". Prints the counts and every worse setting.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, HERE)
+from authors import Authors  # noqa: E402
+from megatron_zb.core.ir import Setting  # noqa: E402
+from megatron_zb.core.schedules import generate  # noqa: E402
+from megatron_zb.core.simulate import simulate  # noqa: E402
+from megatron_zb.core.validate import validate  # noqa: E402
+
+# name: (F, B, W, comm), whole-stage times
+COSTS = {
+    "unit": (1.0, 1.0, 1.0, 0.0),
+    "B=2F": (1.0, 2.0, 1.0, 0.0),
+    "1.5B (ZB Table 5)": (18.522, 18.086, 9.337, 0.601),
+    "28.3B (ZB Table 5)": (10.419, 10.207, 7.715, 0.408),
+    "H100 measured": (43.8, 59.2, 32.0, 0.5),
+}
+PS = (4, 8, 16)
+MW = (0.5, 0.88)
+ZB_LIMITS = (1.0, 1.5, 2.0)
+V_LIMITS = (0.5, 0.75, 1.0, 1.5, 2.0)
+REL = 1e-9
+
+
+def settings(limits, quick=False):
+    ps = (4, 8) if quick else PS
+    for p, k, mw, cost, lim in itertools.product(ps, (1, 2, 3, 4), MW, COSTS, limits):
+        f, b, w, c = COSTS[cost]
+        yield dict(p=p, m=k * p, mw=mw, cost=cost, limit=lim * p), Setting(
+            p, k * p, cost_f=f, cost_b=b, cost_w=w, cost_comm=c, mem_f=1.0, mem_w=mw, memory_limit=lim * p)
+
+
+def theirs_makespan(sched, st, limit):
+    if sched is None:
+        return None
+    try:
+        res = validate(sched, st, memory_limit=float("inf"))
+    except Exception as e:  # noqa: BLE001 - count an invalid schedule of theirs as none
+        return f"invalid: {e}"
+    if max(res.peak_memory) > limit + 1e-9:
+        return f"over the limit ({max(res.peak_memory):.3f})"
+    return res.makespan
+
+
+def compare(name, st, limit, others):
+    t0 = time.perf_counter()
+    ours = generate(name, st)
+    dt = time.perf_counter() - t0
+    res = validate(ours, st)
+    assert max(res.peak_memory) <= limit + 1e-9
+    row = {"ours": res.makespan, "ours_bubble": res.bubble_rate, "seconds": dt,
+           "gap_to_lower_bound": ours.meta.get("gap_to_lower_bound")}
+    best = None
+    for label, fn in others:
+        v = theirs_makespan(fn(st, limit), st, limit)
+        row[label] = v
+        if isinstance(v, float):
+            best = v if best is None else min(best, v)
+    row["theirs_best"] = best
+    if best is None:
+        row["verdict"] = "theirs: none"
+    elif res.makespan < best * (1 - REL):
+        row["verdict"] = "better"
+    elif res.makespan > best * (1 + REL):
+        row["verdict"] = "worse"
+    else:
+        row["verdict"] = "equal"
+    return row
+
+
+def run(kind, A, quick):
+    if kind == "zb":
+        name, limits, others = "zb-auto", ZB_LIMITS, [("authors_zb", A.zb_schedule)]
+    else:
+        name, limits, others = "v-auto", V_LIMITS, [("authors_zbv", A.zbv_schedule),
+                                                     ("authors_v_auto", A.vauto_schedule)]
+    rows = []
+    for key, st in settings(limits, quick):
+        if kind == "v":
+            st = Setting(**{**st.to_dict(), "chunks": 2})
+        row = {**key, **compare(name, st, key["limit"], others)}
+        rows.append(row)
+        if row["verdict"] == "worse":
+            print(f"  worse: {name} {key}: ours {row['ours']:.6g} theirs {row['theirs_best']:.6g}", flush=True)
+    counts = {v: sum(1 for r in rows if r["verdict"] == v) for v in ("worse", "equal", "better", "theirs: none")}
+    slow = max(rows, key=lambda r: r["seconds"])
+    print(f"{name}: {len(rows)} settings: " + ", ".join(f"{k} {v}" for k, v in counts.items())
+          + f"; slowest {slow['seconds']:.2f} s (p={slow['p']} m={slow['m']})", flush=True)
+    by_limit = {}
+    for r in rows:
+        d = by_limit.setdefault(r["limit"] / r["p"], {"worse": 0, "equal": 0, "better": 0, "theirs: none": 0})
+        d[r["verdict"]] += 1
+    for lim, d in sorted(by_limit.items()):
+        print(f"  limit {lim:g} x p: " + ", ".join(f"{k} {v}" for k, v in d.items()))
+    return {"schedule": name, "counts": counts, "by_limit": {str(k): v for k, v in by_limit.items()}, "rows": rows}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("authors_repo", help="local checkout of sail-sg/zero-bubble-pipeline-parallelism")
+    ap.add_argument("--only", choices=("zb", "v"), default=None)
+    ap.add_argument("--quick", action="store_true", help="p in {4, 8} only")
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "vs_authors.json"))
+    args = ap.parse_args()
+    A = Authors(args.authors_repo)
+    out = {}
+    for kind in ("zb", "v"):
+        if args.only in (None, kind):
+            out[kind] = run(kind, A, args.quick)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
