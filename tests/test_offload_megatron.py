@@ -27,10 +27,10 @@ def _m(name, p):
     return 8 if get(name).chunks != 2 else 4 * p // 2
 
 
-def _cases(profile_path):
+def _cases(profile_path, ratios=(0.5, 1.0)):
     cases = []
     for name in FAMILIES:
-        for ratio in (0.5, 1.0):
+        for ratio in ratios:
             cases.append(V.make_case(name, 4, num_microbatches=_m(name, 4), iterations=2, offload_ratio=ratio,
                                      offload_time=K, label=f"pp4 {name} {ratio}"))
             cases.append(V.make_case(name, 2, tensor_parallel_size=2, num_microbatches=_m(name, 2), iterations=2,
@@ -74,7 +74,10 @@ def profile_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def results(mcore_path, profile_path):
-    cases = _cases(profile_path)
+    # every family at both ratios on the installed megatron-core; on the second one (MZB_MCORE,
+    # run_tests.sh's pass 2) ratio 1 only: what differs between versions is megatron's side
+    # (hooks, DDP buffers, TP/SP layers), which every case still exercises
+    cases = _cases(profile_path, ratios=(0.5, 1.0) if mcore_path is None else (1.0,))
     res = V.run_verify_many(cases, timeout=1500, mcore_path=mcore_path)
     return {c.label: (c, r) for c, r in zip(cases, res)}
 
