@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["number_list", "nonneg", "int_at_least", "positive_int", "positive_float"]
+__all__ = ["number_list", "nonneg", "int_at_least", "positive_int", "positive_float", "share_or_auto"]
 
 
 def number_list(name):
@@ -61,5 +61,21 @@ def positive_float(name):
             raise argparse.ArgumentTypeError(f"{name} must be a positive number, got {text!r}") from None
         if not (v > 0 and v != float("inf")):
             raise argparse.ArgumentTypeError(f"{name} must be a positive number, got {text!r}")
+        return v
+    return parse
+
+
+def share_or_auto(name):
+    """A number in 0..1 or the word 'auto' (e.g. an offload ratio)."""
+    def parse(text):
+        t = str(text).strip().lower()
+        if t == "auto":
+            return "auto"
+        try:
+            v = float(t)
+        except ValueError:
+            v = -1.0
+        if not (0.0 <= v <= 1.0):
+            raise argparse.ArgumentTypeError(f"{name} takes a number in 0..1 or 'auto', got {text!r}")
         return v
     return parse

@@ -11,7 +11,7 @@ import os
 import sys
 from typing import List, Optional
 
-from .argtypes import nonneg, number_list, positive_int
+from .argtypes import nonneg, number_list, positive_int, share_or_auto
 from .core import io as sched_io
 from .core import schedules
 from .core.ir import Schedule, ScheduleError, Setting
@@ -60,7 +60,7 @@ def _add_setting_args(ap: argparse.ArgumentParser, schedule_required: bool = Tru
 
 def _add_offload_args(ap: argparse.ArgumentParser):
     g = ap.add_argument_group("activation offload (docs/offload.md)")
-    g.add_argument("--offload-ratio", type=_offload_ratio, default=None, metavar="R|auto",
+    g.add_argument("--offload-ratio", type=share_or_auto("--offload-ratio"), default=None, metavar="R|auto",
                    help="offload this share (0..1) of each rank's activations to host memory, the "
                         "longest-lived first; 'auto': as few as needed to fit --memory-limit (zb-auto and "
                         "v-auto may then pick a schedule that needs more and offload it back under)")
@@ -71,18 +71,6 @@ def _add_offload_args(ap: argparse.ArgumentParser):
                    help="D2H and H2D share one queue (one copy stream) instead of one queue each")
     g.add_argument("--offload-chunk-num", type=positive_int("--offload-chunk-num"), default=None, metavar="N",
                    help="offload only the first N model chunks of each rank (the ZB authors' flag)")
-
-
-def _offload_ratio(text):
-    if str(text).strip().lower() == "auto":
-        return "auto"
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--offload-ratio takes a number in 0..1 or 'auto', got {text!r}") from None
-    if not (0.0 <= v <= 1.0):
-        raise argparse.ArgumentTypeError(f"--offload-ratio takes a number in 0..1 or 'auto', got {text!r}")
-    return v
 
 
 def _offload_options(args, setting: Setting):
@@ -600,7 +588,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds of one optimizer step, added to the time per iteration (default 0)")
     _add_post_validation_arg(pn, "rank by the time per iteration")
     og = pn.add_argument_group("activation offload (docs/offload.md)")
-    og.add_argument("--offload-ratio", type=_offload_ratio, default=None, metavar="R|auto",
+    og.add_argument("--offload-ratio", type=share_or_auto("--offload-ratio"), default=None, metavar="R|auto",
                     help="offload this share of each schedule's activations; 'auto': as little as fits the budget")
     og.add_argument("--offload-time", type=nonneg("--offload-time"), default=None, metavar="K",
                     help="one-way transfer of a stage activation takes K x (F + B) (default 1, or from --host-link-gbps)")

@@ -131,17 +131,9 @@ def _pending_backward(text):
     return v
 
 
-def _offload_ratio(text):
-    t = str(text).strip().lower()
-    if t == "auto":
-        return "auto"
-    try:
-        v = float(t)
-    except ValueError:
-        v = -1.0
-    if not (0.0 <= v <= 1.0):
-        raise argparse.ArgumentTypeError(f"--zero-bubble-offload-ratio takes a number in 0..1 or 'auto', got {text!r}")
-    return v
+def _share_or_auto(flag):
+    from ..argtypes import share_or_auto
+    return share_or_auto(flag)
 
 
 def _nonneg_float(flag):
@@ -217,7 +209,8 @@ def add_zero_bubble_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                    help="Relative time of one pipeline hop (default 0).")
     g.add_argument("--zero-bubble-mem-w", type=float, default=None, metavar="RATIO",
                    help="Fraction of a microbatch's activation still held after B until W (default 0.5).")
-    g.add_argument("--zero-bubble-offload-ratio", type=_offload_ratio, default=None, metavar="R|auto",
+    g.add_argument("--zero-bubble-offload-ratio", type=_share_or_auto("--zero-bubble-offload-ratio"), default=None,
+                   metavar="R|auto",
                    help="Activation offload (implies --cpu-offload): offload this share (0..1) of each rank's "
                         "activations, the longest-lived first; 'auto': as few as fit --zero-bubble-memory-limit "
                         "(zb-auto/v-auto may then take a schedule that needs more and offload it back under).")

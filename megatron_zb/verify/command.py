@@ -10,7 +10,7 @@ import math
 import sys
 from typing import Optional, Sequence
 
-from ..argtypes import nonneg, positive_int
+from ..argtypes import nonneg, positive_int, share_or_auto
 from .harness import (DEFAULT_GRAD_RTOL, DEFAULT_LOSS_ATOL, PSEUDO_SCHEDULES, VerifyUsageError, make_case,
                       run_verify_many)
 
@@ -54,7 +54,7 @@ def _build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--untied", action="store_true", help="untie embedding and output weights")
     ap.add_argument("--forward-only", action="store_true")
     ap.add_argument("--memory-limit", type=float, default=None, help="passed to install() (zb-auto, v-auto)")
-    ap.add_argument("--offload-ratio", type=_offload_ratio, default=None, metavar="R|auto",
+    ap.add_argument("--offload-ratio", type=share_or_auto("--offload-ratio"), default=None, metavar="R|auto",
                     help="train with activation offload (CPU test mode: synchronous copies to separate CPU "
                          "buffers): this share of each rank's activations, or 'auto' (as little as fits "
                          "--memory-limit)")
@@ -85,18 +85,6 @@ def _build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--mcore-path", default=None, help="a directory holding another megatron-core (megatron/core)")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     return ap
-
-
-def _offload_ratio(text):
-    if str(text).strip().lower() == "auto":
-        return "auto"
-    try:
-        v = float(text)
-    except ValueError:
-        v = -1.0
-    if not (0.0 <= v <= 1.0):
-        raise argparse.ArgumentTypeError(f"--offload-ratio takes a number in 0..1 or 'auto', got {text!r}")
-    return v
 
 
 def _offload_time(text):
