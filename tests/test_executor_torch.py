@@ -1,6 +1,5 @@
 """Executor + lowering + p2p on real gloo processes with a plain-torch model, every schedule:
 losses and gradients equal the single-process reference."""
-import socket
 
 import numpy as np
 import pytest
@@ -11,20 +10,17 @@ from megatron_zb.core.ir import ScheduleError, Setting
 from megatron_zb.core.schedules import generate, get, names
 
 from tests import _toy_pipeline as toy
+from tests._ports import free_port
 
 pytestmark = pytest.mark.dist
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_cases(world, cases, timeout=120):
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=toy._worker, args=(r, world, port, cases, q)) for r in range(world)]
     for p in procs:
         p.start()

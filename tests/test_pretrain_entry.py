@@ -11,12 +11,12 @@ transcription of the C++ loops.
 import importlib.util
 import os
 import re
-import socket
 import subprocess
 import sys
 
 import numpy as np
 import pytest
+from tests._ports import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "pretrain_gpt_zb.sh")
@@ -36,10 +36,6 @@ needs_training = pytest.mark.skipif(
            "the entry point needs >= 0.18: run with MZB_MCORE=0.19.2")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _cuda():
@@ -60,7 +56,7 @@ def _env(**extra):
 
 
 def run_script(timeout=240, **env):
-    proc = subprocess.run(["bash", SCRIPT], env=_env(MASTER_PORT=_free_port(), **env), cwd=ROOT,
+    proc = subprocess.run(["bash", SCRIPT], env=_env(MASTER_PORT=free_port(), **env), cwd=ROOT,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
     return proc.returncode, proc.stdout
 

@@ -23,7 +23,8 @@ import time
 
 import pytest
 
-from tests.test_pretrain_entry import ROOT, SCRIPT, _env, _free_port, needs_training, parse_log, run_script
+from tests._ports import free_port
+from tests.test_pretrain_entry import ROOT, SCRIPT, _env, needs_training, parse_log, run_script
 
 pytestmark = [pytest.mark.megatron, needs_training]
 
@@ -174,7 +175,7 @@ def test_preflight_names_the_bad_input(argv, world, message, monkeypatch):
 ])
 def test_the_launch_script_says_one_line_and_exits_2_before_torchrun(env, message):
     t0 = time.monotonic()
-    proc = subprocess.run(["bash", SCRIPT], env=_env(MASTER_PORT=_free_port(), PP=4, **env), cwd=ROOT,
+    proc = subprocess.run(["bash", SCRIPT], env=_env(MASTER_PORT=free_port(), PP=4, **env), cwd=ROOT,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=120)
     secs = time.monotonic() - t0
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -219,7 +220,7 @@ class _Job:
     def __init__(self, tmp, **env):
         self.log_path = tmp / "job.log"
         self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(["bash", SCRIPT], env=_env(MASTER_PORT=_free_port(), PREFLIGHT=0, **env),
+        self.proc = subprocess.Popen(["bash", SCRIPT], env=_env(MASTER_PORT=free_port(), PREFLIGHT=0, **env),
                                      cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         self.ranks = {}
 

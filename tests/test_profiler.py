@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import queue
-import socket
 import time
 
 import pytest
@@ -16,6 +15,7 @@ from megatron_zb.core.ir import Placement, Setting
 from megatron_zb.core.schedules import generate
 from megatron_zb.core.simulate import simulate
 from megatron_zb.runtime import profiler as P
+from tests._ports import free_port
 
 
 def _stats(rank, stages, f, b=None, w=None, bw=None, mem_f=None, mem_w=None, probe=(), n=3, waits=()):
@@ -210,10 +210,6 @@ def test_instrument_single_process(tmp_path, device):
 MBS, H = 256, 512  # a few ms per matmul on one core
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _count_collectives(counter):
@@ -326,7 +322,7 @@ def _run(world, cases, iterations, window, timeout=240):
     import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world, port, cases, iterations, window, q)) for r in range(world)]
     for p in procs:
         p.start()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -17,6 +16,7 @@ import pytest
 import torch
 
 from megatron_zb.runtime.wqueue import WQueue, WQueueError
+from tests._ports import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "_wgrad_worker.py")
@@ -167,16 +167,12 @@ def test_delayed_wgrad_protocol_modules_run_backward_dw_at_w_or_end_of_bw():
 
 
 # ----------------------------------------------------------------------------- megatron, multi-rank
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(nproc, cases, out_dir, mcore_path=None, timeout=TIMEOUT):
     """Run the worker on ``nproc`` real processes (gloo); returns the per-rank result dicts."""
     env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(_free_port()), WORLD_SIZE=str(nproc))
+               MASTER_PORT=str(free_port()), WORLD_SIZE=str(nproc))
     path = mcore_path
     if path:
         env["PYTHONPATH"] = os.pathsep.join([path, ROOT, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
