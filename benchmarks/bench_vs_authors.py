@@ -1,7 +1,7 @@
 """Our automatic schedulers against the ZB authors' public ones, setting by setting.
 
     python benchmarks/bench_vs_authors.py /path/to/zero-bubble-pipeline-parallelism \
-        [--quick] [--only zb|v] [--out benchmarks/results/vs_authors.json]
+        [--quick | --ps 4 8 16] [--only zb|v] [--out benchmarks/results/vs_authors.json]
 
 The authors' repository is not a dependency: give the path of a local checkout (e.g.
 ``git clone https://github.com/sail-sg/zero-bubble-pipeline-parallelism``); its scheduler files
@@ -48,8 +48,7 @@ V_LIMITS = (0.5, 0.75, 1.0, 1.5, 2.0)
 REL = 1e-9
 
 
-def settings(limits, quick=False):
-    ps = (4, 8) if quick else PS
+def settings(limits, ps=PS):
     for p, k, mw, cost, lim in itertools.product(ps, (1, 2, 3, 4), MW, COSTS, limits):
         f, b, w, c = COSTS[cost]
         yield dict(p=p, m=k * p, mw=mw, cost=cost, limit=lim * p), Setting(
@@ -94,14 +93,14 @@ def compare(name, st, limit, others):
     return row
 
 
-def run(kind, A, quick):
+def run(kind, A, ps=PS):
     if kind == "zb":
         name, limits, others = "zb-auto", ZB_LIMITS, [("authors_zb", A.zb_schedule)]
     else:
         name, limits, others = "v-auto", V_LIMITS, [("authors_zbv", A.zbv_schedule),
                                                      ("authors_v_auto", A.vauto_schedule)]
     rows = []
-    for key, st in settings(limits, quick):
+    for key, st in settings(limits, ps):
         if kind == "v":
             st = Setting(**{**st.to_dict(), "chunks": 2})
         row = {**key, **compare(name, st, key["limit"], others)}
@@ -118,21 +117,26 @@ def run(kind, A, quick):
         d[r["verdict"]] += 1
     for lim, d in sorted(by_limit.items()):
         print(f"  limit {lim:g} x p: " + ", ".join(f"{k} {v}" for k, v in d.items()))
-    return {"schedule": name, "counts": counts, "by_limit": {str(k): v for k, v in by_limit.items()}, "rows": rows}
+    return {"schedule": name, "ps": list(ps), "counts": counts, "by_limit": {str(k): v for k, v in by_limit.items()}, "rows": rows}
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("authors_repo", help="local checkout of sail-sg/zero-bubble-pipeline-parallelism")
     ap.add_argument("--only", choices=("zb", "v"), default=None)
-    ap.add_argument("--quick", action="store_true", help="p in {4, 8} only")
+    ap.add_argument("--quick", action="store_true", help="p in {4, 8} only (same as --ps 4 8)")
+    ap.add_argument("--ps", type=int, nargs="+", default=None, help="pipeline sizes of the grid (default 4 8 16)")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "vs_authors.json"))
     args = ap.parse_args()
     A = Authors(args.authors_repo)
+    ps = tuple(args.ps) if args.ps else ((4, 8) if args.quick else PS)
     out = {}
+    if args.only and os.path.exists(args.out):  # --only: keep the other scheduler's results
+        with open(args.out) as f:
+            out = json.load(f)
     for kind in ("zb", "v"):
         if args.only in (None, kind):
-            out[kind] = run(kind, A, args.quick)
+            out[kind] = run(kind, A, ps)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
