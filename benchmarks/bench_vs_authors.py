@@ -30,7 +30,6 @@ sys.path.insert(0, HERE)
 from authors import Authors  # noqa: E402
 from megatron_zb.core.ir import Setting  # noqa: E402
 from megatron_zb.core.schedules import generate  # noqa: E402
-from megatron_zb.core.simulate import simulate  # noqa: E402
 from megatron_zb.core.validate import validate  # noqa: E402
 
 # name: (F, B, W, comm), whole-stage times
@@ -48,8 +47,8 @@ V_LIMITS = (0.5, 0.75, 1.0, 1.5, 2.0)
 REL = 1e-9
 
 
-def settings(limits, ps=PS):
-    for p, k, mw, cost, lim in itertools.product(ps, (1, 2, 3, 4), MW, COSTS, limits):
+def settings(limits, ps=PS, ks=(1, 2, 3, 4)):
+    for p, k, mw, cost, lim in itertools.product(ps, ks, MW, COSTS, limits):
         f, b, w, c = COSTS[cost]
         yield dict(p=p, m=k * p, mw=mw, cost=cost, limit=lim * p), Setting(
             p, k * p, cost_f=f, cost_b=b, cost_w=w, cost_comm=c, mem_f=1.0, mem_w=mw, memory_limit=lim * p)
@@ -93,20 +92,30 @@ def compare(name, st, limit, others):
     return row
 
 
-def run(kind, A, ps=PS):
+def run(kind, A, ps=PS, ks=(1, 2, 3, 4), earlier=()):
+    """Compare over the grid; ``earlier``: rows of a previous run (``--append``) kept unless redone."""
     if kind == "zb":
         name, limits, others = "zb-auto", ZB_LIMITS, [("authors_zb", A.zb_schedule)]
     else:
         name, limits, others = "v-auto", V_LIMITS, [("authors_zbv", A.zbv_schedule),
                                                      ("authors_v_auto", A.vauto_schedule)]
     rows = []
-    for key, st in settings(limits, ps):
+    for key, st in settings(limits, ps, ks):
         if kind == "v":
             st = Setting(**{**st.to_dict(), "chunks": 2})
         row = {**key, **compare(name, st, key["limit"], others)}
         rows.append(row)
         if row["verdict"] == "worse":
             print(f"  worse: {name} {key}: ours {row['ours']:.6g} theirs {row['theirs_best']:.6g}", flush=True)
+    done = {_key(r) for r in rows}
+    return summarize(name, [r for r in earlier if _key(r) not in done] + rows)
+
+
+def _key(row):
+    return tuple(row[k] for k in ("p", "m", "mw", "cost", "limit"))
+
+
+def summarize(name, rows):
     counts = {v: sum(1 for r in rows if r["verdict"] == v) for v in ("worse", "equal", "better", "theirs: none")}
     slow = max(rows, key=lambda r: r["seconds"])
     print(f"{name}: {len(rows)} settings: " + ", ".join(f"{k} {v}" for k, v in counts.items())
@@ -117,7 +126,9 @@ def run(kind, A, ps=PS):
         d[r["verdict"]] += 1
     for lim, d in sorted(by_limit.items()):
         print(f"  limit {lim:g} x p: " + ", ".join(f"{k} {v}" for k, v in d.items()))
-    return {"schedule": name, "ps": list(ps), "counts": counts, "by_limit": {str(k): v for k, v in by_limit.items()}, "rows": rows}
+    ms = sorted({(r["p"], r["m"]) for r in rows})
+    return {"schedule": name, "ps": sorted({p for p, _ in ms}), "pm": ms, "counts": counts,
+            "by_limit": {str(k): v for k, v in by_limit.items()}, "rows": rows}
 
 
 def main():
@@ -126,17 +137,21 @@ def main():
     ap.add_argument("--only", choices=("zb", "v"), default=None)
     ap.add_argument("--quick", action="store_true", help="p in {4, 8} only (same as --ps 4 8)")
     ap.add_argument("--ps", type=int, nargs="+", default=None, help="pipeline sizes of the grid (default 4 8 16)")
+    ap.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4], help="m = k x p for these k (default 1 2 3 4)")
+    ap.add_argument("--append", action="store_true",
+                    help="add to the rows already in --out (a grid run in parts); settings run again replace theirs")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "vs_authors.json"))
     args = ap.parse_args()
     A = Authors(args.authors_repo)
     ps = tuple(args.ps) if args.ps else ((4, 8) if args.quick else PS)
     out = {}
-    if args.only and os.path.exists(args.out):  # --only: keep the other scheduler's results
+    if (args.only or args.append) and os.path.exists(args.out):  # keep the other scheduler's results
         with open(args.out) as f:
             out = json.load(f)
     for kind in ("zb", "v"):
         if args.only in (None, kind):
-            out[kind] = run(kind, A, ps)
+            earlier = out.get(kind, {}).get("rows", []) if args.append else []
+            out[kind] = run(kind, A, ps, tuple(args.ks), earlier)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
