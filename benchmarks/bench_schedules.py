@@ -182,6 +182,12 @@ def _other_results():
             c = d[kind]["counts"]
             md.append(f"| {d[kind]['schedule']} | {ps} | all | {sum(c.values())} | {c['worse']} | {c['equal']} | "
                       f"{c['better']} | {c['theirs: none']} |")
+        for kind in ("zb", "v"):
+            missing = [p for p in (4, 8, 16) if kind in d and p not in d[kind].get("ps", (4, 8, 16))]
+            if missing:
+                md.append(f"\n{d[kind]['schedule']} at p = {', '.join(map(str, missing))} is not in this run "
+                          "(a setting there takes 20-120 s, mostly in the authors' scheduler; "
+                          "`--ps 16 --append` adds it).")
     path = os.path.join(os.path.dirname(__file__), "results", "exact.json")
     if os.path.exists(path):
         d = json.load(open(path))
