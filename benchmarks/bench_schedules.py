@@ -183,11 +183,13 @@ def _other_results():
             md.append(f"| {d[kind]['schedule']} | {ps} | all | {sum(c.values())} | {c['worse']} | {c['equal']} | "
                       f"{c['better']} | {c['theirs: none']} |")
         for kind in ("zb", "v"):
-            missing = [p for p in (4, 8, 16) if kind in d and p not in d[kind].get("ps", (4, 8, 16))]
+            have = {tuple(x) for x in d[kind].get("pm", [])} if kind in d else set()
+            missing = [f"p={p} m={k * p}" for p in (4, 8, 16) for k in (1, 2, 3, 4)
+                       if kind in d and have and (p, k * p) not in have]
             if missing:
-                md.append(f"\n{d[kind]['schedule']} at p = {', '.join(map(str, missing))} is not in this run "
+                md.append(f"\n{d[kind]['schedule']}: {', '.join(missing)} not in this run "
                           "(a setting there takes 20-120 s, mostly in the authors' scheduler; "
-                          "`--ps 16 --append` adds it).")
+                          "`--ps 16 --ks 2 3 4 --append` adds it).")
     path = os.path.join(os.path.dirname(__file__), "results", "exact.json")
     if os.path.exists(path):
         d = json.load(open(path))
