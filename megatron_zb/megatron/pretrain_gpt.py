@@ -479,6 +479,8 @@ class _LossesToLastRank:
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
 
+        from .install import _to_cpu, _to_device
+
         out = self.fb(*args, **kwargs)
         pg = kwargs.get("pg_collection")
         group = getattr(pg, "pp", None) or ps.get_pipeline_model_parallel_group()
@@ -494,30 +496,6 @@ class _LossesToLastRank:
         box = [None]
         dist.recv_object_list(box, src=ranks[self.loss_rank], group=group, device=device)
         return _to_device(box[0])
-
-
-def _to_cpu(obj):
-    import torch
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(v) for v in obj)
-    return obj
-
-
-def _to_device(obj):
-    import torch
-    if not torch.cuda.is_available():
-        return obj
-    if isinstance(obj, torch.Tensor):
-        return obj.cuda()
-    if isinstance(obj, dict):
-        return {k: _to_device(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_device(v) for v in obj)
-    return obj
 
 
 def _route_losses_for_v(loss_rank: int) -> Callable[[], None]:
