@@ -136,3 +136,23 @@ def _worker(rank, world, port, cases, q):
     q.put((rank, out))
     dist.barrier()  # a rank that gave up early must not close its connections under a peer still waiting
     dist.destroy_process_group()
+
+
+def _lost_peer_worker(rank, port, q):
+    """Rank 0 exits (no teardown) while rank 1 waits for a message from it: rank 1 reports the
+    error it got."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    p2p = P2P(_groups(2), rank, timeout_s=60)
+    dist.barrier(group=p2p.groups.group(0, 1))  # the pair's connections are up
+    if rank == 0:
+        os._exit(0)
+    import time
+    t0 = time.monotonic()
+    try:
+        p2p.recv((MBS, H), torch.float32, "cpu", 0, "the input of F1.0").wait()
+        q.put(("no error", 0.0))
+    except Exception as e:  # noqa: BLE001 - the test checks the type
+        q.put((f"{type(e).__name__}: {e}", time.monotonic() - t0))
+    os._exit(0)

@@ -123,3 +123,25 @@ def test_stuck_peer_times_out_naming_rank_pass_and_peer():
     assert "PipelineTimeout" in payload
     assert "pipeline rank 1 (global rank 1) waited" in payload
     assert "for the input of F1.0 from pipeline rank 0" in payload
+
+
+def test_a_peer_that_exits_is_named_without_waiting_for_the_timeout():
+    # rank 0's process ends (as it does after its own timeout) while rank 1 waits for it: rank 1
+    # fails at once with PeerLost (a PipelineTimeout), naming itself, the pass and the peer
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=toy._lost_peer_worker, args=(r, port, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        msg, waited = q.get(timeout=60)
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    assert msg.startswith("PeerLost: pipeline rank 1 (global rank 1) lost the connection to pipeline rank 0 "
+                          "(global rank 0) after waiting"), msg
+    assert "for the input of F1.0; that rank is stuck or has failed (transport:" in msg, msg
+    assert waited < 30, waited  # not the 60 s timeout

@@ -92,7 +92,7 @@ def test_the_stopped_rank_is_named_by_every_rank(rank_pool, tmp_path):
                 stop_delay=0.3, out=str(tmp_path))
     with pytest.raises(RankError) as info:
         rank_pool(_fault_fns.stop_one_rank, [case], 4, timeout=120)
-    assert info.value.exc_type == "PipelineTimeout"
+    assert info.value.exc_type in ("PipelineTimeout", "PeerLost")
     stopped_at = float((tmp_path / "stopped_at").read_text())
     messages = {}
     for f in glob.glob(str(tmp_path / "rank*.txt")):
@@ -100,7 +100,9 @@ def test_the_stopped_rank_is_named_by_every_rank(rank_pool, tmp_path):
         messages[os.path.basename(f)] = (float(t) - stopped_at, msg)
     assert sorted(messages) == ["rank0.txt", "rank2.txt", "rank3.txt"], messages
     for name, (secs, msg) in messages.items():
-        assert msg.startswith("PipelineTimeout: pipeline rank"), msg
+        # a rank whose peer ended after its own timeout loses the connection before its timeout
+        # fires: PeerLost (a PipelineTimeout) then names the same culprit
+        assert msg.startswith(("PipelineTimeout: pipeline rank", "PeerLost: pipeline rank")), msg
         assert "the rank that stopped progressing first is pipeline rank 1 (global rank 1," in msg, (name, msg)
         # detected within the timeout plus the 1.2 s check (and slack for a loaded machine)
         assert TIMEOUT_S <= secs < TIMEOUT_S + 9 * _overload(), (name, secs)

@@ -682,7 +682,8 @@ def _cli() -> int:
         report(e, known=True)
         return 2
     except Exception as e:  # noqa: BLE001
-        if type(e).__name__ == "PipelineTimeout":
+        from ..runtime.p2p import PipelineTimeout
+        if isinstance(e, PipelineTimeout):  # a timeout, a lost peer, a validation timeout
             from ..runtime.progress import finish_kills
             line = f"megatron-zb: error: {e}"
             record_for_torchrun(line)

@@ -25,7 +25,7 @@ import torch
 
 from ..core.ir import (B, BW, F, OFFLOAD, OFFLOAD_W, RECV_B, RECV_F, RELOAD, RELOAD_W, SEND_B, SEND_F, W, Action,
                        Placement)
-from .p2p import P2P
+from .p2p import P2P, PipelineTimeout
 
 
 @dataclass
@@ -110,11 +110,9 @@ def execute(actions: List[Action], rank: int, placement: Placement, passes: Stag
             _step(a, i, rank, placement, nst, passes, p2p, st, forward_only, last_b, last)
             if prog is not None:
                 prog.end(a)
-        except ExecutionError:
+        except (ExecutionError, PipelineTimeout):
             raise
         except Exception as e:
-            if type(e).__name__ == "PipelineTimeout":
-                raise
             raise ExecutionError(f"rank {rank}: {a} (position {i}) failed: {type(e).__name__}: {e}") from e
 
     i = 0

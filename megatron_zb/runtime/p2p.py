@@ -24,6 +24,12 @@ class PipelineTimeout(RuntimeError):
     """A rank waited too long for a message; names the rank, the pass and the peer."""
 
 
+class PeerLost(PipelineTimeout):
+    """A rank's wait for a message ended because the transport to the peer broke (the peer's
+    process exited or closed its connection, e.g. after its own timeout); names the rank, the
+    pass and the peer, as a timeout does."""
+
+
 class PairGroups:
     """Process groups for the pairs of pipeline ranks that exchange messages.
 
@@ -121,15 +127,20 @@ class P2P:
             try:
                 work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
             except RuntimeError as e:
-                if "imed out" not in str(e) and "imeout" not in str(e):
-                    raise
                 waited = time.monotonic() - t0
+                timed_out = "imed out" in str(e) or "imeout" in str(e)
                 blame = "that rank is stuck or has failed" if prog is None else \
                     prog.diagnose(self.groups.pp_ranks, self._peer_global(peer))
-                raise PipelineTimeout(
-                    f"pipeline rank {self.me} (global rank {dist.get_rank()}) waited "
-                    f"{waited:.0f}s for {what} from pipeline rank {peer} "
-                    f"(global rank {self._peer_global(peer)}); {blame}") from None
+                who = (f"pipeline rank {self.me} (global rank {dist.get_rank()})", what,
+                       f"pipeline rank {peer} (global rank {self._peer_global(peer)})")
+                if timed_out:
+                    raise PipelineTimeout(f"{who[0]} waited {waited:.0f}s for {who[1]} from {who[2]}; "
+                                          f"{blame}") from None
+                # the transport failed (the peer's process is gone or closed the connection): the
+                # same facts as a timeout, and the transport's own words last
+                first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise PeerLost(f"{who[0]} lost the connection to {who[2]} after waiting {waited:.0f}s "
+                               f"for {who[1]}; {blame} (transport: {first_line[:300]})") from None
         finally:
             if prog is not None:
                 prog.wait_over()
