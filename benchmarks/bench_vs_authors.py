@@ -1,7 +1,8 @@
 """Our automatic schedulers against the ZB authors' public ones, setting by setting.
 
     python benchmarks/bench_vs_authors.py /path/to/zero-bubble-pipeline-parallelism \
-        [--quick | --ps 4 8 16] [--only zb|v] [--out benchmarks/results/vs_authors.json]
+        [--quick | --ps 4 8 16] [--ks 1 2 3 4] [--only zb|v] [--append [--reuse-theirs]]
+        [--out benchmarks/results/vs_authors.json]
 
 The authors' repository is not a dependency: give the path of a local checkout (e.g.
 ``git clone https://github.com/sail-sg/zero-bubble-pipeline-parallelism``); its scheduler files
@@ -66,7 +67,9 @@ def theirs_makespan(sched, st, limit):
     return res.makespan
 
 
-def compare(name, st, limit, others):
+def compare(name, st, limit, others, known=None):
+    """One setting: our schedule and the others' (``known``: their results from an earlier run of
+    the same setting, used instead of running their code again)."""
     t0 = time.perf_counter()
     ours = generate(name, st)
     dt = time.perf_counter() - t0
@@ -76,7 +79,7 @@ def compare(name, st, limit, others):
            "gap_to_lower_bound": ours.meta.get("gap_to_lower_bound")}
     best = None
     for label, fn in others:
-        v = theirs_makespan(fn(st, limit), st, limit)
+        v = known[label] if known and label in known else theirs_makespan(fn(st, limit), st, limit)
         row[label] = v
         if isinstance(v, float):
             best = v if best is None else min(best, v)
@@ -92,8 +95,11 @@ def compare(name, st, limit, others):
     return row
 
 
-def run(kind, A, ps=PS, ks=(1, 2, 3, 4), earlier=()):
-    """Compare over the grid; ``earlier``: rows of a previous run (``--append``) kept unless redone."""
+def run(kind, A, ps=PS, ks=(1, 2, 3, 4), earlier=(), reuse_theirs=False):
+    """Compare over the grid; ``earlier``: rows of a previous run (``--append``) kept unless redone;
+    with ``reuse_theirs`` their makespans in those rows stand for running their code again (it is
+    deterministic and does not depend on ours)."""
+    before = {_key(r): r for r in earlier}
     if kind == "zb":
         name, limits, others = "zb-auto", ZB_LIMITS, [("authors_zb", A.zb_schedule)]
     else:
@@ -103,7 +109,8 @@ def run(kind, A, ps=PS, ks=(1, 2, 3, 4), earlier=()):
     for key, st in settings(limits, ps, ks):
         if kind == "v":
             st = Setting(**{**st.to_dict(), "chunks": 2})
-        row = {**key, **compare(name, st, key["limit"], others)}
+        row = {**key, **compare(name, st, key["limit"], others,
+                                known=before.get(_key(key)) if reuse_theirs else None)}
         rows.append(row)
         if row["verdict"] == "worse":
             print(f"  worse: {name} {key}: ours {row['ours']:.6g} theirs {row['theirs_best']:.6g}", flush=True)
@@ -140,6 +147,9 @@ def main():
     ap.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4], help="m = k x p for these k (default 1 2 3 4)")
     ap.add_argument("--append", action="store_true",
                     help="add to the rows already in --out (a grid run in parts); settings run again replace theirs")
+    ap.add_argument("--reuse-theirs", action="store_true",
+                    help="with --append: take the authors' results of settings already in --out from there "
+                         "(after a change to ours, re-runs only ours)")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "vs_authors.json"))
     args = ap.parse_args()
     A = Authors(args.authors_repo)
@@ -151,7 +161,7 @@ def main():
     for kind in ("zb", "v"):
         if args.only in (None, kind):
             earlier = out.get(kind, {}).get("rows", []) if args.append else []
-            out[kind] = run(kind, A, ps, tuple(args.ks), earlier)
+            out[kind] = run(kind, A, ps, tuple(args.ks), earlier, reuse_theirs=args.reuse_theirs)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)

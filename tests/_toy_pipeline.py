@@ -155,4 +155,6 @@ def _lost_peer_worker(rank, port, q):
         q.put(("no error", 0.0))
     except Exception as e:  # noqa: BLE001 - the test checks the type
         q.put((f"{type(e).__name__}: {e}", time.monotonic() - t0))
+    q.close()
+    q.join_thread()  # the queue's feeder thread has sent it before the hard exit
     os._exit(0)
