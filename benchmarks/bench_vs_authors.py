@@ -1,7 +1,7 @@
 """Our automatic schedulers against the ZB authors' public ones, setting by setting.
 
     python benchmarks/bench_vs_authors.py /path/to/zero-bubble-pipeline-parallelism \
-        [--quick | --ps 4 8 16] [--ks 1 2 3 4] [--only zb|v] [--append [--reuse-theirs]]
+        [--quick | --ps 4 8 16] [--ks 1 2 3 4] [--only zb|v] [--append [--reuse-theirs]] [--shard I/N]
         [--out benchmarks/results/vs_authors.json]
 
 The authors' repository is not a dependency: give the path of a local checkout (e.g.
@@ -95,7 +95,7 @@ def compare(name, st, limit, others, known=None):
     return row
 
 
-def run(kind, A, ps=PS, ks=(1, 2, 3, 4), earlier=(), reuse_theirs=False):
+def run(kind, A, ps=PS, ks=(1, 2, 3, 4), earlier=(), reuse_theirs=False, shard=(0, 1)):
     """Compare over the grid; ``earlier``: rows of a previous run (``--append``) kept unless redone;
     with ``reuse_theirs`` their makespans in those rows stand for running their code again (it is
     deterministic and does not depend on ours)."""
@@ -106,7 +106,9 @@ def run(kind, A, ps=PS, ks=(1, 2, 3, 4), earlier=(), reuse_theirs=False):
         name, limits, others = "v-auto", V_LIMITS, [("authors_zbv", A.zbv_schedule),
                                                      ("authors_v_auto", A.vauto_schedule)]
     rows = []
-    for key, st in settings(limits, ps, ks):
+    for i, (key, st) in enumerate(settings(limits, ps, ks)):
+        if i % shard[1] != shard[0]:
+            continue
         if kind == "v":
             st = Setting(**{**st.to_dict(), "chunks": 2})
         row = {**key, **compare(name, st, key["limit"], others,
@@ -150,8 +152,15 @@ def main():
     ap.add_argument("--reuse-theirs", action="store_true",
                     help="with --append: take the authors' results of settings already in --out from there "
                          "(after a change to ours, re-runs only ours)")
+    ap.add_argument("--shard", default="0/1", metavar="I/N",
+                    help="run only every N-th setting of the grid, from the I-th (0-based): N processes, one per core")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "vs_authors.json"))
     args = ap.parse_args()
+    try:
+        shard = tuple(int(x) for x in args.shard.split("/"))
+        assert len(shard) == 2 and 0 <= shard[0] < shard[1]
+    except (ValueError, AssertionError):
+        ap.error(f"--shard {args.shard!r}: expected I/N with 0 <= I < N, e.g. 0/2")
     A = Authors(args.authors_repo)
     ps = tuple(args.ps) if args.ps else ((4, 8) if args.quick else PS)
     out = {}
@@ -161,7 +170,7 @@ def main():
     for kind in ("zb", "v"):
         if args.only in (None, kind):
             earlier = out.get(kind, {}).get("rows", []) if args.append else []
-            out[kind] = run(kind, A, ps, tuple(args.ks), earlier, reuse_theirs=args.reuse_theirs)
+            out[kind] = run(kind, A, ps, tuple(args.ks), earlier, reuse_theirs=args.reuse_theirs, shard=shard)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
