@@ -1,5 +1,5 @@
 """Optimizer post-validation on real megatron-core (gloo processes): Megatron's own optimizer
-(get_megatron_optimizer), training with zb-h2 and zb-v at PP=4 and TP=2 x PP=2, with and without
+(get_megatron_optimizer), training with zb-h2 and zb-v at PP=4, TP=2 x PP=2 and DP=2 x PP=2, with and without
 the distributed optimizer, fp32 / bf16 (+ fp16 with the dynamic loss scaler, + SGD), clipping that
 some iterations exceed and one injected non-finite gradient. Post-validated training must be
 bit-identical to the synchronous pipelined run (same schedule, Megatron's step) and close to the
@@ -37,6 +37,12 @@ def _cases():
         out.append(V.make_case(name, p, t, num_microbatches=(2 * p if name == "zb-h2" else p), iterations=ITERATIONS,
                                post_validation=True, clip_grad=clip, use_distributed_optimizer=dist_opt,
                                bf16=(dtype == "bf16"), inject_nonfinite_at=inject))
+    # data parallelism: the distributed optimizer's statistics are reduced over its shards too
+    out.append(V.make_case("zb-h2", 2, 1, data_parallel_size=2, num_microbatches=4, iterations=ITERATIONS,
+                           post_validation=True, clip_grad=0.9, use_distributed_optimizer=True, bf16=True,
+                           inject_nonfinite_at=INF_AT))
+    out.append(V.make_case("zb-v", 2, 1, data_parallel_size=2, num_microbatches=2, iterations=ITERATIONS,
+                           post_validation=True, clip_grad=1.1))
     out.append(V.make_case("zb-h2", 4, 1, num_microbatches=8, iterations=ITERATIONS, post_validation=True,
                            clip_grad=0.9, fp16=True, inject_nonfinite_at=INF_AT, label="fp16 dynamic scaler"))
     out.append(V.make_case("zb-v", 4, 1, num_microbatches=4, iterations=ITERATIONS, post_validation=True,

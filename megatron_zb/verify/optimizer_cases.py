@@ -10,7 +10,8 @@ Megatron skips such a step when a loss scaler checks the gradients: fp16, or ``l
 Three runs, same weights, data and optimizer configuration:
 
 1. **reference**: one process, no pipeline (its own launch of world size 1), Megatron's
-   ``forward_backward_no_pipelining`` and synchronous ``optimizer.step()``;
+   ``forward_backward_no_pipelining`` and synchronous ``optimizer.step()``, on every
+   data-parallel replica's microbatches (replica d of the pipelined runs trains on the d-th slice);
 2. **synchronous**: the pipelined schedule through ``install()``, Megatron's ``optimizer.step()``;
 3. **post-validated** (``post_validation``): the same with ``install(..., post_validation=True)``
    and the optimizer's step replaced by the post-validated one.
@@ -93,25 +94,32 @@ def inject_nonfinite(chunks) -> int:
     return n
 
 
-def train(case, chunks, opt, fb, holds_loss: bool, tag: str, validator=None) -> dict:
-    """``case.iterations`` training iterations; losses, step results, final parameters."""
+def train(case, chunks, opt, fb, holds_loss: bool, tag: str, validator=None, replica=(0, 1),
+          microbatches=None) -> dict:
+    """``case.iterations`` training iterations; losses (per iteration: the masked loss sum and the
+    token count of this rank's microbatches), step results, final parameters. ``replica``: (data-
+    parallel rank, size); replica d trains on the d-th slice of every iteration's
+    ``microbatches x size`` microbatches (default ``case.num_microbatches``; the reference: one
+    replica and every replica's microbatches)."""
     import torch.distributed as dist
 
     from . import tinygpt as M
     from .launch import set_status
     cfg = case.model_config()
+    d, n_rep = replica
+    m = microbatches or case.num_microbatches
     losses, steps, times = [], [], []
     for it in range(case.iterations):
         set_status(f"[{tag}] iteration {it}")
         M.zero_grads_(chunks)
         opt.zero_grad()
-        batches = M.make_batches(cfg, case.num_microbatches, it)
+        batches = M.make_batches(cfg, m * n_rep, it)[d * m:(d + 1) * m]
         t0 = time.perf_counter()
         out = fb(forward_step_func=M.forward_step_func, data_iterator=M.batch_iterators(batches, len(chunks)),
-                 model=list(chunks), num_microbatches=case.num_microbatches, seq_length=cfg.seq_length,
+                 model=list(chunks), num_microbatches=m, seq_length=cfg.seq_length,
                  micro_batch_size=cfg.micro_batch_size, decoder_seq_length=cfg.seq_length, forward_only=False)
         if holds_loss:
-            losses.append(M.iteration_loss(out))
+            losses.append(M.iteration_loss_parts(out))
         if it == case.inject_nonfinite_at:
             inject_nonfinite(chunks)
         ok, norm, _ = opt.step()
@@ -145,7 +153,7 @@ def reference_case(case) -> dict:
 
     def fb(*, model, **kw):
         return forward_backward_no_pipelining(model=model[0], **kw)
-    res = train(case, chunks, opt, fb, True, "reference")
+    res = train(case, chunks, opt, fb, True, "reference", microbatches=case.num_microbatches * case.data_parallel_size)
     M.destroy_parallel_state()
     return res
 
@@ -170,8 +178,9 @@ def rank_runs(case, placement, install_fn, fb_fn) -> Dict[str, dict]:
                                                             log=lambda msg: None)
             infos = [_pl.unwrap(c).mzb_chunk_info for c in chunks]
             holds = any(i.post_process for i in infos) and parallel_state.get_tensor_model_parallel_rank() == 0
+            replica = (parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size())
             out[mode] = train(case, chunks, opt, fb_fn(case, placement), holds, f"{case.describe()} {mode}",
-                              validator)
+                              validator, replica=replica)
             if validator is not None:
                 out[mode]["validated"] = handle.post_validation.validated
         finally:
@@ -193,9 +202,19 @@ def _rel(a, b, floor: float) -> float:
     return dn / rn if rn > 0 else math.inf
 
 
-def _losses(ranks, mode):
+def per_token(parts) -> list:
+    """[(masked loss sum, token count)] of one replica -> per-token losses."""
+    return [None if n == 0 else tot / n for tot, n in parts]
+
+
+def _losses(ranks, mode, replicas: int):
+    """Per-token losses over every data-parallel replica's microbatches (one loss rank each), or
+    None if not exactly one rank per replica reported."""
     reps = [r["runs"][mode]["losses"] for r in ranks if r["runs"][mode]["losses"] is not None]
-    return reps[0] if len(reps) == 1 else None
+    if len(reps) != replicas:
+        return None
+    return per_token([(sum(rep[it][0] for rep in reps), sum(rep[it][1] for rep in reps))
+                      for it in range(len(reps[0]))])
 
 
 def _params(ranks, mode) -> Dict[str, list]:
@@ -212,14 +231,16 @@ def compare_optimizer_case(case, ranks: List[dict], reference: dict) -> dict:
     problems: List[str] = []
     modes = ["synchronous"] + (["post-validated"] if case.post_validation else [])
     ref_params = reference["params"]
+    ref_losses = per_token(reference["losses"])
     per_mode = {}
     for mode in modes:
-        losses = _losses(ranks, mode)
+        losses = _losses(ranks, mode, case.data_parallel_size)
         if losses is None:
-            problems.append(f"{mode}: expected exactly one rank to report losses")
+            problems.append(f"{mode}: expected exactly {case.data_parallel_size} rank(s) to report losses "
+                            "(one per data-parallel replica)")
             losses = []
-        loss_diff = max((abs(a - b) for a, b in zip(losses, reference["losses"])), default=math.inf)
-        if len(losses) != len(reference["losses"]):
+        loss_diff = max((abs(a - b) for a, b in zip(losses, ref_losses)), default=math.inf)
+        if len(losses) != len(ref_losses):
             loss_diff = math.inf
         merged = _params(ranks, mode)
         missing = sorted(set(ref_params) - set(merged))
@@ -244,7 +265,7 @@ def compare_optimizer_case(case, ranks: List[dict], reference: dict) -> dict:
                         f"the reference {ref_skipped}")
     out_mode = per_mode[modes[-1]]
     res = {"optimizer": case.optimizer, "post_validation": case.post_validation,
-           "reference_losses": reference["losses"], "losses": out_mode["losses"],
+           "reference_losses": ref_losses, "losses": out_mode["losses"],
            "synchronous_losses": sync["losses"],
            "max_abs_loss_diff": max(per_mode[m]["max_abs_loss_diff"] for m in modes),
            "max_rel_param_diff": max(per_mode[m]["max_rel_param_diff"] for m in modes),
