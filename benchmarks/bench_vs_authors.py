@@ -95,7 +95,7 @@ def compare(name, st, limit, others, known=None):
     return row
 
 
-def run(kind, A, ps=PS, ks=(1, 2, 3, 4), earlier=(), reuse_theirs=False, shard=(0, 1)):
+def run(kind, A, ps=PS, ks=(1, 2, 3, 4), earlier=(), reuse_theirs=False, shard=(0, 1), save=None):
     """Compare over the grid; ``earlier``: rows of a previous run (``--append``) kept unless redone;
     with ``reuse_theirs`` their makespans in those rows stand for running their code again (it is
     deterministic and does not depend on ours)."""
@@ -114,6 +114,9 @@ def run(kind, A, ps=PS, ks=(1, 2, 3, 4), earlier=(), reuse_theirs=False, shard=(
         row = {**key, **compare(name, st, key["limit"], others,
                                 known=before.get(_key(key)) if reuse_theirs else None)}
         rows.append(row)
+        if save is not None:  # after every setting: an interrupted run keeps what it did
+            done = {_key(r) for r in rows}
+            save(summarize(name, [r for r in earlier if _key(r) not in done] + rows, quiet=True))
         if row["verdict"] == "worse":
             print(f"  worse: {name} {key}: ours {row['ours']:.6g} theirs {row['theirs_best']:.6g}", flush=True)
     done = {_key(r) for r in rows}
@@ -124,17 +127,18 @@ def _key(row):
     return tuple(row[k] for k in ("p", "m", "mw", "cost", "limit"))
 
 
-def summarize(name, rows):
+def summarize(name, rows, quiet=False):
     counts = {v: sum(1 for r in rows if r["verdict"] == v) for v in ("worse", "equal", "better", "theirs: none")}
     slow = max(rows, key=lambda r: r["seconds"])
-    print(f"{name}: {len(rows)} settings: " + ", ".join(f"{k} {v}" for k, v in counts.items())
+    say = (lambda *a, **k: None) if quiet else print
+    say(f"{name}: {len(rows)} settings: " + ", ".join(f"{k} {v}" for k, v in counts.items())
           + f"; slowest {slow['seconds']:.2f} s (p={slow['p']} m={slow['m']})", flush=True)
     by_limit = {}
     for r in rows:
         d = by_limit.setdefault(r["limit"] / r["p"], {"worse": 0, "equal": 0, "better": 0, "theirs: none": 0})
         d[r["verdict"]] += 1
     for lim, d in sorted(by_limit.items()):
-        print(f"  limit {lim:g} x p: " + ", ".join(f"{k} {v}" for k, v in d.items()))
+        say(f"  limit {lim:g} x p: " + ", ".join(f"{k} {v}" for k, v in d.items()))
     ms = sorted({(r["p"], r["m"]) for r in rows})
     return {"schedule": name, "ps": sorted({p for p, _ in ms}), "pm": ms, "counts": counts,
             "by_limit": {str(k): v for k, v in by_limit.items()}, "rows": rows}
@@ -167,13 +171,18 @@ def main():
     if (args.only or args.append) and os.path.exists(args.out):  # keep the other scheduler's results
         with open(args.out) as f:
             out = json.load(f)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+
+    def save(kind, summary):
+        out[kind] = summary
+        with open(args.out + ".tmp", "w") as f:
+            json.dump(out, f, indent=1)
+        os.replace(args.out + ".tmp", args.out)
     for kind in ("zb", "v"):
         if args.only in (None, kind):
             earlier = out.get(kind, {}).get("rows", []) if args.append else []
-            out[kind] = run(kind, A, ps, tuple(args.ks), earlier, reuse_theirs=args.reuse_theirs, shard=shard)
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
+            save(kind, run(kind, A, ps, tuple(args.ks), earlier, reuse_theirs=args.reuse_theirs, shard=shard,
+                           save=lambda summary, kind=kind: save(kind, summary)))
     print(f"wrote {args.out}")
 
 
