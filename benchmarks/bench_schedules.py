@@ -187,9 +187,11 @@ def _other_results():
             missing = [f"p={p} m={k * p}" for p in (4, 8, 16) for k in (1, 2, 3, 4)
                        if kind in d and have and (p, k * p) not in have]
             if missing:
+                ks = sorted({int(x.split("m=")[1]) // int(x.split()[0][2:]) for x in missing})
                 md.append(f"\n{d[kind]['schedule']}: {', '.join(missing)} not in this run "
-                          "(a setting there takes 20-120 s, mostly in the authors' scheduler; "
-                          "`--ps 16 --ks 2 3 4 --append` adds it).")
+                          "(at p=16 and m >= 32 a setting takes minutes, mostly in the authors' scheduler; "
+                          f"`--only {kind} --ps 16 --ks {' '.join(map(str, ks))} --append --shard I/N` "
+                          "in N processes adds it, each saving after every setting).")
     path = os.path.join(os.path.dirname(__file__), "results", "exact.json")
     if os.path.exists(path):
         d = json.load(open(path))
