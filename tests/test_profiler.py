@@ -350,6 +350,8 @@ def test_profiles_on_gloo_pipeline():
     world, iterations, window = 2, 5, (2, 4)
     cases = [("zb-h1", "sleep"), ("1f1b", "sleep"), ("zb-h1", "torch"), ("1f1b", "torch")]
     res = _run(world, cases, iterations, window)
+    # timings end late by the host's scheduling delay, which grows with its load
+    overload = max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
     profiles = {}
     for ci, case in enumerate(cases):
         for r in range(world):
@@ -361,13 +363,13 @@ def test_profiles_on_gloo_pipeline():
         assert p0 is not None and p0 == res[1][ci][1]["profile"]  # every rank builds the same
         assert p0["window"] == [2, 4] and p0["iterations"] == 3 and p0["pipeline_size"] == 2
         assert p0["samples"]["F"] == 3 * 2 * (2 * world)
-        assert p0["samples"]["comm_probe"] == 5 and 0 < p0["cost_comm"] < 0.02
+        assert p0["samples"]["comm_probe"] == 5 and 0 < p0["cost_comm"] < 0.02 * overload, (p0["cost_comm"], overload)
         assert p0["samples"]["recv_wait"] == 3 * 2 * (2 * world)  # rank 1: every input, rank 0: every grad
         profiles[case] = p0
     # sleeps of known length: F=20 ms, B=30, W=10 per stage
     zs, fs = profiles[("zb-h1", "sleep")], profiles[("1f1b", "sleep")]
-    # a sleep never ends early; it ends late by the host's scheduling delay, which grows with its load
-    late = 0.002 + 0.002 * max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
+    # a sleep never ends early; it ends late by the scheduling delay
+    late = 0.002 + 0.002 * overload
     for r in range(world):
         for got, want in ((zs["cost_f"][r], 0.020), (zs["cost_b"][r], 0.030), (zs["cost_w"][r], 0.010),
                           (fs["cost_bw"][r], 0.040)):
