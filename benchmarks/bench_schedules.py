@@ -182,16 +182,23 @@ def _other_results():
             c = d[kind]["counts"]
             md.append(f"| {d[kind]['schedule']} | {ps} | all | {sum(c.values())} | {c['worse']} | {c['equal']} | "
                       f"{c['better']} | {c['theirs: none']} |")
+        import bench_vs_authors as V
         for kind in ("zb", "v"):
-            have = {tuple(x) for x in d[kind].get("pm", [])} if kind in d else set()
-            missing = [f"p={p} m={k * p}" for p in (4, 8, 16) for k in (1, 2, 3, 4)
-                       if kind in d and have and (p, k * p) not in have]
-            if missing:
-                ks = sorted({int(x.split("m=")[1]) // int(x.split()[0][2:]) for x in missing})
-                md.append(f"\n{d[kind]['schedule']}: {', '.join(missing)} not in this run "
+            if kind not in d:
+                continue
+            full = len(V.MW) * len(V.COSTS) * len(V.ZB_LIMITS if kind == "zb" else V.V_LIMITS)
+            count = {}
+            for r in d[kind]["rows"]:
+                count[(r["p"], r["m"])] = count.get((r["p"], r["m"]), 0) + 1
+            short = [(p, k) for p in V.PS for k in (1, 2, 3, 4) if count.get((p, k * p), 0) < full]
+            if short:
+                what = ", ".join(f"p={p} m={k * p}" + (f" ({count[(p, k * p)]} of {full} settings)"
+                                                       if count.get((p, k * p)) else "") for p, k in short)
+                ks = " ".join(str(k) for k in sorted({k for _, k in short}))
+                md.append(f"\n{d[kind]['schedule']}: {what} not (fully) in this run "
                           "(at p=16 and m >= 32 a setting takes minutes, mostly in the authors' scheduler; "
-                          f"`--only {kind} --ps 16 --ks {' '.join(map(str, ks))} --append --shard I/N` "
-                          "in N processes adds it, each saving after every setting).")
+                          f"`--only {kind} --ps 16 --ks {ks} --append --shard I/N` in N processes adds it, "
+                          "each saving after every setting).")
     path = os.path.join(os.path.dirname(__file__), "results", "exact.json")
     if os.path.exists(path):
         d = json.load(open(path))
