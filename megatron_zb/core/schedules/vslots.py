@@ -456,11 +456,18 @@ def search(setting: Setting, limit: float, name: str, keep: int = 2) -> List[Sch
     coder = Coder(st, Placement.vshape(p), m)
     found: List[Tuple[tuple, int, Schedule]] = []
     seen = set()
+    tops: Dict[tuple, int] = {}  # a block met before (k0 = k1, or len0 = p - 1) ends as it did then
     for _, row in blocks(p):
         for blk in row:
             if blk is None:
                 continue
+            ident = tuple(map(tuple, blk))
+            if ident in tops:
+                if tops[ident] > 2 * p or tops[ident] > max_mem:
+                    break
+                continue
             grid, top = build(blk, p, m, max_mem)
+            tops[ident] = top
             if top > 2 * p or top > max_mem:
                 break  # later len0 only hold more
             if grid is None:
