@@ -120,7 +120,10 @@ def test_stuck_peer_times_out_naming_rank_pass_and_peer():
     results = run_cases(2, [("zb-h1", 2, None, False, 0, 3)], timeout=60)
     status, payload = results[1][0]
     assert status == "err"
-    assert "PipelineTimeout" in payload
+    # rank 0 times out too (it waits for a gradient that never comes); if its process group closes
+    # the pair's connection before rank 1's own timeout fires, rank 1 reports PeerLost (a
+    # PipelineTimeout) with the same facts
+    assert "PipelineTimeout: " in payload or "PeerLost: " in payload, payload
     assert "pipeline rank 1 (global rank 1) waited" in payload
     assert "for the input of F1.0 from pipeline rank 0" in payload
 
@@ -141,7 +144,7 @@ def test_a_peer_that_exits_is_named_without_waiting_for_the_timeout():
             p.join(10)
             if p.is_alive():
                 p.kill()
-    assert msg.startswith("PeerLost: pipeline rank 1 (global rank 1) lost the connection to pipeline rank 0 "
-                          "(global rank 0) after waiting"), msg
-    assert "for the input of F1.0; that rank is stuck or has failed (transport:" in msg, msg
+    assert msg.startswith("PeerLost: pipeline rank 1 (global rank 1) waited "), msg
+    assert ("for the input of F1.0 from pipeline rank 0 (global rank 0) and lost the connection to it; "
+            "that rank is stuck or has failed (transport:") in msg, msg
     assert waited < 30, waited  # not the 60 s timeout

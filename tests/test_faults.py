@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import glob
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -23,6 +22,7 @@ import time
 import pytest
 
 from megatron_zb.runtime.progress import diagnose_records
+from tests._host import overload
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -77,11 +77,6 @@ def test_a_rank_that_never_published_is_named():
 TIMEOUT_S = 3.0
 
 
-def _overload() -> float:
-    """How much busier than its cores the host is (>= 1): time bounds stretch by it."""
-    return max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
-
-
 @pytest.mark.megatron
 @pytest.mark.dist
 def test_the_stopped_rank_is_named_by_every_rank(rank_pool, tmp_path):
@@ -105,7 +100,7 @@ def test_the_stopped_rank_is_named_by_every_rank(rank_pool, tmp_path):
         assert msg.startswith(("PipelineTimeout: pipeline rank", "PeerLost: pipeline rank")), msg
         assert "the rank that stopped progressing first is pipeline rank 1 (global rank 1," in msg, (name, msg)
         # detected within the timeout plus the 1.2 s check (and slack for a loaded machine)
-        assert TIMEOUT_S <= secs < TIMEOUT_S + 9 * _overload(), (name, secs)
+        assert TIMEOUT_S <= secs < TIMEOUT_S + 9 * overload(), (name, secs)
 
 
 _LAUNCHER = textwrap.dedent("""
@@ -172,7 +167,7 @@ def test_a_rank_stopped_outside_the_schedule_is_named_by_the_stall_watch(rank_po
     for name, (secs, msg) in found.items():
         assert "outside the pipeline schedule" in msg, msg
         assert "the rank that stopped progressing first is pipeline rank 2 (global rank 2," in msg, (name, msg)
-        assert TIMEOUT_S <= secs < TIMEOUT_S + 9 * _overload(), (name, secs)
+        assert TIMEOUT_S <= secs < TIMEOUT_S + 9 * overload(), (name, secs)
 
 
 @pytest.mark.megatron

@@ -23,6 +23,7 @@ import time
 
 import pytest
 
+from tests._host import overload
 from tests._ports import free_port
 from tests.test_pretrain_entry import ROOT, SCRIPT, _env, needs_training, parse_log, run_script
 
@@ -185,7 +186,7 @@ def test_the_launch_script_says_one_line_and_exits_2_before_torchrun(env, messag
     assert "torch.distributed" not in proc.stdout + proc.stderr  # torchrun never started
     # under 15 s on an unloaded machine (mostly importing megatron-core); scaled when the host is
     # busier than its cores (the test suite runs two passes side by side)
-    limit = 15 * max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
+    limit = 15 * overload()
     assert secs < limit, f"{secs:.1f}s (limit {limit:.0f}s at load {os.getloadavg()[0]:.1f})"
 
 
@@ -270,7 +271,7 @@ def test_a_stopped_rank_is_named_by_every_rank_and_the_job_ends(tmp_path):
         for line in errors:  # whether it waited in the schedule or in a collective after it
             assert "the rank that stopped progressing first is pipeline rank 2 (global rank 2," in line, line
         assert rc == 1 and "megatron-zb: training failed; the error is printed above" in text
-        slack = 15 * max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
+        slack = 15 * overload()
         assert secs < TIMEOUT_S + slack, f"the job ended {secs:.1f}s after the stop"
         assert not _alive(job.ranks[2])
     finally:

@@ -15,6 +15,7 @@ from megatron_zb.core.ir import Placement, Setting
 from megatron_zb.core.schedules import generate
 from megatron_zb.core.simulate import simulate
 from megatron_zb.runtime import profiler as P
+from tests import _host
 from tests._ports import free_port
 
 
@@ -351,7 +352,7 @@ def test_profiles_on_gloo_pipeline():
     cases = [("zb-h1", "sleep"), ("1f1b", "sleep"), ("zb-h1", "torch"), ("1f1b", "torch")]
     res = _run(world, cases, iterations, window)
     # timings end late by the host's scheduling delay, which grows with its load
-    overload = max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
+    overload = _host.overload()
     profiles = {}
     for ci, case in enumerate(cases):
         for r in range(world):

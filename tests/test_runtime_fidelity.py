@@ -11,6 +11,7 @@ import pytest
 
 from megatron_zb.core.ir import Placement, Setting
 from megatron_zb.runtime.sleep_passes import precise_sleep, sleep_passes
+from tests._host import overload
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import bench_runtime_fidelity as bench  # noqa: E402
@@ -27,10 +28,11 @@ def test_sleep_passes_durations():
     t_bw = time.perf_counter() - t0
     assert out.shape == (2, 3) and g.shape == (2, 3)
     assert ps.backward(0, 0, None, out, None, True) is None  # stage 0 has no input gradient
-    assert 0.002 <= t_f < 0.02 and 0.004 <= t_bw < 0.03  # upper bounds loose: a busy CI box
+    k = overload()  # upper bounds loose, and looser on a busy box
+    assert 0.002 <= t_f < 0.02 * k and 0.004 <= t_bw < 0.03 * k
     t0 = time.perf_counter()
     precise_sleep(0.003)
-    assert 0.003 <= time.perf_counter() - t0 < 0.02
+    assert 0.003 <= time.perf_counter() - t0 < 0.02 * k
 
 
 @pytest.mark.dist
@@ -44,7 +46,8 @@ def test_measured_iteration_close_to_simulated():
         assert "error" not in r, r
         # zb-h1, p=2, m=4, F=B=W=10 ms: 130 ms; 1f1b: 150 ms
         assert r["simulated_s"] == pytest.approx({"zb-h1": 0.130, "1f1b": 0.150}[r["schedule"]])
-        assert abs(r["error_pct"]) < 40, r  # the benchmark's figure is 5%; this is a smoke test
+        # the benchmark's figure is 5%; this is a smoke test (ranks starved for cores run late)
+        assert abs(r["error_pct"]) < 40 * overload(), r
         assert r["measured_s"] >= 0.98 * r["simulated_s"]  # sleeps cannot run faster than the plan
     assert 0 <= hop < 0.05
     z = [r for r in rows if r["schedule"] == "zb-h1"][0]

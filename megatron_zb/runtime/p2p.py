@@ -139,8 +139,8 @@ class P2P:
                 # the transport failed (the peer's process is gone or closed the connection): the
                 # same facts as a timeout, and the transport's own words last
                 first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                raise PeerLost(f"{who[0]} lost the connection to {who[2]} after waiting {waited:.0f}s "
-                               f"for {who[1]}; {blame} (transport: {first_line[:300]})") from None
+                raise PeerLost(f"{who[0]} waited {waited:.0f}s for {who[1]} from {who[2]} and lost the "
+                               f"connection to it; {blame} (transport: {first_line[:300]})") from None
         finally:
             if prog is not None:
                 prog.wait_over()
