@@ -100,6 +100,10 @@ def run(kind, A, ps=PS, ks=(1, 2, 3, 4), earlier=(), reuse_theirs=False, shard=(
     with ``reuse_theirs`` their makespans in those rows stand for running their code again (it is
     deterministic and does not depend on ours)."""
     before = {_key(r): r for r in earlier}
+
+    def merged():  # the earlier rows not run again, then this run's
+        done = {_key(r) for r in rows}
+        return [r for r in earlier if _key(r) not in done] + rows
     if kind == "zb":
         name, limits, others = "zb-auto", ZB_LIMITS, [("authors_zb", A.zb_schedule)]
     else:
@@ -115,12 +119,10 @@ def run(kind, A, ps=PS, ks=(1, 2, 3, 4), earlier=(), reuse_theirs=False, shard=(
                                 known=before.get(_key(key)) if reuse_theirs else None)}
         rows.append(row)
         if save is not None:  # after every setting: an interrupted run keeps what it did
-            done = {_key(r) for r in rows}
-            save(summarize(name, [r for r in earlier if _key(r) not in done] + rows, quiet=True))
+            save(summarize(name, merged(), quiet=True))
         if row["verdict"] == "worse":
             print(f"  worse: {name} {key}: ours {row['ours']:.6g} theirs {row['theirs_best']:.6g}", flush=True)
-    done = {_key(r) for r in rows}
-    return summarize(name, [r for r in earlier if _key(r) not in done] + rows)
+    return summarize(name, merged())
 
 
 def _key(row):
@@ -139,8 +141,7 @@ def summarize(name, rows, quiet=False):
         d[r["verdict"]] += 1
     for lim, d in sorted(by_limit.items()):
         say(f"  limit {lim:g} x p: " + ", ".join(f"{k} {v}" for k, v in d.items()))
-    ms = sorted({(r["p"], r["m"]) for r in rows})
-    return {"schedule": name, "ps": sorted({p for p, _ in ms}), "pm": ms, "counts": counts,
+    return {"schedule": name, "ps": sorted({r["p"] for r in rows}), "counts": counts,
             "by_limit": {str(k): v for k, v in by_limit.items()}, "rows": rows}
 
 

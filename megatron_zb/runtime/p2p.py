@@ -131,16 +131,15 @@ class P2P:
                 timed_out = "imed out" in str(e) or "imeout" in str(e)
                 blame = "that rank is stuck or has failed" if prog is None else \
                     prog.diagnose(self.groups.pp_ranks, self._peer_global(peer))
-                who = (f"pipeline rank {self.me} (global rank {dist.get_rank()})", what,
-                       f"pipeline rank {peer} (global rank {self._peer_global(peer)})")
+                head = (f"pipeline rank {self.me} (global rank {dist.get_rank()}) waited {waited:.0f}s for "
+                        f"{what} from pipeline rank {peer} (global rank {self._peer_global(peer)})")
                 if timed_out:
-                    raise PipelineTimeout(f"{who[0]} waited {waited:.0f}s for {who[1]} from {who[2]}; "
-                                          f"{blame}") from None
+                    raise PipelineTimeout(f"{head}; {blame}") from None
                 # the transport failed (the peer's process is gone or closed the connection): the
                 # same facts as a timeout, and the transport's own words last
                 first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                raise PeerLost(f"{who[0]} waited {waited:.0f}s for {who[1]} from {who[2]} and lost the "
-                               f"connection to it; {blame} (transport: {first_line[:300]})") from None
+                raise PeerLost(f"{head} and lost the connection to it; {blame} "
+                               f"(transport: {first_line[:300]})") from None
         finally:
             if prog is not None:
                 prog.wait_over()

@@ -462,15 +462,13 @@ def search(setting: Setting, limit: float, name: str, keep: int = 2) -> List[Sch
             if blk is None:
                 continue
             ident = tuple(map(tuple, blk))
-            if ident in tops:
-                if tops[ident] > 2 * p or tops[ident] > max_mem:
-                    break
-                continue
-            grid, top = build(blk, p, m, max_mem)
-            tops[ident] = top
+            met = ident in tops
+            if not met:
+                grid, tops[ident] = build(blk, p, m, max_mem)
+            top = tops[ident]
             if top > 2 * p or top > max_mem:
                 break  # later len0 only hold more
-            if grid is None:
+            if met or grid is None:
                 continue
             s = to_schedule(grid, m, name)
             if s is None:
