@@ -138,9 +138,11 @@ def _worker(rank, world, port, cases, q):
     dist.destroy_process_group()
 
 
-def _lost_peer_worker(rank, port, q):
-    """Rank 0 exits (no teardown) while rank 1 waits for a message from it: rank 1 reports the
-    error it got."""
+def _lost_peer_worker(rank, port, q, mode="wait"):
+    """Rank 0 exits (no teardown) while rank 1 waits for a message from it (mode "wait"), or after
+    which rank 1 posts a receive from it ("post") or sends to it ("send"): rank 1 reports the error
+    it got."""
+    import time
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -148,6 +150,22 @@ def _lost_peer_worker(rank, port, q):
     dist.barrier(group=p2p.groups.group(0, 1))  # the pair's connections are up
     if rank == 0:
         os._exit(0)
+    if mode != "wait":
+        time.sleep(1.0)  # rank 0 is gone and the connection broken before rank 1 touches it
+    t0 = time.monotonic()
+    try:
+        if mode == "send":  # the first sends may still fit the socket's buffer
+            for _ in range(200):
+                p2p.send(torch.ones(MBS, H), 0, "the output of F1.0")
+                p2p.reap_sends(block=True)
+        else:
+            p2p.recv((MBS, H), torch.float32, "cpu", 0, "the input of F1.0").wait()
+        q.put(("no error", 0.0))
+    except Exception as e:  # noqa: BLE001 - the test checks the type
+        q.put((f"{type(e).__name__}: {e}", time.monotonic() - t0))
+    q.close()
+    q.join_thread()  # the queue's feeder thread has sent it before the hard exit
+    os._exit(0)
     import time
     t0 = time.monotonic()
     try:

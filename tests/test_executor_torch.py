@@ -128,13 +128,19 @@ def test_stuck_peer_times_out_naming_rank_pass_and_peer():
     assert "for the input of F1.0 from pipeline rank 0" in payload
 
 
-def test_a_peer_that_exits_is_named_without_waiting_for_the_timeout():
-    # rank 0's process ends (as it does after its own timeout) while rank 1 waits for it: rank 1
-    # fails at once with PeerLost (a PipelineTimeout), naming itself, the pass and the peer
+@pytest.mark.parametrize("mode, doing", [
+    ("wait", "for the input of F1.0 from"),
+    ("post", "to post the receive of the input of F1.0 from"),
+    ("send", "to send the output of F1.0 to"),
+])
+def test_a_peer_that_exits_is_named_without_waiting_for_the_timeout(mode, doing):
+    # rank 0's process ends (as it does after its own timeout) while rank 1 waits for it, or before
+    # rank 1 posts a receive from it or sends to it: rank 1 fails at once with PeerLost (a
+    # PipelineTimeout), naming itself, the pass and the peer, never with the transport's raw error
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=toy._lost_peer_worker, args=(r, port, q)) for r in range(2)]
+    procs = [ctx.Process(target=toy._lost_peer_worker, args=(r, port, q, mode)) for r in range(2)]
     for p in procs:
         p.start()
     try:
@@ -144,7 +150,7 @@ def test_a_peer_that_exits_is_named_without_waiting_for_the_timeout():
             p.join(10)
             if p.is_alive():
                 p.kill()
-    assert msg.startswith("PeerLost: pipeline rank 1 (global rank 1) waited "), msg
-    assert ("for the input of F1.0 from pipeline rank 0 (global rank 0) and lost the connection to it; "
-            "that rank is stuck or has failed (transport:") in msg, msg
+    assert msg.startswith("PeerLost: pipeline rank 1 (global rank 1) "), msg
+    assert (f"{doing} pipeline rank 0 (global rank 0) and lost the "
+            "connection to it; that rank is stuck or has failed (transport:") in msg, msg
     assert waited < 30, waited  # not the 60 s timeout

@@ -214,7 +214,7 @@ def _step(a: Action, i: int, rank: int, pl: Placement, nst: int, ps: StagePasses
             st.to_send_f[key] = out
     elif k == SEND_F:
         out = st.to_send_f.pop(key)
-        p2p.send(out, a.peer)
+        p2p.send(out, a.peer, f"the output of F{a.stage}.{a.mb}")
         if ps.release_output is not None and not forward_only:
             ps.release_output(out)
         p2p.reap_sends()
@@ -245,7 +245,7 @@ def _step(a: Action, i: int, rank: int, pl: Placement, nst: int, ps: StagePasses
         if i == last.get(a.stage) and ps.after_last_backward is not None:
             ps.after_last_backward(a.stage)
     elif k == SEND_B:
-        p2p.send(st.to_send_b.pop(key), a.peer)
+        p2p.send(st.to_send_b.pop(key), a.peer, f"the input gradient of B{a.stage}.{a.mb}")
         p2p.reap_sends()
     elif k == W:
         if ps.offload is not None:

@@ -7,6 +7,7 @@ first-in first-out without tags, and a pair's traffic never queues behind anothe
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import time
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
@@ -25,7 +26,7 @@ class PipelineTimeout(RuntimeError):
 
 
 class PeerLost(PipelineTimeout):
-    """A rank's wait for a message ended because the transport to the peer broke (the peer's
+    """A rank's send or receive failed because the transport to the peer broke (the peer's
     process exited or closed its connection, e.g. after its own timeout); names the rank, the
     pass and the peer, as a timeout does."""
 
@@ -85,21 +86,23 @@ class P2P:
         # runtime.progress.Progress: waits are published, and a timeout names the rank that
         # stopped first (the executor also reports its actions to it)
         self.progress = progress
-        self._sends: List[Tuple[dist.Work, Optional[torch.Tensor]]] = []
+        self._sends: List[Tuple[dist.Work, Optional[torch.Tensor], str, int]] = []  # (work, buffer, doing, peer)
 
     def _peer_global(self, pp_rank: int) -> int:
         return self.groups.pp_ranks[pp_rank]
 
-    def send(self, tensor: torch.Tensor, peer: int) -> None:
+    def send(self, tensor: torch.Tensor, peer: int, what: str = "a tensor") -> None:
         g = self.groups.group(self.me, peer)
         dst = self._peer_global(peer)
         tensor = tensor.detach().contiguous()
-        if self.exchange_shapes:
-            shape = torch.tensor(list(tensor.shape), dtype=torch.int64, device=tensor.device)
-            self._sends.append((dist.isend(torch.tensor([shape.numel()], dtype=torch.int64,
-                                                        device=tensor.device), dst, group=g), None))
-            self._sends.append((dist.isend(shape, dst, group=g), shape))
-        self._sends.append((dist.isend(tensor, dst, group=g), tensor))
+        doing = f"waited {{s}}s to send {what} to"
+        with self._transport(doing, peer):  # gloo raises a broken pair's error when a send is posted
+            if self.exchange_shapes:
+                shape = torch.tensor(list(tensor.shape), dtype=torch.int64, device=tensor.device)
+                n = torch.tensor([shape.numel()], dtype=torch.int64, device=tensor.device)
+                self._sends.append((dist.isend(n, dst, group=g), n, doing, peer))
+                self._sends.append((dist.isend(shape, dst, group=g), shape, doing, peer))
+            self._sends.append((dist.isend(tensor, dst, group=g), tensor, doing, peer))
 
     def recv(self, shape: Sequence[int], dtype: torch.dtype, device, peer: int, what: str):
         """Post a receive; returns a handle whose ``wait()`` gives the tensor."""
@@ -107,51 +110,71 @@ class P2P:
         src = self._peer_global(peer)
         if self.exchange_shapes:
             n = torch.empty(1, dtype=torch.int64, device=device)
-            self._wait(dist.irecv(n, src, group=g), what, peer)
+            self._wait(self._irecv(n, src, g, what, peer), what, peer)
             shp = torch.empty(int(n.item()), dtype=torch.int64, device=device)
-            self._wait(dist.irecv(shp, src, group=g), what, peer)
+            self._wait(self._irecv(shp, src, g, what, peer), what, peer)
             shape = [int(x) for x in shp.tolist()]
         buf = torch.empty(tuple(shape), dtype=dtype, device=device, requires_grad=False)
-        work = dist.irecv(buf, src, group=g)
-        return _Pending(self, buf, work, what, peer)
+        return _Pending(self, buf, self._irecv(buf, src, g, what, peer), what, peer)
+
+    def _irecv(self, buf, src, g, what, peer):
+        with self._transport(f"waited {{s}}s to post the receive of {what} from", peer):
+            return dist.irecv(buf, src, group=g)
 
     def _wait(self, work, what: str, peer: int):
+        """Wait (at most the timeout) for the receive of ``what`` from ``peer``, published as this
+        rank's wait (runtime.progress) while it lasts."""
         prog = self.progress
         if prog is not None:
             prog.waiting(what, peer, self._peer_global(peer))
         try:
-            if self.timeout_s is None:
-                work.wait()
-                return
-            t0 = time.monotonic()
-            try:
-                work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
-            except RuntimeError as e:
-                waited = time.monotonic() - t0
-                timed_out = "imed out" in str(e) or "imeout" in str(e)
-                blame = "that rank is stuck or has failed" if prog is None else \
-                    prog.diagnose(self.groups.pp_ranks, self._peer_global(peer))
-                head = (f"pipeline rank {self.me} (global rank {dist.get_rank()}) waited {waited:.0f}s for "
-                        f"{what} from pipeline rank {peer} (global rank {self._peer_global(peer)})")
-                if timed_out:
-                    raise PipelineTimeout(f"{head}; {blame}") from None
-                # the transport failed (the peer's process is gone or closed the connection): the
-                # same facts as a timeout, and the transport's own words last
-                first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                raise PeerLost(f"{head} and lost the connection to it; {blame} "
-                               f"(transport: {first_line[:300]})") from None
+            with self._transport(f"waited {{s}}s for {what} from", peer):
+                self._wait_work(work)
         finally:
             if prog is not None:
                 prog.wait_over()
 
+    def _wait_work(self, work):
+        if self.timeout_s is None:
+            work.wait()
+        else:
+            work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
+
+    @contextlib.contextmanager
+    def _transport(self, doing: str, peer: int):
+        """A transport error inside the block becomes a PipelineTimeout (the wait ran out) or a
+        PeerLost (the connection to the peer broke), one line: this rank, what it did (``doing``,
+        with ``{s}`` for the seconds, followed by the peer), the peer, the rank diagnosed as the
+        culprit and, for PeerLost, the transport's own words."""
+        t0 = time.monotonic()
+        try:
+            yield
+        except PipelineTimeout:
+            raise
+        except RuntimeError as e:
+            timed_out = "imed out" in str(e) or "imeout" in str(e)
+            head = (f"pipeline rank {self.me} (global rank {dist.get_rank()}) "
+                    f"{doing.replace('{s}', f'{time.monotonic() - t0:.0f}')} "
+                    f"pipeline rank {peer} (global rank {self._peer_global(peer)})")
+            prog = self.progress
+            blame = "that rank is stuck or has failed" if prog is None else \
+                prog.diagnose(self.groups.pp_ranks, self._peer_global(peer))
+            if timed_out:
+                raise PipelineTimeout(f"{head}; {blame}") from None
+            first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise PeerLost(f"{head} and lost the connection to it; {blame} "
+                           f"(transport: {first_line[:300]})") from None
+
     def reap_sends(self, block: bool = False) -> None:
-        """Forget completed sends (their buffers may be freed); with block, wait for all."""
+        """Forget completed sends (their buffers may be freed); with block, wait for all (each at
+        most the timeout)."""
         keep = []
-        for work, t in self._sends:
-            if block:
-                work.wait()
-            elif not work.is_completed():
-                keep.append((work, t))
+        for work, t, doing, peer in self._sends:
+            with self._transport(doing, peer):
+                if block:
+                    self._wait_work(work)
+                elif not work.is_completed():
+                    keep.append((work, t, doing, peer))
         self._sends = keep
 
 

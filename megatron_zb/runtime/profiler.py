@@ -390,8 +390,8 @@ class _TimedP2P:
     def __getattr__(self, name):
         return getattr(self._inner, name)
 
-    def send(self, tensor, peer):
-        return self._inner.send(tensor, peer)
+    def send(self, tensor, peer, what="a tensor"):
+        return self._inner.send(tensor, peer, what)
 
     def reap_sends(self, block: bool = False):
         return self._inner.reap_sends(block)
