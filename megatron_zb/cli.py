@@ -377,7 +377,8 @@ def cmd_plan(args) -> int:
                   cost_optimizer=args.cost_optimizer, post_validation=args.optimizer_post_validation,
                   offload_ratio=args.offload_ratio, offload_time=args.offload_time,
                   host_link_gbps=args.host_link_gbps, offload_overlap=not args.offload_half_duplex,
-                  exact=(args.exact_nodes, args.exact_seconds) if args.exact else None)
+                  exact=(args.exact_nodes, args.exact_seconds) if args.exact else None,
+                  jobs=args.jobs if args.jobs is not None else min(8, len(os.sched_getaffinity(0))))
     advice = _post_validation_advice(rows, args.optimizer_post_validation)
     if args.json:
         print(json.dumps({"model": dataclasses.asdict(spec), "pipeline_parallel_size": args.pipeline_parallel_size,
@@ -598,6 +599,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="D2H and H2D share one queue (one copy stream)")
     pn.add_argument("--json", action="store_true",
                     help="print one JSON object instead (per-rank lists in bytes and seconds)")
+    pn.add_argument("--jobs", type=positive_int("--jobs"), default=None, metavar="N",
+                    help="generate the schedules in N processes at once (default: the CPUs this process may "
+                         "use, at most 8; 1: in this process). The rows are the same whatever N")
     _add_exact_args(pn)
     pn.set_defaults(func=cmd_plan)
     sub.add_parser("verify", help="train a tiny megatron GPT with a schedule vs the reference "
