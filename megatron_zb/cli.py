@@ -378,7 +378,7 @@ def cmd_plan(args) -> int:
                   offload_ratio=args.offload_ratio, offload_time=args.offload_time,
                   host_link_gbps=args.host_link_gbps, offload_overlap=not args.offload_half_duplex,
                   exact=(args.exact_nodes, args.exact_seconds) if args.exact else None,
-                  jobs=args.jobs if args.jobs is not None else min(8, len(os.sched_getaffinity(0))))
+                  jobs=args.jobs if args.jobs is not None else min(8, _usable_cpus()))
     advice = _post_validation_advice(rows, args.optimizer_post_validation)
     if args.json:
         print(json.dumps({"model": dataclasses.asdict(spec), "pipeline_parallel_size": args.pipeline_parallel_size,
@@ -390,6 +390,11 @@ def cmd_plan(args) -> int:
         return 0
     _print_plan(args, spec, rows, profile, tflops, advice)
     return 0
+
+
+def _usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity where the OS has one, e.g. not macOS)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 PLAN_COLUMNS = """columns:

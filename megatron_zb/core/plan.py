@@ -214,7 +214,8 @@ def plan(spec: ModelSpec, pipeline_parallel_size: int, microbatches: int, gpu_me
     one = functools.partial(_row, spec=spec, p=p, m=m, budget=gpu_memory_gb * 1024 ** 3, tflops=tflops,
                             efficiency=efficiency, profile=profile, pad_ends=pad_ends,
                             interleave_chunks=interleave_chunks, cost_optimizer=cost_optimizer,
-                            offload=(offload_ratio, offload_time, host_link_gbps, offload_overlap), exact=exact)
+                            ranked_by=key, offload=(offload_ratio, offload_time, host_link_gbps, offload_overlap),
+                            exact=exact)
     todo = list(schedules or names())
     if jobs > 1 and len(todo) > 1:
         # fork where there is one: the workers need nothing re-imported (and the caller's main
@@ -232,7 +233,6 @@ def plan(spec: ModelSpec, pipeline_parallel_size: int, microbatches: int, gpu_me
     ok = [r for r in rows if "error" not in r]
     for r in ok:
         r["throughput_vs_1f1b"] = round(base[key] / r[key], 4) if base and r[key] else None
-        r["ranked_by"] = key
         if post_validation:
             r["flags"] += " --enable-optimizer-post-validation"
     ok.sort(key=lambda r: (not r["fits"], r[key], r["makespan_s"]))
@@ -241,7 +241,7 @@ def plan(spec: ModelSpec, pipeline_parallel_size: int, microbatches: int, gpu_me
 
 def _row(name: str, spec: ModelSpec, p: int, m: int, budget: float, tflops: float, efficiency: float,
          profile: Optional[dict], pad_ends: bool, interleave_chunks: int, cost_optimizer: float,
-         offload: tuple, exact: Optional[tuple]) -> dict:
+         ranked_by: str, offload: tuple, exact: Optional[tuple]) -> dict:
     """One schedule's row of ``plan`` (or ``{"schedule", "error"}``)."""
     offload_ratio, offload_time, host_link_gbps, offload_overlap = offload
     sp = get(name)
@@ -284,7 +284,8 @@ def _row(name: str, spec: ModelSpec, p: int, m: int, budget: float, tflops: floa
     total = [a + s for a, s in zip(act_bytes, states)]
     row = {"schedule": name, "chunks": v, "makespan_s": res.makespan, "bubble_rate": res.bubble_rate,
            "iteration_time_s": it.iteration_time,
-           "iteration_time_post_validated_s": it.iteration_time_post_validated, "ranked_by": None,
+           "iteration_time_post_validated_s": it.iteration_time_post_validated,
+           "ranked_by": ranked_by,
            "activation_bytes": act_bytes, "state_bytes": states, "peak_bytes": total,
            "fits": max(total) <= budget, "layers_per_stage": counts,
            "activation_unit_bytes": unit,  # one microbatch's activation on the fullest rank

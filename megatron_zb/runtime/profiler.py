@@ -390,12 +390,6 @@ class _TimedP2P:
     def __getattr__(self, name):
         return getattr(self._inner, name)
 
-    def send(self, tensor, peer, what="a tensor"):
-        return self._inner.send(tensor, peer, what)
-
-    def reap_sends(self, block: bool = False):
-        return self._inner.reap_sends(block)
-
     def recv(self, shape, dtype, device, peer, what):
         t0 = time.perf_counter()  # with exchanged shapes recv() itself waits for the shape
         h = self._inner.recv(shape, dtype, device, peer, what)
