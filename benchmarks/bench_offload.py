@@ -21,7 +21,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_zb.core.ir import Setting  # noqa: E402
-from megatron_zb.core.offload import OffloadOptions, add_offload  # noqa: E402
+from megatron_zb.core.hostlink import OffloadOptions  # noqa: E402
+from megatron_zb.core.offload import add_offload  # noqa: E402
 from megatron_zb.core.schedules import generate, get  # noqa: E402
 from megatron_zb.core.simulate import simulate  # noqa: E402
 

@@ -53,7 +53,8 @@ def run_rank(rank, world, name, m, chunks, fwd_only, drop_sends_on=None, timeout
     sched = generate(name, st)
     mgr = None
     if offload is not None:  # activation offload at this ratio (copies: synchronous CPU test mode)
-        from megatron_zb.core.offload import OffloadOptions, add_offload
+        from megatron_zb.core.hostlink import OffloadOptions
+        from megatron_zb.core.offload import add_offload
         from megatron_zb.runtime.offload import OffloadManager
         sched = add_offload(sched, st, OffloadOptions(ratio=offload, time=0.1, w_parts=False))
         mgr = OffloadManager("cpu", cpu_test=True, min_elements=0)

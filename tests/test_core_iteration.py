@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from megatron_zb.cli import _post_validation_advice, main
+from megatron_zb.cli import main
+from megatron_zb.cli.plan import post_validation_advice
 from megatron_zb.core import plan as P
 from megatron_zb.core import schedules
 from megatron_zb.core.ir import ScheduleError, Setting
@@ -109,7 +110,7 @@ def test_plan_both_times_and_advice(capsys):
     assert by["zb-h1"]["iteration_time_post_validated_s"] <= by["zb-h1"]["iteration_time_s"]
     assert (by["zb-h2"]["iteration_time_s"] - by["zb-h2"]["iteration_time_post_validated_s"]
             > by["zb-h1"]["iteration_time_s"] - by["zb-h1"]["iteration_time_post_validated_s"])
-    advice = _post_validation_advice(rows, False)
+    advice = post_validation_advice(rows, False)
     assert advice and "--enable-optimizer-post-validation with zb-h2" in advice
     rows = P.plan(spec, 4, 8, 80, schedules=["1f1b", "zb-h1", "zb-h2"], post_validation=True)
     assert rows[0]["schedule"] == "zb-h2" and rows[0]["flags"].endswith("--enable-optimizer-post-validation")

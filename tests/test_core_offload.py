@@ -6,6 +6,7 @@ import pytest
 
 from megatron_zb import cli
 from megatron_zb.core import io as sio
+from megatron_zb.core import hostlink as H
 from megatron_zb.core import offload as O
 from megatron_zb.core.ir import (B, BW, F, OFFLOAD, OFFLOAD_W, RELOAD, RELOAD_W, W, Action, Placement, Schedule,
                                  ScheduleError, Setting)
@@ -25,7 +26,7 @@ def test_full_offload_halves_peak_at_no_cost(name):
     # the bar: ratio 1, K = 0.5, p=8, m=32, unit costs -> time within 2%, peak at most half
     st = _setting(name, 8, 32)
     base = generate(name, st)
-    off = O.add_offload(base, st, O.OffloadOptions(ratio=1.0, time=0.5))
+    off = O.add_offload(base, st, H.OffloadOptions(ratio=1.0, time=0.5))
     b, r = simulate(base, st), simulate(off, st)
     assert r.makespan <= 1.02 * b.makespan
     assert max(r.peak_memory) <= 0.5 * max(b.peak_memory)
@@ -36,8 +37,8 @@ def test_full_offload_halves_peak_at_no_cost(name):
 def test_ratio_zero_is_no_offload():
     st = _setting("zb-h1", 4, 8)
     base = generate("zb-h1", st)
-    off = O.add_offload(base, st, O.OffloadOptions(ratio=0.0, time=0.5))
-    assert not O.has_offload(off)
+    off = O.add_offload(base, st, H.OffloadOptions(ratio=0.0, time=0.5))
+    assert not H.has_offload(off)
     b, r = simulate(base, st), simulate(off, st)
     assert (r.makespan, r.peak_memory) == (b.makespan, b.peak_memory)
     assert r.offload.offloaded == [0] * 4 and r.offload.to_dict()["offloaded_share"] == [0.0] * 4
@@ -46,7 +47,7 @@ def test_ratio_zero_is_no_offload():
 @pytest.mark.parametrize("name", names())
 def test_every_schedule_offloads_validates_and_lowers(name):
     st = _setting(name, 4, 8)
-    off = O.add_offload(generate(name, st), st, O.OffloadOptions(ratio=1.0, time=0.25))
+    off = O.add_offload(generate(name, st), st, H.OffloadOptions(ratio=1.0, time=0.25))
     res = validate(off, st)
     base = simulate(generate(name, st), st)
     assert res.makespan <= base.makespan + 1e-9
@@ -55,7 +56,7 @@ def test_every_schedule_offloads_validates_and_lowers(name):
     check_pair_order(low)
     # lowering keeps every offload action, in the same order per rank
     for o, l in zip(off.flat().orders, low.orders):
-        assert [a for a in o if a.kind in O.PART_OF] == [a for a in l if a.kind in O.PART_OF]
+        assert [a for a in o if a.kind in H.PART_OF] == [a for a in l if a.kind in H.PART_OF]
     assert sio.from_json(sio.to_json(off)).orders == off.orders
 
 
@@ -64,7 +65,7 @@ def test_memory_accounting_by_hand():
     # right after its F and comes back when the pass before its backward ends
     st = Setting(2, 3, chunks=1)
     base = generate("gpipe", st)
-    off = O.add_offload(base, st, O.OffloadOptions(ratio=1.0, time=0.0))
+    off = O.add_offload(base, st, H.OffloadOptions(ratio=1.0, time=0.0))
     res = simulate(off, st)
     assert simulate(base, st).peak_memory == [3.0, 3.0]
     assert res.peak_memory == [1.0, 1.0]
@@ -73,8 +74,8 @@ def test_memory_accounting_by_hand():
         "BW1.1", "RELOAD1.2", "BW1.2"]
     # with K = 1 a copy takes F + B = 2: rank 1's F1.2 ends at 4, BW1.0 starts there, so only
     # F1.0 (F ends 2, back by 4: D2H 2..4, H2D issued at 4 -> no room) ... nothing has time
-    slow = O.add_offload(base, st, O.OffloadOptions(ratio=1.0, time=1.0))
-    assert [a for a in slow.orders[1] if a.kind in O.PART_OF] == []
+    slow = O.add_offload(base, st, H.OffloadOptions(ratio=1.0, time=1.0))
+    assert [a for a in slow.orders[1] if a.kind in H.PART_OF] == []
     assert simulate(slow, st).peak_memory == [3.0, 3.0]
 
 
@@ -98,10 +99,10 @@ def test_late_reload_stalls_the_backward():
 
 def test_w_part_offload_and_check():
     st = _setting("zb-h2", 4, 8)
-    off = O.add_offload(generate("zb-h2", st), st, O.OffloadOptions(ratio=1.0, time=0.25))
+    off = O.add_offload(generate("zb-h2", st), st, H.OffloadOptions(ratio=1.0, time=0.25))
     kinds = {a.kind for o in off.orders for a in o}
     assert {OFFLOAD, RELOAD, OFFLOAD_W, RELOAD_W} <= kinds
-    keep = O.add_offload(generate("zb-h2", st), st, O.OffloadOptions(ratio=1.0, time=0.25, w_parts=False))
+    keep = O.add_offload(generate("zb-h2", st), st, H.OffloadOptions(ratio=1.0, time=0.25, w_parts=False))
     assert OFFLOAD_W not in {a.kind for o in keep.orders for a in o}
     assert max(simulate(off, st).peak_memory) < max(simulate(keep, st).peak_memory)
 
@@ -128,31 +129,31 @@ def test_memory_limit_policy_offloads_as_little_as_needed():
     base = generate("1f1b", st)
     counts = []
     for limit in (8, 6, 4, 2):
-        off = O.add_offload(base, st, O.OffloadOptions(memory_limit=limit, time=0.5))
+        off = O.add_offload(base, st, H.OffloadOptions(memory_limit=limit, time=0.5))
         res = simulate(off, st)
         assert max(res.peak_memory) <= limit + 1e-9
         assert res.makespan == simulate(base, st).makespan
         counts.append(sum(res.offload.offloaded))
     assert counts[0] == 0 and counts == sorted(counts) and counts[-1] > counts[1]
     with pytest.raises(ScheduleError, match="ratio"):
-        O.OffloadOptions(time=0.5)
+        H.OffloadOptions(time=0.5)
 
 
 def test_searched_schedules_take_more_memory_and_offload_it_back():
     st = Setting(4, 12, memory_limit=3.0)
     plain = simulate(generate("zb-auto", st), st)
-    off = O.generate_with_offload("zb-auto", st, O.OffloadOptions(memory_limit=3.0, time=0.5))
+    off = O.generate_with_offload("zb-auto", st, H.OffloadOptions(memory_limit=3.0, time=0.5))
     res = simulate(off, st)
     assert max(res.peak_memory) <= 3.0 + 1e-9
     assert (plain.makespan, res.makespan) == (45.0, 36.0)  # zb-h2's order, offloaded under the limit
-    assert O.has_offload(off)
+    assert H.has_offload(off)
 
 
 def test_half_duplex_shares_one_queue():
     st = _setting("zb-v", 4, 12)
     base = generate("zb-v", st)
-    full = simulate(O.add_offload(base, st, O.OffloadOptions(ratio=1.0, time=0.5)), st)
-    half = simulate(O.add_offload(base, st, O.OffloadOptions(ratio=1.0, time=0.5, overlap=False)), st)
+    full = simulate(O.add_offload(base, st, H.OffloadOptions(ratio=1.0, time=0.5)), st)
+    half = simulate(O.add_offload(base, st, H.OffloadOptions(ratio=1.0, time=0.5, overlap=False)), st)
     assert max(half.peak_memory) > max(full.peak_memory)  # the link is saturated in the cool-down
     for tl in half.offload.transfers:  # one queue: transfers never overlap
         spans = sorted((t.start, t.end) for t in tl)
@@ -161,9 +162,9 @@ def test_half_duplex_shares_one_queue():
 
 def test_offload_chunk_num_limits_to_first_chunks():
     st = _setting("zb-v", 4, 8)
-    off = O.add_offload(generate("zb-v", st), st, O.OffloadOptions(ratio=1.0, time=0.25, chunks=1))
+    off = O.add_offload(generate("zb-v", st), st, H.OffloadOptions(ratio=1.0, time=0.25, chunks=1))
     pl = off.placement
-    assert {pl.chunk_of(a.stage) for o in off.orders for a in o if a.kind in O.PART_OF} == {0}
+    assert {pl.chunk_of(a.stage) for o in off.orders for a in o if a.kind in H.PART_OF} == {0}
 
 
 # -- CLI --------------------------------------------------------------------------------------

@@ -18,19 +18,17 @@ Replicated stages (bitpipe) hold both replicas' weights: twice a 1F1B rank's mod
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import functools
 import json
 import math
 import multiprocessing
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import List, Optional
 
-from .ir import Placement, ScheduleError, Setting
+from .build import OffloadRequest, ScheduleRequest, build
+from .ir import Placement, ScheduleError
 from .iteration import iteration_times
-from .schedules import generate, get, names
-from .schedules.exact import AUTOMATIC, refine
-from .simulate import simulate
+from .schedules import get, names
 
 # schedules found by a search (seconds each at P=16), not built by a rule; the longest first
 SEARCHED = ("v-auto", "zb-v", "v-half", "v-min", "zb-auto")
@@ -246,12 +244,9 @@ def _row(name: str, spec: ModelSpec, p: int, m: int, budget: float, tflops: floa
     offload_ratio, offload_time, host_link_gbps, offload_overlap = offload
     sp = get(name)
     v = sp.resolve_chunks(interleave_chunks if sp.chunks is None else None)
-    style = "bitpipe" if sp.models_per_rank else \
-        "v" if sp.chunks == 2 and name not in ("interleaved-1f1b", "looped-bfs") else \
-        ("looped" if v > 1 else "single")
     if v * p > spec.num_layers + (2 if pad_ends else 0):
         return {"schedule": name, "error": f"{spec.num_layers} layers < {v * p} model chunks"}
-    cf, cb, cw, mf, mw, states, counts = stage_costs(spec, p, v, style, tflops, efficiency, pad_ends)
+    cf, cb, cw, mf, mw, states, counts = stage_costs(spec, p, v, sp.placement, tflops, efficiency, pad_ends)
     comm = 0.0
     if profile is not None:
         from_profile = _profile_costs(profile, p)
@@ -263,21 +258,15 @@ def _row(name: str, spec: ModelSpec, p: int, m: int, budget: float, tflops: floa
     act_budget = [max(0.0, budget - states[r]) for r in range(p)]
     limit_units = min(act_budget) / unit if unit > 0 else None
     try:
-        setting = Setting(p, m, chunks=v, cost_f=cf, cost_b=cb, cost_w=cw, cost_comm=comm,
-                          mem_f=[x / unit for x in mf], mem_w=[min(a, b) / unit for a, b in zip(mw, mf)],
-                          memory_limit=limit_units if name in ("zb-auto", "v-auto") else None)
-        off = _offload_options(offload_ratio, offload_time, host_link_gbps, offload_overlap, mf, cf, cb,
-                               limit_units)
-        if off is not None:
-            from .offload import generate_with_offload
-            sched = generate_with_offload(name, setting, off)
-        else:
-            sched = generate(name, setting)
-            if exact is not None and name in AUTOMATIC:
-                sched = refine(sched, setting, node_limit=exact[0], time_limit=exact[1])
-        sim_setting = Setting(**{**setting.to_dict(), "chunks": sched.placement.chunks})
-        res = simulate(sched, sim_setting)
-        it = iteration_times(sched, sim_setting, cost_optimizer)
+        req = ScheduleRequest(name, chunks=v if sp.chunks is None else None, cost_f=cf, cost_b=cb, cost_w=cw,
+                              cost_comm=comm, mem_f=[x / unit for x in mf],
+                              mem_w=[min(a, b) / unit for a, b in zip(mw, mf)],
+                              memory_limit=limit_units if sp.searched else None, exact=exact,
+                              offload=_offload_request(offload_ratio, offload_time, host_link_gbps, offload_overlap,
+                                                       mf, cf, cb, limit_units))
+        built = build(req, p, m, enforce_limit=False)
+        sched, res = built.schedule, built.result
+        it = iteration_times(sched, built.setting, cost_optimizer)
     except ScheduleError as e:
         return {"schedule": name, "error": str(e)}
     act_bytes = [x * unit for x in res.peak_memory]
@@ -290,9 +279,9 @@ def _row(name: str, spec: ModelSpec, p: int, m: int, budget: float, tflops: floa
            "fits": max(total) <= budget, "layers_per_stage": counts,
            "activation_unit_bytes": unit,  # one microbatch's activation on the fullest rank
            "memory_limit_microbatches": (math.floor(limit_units * 100) / 100
-                                         if name in ("zb-auto", "v-auto") and limit_units else None),
+                                         if sp.searched and limit_units else None),
            "weight_copies": res.weight_copies or [1.0] * p,
-           "flags": _flags(name, p, v, limit_units, counts, pad_ends)}
+           "flags": _flags(sp, p, v, limit_units, counts, pad_ends)}
     for k in ("gap_to_lower_bound", "exact"):
         if k in sched.meta:
             row[k] = sched.meta[k]
@@ -307,24 +296,24 @@ def _row(name: str, spec: ModelSpec, p: int, m: int, budget: float, tflops: floa
     return row
 
 
-def _offload_options(ratio, time, gbps, overlap, mf, cf, cb, limit_units):
+def _offload_request(ratio, time, gbps, overlap, mf, cf, cb, limit_units) -> Optional[OffloadRequest]:
+    """The plan's offload options: 'auto' offloads under the activation budget (``limit_units``),
+    whatever limit a schedule searches under; K from ``time`` or, per rank, from ``gbps``."""
     if ratio is None:
         return None
-    from .offload import OffloadOptions
     if time is None:
         if gbps is None:
             time = 1.0
         else:  # K per rank: bytes / bandwidth over (F + B) seconds (per chunk both scale alike)
             time = [(mf[r] / (gbps * 1e9)) / (cf[r] + cb[r]) if cf[r] + cb[r] > 0 else 0.0 for r in range(len(mf))]
-    return OffloadOptions(ratio=None if ratio == "auto" else ratio, time=time, overlap=overlap,
-                          memory_limit=limit_units if ratio == "auto" else None)
+    return OffloadRequest(ratio=ratio, time=time, overlap=overlap, memory_limit=limit_units)
 
 
-def _flags(name, p, v, limit_units, counts, pad_ends):
-    f = [f"--pipeline-model-parallel-size {p}", f"--zero-bubble-schedule {name}"]
-    if name in ("zb-auto", "v-auto") and limit_units:
+def _flags(sp, p, v, limit_units, counts, pad_ends):
+    f = [f"--pipeline-model-parallel-size {p}", f"--zero-bubble-schedule {sp.name}"]
+    if sp.searched and limit_units:
         f.append(f"--zero-bubble-memory-limit {math.floor(limit_units * 100) / 100:g}")
-    if name in ("interleaved-1f1b", "looped-bfs", "interleaved-zb", "zeropp"):
+    if sp.placement == "looped":
         f.append(f"--num-layers-per-virtual-pipeline-stage {max(1, min(counts))}")
     if pad_ends:
         f.append("--allow-padding-num-layers")

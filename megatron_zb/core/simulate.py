@@ -12,7 +12,7 @@ replicas' ranks, one all-reduce at a time per rank); a rank is done when its las
 last all-reduce are. So an early sync is hidden behind the remaining passes and only the tail
 shows, which is what eager gradient synchronisation buys.
 
-OFFLOAD/RELOAD actions (``core.offload``) run on the rank's host link (``core.offload.HostLinks``):
+OFFLOAD/RELOAD actions (placed by ``core.offload``) run on the rank's host link (``core.hostlink``):
 a B waits for its reload, and the offloaded activation leaves ``peak_memory`` between the end of
 its offload and the start of its reload.
 """
@@ -22,6 +22,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
+from .hostlink import HostLinks
 from .ir import B, BW, F, OFFLOAD_KINDS, W, Action, Schedule, ScheduleError, Setting, deps
 
 
@@ -49,7 +50,7 @@ class SimResult:
     # the model weights each rank holds in 1F1B stages (2 where it holds two replicas' worth)
     syncs: List[Tuple[int, Tuple[int, ...], float, float]] = field(default_factory=list, repr=False)
     weight_copies: Optional[List[float]] = None
-    offload: Optional[object] = field(default=None, repr=False)  # core.offload.OffloadResult
+    offload: Optional[object] = field(default=None, repr=False)  # core.hostlink.OffloadResult
 
     def to_dict(self) -> dict:
         ideal = max(self.busy) if self.busy else 0.0
@@ -159,7 +160,6 @@ def simulate(schedule: Schedule, setting: Setting,
         setting = dataclasses.replace(setting, chunks=pl.chunks)
     links = None
     if schedule.meta.get("offload") is not None or any(a.kind in OFFLOAD_KINDS for o in schedule.orders for a in o):
-        from .offload import HostLinks
         links = HostLinks(schedule, setting)
     orders = [[a for a in o if a.is_compute or (links is not None and a.kind in OFFLOAD_KINDS)]
               for o in schedule.orders]

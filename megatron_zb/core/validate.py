@@ -6,7 +6,7 @@ from collections import Counter
 from typing import Optional
 
 from .ir import B, BW, COMPUTE_KINDS, F, OFFLOAD_KINDS, W, Schedule, ScheduleError, Setting
-from .offload import check_offload
+from .hostlink import check_offload
 from .simulate import Deadlock, simulate
 
 

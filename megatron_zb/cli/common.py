@@ -1,0 +1,190 @@
+"""What the schedule commands share: the setting and offload flags, their one translation into a
+``core.build.ScheduleRequest``, the size check, and the one call to ``core.build.build``.
+
+Bad input raises ``UsageError`` (one line; ``cli.main`` prints it and exits 2)."""
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Optional
+
+from ..argtypes import nonneg, number_list, positive_int, share_or_auto
+from ..core import io as sched_io
+from ..core import schedules
+from ..core.build import AUTO, Built, OffloadRequest, OverMemoryLimit, ScheduleRequest, build
+from ..core.ir import Schedule
+from ..core.schedules.exact import AUTOMATIC
+
+
+class UsageError(Exception):
+    pass
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def add_setting_args(ap: argparse.ArgumentParser, schedule_required: bool = True):
+    if schedule_required:
+        g = ap.add_mutually_exclusive_group(required=True)
+        g.add_argument("--schedule", help="schedule name: " + ", ".join(schedules.names()))
+        g.add_argument("--load", metavar="FILE", help="a schedule file (.json ours, .csv torch compute-only)")
+    ap.add_argument("--stages", "-p", type=positive_int("--stages"), help="pipeline ranks P")
+    ap.add_argument("--microbatches", "-m", type=positive_int("--microbatches"), help="microbatches M")
+    ap.add_argument("--chunks", "-v", type=positive_int("--chunks"), default=None,
+                    help="model chunks per rank (interleaved; V schedules use 2)")
+    ap.add_argument("--cost-f", type=number_list("--cost-f"), default=[1.0],
+                    help="F time of a whole stage; a comma list gives one per stage (default 1)")
+    ap.add_argument("--cost-b", type=number_list("--cost-b"), default=[1.0], help="B time (default 1)")
+    ap.add_argument("--cost-w", type=number_list("--cost-w"), default=[1.0], help="W time (default 1)")
+    ap.add_argument("--cost-comm", type=nonneg("--cost-comm"), default=0.0,
+                    help="time of one hop between ranks (default 0)")
+    ap.add_argument("--cost-sync", type=nonneg("--cost-sync"), default=0.0,
+                    help="replicated stages (bitpipe): time of the gradient all-reduce between the replicas "
+                         "of a whole stage, overlapped with the remaining passes (default 0)")
+    ap.add_argument("--mem-f", type=number_list("--mem-f"), default=[1.0],
+                    help="activation one F allocates on a stage (default 1)")
+    ap.add_argument("--mem-w", type=number_list("--mem-w"), default=None,
+                    help="part of it still needed by W (default 0.5 x mem-f)")
+    ap.add_argument("--memory-limit", type=nonneg("--memory-limit"), default=None,
+                    help="per-rank activation limit, in mem-f units")
+    ap.add_argument("--cost-optimizer", type=nonneg("--cost-optimizer"), default=0.0,
+                    help="time of one optimizer step, for the time per training iteration (default 0)")
+    _add_offload_args(ap)
+
+
+def _add_offload_args(ap: argparse.ArgumentParser):
+    g = ap.add_argument_group("activation offload (docs/offload.md)")
+    g.add_argument("--offload-ratio", type=share_or_auto("--offload-ratio"), default=None, metavar="R|auto",
+                   help="offload this share (0..1) of each rank's activations to host memory, the "
+                        "longest-lived first; 'auto': as few as needed to fit --memory-limit (zb-auto and "
+                        "v-auto may then pick a schedule that needs more and offload it back under)")
+    g.add_argument("--offload-time", type=number_list("--offload-time"), default=None, metavar="K",
+                   help="one-way transfer of one microbatch's stage activation takes K x (F + B) of that "
+                        "stage (the ZB authors' --offload-time; a comma list gives one per stage; default 1)")
+    g.add_argument("--offload-half-duplex", action="store_true",
+                   help="D2H and H2D share one queue (one copy stream) instead of one queue each")
+    g.add_argument("--offload-chunk-num", type=positive_int("--offload-chunk-num"), default=None, metavar="N",
+                   help="offload only the first N model chunks of each rank (the ZB authors' flag)")
+
+
+def add_post_validation_arg(ap: argparse.ArgumentParser, what: str):
+    ap.add_argument("--optimizer-post-validation", action="store_true",
+                    help=f"{what} with optimizer post-validation (training with "
+                         "--enable-optimizer-post-validation); default: Megatron's synchronous optimizer step")
+
+
+def add_exact_args(ap: argparse.ArgumentParser):
+    ap.add_argument("--exact", action="store_true",
+                    help="automatic schedules: also solve the exact MILP (HiGHS) and keep the shorter "
+                         "schedule; meant for small settings (p <= 4, m <= 8)")
+    ap.add_argument("--exact-nodes", type=positive_int("--exact-nodes"), default=20000,
+                    help="branch-and-bound node limit of --exact (deterministic; default 20000)")
+    ap.add_argument("--exact-seconds", type=nonneg("--exact-seconds"), default=None,
+                    help="time limit of --exact in seconds (machine-dependent: results can differ "
+                         "between machines; default none)")
+
+
+# Largest pipeline the commands take: stages x microbatches x chunks per rank. The simulator needs
+# a few seconds at this size (1f1b, P=256, M=256 on a 2-core box); far beyond it, minutes.
+MAX_STAGE_MICROBATCHES = 65536
+
+
+def check_size(p: int, m: int, chunks: int = 1, flags=("--stages", "--microbatches")) -> None:
+    """Refuse at once a pipeline too big to simulate in seconds."""
+    n = p * m * max(1, chunks)
+    if n > MAX_STAGE_MICROBATCHES:
+        v = f" x {chunks} chunks" if chunks > 1 else ""
+        raise UsageError(f"{flags[0]} {p} x {flags[1]} {m}{v} = {n} stage-microbatches is more than the "
+                         f"simulator handles in a few seconds (at most {MAX_STAGE_MICROBATCHES}, e.g. 256 stages "
+                         "x 256 microbatches); use fewer")
+
+
+def offload_request(args) -> Optional[OffloadRequest]:
+    """The offload flags as a request, or None without --offload-ratio (other offload flags alone
+    are an error)."""
+    ratio = getattr(args, "offload_ratio", None)
+    if ratio is None:
+        given = [f for f, v in (("--offload-time", args.offload_time), ("--offload-half-duplex", args.offload_half_duplex),
+                                ("--offload-chunk-num", args.offload_chunk_num)) if v not in (None, False)]
+        if given:
+            raise UsageError(f"{given[0]} needs --offload-ratio R (0..1) or --offload-ratio auto")
+        return None
+    if ratio == AUTO and args.memory_limit is None:
+        raise UsageError("--offload-ratio auto offloads as little as fits --memory-limit: give --memory-limit L")
+    time = args.offload_time if args.offload_time is not None else [1.0]
+    return OffloadRequest(ratio=ratio, time=time if len(time) > 1 else time[0], overlap=not args.offload_half_duplex,
+                          chunks=args.offload_chunk_num)
+
+
+def request(args, name: Optional[str] = None, chunks: Optional[int] = None) -> ScheduleRequest:
+    """The schedule request the flags describe (``name``: instead of --schedule, e.g. compare's rows)."""
+    return ScheduleRequest(name=name or getattr(args, "schedule", None), chunks=chunks if chunks is not None
+                           else args.chunks, cost_f=args.cost_f, cost_b=args.cost_b, cost_w=args.cost_w,
+                           cost_comm=args.cost_comm, cost_sync=args.cost_sync, mem_f=args.mem_f, mem_w=args.mem_w,
+                           memory_limit=args.memory_limit, offload=offload_request(args),
+                           exact=(args.exact_nodes, args.exact_seconds) if getattr(args, "exact", False) else None)
+
+
+def sizes(args, stages=None, microbatches=None, chunks=None):
+    """P and M from the flags (or a loaded file), checked against the size the simulator takes."""
+    p = stages if stages is not None else args.stages
+    m = microbatches if microbatches is not None else args.microbatches
+    if p is None or m is None:
+        raise UsageError("--stages and --microbatches are required")
+    v = chunks or args.chunks
+    if v is None:  # the schedule's own chunk count (V schedules: 2); compare covers them all
+        name = getattr(args, "schedule", None)
+        spec = schedules.get(name) if name in schedules.names() else None
+        v = (spec.chunks if spec is not None else None) or (1 if name else 2)
+    check_size(p, m, v)
+    return p, m
+
+
+def build_from_args(args) -> Built:
+    """The schedule --schedule or --load names, built and validated (memory limit included)."""
+    base = _load(args) if getattr(args, "load", None) else None
+    if getattr(args, "exact", False):
+        if getattr(args, "offload_ratio", None) is not None:
+            raise UsageError("--exact solves schedules without activation offload (the MILP has no host link); "
+                             "leave out --offload-ratio or --exact")
+        if base is not None or args.schedule not in AUTOMATIC:
+            raise UsageError(f"--exact applies to the automatic schedules ({', '.join(AUTOMATIC)}), "
+                             f"not {getattr(args, 'schedule', None) or '--load'}")
+    if base is not None:
+        p, m = sizes(args, base.num_ranks, base.num_microbatches, base.placement.chunks)
+        req = request(args, name=base.name, chunks=base.placement.chunks)
+    else:
+        p, m = sizes(args)
+        req = request(args)
+    try:
+        return build(req, p, m, base=base)
+    except OverMemoryLimit as e:
+        off = req.offload
+        hint = ("`--offload-ratio auto` offloads as little as fits; " if off is None else
+                "a smaller --offload-time lets more activations travel; " if off.ratio == AUTO else
+                "--offload-ratio auto offloads as much as needed; ")
+        raise UsageError(f"{e.schedule} peaks at {e.peak:g} activation units on rank {e.rank}"
+                         + (" with offload" if off is not None else "") + f", over --memory-limit {e.limit:g}; "
+                         + hint + f"`megatron-zb compare --memory-limit {e.limit:g}` lists the schedules that fit")
+
+
+def _load(args) -> Schedule:
+    path = args.load
+    if not os.path.exists(path):
+        raise UsageError(f"--load: no such file {path!r}")
+    text = open(path).read()
+    sched = sched_io.from_csv(text, os.path.basename(path)) if path.endswith(".csv") else sched_io.from_json(text)
+    have = {"--stages": sched.num_ranks, "--microbatches": sched.num_microbatches, "--chunks": sched.placement.chunks}
+    given = {"--stages": args.stages, "--microbatches": args.microbatches, "--chunks": args.chunks}
+    wrong = [f"{k} {given[k]}" for k in have if given[k] is not None and given[k] != have[k]]
+    if wrong:
+        raise UsageError(f"--load {path} holds {sched.num_ranks} pipeline ranks, {sched.num_microbatches} "
+                         f"microbatches and {sched.placement.chunks} chunk(s) per rank, not {', '.join(wrong)}; "
+                         "leave those flags out (the file sets them) or give the file's values")
+    return sched
+
+
+def fmt(vals):
+    return ",".join(f"{x:g}" for x in vals) if len(set(vals)) > 1 else f"{vals[0]:g}"

@@ -1,0 +1,222 @@
+"""`megatron-zb plan`: rank every schedule for one GPT model, pipeline size and GPU memory budget
+(``core.plan``), print the table and the flags to paste."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+from typing import List, Optional
+
+from ..argtypes import nonneg, positive_int, share_or_auto
+from .common import UsageError, add_exact_args, add_post_validation_arg, check_size
+
+
+def add_parser(sub) -> None:
+    pn = sub.add_parser("plan", help="rank schedules for a GPT model and a GPU memory budget",
+                        description="Rank every schedule for one GPT model, pipeline size and GPU memory "
+                        "budget: simulated time per iteration, bubble, speed-up over 1F1B, memory per "
+                        "pipeline rank and whether it fits; then the Megatron flags to use. F/B/W times come "
+                        "from the ZB paper's per-layer FLOPs at a GPU's peak x --efficiency, or from a profile "
+                        "written while training (--profile); activation memory from Megatron's per-layer "
+                        "formula, model states at 18 bytes per parameter.",
+                        epilog=PLAN_COLUMNS, formatter_class=argparse.RawDescriptionHelpFormatter)
+    pn.add_argument("--num-layers", type=positive_int("--num-layers"), required=True,
+                    help="transformer layers of the model (Megatron's --num-layers)")
+    pn.add_argument("--hidden-size", type=positive_int("--hidden-size"), required=True, help="hidden size h")
+    pn.add_argument("--num-attention-heads", type=positive_int("--num-attention-heads"), required=True,
+                    help="attention heads a (must divide --hidden-size)")
+    pn.add_argument("--seq-length", type=positive_int("--seq-length"), required=True, help="sequence length s")
+    pn.add_argument("--micro-batch-size", type=positive_int("--micro-batch-size"), default=1,
+                    help="sequences per microbatch b (default 1)")
+    pn.add_argument("--vocab-size", type=positive_int("--vocab-size"), default=32000,
+                    help="vocabulary size: the output layer's cost and logits memory on the loss stage "
+                         "(default 32000)")
+    pn.add_argument("--ffn-hidden-size", type=positive_int("--ffn-hidden-size"), default=None,
+                    help="MLP hidden size (default 4 x --hidden-size)")
+    pn.add_argument("--tensor-parallel-size", type=positive_int("--tensor-parallel-size"), default=1,
+                    help="tensor-parallel size t: divides costs and most memory (default 1)")
+    pn.add_argument("--sequence-parallel", action="store_true",
+                    help="sequence parallelism: the LayerNorm/dropout activations are divided by t too")
+    pn.add_argument("--data-parallel-size", type=positive_int("--data-parallel-size"), default=1,
+                    help="data-parallel size: only matters with --use-distributed-optimizer (default 1)")
+    pn.add_argument("--use-distributed-optimizer", action="store_true",
+                    help="optimizer states sharded over the data-parallel ranks (12 of the 18 bytes/parameter)")
+    pn.add_argument("--no-flash-attention", action="store_true",
+                    help="count the 5as attention-score activations (no flash attention)")
+    pn.add_argument("--pipeline-parallel-size", type=positive_int("--pipeline-parallel-size"), required=True,
+                    help="pipeline ranks P (>= 2)")
+    pn.add_argument("--num-microbatches", type=positive_int("--num-microbatches"), required=True,
+                    help="microbatches per iteration M (global batch / (micro-batch x data-parallel size))")
+    pn.add_argument("--gpu-memory-gb", type=nonneg("--gpu-memory-gb"), default=80.0,
+                    help="memory budget per GPU in GiB (default 80); zb-auto and v-auto search under it")
+    pn.add_argument("--gpu", choices=["h100", "h200", "a100", "b200", "mi300x"], default="h100",
+                    help="GPU whose dense bf16 peak sets the FLOP-based times (default h100: 989 TFLOPS)")
+    pn.add_argument("--peak-tflops", type=nonneg("--peak-tflops"), default=None,
+                    help="peak TFLOPS to use instead of --gpu's")
+    pn.add_argument("--efficiency", type=nonneg("--efficiency"), default=0.5,
+                    help="fraction of the peak a pass reaches (default 0.5)")
+    pn.add_argument("--profile", metavar="JSON",
+                    help="take F/B/W (and message) times, in seconds, from a profile JSON written while training "
+                         "(--zero-bubble-profile-window) instead of FLOPs")
+    pn.add_argument("--allow-padding-num-layers", action="store_true",
+                    help="first and last stage take one layer less (they hold the embedding and the loss)")
+    pn.add_argument("--cost-optimizer", type=nonneg("--cost-optimizer"), default=0.0,
+                    help="seconds of one optimizer step, added to the time per iteration (default 0)")
+    add_post_validation_arg(pn, "rank by the time per iteration")
+    og = pn.add_argument_group("activation offload (docs/offload.md)")
+    og.add_argument("--offload-ratio", type=share_or_auto("--offload-ratio"), default=None, metavar="R|auto",
+                    help="offload this share of each schedule's activations; 'auto': as little as fits the budget")
+    og.add_argument("--offload-time", type=nonneg("--offload-time"), default=None, metavar="K",
+                    help="one-way transfer of a stage activation takes K x (F + B) (default 1, or from --host-link-gbps)")
+    og.add_argument("--host-link-gbps", type=nonneg("--host-link-gbps"), default=None, metavar="GB/s",
+                    help="one-way host link bandwidth per GPU; K follows from the activation bytes and F + B")
+    og.add_argument("--offload-half-duplex", action="store_true",
+                    help="D2H and H2D share one queue (one copy stream)")
+    pn.add_argument("--json", action="store_true",
+                    help="print one JSON object instead (per-rank lists in bytes and seconds)")
+    pn.add_argument("--jobs", type=positive_int("--jobs"), default=None, metavar="N",
+                    help="generate the schedules in N processes at once (default: the CPUs this process may "
+                         "use, at most 8; 1: in this process). The rows are the same whatever N")
+    add_exact_args(pn)
+    pn.set_defaults(func=cmd_plan)
+
+
+def cmd_plan(args) -> int:
+    from ..core import plan as P
+    spec = P.ModelSpec(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                       num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
+                       micro_batch_size=args.micro_batch_size, vocab_size=args.vocab_size,
+                       ffn_hidden_size=args.ffn_hidden_size, tensor_parallel_size=args.tensor_parallel_size,
+                       sequence_parallel=args.sequence_parallel, data_parallel_size=args.data_parallel_size,
+                       distributed_optimizer=args.use_distributed_optimizer,
+                       flash_attention=not args.no_flash_attention)
+    tflops = args.peak_tflops if args.peak_tflops is not None else P.GPU_PEAK_TFLOPS[args.gpu]
+    profile = P.load_profile(args.profile) if args.profile else None
+    if args.offload_ratio is None and (args.offload_time is not None or args.host_link_gbps is not None):
+        raise UsageError("--offload-time / --host-link-gbps need --offload-ratio R (0..1) or auto")
+    if args.offload_time is not None and args.host_link_gbps is not None:
+        raise UsageError("give --offload-time K or --host-link-gbps B, not both")
+    check_size(args.pipeline_parallel_size, args.num_microbatches, 2,
+               flags=("--pipeline-parallel-size", "--num-microbatches"))
+    rows = P.plan(spec, args.pipeline_parallel_size, args.num_microbatches, args.gpu_memory_gb, tflops=tflops,
+                  efficiency=args.efficiency, profile=profile, pad_ends=args.allow_padding_num_layers,
+                  cost_optimizer=args.cost_optimizer, post_validation=args.optimizer_post_validation,
+                  offload_ratio=args.offload_ratio, offload_time=args.offload_time,
+                  host_link_gbps=args.host_link_gbps, offload_overlap=not args.offload_half_duplex,
+                  exact=(args.exact_nodes, args.exact_seconds) if args.exact else None,
+                  jobs=args.jobs if args.jobs is not None else min(8, _usable_cpus()))
+    advice = post_validation_advice(rows, args.optimizer_post_validation)
+    if args.json:
+        print(json.dumps({"model": dataclasses.asdict(spec), "pipeline_parallel_size": args.pipeline_parallel_size,
+                          "num_microbatches": args.num_microbatches, "gpu_memory_gb": args.gpu_memory_gb,
+                          "costs_from": "profile" if profile else f"FLOPs at {tflops:g} TFLOPS x {args.efficiency:g}",
+                          "cost_optimizer_s": args.cost_optimizer,
+                          "optimizer_post_validation": args.optimizer_post_validation,
+                          "post_validation_advice": advice, "rows": rows}))
+        return 0
+    _print_plan(args, spec, rows, profile, tflops, advice)
+    return 0
+
+
+def _usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity where the OS has one, e.g. not macOS)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+PLAN_COLUMNS = """columns:
+  #              ranking: schedules that fit first, then by time per iteration (sync, or
+                 postval with --optimizer-post-validation)
+  iteration ms   simulated time of one training iteration in milliseconds, from one iteration's
+                 start to the next: "sync" with Megatron's synchronous optimizer step (every rank
+                 waits at its global norm/inf all-reduce), "postval" with optimizer post-validation
+                 (--enable-optimizer-post-validation); --cost-optimizer adds the step, data
+                 loading is not included
+  bubble         idle share of the pipeline ranks over that time
+  vs 1f1b        iteration speed relative to 1F1B with the same costs (1.10x = 10% faster)
+  act GiB min/max  peak activation memory of a pipeline rank, smallest and largest over the ranks
+  peak GiB       activations + model states (weights, gradients, optimizer) of the fullest
+                 pipeline rank, and which rank that is
+  fits           peak GiB <= --gpu-memory-gb
+Below the table: the flags of the fastest schedule that fits, ready to paste into a Megatron
+command, then those of the others that fit (--zero-bubble-memory-limit counts microbatches: one
+is the activation memory of one microbatch on the fullest rank, given in GiB below them)."""
+
+
+def _print_plan(args, spec, rows, profile, tflops, advice) -> None:
+    gib = 1024 ** 3
+    p, m = args.pipeline_parallel_size, args.num_microbatches
+    extras = [f"TP={spec.tensor_parallel_size}" + (" (sequence parallel)" if spec.sequence_parallel else ""),
+              f"DP={spec.data_parallel_size}" + (" (distributed optimizer)" if spec.distributed_optimizer else "")]
+    print(f"plan: {p} pipeline ranks, {m} microbatches; {spec.num_layers} layers, hidden {spec.hidden_size}, "
+          f"sequence {spec.seq_length}, micro-batch {spec.micro_batch_size}, " + ", ".join(extras))
+    print(f"      {args.gpu_memory_gb:g} GiB per GPU; F/B/W times "
+          + (f"from the profile {args.profile}" if profile else
+             f"from FLOPs at {tflops:g} TFLOPS x {args.efficiency:g} efficiency")
+          + "; activations by Megatron's per-layer formula, model states 18 bytes/parameter")
+    print("      ranked by the time per training iteration "
+          + ("with optimizer post-validation" if args.optimizer_post_validation
+             else "with Megatron's synchronous optimizer step")
+          + (f" (optimizer step {1e3 * args.cost_optimizer:g} ms)" if args.cost_optimizer else ""))
+    ok = [r for r in rows if "error" not in r]
+    hdr1 = (f"{'#':>3}  {'schedule':<17} {'iteration ms':^19} {'bubble':>7} {'vs 1f1b':>8}  {'act GiB':^13}  "
+            f"{'peak GiB':^14}  fits")
+    hdr2 = (f"{'':>3}  {'':<17} {'sync':>9} {'postval':>9} {'':>7} {'':>8}  {'min':>6} {'max':>6}  {'max':>6} "
+            f"{'on rank':>7}")
+    print(hdr1)
+    print(hdr2)
+    print("-" * len(hdr2))
+    for i, r in enumerate(ok, 1):
+        act = [x / gib for x in r["activation_bytes"]]
+        peak = [x / gib for x in r["peak_bytes"]]
+        worst = max(range(len(peak)), key=peak.__getitem__)
+        tp = r.get("throughput_vs_1f1b")
+        print(f"{i:>3}  {r['schedule']:<17} {1e3 * r['iteration_time_s']:>9.1f} "
+              f"{1e3 * r['iteration_time_post_validated_s']:>9.1f} {100 * r['bubble_rate']:>6.1f}% "
+              f"{(f'{tp:.3f}x' if tp else '-'):>8}  {min(act):>6.1f} {max(act):>6.1f}  {peak[worst]:>6.1f} "
+              f"{worst:>7}  {'yes' if r['fits'] else 'NO'}")
+    for r in rows:
+        if "error" in r:
+            print(f"{'-':>3}  {r['schedule']:<17} n/a: {r['error']}")
+    fitting = [r for r in ok if r["fits"]]
+    print()
+    if not fitting:
+        print(f"no schedule fits {args.gpu_memory_gb:g} GiB per GPU: more pipeline or tensor parallelism, "
+              "--use-distributed-optimizer or fewer microbatches in flight would help")
+        return
+    best, rest = fitting[0], fitting[1:]
+    pv = " --enable-optimizer-post-validation" if args.optimizer_post_validation else ""
+    print(f"suggested flags ({best['schedule']}, the fastest that fits), ready to paste into your Megatron command:")
+    print(f"  {best['flags']}{pv}")
+    if rest:
+        print("the other schedules that fit:")
+        width = max(len(r["schedule"]) for r in rest)
+        for r in rest:
+            print(f"  {r['schedule']:<{width}}  {r['flags']}{pv}")
+    for r in fitting:
+        lim = r.get("memory_limit_microbatches")
+        if lim:
+            unit = r["activation_unit_bytes"] / gib
+            print(f"{r['schedule']}: --zero-bubble-memory-limit counts microbatches: {lim:g} x {unit:.2f} GiB "
+                  f"(one microbatch's activations on the fullest rank) = {lim * unit:.1f} GiB")
+    if advice:
+        print(advice)
+
+
+def post_validation_advice(rows: List[dict], post_validation: bool) -> Optional[str]:
+    """A line recommending optimizer post-validation when it makes the best fitting schedule
+    faster (by more than 0.5%), naming the schedule that wins each way."""
+    fit = [r for r in rows if "error" not in r and r["fits"]]
+    if not fit:
+        return None
+    by_sync = min(fit, key=lambda r: (r["iteration_time_s"], r["makespan_s"]))
+    by_post = min(fit, key=lambda r: (r["iteration_time_post_validated_s"], r["makespan_s"]))
+    t_sync, t_post = by_sync["iteration_time_s"], by_post["iteration_time_post_validated_s"]
+    if t_post <= 0 or t_sync / t_post < 1.005:
+        return None
+    if post_validation:
+        return (f"optimizer post-validation pays here: {by_post['schedule']} {t_post:.4g} s per iteration; "
+                f"without it the best is {by_sync['schedule']} at {t_sync:.4g} s")
+    return (f"recommended: --enable-optimizer-post-validation with {by_post['schedule']}: {t_post:.4g} s per "
+            f"iteration vs {t_sync:.4g} s for the best synchronous choice {by_sync['schedule']} "
+            f"({t_sync / t_post:.3f}x); --optimizer-post-validation ranks by it")

@@ -1,0 +1,200 @@
+"""`megatron-zb simulate`, `compare` and `plot`: one schedule's time, bubble and memory; every
+schedule side by side; a schedule's timeline as a picture or a Chrome trace."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import List, Optional
+
+from ..argtypes import positive_int
+from ..core import io as sched_io
+from ..core import schedules
+from ..core.build import Built, ScheduleRequest, build
+from ..core.ir import Schedule, ScheduleError
+from ..core.iteration import back_to_back, iteration_times
+from .common import (UsageError, add_exact_args, add_post_validation_arg, add_setting_args, build_from_args, fmt,
+                     request, sizes)
+
+
+def add_parsers(sub) -> None:
+    s = sub.add_parser("simulate", help="time, bubble and memory of one schedule")
+    add_setting_args(s)
+    s.add_argument("--json", action="store_true", help="print one JSON object")
+    s.add_argument("--save", metavar="FILE", help="also write the schedule (.json or torch .csv)")
+    add_exact_args(s)
+    s.set_defaults(func=cmd_simulate)
+    c = sub.add_parser("compare", help="every schedule for one setting in one table")
+    add_setting_args(c, schedule_required=False)
+    c.add_argument("--json", action="store_true")
+    add_post_validation_arg(c, "rank by the time per iteration")
+    c.set_defaults(func=cmd_compare)
+    pl = sub.add_parser("plot", help="timeline picture (.png/.svg) or Chrome trace (.json)")
+    add_setting_args(pl)
+    pl.add_argument("--out", nargs="+", required=True, metavar="FILE")
+    pl.add_argument("--time-unit", choices=["ms", "s", "us"], default="ms",
+                    help="unit of the --cost-* values (default ms): the picture's axis and the trace's "
+                         "microsecond timestamps follow it")
+    pl.add_argument("--iterations", type=_plot_iterations, default=1,
+                    help="draw 1 to 3 training iterations back to back (the optimizer barrier shows)")
+    add_post_validation_arg(pl, "draw the iterations")
+    pl.set_defaults(func=cmd_plot)
+
+
+def _plot_iterations(text):
+    v = positive_int("--iterations")(text)
+    if v > 3:
+        raise argparse.ArgumentTypeError(f"--iterations draws 1 to 3 iterations, got {v}")
+    return v
+
+
+def _result_dict(built: Built, it) -> dict:
+    sched, setting = built.schedule, built.setting
+    d = built.result.to_dict()
+    d.update(it.to_dict())
+    for k in ("lower_bound", "gap_to_lower_bound", "exact"):
+        if k in sched.meta:
+            d[k] = sched.meta[k]
+    d.update({"placement": sched.placement.style, "cost_f": setting.cost_f, "cost_b": setting.cost_b,
+              "cost_w": setting.cost_w, "cost_comm": setting.cost_comm, "mem_f": setting.mem_f,
+              "mem_w": setting.mem_w, "memory_limit": setting.memory_limit})
+    return d
+
+
+def cmd_simulate(args) -> int:
+    built = build_from_args(args)
+    sched, setting = built.schedule, built.setting
+    it = iteration_times(sched, setting, args.cost_optimizer)
+    if args.save:
+        _save_schedule(sched, args.save)
+    if args.json:
+        print(json.dumps(_result_dict(built, it)))
+        return 0
+    d = built.result.to_dict()
+    print(f"schedule      {sched.name} (placement {sched.placement.style}, {d['chunks']} chunk(s)/rank)")
+    print(f"stages        {setting.stages}   microbatches {sched.num_microbatches}")
+    print(f"makespan      {d['makespan']:g}")
+    print(f"bubble rate   {d['bubble_rate']:.4f}")
+    print(f"iteration     {it.iteration_time:g} with Megatron's synchronous optimizer step, "
+          f"{it.iteration_time_post_validated:g} with optimizer post-validation"
+          + (f" (optimizer step {args.cost_optimizer:g})" if args.cost_optimizer else ""))
+    print("peak memory   " + " ".join(f"{x:g}" for x in d["peak_memory"]) + "   (per rank, mem-f units)")
+    if "gap_to_lower_bound" in sched.meta:
+        print(f"lower bound   {sched.meta['lower_bound']:g}   (gap {sched.meta['gap_to_lower_bound']:.4f})")
+    if "exact" in sched.meta:
+        e = sched.meta["exact"]
+        print(f"exact (MILP)  {e['status']}; heuristic makespan {e['heuristic_makespan']:g}, nodes {e.get('nodes', 0)}")
+    if "offload" in d:
+        o = d["offload"]
+        print("offload       " + f"K={fmt(o['time'] if isinstance(o['time'], list) else [o['time']])} "
+              f"{'full' if o['overlap'] else 'half'} duplex; activations offloaded per rank "
+              + " ".join(str(x) for x in o["offloaded"]) + "; W parts " + " ".join(str(x) for x in o["offloaded_w"]))
+        print("without it    " + " ".join(f"{x:g}" for x in o["peak_memory_without_offload"])
+              + "   (peak memory per rank)")
+    if "weight_copies" in d:
+        print("weights       " + " ".join(f"{x:g}" for x in d["weight_copies"]) +
+              "   (per rank, in 1F1B stages: replicated stages hold a second copy)")
+        last = max((s["end"] for s in d["gradient_syncs"]), default=0.0)
+        print(f"replica sync  {len(d['gradient_syncs'])} all-reduces, the last ends at {last:g}")
+    return 0
+
+
+def _save_schedule(sched: Schedule, path: str):
+    if path.endswith(".csv"):
+        text = sched_io.to_csv(sched)
+    elif path.endswith(".json"):
+        text = sched_io.to_json(sched)
+    else:
+        raise UsageError(f"--save {path!r}: use a .json (megatron-zb) or .csv (torch compute-only) file")
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def compare_rows(base: ScheduleRequest, p: int, m: int, names: Optional[List[str]] = None,
+                 cost_optimizer: float = 0.0, post_validation: bool = False) -> List[dict]:
+    """Build and simulate every schedule (``names``, default all) with ``base``'s costs, limit and
+    offload; rows sorted by the time per training iteration the user gets: with Megatron's
+    synchronous optimizer step, or post-validated. A schedule over the limit is a row that does not
+    fit, one that cannot be built a row with its error."""
+    key = "iteration_time_post_validated" if post_validation else "iteration_time"
+    rows = []
+    for name in names or schedules.names():
+        try:
+            spec = schedules.get(name)
+            built = build(base.replace(name=name, chunks=base.chunks if spec.chunks is None else None), p, m,
+                          enforce_limit=False)
+            it = iteration_times(built.schedule, built.setting, cost_optimizer)
+        except ScheduleError as e:
+            rows.append({"schedule": name, "error": str(e)})
+            continue
+        res = built.result
+        limit = base.memory_limit
+        fits = limit is None or max(res.peak_memory) <= limit + 1e-9
+        rows.append({**res.to_dict(), **it.to_dict(), "fits": fits, "ranked_by": key})
+    top = next((r for r in rows if r.get("schedule") == "1f1b" and "error" not in r), None)
+    for r in rows:
+        if "error" not in r and top:
+            r["speedup_vs_1f1b"] = round(top[key] / r[key], 4) if r[key] else None
+    ok = sorted((r for r in rows if "error" not in r), key=lambda r: (not r["fits"], r[key], r["makespan"]))
+    return ok + [r for r in rows if "error" in r]
+
+
+def cmd_compare(args) -> int:
+    p, m = sizes(args)
+    req = request(args, name="1f1b")
+    setting = req.setting(p, m)
+    rows = compare_rows(req, p, m, cost_optimizer=args.cost_optimizer, post_validation=args.optimizer_post_validation)
+    ok = [r for r in rows if "error" not in r]
+    if setting.memory_limit is not None and not any(r["fits"] for r in ok):
+        least = min(max(r["peak_memory"]) for r in ok)
+        raise UsageError(f"no schedule fits --memory-limit {setting.memory_limit:g}; "
+                         f"the least any needs is {least:g}")
+    if args.json:
+        print(json.dumps({"stages": setting.stages, "microbatches": setting.microbatches,
+                          "cost_optimizer": args.cost_optimizer,
+                          "optimizer_post_validation": args.optimizer_post_validation, "rows": rows}))
+        return 0
+    print(f"P={setting.stages} M={setting.microbatches} F={fmt(setting.cost_f)} B={fmt(setting.cost_b)} "
+          f"W={fmt(setting.cost_w)} comm={setting.cost_comm:g}"
+          + (f" optimizer={args.cost_optimizer:g}" if args.cost_optimizer else "")
+          + (f" memory-limit={setting.memory_limit:g}" if setting.memory_limit is not None else ""))
+    print("ranked by the time per training iteration "
+          + ("with optimizer post-validation" if args.optimizer_post_validation else
+             "with Megatron's synchronous optimizer step (--optimizer-post-validation ranks by the other column)"))
+    hdr = (f"{'schedule':<18} {'chunks':>6} {'makespan':>9} {'iter sync':>10} {'iter postval':>12} {'bubble':>8} "
+           f"{'speed-up':>9} {'fits':>5}  peak memory per rank")
+    print(hdr)
+    print("-" * len(hdr))
+    for r in ok:
+        peaks = " ".join(f"{x:g}" for x in r["peak_memory"])
+        sp = r.get("speedup_vs_1f1b")
+        print(f"{r['schedule']:<18} {r['chunks']:>6} {r['makespan']:>9g} {r['iteration_time']:>10g} "
+              f"{r['iteration_time_post_validated']:>12g} {r['bubble_rate']:>8.4f} "
+              f"{(f'{sp:.3f}x' if sp else '-'):>9} {('yes' if r['fits'] else 'no'):>5}  {peaks}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['schedule']:<18} n/a: {r['error']}")
+    return 0
+
+
+def cmd_plot(args) -> int:
+    from .. import plot
+    built = build_from_args(args)
+    sched, setting = built.schedule, built.setting
+    title = None
+    if args.iterations > 1:
+        res = back_to_back(sched, setting, args.iterations, args.cost_optimizer, args.optimizer_post_validation)
+        it = iteration_times(sched, setting, args.cost_optimizer)
+        how, t = (("post-validated", it.iteration_time_post_validated) if args.optimizer_post_validation
+                  else ("synchronous optimizer step", it.iteration_time))
+        title = (f"{sched.name} (p={setting.stages}, m={sched.num_microbatches}): {args.iterations} iterations, "
+                 f"{how}: {t:.4g} per iteration")
+    else:
+        res = built.result
+    for path in args.out:
+        ext = os.path.splitext(path)[1].lower()
+        if ext not in (".png", ".svg", ".json"):
+            raise UsageError(f"--out {path!r}: use .png, .svg (picture) or .json (Chrome trace / Perfetto)")
+        plot.save(res, path, title=title, time_unit=args.time_unit)
+        print(f"wrote {path}")
+    return 0

@@ -1,0 +1,211 @@
+"""One way to build a schedule: a request plus the pipeline size P and microbatch count M in, the
+validated schedule, the setting it was built with and its lowered form out.
+
+Every caller goes through ``build``: the command line (simulate, compare, plot, plan), the
+training flags' start-up preview, the forward-backward function that training runs and the
+verify harness. So "generate, or generate with offload, or refine exactly, then validate" and the
+meaning of the ``'auto'`` offload options are written once, here.
+
+    req = ScheduleRequest("zb-v", cost_f=[43.8], cost_b=[59.2], cost_w=[32.0],
+                          offload=OffloadRequest(ratio=0.5, time=0.5))
+    built = build(req, 4, 8)
+    built.schedule, built.setting, built.result.makespan, built.lowered()
+
+Pure Python, no torch.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Sequence, Tuple, Union
+
+from . import schedules
+from .hostlink import OffloadOptions, has_offload
+from .ir import Schedule, ScheduleError, Setting
+from .lower import forward_only as forward_only_schedule
+from .lower import lower
+from .offload import add_offload, generate_with_offload
+from .schedules.exact import AUTOMATIC, refine
+from .simulate import SimResult, simulate
+from .validate import validate
+
+__all__ = ["OffloadRequest", "ScheduleRequest", "Built", "OverMemoryLimit", "build", "AUTO"]
+
+#: the value of an offload option that is decided for the user: ratio 'auto' offloads as little as
+#: fits the memory limit; time 'auto' is measured on the device at start-up (``with_time``)
+AUTO = "auto"
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x and x != float("inf")
+
+
+@dataclass(frozen=True)
+class OffloadRequest:
+    """Activation offload (docs/offload.md) as a user asks for it.
+
+    ``ratio``: a share 0..1 of each rank's activations, or ``'auto'`` (as little as fits the
+    memory limit). ``time``: K, the one-way transfer of one stage activation takes K x (F + B)
+    (one value, or one per stage), or ``'auto'``: measured at start-up, then ``with_time(K)``.
+    ``overlap``: full duplex (a copy stream per direction). ``chunks``: offload only the first N
+    model chunks of each rank. ``memory_limit``: the limit ``'auto'`` offloads under, where it is
+    not the request's own (default: the request's)."""
+
+    ratio: Union[float, str] = 1.0
+    time: Union[float, Sequence[float], str] = 1.0
+    overlap: bool = True
+    chunks: Optional[int] = None
+    memory_limit: Optional[float] = None
+
+    def __post_init__(self):
+        r = self.ratio
+        if r != AUTO and not (_number(r) and 0.0 <= r <= 1.0):
+            raise ScheduleError(f"offload ratio must be a number in 0..1 or 'auto', got {r!r}")
+        t = self.time
+        if isinstance(t, (list, tuple)):
+            object.__setattr__(self, "time", tuple(t))
+            if not t or any(not (_number(k) and k >= 0) for k in t):
+                raise ScheduleError(f"offload time must be non-negative numbers or 'auto', got {list(t)!r}")
+        elif t != AUTO and not (_number(t) and t >= 0):
+            raise ScheduleError(f"offload time must be a number >= 0 or 'auto', got {t!r}")
+        if self.chunks is not None and (not isinstance(self.chunks, int) or isinstance(self.chunks, bool)
+                                        or self.chunks < 1):
+            raise ScheduleError(f"offload chunk count must be an integer >= 1, got {self.chunks!r}")
+
+    @property
+    def time_measured(self) -> bool:
+        """K is measured at start-up: nothing can be built before ``with_time``."""
+        return self.time == AUTO
+
+    def with_time(self, k) -> "OffloadRequest":
+        return dataclasses.replace(self, time=k)
+
+    def options(self, memory_limit: Optional[float]) -> OffloadOptions:
+        """The offload model's options for a schedule built under ``memory_limit``."""
+        if self.time_measured:
+            raise ScheduleError("offload time 'auto' is measured on the device at start-up; the schedule is built "
+                                "once it is known")
+        limit = self.memory_limit if self.memory_limit is not None else memory_limit
+        auto = self.ratio == AUTO
+        if auto and limit is None:
+            raise ScheduleError("offload ratio 'auto' offloads as little as fits the memory limit: give a memory limit")
+        time = self.time if not isinstance(self.time, tuple) else (list(self.time) if len(self.time) > 1
+                                                                   else self.time[0])
+        return OffloadOptions(ratio=None if auto else float(self.ratio), time=time, overlap=self.overlap,
+                              memory_limit=limit if auto else None, chunks=self.chunks)
+
+
+@dataclass(frozen=True)
+class ScheduleRequest:
+    """What to build, before the pipeline size and microbatch count are known.
+
+    ``name``: a registered schedule (``core.schedules.names()``). ``chunks``: model chunks per
+    rank for the schedules that take it (None: the schedule's own). Costs and memory as in
+    ``ir.Setting`` (per whole stage; one value or one per stage). ``memory_limit``: per rank, in
+    mem-f units (the searched schedules search under it; ``build`` refuses a schedule over it).
+    ``exact``: (node limit, seconds or None) to also solve the automatic schedules as a MILP."""
+
+    name: str
+    chunks: Optional[int] = None
+    cost_f: Sequence[float] = (1.0,)
+    cost_b: Sequence[float] = (1.0,)
+    cost_w: Sequence[float] = (1.0,)
+    cost_comm: float = 0.0
+    cost_sync: float = 0.0
+    mem_f: Sequence[float] = (1.0,)
+    mem_w: Optional[Sequence[float]] = None
+    memory_limit: Optional[float] = None
+    offload: Optional[OffloadRequest] = None
+    exact: Optional[Tuple[int, Optional[float]]] = None
+
+    @property
+    def spec(self) -> schedules.ScheduleSpec:
+        return schedules.get(self.name)
+
+    def replace(self, **changes) -> "ScheduleRequest":
+        return dataclasses.replace(self, **changes)
+
+    def setting(self, p: int, m: int, chunks: Optional[int] = None) -> Setting:
+        """The setting for P ranks and M microbatches (``chunks``: as the schedule resolves them)."""
+        return Setting(p, m, chunks=self.chunks if chunks is None else chunks, cost_f=_seq(self.cost_f),
+                       cost_b=_seq(self.cost_b), cost_w=_seq(self.cost_w), cost_comm=self.cost_comm,
+                       mem_f=_seq(self.mem_f), mem_w=None if self.mem_w is None else _seq(self.mem_w),
+                       memory_limit=self.memory_limit, cost_sync=self.cost_sync)
+
+
+def _seq(x):
+    return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+class OverMemoryLimit(ScheduleError):
+    """Schedule ``schedule``'s activation memory peaks over the request's limit on ``rank``. The
+    message is the validator's (rank, position, pass); callers may word their own from the fields."""
+
+    def __init__(self, message: str, schedule: str, rank: int, peak: float, limit: float, offloaded: bool):
+        super().__init__(message)
+        self.schedule, self.rank, self.peak, self.limit, self.offloaded = schedule, rank, peak, limit, offloaded
+
+
+@dataclass
+class Built:
+    """A validated schedule and the setting it was built with (chunks: the schedule's own)."""
+
+    request: ScheduleRequest
+    schedule: Schedule
+    setting: Setting
+    _lowered: Dict[bool, Schedule] = field(default_factory=dict, repr=False)
+    _result: Optional[SimResult] = field(default=None, repr=False)
+
+    @property
+    def result(self) -> SimResult:
+        """The simulation of one iteration (``core.simulate``)."""
+        if self._result is None:
+            self._result = simulate(self.schedule, self.setting)
+        return self._result
+
+    def lowered(self, forward_only: bool = False) -> Schedule:
+        """With SEND/RECV actions (``core.lower``); ``forward_only``: the forwards alone, as
+        evaluation runs them."""
+        if forward_only not in self._lowered:
+            sched = forward_only_schedule(self.schedule) if forward_only else self.schedule
+            self._lowered[forward_only] = lower(sched, self.setting)
+        return self._lowered[forward_only]
+
+
+def build(request: ScheduleRequest, p: int, m: int, *, enforce_limit: bool = True,
+          base: Optional[Schedule] = None) -> Built:
+    """Generate ``request`` for ``p`` ranks and ``m`` microbatches (or take ``base``, e.g. a
+    loaded schedule file), add its activation offload, refine it exactly if asked, validate it.
+
+    Raises ``ScheduleError`` naming what is wrong; ``OverMemoryLimit`` when the schedule peaks over
+    ``request.memory_limit`` (with ``enforce_limit``; compare and plan report it instead)."""
+    if base is not None:
+        setting = request.setting(base.num_ranks, base.num_microbatches, chunks=base.placement.chunks)
+        sched = base
+        if request.offload is not None:
+            sched = add_offload(base, setting, request.offload.options(setting.memory_limit))
+    else:
+        spec = request.spec
+        setting = request.setting(p, m, chunks=spec.resolve_chunks(request.chunks))
+        if request.offload is not None:
+            if request.exact is not None and request.name in AUTOMATIC:
+                raise ScheduleError("the exact mode solves schedules without activation offload (the MILP has no "
+                                    "host link): leave out the offload ratio or the exact mode")
+            sched = generate_with_offload(request.name, setting, request.offload.options(setting.memory_limit))
+        else:
+            sched = spec.generate(setting)
+            if request.exact is not None and request.name in AUTOMATIC:
+                sched = refine(sched, setting, node_limit=request.exact[0], time_limit=request.exact[1])
+    setting = dataclasses.replace(setting, chunks=sched.placement.chunks)
+    result = validate(sched, setting, memory_limit=float("inf"))
+    built = Built(request, sched, setting, _result=result)
+    limit = setting.memory_limit
+    if enforce_limit and limit is not None and max(result.peak_memory) > limit + 1e-9:
+        peak = max(result.peak_memory)
+        try:
+            validate(sched, setting)
+            message = f"activation memory peaks at {peak:g}, over the limit {limit:g}"
+        except ScheduleError as e:
+            message = str(e)
+        raise OverMemoryLimit(message, sched.name, result.peak_memory.index(peak), peak, limit, has_offload(sched))
+    return built
