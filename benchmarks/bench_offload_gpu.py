@@ -155,7 +155,7 @@ def measured_k(a, res_off):
     """K from this GPU: one microbatch's captured bytes over the measured link, over F + B."""
     import torch
     from megatron_zb.megatron.offload import estimate_offload_time
-    from megatron_zb.runtime.offload import measure_host_link
+    from megatron_zb.runtime.measure import measure_host_link
     device = torch.device(a.device)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[a.dtype]
     chunk = _chunk(a, device, dtype)

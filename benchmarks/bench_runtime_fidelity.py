@@ -174,6 +174,7 @@ def rank_main_iterations(rank, world, port, cases, unit, opt_s, iterations, warm
     from megatron_zb.core.lower import lower
     from megatron_zb.core.schedules import generate
     from megatron_zb.runtime.executor import execute
+    from megatron_zb.runtime.hooks import Hook
     from megatron_zb.runtime.p2p import P2P, PairGroups
     from megatron_zb.runtime.postval import PostValidation
     from megatron_zb.runtime.sleep_passes import precise_sleep, sleep_passes
@@ -195,16 +196,17 @@ def rank_main_iterations(rank, world, port, cases, unit, opt_s, iterations, warm
                 pv.channel(world_group)  # collective set-up outside the timed loop
             ends, waits = [], []
 
-            def validate(pv=pv):  # time spent waiting at the validation point
-                t = time.perf_counter()
-                ok = pv.validate()
-                waits.append(time.perf_counter() - t)
-                return ok
+            class TimedValidation(Hook):  # time spent waiting at the validation point
+                def validate(self, pv=pv):
+                    t = time.perf_counter()
+                    ok = pv.validate()
+                    waits.append(time.perf_counter() - t)
+                    return ok
             dist.barrier()
             t0 = time.perf_counter()
             for it in range(warmup + iterations):
                 execute(low.orders[rank], rank, low.placement, passes, p2p,
-                        validate=(validate if pv is not None and pv.due else None))
+                        hooks=[TimedValidation()] if pv is not None and pv.due else [])
                 p2p.reap_sends(block=True)
                 if pv is None:
                     dist.all_reduce(flag, group=world_group)  # Megatron's global norm / inf check

@@ -20,6 +20,7 @@ cpu_shims.apply()  # no-op when CUDA is present
 
 import megatron.core.pipeline_parallel as mpp  # noqa: E402
 
+from megatron_zb.megatron import finalize  # noqa: E402
 from megatron_zb.megatron import placement as P  # noqa: E402
 from megatron_zb.verify import tinygpt as M  # noqa: E402
 from megatron_zb.megatron.install import install  # noqa: E402
@@ -36,7 +37,7 @@ def main():
     M.init_parallel_state(1, pp, placement)
     cfg = M.TinyGPTConfig(num_layers=2 * placement.num_stages)
     chunks = M.build_model_chunks(cfg, placement)
-    P.configure_grad_sync(chunks[0].config, chunks, placement=placement, ddp=False)
+    finalize.configure_grad_sync(chunks[0].config, chunks, placement=placement, ddp=False)
     m = 2 * pp
     for it in range(5):
         M.zero_grads_(chunks)

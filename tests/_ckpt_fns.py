@@ -37,6 +37,7 @@ def _allow_save_without_psutil():
 
 def _setup(case, M):
     """(Re)initialise parallel state, build (optionally DDP-wrapped) chunks and the optimizer."""
+    from megatron_zb.megatron import finalize as F
     from megatron_zb.megatron import placement as P
     import torch
     from megatron.core import parallel_state
@@ -49,7 +50,7 @@ def _setup(case, M):
     ddp = bool(case.get("ddp") or case.get("optimizer"))
     if ddp:
         chunks = M.wrap_ddp(chunks)
-    P.configure_grad_sync(config, chunks, placement=placement, ddp=ddp)
+    F.configure_grad_sync(config, chunks, placement=placement, ddp=ddp)
     opt = None
     if case.get("optimizer"):
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -116,6 +117,7 @@ def _params(M, chunks):
 
 def _optimizer_state(M, state):
     """{global name/state key: [tensor of each copy]} of megatron's optimizer (empty without one)."""
+    from megatron_zb.megatron import finalize as F
     from megatron_zb.megatron import placement as P
     opt = state["opt"]
     if opt is None:
@@ -173,6 +175,7 @@ def resume_case(case):
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
     from megatron.core.utils import unwrap_model
+    from megatron_zb.megatron import finalize as F
     from megatron_zb.megatron import placement as P
     from megatron_zb.verify import tinygpt as M
     from megatron_zb.megatron.install import install

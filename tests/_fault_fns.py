@@ -21,6 +21,7 @@ def stop_one_rank(case):
     import torch.distributed as dist
     from megatron.core import parallel_state
 
+    import megatron_zb.megatron.finalize as F
     import megatron_zb.megatron.placement as P
     import megatron_zb.verify.tinygpt as M
     from megatron_zb.megatron.install import install
@@ -30,7 +31,7 @@ def stop_one_rank(case):
     M.init_parallel_state(1, case["pp"], placement, seed=1234)
     cfg = M.TinyGPTConfig(num_layers=placement.num_stages)
     chunks = M.build_model_chunks(cfg, placement)
-    P.configure_grad_sync(chunks[0].config, chunks, placement=placement, ddp=False)
+    F.configure_grad_sync(chunks[0].config, chunks, placement=placement, ddp=False)
     handle = install(case["schedule"], chunks=placement.chunks, timeout_s=case["timeout"])
     import megatron.core.pipeline_parallel as mpp
     fb = mpp.get_forward_backward_func()
@@ -78,6 +79,7 @@ def stop_outside_schedule(case):
     import torch
     import torch.distributed as dist
 
+    import megatron_zb.megatron.finalize as F
     import megatron_zb.megatron.placement as P
     import megatron_zb.verify.tinygpt as M
     from megatron_zb.megatron.install import install
@@ -94,7 +96,7 @@ def stop_outside_schedule(case):
     M.init_parallel_state(1, case["pp"], placement, seed=1234)
     cfg = M.TinyGPTConfig(num_layers=placement.num_stages)
     chunks = M.build_model_chunks(cfg, placement)
-    P.configure_grad_sync(chunks[0].config, chunks, placement=placement, ddp=False)
+    F.configure_grad_sync(chunks[0].config, chunks, placement=placement, ddp=False)
     install(case["schedule"], chunks=placement.chunks, timeout_s=case["timeout"])
     import megatron.core.pipeline_parallel as mpp
     fb = mpp.get_forward_backward_func()
@@ -117,6 +119,7 @@ def slow_forward_on_one_rank(case):
     sleep ``case['sleep']`` seconds each (a rank that responds but does not progress)."""
     import torch.distributed as dist
 
+    import megatron_zb.megatron.finalize as F
     import megatron_zb.megatron.placement as P
     import megatron_zb.verify.tinygpt as M
     from megatron_zb.megatron.install import install
@@ -126,7 +129,7 @@ def slow_forward_on_one_rank(case):
     M.init_parallel_state(1, case["pp"], placement, seed=1234)
     cfg = M.TinyGPTConfig(num_layers=placement.num_stages)
     chunks = M.build_model_chunks(cfg, placement)
-    P.configure_grad_sync(chunks[0].config, chunks, placement=placement, ddp=False)
+    F.configure_grad_sync(chunks[0].config, chunks, placement=placement, ddp=False)
     install(case["schedule"], chunks=placement.chunks, timeout_s=case["timeout"])
     import megatron.core.pipeline_parallel as mpp
     fb = mpp.get_forward_backward_func()

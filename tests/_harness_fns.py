@@ -74,6 +74,7 @@ def placement_report(case):
     reference: layer assignment, megatron layer numbers, initial weights, gradients."""
     import torch
     from megatron.core import parallel_state
+    from megatron_zb.megatron import finalize as F
     from megatron_zb.megatron import placement as P
     from megatron_zb.verify import tinygpt as M
 
@@ -126,10 +127,10 @@ def placement_report(case):
         losses = _run_stages(M, stages, batches)
         # what finalize does on each rank: sum the tied copies it holds (both on rank 0 for V)
         for r, chunks in chunks_of_rank.items():
-            P.sum_local_tied_copies(chunks)
+            F.sum_local_tied_copies(chunks)
         if not P.embedding_and_loss_on_one_rank(pl):
             # copies on different ranks: the embedding group's all-reduce, done by hand here
-            copies = P.tied_embedding_copies(stages)
+            copies = F.tied_embedding_copies(stages)
             if len(copies) == 2:
                 total = copies[0].grad + copies[1].grad
                 for p in copies:
@@ -174,15 +175,17 @@ def _stub_install(schedule, *, chunks=None, memory_limit=None, **options):
     placement (from the schedule core)."""
     import megatron.core.pipeline_parallel as mpp
     from megatron.core import parallel_state
-    from megatron_zb.verify import harness as verify
+    from megatron_zb.verify.case import schedule_placement
+    from megatron_zb.verify.sequential import SequentialForwardBackward
+    from megatron_zb.megatron import finalize as F
     from megatron_zb.megatron import placement as P
     from megatron_zb.verify import tinygpt as M
 
     p = parallel_state.get_pipeline_model_parallel_world_size()
-    style, c = verify._schedule_placement(schedule, p, 2 * p, chunks)
+    style, c = schedule_placement(schedule, chunks)
     placement = P.make_placement(style, p, c)
     orig = mpp.get_forward_backward_func
-    mpp.get_forward_backward_func = lambda *a, **k: verify.SequentialForwardBackward(placement)
+    mpp.get_forward_backward_func = lambda *a, **k: SequentialForwardBackward(placement)
     _STUB_CALLS.append([schedule, chunks, memory_limit, sorted(options)])
 
     class Handle:
@@ -198,9 +201,9 @@ def rank_case_with_stub_install(case):
     mod = types.ModuleType("megatron_zb.megatron.install")
     mod.install = _stub_install
     sys.modules["megatron_zb.megatron.install"] = mod
-    from megatron_zb.verify import harness as verify
+    from megatron_zb.verify.rank import rank_case
     del _STUB_CALLS[:]
-    r = verify._rank_case(case)
+    r = rank_case(case)
     r["stub_calls"] = list(_STUB_CALLS)
     return r
 
@@ -213,7 +216,8 @@ def replica_sync_and_check(case):
     import torch
     import torch.distributed as dist
     from megatron_zb.core.ir import Placement
-    from megatron_zb.megatron.install import ZeroBubbleConfigError, _check_replicas_equal
+    from megatron_zb.megatron.errors import ZeroBubbleConfigError
+    from megatron_zb.megatron.routing import check_replicas_equal
     from megatron_zb.runtime.replica import ReplicaGradSync, ReplicaGroups
     me = dist.get_rank()
     pl = Placement.bitpipe(2)
@@ -231,7 +235,7 @@ def replica_sync_and_check(case):
             for prm in mdl.parameters():
                 prm.fill_(0.5 + (case == "differ" and me == 1 and mdl is models[0]))
     try:
-        _check_replicas_equal(models, stages, pl, groups)
+        check_replicas_equal(models, stages, pl, groups)
         out["check"] = "ok"
     except ZeroBubbleConfigError as e:
         out["check"] = str(e)

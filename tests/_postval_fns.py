@@ -43,6 +43,7 @@ def drain_case(case):
     from megatron_zb.core.lower import lower
     from megatron_zb.core.schedules import generate
     from megatron_zb.runtime.executor import execute
+    from megatron_zb.runtime.hooks import Hook
     from megatron_zb.runtime.p2p import P2P, PairGroups
     from megatron_zb.runtime.sleep_passes import sleep_passes
     world, me = dist.get_world_size(), dist.get_rank()
@@ -61,10 +62,11 @@ def drain_case(case):
     passes.forward = forward
     overlap = {i: j for r, i, j in low.meta.get("overlap_pairs", ()) if r == me}
 
-    def validate():
-        calls.append(len(done))
-        return case["verdict"]
-    first = execute(low.orders[me], me, pl, passes, p2p, overlap_pairs=overlap, validate=validate)
+    class Verdict(Hook):
+        def validate(self):
+            calls.append(len(done))
+            return case["verdict"]
+    first = execute(low.orders[me], me, pl, passes, p2p, overlap_pairs=overlap, hooks=[Verdict()])
     computed = len(done)
     again = execute(low.orders[me], me, pl, passes, p2p, overlap_pairs=overlap)  # still matched
     passes_before_b = next(i for i, a in enumerate([a for a in low.flat().orders[me] if a.is_compute])

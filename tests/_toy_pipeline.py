@@ -55,7 +55,7 @@ def run_rank(rank, world, name, m, chunks, fwd_only, drop_sends_on=None, timeout
     if offload is not None:  # activation offload at this ratio (copies: synchronous CPU test mode)
         from megatron_zb.core.hostlink import OffloadOptions
         from megatron_zb.core.offload import add_offload
-        from megatron_zb.runtime.offload import OffloadManager
+        from megatron_zb.runtime.offload import OffloadHook, OffloadManager
         sched = add_offload(sched, st, OffloadOptions(ratio=offload, time=0.1, w_parts=False))
         mgr = OffloadManager("cpu", cpu_test=True, min_elements=0)
     if fwd_only:
@@ -93,7 +93,7 @@ def run_rank(rank, world, name, m, chunks, fwd_only, drop_sends_on=None, timeout
     groups = _groups(world)
     p2p = P2P(groups, rank, timeout_s=timeout_s)
     passes = StagePasses(forward=forward, backward=backward, weight=weight,
-                         recv_shape=lambda s, mb: (MBS, H), offload=mgr)
+                         recv_shape=lambda s, mb: (MBS, H))
     if mgr is not None:
         mgr.ignore(p for ps in params.values() for p in ps)
     actions = low.orders[rank]
@@ -103,13 +103,14 @@ def run_rank(rank, world, name, m, chunks, fwd_only, drop_sends_on=None, timeout
     calls = []
     passes.overlap = lambda run_f, run_b: (calls.append(1), run_f(), run_b())
     pairs = {i: j for r, i, j in low.meta.get("overlap_pairs", ()) if r == rank}
-    execute(actions, rank, pl, passes, p2p, forward_only=fwd_only, overlap_pairs=pairs)
+    hook = OffloadHook(mgr) if mgr is not None else None
+    execute(actions, rank, pl, passes, p2p, forward_only=fwd_only, overlap_pairs=pairs, hooks=[hook])
     if not fwd_only:
         assert len(calls) == len(pairs), (len(calls), len(pairs))  # the hook ran every pair
     assert not graphs, f"W passes left: {sorted(graphs)}"
     grads = {s: [None if p.grad is None else p.grad.numpy().copy() for p in params[s]] for s in params}
-    if mgr is not None:
-        return losses, grads, mgr.end_iteration()
+    if hook is not None:
+        return losses, grads, hook.stats  # the manager's counts, taken when the list ended
     return losses, grads
 
 

@@ -9,9 +9,16 @@ import re
 import pytest
 
 from megatron_zb.core import schedules as core_schedules
-from megatron_zb.megatron.args import (NOT_AVAILABLE_FLAGS, ZeroBubbleArgumentError, add_zero_bubble_args,
-                                       chain_providers, memory_limit_in_microbatches, preview_schedule,
-                                       validate_zero_bubble_args)
+from megatron_zb.megatron.args import NOT_AVAILABLE_FLAGS, add_zero_bubble_args, chain_providers
+from megatron_zb.megatron.errors import ZeroBubbleArgumentError
+from megatron_zb.megatron.flags import memory_limit_in_microbatches, validate_zero_bubble_args
+from megatron_zb.megatron.options import ScheduleOptions, preview
+
+
+def preview_schedule(kwargs, p, m):
+    """The simulated preview of what the flags install, and 1F1B's."""
+    built, base = preview(ScheduleOptions(**kwargs), p, m)
+    return built.result, base
 
 
 def _megatron_like(parser):
@@ -370,7 +377,7 @@ def test_megatron_defaults_pass_validation(megatron_parser):
 
 @pytest.mark.megatron
 def test_install_from_args_after_megatron_validation(megatron_parser):
-    from megatron_zb.megatron.args import install_from_args
+    from megatron_zb.megatron.from_args import install_from_args
     parser = chain_providers(add_zero_bubble_args)(megatron_parser)
     args = parser.parse_args((BASE + " --micro-batch-size 1 --zero-bubble-schedule zb-h1").split())
     args.virtual_pipeline_model_parallel_size = None  # as after Megatron's validate_args
@@ -390,7 +397,7 @@ def test_install_from_args_after_megatron_validation(megatron_parser):
 
 @pytest.mark.megatron
 def test_install_on_first_use_reads_megatrons_global_args(megatron_parser, monkeypatch):
-    from megatron_zb.megatron.args import install_on_first_use
+    from megatron_zb.megatron.from_args import install_on_first_use
     import megatron.training
     import megatron.training.training as T
     parser = chain_providers(add_zero_bubble_args)(megatron_parser)

@@ -14,7 +14,8 @@ def megatron():
 
 def test_install_patches_and_uninstall_restores(megatron):
     from megatron.core.pipeline_parallel import schedules as S
-    from megatron_zb.megatron.install import ZeroBubbleForwardBackward, install
+    from megatron_zb.megatron.forward_backward import ZeroBubbleForwardBackward
+    from megatron_zb.megatron.install import install
     before = (megatron.get_forward_backward_func, S.get_forward_backward_func)
     h = install("zb-h1")
     try:

@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import ast
 import os
+import subprocess
+import sys
+
+import pytest
 
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "megatron_zb")
 
@@ -107,3 +111,141 @@ def test_megatron_adapters_hold_no_test_scaffolding():
     scaffolding = {"TinyGPTConfig", "build_reference_model", "make_batches", "sgd_step_", "collect_full_grads",
                    "init_parallel_state", "run_cases", "launch", "main_verify"}
     assert not (names & scaffolding), f"test scaffolding in megatron_zb/megatron: {sorted(names & scaffolding)}"
+
+
+def _module_names():
+    return {m for m, _ in _modules()}
+
+
+def _file_graph():
+    """module -> the megatron_zb modules (files) its import statements name: ``from .ir import B``
+    names module .ir, ``from . import vblock`` names module .vblock (not the package it is in)."""
+    known = _module_names()
+    g = {}
+    for module, path in _modules():
+        is_pkg = path.endswith("__init__.py")
+        deps = set()
+        for node in ast.walk(ast.parse(open(path).read(), path)):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = module.split(".")
+                    base = base[: len(base) - node.level + (1 if is_pkg else 0)]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    target = node.module or ""
+                subs = [f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in known]
+                targets = subs if len(subs) == len(node.names) else subs + [target]
+            else:
+                continue
+            for t in targets:
+                while t and t not in known and "." in t:
+                    t = t.rsplit(".", 1)[0]
+                if t in known and t != module:
+                    deps.add(t)
+        g[module] = deps
+    return g
+
+
+def test_no_import_circle_between_files():
+    """Not only between parts: no two files of the package import each other, directly or round
+    a longer loop (lazy imports inside functions included)."""
+    g = _file_graph()
+    seen, stack, circles = set(), [], []
+
+    def visit(n):
+        if n in stack:
+            circles.append(stack[stack.index(n):] + [n])
+            return
+        if n in seen:
+            return
+        stack.append(n)
+        for d in sorted(g.get(n, ())):
+            visit(d)
+        stack.pop()
+        seen.add(n)
+    for n in sorted(g):
+        visit(n)
+    assert not circles, "import circles: " + "; ".join(" -> ".join(c) for c in circles[:5])
+
+
+def test_no_private_name_imported_across_modules():
+    bad = []
+    for module, path in _modules():
+        for node in ast.walk(ast.parse(open(path).read(), path)):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("megatron_zb")):
+                bad += [f"{module} imports {a.name} from {'.' * node.level}{node.module or ''}"
+                        for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+    assert not bad, "private names imported across modules: " + "; ".join(bad)
+
+
+MAX_LINES = 500
+
+
+def test_no_file_over_500_lines():
+    long = {m: n for m, p in _modules() for n in [sum(1 for _ in open(p))] if n > MAX_LINES}
+    assert not long, f"files over {MAX_LINES} lines (split them by responsibility): {long}"
+
+
+@pytest.mark.megatron
+def test_every_module_imports():
+    """Every file of the package imports (a name moved between modules fails here, not in a rank)."""
+    code = ("import importlib, pkgutil, megatron_zb\n"
+            "from megatron_zb.megatron import cpu_shims\n"
+            "cpu_shims.python_compat(); cpu_shims.apply()\n"
+            "bad = []\n"
+            "for m in pkgutil.walk_packages(megatron_zb.__path__, 'megatron_zb.'):\n"
+            "    if m.name.endswith('__main__'): continue\n"
+            "    try: importlib.import_module(m.name)\n"
+            "    except Exception as e: bad.append(f'{m.name}: {type(e).__name__}: {e}')\n"
+            "print('\\n'.join(bad))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=os.path.dirname(ROOT))
+    assert out.returncode == 0 and not out.stdout.strip(), out.stdout + out.stderr[-2000:]
+
+
+def _top_level_names(path: str) -> set:
+    names = set()
+    for node in ast.parse(open(path).read(), path).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names |= {n.id for t in node.targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, (ast.Try, ast.If)):
+            for sub in ast.walk(node):
+                if isinstance(sub, (ast.Import, ast.ImportFrom)):
+                    names |= {(a.asname or a.name).split(".")[0] for a in sub.names}
+    return names
+
+
+def test_every_name_imported_from_the_package_exists():
+    """``from megatron_zb.x import name`` (relative or absolute, inside functions too) names a module
+    or something ``x`` defines: a name moved to another module fails here, not in a rank at run time."""
+    paths = dict(_modules())
+    repo = os.path.dirname(ROOT)
+    others = [(f"{d}.{f[:-3]}", os.path.join(repo, d, f)) for d in ("tests", "benchmarks", "scripts", "examples")
+              if os.path.isdir(os.path.join(repo, d)) for f in sorted(os.listdir(os.path.join(repo, d)))
+              if f.endswith(".py")]
+    bad = []
+    for module, path in list(_modules()) + others:
+        is_pkg = path.endswith("__init__.py")
+        for node in ast.walk(ast.parse(open(path).read(), path)):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:
+                base = module.split(".")
+                base = base[: len(base) - node.level + (1 if is_pkg else 0)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target not in paths:
+                continue
+            defined = _top_level_names(paths[target])
+            bad += [f"{module}: {a.name} from {target}" for a in node.names
+                    if a.name != "*" and a.name not in defined and f"{target}.{a.name}" not in paths]
+    assert not bad, "names imported that their module does not define: " + "; ".join(bad)

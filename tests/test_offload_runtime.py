@@ -4,7 +4,8 @@ runs everywhere; the CUDA-stream path runs where a GPU is present (skipped other
 import pytest
 import torch
 
-from megatron_zb.runtime.offload import OffloadError, OffloadManager, measure_host_link, measure_matmul
+from megatron_zb.runtime.measure import measure_host_link, measure_matmul
+from megatron_zb.runtime.offload import OffloadError, OffloadManager
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -201,13 +202,15 @@ def test_install_refuses_offload_without_cuda_outside_the_test_mode():
 
 
 @pytest.mark.parametrize("kw, msg", [
-    (dict(offload_ratio=1.5), "offload_ratio must be a number in 0..1 or 'auto'"),
+    (dict(offload_ratio=1.5), "offload ratio must be a number in 0..1 or 'auto', got 1.5"),
     (dict(offload_ratio="auto"), "give memory_limit"),
-    (dict(offload_ratio=1.0, offload_time=-1), "offload_time must be a number >= 0 or 'auto'"),
-    (dict(offload_ratio=1.0, offload_chunks=0), "offload_chunks must be an integer >= 1"),
+    (dict(offload_ratio=1.0, offload_time=-1), "offload time must be a number >= 0 or 'auto', got -1"),
+    (dict(offload_ratio=1.0, offload_chunks=0), "offload chunk count must be an integer >= 1, got 0"),
 ])
 def test_install_offload_options_checked(kw, msg):
-    from megatron_zb.megatron.install import ScheduleOptions, ZeroBubbleConfigError, ZeroBubbleForwardBackward
+    from megatron_zb.megatron.errors import ZeroBubbleConfigError
+    from megatron_zb.megatron.forward_backward import ZeroBubbleForwardBackward
+    from megatron_zb.megatron.options import ScheduleOptions
     with pytest.raises(ZeroBubbleConfigError, match=msg):
         ZeroBubbleForwardBackward(ScheduleOptions("zb-h1", offload_cpu_test=True, **kw))
 

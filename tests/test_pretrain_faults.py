@@ -161,7 +161,7 @@ def _replace(flags, **new):
 ])
 def test_preflight_names_the_bad_input(argv, world, message, monkeypatch):
     from megatron_zb.megatron import preflight
-    from megatron_zb.megatron.args import ZeroBubbleArgumentError
+    from megatron_zb.megatron.errors import ZeroBubbleArgumentError
     for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
         monkeypatch.setenv(var, os.environ.get(var, "0"))
     with pytest.raises(ZeroBubbleArgumentError) as info:

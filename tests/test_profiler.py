@@ -14,6 +14,7 @@ import torch
 from megatron_zb.core.ir import Placement, Setting
 from megatron_zb.core.schedules import generate
 from megatron_zb.core.simulate import simulate
+from megatron_zb.runtime import profile_data as PD
 from megatron_zb.runtime import profiler as P
 from tests import _host
 from tests._ports import free_port
@@ -46,7 +47,7 @@ def test_build_profile_sums_chunk_medians_per_rank():
     mw = {s: 10 * (s + 1) for s in f}
     stats = [_stats(r, pl.stages_of(r), f, b, w, mem_f=mf, mem_w=mw, probe=[0.1, 0.3, 0.2], waits=[0.5, 0.7])
              for r in (1, 0)]  # any gather order
-    prof = P.build_profile(stats, schedule="zb-v", placement=pl, microbatches=8, window=(2, 4))
+    prof = PD.build_profile(stats, schedule="zb-v", placement=pl, microbatches=8, window=(2, 4))
     assert prof["pipeline_size"] == 2 and prof["chunks"] == 2 and prof["microbatches"] == 8
     assert prof["cost_f"] == [5.0, 5.0] and prof["cost_b"] == [10.0, 10.0] and prof["cost_w"] == [2.5, 2.5]
     assert prof["mem_f"] == [100 + 400, 200 + 300] and prof["mem_w"] == [10 + 40, 20 + 30]
@@ -64,7 +65,7 @@ def test_build_profile_replicated_stages_average_the_paths():
     bw = {s: 2.0 for s in range(8)}
     f = {s: 1.0 for s in range(8)}
     stats = [_stats(r, pl.stages_of(r), f, bw=bw, mem_f={s: 100 for s in range(8)}) for r in (0, 1)]
-    prof = P.build_profile(stats, schedule="bitpipe", placement=pl, microbatches=4, window=(1, 1))
+    prof = PD.build_profile(stats, schedule="bitpipe", placement=pl, microbatches=4, window=(1, 1))
     assert prof["cost_f"] == [2.0, 2.0] and prof["cost_bw"] == [4.0, 4.0] and prof["mem_f"] == [200, 200]
 
 
@@ -72,13 +73,13 @@ def test_build_profile_fused_backward_only_and_missing_rank():
     pl = Placement.single(2)
     f = {0: 1.0, 1: 1.0}
     stats = [_stats(r, [r], f, bw={0: 3.0, 1: 4.0}, mem_f={0: 1000, 1: 1000}) for r in (0, 1)]
-    prof = P.build_profile(stats, schedule="1f1b", placement=pl, microbatches=4, window=(1, 1))
+    prof = PD.build_profile(stats, schedule="1f1b", placement=pl, microbatches=4, window=(1, 1))
     assert prof["cost_b"] == [1.5, 2.0] and prof["cost_w"] == [1.5, 2.0] and prof["cost_bw"] == [3.0, 4.0]
     assert prof["backward_split"].startswith("assumed")
     assert prof["mem_w"] == [500.0, 500.0] and "DEFAULT_MEM_W_RATIO" in prof["mem_w_source"]
     assert prof["cost_comm"] == 0.0 and prof["cost_comm_source"] == "not measured"
     with pytest.raises(P.ProfileError, match=r"no samples from pipeline rank\(s\) \[1\]"):
-        P.build_profile(stats[:1], schedule="1f1b", placement=pl, microbatches=4, window=(1, 1))
+        PD.build_profile(stats[:1], schedule="1f1b", placement=pl, microbatches=4, window=(1, 1))
 
 
 def test_json_round_trip_and_setting_kwargs(tmp_path):
@@ -86,18 +87,18 @@ def test_json_round_trip_and_setting_kwargs(tmp_path):
     f = {s: 0.01 * (1 + s / 10) for s in range(4)}
     stats = [_stats(r, [r], f, {s: 0.02 for s in f}, {s: 0.01 for s in f}, mem_f={s: 4e6 for s in f},
                     mem_w={s: 1e6 for s in f}, probe=[1e-4]) for r in range(4)]
-    prof = P.build_profile(stats, schedule="zb-h1", placement=pl, microbatches=8, window=(3, 5))
+    prof = PD.build_profile(stats, schedule="zb-h1", placement=pl, microbatches=8, window=(3, 5))
     path = str(tmp_path / "sub" / "profile.json")
-    P.save_profile(prof, path)
-    back = P.load_profile(path)
+    PD.save_profile(prof, path)
+    back = PD.load_profile(path)
     assert back == json.loads(json.dumps(prof))
-    kw = P.profile_to_setting_kwargs(back)
+    kw = PD.profile_to_setting_kwargs(back)
     assert kw["cost_f"] == pytest.approx([f[s] for s in range(4)]) and kw["cost_comm"] == pytest.approx(1e-4)
     assert kw["mem_f"] == [4e6] * 4 and kw["mem_w"] == [1e6] * 4
     st = Setting(4, 8, **kw)  # the simulator takes it as it is (seconds, bytes)
     res = simulate(generate("zb-h1", st), st)
     assert res.makespan > 8 * (0.01 + 0.02 + 0.01)
-    norm = P.profile_to_setting_kwargs(back, normalize=True)
+    norm = PD.profile_to_setting_kwargs(back, normalize=True)
     assert sum(norm["cost_f"]) / 4 == pytest.approx(1.0) and max(norm["mem_f"]) == 1.0
     assert norm["mem_w"] == [0.25] * 4
     res_n = simulate(generate("zb-h1", Setting(4, 8, **norm)), Setting(4, 8, **norm))
@@ -111,18 +112,18 @@ def test_load_profile_errors(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
     with pytest.raises(P.ProfileError, match="cannot read profile"):
-        P.load_profile(str(bad))
+        PD.load_profile(str(bad))
     bad.write_text(json.dumps({"cost_f": [1], "cost_b": [1]}))
     with pytest.raises(P.ProfileError, match="no cost_w"):
-        P.load_profile(str(bad))
+        PD.load_profile(str(bad))
     bad.write_text(json.dumps({"cost_f": [1, -1], "cost_b": [1, 1], "cost_w": [1, 1]}))
     with pytest.raises(P.ProfileError, match="non-negative"):
-        P.load_profile(str(bad))
+        PD.load_profile(str(bad))
     bad.write_text(json.dumps({"cost_f": [1, 1], "cost_b": [1, 1, 1], "cost_w": [1, 1]}))
     with pytest.raises(P.ProfileError, match="different lengths"):
-        P.load_profile(str(bad))
+        PD.load_profile(str(bad))
     with pytest.raises(P.ProfileError, match="cannot read"):
-        P.load_profile(str(tmp_path / "missing.json"))
+        PD.load_profile(str(tmp_path / "missing.json"))
 
 
 @pytest.mark.parametrize("window", [(0, 2), (3, 2), (1,), "ab", (1.5, 2), None])
@@ -132,8 +133,8 @@ def test_bad_window(window):
 
 
 def test_auto_replans_names():
-    assert P.auto_replans("zb-auto") and P.auto_replans("v-auto") and P.auto_replans("zb-auto-foo")
-    assert not P.auto_replans("zb-h1") and not P.auto_replans("1f1b") and not P.auto_replans(None)
+    assert PD.auto_replans("zb-auto") and PD.auto_replans("v-auto") and PD.auto_replans("zb-auto-foo")
+    assert not PD.auto_replans("zb-h1") and not PD.auto_replans("1f1b") and not PD.auto_replans(None)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -177,15 +178,13 @@ def test_instrument_single_process(tmp_path, device):
                          device=torch.device(device))
     got = []
     for it in (1, 2, 3):
-        run = passes
-        if prof.in_window(it):
-            run, _ = prof.instrument(passes, None)
-        execute(one.orders[0], 0, pl, run, None)
+        hooks = [prof.hook(device)] if prof.in_window(it) else []
+        execute(one.orders[0], 0, pl, passes, None, hooks=hooks)
         if prof.in_window(it):
             got.append(prof.end_iteration(it, placement=pl, num_microbatches=3, rank=0))
     assert got[0] is not None and prof.done and not prof.in_window(2)
     prof_ = got[0]
-    assert P.load_profile(str(tmp_path / "p.json")) == json.loads(json.dumps(prof_))
+    assert PD.load_profile(str(tmp_path / "p.json")) == json.loads(json.dumps(prof_))
     assert prof_["samples"]["F"] == 6 and prof_["samples"]["B"] == 6 and prof_["samples"]["W"] == 6
     assert all(x > 0 for x in prof_["cost_f"] + prof_["cost_b"] + prof_["cost_w"])
     assert prof_["iterations"] == 1 and prof_["device"] == device
@@ -285,10 +284,8 @@ def _run_case(rank, world, groups, case, iterations, window):
     try:
         for it in range(1, iterations + 1):
             del calls[:]
-            run, run_p2p = passes, p2p
-            if prof.in_window(it):
-                run, run_p2p = prof.instrument(passes, p2p)
-            execute(low.orders[rank], rank, pl, run, run_p2p)
+            hooks = [prof.hook("cpu")] if prof.in_window(it) else []
+            execute(low.orders[rank], rank, pl, passes, p2p, hooks=hooks)
             if prof.in_window(it):
                 out = prof.end_iteration(it, placement=pl, num_microbatches=m, rank=rank, group=None,
                                          p2p=p2p, shape=(MBS, H))
@@ -410,11 +407,11 @@ def test_install_profile_options_and_replan(monkeypatch):
         fb = h.forward_backward
         assert fb.profiler is not None and fb.profiler.start == 2 and fb.iterations == 0
         s1 = fb.schedule_for(4, 8, 1, False)
-        assert fb._schedules
+        assert fb._built
         prof = {"cost_f": [0.01] * 4, "cost_b": [0.02] * 4, "cost_w": [0.005] * 4, "cost_comm": 0.001,
                 "mem_f": [1e6] * 4, "mem_w": [3e5] * 4}
         fb.replan_from(prof)
-        assert not fb._schedules
+        assert not fb._built
         assert fb.options.cost_f == [1.0] * 4 and fb.options.cost_b == [2.0] * 4
         assert fb.options.cost_comm == pytest.approx(0.1) and fb.options.mem_w == pytest.approx(0.3)
         s2 = fb.schedule_for(4, 8, 1, False)
@@ -428,7 +425,7 @@ def test_install_profile_options_and_replan(monkeypatch):
         fb.schedule_for(4, 8, 1, False)
         fb.replan_from(prof)
         s = fb.schedule_for(4, 8, 1, False)
-        st = Setting(4, 8, chunks=1, **P.profile_to_setting_kwargs(prof, normalize=True))
+        st = Setting(4, 8, chunks=1, **PD.profile_to_setting_kwargs(prof, normalize=True))
         want = generate("zb-auto", st)
         assert [[a for a in o if a.is_compute] for o in s.orders] == want.orders
 
@@ -442,11 +439,11 @@ def test_megatron_run_writes_profile(tmp_path, mcore_path):
                        schedule_options={"profile_window": (2, 3), "profile_path": path})
     res = V.run_verify_many([case], timeout=600, mcore_path=mcore_path)[0]
     assert res["passed"], res.get("error") or res.get("problems")  # profiling changes no numbers
-    prof = P.load_profile(path)
+    prof = PD.load_profile(path)
     assert prof["schedule"] == "zb-h1" and prof["pipeline_size"] == 2 and prof["microbatches"] == 4
     assert prof["window"] == [2, 3] and prof["iterations"] == 2 and prof["samples"]["F"] == 2 * 2 * 4
     assert all(x > 0 for x in prof["cost_f"] + prof["cost_b"] + prof["cost_w"])
     assert all(0 < w <= f for f, w in zip(prof["mem_f"], prof["mem_w"]))
     assert prof["backward_split"] == "measured" and prof["cost_comm"] > 0
-    st = Setting(2, 4, **P.profile_to_setting_kwargs(prof))
+    st = Setting(2, 4, **PD.profile_to_setting_kwargs(prof))
     assert simulate(generate("zb-h1", st), st).makespan > 0

@@ -187,7 +187,12 @@ def build(request: ScheduleRequest, p: int, m: int, *, enforce_limit: bool = Tru
     else:
         spec = request.spec
         setting = request.setting(p, m, chunks=spec.resolve_chunks(request.chunks))
-        if request.offload is not None:
+        off = request.offload
+        if off is not None and off.chunks is not None and off.chunks > setting.chunks:
+            raise ScheduleError(f"offload of the first {off.chunks} model chunk(s) of each rank, but schedule "
+                                f"{request.name} runs {setting.chunks} chunk(s) per rank (offload chunks "
+                                f"1..{setting.chunks})")
+        if off is not None:
             if request.exact is not None and request.name in AUTOMATIC:
                 raise ScheduleError("the exact mode solves schedules without activation offload (the MILP has no "
                                     "host link): leave out the offload ratio or the exact mode")

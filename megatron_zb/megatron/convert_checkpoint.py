@@ -84,11 +84,11 @@ def _model_key(n_chunks: int, chunk: int) -> str:
 
 
 def _target_record(source: dict, schedule: str, chunks: Optional[int], allow_padding: bool) -> dict:
+    from ..core import schedules
     from ..core.ir import ScheduleError
-    from .args import placement_style
     from .placement import make_placement
     try:
-        style = placement_style(schedule)
+        style = schedules.get(schedule).placement
     except ScheduleError as e:
         raise ConvertError(str(e)) from None
     if style == "looped" and not chunks:

@@ -1,69 +1,47 @@
-"""Megatron wiring of activation offload (docs/offload.md): the schedule with its offload actions,
-one offload manager per rank, and ``--auto-offload-time``'s measurement.
+"""Megatron wiring of activation offload (docs/offload.md): this rank's offload manager, pointed at
+the model's W queues, and ``--auto-offload-time``'s measurement of K. Functions that return what
+they make; the forward-backward function keeps it.
 
-``install(..., offload_ratio=R)`` (or the flags ``--cpu-offload`` / ``--zero-bubble-offload-ratio``)
-gets here from ``install.ZeroBubbleForwardBackward``: the schedule core places OFFLOAD/RELOAD
-(``core.offload``), the executor calls the manager (``runtime.offload``) at those points, and the
+The schedule with its OFFLOAD/RELOAD actions comes from ``core.build`` (the policy in
+``core.offload``); the executor reaches the manager through ``runtime.offload.OffloadHook``, and the
 W queue reports the tensors its deferred weight-gradient closures keep, so they can travel between
 B and W too.
 """
 from __future__ import annotations
 
-import dataclasses
-from typing import Optional
+from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist
 
-from ..core.ir import Schedule, ScheduleError, Setting
-from ..core.offload import OffloadOptions, generate_with_offload
-from ..runtime.offload import OffloadError, OffloadManager, measure_host_link, measure_matmul
+from ..runtime.measure import measure_host_link, measure_matmul
+from ..runtime.offload import OffloadError, OffloadManager
+from .errors import ZeroBubbleConfigError
 
-__all__ = ["offload_schedule", "manager_for", "resolve_auto_offload_time", "estimate_offload_time"]
-
-
-def _config_error(msg):
-    from .install import ZeroBubbleConfigError
-    return ZeroBubbleConfigError(msg)
+__all__ = ["make_manager", "point_manager", "measure_offload_time", "estimate_offload_time"]
 
 
-def offload_schedule(options, setting: Setting, chunks: int) -> Schedule:
-    """The schedule ``options.schedule`` with the offload ``options`` ask for (pure schedule core)."""
-    o = options
-    if o.offload_chunks is not None and o.offload_chunks > chunks:
-        raise _config_error(f"offload of the first {o.offload_chunks} model chunk(s) of each rank, but schedule "
-                            f"{o.schedule} runs {chunks} chunk(s) per rank (--offload-chunk-num 1..{chunks})")
-    if o.offload_time == "auto":
-        raise ScheduleError("offload_time 'auto' is measured at the first training iteration")
-    auto = o.offload_ratio == "auto"
-    opts = OffloadOptions(ratio=None if auto else float(o.offload_ratio), time=float(o.offload_time),
-                          overlap=bool(o.offload_overlap), memory_limit=o.memory_limit if auto else None,
-                          chunks=o.offload_chunks)
-    return generate_with_offload(o.schedule, setting, opts)
+def make_manager(options, device) -> OffloadManager:
+    """This rank's offload manager for ``options`` (``megatron.options.ScheduleOptions``)."""
+    try:
+        return OffloadManager(device, overlap=options.offload_overlap, cpu_test=options.offload_cpu_test,
+                              min_elements=options.offload_min_elements)
+    except OffloadError as e:
+        raise ZeroBubbleConfigError(str(e)) from None
 
 
-def manager_for(fb, models, queues, chunk_of, *_unused) -> OffloadManager:
-    """This rank's offload manager (made once per forward-backward object), pointed at this call's
-    W queues and told to leave the model's weights alone."""
-    o = fb.options
-    if fb.offload is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        try:
-            fb.offload = OffloadManager(device, overlap=o.offload_overlap, cpu_test=o.offload_cpu_test,
-                                        min_elements=o.offload_min_elements)
-        except OffloadError as e:
-            raise _config_error(str(e)) from None
-    mgr = fb.offload
-    mgr.w_tensors = lambda stage, mb: queues[chunk_of[stage]].held_tensors(mb)
-    mgr.ignore(p for m in models for p in m.parameters())
-    for m in models:  # megatron DDP keeps parameters (and main grads) in contiguous buffers
+def point_manager(manager: OffloadManager, models, queues, chunk_of: Dict[int, int]) -> None:
+    """Point ``manager`` at this call's W queues (what W needs between B and W) and tell it to
+    leave the model's weights, and megatron DDP's contiguous parameter and gradient buffers, alone."""
+    manager.w_tensors = lambda stage, mb: queues[chunk_of[stage]].held_tensors(mb)
+    manager.ignore(p for m in models for p in m.parameters())
+    for m in models:
         bufs = getattr(m, "buffers", None)  # (a plain module's .buffers is a method)
         for buf in bufs if isinstance(bufs, (list, tuple)) else []:
             for name in ("param_data", "grad_data"):
                 t = getattr(buf, name, None)
                 if isinstance(t, torch.Tensor):
-                    mgr.ignore([t])
-    return mgr
+                    manager.ignore([t])
 
 
 def estimate_offload_time(*, hidden_size: int, num_attention_heads: int, seq_length: int, micro_batch_size: int,
@@ -91,9 +69,10 @@ def estimate_offload_time(*, hidden_size: int, num_attention_heads: int, seq_len
             "transfer_s": transfer_s, "compute_s": compute_s, "host_link": link, "matmul": mm}
 
 
-def resolve_auto_offload_time(fb, config, seq_length: int, micro_batch_size: int, tp_group, cp_group) -> None:
-    """--auto-offload-time: measure K once, on every rank, and agree on the largest (every rank
-    must generate the same schedule); the cached schedules are dropped."""
+def measure_offload_time(config, seq_length: int, micro_batch_size: int, tp_group, cp_group) -> dict:
+    """--auto-offload-time: K measured on this rank and agreed with every rank (the largest: every
+    rank must build the same schedule). Returns the estimate with ``offload_time`` the agreed K and
+    ``offload_time_local`` this rank's own."""
     tp = tp_group.size() if tp_group is not None else 1
     cp = cp_group.size() if cp_group is not None else 1
     est = estimate_offload_time(hidden_size=config.hidden_size, num_attention_heads=config.num_attention_heads,
@@ -109,6 +88,4 @@ def resolve_auto_offload_time(fb, config, seq_length: int, micro_batch_size: int
         k = torch.tensor([est["offload_time"]], dtype=torch.float64)
     est["offload_time_local"] = est["offload_time"]
     est["offload_time"] = float(k.item())
-    fb.offload_time_measured = est
-    fb.options = dataclasses.replace(fb.options, offload_time=est["offload_time"])
-    fb._schedules.clear()
+    return est

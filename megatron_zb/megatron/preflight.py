@@ -29,7 +29,10 @@ import sys
 import warnings
 from typing import List, Optional, Sequence
 
-from .args import ZeroBubbleArgumentError, preview_schedule
+from .errors import ZeroBubbleArgumentError
+from .options import ScheduleOptions, preview
+from .startup import (MegatronTrainingMissing, megatron_check_message, microbatches, placement_of, prepare_args,
+                      prepare_megatron)
 
 __all__ = ["check", "main"]
 
@@ -103,19 +106,8 @@ def _check_model(args) -> None:
             warnings.simplefilter("ignore")
             core_transformer_config_from_args(args)
     except (AssertionError, ValueError, TypeError) as e:
-        from .pretrain_gpt import megatron_check_message
         raise PreflightError(megatron_check_message(e).replace("argument check", "model configuration check")) \
             from None
-
-
-def _check_batch(args) -> int:
-    mbs, gbs, dp = int(args.micro_batch_size), int(args.global_batch_size), int(args.data_parallel_size)
-    if getattr(args, "rampup_batch_size", None):
-        return 0
-    if gbs % (mbs * dp):
-        raise PreflightError(f"--global-batch-size {gbs} is not a multiple of --micro-batch-size {mbs} x data-parallel "
-                             f"size {dp} = {mbs * dp}")
-    return gbs // (mbs * dp)
 
 
 def check_in_rank(args) -> None:
@@ -131,15 +123,14 @@ def check(argv: Sequence[str], world_size: int) -> Optional[str]:
     """Run the checks for ``argv`` on ``world_size`` ranks; returns a summary line, or raises
     ``ZeroBubbleArgumentError`` / ``MegatronTrainingMissing`` with the one-line reason."""
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(world_size))
-    from .pretrain_gpt import _placement, _prepare_megatron, prepare_args
-    _prepare_megatron()
+    prepare_megatron()
     args, zb, _notes = prepare_args(argv=list(argv), set_globals=False)
-    m = _check_batch(args)
+    m = microbatches(args)
     _check_model(args)
     _check_data(args)
     _check_tokenizer(args)
     if zb is not None and m:
-        preview_schedule(zb, _placement(args).num_ranks, m)
+        preview(ScheduleOptions(**zb), placement_of(args).num_ranks, m)
     return (f"{zb['schedule'] if zb else 'megatron'} schedule, world size {world_size}, "
             f"{m or '?'} microbatches per iteration")
 
@@ -155,7 +146,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     cut = argv.index("--")
     opts = ap.parse_args(argv[:cut])
-    from .pretrain_gpt import MegatronTrainingMissing
     sink = io.StringIO()
     try:
         with warnings.catch_warnings(), contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):

@@ -37,209 +37,19 @@ import time
 
 _PROGRAM_START_TIME = time.time()
 
-import argparse  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 import warnings  # noqa: E402
 from functools import partial  # noqa: E402
 from typing import Callable, List, Optional, Sequence  # noqa: E402
 
-from .args import (ZeroBubbleArgumentError, add_zero_bubble_args, chain_providers,  # noqa: E402
-                   preview_schedule, validate_zero_bubble_args)
+from .errors import ZeroBubbleArgumentError, ZeroBubbleConfigError  # noqa: E402
+from .finalize import finalize_model_grads_for, mark_replica_copies  # noqa: E402
+from .options import ScheduleOptions, preview  # noqa: E402
+from .routing import route_losses_to_last_rank  # noqa: E402
+from .startup import MegatronTrainingMissing, layer_kw, placement_of, prepare_args, prepare_megatron  # noqa: E402
 
-__all__ = ["main", "add_entry_args", "prepare_args", "model_provider", "forward_step",
-           "train_valid_test_datasets_provider", "MegatronTrainingMissing"]
-
-
-class MegatronTrainingMissing(RuntimeError):
-    """The installed megatron-core has no ``megatron.training`` with the 0.18+ ``pretrain()``."""
-
-
-# --------------------------------------------------------------------------------------------
-# entry-point flags (only meaningful here: they change how the model is built)
-# --------------------------------------------------------------------------------------------
-
-def add_entry_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    g = parser.add_argument_group("megatron-zb entry point")
-    g.add_argument("--zero-bubble-deterministic-init", action="store_true", default=False,
-                   help="Initialise every parameter from a seed derived from its name in the whole model "
-                        "(normal(0, --init-method-std) for matrices), independent of the pipeline placement: "
-                        "1F1B, ZB-H1 and a V schedule then start from identical weights (for comparing "
-                        "schedules; use dropout 0 for identical loss curves).")
-    return parser
-
-
-# --------------------------------------------------------------------------------------------
-# setup
-# --------------------------------------------------------------------------------------------
-
-def _cuda() -> bool:
-    import torch
-    return torch.cuda.is_available()
-
-
-def _prepare_megatron() -> None:
-    """CPU shims (no CUDA) and the dataset-helper fallback; then check megatron.training is usable."""
-    from . import cpu_shims
-    cpu_shims.python_compat()
-    if not _cuda():
-        cpu_shims.apply()
-    try:
-        import megatron.training.training as T  # noqa: F401
-        from megatron.training.argument_utils import pretrain_cfg_container_from_args  # noqa: F401
-    except ImportError as e:
-        try:
-            from megatron.core import package_info
-            ver = package_info.__version__
-        except Exception:  # pragma: no cover
-            ver = "unknown"
-        raise MegatronTrainingMissing(
-            f"megatron-zb's pretrain_gpt needs megatron.training with the config-container pretrain() "
-            f"(megatron-core >= 0.18; tested with 0.19.2); this megatron-core is {ver} ({e}). With an older "
-            "megatron-core use your Megatron-LM checkout's pretrain_gpt.py with patches/megatron-lm-pretrain_gpt.patch, "
-            "or call megatron_zb.megatron.install.install() yourself.") from None
-    cpu_shims.dataset_helpers()
-    if not _cuda():
-        cpu_shims.apply_training()
-
-
-def _have_transformer_engine() -> bool:
-    try:
-        import transformer_engine  # noqa: F401
-        return True
-    except Exception:
-        return False
-
-
-def _cpu_and_te_defaults(args) -> List[str]:
-    """Adjust Megatron arguments that cannot work on this machine; returns what was changed."""
-    changed = []
-    if getattr(args, "transformer_impl", None) == "transformer_engine" and not _have_transformer_engine():
-        args.transformer_impl = "local"
-        changed.append("--transformer-impl local (Transformer Engine is not installed)")
-    if not _cuda():
-        if args.distributed_backend != "gloo":
-            args.distributed_backend = "gloo"
-            changed.append("--distributed-backend gloo")
-        if not args.use_cpu_initialization:
-            args.use_cpu_initialization = True
-            changed.append("--use-cpu-initialization")
-        for dest, flag in (("masked_softmax_fusion", "--no-masked-softmax-fusion"),
-                           ("bias_gelu_fusion", "--no-bias-gelu-fusion"),
-                           ("bias_swiglu_fusion", "--no-bias-swiglu-fusion"),
-                           ("bias_dropout_fusion", "--no-bias-dropout-fusion"),
-                           ("apply_rope_fusion", "--no-rope-fusion"),
-                           ("gradient_accumulation_fusion", "--no-gradient-accumulation-fusion")):
-            if getattr(args, dest, False):
-                setattr(args, dest, False)
-                changed.append(flag)
-        if not getattr(args, "no_persist_layer_norm", True):
-            args.no_persist_layer_norm = True
-            changed.append("--no-persist-layer-norm")
-        for dest, flag in (("fp16", "--fp16"), ("bf16", "--bf16")):
-            if getattr(args, dest, False):
-                setattr(args, dest, False)
-                changed.append(f"{flag} dropped (fp32 on CPU)")
-    return changed
-
-
-def prepare_args(extra_args_provider: Optional[Callable] = None, args_defaults: Optional[dict] = None,
-                 argv: Optional[Sequence[str]] = None, set_globals: bool = True):
-    """Parse Megatron's + megatron-zb's flags, validate ours, then Megatron's; set Megatron's globals.
-
-    Returns ``(args, install_kwargs, notes)``; ``install_kwargs`` is None without zero-bubble flags.
-    A bad flag or a failed Megatron argument check raises ``ZeroBubbleArgumentError`` (one line).
-    """
-    from megatron.training.arguments import parse_args, validate_args
-    from megatron.training.global_vars import set_global_variables
-
-    defaults = {"tokenizer_type": "GPT2BPETokenizer"}
-    defaults.update(args_defaults or {})
-    provider = chain_providers(extra_args_provider, add_zero_bubble_args, add_entry_args)
-    saved, error = sys.argv, argparse.ArgumentParser.error
-    if argv is not None:
-        sys.argv = [saved[0] if saved else "pretrain_gpt"] + list(argv)
-
-    def one_line(parser, message):  # not the usage (hundreds of lines) and exit 2 on every rank
-        raise ZeroBubbleArgumentError(message)
-    argparse.ArgumentParser.error = one_line
-    try:
-        args = parse_args(extra_args_provider=provider)
-    finally:
-        sys.argv = saved
-        argparse.ArgumentParser.error = error
-    if getattr(args, "yaml_cfg", None) is not None:
-        raise ZeroBubbleArgumentError("--yaml-cfg is not supported by megatron-zb's pretrain_gpt; give the flags")
-    if args.use_checkpoint_args or defaults.get("use_checkpoint_args", False):
-        from megatron.training.checkpointing import load_args_from_checkpoint
-        load_args_from_checkpoint(args)
-    zb = validate_zero_bubble_args(args, before_megatron_validation=True)
-    notes = _cpu_and_te_defaults(args)
-    data_flags = ("data_path", "train_data_path", "valid_data_path", "test_data_path", "data_args_path",
-                  "per_split_data_args_path")
-    if not any(getattr(args, f, None) for f in data_flags) and not getattr(args, "mock_data", False):
-        args.mock_data = True
-        notes.append("--mock-data (no --data-path given)")
-    _check_sizes(args)
-    try:
-        validate_args(args, defaults)
-    except (AssertionError, ValueError, TypeError) as e:  # Megatron's own argument checks
-        raise ZeroBubbleArgumentError(megatron_check_message(e)) from None
-    if set_globals:
-        set_global_variables(args)
-    return args, zb, notes
-
-
-def _check_sizes(args) -> None:
-    """World size vs model parallelism, and batch divisibility: the checks Megatron makes with an
-    assertion deep inside (or with a message about the *evaluation* batch size), said plainly."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    tp = int(args.tensor_model_parallel_size or 1)
-    pp = int(args.pipeline_model_parallel_size or 1)
-    cp = int(getattr(args, "context_parallel_size", 1) or 1)
-    model = tp * pp * cp
-    if world % model:
-        raise ZeroBubbleArgumentError(
-            f"world size {world} (processes in the job) is not a multiple of tensor x pipeline x context parallel "
-            f"size = {tp} x {pp} x {cp} = {model}")
-    dp = world // model
-    mbs, gbs = args.micro_batch_size, args.global_batch_size
-    if mbs and gbs and not getattr(args, "rampup_batch_size", None) and int(gbs) % (int(mbs) * dp):
-        raise ZeroBubbleArgumentError(
-            f"--global-batch-size {gbs} is not a multiple of --micro-batch-size {mbs} x data-parallel size {dp} "
-            f"= {int(mbs) * dp}")
-
-
-def megatron_check_message(e: BaseException) -> str:
-    """One line for a failed Megatron argument check (its message, or the failing assert's source)."""
-    import traceback
-    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    if not text:
-        frames = traceback.extract_tb(e.__traceback__)
-        text = f"assert {frames[-1].line}" if frames and frames[-1].line else type(e).__name__
-    return f"Megatron's argument check failed: {text}"
-
-
-# --------------------------------------------------------------------------------------------
-# placement
-# --------------------------------------------------------------------------------------------
-
-def _placement(args):
-    from ..core.ir import Placement
-    p = args.pipeline_model_parallel_size
-    style = getattr(args, "zero_bubble_placement", None)
-    if style == "v":
-        return Placement.vshape(p)
-    if style == "bitpipe":
-        return Placement.bitpipe(p)
-    v = args.virtual_pipeline_model_parallel_size
-    if v:
-        return Placement.looped(p, v)
-    return Placement.single(p)
-
-
-def _layer_kw(args) -> dict:
-    return {"allow_padding_num_layers": bool(getattr(args, "allow_padding_num_layers", False))}
+__all__ = ["main", "model_provider", "forward_step", "train_valid_test_datasets_provider"]
 
 
 def get_embedding_ranks(pp_ranks, *_a, **_k):
@@ -278,14 +88,14 @@ class _ModelProvider:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups()
         model_cfg = gpt_config_from_args(args, config=config)
         tcfg = model_cfg.transformer
-        placement = _placement(args)
+        placement = placement_of(args)
         pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-        info = zb_placement.chunk_infos(placement, args.num_layers, pp_rank, **_layer_kw(args))[vp_stage or 0]
+        info = zb_placement.chunk_infos(placement, args.num_layers, pp_rank, **layer_kw(args))[vp_stage or 0]
         if placement.style in ("v", "bitpipe"):
             pre_process, post_process = info.pre_process, info.post_process
             zb_placement.attach_layer_table(tcfg, placement, args.num_layers, placement_rank=pp_rank,
-                                            **_layer_kw(args))
-            tcfg.finalize_model_grads_func = partial(zb_placement.finalize_model_grads_for, placement=placement)
+                                            **layer_kw(args))
+            tcfg.finalize_model_grads_func = partial(finalize_model_grads_for, placement=placement)
         if parallel_state.get_data_parallel_rank() == 0 and parallel_state.get_tensor_model_parallel_rank() == 0:
             layers = f"layers {info.layers[0]}-{info.layers[-1]}" if info.layers else "no layers"
             where = (f"stage {placement.logical(info.stage)} of {info.num_stages} (path {placement.path_of(info.stage)})"
@@ -308,7 +118,7 @@ class _ModelProvider:
         for name, p in model.named_parameters():
             p.mzb_global_name = zb_placement.global_param_name(name, info, tied)
         model.mzb_chunk_info = info
-        zb_placement.mark_replica_copies([model], placement)  # clipping counts each replicated weight once
+        mark_replica_copies([model], placement)  # clipping counts each replicated weight once
         if getattr(args, "zero_bubble_deterministic_init", False):
             zb_placement.deterministic_init_([model], seed=args.seed, std=args.init_method_std)
         elif placement.style == "v" and post_process and tied:
@@ -425,8 +235,8 @@ def _dataset_needed_on(vp_stage) -> bool:
     if ps.get_tensor_model_parallel_rank() != 0:
         return False
     args = get_args()
-    infos = zb_placement.chunk_infos(_placement(args), args.num_layers, ps.get_pipeline_model_parallel_rank(),
-                                 **_layer_kw(args))
+    infos = zb_placement.chunk_infos(placement_of(args), args.num_layers, ps.get_pipeline_model_parallel_rank(),
+                                 **layer_kw(args))
     chosen = infos if vp_stage is None else [infos[vp_stage]]
     return any(i.pre_process or i.post_process for i in chosen)
 
@@ -456,65 +266,6 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
 
 
 train_valid_test_datasets_provider.is_distributed = True
-
-
-# --------------------------------------------------------------------------------------------
-# V placement: Megatron reads the losses on the last pipeline rank
-# --------------------------------------------------------------------------------------------
-
-class _LossesToLastRank:
-    """Wraps the forward-backward function: with V placement the loss stage is on pipeline rank 0,
-    while Megatron's ``train_step``/``evaluate`` reduce and log the losses on the last pipeline
-    rank. The loss dicts (a few scalars per microbatch) are sent there after each call."""
-
-    def __init__(self, fb, loss_rank: int):
-        self.fb = fb
-        self.loss_rank = loss_rank
-
-    def __getattr__(self, name):
-        return getattr(self.fb, name)
-
-    def __call__(self, *args, **kwargs):
-        import torch
-        import torch.distributed as dist
-        from megatron.core import parallel_state as ps
-
-        from .install import _to_cpu, _to_device
-
-        out = self.fb(*args, **kwargs)
-        pg = kwargs.get("pg_collection")
-        group = getattr(pg, "pp", None) or ps.get_pipeline_model_parallel_group()
-        p, me = group.size(), group.rank()
-        dst = p - 1
-        if p == 1 or self.loss_rank == dst or me not in (self.loss_rank, dst):
-            return out
-        ranks = dist.get_process_group_ranks(group)
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-        if me == self.loss_rank:
-            dist.send_object_list([_to_cpu(out)], dst=ranks[dst], group=group, device=device)
-            return []
-        box = [None]
-        dist.recv_object_list(box, src=ranks[self.loss_rank], group=group, device=device)
-        return _to_device(box[0])
-
-
-def _route_losses_for_v(loss_rank: int) -> Callable[[], None]:
-    """Make megatron.training's ``get_forward_backward_func`` return the loss-forwarding wrapper."""
-    import megatron.training.training as T
-    inner = T.get_forward_backward_func
-
-    def get_forward_backward_func(*args, **kwargs):
-        fb = inner(*args, **kwargs)
-        if fb is None or isinstance(fb, _LossesToLastRank) or not hasattr(fb, "schedule_for"):
-            return fb  # Megatron's own function (PP=1)
-        return _LossesToLastRank(fb, loss_rank)
-    get_forward_backward_func.__wrapped__ = inner
-    T.get_forward_backward_func = get_forward_backward_func
-
-    def undo():
-        if T.get_forward_backward_func is get_forward_backward_func:
-            T.get_forward_backward_func = inner
-    return undo
 
 
 # --------------------------------------------------------------------------------------------
@@ -564,9 +315,9 @@ def main(argv: Optional[Sequence[str]] = None, extra_args_provider: Optional[Cal
          args_defaults: Optional[dict] = None) -> None:
     """Parse the flags (``argv``, default ``sys.argv``), install the schedule, run Megatron's pretrain()."""
     _supervise()
-    _prepare_megatron()
+    prepare_megatron()
     from megatron.core.enums import ModelType
-    from megatron.training import inprocess_restart, pretrain, print_rank_0, set_startup_timestamps
+    from megatron.training import inprocess_restart, pretrain, set_startup_timestamps
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
 
     from .install import install
@@ -582,9 +333,10 @@ def main(argv: Optional[Sequence[str]] = None, extra_args_provider: Optional[Cal
     if zb is not None:
         from megatron.core.num_microbatches_calculator import get_num_microbatches
         kwargs = dict(zb)
-        placement = _placement(args)
+        placement = placement_of(args)
         m = get_num_microbatches()
-        sim, base = preview_schedule(kwargs, placement.num_ranks, m)  # fails here, not at iteration 1
+        built, base = preview(ScheduleOptions(**kwargs), placement.num_ranks, m)  # fails here, not at iteration 1
+        sim = built.result
         schedule = kwargs.pop("schedule")
         handle = install(schedule, **kwargs)
         limit = kwargs.get("memory_limit")
@@ -598,16 +350,20 @@ def main(argv: Optional[Sequence[str]] = None, extra_args_provider: Optional[Cal
         _print0(f"megatron-zb: schedule preview, simulated {what}: bubble {100 * sim.bubble_rate:.1f}%"
                 + (f" (1f1b {100 * base.bubble_rate:.1f}%)" if base is not None else "")
                 + f", peak activation {max(sim.peak_memory):.3g} microbatches per rank")
-        if kwargs.get("offload_ratio") is not None and sim.offload is not None:
-            o = sim.offload.to_dict()
-            _print0(f"megatron-zb: activation offload ratio {kwargs['offload_ratio']}, K "
-                    + ("measured at the first iteration (previewed with 1)" if kwargs.get("offload_time") == "auto"
-                       else f"{kwargs.get('offload_time')}")
-                    + f", {'two copy streams' if kwargs.get('offload_overlap', True) else 'one copy stream'}; "
-                    f"peak activation without offload {max(o['peak_memory_without_offload']):.3g} microbatches")
+        if kwargs.get("offload_ratio") is not None:
+            streams = "two copy streams" if kwargs.get("offload_overlap", True) else "one copy stream"
+            if sim.offload is None:  # --auto-offload-time: K is measured on the device first
+                _print0(f"megatron-zb: activation offload ratio {kwargs['offload_ratio']}, {streams}; K is measured "
+                        "at the first iteration and the offloaded schedule built then (the preview above is "
+                        "without offload)")
+            else:
+                o = sim.offload.to_dict()
+                _print0(f"megatron-zb: activation offload ratio {kwargs['offload_ratio']}, K "
+                        f"{kwargs.get('offload_time')}, {streams}; peak activation without offload "
+                        f"{max(o['peak_memory_without_offload']):.3g} microbatches")
         if placement.style in ("v", "bitpipe"):
             get_emb = get_embedding_ranks
-            undo = _route_losses_for_v(placement.loss_rank)
+            undo = route_losses_to_last_rank(placement.loss_rank)
         if kwargs.get("post_validation"):
             from .optimizer import FORK_MIN_CLEAN_STEPS, patch_megatron_training
             n = getattr(args, "zero_bubble_post_validation_min_clean_steps", None)
@@ -623,8 +379,8 @@ def main(argv: Optional[Sequence[str]] = None, extra_args_provider: Optional[Cal
     from . import checkpoint_placement
     undos = []
     try:
-        record = checkpoint_placement.record(_placement(args), args.num_layers, zb["schedule"] if zb else None,
-                                             **_layer_kw(args))
+        record = checkpoint_placement.record(placement_of(args), args.num_layers, zb["schedule"] if zb else None,
+                                             **layer_kw(args))
         undos.append(checkpoint_placement.install(record))
     except ScheduleError:  # a layout our tables do not describe (Megatron's own uneven splits): no record
         pass
@@ -662,13 +418,7 @@ def _print0(msg: str) -> None:
 def _known_errors():
     """Errors whose message says everything: one line, once, exit code 2."""
     from .checkpoint_placement import CheckpointPlacementError
-    known = [ZeroBubbleArgumentError, MegatronTrainingMissing, CheckpointPlacementError]
-    try:
-        from .install import ZeroBubbleConfigError
-        known.append(ZeroBubbleConfigError)
-    except Exception:  # pragma: no cover
-        pass
-    return tuple(known)
+    return (ZeroBubbleArgumentError, ZeroBubbleConfigError, MegatronTrainingMissing, CheckpointPlacementError)
 
 
 def _cli() -> int:

@@ -70,6 +70,10 @@ import torch
 
 from megatron_zb.runtime.wqueue import WQueue, WQueueError
 
+from .wgrad_te import QUEUE_ATTR as _QUEUE
+from .wgrad_te import TE_HOOK_ATTR as _TE_HOOK
+from .wgrad_te import find_ddp, is_te_delayed, te_forward_hook
+
 __all__ = [
     "attach_wgrad_queue",
     "detach_wgrad_queue",
@@ -78,10 +82,8 @@ __all__ = [
     "queue_of",
 ]
 
-_QUEUE = "_mzb_wqueue"          # the chunk's WQueue, on every attached layer
 _PATCHED = "_mzb_wgrad_patched"  # marks our instance-level _forward_impl
 _LAST_TASK = "_mzb_last_wtask"   # last W task of the layer (merges repeated calls in one B)
-_TE_HOOK = "_mzb_te_hook"        # forward-hook handle on TE modules
 _DELIVERY = "wgrad_delivery"     # key in WQueue.scratch: the B pass's shared _Delivery
 _DELIVERY_BYTES = 256 << 20      # a W pass hands gradients to autograd at least every 256 MiB
 
@@ -359,54 +361,6 @@ def _run_backward(params, grads):
         inputs=tuple(), allow_unreachable=True, accumulate_grad=True)
 
 
-# ----------------------------------------------------------------------------- Transformer Engine
-def _is_te_delayed(module) -> bool:
-    """A module following Transformer Engine's delayed-wgrad protocol, with delay switched on.
-
-    TE modules built with ``delay_wgrad_compute=True`` (megatron's TELinear & co. when
-    ``config.delay_wgrad_compute``) have ``wgrad_store.delay_wgrad_compute()`` true: their backward
-    pushes the weight-gradient work on a per-module FIFO and ``backward_dw()`` pops and runs one
-    entry. Duck-typed, so nothing imports transformer_engine (no megatron module has a
-    ``wgrad_store``; megatron's own ``backward_dw`` containers are not matched).
-    """
-    if not callable(getattr(module, "backward_dw", None)):
-        return False
-    probe = getattr(getattr(module, "wgrad_store", None), "delay_wgrad_compute", None)
-    return callable(probe) and bool(probe())
-
-
-def _te_forward_hook(module, args, output):
-    if module.__dict__.get(_QUEUE) is None or not torch.is_grad_enabled():
-        return None
-    out = output
-    while isinstance(out, (tuple, list)) and out:
-        out = out[0]
-    if isinstance(out, torch.Tensor) and out.requires_grad:
-        out.register_hook(functools.partial(_te_grad_hook, module))
-    return None
-
-
-def _te_grad_hook(module, grad):
-    # Runs when the module's output gradient is ready, i.e. just before TE's backward of this call
-    # pushes one entry on the module's FIFO.
-    queue = module.__dict__.get(_QUEUE)
-    if queue is not None and queue.deferring:
-        queue.put(module.backward_dw, fifo=True)
-    else:  # BW pass (or detached meanwhile): pop the entry at the end of this backward
-        torch.autograd.Variable._execution_engine.queue_callback(module.backward_dw)
-    return None
-
-
-def _find_ddp(model_chunk):
-    m, seen = model_chunk, set()
-    while m is not None and id(m) not in seen:
-        seen.add(id(m))
-        if hasattr(m, "ddp_config"):
-            return m
-        m = getattr(m, "module", None)
-    return None
-
-
 # ----------------------------------------------------------------------------- attach / detach
 def _reused_layers(model_chunk) -> set:
     """Layers megatron calls more than once per forward: GPTModel's output layer under MTP."""
@@ -443,7 +397,7 @@ def _candidates(model_chunk) -> Iterator[tuple]:
     for name, m in model_chunk.named_modules():
         if L is not None and id(m) not in reused and _is_local_deferrable(m, L):
             yield name, m, "local"
-        elif _is_te_delayed(m) and not any(name.startswith(p + ".") for p in te_names):
+        elif is_te_delayed(m) and not any(name.startswith(p + ".") for p in te_names):
             te_names.append(name)  # an enclosing TE module already owns its children's FIFOs
             yield name, m, "te"
 
@@ -463,7 +417,7 @@ def attach_wgrad_queue(model_chunk: torch.nn.Module, queue: WQueue) -> int:
     found = list(_candidates(model_chunk))
     te = [m for _, m, kind in found if kind == "te"]
     if te:
-        ddp = _find_ddp(model_chunk)
+        ddp = find_ddp(model_chunk)
         if ddp is not None and not getattr(ddp.ddp_config, "delay_wgrad_compute", False):
             raise ValueError(
                 "this chunk has Transformer Engine modules with delay_wgrad_compute=True; megatron "
@@ -476,7 +430,7 @@ def attach_wgrad_queue(model_chunk: torch.nn.Module, queue: WQueue) -> int:
                 m.__dict__["_forward_impl"] = types.MethodType(_deferrable_forward_impl, m)
                 m.__dict__[_PATCHED] = True
         elif _TE_HOOK not in m.__dict__:
-            m.__dict__[_TE_HOOK] = m.register_forward_hook(_te_forward_hook)
+            m.__dict__[_TE_HOOK] = m.register_forward_hook(te_forward_hook)
     return len(found)
 
 

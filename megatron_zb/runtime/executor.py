@@ -12,19 +12,20 @@ through a stage:
   SEND_B  send the input gradient to the previous stage's rank (or hand it over locally)
   W       run the deferred weight gradients of this stage and microbatch
 
-With activation offload (``StagePasses.offload``): F runs under ``capture``; OFFLOAD / RELOAD
-(OFFLOAD_W / RELOAD_W for what W needs) start the copies; B (W) first ``wait``s for its reload.
+Runtime features (progress, activation offload, post-validation, profiling, gradient sync)
+attach as hooks (``runtime.hooks``): the executor calls them at the points that module lists and
+knows nothing else about them.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..core.ir import (B, BW, F, OFFLOAD, OFFLOAD_W, RECV_B, RECV_F, RELOAD, RELOAD_W, SEND_B, SEND_F, W, Action,
-                       Placement)
+from ..core.ir import (B, BW, F, OFFLOAD, OFFLOAD_KINDS, OFFLOAD_W, RECV_B, RECV_F, RELOAD, RELOAD_W, SEND_B, SEND_F, W,
+                       Action, Placement)
+from .hooks import Hook, Hooks
 from .p2p import P2P, PipelineTimeout
 
 
@@ -40,19 +41,11 @@ class StagePasses:
     recv_shape: Callable[[int, int], Sequence[int]]  # (stage, mb) -> activation shape
     dtype: torch.dtype = torch.float32
     device: object = "cpu"
-    # called right before the first / after the last pass that touches a stage's gradients
-    before_last_backward: Optional[Callable[[int], None]] = None
-    after_last_backward: Optional[Callable[[int], None]] = None
-    # timing hook: called with (kind, stage, mb, seconds) after each compute pass
-    on_pass: Optional[Callable[[str, int, int, float], None]] = None
     # release an activation that has been sent or handed over (deallocate_pipeline_outputs)
     release_output: Optional[Callable[[torch.Tensor], None]] = None
     # overlapped F&B pairs (DualPipe): overlap(run_f, run_b) runs both thunks, e.g. on two CUDA
     # streams; without it they run one after the other
     overlap: Optional[Callable[[Callable[[], None], Callable[[], None]], None]] = None
-    # activation offload (runtime.offload.OffloadManager or the same methods): capture(stage, mb,
-    # offload, inputs) around every F, offload/reload(_w) at OFFLOAD/RELOAD(_W), wait(_w) before B/W
-    offload: Optional[object] = None
 
 
 Key = Tuple[int, int]  # (stage, microbatch)
@@ -67,7 +60,6 @@ class _State:
     saved: Dict[Key, Tuple[Optional[torch.Tensor], torch.Tensor]] = field(default_factory=dict)
     to_send_f: Dict[Key, torch.Tensor] = field(default_factory=dict)
     to_send_b: Dict[Key, torch.Tensor] = field(default_factory=dict)
-    offloaded: set = field(default_factory=set)  # (stage, mb) whose activation an OFFLOAD moves
     drain: bool = False  # post-validation rejected the step: pass messages on, compute nothing
 
 
@@ -78,38 +70,34 @@ class ExecutionError(RuntimeError):
 def execute(actions: List[Action], rank: int, placement: Placement, passes: StagePasses,
             p2p: Optional[P2P], forward_only: bool = False,
             overlap_pairs: Optional[Dict[int, int]] = None,
-            validate: Optional[Callable[[], bool]] = None) -> bool:
+            hooks: Sequence[Optional[Hook]] = ()) -> bool:
     """Run ``actions`` (this rank's lowered list) to the end.
 
     ``overlap_pairs`` maps the position of an overlapped pair's F to its B's (only messages lie
     between them): the receives in between are posted first, then ``passes.overlap`` gets the F
     (with the sends that follow it) and the B as two thunks.
 
-    ``validate`` (optimizer post-validation, ``runtime.postval``): called once, right before the
-    rank's first backward (before the overlapped pair holding it). If it returns False the rest
-    of the list runs without computing: receives are taken and dropped, sends carry zeros of the
-    right shape, so every peer's messages still match. Returns False in that case, else True.
+    ``hooks`` (``runtime.hooks``): the runtime features of this call. If a hook's ``validate``
+    (called once, right before the rank's first backward) says no, the rest of the list runs
+    without computing: receives are taken and dropped, sends carry zeros of the right shape, so
+    every peer's messages still match. Returns False in that case, else True.
     """
-    nst = placement.num_stages
     st = _State()
-    last_b, last = _backward_bounds(actions)
+    hk = Hooks(hooks)
+    bounds = _backward_bounds(actions)
     pairs = overlap_pairs or {}
-    st.offloaded = {(a.stage, a.mb) for a in actions if a.kind == OFFLOAD}
-    if passes.offload is None and any(a.kind in (OFFLOAD, RELOAD, OFFLOAD_W, RELOAD_W) for a in actions):
-        raise ExecutionError(f"rank {rank}: the schedule offloads activations but no offload manager was given "
-                             "(StagePasses.offload)")
-    check_at = _validation_position(actions, pairs) if validate is not None and not forward_only else None
-
-    prog = getattr(p2p, "progress", None)  # runtime.progress: what this rank runs / finished last
+    if not hk.has("transfer") and any(a.kind in OFFLOAD_KINDS for a in actions):
+        raise ExecutionError(f"rank {rank}: the schedule offloads activations but no hook moves them "
+                             "(an offload manager)")
+    check_at = _validation_position(actions, pairs) if hk.has("validate") and not forward_only else None
+    hk.prepare(actions)
 
     def step(i):
         a = actions[i]
-        if prog is not None:
-            prog.begin(a)
+        hk.begin(a)
         try:
-            _step(a, i, rank, placement, nst, passes, p2p, st, forward_only, last_b, last)
-            if prog is not None:
-                prog.end(a)
+            _step(a, i, rank, placement, passes, p2p, st, forward_only, bounds, hk)
+            hk.end(a)
         except (ExecutionError, PipelineTimeout):
             raise
         except Exception as e:
@@ -117,7 +105,7 @@ def execute(actions: List[Action], rank: int, placement: Placement, passes: Stag
 
     i = 0
     while i < len(actions):
-        if i == check_at and not validate():
+        if i == check_at and not hk.validate():
             st.drain = True
         if i in pairs and not forward_only and not st.drain:
             j = pairs[i]
@@ -145,6 +133,7 @@ def execute(actions: List[Action], rank: int, placement: Placement, passes: Stag
         list(st.local_grads) + list(st.to_send_f) + list(st.to_send_b)
     if leftovers:
         raise ExecutionError(f"rank {rank}: received tensors that no pass consumed: {leftovers}")
+    hk.finish(not st.drain)
     return not st.drain
 
 
@@ -172,38 +161,40 @@ def _backward_bounds(actions):
     return last_b, last
 
 
-def _step(a: Action, i: int, rank: int, pl: Placement, nst: int, ps: StagePasses, p2p: Optional[P2P],
-          st: _State, forward_only: bool, last_b: Dict[int, int], last: Dict[int, int]) -> None:
+def _step(a: Action, i: int, rank: int, pl: Placement, ps: StagePasses, p2p: Optional[P2P], st: _State,
+          forward_only: bool, bounds, hk: Hooks) -> None:
     key = (a.stage, a.mb)
     k = a.kind
-    if st.drain and k in (OFFLOAD, RELOAD, OFFLOAD_W, RELOAD_W):
-        return  # nothing is computed any more: nothing to move (the caller discards the manager's parts)
+    last_b, last = bounds
+    if st.drain and k in OFFLOAD_KINDS:
+        return  # nothing is computed any more: nothing to move (the hooks hear finish(False))
     if st.drain and k in (F, B, BW, W):
-        _drain(a, key, rank, pl, nst, ps, st)
+        _drain(a, key, rank, pl, ps, st)
     elif k == RECV_F:
-        st.pending_inputs[key] = p2p.recv(ps.recv_shape(*key), ps.dtype, ps.device, a.peer,
-                                          f"the input of F{a.stage}.{a.mb}")
+        what = f"the input of F{a.stage}.{a.mb}"
+        with hk.wait(what):
+            st.pending_inputs[key] = p2p.recv(ps.recv_shape(*key), ps.dtype, ps.device, a.peer, what)
     elif k == RECV_B:
-        st.pending_grads[key] = p2p.recv(ps.recv_shape(*key), ps.dtype, ps.device, a.peer,
-                                         f"the output gradient of B{a.stage}.{a.mb}")
+        what = f"the output gradient of B{a.stage}.{a.mb}"
+        with hk.wait(what):
+            st.pending_grads[key] = p2p.recv(ps.recv_shape(*key), ps.dtype, ps.device, a.peer, what)
     elif k == F:
         if pl.is_first(a.stage):
             inp = None
         elif key in st.pending_inputs:
-            inp = st.pending_inputs.pop(key).wait().requires_grad_(not forward_only)
+            with hk.wait(f"the input of F{a.stage}.{a.mb}"):
+                inp = st.pending_inputs.pop(key).wait()
+            inp = inp.requires_grad_(not forward_only)
         elif key in st.local_inputs:
             inp = st.local_inputs.pop(key)
         else:
             raise ExecutionError(f"rank {rank}: F{a.stage}.{a.mb} has no input: no RECV_F was posted "
                                  f"and stage {pl.prev_stage(a.stage)} did not run here")
-        t0 = time.perf_counter()
-        if ps.offload is not None and not forward_only:
-            with ps.offload.capture(a.stage, a.mb, key in st.offloaded, (inp,)):
-                out = ps.forward(a.stage, a.mb, inp)
-        else:
+        if forward_only:
             out = ps.forward(a.stage, a.mb, inp)
-        _timed(ps, "F", a, t0)
-        if not forward_only:
+        else:
+            with hk.compute(a, (inp,)):
+                out = ps.forward(a.stage, a.mb, inp)
             st.saved[key] = (inp, out)
         nxt = pl.next_stage(a.stage)
         if nxt is not None and pl.rank_of(nxt) == rank:  # local hand-over (V turn)
@@ -219,84 +210,71 @@ def _step(a: Action, i: int, rank: int, pl: Placement, nst: int, ps: StagePasses
             ps.release_output(out)
         p2p.reap_sends()
     elif k in (B, BW):
-        if i == last_b.get(a.stage) and ps.before_last_backward is not None:
-            ps.before_last_backward(a.stage)
+        if i == last_b.get(a.stage):
+            hk.before_last_backward(a.stage)
         if pl.is_last(a.stage):
             grad = None
         elif key in st.pending_grads:
-            grad = st.pending_grads.pop(key).wait()
+            with hk.wait(f"the output gradient of B{a.stage}.{a.mb}"):
+                grad = st.pending_grads.pop(key).wait()
         elif key in st.local_grads:
             grad = st.local_grads.pop(key)
         else:
             raise ExecutionError(f"rank {rank}: {a} has no output gradient: no RECV_B was posted "
                                  f"and stage {pl.next_stage(a.stage)} did not run its backward here")
         inp, out = st.saved.pop(key)
-        if ps.offload is not None:
-            ps.offload.wait(a.stage, a.mb)
-        t0 = time.perf_counter()
-        in_grad = ps.backward(a.stage, a.mb, inp, out, grad, k == B)
-        _timed(ps, k, a, t0)
+        with hk.compute(a, (inp,)):
+            in_grad = ps.backward(a.stage, a.mb, inp, out, grad, k == B)
         prev = pl.prev_stage(a.stage)
         if prev is not None:
             if pl.rank_of(prev) == rank:
                 st.local_grads[(prev, a.mb)] = in_grad
             else:
                 st.to_send_b[key] = in_grad
-        if i == last.get(a.stage) and ps.after_last_backward is not None:
-            ps.after_last_backward(a.stage)
+        if i == last.get(a.stage):
+            hk.after_last_backward(a.stage)
     elif k == SEND_B:
         p2p.send(st.to_send_b.pop(key), a.peer, f"the input gradient of B{a.stage}.{a.mb}")
         p2p.reap_sends()
     elif k == W:
-        if ps.offload is not None:
-            ps.offload.wait_w(a.stage, a.mb)
-        t0 = time.perf_counter()
-        ps.weight(a.stage, a.mb)
-        _timed(ps, "W", a, t0)
-        if i == last.get(a.stage) and ps.after_last_backward is not None:
-            ps.after_last_backward(a.stage)
-    elif k == OFFLOAD:
-        ps.offload.offload(a.stage, a.mb)
-    elif k == RELOAD:
-        ps.offload.reload(a.stage, a.mb)
-    elif k == OFFLOAD_W:
-        ps.offload.offload_w(a.stage, a.mb)
-    elif k == RELOAD_W:
-        ps.offload.reload_w(a.stage, a.mb)
+        with hk.compute(a, ()):
+            ps.weight(a.stage, a.mb)
+        if i == last.get(a.stage):
+            hk.after_last_backward(a.stage)
+    elif k in OFFLOAD_KINDS:
+        hk.transfer(a)
     else:
         raise ExecutionError(f"rank {rank}: unknown action {a}")
 
 
-def _drain(a: Action, key: Key, rank: int, pl: Placement, nst: int, ps: StagePasses, st: _State) -> None:
-    """A pass after a rejected post-validation: consume its input, hand on zeros, compute nothing."""
+def _drain(a: Action, key: Key, rank: int, pl: Placement, ps: StagePasses, st: _State) -> None:
+    """A pass after a rejected post-validation: consume its input, hand on zeros, compute nothing.
+    Messages go where ``_step`` sends them: to the stage's neighbours along its path."""
     def zeros(stage):
         return torch.zeros(tuple(ps.recv_shape(stage, a.mb)), dtype=ps.dtype, device=ps.device)
 
     if a.kind == F:
-        if a.stage > 0:
+        if not pl.is_first(a.stage):
             if key in st.pending_inputs:
                 st.pending_inputs.pop(key).wait()
             else:
                 st.local_inputs.pop(key, None)
-        if a.stage + 1 < nst:
-            if pl.rank_of(a.stage + 1) == rank:
-                st.local_inputs[(a.stage + 1, a.mb)] = zeros(a.stage + 1)
+        nxt = pl.next_stage(a.stage)
+        if nxt is not None:
+            if pl.rank_of(nxt) == rank:
+                st.local_inputs[(nxt, a.mb)] = zeros(nxt)
             else:
-                st.to_send_f[key] = zeros(a.stage + 1)
+                st.to_send_f[key] = zeros(nxt)
     elif a.kind in (B, BW):
-        if a.stage < nst - 1:
+        if not pl.is_last(a.stage):
             if key in st.pending_grads:
                 st.pending_grads.pop(key).wait()
             else:
                 st.local_grads.pop(key, None)
         st.saved.pop(key, None)
-        if a.stage > 0:
-            if pl.rank_of(a.stage - 1) == rank:
-                st.local_grads[(a.stage - 1, a.mb)] = zeros(a.stage)
+        prev = pl.prev_stage(a.stage)
+        if prev is not None:
+            if pl.rank_of(prev) == rank:
+                st.local_grads[(prev, a.mb)] = zeros(a.stage)
             else:
                 st.to_send_b[key] = zeros(a.stage)
-
-
-def _timed(ps: StagePasses, kind: str, a: Action, t0: float) -> None:
-    if ps.on_pass is not None:
-        ps.on_pass(kind, a.stage, a.mb, time.perf_counter() - t0)

@@ -12,7 +12,9 @@ and back, at the points the lowered schedule says (``core.offload`` places OFFLO
     backward(...)
     mgr.offload_w(stage, mb) / reload_w / wait_w   # the same for what W still needs (W queue tensors)
 
-How (the executor's narrow interface is just those calls):
+The executor reaches it through ``OffloadHook`` (``runtime.hooks``), which makes exactly those calls.
+
+How:
 
 * **Capture.** ``torch.autograd.graph.saved_tensors_hooks`` around the chunk's forward: every
   tensor autograd saves is replaced by a small handle naming its storage and its view (dtype,
@@ -40,13 +42,15 @@ How (the executor's narrow interface is just those calls):
 from __future__ import annotations
 
 import contextlib
-import time
 import weakref
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["OffloadManager", "OffloadError", "measure_host_link", "measure_matmul"]
+from ..core.ir import B, BW, F, OFFLOAD, OFFLOAD_W, RELOAD, RELOAD_W, W
+from .hooks import Hook
+
+__all__ = ["OffloadManager", "OffloadError", "OffloadHook"]
 
 _ALIGN = 512  # bytes: every storage starts at a multiple of this inside a host buffer
 
@@ -439,50 +443,36 @@ class OffloadManager:
         # state 'device' (captured, never offloaded): nothing to do
 
 
-# ---------------------------------------------------------------------------------------------
-# measurements for --auto-offload-time
+class OffloadHook(Hook):
+    """The executor's side of activation offload: each F runs under ``capture`` (offloaded when
+    the list holds its OFFLOAD), OFFLOAD/RELOAD(_W) start the copies, B/BW first ``wait`` for
+    their reload and W for its ``reload_w``; at the end the iteration's counts are kept
+    (``stats``), or, after a post-validation drain, what is still captured is dropped."""
 
+    def __init__(self, manager: OffloadManager):
+        self.manager = manager
+        self.offloaded: set = set()
+        self.stats: Optional[dict] = None  # the manager's counts of the last completed iteration
 
-def measure_host_link(device, nbytes: Optional[int] = None, repeats: int = 5) -> dict:
-    """One-way copy bandwidth between the device and (pinned) host memory, in GB/s (median).
-    On a CPU this is a memcpy between two CPU tensors, and is labelled so."""
-    device = torch.device(device)
-    cuda = device.type == "cuda"
-    nbytes = nbytes or ((256 << 20) if cuda else (32 << 20))
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
-    d2h, h2d = [], []
-    for _ in range(repeats):
-        for out, fn in ((d2h, lambda: host.copy_(src, non_blocking=cuda)), (h2d, lambda: src.copy_(host, non_blocking=cuda))):
-            if cuda:
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            fn()
-            if cuda:
-                torch.cuda.synchronize(device)
-            out.append(nbytes / (time.perf_counter() - t0) / 1e9)
-    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
-    return {"d2h_gbps": med(d2h), "h2d_gbps": med(h2d), "bytes": nbytes,
-            "what": "pinned host <-> GPU copies" if cuda else "CPU memcpy (no GPU: a stand-in, not a host link)"}
+    def prepare(self, actions) -> None:
+        self.offloaded = {(a.stage, a.mb) for a in actions if a.kind == OFFLOAD}
 
+    def compute(self, a, inputs):
+        m = self.manager
+        if a.kind == F:
+            return m.capture(a.stage, a.mb, (a.stage, a.mb) in self.offloaded, inputs)
+        if a.kind in (B, BW):
+            m.wait(a.stage, a.mb)
+        elif a.kind == W:
+            m.wait_w(a.stage, a.mb)
+        return None
 
-def measure_matmul(device, dtype=None, n: Optional[int] = None, repeats: int = 5) -> dict:
-    """Dense matmul throughput in TFLOPS (median): bf16 n=8192 on a GPU, fp32 n=1024 on a CPU."""
-    device = torch.device(device)
-    cuda = device.type == "cuda"
-    dtype = dtype or (torch.bfloat16 if cuda else torch.float32)
-    n = n or (8192 if cuda else 1024)
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    times = []
-    for _ in range(repeats + 1):
-        if cuda:
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        a @ b
-        if cuda:
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
-    t = sorted(times[1:])[len(times[1:]) // 2]
-    return {"tflops": 2.0 * n ** 3 / t / 1e12, "n": n, "dtype": str(dtype).replace("torch.", ""),
-            "what": "GPU matmul" if cuda else "CPU matmul (no GPU: a stand-in)"}
+    def transfer(self, a) -> None:
+        m = self.manager
+        {OFFLOAD: m.offload, RELOAD: m.reload, OFFLOAD_W: m.offload_w, RELOAD_W: m.reload_w}[a.kind](a.stage, a.mb)
+
+    def finish(self, completed: bool) -> None:
+        if completed:
+            self.stats = self.manager.end_iteration()
+        else:
+            self.manager.discard()

@@ -30,12 +30,13 @@ from __future__ import annotations
 import datetime
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from .hooks import Hook
 from .p2p import PairGroups, PipelineTimeout
 
 __all__ = ["Channel", "Round", "PostValidation", "Replay", "replayable", "ValidationTimeout"]
@@ -222,6 +223,17 @@ class PostValidation:
         a rejected step is rolled back and redone at once (no forwards of a next iteration ran)."""
         if self.pending is not None and not self.validate():
             self.recover()
+
+
+class ValidationPoint(Hook):
+    """The executor's side of post-validation (``runtime.hooks``): right before the rank's first
+    backward, wait for the pending step's result and judge it; False drains the iteration."""
+
+    def __init__(self, post_validation: PostValidation):
+        self.post_validation = post_validation
+
+    def validate(self) -> bool:
+        return self.post_validation.validate()
 
 
 class Replay:

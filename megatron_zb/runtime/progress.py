@@ -43,6 +43,8 @@ import threading
 import time
 from typing import Dict, List, Optional, Sequence
 
+from .hooks import Hook
+
 __all__ = ["Progress", "tracker", "read_records", "diagnose_records", "enable_stall_watch", "pause", "stop",
            "finish_kills",
            "PERIOD_S", "CHECK_S"]
@@ -68,8 +70,9 @@ def _tcp_endpoint(store):
     return host, int(port)
 
 
-class Progress:
-    """This rank's progress (hot-path attributes) and the thread that publishes it."""
+class Progress(Hook):
+    """This rank's progress (hot-path attributes) and the thread that publishes it. As an executor
+    hook (``runtime.hooks``) it hears every action's begin and end."""
 
     def __init__(self, global_rank: int, endpoint, period_s: float = PERIOD_S):
         self.rank = int(global_rank)

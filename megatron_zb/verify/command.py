@@ -11,8 +11,8 @@ import sys
 from typing import Optional, Sequence
 
 from ..argtypes import nonneg, positive_int, share_or_auto
-from .harness import (DEFAULT_GRAD_RTOL, DEFAULT_LOSS_ATOL, PSEUDO_SCHEDULES, VerifyUsageError, make_case,
-                      run_verify_many)
+from .case import DEFAULT_GRAD_RTOL, DEFAULT_LOSS_ATOL, PSEUDO_SCHEDULES, VerifyUsageError, make_case
+from .harness import run_verify_many
 
 __all__ = ["main_verify"]
 

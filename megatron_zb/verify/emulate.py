@@ -74,6 +74,7 @@ def _rank_main(job: dict) -> dict:
 
     from ..core.lower import lower
     from ..runtime.executor import execute
+    from ..runtime.hooks import PassTimes
     from ..runtime.p2p import P2P, PairGroups
     from ..runtime.sleep_passes import sleep_passes
 
@@ -94,8 +95,8 @@ def _rank_main(job: dict) -> dict:
             low = lower(generate(entry.schedule, st))
             passes = sleep_passes(st, rank, low.placement, unit=unit)
             record: List[tuple] = []
-            passes.on_pass = lambda kind, stage, mb, sec: record.append(
-                (kind, stage, mb, time.perf_counter() - sec, time.perf_counter()))
+            timing = PassTimes(lambda kind, stage, mb, sec: record.append(
+                (kind, stage, mb, time.perf_counter() - sec, time.perf_counter())))
             n = job["warmup"] + job["iterations"]
             starts, ends = [], []
             dist.barrier()
@@ -105,7 +106,7 @@ def _rank_main(job: dict) -> dict:
                 if i == n - 1:
                     record.clear()
                 starts.append(time.perf_counter())
-                execute(low.orders[rank], rank, low.placement, passes, p2p)
+                execute(low.orders[rank], rank, low.placement, passes, p2p, hooks=[timing])
                 ends.append(time.perf_counter())
             dist.barrier()
             out.append({"starts": starts, "ends": ends, "passes": list(record)})

@@ -24,12 +24,12 @@
   checkpoint-writer Manager, any ``multiprocessing`` child); the zygote is a child subreaper
   (Linux), kills whatever is left in each finished rank's process group, reaps every orphan that
   comes back to it and exits only when it has no child left; the parent waits for that.
-* ``set_status(text)`` (callable from rank code, e.g. an executor about to wait on a receive) is a
-  memory write into a small per-rank mmap'd file, cheap enough to call before every pass.
+* ``set_status(text)`` (``verify.rankio``; callable from rank code, e.g. an executor about to wait on
+  a receive) is a memory write into a small per-rank mmap'd file, cheap enough to call before every
+  pass. The ranks' side (the zygote, each rank's main) is ``verify.zygote``.
 """
 from __future__ import annotations
 
-import mmap
 import os
 import pickle
 import shutil
@@ -38,17 +38,16 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence
+
+from .rankio import (STATUS_BYTES, TensorPickler, get_status, load_result, log_tail, read_int, read_status,
+                     set_status, status_file, td)
 
 __all__ = ["launch", "run_cases", "set_status", "get_status", "RankError", "LaunchTimeout",
            "LaunchError", "resolve_mcore_path", "repo_root"]
 
-_STATUS_BYTES = 4096
 _ZYGOTE_EXIT_S = 15.0  # how long the parent waits for the zygote to reap everything before killing it
-_status_map: Optional[mmap.mmap] = None
-_status_text = ""
 
 
 class LaunchError(RuntimeError):
@@ -91,26 +90,6 @@ class LaunchTimeout(LaunchError):
         super().__init__("\n".join(lines))
 
 
-# --------------------------------------------------------------------------------------------
-# helpers usable from rank code
-# --------------------------------------------------------------------------------------------
-
-def set_status(text: str) -> None:
-    """Record what this rank is doing now (shown if the launch times out). No-op outside a launch."""
-    global _status_text
-    _status_text = text
-    m = _status_map
-    if m is None:
-        return
-    data = text.encode("utf-8", "replace")[: _STATUS_BYTES - 1]
-    m[: len(data)] = data
-    m[len(data)] = 0
-
-
-def get_status() -> str:
-    return _status_text
-
-
 def repo_root() -> str:
     """The directory holding the ``megatron_zb`` package (the repository root in a checkout)."""
     return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -134,6 +113,8 @@ def resolve_mcore_path(mcore_path: Optional[str] = None) -> Optional[str]:
     if not os.path.isdir(os.path.join(cand, "megatron", "core")):
         raise LaunchError(f"megatron-core path {cand} has no megatron/core package")
     return cand
+
+
 
 
 # --------------------------------------------------------------------------------------------
@@ -180,7 +161,7 @@ def run_cases(fn: Callable, cases: Sequence[Any], world_size: int, *, timeout: f
     store = None
     try:
         store = dist.TCPStore("127.0.0.1", 0, world_size + 1, True, wait_for_workers=False,
-                              timeout=_td(timeout + 30))
+                              timeout=td(timeout + 30))
         port = store.port
         sys_path = [p for p in sys.path if p]
         if mpath:
@@ -190,7 +171,7 @@ def run_cases(fn: Callable, cases: Sequence[Any], world_size: int, *, timeout: f
         payload = os.path.join(workdir, "payload.pkl")
         with open(payload, "wb") as f:
             pickle.dump(header, f)
-            _Pickler(f, protocol=pickle.HIGHEST_PROTOCOL).dump(
+            TensorPickler(f, protocol=pickle.HIGHEST_PROTOCOL).dump(
                 {"fn": fn, "cases": cases, "port": port, "timeout": timeout,
                  "barrier_between": barrier_between})
         child_env = dict(os.environ)
@@ -203,12 +184,11 @@ def run_cases(fn: Callable, cases: Sequence[Any], world_size: int, *, timeout: f
         if env:
             child_env.update(env)
         for r in range(world_size):
-            with open(_status_file(workdir, r), "wb") as f:
-                f.write(b"\0" * _STATUS_BYTES)
+            with open(status_file(workdir, r), "wb") as f:
+                f.write(b"\0" * STATUS_BYTES)
         log = open(os.path.join(workdir, "zygote.log"), "wb")
         logs.append(log)
-        cmd = [sys.executable, "-c", "import sys; from megatron_zb.verify.launch import _zygote_main; "
-               "_zygote_main(sys.argv[1])", workdir]
+        cmd = [sys.executable, "-m", "megatron_zb.verify.zygote", workdir]
         zygote = subprocess.Popen(cmd, env=child_env, stdout=log, stderr=subprocess.STDOUT,
                                   stdin=subprocess.DEVNULL, start_new_session=True)
         procs = [_Rank(workdir, r, zygote) for r in range(world_size)]
@@ -219,7 +199,7 @@ def run_cases(fn: Callable, cases: Sequence[Any], world_size: int, *, timeout: f
                 _kill(p)
         if zygote is not None and zygote.poll() is None:
             ranks_done = bool(procs) and all(
-                _read_int(os.path.join(workdir, f"exit{p.rank}")) is not None for p in procs)
+                read_int(os.path.join(workdir, f"exit{p.rank}")) is not None for p in procs)
             try:  # with every rank reaped it only cleans up what they left behind, then exits
                 zygote.wait(timeout=_ZYGOTE_EXIT_S if ranks_done else 0.1)
             except subprocess.TimeoutExpired:
@@ -240,49 +220,6 @@ def run_cases(fn: Callable, cases: Sequence[Any], world_size: int, *, timeout: f
             shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _td(seconds: float):
-    from datetime import timedelta
-    return timedelta(seconds=max(1.0, float(seconds)))
-
-
-def _status_file(workdir: str, r: int) -> str:
-    return os.path.join(workdir, f"status{r}.bin")
-
-
-def _result_file(workdir: str, r: int) -> str:
-    return os.path.join(workdir, f"result{r}.pkl")
-
-
-def _read_status(workdir: str, r: int) -> str:
-    try:
-        with open(_status_file(workdir, r), "rb") as f:
-            data = f.read(_STATUS_BYTES)
-        return data.split(b"\0", 1)[0].decode("utf-8", "replace")
-    except OSError:
-        return ""
-
-
-def _log_tail(workdir: str, r: int, n: int = 60) -> str:
-    try:
-        with open(os.path.join(workdir, f"rank{r}.log"), "rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - 64 * 1024))
-            lines = f.read().decode("utf-8", "replace").splitlines()
-        keep = [l for l in lines if "UserWarning" not in l and not l.strip().startswith("warnings.warn")]
-        return "\n".join(keep[-n:])
-    except OSError:
-        return ""
-
-
-def _load_result(workdir: str, r: int):
-    path = _result_file(workdir, r)
-    if not os.path.exists(path):
-        return None
-    with open(path, "rb") as f:
-        return pickle.load(f)
-
-
 class _Rank:
     """A rank forked by the launch's zygote: its pid (once forked) and exit code (once reaped),
     read from the small files the zygote writes into the launch's folder."""
@@ -292,29 +229,15 @@ class _Rank:
 
     @property
     def pid(self) -> Optional[int]:
-        return _read_int(os.path.join(self.workdir, f"pid{self.rank}"))
+        return read_int(os.path.join(self.workdir, f"pid{self.rank}"))
 
     def poll(self) -> Optional[int]:
-        code = _read_int(os.path.join(self.workdir, f"exit{self.rank}"))
+        code = read_int(os.path.join(self.workdir, f"exit{self.rank}"))
         if code is None and self.zygote.poll() is not None:  # the zygote is gone: nobody will report
-            code = _read_int(os.path.join(self.workdir, f"exit{self.rank}"))
+            code = read_int(os.path.join(self.workdir, f"exit{self.rank}"))
             if code is None:
                 code = self.zygote.returncode or -1
         return code
-
-
-def _read_int(path: str) -> Optional[int]:
-    try:
-        with open(path) as f:
-            return int(f.read())
-    except (OSError, ValueError):
-        return None
-
-
-def _write_int(path: str, value: int) -> None:
-    with open(path + ".tmp", "w") as f:
-        f.write(str(value))
-    os.replace(path + ".tmp", path)
 
 
 def _kill(p: _Rank) -> None:
@@ -385,8 +308,8 @@ def _wait(procs, workdir, world_size, timeout, grace, store=None) -> List[List[A
                     pass
             progress = _progress_report(store, world_size) if store is not None else ""
             time.sleep(0.5)
-            statuses = {r: _read_status(workdir, r) for r in unfinished}
-            logs = {r: _log_tail(workdir, r, 40) for r in unfinished}
+            statuses = {r: read_status(workdir, r) for r in unfinished}
+            logs = {r: log_tail(workdir, r, 40) for r in unfinished}
             for p in procs:
                 if p.poll() is None:
                     _kill(p)
@@ -394,7 +317,7 @@ def _wait(procs, workdir, world_size, timeout, grace, store=None) -> List[List[A
         time.sleep(0.02)
     per_rank = []
     for r in range(world_size):
-        res = _load_result(workdir, r)
+        res = load_result(workdir, r)
         if res is None or not res.get("ok"):
             _raise_rank_error(procs, workdir, world_size, r)
         per_rank.append(res["results"])
@@ -404,7 +327,7 @@ def _wait(procs, workdir, world_size, timeout, grace, store=None) -> List[List[A
 
 def _raise_rank_error(procs, workdir, world_size, hint_rank):
     # Prefer a rank that reported a Python exception (the root cause) over one that merely died.
-    reports = {r: _load_result(workdir, r) for r in range(world_size)}
+    reports = {r: load_result(workdir, r) for r in range(world_size)}
     errs = {r: rep for r, rep in reports.items() if rep is not None and not rep.get("ok")}
     if errs:
         # the earliest failure in wall time is most likely the cause
@@ -416,261 +339,4 @@ def _raise_rank_error(procs, workdir, world_size, hint_rank):
                         log_tail="", others="\n".join(others))
     code = procs[hint_rank].poll()
     raise RankError(hint_rank, None, "ProcessDied", f"rank {hint_rank} exited with code {code} without a report",
-                    "(no Python traceback: the process died)", log_tail=_log_tail(workdir, hint_rank))
-
-
-# --------------------------------------------------------------------------------------------
-# rank side
-# --------------------------------------------------------------------------------------------
-
-_PRELOAD = ("megatron.core.models.gpt", "megatron.core.pipeline_parallel.schedules",
-            "megatron.core.distributed", "megatron.core.optimizer")
-
-
-def _zygote_main(workdir: str) -> None:
-    """Import once, fork every rank, reap them (writing ``pid<r>`` and ``exit<r>`` files)."""
-    body, world_size = None, 0
-    try:
-        from ..runtime.supervise import die_with_parent
-        if os.environ.get("MZB_LAUNCHER_PID"):  # no unsupervised ranks: die with the launcher
-            die_with_parent(int(os.environ["MZB_LAUNCHER_PID"]))
-        with open(os.path.join(workdir, "payload.pkl"), "rb") as f:
-            header = pickle.load(f)
-            world_size = header["world_size"]
-            for p in reversed(header["sys_path"]):
-                if p in sys.path:
-                    sys.path.remove(p)
-                sys.path.insert(0, p)
-            warm = header["backend"] == "gloo"
-            if warm:
-                _import_runtime(header)
-                body = pickle.load(f)
-        _become_subreaper()  # orphans of the ranks (megatron's helpers) come back here to be reaped
-        pids = {}
-        zygote = os.getpid()
-        for rank in range(world_size):
-            pid = os.fork()
-            if pid == 0:
-                die_with_parent(zygote)  # the zygote dies with the launcher, the ranks with the zygote
-                _rank_main(workdir, rank, header, body)  # never returns
-            pids[pid] = rank
-            _write_int(os.path.join(workdir, f"pid{rank}"), pid)
-        while pids:
-            pid, status = os.wait()
-            if pid in pids:
-                _kill_group(pid)  # whatever the rank left in its process group
-                _write_int(os.path.join(workdir, f"exit{pids.pop(pid)}"), os.waitstatus_to_exitcode(status))
-        _reap_all()
-        os._exit(0)
-    except BaseException as e:  # noqa: BLE001 - the ranks report the zygote's failure as theirs
-        tb = traceback.format_exc()
-        sys.stderr.write(tb)
-        sys.stderr.flush()
-        for r in range(world_size):
-            if not os.path.exists(_result_file(workdir, r)):
-                _write_result(workdir, r, {"ok": False, "case": None, "exc_type": type(e).__name__,
-                                           "message": f"before the rank started: {e}", "traceback": tb,
-                                           "time": time.time(), "status": "starting"})
-        os._exit(1)
-
-
-def _become_subreaper() -> bool:
-    """Linux: orphaned descendants are re-parented to this process instead of init."""
-    try:
-        import ctypes
-        return ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
-    except (OSError, AttributeError):  # pragma: no cover - not Linux
-        return False
-
-
-def _kill_group(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _children_of(pid: int) -> List[int]:
-    """Live child pids of ``pid`` (from /proc; empty where there is no /proc)."""
-    out = []
-    try:
-        entries = os.listdir("/proc")
-    except OSError:  # pragma: no cover
-        return out
-    for e in entries:
-        if not e.isdigit():
-            continue
-        try:
-            with open(f"/proc/{e}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2:].split()
-        if int(fields[1]) == pid and fields[0] != "Z":
-            out.append(int(e))
-    return out
-
-
-def _reap_all(deadline_s: float = 10.0) -> None:
-    """Kill every process still re-parented to this one and reap until no child is left."""
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        for pid in _children_of(os.getpid()):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            time.sleep(0.01)
-
-
-def _stop_own_children() -> None:
-    """In a rank about to end: stop megatron's checkpoint-writer Manager and any multiprocessing
-    child still running (``os._exit`` skips the interpreter's own clean-up of both)."""
-    if "megatron.core" in sys.modules:
-        try:
-            from ..megatron.shutdown import stop_checkpoint_writer
-            stop_checkpoint_writer()
-        except Exception:  # noqa: BLE001 - the zygote kills what is left
-            pass
-    mp = sys.modules.get("multiprocessing")
-    if mp is None:
-        return
-    try:
-        children = mp.active_children()
-    except Exception:  # noqa: BLE001
-        return
-    for c in children:
-        c.terminate()
-    for c in children:
-        c.join(2)
-        if c.is_alive():
-            c.kill()
-            c.join(1)
-
-
-def _import_runtime(header: dict) -> None:
-    """torch with one thread, the CPU shims (no CUDA), and the megatron-core modules ranks use."""
-    import importlib
-    set_status("starting: importing torch")
-    import torch
-    torch.set_num_threads(1)
-    if header.get("cpu_shims", True):
-        set_status("starting: applying CPU shims / importing megatron")
-        from megatron_zb.megatron import cpu_shims
-        cpu_shims.apply()
-        for name in _PRELOAD:
-            try:
-                importlib.import_module(name)
-            except Exception:  # noqa: BLE001 - the rank that needs it reports the error
-                pass
-
-
-def _rank_main(workdir: str, rank: int, header: dict, body: Optional[dict]) -> None:
-    global _status_map
-    case_index = None
-    try:
-        os.setsid()
-        log = os.open(os.path.join(workdir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(log, 1)
-        os.dup2(log, 2)
-        os.close(log)
-        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
-        import faulthandler
-        faulthandler.enable()
-        try:
-            faulthandler.register(signal.SIGUSR1, all_threads=True)
-        except (AttributeError, ValueError):  # pragma: no cover
-            pass
-        fd = os.open(_status_file(workdir, rank), os.O_RDWR)
-        _status_map = mmap.mmap(fd, _STATUS_BYTES)
-        os.close(fd)
-        if body is None:  # not warm: this rank imports for itself
-            _import_runtime(header)
-            with open(os.path.join(workdir, "payload.pkl"), "rb") as f:
-                pickle.load(f)
-                set_status("starting: loading the payload")
-                body = pickle.load(f)
-        import torch
-        import torch.distributed as dist
-        ws, timeout = header["world_size"], body["timeout"]
-        set_status("starting: joining the process group")
-        store = dist.TCPStore("127.0.0.1", body["port"], ws + 1, False, timeout=_td(timeout + 30))
-        backend = header["backend"]
-        if backend == "nccl":  # pragma: no cover - GPU machines
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % max(1, torch.cuda.device_count()))
-        dist.init_process_group(backend, store=store, rank=rank, world_size=ws, timeout=_td(timeout + 30))
-        results = []
-        fn = body["fn"]
-        for i, case in enumerate(body["cases"]):
-            case_index = i
-            set_status(f"case {i}: running")
-            results.append(fn(case))
-            if body.get("barrier_between", True) and ws > 1:
-                set_status(f"case {i}: done, waiting for the other ranks (barrier)")
-                dist.barrier()
-        case_index = None
-        set_status("done: writing results")
-        _write_result(workdir, rank, {"ok": True, "results": results})
-        if ws > 1:
-            dist.barrier()
-        _stop_own_children()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
-    except BaseException as e:  # noqa: BLE001 - report everything, then die without cleanup hangs
-        tb = traceback.format_exc()
-        try:
-            _write_result(workdir, rank, {"ok": False, "case": case_index, "exc_type": type(e).__name__,
-                                          "message": str(e), "traceback": tb, "time": time.time(),
-                                          "status": _status_text})
-            _stop_own_children()
-        finally:
-            sys.stderr.write(tb)
-            sys.stderr.flush()
-            os._exit(1)
-
-
-def _rebuild_tensor(array, dtype_name: str):
-    import torch
-    t = torch.from_numpy(array)
-    if dtype_name in _VIEW_DTYPES:
-        t = t.view(getattr(torch, dtype_name))
-    return t
-
-
-_VIEW_DTYPES = {"bfloat16": "int16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8"}
-
-
-class _Pickler(pickle.Pickler):
-    """Pickles torch tensors as numpy arrays: megatron-core >= 0.19 replaces
-    ``torch.storage._load_from_bytes`` with its own function, so a plainly pickled tensor would
-    only unpickle where that same megatron is imported."""
-
-    def reducer_override(self, obj):
-        torch = sys.modules.get("torch")
-        if torch is not None and isinstance(obj, torch.Tensor):
-            t = obj.detach().cpu().contiguous()
-            name = str(t.dtype).replace("torch.", "")
-            if name in _VIEW_DTYPES:
-                t = t.view(getattr(torch, _VIEW_DTYPES[name]))
-            return _rebuild_tensor, (t.numpy().copy(), name)
-        return NotImplemented
-
-
-def _write_result(workdir: str, rank: int, obj) -> None:
-    tmp = _result_file(workdir, rank) + ".tmp"
-    with open(tmp, "wb") as f:
-        try:
-            _Pickler(f, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
-        except Exception as e:  # an unpicklable result is the rank's error
-            f.seek(0)
-            f.truncate()
-            pickle.dump({"ok": False, "case": None, "exc_type": type(e).__name__,
-                         "message": f"result not picklable: {e}", "traceback": traceback.format_exc(),
-                         "time": time.time()}, f)
-    os.replace(tmp, _result_file(workdir, rank))
+                    "(no Python traceback: the process died)", log_tail=log_tail(workdir, hint_rank))

@@ -56,6 +56,7 @@ def build(case, placement, overrides: dict):
     import torch
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from ..megatron import placement as _pl
+    from ..megatron.finalize import configure_grad_sync
     from . import tinygpt as M
     cfg = case.model_config()
     chunks = M.build_model_chunks(cfg, placement, layers_per_stage=case.layers_per_stage,
@@ -68,7 +69,7 @@ def build(case, placement, overrides: dict):
         chunks = _pl.float16_chunks(config, chunks)
     chunks = M.wrap_ddp(chunks, overlap_grad_reduce=case.overlap_grad_reduce,
                         use_distributed_optimizer=case.use_distributed_optimizer)
-    _pl.configure_grad_sync(config, chunks, placement=placement, ddp=True,
+    configure_grad_sync(config, chunks, placement=placement, ddp=True,
                             overlap_grad_reduce=case.overlap_grad_reduce)
     kw = {}
     if case.fp16:
@@ -84,7 +85,8 @@ def build(case, placement, overrides: dict):
 
 def inject_nonfinite(chunks) -> int:
     """Set the first element of NONFINITE_PARAM's gradient to inf on every copy this rank holds."""
-    from ..megatron.placement import grad_of, unwrap
+    from ..megatron.finalize import grad_of
+    from ..megatron.placement import unwrap
     n = 0
     for c in chunks:
         for _, p in unwrap(c).named_parameters():
@@ -104,7 +106,7 @@ def train(case, chunks, opt, fb, holds_loss: bool, tag: str, validator=None, rep
     import torch.distributed as dist
 
     from . import tinygpt as M
-    from .launch import set_status
+    from .rankio import set_status
     cfg = case.model_config()
     d, n_rep = replica
     m = microbatches or case.num_microbatches
@@ -146,10 +148,10 @@ def reference_case(case) -> dict:
 
     from ..core.ir import Placement
     from . import tinygpt as M
-    from .harness import _reference_overrides
+    from .case import reference_overrides
 
     M.init_parallel_state(1, 1, seed=case.seed)
-    chunks, opt, _ = build(case, Placement.single(1), _reference_overrides(case))
+    chunks, opt, _ = build(case, Placement.single(1), reference_overrides(case))
 
     def fb(*, model, **kw):
         return forward_backward_no_pipelining(model=model[0], **kw)

@@ -18,9 +18,9 @@ import torch
 
 from ..core.ir import Placement, ScheduleError
 from ..megatron.local_spec import layer_spec
-from ..megatron.placement import (ChunkInfo, chunk_infos, deterministic_init_, embedding_ranks,
-                                  grad_of, mark_replica_copies, name_params, name_seed, unwrap,
-                                  attach_layer_table)
+from ..megatron.finalize import grad_of, mark_replica_copies
+from ..megatron.placement import (ChunkInfo, attach_layer_table, chunk_infos, deterministic_init_, embedding_ranks,
+                                  name_params, name_seed, unwrap)
 
 __all__ = [
     "TinyGPTConfig", "megatron_version", "init_parallel_state", "destroy_parallel_state",

@@ -1,0 +1,399 @@
+"""Megatron's forward-backward function, running a megatron-zb schedule.
+
+``ZeroBubbleForwardBackward`` keeps megatron-core's keyword signature; ``install()`` makes Megatron's
+``get_forward_backward_func()`` return it. One call is one training (or evaluation) iteration:
+
+1. the schedule for (pipeline size, microbatches, chunks) from ``core.build`` (cached; lowered);
+2. this call's context (``_Call``): models, data, groups, the activation shape, the hooks;
+3. an attempt: Megatron's passes (``megatron.passes``) run by ``runtime.executor`` with the
+   runtime features as hooks (progress, gradient sync, post-validation, offload, profiler); a
+   second attempt only after a post-validation rollback;
+4. the profile window's end (re-planning the automatic schedules), ``finalize_model_grads``.
+
+State kept across iterations (none of it module-level): the built schedules, the pairwise process
+groups, one W queue per model chunk, the offload manager, the profiler and post-validation.
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..core.build import Built, build
+from ..core.ir import F, Placement, Schedule, ScheduleError
+from ..runtime.executor import execute
+from ..runtime.offload import OffloadHook
+from ..runtime.p2p import P2P, PairGroups
+from ..runtime.postval import PostValidation, ValidationPoint, replayable
+from ..runtime.profile_data import ProfileError, auto_replans, profile_to_setting_kwargs
+from ..runtime.profiler import PassProfiler
+from ..runtime.progress import tracker as progress_tracker
+from ..runtime.replica import ReplicaGradSync, ReplicaGroups
+from ..runtime.wqueue import WQueue
+from .errors import ZeroBubbleConfigError
+from .gradsync import GradSync
+from .options import ScheduleOptions
+from .passes import MegatronPasses, device
+from .routing import check_replicas_equal, merge_losses
+from .wgrad import attach_wgrad_queue
+
+__all__ = ["ZeroBubbleForwardBackward"]
+
+
+@dataclasses.dataclass
+class _Call:
+    """One call of the forward-backward function: what every attempt at it needs."""
+
+    forward_step_func: Callable
+    iterators: List[Any]
+    models: List[Any]
+    num_microbatches: int
+    forward_only: bool
+    collect_non_loss_data: bool
+    first_val_step: Optional[bool]
+    config: Any
+    schedule: Schedule  # lowered
+    me: int  # pipeline rank
+    pp_group: Any
+    pp_ranks: List[int]
+    p2p: P2P
+    queues: List[WQueue]
+    shape: List[int]
+    cp_size: int
+    # the features of every attempt, as executor hooks (runtime.hooks); None where off
+    progress: Any = None
+    offload: Optional[OffloadHook] = None
+    profiling: Any = None
+
+    @property
+    def placement(self) -> Placement:
+        return self.schedule.placement
+
+
+class ZeroBubbleForwardBackward:
+    """Megatron's forward_backward_func signature, running a schedule from the core."""
+
+    def __init__(self, options: ScheduleOptions):
+        try:
+            self.spec = options.spec
+        except ScheduleError as e:
+            raise ZeroBubbleConfigError(str(e)) from None
+        options.check(cuda=torch.cuda.is_available())
+        self.options = options
+        self._built: Dict[tuple, Built] = {}
+        self._groups: Dict[tuple, PairGroups] = {}
+        self._replica_groups: Dict[tuple, ReplicaGroups] = {}
+        self._replicas_checked = False
+        self._queues: Dict[int, WQueue] = {}
+        self.last_schedule: Optional[Schedule] = None
+        self.post_validation: Optional[PostValidation] = (
+            PostValidation(options.timeout_s) if options.post_validation else None)
+        self.iterations = 0  # forward-backward calls with forward_only=False
+        self.profile: Optional[dict] = None  # the gathered profile once the window has ended
+        self.offload = None  # runtime.offload.OffloadManager, made at the first training call
+        self.offload_stats: Optional[dict] = None  # the manager's counts of the last iteration
+        self.offload_time_measured: Optional[dict] = None  # --auto-offload-time's measurement
+        self.profiler = None
+        if options.profile_window is not None:
+            try:
+                self.profiler = PassProfiler(options.profile_window, options.profile_path, schedule=options.schedule)
+            except ProfileError as e:
+                raise ZeroBubbleConfigError(str(e)) from None
+
+    def replan_from(self, profile: dict) -> None:
+        """Take the cost options (F/B/W per stage, comm, mem_w ratio) from a profile and drop the
+        built schedules: the next call builds the schedule again from the measured costs. Every
+        pipeline rank must call it at the same iteration (it does, after the window)."""
+        kw = profile_to_setting_kwargs(profile, normalize=True)
+        upd = {k: kw[k] for k in ("cost_f", "cost_b", "cost_w", "cost_comm")}
+        if "mem_f" in kw:
+            ratios = sorted(w / f for f, w in zip(kw["mem_f"], kw["mem_w"]) if f > 0)
+            if ratios:
+                upd["mem_w"] = min(1.0, ratios[len(ratios) // 2])
+        self._replace_options(**upd)
+
+    def _replace_options(self, **changes) -> None:
+        self.options = dataclasses.replace(self.options, **changes)
+        self._built.clear()
+
+    # -- schedule ---------------------------------------------------------------------------
+    def built_for(self, p: int, m: int, chunks: int, forward_only: bool) -> Built:
+        """The schedule for ``p`` ranks, ``m`` microbatches and the ``chunks`` model chunks per rank
+        Megatron built (evaluation: without offload; its lowered form drops the backwards)."""
+        key = (p, m, chunks, forward_only)
+        if key not in self._built:
+            o = self.options
+            try:
+                req = o.request()
+                c = self.spec.resolve_chunks(req.chunks)
+            except ScheduleError as e:
+                raise ZeroBubbleConfigError(str(e)) from None
+            want = self.spec.models(c)
+            if want != chunks:
+                how = (f", i.e. virtual pipeline size {want} in the order of "
+                       f"megatron_zb.megatron.placement.make_placement('bitpipe', {p}))" if self.spec.models_per_rank
+                       else ", i.e. virtual pipeline size 2 in V order)" if self.spec.chunks == 2 else ")")
+                raise ZeroBubbleConfigError(
+                    f"schedule {o.schedule} runs {want} model chunk(s) per rank, but Megatron passed {chunks} "
+                    f"(build the model with {want} chunk(s) per pipeline rank" + how)
+            try:
+                built = build(req.replace(chunks=c if self.spec.chunks is None else None,
+                                          offload=None if forward_only else req.offload), p, m)
+            except ScheduleError as e:
+                raise ZeroBubbleConfigError(f"{o.schedule} with pipeline size {p}, {m} microbatches: {e}") from None
+            _check_forward_order(built.schedule)
+            self._built[key] = built
+        return self._built[key]
+
+    def schedule_for(self, p: int, m: int, chunks: int, forward_only: bool) -> Schedule:
+        """This call's lowered schedule (``built_for``, with SEND/RECV)."""
+        return self.built_for(p, m, chunks, forward_only).lowered(forward_only)
+
+    def queue(self, chunk_module) -> WQueue:
+        key = id(chunk_module)
+        if key not in self._queues:
+            q = WQueue(name=f"chunk {len(self._queues)}")
+            attach_wgrad_queue(chunk_module, q)
+            self._queues[key] = q
+        return self._queues[key]
+
+    def groups(self, pp_ranks: List[int], placement: Placement) -> PairGroups:
+        pairs = {(placement.rank_of(s), placement.rank_of(n)) for s in range(placement.num_stages)
+                 for n in [placement.next_stage(s)] if n is not None}
+        key = (tuple(pp_ranks), tuple(sorted(pairs)))
+        if key not in self._groups or not self._groups[key].alive():
+            self._groups[key] = PairGroups(pp_ranks, pairs)
+        return self._groups[key]
+
+    def replica_groups(self, pp_ranks: List[int], placement: Placement) -> ReplicaGroups:
+        members = {l: [placement.rank_of(placement.path(k)[l]) for k in range(placement.num_paths)]
+                   for l in range(placement.num_logical_stages)}
+        key = (tuple(pp_ranks), tuple(sorted((l, tuple(v)) for l, v in members.items())))
+        if key not in self._replica_groups or not self._replica_groups[key].alive():
+            self._replica_groups[key] = ReplicaGroups(pp_ranks, members)
+        return self._replica_groups[key]
+
+    # -- megatron's forward_backward_func ----------------------------------------------------
+    def __call__(self, *, forward_step_func, data_iterator, model, num_microbatches: int,
+                 seq_length: int, micro_batch_size: int, decoder_seq_length: Optional[int] = None,
+                 forward_only: bool = False, collect_non_loss_data: bool = False,
+                 first_val_step: Optional[bool] = None, adjust_tensor_shapes_fn: Optional[Callable] = None,
+                 p2p_communicator=None, pg_collection=None, force_all_reduce: Optional[bool] = False,
+                 **unsupported):
+        from megatron.core.pipeline_parallel import schedules as S
+        from megatron.core.utils import get_model_config
+
+        if unsupported:
+            raise ZeroBubbleConfigError(f"megatron-zb forward_backward got unsupported arguments "
+                                        f"{sorted(unsupported)}")
+        if not forward_only:
+            self.iterations += 1
+        models = model if isinstance(model, list) else [model]
+        config = get_model_config(models[0])
+        pp_group, tp_group, cp_group = _groups_of(pg_collection, p2p_communicator)
+        p, me = pp_group.size(), pp_group.rank()
+        if p == 1:
+            return S.forward_backward_no_pipelining(
+                forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+                num_microbatches=num_microbatches, seq_length=seq_length, micro_batch_size=micro_batch_size,
+                decoder_seq_length=decoder_seq_length, forward_only=forward_only,
+                collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step)
+        _check_config(config, self.options.schedule)
+        o = self.options
+        if o.offload_ratio is not None and o.offload_time == "auto" and not forward_only:
+            from .offload import measure_offload_time  # --auto-offload-time: measured once, here
+            self.offload_time_measured = measure_offload_time(config, seq_length, micro_batch_size, tp_group, cp_group)
+            self._replace_options(offload_time=self.offload_time_measured["offload_time"])
+        call = self._call(forward_step_func, data_iterator, models, num_microbatches, forward_only,
+                          collect_non_loss_data, first_val_step, config, p, me, pp_group, cp_group,
+                          self._shape(config, seq_length, decoder_seq_length, micro_batch_size, tp_group, cp_group,
+                                      adjust_tensor_shapes_fn))
+        pv = self.post_validation
+        if pv is not None and forward_only:
+            pv.finish()  # evaluation sees validated weights
+        point = ValidationPoint(pv) if (pv is not None and pv.due and not forward_only) else None
+        if point is not None:
+            call.iterators = replayable(call.iterators)  # a rolled-back iteration runs again on the same data
+        if config.timers is not None:
+            config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
+        while True:  # one attempt; a second one only after a post-validation rollback
+            store, num_tokens, completed = self._attempt(call, point)
+            if completed:
+                break
+            pv.recover()  # restore the eager step and redo it exactly as Megatron's synchronous step
+            for m in models:
+                if hasattr(m, "zero_grad_buffer"):
+                    m.zero_grad_buffer()
+            for it in call.iterators:
+                if it is not None:
+                    it.rewind()
+            point = None
+        self._end_profile_window(call, forward_only)
+        if config.finalize_model_grads_func is not None and not forward_only:
+            _call_finalize(config, models, num_tokens if config.calculate_per_token_loss else None,
+                           pg_collection, force_all_reduce)
+        if config.timers is not None:
+            config.timers("forward-backward").stop()
+        return store
+
+    def _shape(self, config, seq_length, decoder_seq_length, micro_batch_size, tp_group, cp_group, adjust):
+        """The activation shape on the pipeline: [sequence (/CP, /TP with sequence parallel), micro-batch, hidden]."""
+        seq = decoder_seq_length if decoder_seq_length is not None else seq_length
+        seq = seq // (cp_group.size() if cp_group is not None else 1)
+        if config.sequence_parallel:
+            seq = seq // tp_group.size()
+        shape = [seq, micro_batch_size, config.hidden_size]
+        if adjust is not None:
+            recv_shapes, _ = adjust([shape], [shape])
+            shape = list(recv_shapes[0])
+        return shape
+
+    def _call(self, forward_step_func, data_iterator, models, m, forward_only, collect_non_loss_data,
+              first_val_step, config, p, me, pp_group, cp_group, shape) -> _Call:
+        sched = self.schedule_for(p, m, len(models), forward_only)
+        self.last_schedule = sched
+        pl = sched.placement
+        pp_ranks = dist.get_process_group_ranks(pp_group)
+        prog = progress_tracker(pp_rank=me, group=pp_ranks)
+        if prog is not None:
+            prog.iteration = self.iterations
+        p2p = P2P(self.groups(pp_ranks, pl), me, timeout_s=self.options.timeout_s,
+                  exchange_shapes=bool(config.variable_seq_lengths), progress=prog)
+        if pl.replicated:
+            if not isinstance(data_iterator, list) and len(models) > 1 and data_iterator is not None:
+                raise ZeroBubbleConfigError(f"{self.options.schedule}: replicated stages need one data iterator per "
+                                            "model chunk (a list, as Megatron passes for virtual pipelines)")
+            if self.post_validation is not None:
+                raise ZeroBubbleConfigError(f"{self.options.schedule}: optimizer post-validation is not supported "
+                                            "with replicated stages yet; train it with the synchronous optimizer step")
+            if not forward_only and not self._replicas_checked:
+                check_replicas_equal(models, pl.stages_of(me), pl, self.replica_groups(pp_ranks, pl))
+                self._replicas_checked = True
+        queues = [self.queue(mod) for mod in models] if not forward_only else []
+        offload = profiling = None
+        if not forward_only:
+            offload = self._offload_hook(models, queues, pl, me)
+            prof = self.profiler
+            if prof is not None and prof.in_window(self.iterations):
+                prof.ignore_parameters(prm for mod in models for prm in mod.parameters())
+                profiling = prof.hook(device(), offload=offload.manager if offload is not None else None)
+        iters = data_iterator if isinstance(data_iterator, list) else [data_iterator] * len(models)
+        return _Call(forward_step_func, list(iters), models, m, forward_only, collect_non_loss_data, first_val_step,
+                     config, sched, me, pp_group, pp_ranks, p2p, queues, shape,
+                     cp_group.size() if cp_group is not None else 1, prog, offload, profiling)
+
+    def _offload_hook(self, models, queues, pl: Placement, me: int) -> Optional[OffloadHook]:
+        if self.options.offload_ratio is None:
+            return None
+        from .offload import make_manager, point_manager
+        if self.offload is None:
+            self.offload = make_manager(self.options, device())
+        point_manager(self.offload, models, queues, {s: i for i, s in enumerate(pl.stages_of(me))})
+        return OffloadHook(self.offload)
+
+    def _attempt(self, call: _Call, point: Optional[ValidationPoint]):
+        """Run this rank's list once; returns (forward data, token count, completed)."""
+        pl, me = call.placement, call.me
+        chunk_of = {s: i for i, s in enumerate(pl.stages_of(me))}
+        passes = MegatronPasses(forward_step_func=call.forward_step_func, iterators=call.iterators,
+                                models=call.models, queues=call.queues, chunk_of=chunk_of, placement=pl,
+                                num_microbatches=call.num_microbatches, config=call.config, cp_size=call.cp_size,
+                                forward_only=call.forward_only, collect_non_loss_data=call.collect_non_loss_data,
+                                first_val_step=call.first_val_step)
+        sync = None
+        if not call.forward_only:
+            replicas = (ReplicaGradSync(self.replica_groups(call.pp_ranks, pl), timeout_s=self.options.timeout_s)
+                        if pl.replicated else None)
+            sync = GradSync(call.config, call.models, chunk_of, pl, replicas)
+        hooks = [call.progress, sync, point, call.offload, call.profiling]  # offload's capture around the profiler's
+        pairs = {i: j for r, i, j in call.schedule.meta.get("overlap_pairs", ()) if r == me}
+        try:
+            completed = execute(call.schedule.orders[me], me, pl, passes.stage_passes(call.shape, self.options.overlap),
+                                call.p2p, forward_only=call.forward_only, overlap_pairs=pairs, hooks=hooks)
+        finally:
+            if sync is not None:
+                sync.close()
+        for q in call.queues:
+            if completed:
+                q.assert_empty()
+            else:
+                q.clear()
+        if call.offload is not None and completed:
+            self.offload_stats = dict(call.offload.stats, offload_time=self.options.offload_time)
+            prof = self.profiler
+            if prof is not None and prof.in_window(self.iterations):
+                prof.offload_stats.append(self.offload_stats)
+        store = passes.forward_data_store
+        if pl.replicated:
+            passes.drain_iterators()
+            if sync is not None:
+                sync.finish_replicas()
+            store = merge_losses(store, passes.mb_of_entry, pl, me, call.pp_group)
+            if call.config.calculate_per_token_loss and not call.forward_only:
+                dist.all_reduce(passes.total_num_tokens, group=call.pp_group)  # the loss stages of every path
+        return store, passes.total_num_tokens, completed
+
+    def _end_profile_window(self, call: _Call, forward_only: bool) -> None:
+        prof = self.profiler
+        if prof is None or forward_only or not prof.in_window(self.iterations):
+            return
+        profile = prof.end_iteration(self.iterations, placement=call.placement,
+                                     num_microbatches=call.num_microbatches, rank=call.me, group=call.pp_group,
+                                     p2p=call.p2p, shape=call.shape, dtype=call.config.pipeline_dtype,
+                                     device=device(), schedule=self.options.schedule)
+        if profile is not None:
+            self.profile = profile
+            if auto_replans(self.options.schedule):
+                self.replan_from(profile)
+
+
+def _groups_of(pg_collection, p2p_communicator):
+    from megatron.core import parallel_state as ps
+    if pg_collection is not None:
+        return pg_collection.pp, getattr(pg_collection, "tp", None), getattr(pg_collection, "cp", None)
+    if p2p_communicator is not None and getattr(p2p_communicator, "pp_group", None) is not None:
+        return p2p_communicator.pp_group, ps.get_tensor_model_parallel_group(), ps.get_context_parallel_group()
+    return (ps.get_pipeline_model_parallel_group(), ps.get_tensor_model_parallel_group(),
+            ps.get_context_parallel_group())
+
+
+def _call_finalize(config, models, num_tokens, pg_collection, force_all_reduce):
+    fn = config.finalize_model_grads_func
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        params = {}
+    kw = {}
+    if "pg_collection" in params and pg_collection is not None:
+        kw["pg_collection"] = pg_collection
+    if "force_all_reduce" in params:
+        kw["force_all_reduce"] = force_all_reduce
+    fn(models, num_tokens, **kw)
+
+
+def _check_forward_order(sched: Schedule) -> None:
+    """Megatron's data iterators are read in order: each stage's forwards must run mb 0, 1, ...
+    (with replicated stages: its path's microbatches in increasing order)."""
+    routed = sched.placement.replicated
+    for r, order in enumerate(sched.flat().orders):
+        nxt = {}
+        for i, a in enumerate(order):
+            if a.kind == F:
+                want = nxt.get(a.stage, 0)
+                if (a.mb < want) if routed else (a.mb != want):
+                    raise ZeroBubbleConfigError(
+                        f"rank {r} position {i}: {a} runs before F{a.stage}.{want}; the runtime reads "
+                        "each stage's data iterator in order, so forwards must follow microbatch order")
+                nxt[a.stage] = want + 1
+
+
+def _check_config(config, name):
+    if getattr(config, "overlap_moe_expert_parallel_comm", False):
+        raise ZeroBubbleConfigError(f"{name}: overlap_moe_expert_parallel_comm (megatron's combined-1F1B "
+                                    "EP overlap) is not supported together with a megatron-zb schedule")
+    if getattr(config, "num_microbatches_with_partial_activation_checkpoints", None) is not None:
+        raise ZeroBubbleConfigError(f"{name}: num_microbatches_with_partial_activation_checkpoints is "
+                                    "not supported by the megatron-zb runtime")

@@ -1,0 +1,113 @@
+"""What ``install()`` takes (``ScheduleOptions``), turned into the schedule core's request, and the
+start-up preview of what training will run. No torch import (the flags' checks run before it).
+
+``ScheduleOptions.request()`` is the one translation of the options into a
+``core.build.ScheduleRequest``; the core validates it (offload ratio and time, chunks) and
+``core.build.build`` turns it into the schedule, here for the preview and in
+``megatron.forward_backward`` for training.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional
+
+from ..core import schedules as core_schedules
+from ..core.build import OffloadRequest, ScheduleRequest, build
+from ..core.ir import ScheduleError
+from .errors import ZeroBubbleArgumentError, ZeroBubbleConfigError
+
+__all__ = ["ScheduleOptions", "preview"]
+
+
+@dataclasses.dataclass
+class ScheduleOptions:
+    schedule: str
+    chunks: Optional[int] = None
+    memory_limit: Optional[float] = None  # per rank, in microbatches of one stage's activation
+    cost_f: Any = 1.0
+    cost_b: Any = 1.0
+    cost_w: Any = 1.0
+    cost_comm: float = 0.0
+    cost_sync: float = 0.0  # replicated stages (bitpipe): the replica gradient all-reduce of a stage
+    mem_w: Optional[float] = None
+    timeout_s: float = 300.0
+    overlap: Optional[Callable] = None  # overlap(run_f, run_b) for overlapped F&B pairs (dualpipe-v)
+    # profiler (runtime.profiler): time passes over iterations [start, end] (counted from 1, calls
+    # with forward_only=False) and write the profile JSON to profile_path at the window's end
+    profile_window: Optional[tuple] = None
+    profile_path: Optional[str] = None
+    # activation offload (docs/offload.md): offload_ratio R (0..1), or 'auto' (as little as fits
+    # memory_limit); offload_time K, or 'auto' (measured at the first iteration: matmul speed and
+    # host-link bandwidth); full-duplex copies unless offload_overlap is False; only the first
+    # offload_chunks chunks of each rank; offload_cpu_test allows the synchronous CPU test mode
+    # without CUDA
+    offload_ratio: Any = None
+    offload_time: Any = 1.0
+    offload_overlap: bool = True
+    offload_chunks: Optional[int] = None
+    offload_cpu_test: bool = False
+    offload_min_elements: int = 1024
+    # optimizer post-validation (runtime.postval; the optimizer side: megatron.optimizer): wrap
+    # Megatron's optimizer with handle.post_validated_optimizer(...)
+    post_validation: bool = False
+
+    @property
+    def spec(self) -> core_schedules.ScheduleSpec:
+        return core_schedules.get(self.schedule)
+
+    def request(self) -> ScheduleRequest:
+        """The schedule core's request for these options (raises ScheduleError on bad values)."""
+        offload = None
+        if self.offload_ratio is not None:
+            offload = OffloadRequest(ratio=self.offload_ratio, time=self.offload_time,
+                                     overlap=bool(self.offload_overlap), chunks=self.offload_chunks)
+        return ScheduleRequest(self.schedule, chunks=self.chunks if self.spec.chunks is None else None,
+                               cost_f=self.cost_f, cost_b=self.cost_b, cost_w=self.cost_w, cost_comm=self.cost_comm,
+                               cost_sync=self.cost_sync, mem_w=None if self.mem_w is None else [self.mem_w],
+                               memory_limit=self.memory_limit, offload=offload)
+
+    def check(self, cuda: bool) -> None:
+        """Refuse what cannot run, before anything is patched (``cuda``: a CUDA device is here)."""
+        try:
+            req = self.request()
+        except ScheduleError as e:
+            raise ZeroBubbleConfigError(str(e)) from None
+        if req.offload is None:
+            return
+        if req.offload.ratio == "auto" and self.memory_limit is None:
+            raise ZeroBubbleConfigError("offload_ratio='auto' offloads as little as fits memory_limit: give "
+                                        "memory_limit")
+        if not cuda and not self.offload_cpu_test:
+            raise ZeroBubbleConfigError(
+                "activation offload moves activations from the GPU to host memory, and this machine has no CUDA "
+                "device; without a GPU it only runs in its CPU test mode (offload_cpu_test=True, "
+                "--zero-bubble-offload-cpu-test), which checks correctness, not speed")
+
+
+def preview(options: ScheduleOptions, pipeline_size: int, num_microbatches: int):
+    """Build, validate and simulate the schedule ``options`` describe, as training will (pure Python).
+
+    Returns ``(built, baseline)``: the ``core.build.Built`` schedule and the simulator's result for
+    1F1B under the same costs (None if 1F1B cannot be built). With the offload time measured at
+    start-up (``offload_time='auto'``) the offloaded schedule cannot be built before it is known:
+    ``built`` is then the schedule without offload and ``built.request.offload`` is None (the entry
+    point says so; training builds the offloaded one once K is measured). Raises
+    ``ZeroBubbleArgumentError`` when the schedule cannot run (e.g. a memory limit below what it
+    needs), so the entry point fails before training starts rather than at the first iteration.
+    """
+    p, m = int(pipeline_size), int(num_microbatches)
+    try:
+        req = options.request()
+        if req.offload is not None and req.offload.time_measured:
+            req = req.replace(offload=None, memory_limit=None if req.offload.ratio == "auto" else req.memory_limit)
+        built = build(req, p, m)
+    except ScheduleError as e:
+        raise ZeroBubbleArgumentError(f"schedule {options.schedule} with pipeline size {pipeline_size} and "
+                                      f"{num_microbatches} microbatches: {e}") from None
+    baseline = None
+    try:
+        baseline = build(ScheduleRequest("1f1b", cost_f=req.cost_f, cost_b=req.cost_b, cost_w=req.cost_w,
+                                         cost_comm=req.cost_comm, mem_w=req.mem_w), p, m).result
+    except ScheduleError:
+        pass
+    return built, baseline

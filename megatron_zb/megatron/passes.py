@@ -1,0 +1,85 @@
+"""Megatron's own ``forward_step`` / ``backward_step`` as the executor's passes (``StagePasses``)
+for one attempt at an iteration: loss scaling, token counts and auxiliary losses stay Megatron's.
+A split backward (B) runs with the chunk's W queue deferring the weight-gradient GEMMs
+(``megatron.wgrad``); W drains them.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+from typing import Dict, List, Sequence
+
+import torch
+
+from ..core.ir import Placement
+from ..runtime.executor import StagePasses
+from .routing import RoutedIterator
+
+__all__ = ["MegatronPasses", "device"]
+
+
+def device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+class MegatronPasses:
+    """What each pass does on this rank, and what the forwards collect: Megatron's loss dicts
+    (``forward_data_store``, with the microbatch of each entry), and the token count."""
+
+    def __init__(self, *, forward_step_func, iterators: Sequence, models: Sequence, queues: Sequence,
+                 chunk_of: Dict[int, int], placement: Placement, num_microbatches: int, config, cp_size: int,
+                 forward_only: bool, collect_non_loss_data: bool, first_val_step):
+        from megatron.core.pipeline_parallel import schedules as S
+        from megatron.core.utils import get_model_type
+        self.S = S
+        self.forward_step_func, self.models, self.queues = forward_step_func, models, queues
+        self.chunk_of, self.placement, self.m, self.config = chunk_of, placement, num_microbatches, config
+        self.cp_size, self.forward_only = cp_size, forward_only
+        self.collect_non_loss_data, self.first_val_step = collect_non_loss_data, first_val_step
+        # replicated stages: each chunk reads only the microbatches of its path
+        self.iterators = [RoutedIterator(it) for it in iterators] if placement.replicated else list(iterators)
+        self.forward_data_store: List = []
+        self.mb_of_entry: List[int] = []  # microbatch of each forward_data_store entry
+        self.total_num_tokens = torch.zeros([], dtype=torch.int, device=device())
+        self._first_done = set()
+        params = inspect.signature(S.backward_step).parameters
+        self._bwd_kwargs = {"model_type": get_model_type(models[0])} if "model_type" in params else {}
+
+    def stage_passes(self, shape, overlap=None) -> StagePasses:
+        return StagePasses(forward=self.forward, backward=self.backward, weight=self.weight,
+                           recv_shape=lambda s, mb: shape, dtype=self.config.pipeline_dtype, device=device(),
+                           release_output=self.release, overlap=overlap)
+
+    def forward(self, stage: int, mb: int, inp):
+        c = self.chunk_of[stage]
+        first = c not in self._first_done  # mb 0 except on a replica (it sees its path's microbatches)
+        self._first_done.add(c)
+        it = self.iterators[c]
+        if isinstance(it, RoutedIterator):
+            it.target = mb
+        S = self.S
+        out, num_tokens = S.forward_step(
+            self.forward_step_func, it, self.models[c], self.m, inp, self.forward_data_store,
+            self.config, self.cp_size, self.collect_non_loss_data, None,
+            is_first_microbatch=S.check_first_val_step(self.first_val_step, self.forward_only, first),
+            current_microbatch=mb, vp_stage=None, is_last_stage=self.placement.is_last(stage))
+        self.mb_of_entry.extend([mb] * (len(self.forward_data_store) - len(self.mb_of_entry)))
+        self.total_num_tokens += num_tokens
+        return out
+
+    def backward(self, stage: int, mb: int, inp, out, grad, split: bool):
+        ctx = self.queues[self.chunk_of[stage]].defer(mb) if split else contextlib.nullcontext()
+        with ctx:
+            return self.S.backward_step(inp, out, grad, config=self.config, **self._bwd_kwargs)
+
+    def weight(self, stage: int, mb: int) -> None:
+        self.queues[self.chunk_of[stage]].run(mb)
+
+    def release(self, out) -> None:
+        self.S.deallocate_output_tensor(out, self.config.deallocate_pipeline_outputs)
+
+    def drain_iterators(self) -> None:
+        """Replicated stages: every chunk that read data consumes exactly M items per call."""
+        for it in self.iterators:
+            if isinstance(it, RoutedIterator):
+                it.drain(self.m)

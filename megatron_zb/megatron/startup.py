@@ -1,0 +1,207 @@
+"""What every megatron-zb entry point does before Megatron trains: make megatron importable and fit
+for this machine (the CPU shims without CUDA), parse Megatron's + megatron-zb's flags, validate
+ours (``megatron.flags``) and then Megatron's, and read the placement the flags select. Used by the
+entry point (``megatron.pretrain_gpt``), the preflight check (``megatron.preflight``) and the
+launcher for users' own scripts."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Callable, List, Optional, Sequence
+
+from .args import add_zero_bubble_args, chain_providers
+from .errors import ZeroBubbleArgumentError
+from .flags import validate_zero_bubble_args
+
+__all__ = ["MegatronTrainingMissing", "add_entry_args", "cuda", "prepare_megatron", "machine_adjustments",
+           "prepare_args", "check_sizes", "microbatches", "megatron_check_message", "placement_of", "layer_kw"]
+
+
+class MegatronTrainingMissing(RuntimeError):
+    """The installed megatron-core has no ``megatron.training`` with the 0.18+ ``pretrain()``."""
+
+
+def add_entry_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = parser.add_argument_group("megatron-zb entry point")
+    g.add_argument("--zero-bubble-deterministic-init", action="store_true", default=False,
+                   help="Initialise every parameter from a seed derived from its name in the whole model "
+                        "(normal(0, --init-method-std) for matrices), independent of the pipeline placement: "
+                        "1F1B, ZB-H1 and a V schedule then start from identical weights (for comparing "
+                        "schedules; use dropout 0 for identical loss curves).")
+    return parser
+
+
+
+def cuda() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
+def prepare_megatron() -> None:
+    """CPU shims (no CUDA) and the dataset-helper fallback; then check megatron.training is usable."""
+    from . import cpu_shims
+    cpu_shims.python_compat()
+    if not cuda():
+        cpu_shims.apply()
+    try:
+        import megatron.training.training as T  # noqa: F401
+        from megatron.training.argument_utils import pretrain_cfg_container_from_args  # noqa: F401
+    except ImportError as e:
+        try:
+            from megatron.core import package_info
+            ver = package_info.__version__
+        except Exception:  # pragma: no cover
+            ver = "unknown"
+        raise MegatronTrainingMissing(
+            f"megatron-zb's pretrain_gpt needs megatron.training with the config-container pretrain() "
+            f"(megatron-core >= 0.18; tested with 0.19.2); this megatron-core is {ver} ({e}). With an older "
+            "megatron-core use your Megatron-LM checkout's pretrain_gpt.py with patches/megatron-lm-pretrain_gpt.patch, "
+            "or call megatron_zb.megatron.install.install() yourself.") from None
+    cpu_shims.dataset_helpers()
+    if not cuda():
+        cpu_shims.apply_training()
+
+
+def have_transformer_engine() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+        return True
+    except Exception:
+        return False
+
+
+def machine_adjustments(args) -> List[str]:
+    """Adjust Megatron arguments that cannot work on this machine; returns what was changed."""
+    changed = []
+    if getattr(args, "transformer_impl", None) == "transformer_engine" and not have_transformer_engine():
+        args.transformer_impl = "local"
+        changed.append("--transformer-impl local (Transformer Engine is not installed)")
+    if not cuda():
+        if args.distributed_backend != "gloo":
+            args.distributed_backend = "gloo"
+            changed.append("--distributed-backend gloo")
+        if not args.use_cpu_initialization:
+            args.use_cpu_initialization = True
+            changed.append("--use-cpu-initialization")
+        for dest, flag in (("masked_softmax_fusion", "--no-masked-softmax-fusion"),
+                           ("bias_gelu_fusion", "--no-bias-gelu-fusion"),
+                           ("bias_swiglu_fusion", "--no-bias-swiglu-fusion"),
+                           ("bias_dropout_fusion", "--no-bias-dropout-fusion"),
+                           ("apply_rope_fusion", "--no-rope-fusion"),
+                           ("gradient_accumulation_fusion", "--no-gradient-accumulation-fusion")):
+            if getattr(args, dest, False):
+                setattr(args, dest, False)
+                changed.append(flag)
+        if not getattr(args, "no_persist_layer_norm", True):
+            args.no_persist_layer_norm = True
+            changed.append("--no-persist-layer-norm")
+        for dest, flag in (("fp16", "--fp16"), ("bf16", "--bf16")):
+            if getattr(args, dest, False):
+                setattr(args, dest, False)
+                changed.append(f"{flag} dropped (fp32 on CPU)")
+    return changed
+
+
+def prepare_args(extra_args_provider: Optional[Callable] = None, args_defaults: Optional[dict] = None,
+                 argv: Optional[Sequence[str]] = None, set_globals: bool = True):
+    """Parse Megatron's + megatron-zb's flags, validate ours, then Megatron's; set Megatron's globals.
+
+    Returns ``(args, install_kwargs, notes)``; ``install_kwargs`` is None without zero-bubble flags.
+    A bad flag or a failed Megatron argument check raises ``ZeroBubbleArgumentError`` (one line).
+    """
+    from megatron.training.arguments import parse_args, validate_args
+    from megatron.training.global_vars import set_global_variables
+
+    defaults = {"tokenizer_type": "GPT2BPETokenizer"}
+    defaults.update(args_defaults or {})
+    provider = chain_providers(extra_args_provider, add_zero_bubble_args, add_entry_args)
+    saved, error = sys.argv, argparse.ArgumentParser.error
+    if argv is not None:
+        sys.argv = [saved[0] if saved else "pretrain_gpt"] + list(argv)
+
+    def one_line(parser, message):  # not the usage (hundreds of lines) and exit 2 on every rank
+        raise ZeroBubbleArgumentError(message)
+    argparse.ArgumentParser.error = one_line
+    try:
+        args = parse_args(extra_args_provider=provider)
+    finally:
+        sys.argv = saved
+        argparse.ArgumentParser.error = error
+    if getattr(args, "yaml_cfg", None) is not None:
+        raise ZeroBubbleArgumentError("--yaml-cfg is not supported by megatron-zb's pretrain_gpt; give the flags")
+    if args.use_checkpoint_args or defaults.get("use_checkpoint_args", False):
+        from megatron.training.checkpointing import load_args_from_checkpoint
+        load_args_from_checkpoint(args)
+    zb = validate_zero_bubble_args(args, before_megatron_validation=True)
+    notes = machine_adjustments(args)
+    data_flags = ("data_path", "train_data_path", "valid_data_path", "test_data_path", "data_args_path",
+                  "per_split_data_args_path")
+    if not any(getattr(args, f, None) for f in data_flags) and not getattr(args, "mock_data", False):
+        args.mock_data = True
+        notes.append("--mock-data (no --data-path given)")
+    check_sizes(args)
+    try:
+        validate_args(args, defaults)
+    except (AssertionError, ValueError, TypeError) as e:  # Megatron's own argument checks
+        raise ZeroBubbleArgumentError(megatron_check_message(e)) from None
+    if set_globals:
+        set_global_variables(args)
+    return args, zb, notes
+
+
+def check_sizes(args) -> None:
+    """World size vs model parallelism, and batch divisibility: the checks Megatron makes with an
+    assertion deep inside (or with a message about the *evaluation* batch size), said plainly."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    tp = int(args.tensor_model_parallel_size or 1)
+    pp = int(args.pipeline_model_parallel_size or 1)
+    cp = int(getattr(args, "context_parallel_size", 1) or 1)
+    model = tp * pp * cp
+    if world % model:
+        raise ZeroBubbleArgumentError(
+            f"world size {world} (processes in the job) is not a multiple of tensor x pipeline x context parallel "
+            f"size = {tp} x {pp} x {cp} = {model}")
+    microbatches(args, world // model)
+
+
+def microbatches(args, data_parallel_size: Optional[int] = None) -> int:
+    """Microbatches per iteration (global batch / (micro batch x data-parallel size)); 0 where the
+    batch size ramps up or is not given. A global batch that does not divide is an error."""
+    dp = int(data_parallel_size or args.data_parallel_size)
+    mbs, gbs = args.micro_batch_size, args.global_batch_size
+    if not (mbs and gbs) or getattr(args, "rampup_batch_size", None):
+        return 0
+    if int(gbs) % (int(mbs) * dp):
+        raise ZeroBubbleArgumentError(
+            f"--global-batch-size {gbs} is not a multiple of --micro-batch-size {mbs} x data-parallel size {dp} "
+            f"= {int(mbs) * dp}")
+    return int(gbs) // (int(mbs) * dp)
+
+
+def megatron_check_message(e: BaseException) -> str:
+    """One line for a failed Megatron argument check (its message, or the failing assert's source)."""
+    import traceback
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    if not text:
+        frames = traceback.extract_tb(e.__traceback__)
+        text = f"assert {frames[-1].line}" if frames and frames[-1].line else type(e).__name__
+    return f"Megatron's argument check failed: {text}"
+
+
+def placement_of(args):
+    from ..core.ir import Placement
+    p = args.pipeline_model_parallel_size
+    style = getattr(args, "zero_bubble_placement", None)
+    if style == "v":
+        return Placement.vshape(p)
+    if style == "bitpipe":
+        return Placement.bitpipe(p)
+    v = args.virtual_pipeline_model_parallel_size
+    if v:
+        return Placement.looped(p, v)
+    return Placement.single(p)
+
+
+def layer_kw(args) -> dict:
+    return {"allow_padding_num_layers": bool(getattr(args, "allow_padding_num_layers", False))}

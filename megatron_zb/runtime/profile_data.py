@@ -1,0 +1,248 @@
+"""The profile JSON (``runtime.profiler`` writes one at the end of its window): built from every
+pipeline rank's samples, saved, loaded and checked, and turned into the simulator's costs.
+
+Per chunk (global stage) the median of each pass kind; per pipeline rank (the ``cost_*`` and
+``mem_*`` lists, as ``core.ir.Setting`` wants them) the sum over the rank's chunks. Pure data
+functions: no torch, no communication.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+from typing import Dict, Optional, Sequence, Tuple
+
+from ..core.ir import DEFAULT_MEM_W_RATIO, B, BW, F, W, Placement
+
+__all__ = ["ProfileError", "build_profile", "load_profile", "save_profile", "check_profile",
+           "profile_to_setting_kwargs", "PROFILE_FORMAT", "PROFILE_VERSION", "AUTO_REPLAN_PREFIXES",
+           "auto_replans", "median"]
+
+PROFILE_FORMAT = "megatron-zb-profile"
+PROFILE_VERSION = 1
+#: schedules whose order depends on the costs: re-planned from the profile when the window ends
+AUTO_REPLAN_PREFIXES = ("zb-auto", "v-auto")
+
+
+class ProfileError(ValueError):
+    """A profile window or profile JSON is malformed."""
+
+
+def auto_replans(schedule: str) -> bool:
+    """Whether a schedule is re-planned automatically from the measured costs."""
+    return isinstance(schedule, str) and schedule.startswith(AUTO_REPLAN_PREFIXES)
+
+
+def median(xs: Sequence[float]) -> Optional[float]:
+    return float(statistics.median(xs)) if xs else None
+
+
+def build_profile(rank_stats: Sequence[dict], *, schedule: Optional[str], placement: Placement,
+                  microbatches: int, window: Tuple[int, int]) -> dict:
+    """The profile from every pipeline rank's :meth:`PassProfiler.rank_stats` (pure function).
+
+    Per chunk (global stage): the median of each pass kind. Per pipeline rank (the ``cost_*`` and
+    ``mem_*`` lists, one value per rank as the simulator's settings want): the sum over the rank's
+    chunks. Where a schedule ran only fused backwards (BW), B and W are each taken as half of BW
+    (``backward_split`` says so). ``mem_w`` without a W pass: DEFAULT_MEM_W_RATIO x mem_f.
+    """
+    p = placement.num_ranks
+    by_rank = {int(s["rank"]): s for s in rank_stats}
+    missing = sorted(set(range(p)) - set(by_rank))
+    if missing:
+        raise ProfileError(f"no samples from pipeline rank(s) {missing}")
+    per_chunk = []
+    cost = {k: [0.0] * p for k in ("f", "b", "w", "bw")}
+    has_bw = [False] * p
+    mem_f, mem_w = [0.0] * p, [0.0] * p
+    mem_w_known = [True] * p
+    counts = {k: 0 for k in (F, B, W, BW, "recv_wait", "comm_probe")}
+    split_sources = set()
+    for r in range(p):
+        st = by_rank[r]
+        times = st.get("times", {})
+        for s in placement.stages_of(r):
+            key = str(s)
+            med = {k: median(times.get(k, {}).get(key, [])) for k in (F, B, W, BW)}
+            n = {k: len(times.get(k, {}).get(key, [])) for k in (F, B, W, BW)}
+            for k in n:
+                counts[k] += n[k]
+            f = med[F] or 0.0
+            if med[B] is not None or med[W] is not None:
+                b, w = med[B] or 0.0, med[W] or 0.0
+                split_sources.add("measured")
+            elif med[BW] is not None:
+                b = w = med[BW] / 2
+                split_sources.add("assumed")
+            else:
+                b = w = 0.0
+            mf = median(st.get("mem_f", {}).get(key, []))
+            mw = median(st.get("mem_w", {}).get(key, []))
+            waits = st.get("recv_wait", {})
+            wf, wb = waits.get(F, {}).get(key, []), waits.get(B, {}).get(key, [])
+            counts["recv_wait"] += len(wf) + len(wb)
+            cost["f"][r] += f
+            cost["b"][r] += b
+            cost["w"][r] += w
+            if med[BW] is not None:
+                cost["bw"][r] += med[BW]
+                has_bw[r] = True
+            mem_f[r] += mf or 0.0
+            if mw is None:
+                mem_w_known[r] = False
+            else:
+                mem_w[r] += mw
+            per_chunk.append({
+                "stage": s, "rank": r, "chunk": placement.chunk_of(s),
+                "f": f, "b": med[B], "w": med[W], "bw": med[BW],
+                "samples": n, "mem_f": mf, "mem_w": mw,
+                "recv_wait_f": median(wf), "recv_wait_b": median(wb),
+                "recv_wait_total_per_iter": (sum(wf) + sum(wb)) / max(1, len(st.get("iterations", [])) or 1),
+            })
+    if placement.replicated:  # a microbatch runs through one path's chunks: the average over paths
+        k = placement.num_paths
+        for lst in (cost["f"], cost["b"], cost["w"], cost["bw"], mem_f, mem_w):
+            for r in range(p):
+                lst[r] /= k
+    for r in range(p):
+        if not mem_w_known[r]:
+            mem_w[r] = DEFAULT_MEM_W_RATIO * mem_f[r]
+        mem_w[r] = min(mem_w[r], mem_f[r])
+    probes = [x for r in range(p) for x in by_rank[r].get("comm_probe", [])]
+    counts["comm_probe"] = len(probes)
+    iters = [by_rank[r].get("iteration_s", []) for r in range(p)]
+    per_iter = [max(xs) for xs in zip(*iters)] if all(iters) else []
+    first = by_rank[0]
+    return {
+        "format": PROFILE_FORMAT,
+        "version": PROFILE_VERSION,
+        "schedule": schedule,
+        "pipeline_size": p,
+        "stages": p,
+        "chunks": placement.chunks,
+        "microbatches": microbatches,
+        "placement": placement.to_dict(),
+        "window": [int(window[0]), int(window[1])],
+        "iterations": len(first.get("iterations", [])),
+        "device": first.get("device", "cpu"),
+        "time_unit": "s",
+        "cost_f": cost["f"],
+        "cost_b": cost["b"],
+        "cost_w": cost["w"],
+        "cost_bw": cost["bw"] if any(has_bw) else None,
+        "cost_comm": median(probes) or 0.0,
+        "cost_comm_source": "ping-pong probe (half the median round trip)" if probes else "not measured",
+        "backward_split": ("assumed B = W = BW/2 (only fused backwards ran)" if split_sources == {"assumed"}
+                           else "measured" if split_sources else "none"),
+        "mem_unit": "bytes",
+        "mem_f": mem_f,
+        "mem_w": mem_w,
+        "mem_w_source": "measured" if all(mem_w_known) else
+                        f"DEFAULT_MEM_W_RATIO ({DEFAULT_MEM_W_RATIO}) x mem_f where no W pass ran",
+        "mem_method": first.get("mem_method"),
+        "p2p_wait_per_iter": [sum(sum(v) for k in (F, B) for v in by_rank[r].get("recv_wait", {}).get(k, {}).values())
+                              / max(1, len(by_rank[r].get("iterations", []))) for r in range(p)],
+        "iteration_s": median(per_iter),
+        "samples": counts,
+        "per_chunk": per_chunk,
+        **_offload_section(by_rank, p),
+    }
+
+
+def _offload_section(by_rank: Dict[int, dict], p: int) -> dict:
+    """``offload``: per rank, the offload manager's counts over the window (peak resident
+    activation bytes, bytes per F, offloaded and reloaded bytes, host buffer bytes); absent
+    without offload."""
+    if not any(by_rank[r].get("offload") for r in range(p)):
+        return {}
+    rows = []
+    for r in range(p):
+        its = by_rank[r].get("offload") or []
+        rows.append({"rank": r, "iterations": len(its),
+                     "peak_resident_bytes": max((x["peak_resident_bytes"] for x in its), default=0),
+                     "captured_bytes_per_forward": its[-1]["captured_bytes_per_forward"] if its else 0,
+                     "offloaded_bytes": its[-1]["offloaded_bytes"] if its else 0,
+                     "reloaded_bytes": its[-1]["reloaded_bytes"] if its else 0,
+                     "host_buffer_bytes": its[-1]["host_buffer_bytes"] if its else 0,
+                     "host_allocations": [x["host_allocations"] for x in its]})
+    return {"offload": rows}
+
+
+def save_profile(profile: dict, path: str) -> None:
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(profile, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+_REQUIRED = ("cost_f", "cost_b", "cost_w")
+
+
+def load_profile(path: str) -> dict:
+    """Read and check a profile JSON (this module's or any dict with per-stage cost lists)."""
+    try:
+        with open(path) as f:
+            prof = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ProfileError(f"cannot read profile {path!r}: {e}") from None
+    check_profile(prof, path)
+    return prof
+
+
+def check_profile(prof, where="profile"):
+    if not isinstance(prof, dict):
+        raise ProfileError(f"{where}: a profile is a JSON object")
+    for k in _REQUIRED:
+        if k not in prof:
+            raise ProfileError(f"{where}: no {k} (per-stage costs as written by the profiler)")
+    lens = set()
+    for k in _REQUIRED + ("mem_f", "mem_w"):
+        v = prof.get(k)
+        if v is None:
+            continue
+        vs = [v] if isinstance(v, (int, float)) and not isinstance(v, bool) else v
+        if not isinstance(vs, list) or not all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                               and math.isfinite(x) and x >= 0 for x in vs):
+            raise ProfileError(f"{where}: {k} must be a non-negative number or a list of them, got {v!r}")
+        if isinstance(v, list):
+            lens.add(len(v))
+    if len(lens) > 1:
+        raise ProfileError(f"{where}: per-stage lists have different lengths {sorted(lens)}")
+
+
+def profile_to_setting_kwargs(profile: dict, normalize: bool = False) -> dict:
+    """``cost_f/cost_b/cost_w`` (lists per stage), ``cost_comm``, ``mem_f``, ``mem_w`` for
+    ``core.ir.Setting(stages, microbatches, **kwargs)``.
+
+    Raw: seconds and bytes, as measured. ``normalize=True``: costs in units of the mean F cost per
+    stage, memory in units of the largest stage's ``mem_f`` (so ``memory_limit`` keeps its meaning
+    "activations of this many microbatches of one stage").
+    """
+    check_profile(profile)
+    as_list = lambda v: [float(x) for x in (v if isinstance(v, list) else [v])]  # noqa: E731
+    cf, cb, cw = (as_list(profile[k]) for k in _REQUIRED)
+    comm = float(profile.get("cost_comm") or 0.0)
+    out = {"cost_f": cf, "cost_b": cb, "cost_w": cw, "cost_comm": comm}
+    mf = profile.get("mem_f")
+    if mf is not None and sum(as_list(mf)) > 0:
+        mf = as_list(mf)
+        mw = as_list(profile["mem_w"]) if profile.get("mem_w") is not None else [DEFAULT_MEM_W_RATIO * x for x in mf]
+        if len(mw) == 1 and len(mf) > 1:
+            mw = mw * len(mf)
+        if len(mf) == 1 and len(mw) > 1:
+            mf = mf * len(mw)
+        out["mem_f"], out["mem_w"] = mf, [min(a, b) for a, b in zip(mw, mf)]
+    if normalize:
+        unit = sum(cf) / len(cf) if sum(cf) > 0 else (sum(cf + cb + cw) / (3 * len(cf)) or 1.0)
+        for k in ("cost_f", "cost_b", "cost_w"):
+            out[k] = [x / unit for x in out[k]]
+        out["cost_comm"] = comm / unit
+        if "mem_f" in out:
+            mu = max(out["mem_f"])
+            out["mem_f"] = [x / mu for x in out["mem_f"]]
+            out["mem_w"] = [x / mu for x in out["mem_w"]]
+    return out
