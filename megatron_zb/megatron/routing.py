@@ -14,7 +14,7 @@ import torch.distributed as dist
 from ..core.ir import Placement
 from .errors import ZeroBubbleConfigError
 
-__all__ = ["RoutedIterator", "check_replicas_equal", "merge_losses", "to_cpu", "to_device", "LossesToLastRank",
+__all__ = ["RoutedIterator", "check_replicas_equal", "hand_over", "merge_losses", "to_cpu", "to_device", "LossesToLastRank",
            "route_losses_to_last_rank"]
 
 
@@ -75,24 +75,33 @@ def check_replicas_equal(models, stages, pl: Placement, groups) -> None:
                 "one replica into the other before creating the optimizer")
 
 
+def hand_over(obj, src: int, dst: int, me: int, pp_group):
+    """Move a small picklable object (loss dicts: a few scalars per microbatch) from pipeline rank
+    ``src`` to ``dst`` over ``pp_group``; returns it on ``dst`` (on its device), None elsewhere."""
+    ranks = dist.get_process_group_ranks(pp_group)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    if me == src:
+        dist.send_object_list([to_cpu(obj)], dst=ranks[dst], group=pp_group, device=device)
+    elif me == dst:
+        box = [None]
+        dist.recv_object_list(box, src=ranks[src], group=pp_group, device=device)
+        return to_device(box[0])
+    return None
+
+
 def merge_losses(store, mb_of_entry, pl: Placement, me: int, pp_group):
-    """Replicated stages: every path's loss stage holds its own microbatches' loss dicts; send them to
-    ``pl.loss_rank`` and return them there in microbatch order (elsewhere: [])."""
+    """Replicated stages: every path's loss stage holds its own microbatches' loss dicts; hand them
+    to ``pl.loss_rank`` and return them there in microbatch order (elsewhere: [])."""
     dst = pl.loss_rank
     holders = sorted({pl.rank_of(pl.path(k)[-1]) for k in range(pl.num_paths)} - {dst})
     if me not in holders and me != dst:
         return store
-    ranks = dist.get_process_group_ranks(pp_group)
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
     if me != dst:
-        dist.send_object_list([[(mb, to_cpu(e)) for mb, e in zip(mb_of_entry, store)]], dst=ranks[dst],
-                              group=pp_group, device=device)
+        hand_over(list(zip(mb_of_entry, store)), me, dst, me, pp_group)
         return []
     tagged = list(zip(mb_of_entry, store))
     for src in holders:
-        box = [None]
-        dist.recv_object_list(box, src=ranks[src], group=pp_group, device=device)
-        tagged += [(mb, to_device(e)) for mb, e in box[0]]
+        tagged += hand_over(None, src, dst, me, pp_group)
     tagged.sort(key=lambda x: x[0])
     return [e for _, e in tagged]
 
@@ -141,14 +150,8 @@ class LossesToLastRank:
         dst = p - 1
         if p == 1 or self.loss_rank == dst or me not in (self.loss_rank, dst):
             return out
-        ranks = dist.get_process_group_ranks(group)
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-        if me == self.loss_rank:
-            dist.send_object_list([to_cpu(out)], dst=ranks[dst], group=group, device=device)
-            return []
-        box = [None]
-        dist.recv_object_list(box, src=ranks[self.loss_rank], group=group, device=device)
-        return to_device(box[0])
+        got = hand_over(out, self.loss_rank, dst, me, group)
+        return [] if me == self.loss_rank else got
 
 
 def route_losses_to_last_rank(loss_rank: int) -> Callable[[], None]:
