@@ -41,20 +41,23 @@ def _modules():
                 yield rel, path
 
 
+def _from_target(module: str, path: str, node: ast.ImportFrom) -> str:
+    """The module a ``from X import ...`` statement of ``module`` (file ``path``) names."""
+    if not node.level:
+        return node.module or ""
+    base = module.split(".")
+    base = base[: len(base) - node.level + (1 if path.endswith("__init__.py") else 0)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
 def _imports(module: str, path: str):
     tree = ast.parse(open(path).read(), path)
-    is_pkg = path.endswith("__init__.py")
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for a in node.names:
                 yield a.name
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = module.split(".")
-                base = base[: len(base) - node.level + (1 if is_pkg else 0)]
-                target = ".".join(base + ([node.module] if node.module else []))
-            else:
-                target = node.module or ""
+            target = _from_target(module, path, node)
             yield target
             for a in node.names:  # `from . import plot`
                 yield f"{target}.{a.name}"
@@ -123,18 +126,12 @@ def _file_graph():
     known = _module_names()
     g = {}
     for module, path in _modules():
-        is_pkg = path.endswith("__init__.py")
         deps = set()
         for node in ast.walk(ast.parse(open(path).read(), path)):
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = module.split(".")
-                    base = base[: len(base) - node.level + (1 if is_pkg else 0)]
-                    target = ".".join(base + ([node.module] if node.module else []))
-                else:
-                    target = node.module or ""
+                target = _from_target(module, path, node)
                 subs = [f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in known]
                 targets = subs if len(subs) == len(node.names) else subs + [target]
             else:
@@ -233,16 +230,10 @@ def test_every_name_imported_from_the_package_exists():
               if f.endswith(".py")]
     bad = []
     for module, path in list(_modules()) + others:
-        is_pkg = path.endswith("__init__.py")
         for node in ast.walk(ast.parse(open(path).read(), path)):
             if not isinstance(node, ast.ImportFrom):
                 continue
-            if node.level:
-                base = module.split(".")
-                base = base[: len(base) - node.level + (1 if is_pkg else 0)]
-                target = ".".join(base + ([node.module] if node.module else []))
-            else:
-                target = node.module or ""
+            target = _from_target(module, path, node)
             if target not in paths:
                 continue
             defined = _top_level_names(paths[target])
