@@ -140,7 +140,14 @@ else
     LAUNCH=(--nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$NPROC"
             --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT")
 fi
-CMD=("$PYTHON" -m megatron_zb.megatron.torchrun "${LAUNCH[@]}" -m megatron_zb.megatron.pretrain_gpt
+# SCRIPT=path/to/pretrain_gpt.py: your own (e.g. a Megatron-LM checkout's), unmodified, through megatron_zb.run
+if [ -n "${SCRIPT:-}" ]; then
+    [ -f "$SCRIPT" ] || { echo "pretrain_gpt_zb.sh: SCRIPT=$SCRIPT: no such file" >&2; exit 2; }
+    ENTRY=(-m megatron_zb.run "$SCRIPT"); PREFLIGHT=${PREFLIGHT:-0}
+else
+    ENTRY=(-m megatron_zb.megatron.pretrain_gpt)
+fi
+CMD=("$PYTHON" -m megatron_zb.megatron.torchrun "${LAUNCH[@]}" "${ENTRY[@]}"
      "${ARGS[@]}" "${SCHEDULE_FLAGS[@]}" $EXTRA_ARGS)
 
 echo "megatron-zb: schedule=$SCHEDULE PP=$PP TP=$TP nodes=$NNODES procs/node=$NPROC gpus/node=$GPUS" \

@@ -47,7 +47,7 @@ from typing import Callable, Dict, Optional
 from ..core import schedules as core_schedules
 from ..core.ir import ScheduleError
 
-__all__ = ["add_zero_bubble_args", "chain_providers", "zero_bubble_requested", "NOT_AVAILABLE_FLAGS", "WHAT_INSTEAD",
+__all__ = ["add_zero_bubble_args", "chain_providers", "has_flag", "zero_bubble_requested", "NOT_AVAILABLE_FLAGS", "WHAT_INSTEAD",
            "DEFAULT_TIMEOUT_S", "FORK_TIMERS_DEFAULT"]
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -170,8 +170,11 @@ WHAT_INSTEAD = {
 def add_zero_bubble_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add megatron-zb's flags (and the ZB authors' fork's) to a Megatron argument parser.
 
-    Usable directly as Megatron's ``extra_args_provider``; returns the parser.
+    Usable directly as Megatron's ``extra_args_provider``; returns the parser. Adding them to a
+    parser that has them already (a chained provider and the drop-in route both) does nothing.
     """
+    if has_flag(parser, "--zero-bubble-schedule"):
+        return parser
     names = ", ".join(core_schedules.names())
     g = parser.add_argument_group("megatron-zb", "zero-bubble pipeline schedules (megatron-zb plugin)")
     g.add_argument("--zero-bubble-schedule", type=_schedule_name, default=None, metavar="NAME",
@@ -291,6 +294,11 @@ def add_zero_bubble_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     f.add_argument("--zero-bubble-adaptive-memory-limit-percentile", type=int, default=None,
                    help="Not available yet in megatron-zb (no adaptive memory limit).")
     return parser
+
+
+def has_flag(parser: argparse.ArgumentParser, flag: str) -> bool:
+    """Whether ``parser`` already defines ``flag``."""
+    return any(flag in a.option_strings for a in parser._actions)
 
 
 def chain_providers(*providers: Optional[Callable]) -> Callable[[argparse.ArgumentParser], argparse.ArgumentParser]:

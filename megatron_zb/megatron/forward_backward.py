@@ -88,7 +88,8 @@ class ZeroBubbleForwardBackward:
         self._replica_groups: Dict[tuple, ReplicaGroups] = {}
         self._replicas_checked = False
         self._queues: Dict[int, WQueue] = {}
-        self.last_schedule: Optional[Schedule] = None
+        self.last_schedule: Optional[Schedule] = None  # the lowered schedule of the last call
+        self.last_training_schedule: Optional[Schedule] = None  # ... of the last training call
         self.post_validation: Optional[PostValidation] = (
             PostValidation(options.timeout_s) if options.post_validation else None)
         self.iterations = 0  # forward-backward calls with forward_only=False
@@ -255,6 +256,8 @@ class ZeroBubbleForwardBackward:
               first_val_step, config, p, me, pp_group, cp_group, shape) -> _Call:
         sched = self.schedule_for(p, m, len(models), forward_only)
         self.last_schedule = sched
+        if not forward_only:
+            self.last_training_schedule = sched
         pl = sched.placement
         pp_ranks = dist.get_process_group_ranks(pp_group)
         prog = progress_tracker(pp_rank=me, group=pp_ranks)

@@ -37,17 +37,14 @@ import time
 
 _PROGRAM_START_TIME = time.time()
 
-import os  # noqa: E402
 import sys  # noqa: E402
 import warnings  # noqa: E402
 from functools import partial  # noqa: E402
-from typing import Callable, List, Optional, Sequence  # noqa: E402
+from typing import Callable, Optional, Sequence  # noqa: E402
 
-from .errors import ZeroBubbleArgumentError, ZeroBubbleConfigError  # noqa: E402
-from .finalize import finalize_model_grads_for, mark_replica_copies  # noqa: E402
-from .options import ScheduleOptions, preview  # noqa: E402
-from .routing import route_losses_to_last_rank  # noqa: E402
-from .startup import MegatronTrainingMissing, layer_kw, placement_of, prepare_args, prepare_megatron  # noqa: E402
+from .chunks import ChunkPlan  # noqa: E402
+from .session import TrainingSession, print0, run_reporting, supervise  # noqa: E402
+from .startup import layer_kw, placement_of, prepare_args, prepare_megatron  # noqa: E402
 
 __all__ = ["main", "model_provider", "forward_step", "train_valid_test_datasets_provider"]
 
@@ -66,12 +63,12 @@ class _ModelProvider:
 
     Builds each chunk with Megatron's own ``GPTModelBuilder`` (TE spec when Transformer Engine is
     present, the local spec otherwise, MoE etc. from the flags). For a V schedule the chunk's stage,
-    pre/post-process and layers come from the V placement (``placement.chunk_infos``) and megatron's
-    layer count/offset functions answer from the placement's layer table (``placement``'s hooks).
+    pre/post-process and layers come from the V placement (``megatron.chunks``) and megatron's
+    layer count/offset functions answer from the placement's layer table.
     """
 
     def __init__(self):
-        self._built: List = []  # this rank's chunks so far (to share the tied embedding on V)
+        self.plan: Optional[ChunkPlan] = None
 
     def __call__(self, pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
         from megatron.core import parallel_state
@@ -80,61 +77,30 @@ class _ModelProvider:
         from megatron.training.argument_utils import gpt_config_from_args
         from megatron.training.models.gpt import GPTModelBuilder
 
-        from . import placement as zb_placement
         from .local_spec import layer_spec
 
         args = get_args()
+        if self.plan is None:
+            self.plan = ChunkPlan(args)
+        plan = self.plan
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups()
         model_cfg = gpt_config_from_args(args, config=config)
         tcfg = model_cfg.transformer
-        placement = placement_of(args)
-        pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-        info = zb_placement.chunk_infos(placement, args.num_layers, pp_rank, **layer_kw(args))[vp_stage or 0]
-        if placement.style in ("v", "bitpipe"):
+        info = plan.info(vp_stage)
+        if plan.reshapes:
             pre_process, post_process = info.pre_process, info.post_process
-            zb_placement.attach_layer_table(tcfg, placement, args.num_layers, placement_rank=pp_rank,
-                                            **layer_kw(args))
-            tcfg.finalize_model_grads_func = partial(finalize_model_grads_for, placement=placement)
+            plan.prepare_config(tcfg)
         if parallel_state.get_data_parallel_rank() == 0 and parallel_state.get_tensor_model_parallel_rank() == 0:
-            layers = f"layers {info.layers[0]}-{info.layers[-1]}" if info.layers else "no layers"
-            where = (f"stage {placement.logical(info.stage)} of {info.num_stages} (path {placement.path_of(info.stage)})"
-                     if placement.replicated else f"stage {info.stage} of {info.num_stages}")
-            print(f" > pipeline rank {pp_rank} chunk {vp_stage or 0}: {where}, "
-                  f"{layers}{', embedding' if pre_process else ''}{', loss' if post_process else ''}", flush=True)
+            print(" > " + plan.describe(info, pre_process, post_process), flush=True)
         if tcfg.transformer_impl == "local" and tcfg.sequence_parallel and model_cfg.transformer_layer_spec is None:
             # the local spec's torch norms refuse sequence parallelism (apex/TE norms are absent, e.g.
             # on CPU): megatron's local spec with sequence-parallel-capable torch norms
             model_cfg.transformer_layer_spec = layer_spec(tcfg, len(info.layers))
         model = GPTModelBuilder(model_cfg).build_model(pg_collection, pre_process=pre_process,
                                                        post_process=post_process, vp_stage=vp_stage)
-        got = [int(layer.layer_number) - 1 for layer in model.decoder.layers]
-        if got != list(info.layers):
-            raise RuntimeError(f"pipeline rank {pp_rank} chunk {vp_stage}: megatron built layers {got}, "
-                               f"the placement wants {list(info.layers)}")
-        # global parameter names (placement.py's convention): the V tied-embedding sum and the
-        # deterministic initialisation find parameters by them
-        tied = bool(model.share_embeddings_and_output_weights)
-        for name, p in model.named_parameters():
-            p.mzb_global_name = zb_placement.global_param_name(name, info, tied)
-        model.mzb_chunk_info = info
-        mark_replica_copies([model], placement)  # clipping counts each replicated weight once
-        if getattr(args, "zero_bubble_deterministic_init", False):
-            zb_placement.deterministic_init_([model], seed=args.seed, std=args.init_method_std)
-        elif placement.style == "v" and post_process and tied:
-            self._copy_tied_embedding(model)
-        self._built.append(model)
+        plan.finish(model, info)
         return model
-
-    def _copy_tied_embedding(self, model):
-        """V: the output layer's copy of the word embedding starts equal to the embedding (both on
-        this rank; Megatron's all-reduce over the 1-rank embedding group leaves it zero)."""
-        import torch
-        src = next((m for m in self._built if getattr(m, "pre_process", False)), None)
-        if src is None:
-            raise RuntimeError("V placement: the embedding chunk must be built before the loss chunk")
-        with torch.no_grad():
-            model.output_layer.weight.data.copy_(src.embedding.word_embeddings.weight.data)
 
 
 model_provider = _ModelProvider  # a fresh provider per run: ``model_provider()`` -> callable
@@ -272,122 +238,24 @@ train_valid_test_datasets_provider.is_distributed = True
 # main
 # --------------------------------------------------------------------------------------------
 
-def _supervise() -> None:
-    """Under torchrun (or with MZB_EXIT_WITH_LAUNCHER=1): end this rank at once if its launcher dies."""
-    flag = os.environ.get("MZB_EXIT_WITH_LAUNCHER")
-    if flag == "1" or (flag != "0" and os.environ.get("TORCHELASTIC_RUN_ID")):
-        from ..runtime.supervise import watch_parent
-        watch_parent(what="the launcher (torchrun agent)")
-
-
-def _pause_stall_watch_while_saving() -> Callable[[], None]:
-    """Checkpoint saving may take long: the stall watch (runtime.progress) is off meanwhile."""
-    import megatron.training.training as T
-
-    from ..runtime import progress
-    inner = T.save_checkpoint
-
-    def save_checkpoint(*args, **kwargs):
-        progress.pause("saving a checkpoint")
-        try:
-            return inner(*args, **kwargs)
-        finally:
-            progress.pause(None)
-    T.save_checkpoint = save_checkpoint
-
-    def undo():
-        if T.save_checkpoint is save_checkpoint:
-            T.save_checkpoint = inner
-    return undo
-
-
-def _on_stall(message: str) -> None:
-    from .rank_errors import record_for_torchrun
-    line = f"megatron-zb: error: {message}"
-    record_for_torchrun(line)
-    try:
-        os.write(2, (line + "\n").encode())
-    except OSError:
-        pass
-
-
 def main(argv: Optional[Sequence[str]] = None, extra_args_provider: Optional[Callable] = None,
          args_defaults: Optional[dict] = None) -> None:
     """Parse the flags (``argv``, default ``sys.argv``), install the schedule, run Megatron's pretrain()."""
-    _supervise()
+    supervise()
     prepare_megatron()
     from megatron.core.enums import ModelType
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
     from megatron.training import inprocess_restart, pretrain, set_startup_timestamps
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
-
-    from .install import install
 
     set_startup_timestamps(program_start=_PROGRAM_START_TIME, main_entry=time.time())
     args, zb, notes = prepare_args(extra_args_provider, args_defaults, argv)
     from .preflight import check_in_rank
     check_in_rank(args)  # what the launch script's preflight checks, for jobs started without it
     if notes:
-        _print0("megatron-zb: adjusted for this machine: " + ", ".join(notes))
-    handle, undo, undo_pv = None, None, None
-    get_emb = None
-    if zb is not None:
-        from megatron.core.num_microbatches_calculator import get_num_microbatches
-        kwargs = dict(zb)
-        placement = placement_of(args)
-        m = get_num_microbatches()
-        built, base = preview(ScheduleOptions(**kwargs), placement.num_ranks, m)  # fails here, not at iteration 1
-        sim = built.result
-        schedule = kwargs.pop("schedule")
-        handle = install(schedule, **kwargs)
-        limit = kwargs.get("memory_limit")
-        _print0(f"megatron-zb: schedule {schedule} installed ({placement.style} placement, {placement.models_per_rank} "
-                f"chunk(s) per rank, pipeline size {placement.num_ranks}, {m} microbatches"
-                + (f", memory limit {limit:.3g} microbatches" if limit else "") + ")")
-        costs = [kwargs.get(k) for k in ("cost_f", "cost_b", "cost_w")]
-        given = any(c is not None for c in costs)
-        what = ("with the given --zero-bubble-cost-f/-b/-w" if given else
-                "with unit costs F=B=W=1, not measured ones (--zero-bubble-cost-f/-b/-w give yours)")
-        _print0(f"megatron-zb: schedule preview, simulated {what}: bubble {100 * sim.bubble_rate:.1f}%"
-                + (f" (1f1b {100 * base.bubble_rate:.1f}%)" if base is not None else "")
-                + f", peak activation {max(sim.peak_memory):.3g} microbatches per rank")
-        if kwargs.get("offload_ratio") is not None:
-            streams = "two copy streams" if kwargs.get("offload_overlap", True) else "one copy stream"
-            if sim.offload is None:  # --auto-offload-time: K is measured on the device first
-                _print0(f"megatron-zb: activation offload ratio {kwargs['offload_ratio']}, {streams}; K is measured "
-                        "at the first iteration and the offloaded schedule built then (the preview above is "
-                        "without offload)")
-            else:
-                o = sim.offload.to_dict()
-                _print0(f"megatron-zb: activation offload ratio {kwargs['offload_ratio']}, K "
-                        f"{kwargs.get('offload_time')}, {streams}; peak activation without offload "
-                        f"{max(o['peak_memory_without_offload']):.3g} microbatches")
-        if placement.style in ("v", "bitpipe"):
-            get_emb = get_embedding_ranks
-            undo = route_losses_to_last_rank(placement.loss_rank)
-        if kwargs.get("post_validation"):
-            from .optimizer import FORK_MIN_CLEAN_STEPS, patch_megatron_training
-            n = getattr(args, "zero_bubble_post_validation_min_clean_steps", None)
-            n = FORK_MIN_CLEAN_STEPS if n is None else n
-            undo_pv = patch_megatron_training(handle, min_clean_steps=n)
-            _print0(f"megatron-zb: optimizer post-validation on (steps synchronous until {n} in a row were neither "
-                    "clipped nor skipped; Megatron's log line shows the grad norm of the previous iteration's step)")
-    else:
-        _print0("megatron-zb: no zero-bubble flag given; Megatron's own pipeline schedules run")
-
-    from ..core.ir import ScheduleError
-    from ..runtime import progress
-    from . import checkpoint_placement
-    undos = []
-    try:
-        record = checkpoint_placement.record(placement_of(args), args.num_layers, zb["schedule"] if zb else None,
-                                             **layer_kw(args))
-        undos.append(checkpoint_placement.install(record))
-    except ScheduleError:  # a layout our tables do not describe (Megatron's own uneven splits): no record
-        pass
-    if zb is not None:
-        progress.enable_stall_watch(zb["timeout_s"], on_stall=_on_stall)
-        undos.append(_pause_stall_watch_while_saving())
-
+        print0("megatron-zb: adjusted for this machine: " + ", ".join(notes))
+    session = TrainingSession(args, zb, get_num_microbatches(), route="megatron-zb's pretrain_gpt").start()
+    get_emb = get_embedding_ranks if session.placement.style in ("v", "bitpipe") and zb is not None else None
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r"(?s).*recommended to use a ModelConfig")
         cfg = pretrain_cfg_container_from_args(args)
@@ -395,58 +263,15 @@ def main(argv: Optional[Sequence[str]] = None, extra_args_provider: Optional[Cal
     try:
         run(cfg, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step,
             model_provider=model_provider(), get_embedding_ranks=get_emb, store=store)
+        line = session.summary()
+        if line:
+            print0(line)
     finally:
-        progress.stop()
-        from .shutdown import stop_checkpoint_writer
-        stop_checkpoint_writer()  # megatron's checkpoint-writer Manager process, if a save started it
-        for u in reversed(undos):
-            u()
-        if undo_pv is not None:
-            undo_pv()
-        if undo is not None:
-            undo()
-        if handle is not None:
-            handle.uninstall()
-
-
-def _print0(msg: str) -> None:
-    """Print once (global rank 0) before torch.distributed exists."""
-    if os.environ.get("RANK", "0") == "0":
-        print(msg, flush=True)
-
-
-def _known_errors():
-    """Errors whose message says everything: one line, once, exit code 2."""
-    from .checkpoint_placement import CheckpointPlacementError
-    return (ZeroBubbleArgumentError, ZeroBubbleConfigError, MegatronTrainingMissing, CheckpointPlacementError)
-
-
-def _cli() -> int:
-    """Run ``main()``; errors are reported once for the whole job (``rank_errors``): known ones as
-    one line with exit code 2, a pipeline timeout as one line per rank (each names the rank that
-    stopped first), anything else with its traceback on the first failing rank."""
-    from .rank_errors import record_for_torchrun, report
-    try:
-        main()
-    except _known_errors() as e:
-        report(e, known=True)
-        return 2
-    except Exception as e:  # noqa: BLE001
-        from ..runtime.p2p import PipelineTimeout
-        if isinstance(e, PipelineTimeout):  # a timeout, a lost peer, a validation timeout
-            from ..runtime.progress import finish_kills
-            line = f"megatron-zb: error: {e}"
-            record_for_torchrun(line)
-            print(line, file=sys.stderr, flush=True)
-            finish_kills()  # a stopped rank this rank named is ended before it exits
-            return 1
-        report(e, known=False)
-        return 1
-    return 0
+        session.close()
 
 
 if __name__ == "__main__":
-    _code = _cli()
+    _code = run_reporting(main)
     if _code:  # after a failure, no orderly teardown: collectives with a stuck peer could hang it
         from ..runtime.supervise import exit_now
         exit_now(_code)

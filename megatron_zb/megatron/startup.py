@@ -10,7 +10,7 @@ import os
 import sys
 from typing import Callable, List, Optional, Sequence
 
-from .args import add_zero_bubble_args, chain_providers
+from .args import add_zero_bubble_args, chain_providers, has_flag
 from .errors import ZeroBubbleArgumentError
 from .flags import validate_zero_bubble_args
 
@@ -23,6 +23,9 @@ class MegatronTrainingMissing(RuntimeError):
 
 
 def add_entry_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``--zero-bubble-deterministic-init`` (once per parser)."""
+    if has_flag(parser, "--zero-bubble-deterministic-init"):
+        return parser
     g = parser.add_argument_group("megatron-zb entry point")
     g.add_argument("--zero-bubble-deterministic-init", action="store_true", default=False,
                    help="Initialise every parameter from a seed derived from its name in the whole model "

@@ -1,0 +1,206 @@
+"""megatron-zb inside Megatron's training loop, once the flags are parsed and validated: the schedule
+installed and announced, the losses handed to the rank Megatron logs them on, post-validation
+wired into Megatron's training functions, the placement recorded in checkpoints, the stall watch
+(off while a checkpoint is written), a line at the end, and everything undone by ``close()``.
+
+Both routes use it: megatron-zb's entry point (``megatron.pretrain_gpt``) and a user's own
+Megatron-LM script (``megatron.dropin``, the launcher ``python -m megatron_zb.run``).
+
+Also the run's error reporting for both routes: ``run_reporting(fn)`` runs the training and turns
+a known error into one line (once for the job) and exit code 2 (``megatron.rank_errors``).
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Callable, List, Optional
+
+from ..core.ir import ScheduleError
+from .errors import ZeroBubbleArgumentError, ZeroBubbleConfigError
+from .options import ScheduleOptions, preview
+from .startup import MegatronTrainingMissing, layer_kw, placement_of
+
+__all__ = ["TrainingSession", "print0", "run_reporting", "supervise"]
+
+
+def print0(msg: str) -> None:
+    """Print once (global rank 0), before or after torch.distributed exists."""
+    if os.environ.get("RANK", "0") == "0":
+        print(msg, flush=True)
+
+
+class TrainingSession:
+    """What megatron-zb adds to one Megatron training run (``zb``: ``install()``'s keyword
+    arguments from the flags, None when no zero-bubble flag was given)."""
+
+    def __init__(self, args, zb: Optional[dict], num_microbatches: int, *, route: str):
+        self.args, self.zb, self.m, self.route = args, zb, int(num_microbatches), route
+        self.placement = placement_of(args)
+        self.handle = None
+        self._undos: List[Callable[[], None]] = []
+
+    @property
+    def forward_backward(self):
+        return None if self.handle is None else self.handle.forward_backward
+
+    def start(self) -> "TrainingSession":
+        """Install the schedule (after a preview that fails here, not at iteration 1) and its
+        companions; announce it in one line on rank 0."""
+        from . import checkpoint_placement
+        zb, args, pl = self.zb, self.args, self.placement
+        if zb is None:
+            print0(f"megatron-zb: no zero-bubble flag given; Megatron's own pipeline schedules run ({self.route})")
+        else:
+            from .install import install
+            kwargs = dict(zb)
+            built, base = preview(ScheduleOptions(**kwargs), pl.num_ranks, self.m)
+            self.handle = install(kwargs.pop("schedule"), **kwargs)
+            self._undos.append(self.handle.uninstall)
+            self._announce(built, base)
+            if pl.style in ("v", "bitpipe"):
+                from .routing import route_losses_to_last_rank
+                self._undos.append(route_losses_to_last_rank(pl.loss_rank))
+            if zb.get("post_validation"):
+                from .optimizer import FORK_MIN_CLEAN_STEPS, patch_megatron_training
+                n = getattr(args, "zero_bubble_post_validation_min_clean_steps", None)
+                n = FORK_MIN_CLEAN_STEPS if n is None else n
+                self._undos.append(patch_megatron_training(self.handle, min_clean_steps=n))
+                print0(f"megatron-zb: optimizer post-validation on (steps synchronous until {n} in a row were "
+                       "neither clipped nor skipped; Megatron's log line shows the grad norm of the previous "
+                       "iteration's step)")
+        try:
+            record = checkpoint_placement.record(pl, args.num_layers, zb["schedule"] if zb else None, **layer_kw(args))
+            self._undos.append(checkpoint_placement.install(record))
+        except ScheduleError:  # a layout our tables do not describe (Megatron's own uneven splits): no record
+            pass
+        if zb is not None:
+            from ..runtime import progress
+            progress.enable_stall_watch(zb["timeout_s"], on_stall=_on_stall)
+            self._undos.append(progress.stop)
+            self._undos.append(_pause_stall_watch_while_saving())
+        return self
+
+    def _announce(self, built, base) -> None:
+        zb, pl, sim = self.zb, self.placement, built.result
+        limit = zb.get("memory_limit")
+        given = any(zb.get(k) is not None for k in ("cost_f", "cost_b", "cost_w"))
+        costs = ("given costs (--zero-bubble-cost-f/-b/-w)" if given else
+                 "unit costs F=B=W=1, not measured ones (--zero-bubble-cost-f/-b/-w give yours)")
+        print0(f"megatron-zb: schedule {zb['schedule']} installed ({pl.style} placement, {pl.models_per_rank} "
+               f"chunk(s) per rank, pipeline size {pl.num_ranks}, {self.m} microbatches"
+               + (f", memory limit {limit:.3g} microbatches" if limit else "") + f"; {self.route})"
+               + f": simulated with {costs}: bubble {100 * sim.bubble_rate:.1f}%"
+               + (f" (1f1b {100 * base.bubble_rate:.1f}%)" if base is not None else "")
+               + f", peak activation {max(sim.peak_memory):.3g} microbatches per rank")
+        if zb.get("offload_ratio") is not None:
+            streams = "two copy streams" if zb.get("offload_overlap", True) else "one copy stream"
+            if sim.offload is None:  # --auto-offload-time: K is measured on the device first
+                print0(f"megatron-zb: activation offload ratio {zb['offload_ratio']}, {streams}; K is measured "
+                       "at the first iteration and the offloaded schedule built then (the preview above is "
+                       "without offload)")
+            else:
+                o = sim.offload.to_dict()
+                print0(f"megatron-zb: activation offload ratio {zb['offload_ratio']}, K {zb.get('offload_time')}, "
+                       f"{streams}; peak activation without offload {max(o['peak_memory_without_offload']):.3g} "
+                       "microbatches")
+
+    def summary(self) -> Optional[str]:
+        """The line at the end: iterations run through megatron-zb; with a profile window, the
+        measured time per iteration next to the simulator's for the profiled F/B/W."""
+        fb = self.forward_backward
+        if fb is None:
+            return None
+        line = f"megatron-zb: {fb.iterations} training iteration(s) ran through {self.zb['schedule']}"
+        prof, sched = fb.profile, fb.last_training_schedule
+        if prof is not None and prof.get("iteration_s") and sched is not None:
+            from ..core.ir import Setting
+            from ..core.iteration import iteration_times
+            try:  # the order that ran, timed with the profiled F/B/W (seconds)
+                st = Setting(sched.num_ranks, sched.num_microbatches, chunks=sched.placement.chunks,
+                             cost_f=prof["cost_f"], cost_b=prof["cost_b"], cost_w=prof["cost_w"],
+                             cost_comm=prof.get("cost_comm") or 0.0)
+                it = iteration_times(sched, st)
+                sim = it.iteration_time_post_validated if self.zb.get("post_validation") else it.iteration_time
+                meas = prof["iteration_s"]
+                line += (f"; profiled iterations {prof['window'][0]}-{prof['window'][1]}: {1e3 * meas:.1f} ms "
+                         f"measured, {1e3 * sim:.1f} ms simulated from their F/B/W ({100 * (meas / sim - 1):+.1f}%)")
+            except (ScheduleError, KeyError, ZeroDivisionError):
+                pass
+        return line
+
+    def close(self) -> None:
+        from .shutdown import stop_checkpoint_writer
+        stop_checkpoint_writer()  # megatron's checkpoint-writer Manager process, if a save started it
+        while self._undos:
+            self._undos.pop()()
+
+
+def supervise() -> None:
+    """Under torchrun (or with MZB_EXIT_WITH_LAUNCHER=1): end this rank at once if its launcher dies."""
+    flag = os.environ.get("MZB_EXIT_WITH_LAUNCHER")
+    if flag == "1" or (flag != "0" and os.environ.get("TORCHELASTIC_RUN_ID")):
+        from ..runtime.supervise import watch_parent
+        watch_parent(what="the launcher (torchrun agent)")
+
+
+def _pause_stall_watch_while_saving() -> Callable[[], None]:
+    """Checkpoint saving may take long: the stall watch (runtime.progress) is off meanwhile."""
+    import megatron.training.training as T
+
+    from ..runtime import progress
+    inner = T.save_checkpoint
+
+    def save_checkpoint(*args, **kwargs):
+        progress.pause("saving a checkpoint")
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            progress.pause(None)
+    T.save_checkpoint = save_checkpoint
+
+    def undo():
+        if T.save_checkpoint is save_checkpoint:
+            T.save_checkpoint = inner
+    return undo
+
+
+def _on_stall(message: str) -> None:
+    from .rank_errors import record_for_torchrun
+    line = f"megatron-zb: error: {message}"
+    record_for_torchrun(line)
+    try:
+        os.write(2, (line + "\n").encode())
+    except OSError:
+        pass
+
+
+def _known_errors():
+    """Errors whose message says everything: one line, once, exit code 2."""
+    from .checkpoint_placement import CheckpointPlacementError
+    return (ZeroBubbleArgumentError, ZeroBubbleConfigError, MegatronTrainingMissing, CheckpointPlacementError)
+
+
+def run_reporting(fn: Callable[[], None]) -> int:
+    """Run ``fn()``; errors are reported once for the whole job (``rank_errors``): known ones as one
+    line with exit code 2, a pipeline timeout as one line per rank (each names the rank that
+    stopped first), anything else with its traceback on the first failing rank."""
+    from .rank_errors import record_for_torchrun, report
+    try:
+        fn()
+    except _known_errors() as e:
+        report(e, known=True)
+        return 2
+    except SystemExit as e:  # argparse's exit, or the script's own sys.exit
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except Exception as e:  # noqa: BLE001
+        from ..runtime.p2p import PipelineTimeout
+        if isinstance(e, PipelineTimeout):  # a timeout, a lost peer, a validation timeout
+            from ..runtime.progress import finish_kills
+            line = f"megatron-zb: error: {e}"
+            record_for_torchrun(line)
+            print(line, file=sys.stderr, flush=True)
+            finish_kills()  # a stopped rank this rank named is ended before it exits
+            return 1
+        report(e, known=False)
+        return 1
+    return 0
