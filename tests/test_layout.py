@@ -23,7 +23,7 @@ ALLOWED = {
     "verify": {"core", "runtime", "megatron", "argtypes"},
     "plot": {"core"},
     "cli": {"core", "argtypes", "plot", "verify"},
-    "run": {"megatron"},
+    "run": {"megatron", "runtime"},
 }
 
 
