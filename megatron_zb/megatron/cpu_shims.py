@@ -69,27 +69,60 @@ def _typing_override():
 
 
 def _triton_stub():
-    # megatron-core >= 0.17 imports triton unconditionally in one MoE module
-    # (transformer/moe/ops/paged_stash.py). Never fake ``triton`` itself: torch probes it.
-    name = "megatron.core.transformer.moe.ops.paged_stash"
+    """Megatron modules that import triton unconditionally (kernels for GPUs: MoE's paged stash in
+    >= 0.17, the SSM ops that ``megatron.training`` reaches on ``main``, ...) load as stand-ins
+    without triton: importing them works, calling what they define says it needs triton and a GPU.
+    Any ``megatron.*`` module whose import fails for want of ``triton`` gets this, so no list of
+    module names has to follow Megatron's releases. Never fake ``triton`` itself: torch probes it."""
     try:
         import triton  # noqa: F401
         return
     except ImportError:
         pass
-    if name not in sys.modules:
-        mod = types.ModuleType(name)
-        mod.__doc__ = "megatron-zb CPU stand-in: triton is not available on this machine"
+    import importlib.abc
+    import importlib.machinery
 
-        def _missing(*_a, **_k):
-            raise RuntimeError("paged-stash MoE kernels need triton and a GPU")
+    class _StandInLoader(importlib.abc.Loader):
+        def __init__(self, inner):
+            self.inner = inner
 
-        def _getattr(attr):
-            if attr.startswith("__"):
-                raise AttributeError(attr)
-            return _missing
-        mod.__getattr__ = _getattr
-        sys.modules[name] = mod
+        def __getattr__(self, attr):  # get_source, get_filename, ...: the file's own loader
+            return getattr(self.inner, attr)
+
+        def create_module(self, spec):
+            return self.inner.create_module(spec) if hasattr(self.inner, "create_module") else None
+
+        def exec_module(self, module):
+            try:
+                self.inner.exec_module(module)
+            except ModuleNotFoundError as e:
+                if not (e.name or "").split(".")[0] == "triton":
+                    raise
+                what = module.__name__
+
+                def _missing(*_a, **_k):
+                    raise RuntimeError(f"{what} needs triton and a GPU (this machine has neither)")
+
+                def _getattr(attr):
+                    if attr.startswith("__"):
+                        raise AttributeError(attr)
+                    return _missing
+                module.__doc__ = "megatron-zb CPU stand-in: triton is not available on this machine"
+                module.__getattr__ = _getattr
+
+    class _Finder(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if not name.startswith("megatron."):
+                return None
+            spec = importlib.machinery.PathFinder.find_spec(name, path)
+            if spec is not None and isinstance(spec.loader, importlib.machinery.SourceFileLoader):
+                spec.loader = _StandInLoader(spec.loader)
+            return spec
+
+    if not any(type(f).__name__ == "_Finder" and getattr(f, "_mzb", False) for f in sys.meta_path):
+        finder = _Finder()
+        finder._mzb = True
+        sys.meta_path.insert(0, finder)
 
 
 def _cuda_api():
@@ -284,6 +317,8 @@ def apply_training(force: bool = False) -> bool:
       inside are the ones ``apply()`` already made no-ops; the process group uses
       ``args.distributed_backend``, which must be ``gloo``).
 
+    * megatron-core <= 0.17 compiles its legacy fused CUDA kernels at start-up (with nvcc): not on a
+      CPU (the fusions are off there).
     * ``validate_args`` asks for the GPU architecture (``get_device_arch_version``) with tensor or
       context parallelism: it answers 0 (no GPU), and ``CUDA_DEVICE_MAX_CONNECTIONS`` defaults to 1
       (Megatron's requirement for TP before Blackwell; meaningless on CPU).
@@ -326,6 +361,11 @@ def apply_training(force: bool = False) -> bool:
         fn = getattr(init_mod, name)
         if not getattr(fn, "_mzb_shim", False):
             setattr(init_mod, name, one_device(fn))
+    try:  # <= 0.17 compiles the legacy fused CUDA kernels at start-up (nvcc): nothing to compile on a CPU
+        fused = importlib.import_module("megatron.legacy.fused_kernels")
+        fused.load = lambda *a, **k: None
+    except ImportError:
+        pass
     args_mod = importlib.import_module("megatron.training.arguments")
     if hasattr(args_mod, "get_device_arch_version"):
         args_mod.get_device_arch_version = lambda: 0

@@ -53,11 +53,12 @@ __all__ = ["DropIn", "enable"]
 
 
 def _rebind(original, replacement, only=None) -> Callable[[], None]:
-    """Put ``replacement`` wherever a loaded megatron module binds ``original`` (modules that
-    imported it by name included; ``only``: in that module alone); returns the undo."""
+    """Put ``replacement`` wherever a loaded megatron module or the running script binds
+    ``original`` (modules that imported it by name included; ``only``: in that module alone);
+    returns the undo."""
     done = []
     for name, mod in ([(only.__name__, only)] if only is not None else list(sys.modules.items())):
-        if mod is None or not (name == "megatron" or name.startswith("megatron.")):
+        if mod is None or not (name in ("megatron", "__main__") or name.startswith("megatron.")):
             continue
         for attr, value in list(getattr(mod, "__dict__", {}).items()):
             if value is original:
@@ -91,8 +92,12 @@ class DropIn:
             import megatron.training.arguments as A
             import megatron.training.initialize  # noqa: F401 - it binds parse_args / validate_args by name
         except ImportError as e:
-            raise MegatronTrainingMissing(f"megatron-zb's drop-in needs megatron.training (a Megatron-LM checkout's "
-                                          f"script, or megatron-core >= 0.17 with its training package): {e}") from None
+            if (getattr(e, "name", None) or "").startswith("megatron"):
+                raise MegatronTrainingMissing(f"megatron-zb's drop-in needs megatron.training (a Megatron-LM checkout's "
+                                              f"script, or megatron-core >= 0.17 with its training package): {e}") \
+                    from None
+            raise MegatronTrainingMissing(f"importing Megatron's training package failed: {e}; install what your "
+                                          "Megatron-LM needs (its requirements)") from None
         cpu_shims.dataset_helpers()
         if not cuda():
             cpu_shims.apply_training()
@@ -185,6 +190,10 @@ class DropIn:
             k["get_embedding_ranks"] = get_embedding_ranks  # the rank holding the embedding and its tied copy
             return orig_init(*a, **k)
         self._patch(orig_init, initialize_model_parallel)
+        for where in ("megatron.core.utils", "megatron.training.utils"):
+            fn = getattr(sys.modules.get(where), "get_batch_on_this_tp_rank", None)
+            if fn is not None and not hasattr(fn, "__wrapped__"):
+                self._patch(fn, self._tp_batch(fn))
         if hasattr(T, "finalize_model_grads"):  # what train() gives the config (<= 0.18); ours calls Megatron's
             self._patch(T.finalize_model_grads, partial(finalize_model_grads_for, placement=plan.placement), only=T)
 
@@ -236,6 +245,24 @@ class DropIn:
                 return orig(ignore_virtual=ignore_virtual, vp_stage=vp_stage)
             return getattr(plan.info(vp_stage), which)  # the chunk embeds / computes the loss
         return predicate
+
+    def _tp_batch(self, orig):
+        """Megatron broadcasts over tensor parallelism only the fields the rank's *physical* stage
+        needs (the first: tokens; the last: labels): a V rank holding both the embedding and the
+        loss needs all of them, which Megatron's multi-token-prediction case asks for."""
+        import inspect
+        sig = inspect.signature(orig)
+        pl = self.plan.placement
+
+        def get_batch_on_this_tp_rank(*a, **k):
+            from megatron.core import parallel_state
+            me = parallel_state.get_pipeline_model_parallel_rank()
+            if "mtp_on_this_rank" in sig.parameters and pl.rank_of(0) == me == pl.rank_of(pl.num_stages - 1):
+                bound = sig.bind_partial(*a, **k)
+                bound.arguments["mtp_on_this_rank"] = True
+                return orig(*bound.args, **bound.kwargs)
+            return orig(*a, **k)
+        return get_batch_on_this_tp_rank
 
     # -- the end ------------------------------------------------------------------------------------
     def finish(self) -> None:
