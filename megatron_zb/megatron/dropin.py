@@ -47,7 +47,7 @@ from .errors import ZeroBubbleArgumentError
 from .flags import validate_zero_bubble_args
 from .session import TrainingSession, print0
 from .startup import (MegatronTrainingMissing, add_entry_args, check_sizes, cuda, machine_adjustments,
-                      megatron_check_message)
+                      megatron_check_message, microbatches)
 
 __all__ = ["DropIn", "enable"]
 
@@ -98,12 +98,17 @@ class DropIn:
                     from None
             raise MegatronTrainingMissing(f"importing Megatron's training package failed: {e}; install what your "
                                           "Megatron-LM needs (its requirements)") from None
+        active = getattr(A.validate_args, "mzb_dropin", None)
+        if active is not None:  # a patched script run through the launcher: enabled once
+            return active
         cpu_shims.dataset_helpers()
         if not cuda():
             cpu_shims.apply_training()
         self._patch(A.add_megatron_arguments, self._add_arguments(A.add_megatron_arguments))
         self._patch(A.parse_args, self._parse_args(A.parse_args))
-        self._patch(A.validate_args, self._validate_args(A.validate_args))
+        validate = self._validate_args(A.validate_args)
+        validate.mzb_dropin = self
+        self._patch(A.validate_args, validate)
         atexit.register(self.finish)
         return self
 
@@ -137,23 +142,24 @@ class DropIn:
             zb = validate_zero_bubble_args(args, before_megatron_validation=True)
             notes = machine_adjustments(args)
             check_sizes(args)
+            session = None
+            if self.session is None:  # the schedule checked before Megatron prints its arguments
+                session = TrainingSession(args, zb, _microbatches(args), route=self.route).check()
             try:
                 out = orig(args, *a, **k)
             except (AssertionError, ValueError, TypeError) as e:  # Megatron's own argument checks
                 raise ZeroBubbleArgumentError(megatron_check_message(e)) from None
             if notes:
                 print0("megatron-zb: adjusted for this machine: " + ", ".join(notes))
-            self._start(args, zb)
+            if session is not None:
+                self._start(session)
             return out
         return validate_args
 
     # -- 3 and 4: the session, and placements Megatron does not have -----------------------------------
-    def _start(self, args, zb: Optional[dict]) -> None:
-        if self.session is not None:
-            return
-        dp = int(getattr(args, "data_parallel_size", 1) or 1)
-        m = max(1, int(args.global_batch_size) // (int(args.micro_batch_size) * dp))
-        self.session = TrainingSession(args, zb, m, route=self.route).start()
+    def _start(self, session: TrainingSession) -> None:
+        self.session = session.start()
+        args, zb = session.args, session.zb
         if zb is not None or getattr(args, "zero_bubble_deterministic_init", False):
             self.plan = ChunkPlan(args, self.session.placement)
             self._wrap_model_construction()
@@ -277,6 +283,14 @@ class DropIn:
             self.session.close()
         while self._undos:
             self._undos.pop()()
+
+
+def _microbatches(args) -> int:
+    """Microbatches per iteration, before Megatron's validation has set the data-parallel size."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    model = (int(args.tensor_model_parallel_size or 1) * int(args.pipeline_model_parallel_size or 1)
+             * int(getattr(args, "context_parallel_size", 1) or 1))
+    return max(1, microbatches(args, max(1, world // model)))
 
 
 def _describe(plan: ChunkPlan, info) -> None:

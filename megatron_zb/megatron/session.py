@@ -37,15 +37,22 @@ class TrainingSession:
         self.args, self.zb, self.m, self.route = args, zb, int(num_microbatches), route
         self.placement = placement_of(args)
         self.handle = None
+        self._preview = None
         self._undos: List[Callable[[], None]] = []
 
     @property
     def forward_backward(self):
         return None if self.handle is None else self.handle.forward_backward
 
+    def check(self) -> "TrainingSession":
+        """Build the schedule once as training will (a memory limit it cannot meet, a microbatch
+        count it cannot run: one line here, not at iteration 1)."""
+        if self.zb is not None and self._preview is None:
+            self._preview = preview(ScheduleOptions(**self.zb), self.placement.num_ranks, self.m)
+        return self
+
     def start(self) -> "TrainingSession":
-        """Install the schedule (after a preview that fails here, not at iteration 1) and its
-        companions; announce it in one line on rank 0."""
+        """Install the schedule (checked first) and its companions; announce it in one line on rank 0."""
         from . import checkpoint_placement
         zb, args, pl = self.zb, self.args, self.placement
         if zb is None:
@@ -53,7 +60,7 @@ class TrainingSession:
         else:
             from .install import install
             kwargs = dict(zb)
-            built, base = preview(ScheduleOptions(**kwargs), pl.num_ranks, self.m)
+            built, base = self.check()._preview
             self.handle = install(kwargs.pop("schedule"), **kwargs)
             self._undos.append(self.handle.uninstall)
             self._announce(built, base)

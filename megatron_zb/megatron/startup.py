@@ -193,6 +193,8 @@ def megatron_check_message(e: BaseException) -> str:
 
 
 def placement_of(args):
+    """The placement the (validated) flags select; before Megatron's own validation the virtual
+    pipeline size is read from the flags that set it."""
     from ..core.ir import Placement
     p = args.pipeline_model_parallel_size
     style = getattr(args, "zero_bubble_placement", None)
@@ -200,9 +202,13 @@ def placement_of(args):
         return Placement.vshape(p)
     if style == "bitpipe":
         return Placement.bitpipe(p)
-    v = args.virtual_pipeline_model_parallel_size
-    if v:
-        return Placement.looped(p, v)
+    v = getattr(args, "virtual_pipeline_model_parallel_size", None) or \
+        getattr(args, "num_virtual_stages_per_pipeline_rank", None)
+    per_stage = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
+    if not v and per_stage and getattr(args, "num_layers", None):
+        v = int(args.num_layers) // int(p) // int(per_stage)
+    if v and v > 1:
+        return Placement.looped(p, int(v))
     return Placement.single(p)
 
 
