@@ -6,6 +6,11 @@ report it (an atomic counter in the job's store, the one torch.distributed rende
 or global rank 0 before the process group exists. It also writes torchrun's error file
 (``TORCHELASTIC_ERROR_FILE``) on the reporting rank, so torchrun's "Root Cause" shows the message
 instead of "To enable traceback see ...".
+
+Under megatron-zb's torchrun wrapper (``megatron.torchrun``, which sets ``MZB_REPORT_TO_LAUNCHER``)
+a known error is only written to the error file and the wrapper prints it once when the ranks have
+ended: whichever rank failed first and however quickly torchrun stopped the others, the line
+reaches the user.
 """
 from __future__ import annotations
 
@@ -73,6 +78,11 @@ def record_for_torchrun(message: str, callstack: Optional[str] = None, exit_code
         pass
 
 
+def _launcher_prints() -> bool:
+    """Whether megatron-zb's torchrun wrapper prints what this rank records in its error file."""
+    return os.environ.get("MZB_REPORT_TO_LAUNCHER") == "1" and bool(os.environ.get("TORCHELASTIC_ERROR_FILE"))
+
+
 def report(exc: BaseException, known: bool) -> None:
     """Print ``exc`` once for the whole job.
 
@@ -87,7 +97,7 @@ def report(exc: BaseException, known: bool) -> None:
     if known:
         line = f"megatron-zb: error: {exc}"
         record_for_torchrun(line, exit_code=2)
-        if who is not None:
+        if who is not None and not _launcher_prints():
             print(line, file=sys.stderr, flush=True)
         return
     if who is None:
