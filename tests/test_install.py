@@ -50,3 +50,26 @@ def test_chunk_mismatch_and_memory_limit_fail_before_communication(megatron):
         fb.schedule_for(p=4, m=8, chunks=1, forward_only=False)
     fb = install("interleaved-1f1b").forward_backward
     assert fb.schedule_for(p=2, m=4, chunks=2, forward_only=False).placement.style == "looped"
+
+
+def test_modules_that_imported_the_function_by_name_get_ours(megatron):
+    """Megatron-Bridge's train.py / eval.py do ``from megatron.core.pipeline_parallel(.schedules) import
+    get_forward_backward_func`` at import time: install() reaches them too (and uninstall restores)."""
+    import sys
+    import types
+
+    from megatron.core.pipeline_parallel import schedules as S
+    from megatron_zb.megatron.install import install
+    original = S.get_forward_backward_func
+    train = types.ModuleType("megatron.bridge_like.training.train")
+    train.get_forward_backward_func = original  # bound by name before install()
+    sys.modules[train.__name__] = train
+    try:
+        h = install("zb-v")
+        try:
+            assert train.get_forward_backward_func(pp_size=2, vp_size=2) is h.forward_backward
+        finally:
+            h.uninstall()
+        assert train.get_forward_backward_func is original
+    finally:
+        del sys.modules[train.__name__]

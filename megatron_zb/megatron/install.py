@@ -5,9 +5,11 @@
     ...                                  # megatron calls get_forward_backward_func() as usual
     handle.uninstall()
 
-``install`` patches ``megatron.core.pipeline_parallel.get_forward_backward_func`` (and the name
-bound in ``megatron.core.pipeline_parallel.schedules`` and ``megatron.training.training``, which
-imports it by name). With pipeline size 1 Megatron's own no-pipelining function is returned.
+``install`` patches ``megatron.core.pipeline_parallel.get_forward_backward_func`` and every loaded
+module that imported it by name (``megatron.core.pipeline_parallel.schedules``,
+``megatron.training.training``, Megatron-Bridge's ``megatron.bridge.training.train`` and ``.eval``);
+modules imported later get ours. With pipeline size 1 Megatron's own no-pipelining function is
+returned.
 
 Our forward-backward keeps megatron-core's keyword signature and reuses megatron's own
 ``forward_step`` / ``backward_step`` (loss scaling, token counts, aux losses); the pipeline order
@@ -17,6 +19,7 @@ comes from the schedule core, lowered to SEND/RECV and run by ``runtime.executor
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import List, Optional
 
 from .errors import ZeroBubbleConfigError
@@ -94,14 +97,16 @@ def install(schedule: str, *, chunks: Optional[int] = None, memory_limit: Option
 
     get_forward_backward_func.__wrapped__ = original
     handle = InstallHandle(fb)
-    targets = [mpp, S]
     try:
-        import megatron.training.training as T  # 0.17+: megatron.training ships in the wheel
-        targets.append(T)
+        import megatron.training.training  # noqa: F401 - 0.17+: megatron.training ships in the wheel
     except Exception:
         pass
-    for mod in targets:
-        if hasattr(mod, "get_forward_backward_func"):
-            handle._restore.append((mod, "get_forward_backward_func", getattr(mod, "get_forward_backward_func")))
+    # every loaded module that bound Megatron's function by name: megatron.core's own, Megatron-LM's
+    # training loop, Megatron-Bridge's train.py / eval.py (``from ... import get_forward_backward_func``)
+    for name, mod in [("", mpp), ("", S)] + sorted(sys.modules.items(), key=lambda kv: kv[0]):
+        if mod is None or not (mod in (mpp, S) or name.startswith("megatron.")):
+            continue
+        if getattr(mod, "__dict__", {}).get("get_forward_backward_func") is original:
+            handle._restore.append((mod, "get_forward_backward_func", original))
             setattr(mod, "get_forward_backward_func", get_forward_backward_func)
     return handle
