@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -25,7 +26,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+)")
 
 
-def run(checkout: str, schedule: str, pp: int, iters: int, port: int, timeout: float) -> dict:
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(checkout: str, schedule: str, pp: int, iters: int, timeout: float) -> dict:
+    port = free_port()
     env = dict(os.environ, FORCE_CPU="1", SCRIPT=os.path.join(checkout, "pretrain_gpt.py"), SCHEDULE=schedule,
                PP=str(pp), ITERS=str(iters), MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                EXTRA_ARGS="--zero-bubble-deterministic-init " + os.environ.get("EXTRA_ARGS", ""))
@@ -47,7 +55,6 @@ def main(argv=None) -> int:
     ap.add_argument("--pp", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--schedules", nargs="+", default=["zb-v", "v-half", "bitpipe", "zb-h1"])
     ap.add_argument("--iters", type=int, default=4)
-    ap.add_argument("--port", type=int, default=29731)
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--json", metavar="FILE")
     a = ap.parse_args(argv)
@@ -56,12 +63,12 @@ def main(argv=None) -> int:
         return 2
     rows, bad = [], 0
     for pp in a.pp:
-        ref = run(a.checkout, "megatron", pp, a.iters, a.port, a.timeout)
+        ref = run(a.checkout, "megatron", pp, a.iters, a.timeout)
         rows.append(ref)
         print(f"PP={pp} megatron (own 1F1B): rc {ref['rc']} losses {ref['losses']} {ref['error']}", flush=True)
         bad += ref["rc"] != 0 or len(ref["losses"]) != a.iters
         for s in a.schedules:
-            r = run(a.checkout, s, pp, a.iters, a.port, a.timeout)
+            r = run(a.checkout, s, pp, a.iters, a.timeout)
             r["identical"] = r["rc"] == 0 and r["losses"] == ref["losses"] and len(r["losses"]) == a.iters
             rows.append(r)
             bad += not r["identical"]

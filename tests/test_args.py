@@ -279,10 +279,10 @@ def test_v_refuses_user_virtual_pipeline_and_layouts():
             validate(BASE + " --zero-bubble-schedule zb-v " + extra)
 
 
-def test_v_after_megatron_validation_points_to_the_entry_point():
+def test_v_after_megatron_validation_points_to_the_launcher():
     args = parse(BASE + " --zero-bubble-schedule zb-v")
     args.virtual_pipeline_model_parallel_size = None  # Megatron's validate_args has run
-    with pytest.raises(ZeroBubbleArgumentError, match="python -m megatron_zb.megatron.pretrain_gpt"):
+    with pytest.raises(ZeroBubbleArgumentError, match="python -m megatron_zb.run"):
         validate_zero_bubble_args(args)
     args = parse(BASE + " --zero-bubble-schedule zb-h1")
     args.virtual_pipeline_model_parallel_size = None

@@ -177,8 +177,8 @@ def validate_zero_bubble_args(args, *, before_megatron_validation: Optional[bool
                           "(use --allow-padding-num-layers for a layer count that does not split evenly)")
         if not before_megatron_validation:
             raise err(f"V schedule {name} needs megatron-zb's model layout (2 chunks per rank in V order, "
-                      "embedding and loss on rank 0): run `python -m megatron_zb.megatron.pretrain_gpt` "
-                      "(or scripts/pretrain_gpt_zb.sh) instead of a patched pretrain_gpt.py")
+                      "embedding and loss on rank 0), which Megatron has validated away here: run your script "
+                      "through `python -m megatron_zb.run` (or apply patches/megatron-lm-<line>), which builds it")
         if L is not None:
             S = 2 * p
             if L % S:
@@ -372,9 +372,9 @@ def _apply_padding_single(args, before_megatron_validation, name):
                   f"(k >= 2; first and last stage one layer less), got {L} layers on {p} stages")
     if before_megatron_validation is False or (before_megatron_validation is None
                                                and hasattr(args, "virtual_pipeline_model_parallel_size")):
-        raise err("--allow-padding-num-layers changes the model layout: it needs megatron-zb's entry point "
-                  "(`python -m megatron_zb.megatron.pretrain_gpt`), or give Megatron's "
-                  "--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers yourself")
+        raise err("--allow-padding-num-layers changes the model layout: run your script through "
+                  "`python -m megatron_zb.run` (or megatron-zb's entry point, `python -m megatron_zb.megatron.pretrain_gpt`), "
+                  "or give Megatron's --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers yourself")
     k = (L + 2) // p
     args.decoder_first_pipeline_num_layers = k - 1
     args.decoder_last_pipeline_num_layers = k - 1
