@@ -9,6 +9,11 @@
 #      over 1f1b for 1f1b, zb-h1 and zb-v next to the simulator's prediction, and a timeline
 #      picture of the zb-v iteration as it ran. It runs in the background during step 2 (its
 #      passes wait; they need almost no CPU).
+#   4. speed, with real compute (CPU): Megatron's own 1F1B (no megatron-zb flag) and megatron-zb's
+#      1f1b, zb-h1 and zb-v train a GPT of 8 layers (hidden 256, sequence 256) on 2 pipeline ranks,
+#      each a process on its own core, in interleaved rounds: measured time per iteration and
+#      speed-up over Megatron's 1F1B next to the simulator's prediction from each run's profiled
+#      F/B/W. REAL_ROUNDS (default 2), REAL_ITERS (8); REAL_ROUNDS=0 skips it.
 # With at least $PP GPUs (nvidia-smi) steps 2 and 3 are one: 1f1b, zb-h1 and zb-v train a small
 # bf16 GPT with real compute, and the report compares their measured iteration times with the
 # simulator's prediction from each run's profiled F/B/W times (FORCE_CPU=1: the CPU path anyway).
@@ -19,7 +24,8 @@ cd "$(dirname "$0")/.."
 OUT=${OUT_DIR:-out/quickstart}
 PP=${PP:-4}
 mkdir -p "$OUT"
-rm -f "$OUT"/train_*.log "$OUT"/profile_*.json "$OUT"/timeline_* "$OUT"/quickstart.json "$OUT"/emulated.json
+rm -f "$OUT"/train_*.log "$OUT"/profile_*.json "$OUT"/timeline_* "$OUT"/quickstart.json "$OUT"/emulated.json \
+      "$OUT"/real_*
 
 echo "megatron-zb quickstart: setting up .venv (output in $OUT/setup.log)"
 if ! bash scripts/setup_env.sh >"$OUT/setup.log" 2>&1; then
@@ -80,6 +86,27 @@ if [ -n "$EMU" ]; then
         exit 1
     fi
     EMU=
+fi
+if [ "$MODE" = cpu ] && [ "${REAL_ROUNDS:-2}" -gt 0 ]; then
+    echo "== real compute (CPU): Megatron's own 1F1B and megatron-zb's 1f1b, zb-h1, zb-v on 2 pipeline ranks," \
+         "${REAL_ROUNDS:-2} rounds (logs: $OUT/real_*.log) =="
+    for R in $(seq 1 "${REAL_ROUNDS:-2}"); do
+        for S in megatron 1f1b zb-h1 zb-v; do
+            FLAGS="--zero-bubble-deterministic-init"
+            if [ "$S" != megatron ]; then
+                FLAGS="$FLAGS --zero-bubble-profile-window 2 4 --zero-bubble-profile-path $OUT/real_profile_${S}_r$R.json"
+            fi
+            if ! env SCHEDULE="$S" PP=2 NUM_LAYERS=8 HIDDEN=256 HEADS=4 SEQ_LEN=256 MBS=1 GBS=8 \
+                    ITERS="${REAL_ITERS:-8}" LOG_INTERVAL=1 LOG_FILE="$OUT/real_${S}_r$R.log" PREFLIGHT=0 \
+                    EXTRA_ARGS="$FLAGS" bash scripts/pretrain_gpt_zb.sh >/dev/null 2>&1; then
+                echo "real-compute run $S (round $R) failed; the last lines of $OUT/real_${S}_r$R.log:"
+                tail -n 30 "$OUT/real_${S}_r$R.log"
+                exit 1
+            fi
+            printf '   round %s: %-8s %s\n' "$R" "$S" "$(grep -oE 'elapsed time per iteration \(ms\): [0-9.]+' \
+                "$OUT/real_${S}_r$R.log" | tail -n 1 | grep -oE '[0-9.]+$') ms (last iteration)"
+        done
+    done
 fi
 echo
 .venv/bin/python scripts/quickstart_report.py "$OUT" --mode "$MODE" --pp "$PP" --schedules $SCHEDULES

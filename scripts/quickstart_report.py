@@ -14,6 +14,7 @@ Also writes <out>/quickstart.json and the timeline pictures.
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import re
@@ -123,6 +124,17 @@ def emulated_speed(out):
     return rows, [r["picture"] for r in rows if r.get("picture")]
 
 
+def simulated_ms(prof, schedule):
+    """The simulator's pipeline time (ms) for the schedule that ran (generated with the default unit
+    costs: no cost flags were given), timed with the F/B/W and message times profiled in that run."""
+    p, m = prof["pipeline_size"], prof["microbatches"]
+    sched = generate(schedule, Setting(p, m))
+    st = Setting(p, m, chunks=sched.placement.chunks, cost_f=prof["cost_f"], cost_b=prof["cost_b"],
+                 cost_w=prof["cost_w"], cost_comm=prof.get("cost_comm") or 0.0)
+    res = simulate(sched, st)
+    return 1e3 * max(tl[-1].end for tl in res.timeline if tl), res
+
+
 def gpu_speed(out, schedules, logs, window_end):
     """Real compute: Megatron's measured ms/iteration (logged after the profiling window) against
     the simulator's iteration time for the schedule that ran, with that run's profiled costs."""
@@ -132,13 +144,7 @@ def gpu_speed(out, schedules, logs, window_end):
         after = [ms for i, (ms, _) in logs[s].items() if i > window_end + 5]
         if not after:
             sys.exit(f"quickstart_report: no logged iteration after the profiling window for {s}")
-        p, m = prof["pipeline_size"], prof["microbatches"]
-        # the schedule that ran was generated with the default unit costs (no cost flags given)
-        sched = generate(s, Setting(p, m))
-        st = Setting(p, m, chunks=sched.placement.chunks, cost_f=prof["cost_f"], cost_b=prof["cost_b"],
-                     cost_w=prof["cost_w"], cost_comm=prof.get("cost_comm") or 0.0)
-        res = simulate(sched, st)
-        pred_ms = 1e3 * max(tl[-1].end for tl in res.timeline if tl)
+        pred_ms, res = simulated_ms(prof, s)
         rows.append({"label": s, "schedule": s, "measured": statistics.median(after), "predicted": pred_ms,
                      "error_pct": 100.0 * (statistics.median(after) - pred_ms) / pred_ms, "result": res})
     for r in rows:
@@ -164,6 +170,53 @@ def gpu_speed(out, schedules, logs, window_end):
     return rows, pictures
 
 
+# The real-compute comparison on CPU (the quickstart's REAL_* settings): Megatron's own 1F1B (no
+# megatron-zb flag) first, then megatron-zb's schedules; profiled in iterations 2..4, timed after.
+REAL = ["megatron", "1f1b", "zb-h1", "zb-v"]
+REAL_TIMED_FROM = 5
+
+
+def real_cpu_speed(out):
+    """Real compute on this machine's CPU: per schedule the median over its rounds of the median
+    elapsed time of the iterations after the profiling window; the simulator's pipeline time from
+    the F/B/W each run profiled (Megatron's own 1F1B runs the order of our 1f1b: that prediction)."""
+    rows = []
+    for s in REAL:
+        meds, preds = [], []
+        for path in sorted(glob.glob(os.path.join(out, f"real_{s}_r*.log"))):
+            its = read_log(path)
+            after = [ms for i, (ms, _) in its.items() if i >= REAL_TIMED_FROM]
+            if after:
+                meds.append(statistics.median(after))
+            prof = path.replace(f"real_{s}_", f"real_profile_{s}_").replace(".log", ".json")
+            if os.path.exists(prof):
+                preds.append(simulated_ms(json.load(open(prof)), s)[0])
+        if not meds:
+            return None
+        rows.append({"label": "Megatron's own 1F1B" if s == "megatron" else s, "schedule": s,
+                     "measured": statistics.median(meds), "rounds": meds,
+                     "predicted": statistics.median(preds) if preds else None})
+    base = rows[0]
+    base["predicted"] = rows[1]["predicted"]  # the same order as megatron-zb's 1f1b
+    for r in rows:
+        r["speedup_measured"] = base["measured"] / r["measured"]
+        r["speedup_predicted"] = base["predicted"] / r["predicted"] if r["predicted"] else None
+        r["error_pct"] = 100.0 * (r["measured"] - r["predicted"]) / r["predicted"] if r["predicted"] else None
+    n = len(rows[0]["rounds"])
+    print(f"Speed with REAL compute (CPU): 2 pipeline ranks, each a process on its own core (gloo), train a GPT of\n"
+          f"8 layers, hidden 256, sequence 256, 8 microbatches; {n} rounds, schedules interleaved; median elapsed time\n"
+          f"per iteration from iteration {REAL_TIMED_FROM} on (after the profiling window). simulated = the simulator's "
+          "pipeline\ntime for the schedule that ran with the F/B/W and message times profiled in that run (it leaves "
+          "out the\noptimizer step and data loading; Megatron's own 1F1B runs the same order as megatron-zb's 1f1b)")
+    print(f"{'schedule':<22}{'ms per iteration':^30}{'speed-up over Megatron 1F1B':^28}")
+    print(f"{'':<22}{'measured':>10}{'simulated':>11}{'diff':>9}{'measured':>14}{'simulated':>12}")
+    for r in rows:
+        pred = f"{r['predicted']:>11.1f}{r['error_pct']:>+8.1f}%" if r["predicted"] else f"{'-':>11}{'-':>9}"
+        sp = f"{r['speedup_predicted']:>11.3f}x" if r["speedup_predicted"] else f"{'-':>12}"
+        print(f"{r['label']:<22}{r['measured']:>10.1f}{pred}{r['speedup_measured']:>13.3f}x{sp}")
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("out", nargs="?", default="out/quickstart")
@@ -183,13 +236,17 @@ def main(argv=None):
     logs, its, worst = correctness(out, args.schedules)
     first, last = its[0], its[-1]
     print()
+    real = None
     if args.mode == "cpu":
         rows, pictures = emulated_speed(out)
+        print()
+        real = real_cpu_speed(out)
     else:
         rows, pictures = gpu_speed(out, args.schedules, logs, args.profile_window_end)
     with open(os.path.join(out, "quickstart.json"), "w") as f:
         json.dump({"mode": args.mode, "largest_loss_diff": worst, "iterations": its,
-                   "losses": {s: [logs[s][i][1] for i in its] for s in args.schedules}, "speed": rows}, f, indent=1)
+                   "losses": {s: [logs[s][i][1] for i in its] for s in args.schedules}, "speed": rows,
+                   "real_compute_cpu": real}, f, indent=1)
 
     print("\n== summary ==")
     others = " and ".join(args.schedules[1:])
@@ -207,6 +264,10 @@ def main(argv=None):
                   f"{r['predicted']:.0f} ms simulated: {r['error_pct']:+.1f}%)")
         else:
             print(f"speed ({kind}): {r['label']} {r['speedup_measured']:.3f}x the iteration speed of {base} measured")
+    for r in (real or [])[1:]:
+        print(f"speed (real compute, CPU): {r['label']} {r['speedup_measured']:.3f}x the iteration speed of Megatron's "
+              f"own 1F1B measured, {r['speedup_predicted']:.3f}x simulated from its profiled F/B/W (iteration "
+              f"{r['measured']:.0f} ms measured, {r['predicted']:.0f} ms simulated: {r['error_pct']:+.1f}%)")
     for p in pictures:
         what = "emulated iteration as it ran" if args.mode == "cpu" else "schedule with the profiled times"
         exts = "(.svg; Chrome trace .trace.json)" if p.endswith("zb-v") else ""

@@ -36,9 +36,11 @@ def run(schedule, builder=False, extra="", timeout=300):
 
 
 @pytest.fixture(scope="module")
-def runs():
+def runs(tmp_path_factory):
+    profile = tmp_path_factory.mktemp("profile") / "zb-h1.json"
     cases = {"megatron": ("megatron", False), "zb-v": ("zb-v", False), "zb-v/builder": ("zb-v", True),
-             "v-half": ("v-half", False), "bitpipe": ("bitpipe", False), "zb-h1": ("zb-h1", False)}
+             "v-half": ("v-half", False), "bitpipe": ("bitpipe", False),
+             "zb-h1": ("zb-h1", False, f"--zero-bubble-profile-window 1 2 --zero-bubble-profile-path {profile}")}
     return {name: run(*case) for name, case in cases.items()}
 
 
@@ -64,6 +66,9 @@ def test_schedules_from_the_users_script_equal_megatrons_1f1b(runs, name):
     assert f"megatron-zb: {ITERS} training iteration(s) ran through {schedule}" in out
     if placement in ("v", "bitpipe"):  # each chunk says what it holds
         assert "pipeline rank 0 chunk 1: stage 3 of 4, layers 3-3, loss" in out or placement == "bitpipe"
+    if name == "zb-h1":  # profiled: the end line sets the measured iteration against the simulator's
+        assert re.search(r"ran through zb-h1; profiled iterations 1-2: [0-9.]+ ms measured, [0-9.]+ ms simulated "
+                         r"from their F/B/W \([+-][0-9.]+%\)", out), out[-2000:]
 
 
 def test_a_bad_flag_is_one_line_before_megatrons_argument_dump():

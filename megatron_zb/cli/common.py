@@ -170,11 +170,37 @@ def build_from_args(args) -> Built:
                          + hint + f"`megatron-zb compare --memory-limit {e.limit:g}` lists the schedules that fit")
 
 
+def writable(flag: str, path: str) -> str:
+    """``path`` as an output file of ``flag``: its folder exists and it is not a folder itself."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise UsageError(f"{flag} {path!r} is a directory; give a file name in it")
+    if not os.path.isdir(folder):
+        what = "is a file, not a directory" if os.path.exists(folder) else "does not exist"
+        raise UsageError(f"{flag} {path!r}: the folder {folder!r} {what}; create it or write elsewhere")
+    if not os.access(folder, os.W_OK):
+        raise UsageError(f"{flag} {path!r}: cannot write in {folder!r}")
+    return path
+
+
+def read_text(flag: str, path: str) -> str:
+    """The text of an input file, or one line saying why it cannot be read."""
+    if not os.path.exists(path):
+        raise UsageError(f"{flag}: no such file {path!r}")
+    if os.path.isdir(path):
+        raise UsageError(f"{flag} {path!r} is a directory, not a file")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError:
+        raise UsageError(f"{flag} {path!r} is not a text file (expected JSON or CSV)") from None
+    except OSError as e:
+        raise UsageError(f"{flag} {path!r}: cannot read it ({e.strerror})") from None
+
+
 def _load(args) -> Schedule:
     path = args.load
-    if not os.path.exists(path):
-        raise UsageError(f"--load: no such file {path!r}")
-    text = open(path).read()
+    text = read_text("--load", path)
     sched = sched_io.from_csv(text, os.path.basename(path)) if path.endswith(".csv") else sched_io.from_json(text)
     have = {"--stages": sched.num_ranks, "--microbatches": sched.num_microbatches, "--chunks": sched.placement.chunks}
     given = {"--stages": args.stages, "--microbatches": args.microbatches, "--chunks": args.chunks}

@@ -8,8 +8,16 @@ import json
 import os
 from typing import List, Optional
 
-from ..argtypes import nonneg, positive_int, share_or_auto
+from ..argtypes import nonneg, positive_float, positive_int, share_or_auto
 from .common import UsageError, add_exact_args, add_post_validation_arg, check_size
+
+
+def _efficiency(text):
+    v = positive_float("--efficiency")(text)
+    if v > 1:
+        raise argparse.ArgumentTypeError(f"--efficiency is the fraction of the GPU's peak a pass reaches, in (0, 1], "
+                                         f"got {text!r}")
+    return v
 
 
 def add_parser(sub) -> None:
@@ -48,13 +56,13 @@ def add_parser(sub) -> None:
                     help="pipeline ranks P (>= 2)")
     pn.add_argument("--num-microbatches", type=positive_int("--num-microbatches"), required=True,
                     help="microbatches per iteration M (global batch / (micro-batch x data-parallel size))")
-    pn.add_argument("--gpu-memory-gb", type=nonneg("--gpu-memory-gb"), default=80.0,
+    pn.add_argument("--gpu-memory-gb", type=positive_float("--gpu-memory-gb"), default=80.0,
                     help="memory budget per GPU in GiB (default 80); zb-auto and v-auto search under it")
     pn.add_argument("--gpu", choices=["h100", "h200", "a100", "b200", "mi300x"], default="h100",
                     help="GPU whose dense bf16 peak sets the FLOP-based times (default h100: 989 TFLOPS)")
-    pn.add_argument("--peak-tflops", type=nonneg("--peak-tflops"), default=None,
+    pn.add_argument("--peak-tflops", type=positive_float("--peak-tflops"), default=None,
                     help="peak TFLOPS to use instead of --gpu's")
-    pn.add_argument("--efficiency", type=nonneg("--efficiency"), default=0.5,
+    pn.add_argument("--efficiency", type=_efficiency, default=0.5,
                     help="fraction of the peak a pass reaches (default 0.5)")
     pn.add_argument("--profile", metavar="JSON",
                     help="take F/B/W (and message) times, in seconds, from a profile JSON written while training "
@@ -69,7 +77,7 @@ def add_parser(sub) -> None:
                     help="offload this share of each schedule's activations; 'auto': as little as fits the budget")
     og.add_argument("--offload-time", type=nonneg("--offload-time"), default=None, metavar="K",
                     help="one-way transfer of a stage activation takes K x (F + B) (default 1, or from --host-link-gbps)")
-    og.add_argument("--host-link-gbps", type=nonneg("--host-link-gbps"), default=None, metavar="GB/s",
+    og.add_argument("--host-link-gbps", type=positive_float("--host-link-gbps"), default=None, metavar="GB/s",
                     help="one-way host link bandwidth per GPU; K follows from the activation bytes and F + B")
     og.add_argument("--offload-half-duplex", action="store_true",
                     help="D2H and H2D share one queue (one copy stream)")
@@ -180,6 +188,10 @@ def _print_plan(args, spec, rows, profile, tflops, advice) -> None:
             print(f"{'-':>3}  {r['schedule']:<17} n/a: {r['error']}")
     fitting = [r for r in ok if r["fits"]]
     print()
+    if not ok:
+        errors = [r["error"] for r in rows if "error" in r]
+        print(f"no schedule can be built for this model and pipeline: {errors[0] if errors else 'no rows'}")
+        return
     if not fitting:
         print(f"no schedule fits {args.gpu_memory_gb:g} GiB per GPU: more pipeline or tensor parallelism, "
               "--use-distributed-optimizer or fewer microbatches in flight would help")

@@ -14,7 +14,7 @@ from ..core.build import Built, ScheduleRequest, build
 from ..core.ir import Schedule, ScheduleError
 from ..core.iteration import back_to_back, iteration_times
 from .common import (UsageError, add_exact_args, add_post_validation_arg, add_setting_args, build_from_args, fmt,
-                     request, sizes)
+                     request, sizes, writable)
 
 
 def add_parsers(sub) -> None:
@@ -62,6 +62,8 @@ def _result_dict(built: Built, it) -> dict:
 
 
 def cmd_simulate(args) -> int:
+    if args.save:
+        writable("--save", args.save)
     built = build_from_args(args)
     sched, setting = built.schedule, built.setting
     it = iteration_times(sched, setting, args.cost_optimizer)
@@ -106,8 +108,11 @@ def _save_schedule(sched: Schedule, path: str):
         text = sched_io.to_json(sched)
     else:
         raise UsageError(f"--save {path!r}: use a .json (megatron-zb) or .csv (torch compute-only) file")
-    with open(path, "w") as f:
-        f.write(text)
+    try:
+        with open(path, "w") as f:
+            f.write(text)
+    except OSError as e:
+        raise UsageError(f"--save {path!r}: cannot write it ({e.strerror})") from None
 
 
 def compare_rows(base: ScheduleRequest, p: int, m: int, names: Optional[List[str]] = None,
@@ -179,6 +184,10 @@ def cmd_compare(args) -> int:
 
 def cmd_plot(args) -> int:
     from .. import plot
+    for path in args.out:
+        if os.path.splitext(path)[1].lower() not in (".png", ".svg", ".json"):
+            raise UsageError(f"--out {path!r}: use .png, .svg (picture) or .json (Chrome trace / Perfetto)")
+        writable("--out", path)
     built = build_from_args(args)
     sched, setting = built.schedule, built.setting
     title = None
@@ -192,9 +201,9 @@ def cmd_plot(args) -> int:
     else:
         res = built.result
     for path in args.out:
-        ext = os.path.splitext(path)[1].lower()
-        if ext not in (".png", ".svg", ".json"):
-            raise UsageError(f"--out {path!r}: use .png, .svg (picture) or .json (Chrome trace / Perfetto)")
-        plot.save(res, path, title=title, time_unit=args.time_unit)
+        try:
+            plot.save(res, path, title=title, time_unit=args.time_unit)
+        except OSError as e:
+            raise UsageError(f"--out {path!r}: cannot write it ({e.strerror})") from None
         print(f"wrote {path}")
     return 0

@@ -41,7 +41,13 @@ def _decode(item, where: str) -> Action:
     if not (isinstance(item, list) and len(item) in (3, 4) and item[0] in ALL_KINDS and item[0] != OVERLAP):
         raise ScheduleError(f"{where}: bad action {item!r}; expected [kind, stage, microbatch(, peer)] "
                             f"or [\"{OVERLAP}\", [F...], [B...]]")
+    if not all(_is_int(x) for x in item[1:]):
+        raise ScheduleError(f"{where}: bad action {item!r}; stage, microbatch and peer are integers")
     return Action(item[0], int(item[1]), int(item[2]), int(item[3]) if len(item) == 4 else None)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def from_json(text: str) -> Schedule:
@@ -51,11 +57,27 @@ def from_json(text: str) -> Schedule:
         raise ScheduleError(f"schedule JSON is not valid JSON: {e}") from None
     if not isinstance(d, dict) or d.get("format") != "megatron-zb-schedule":
         raise ScheduleError("not a megatron-zb schedule JSON (expected \"format\": \"megatron-zb-schedule\")")
+    missing = [k for k in ("orders", "placement", "microbatches") if k not in d]
+    if missing:
+        raise ScheduleError(f"schedule JSON lacks {', '.join(missing)} (a megatron-zb schedule has orders, placement "
+                            "and microbatches)")
+    if not isinstance(d["orders"], list) or not all(isinstance(row, list) for row in d["orders"]):
+        raise ScheduleError("schedule JSON: orders must be a list with one list of actions per rank")
+    pl = d["placement"]
+    if not (isinstance(pl, dict) and isinstance(pl.get("stage_to_rank"), list)
+            and all(_is_int(r) for r in pl["stage_to_rank"])
+            and (pl.get("paths") is None or (isinstance(pl["paths"], list) and all(
+                isinstance(p, list) and all(_is_int(x) for x in p) for p in pl["paths"])))):
+        raise ScheduleError("schedule JSON: placement must be {\"stage_to_rank\": [rank of each stage, integers], "
+                            "\"paths\": [[stages], ...] (optional)}")
+    if not _is_int(d["microbatches"]) or d["microbatches"] < 1:
+        raise ScheduleError(f"schedule JSON: microbatches must be an integer >= 1, got {d['microbatches']!r}")
     orders = []
     for r, row in enumerate(d["orders"]):
         orders.append([_decode(item, f"rank {r} position {i}") for i, item in enumerate(row)])
-    return Schedule(d.get("name", "custom"), Placement.from_dict(d["placement"]),
-                    int(d["microbatches"]), orders, d.get("meta", {}))
+    meta = d.get("meta", {})
+    return Schedule(str(d.get("name", "custom")), Placement.from_dict(pl), int(d["microbatches"]), orders,
+                    meta if isinstance(meta, dict) else {})
 
 
 _TO_TORCH = {F: "F", B: "I", W: "W", BW: "B"}
@@ -115,7 +137,8 @@ def from_csv(text: str, name: str = "csv") -> Schedule:
     n = max(stage_rank) + 1 if stage_rank else 0
     missing = [s for s in range(n) if s not in stage_rank]
     if missing:
-        raise ScheduleError(f"CSV schedule never runs stage(s) {missing}; stages must be 0..{n - 1}")
+        few = ", ".join(str(x) for x in missing[:5]) + (f", ... ({len(missing)} in all)" if len(missing) > 5 else "")
+        raise ScheduleError(f"CSV schedule never runs stage(s) {few}; stages must be 0..{n - 1}")
     placement = infer_placement([stage_rank[s] for s in range(n)], len(orders))
     return Schedule(name, placement, max_mb + 1, orders)
 

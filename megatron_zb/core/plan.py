@@ -60,6 +60,16 @@ class ModelSpec:
         if self.hidden_size % self.num_attention_heads:
             raise ScheduleError(f"--hidden-size {self.hidden_size} is not divisible by "
                                 f"--num-attention-heads {self.num_attention_heads}")
+        t = self.tensor_parallel_size
+        if self.num_attention_heads % t:
+            raise ScheduleError(f"--num-attention-heads {self.num_attention_heads} is not divisible by "
+                                f"--tensor-parallel-size {t}: each tensor-parallel rank holds whole heads")
+        if (self.ffn_hidden_size or 4 * self.hidden_size) % t:
+            raise ScheduleError(f"the MLP hidden size {self.ffn_hidden_size or 4 * self.hidden_size} is not divisible "
+                                f"by --tensor-parallel-size {t}")
+        if self.sequence_parallel and self.seq_length % t:
+            raise ScheduleError(f"--seq-length {self.seq_length} is not divisible by --tensor-parallel-size {t} "
+                                "(sequence parallelism splits the sequence over the tensor-parallel ranks)")
 
     # -- per layer, per microbatch ------------------------------------------------------------
     def layer_flops(self):
@@ -207,6 +217,12 @@ def plan(spec: ModelSpec, pipeline_parallel_size: int, microbatches: int, gpu_me
     p, m = pipeline_parallel_size, microbatches
     if p < 2:
         raise ScheduleError("--pipeline-parallel-size must be >= 2: pipeline schedules need several stages")
+    if spec.num_layers + (2 if pad_ends else 0) < p:
+        raise ScheduleError(f"--num-layers {spec.num_layers} cannot fill --pipeline-parallel-size {p} stages: every "
+                            "stage holds at least one layer (use fewer pipeline stages or more layers)")
+    for name, v in (("--efficiency", efficiency), ("--peak-tflops", tflops), ("--gpu-memory-gb", gpu_memory_gb)):
+        if not (isinstance(v, (int, float)) and v > 0 and math.isfinite(v)):
+            raise ScheduleError(f"{name} must be a positive number, got {v!r}")
     if microbatches < 1:
         raise ScheduleError("--num-microbatches must be >= 1")
     one = functools.partial(_row, spec=spec, p=p, m=m, budget=gpu_memory_gb * 1024 ** 3, tflops=tflops,
@@ -321,26 +337,44 @@ def _flags(sp, p, v, limit_units, counts, pad_ends):
 
 
 def _profile_costs(profile: dict, p: int) -> dict:
+    if not isinstance(profile, dict):
+        raise ScheduleError("profile JSON: expected an object with cost_f, cost_b, cost_w (per-stage seconds)")
     out = {}
     for k in ("cost_f", "cost_b", "cost_w", "mem_f", "mem_w"):
         val = profile.get(k)
         if val is None:
             continue
-        if isinstance(val, (int, float)):
+        if _nonneg(val):
             val = [float(val)] * p
+        if not (isinstance(val, list) and all(_nonneg(x) for x in val)):
+            raise ScheduleError(f"profile's {k} must be a number or a list of numbers >= 0, got {_short(val)}")
         if len(val) != p:
             raise ScheduleError(f"profile has {len(val)} values of {k} but the plan is for {p} stages")
         out[k] = [float(x) for x in val]
     for k in ("cost_f", "cost_b", "cost_w"):
         if k not in out:
             raise ScheduleError(f"profile JSON lacks {k}: expected per-stage costs as written by the profiler")
-    out["cost_comm"] = float(profile.get("cost_comm", 0.0))
+    if sum(out["cost_f"]) + sum(out["cost_b"]) <= 0:
+        raise ScheduleError("profile's cost_f and cost_b are all zero: no pass took any time")
+    comm = profile.get("cost_comm", 0.0)
+    if comm is not None and not _nonneg(comm):
+        raise ScheduleError(f"profile's cost_comm must be a number >= 0, got {_short(comm)}")
+    out["cost_comm"] = float(comm or 0.0)
     return out
+
+
+def _nonneg(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
+
+
+def _short(v) -> str:
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def load_profile(path: str) -> dict:
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             return json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, ValueError) as e:  # missing, a directory, not text, not JSON
         raise ScheduleError(f"cannot read profile {path!r}: {e}") from None
