@@ -114,3 +114,24 @@ def test_plan_never_traces_back(files, capsys, data):
     ), max_size=4))
     argv = ["plan", "--jobs", "1"] + [x for kv in base.items() for x in kv] + [x for kv in extra for x in kv]
     _check(argv, capsys)
+
+
+@pytest.mark.parametrize("argv", [
+    ["--schedule", "zb-h1", "-p", "1000"],                    # 1000 processes
+    ["--schedule", "zb-h1", "-p", "2", "-m", "100000"],       # far too many microbatches
+    ["--schedule", "zb-h1", "-p", "2", "--memory-limit", "-1"],
+    ["--schedule", "zb-h1", "-p", "2", "--memory-limit", "nan"],
+    ["--schedule", "zb-h1", "-p", "2", "--lr", "nan"],
+    ["--schedule", "zb-h1", "-p", "2", "--param-rtol", "-1"],
+    ["--schedule", "zb-h1", "-p", "2", "--clip-grad", "inf"],
+    ["--schedule", "zb-h1", "-p", "2", "--inject-nonfinite-at", "7"],
+    ["--schedule", "zb-h1", "-p", "2", "--timeout", "0"],
+    ["--schedule", "nope", "-p", "2"],
+])
+def test_verify_refuses_bad_input_before_starting_ranks(argv, capsys):
+    import time
+    t0 = time.monotonic()
+    rc = main(["verify"] + argv)
+    err = capsys.readouterr().err
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert time.monotonic() - t0 < 5, "checked before any rank started"

@@ -10,7 +10,7 @@ import math
 import sys
 from typing import Optional, Sequence
 
-from ..argtypes import nonneg, positive_int, share_or_auto
+from ..argtypes import int_at_least, nonneg, positive_float, positive_int, share_or_auto
 from .case import DEFAULT_GRAD_RTOL, DEFAULT_LOSS_ATOL, PSEUDO_SCHEDULES, VerifyUsageError, make_case
 from .harness import run_verify_many
 
@@ -53,7 +53,8 @@ def _build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--variable-seq-lengths", action="store_true")
     ap.add_argument("--untied", action="store_true", help="untie embedding and output weights")
     ap.add_argument("--forward-only", action="store_true")
-    ap.add_argument("--memory-limit", type=float, default=None, help="passed to install() (zb-auto, v-auto)")
+    ap.add_argument("--memory-limit", type=nonneg("--memory-limit"), default=None,
+                    help="passed to install() (zb-auto, v-auto)")
     ap.add_argument("--offload-ratio", type=share_or_auto("--offload-ratio"), default=None, metavar="R|auto",
                     help="train with activation offload (CPU test mode: synchronous copies to separate CPU "
                          "buffers): this share of each rank's activations, or 'auto' (as little as fits "
@@ -69,22 +70,55 @@ def _build_parser() -> argparse.ArgumentParser:
     o.add_argument("--optimizer-post-validation", action="store_true",
                    help="also train with optimizer post-validation (implies --optimizer adam) and require it to be "
                         "bit-identical to the synchronous pipelined run")
-    o.add_argument("--clip-grad", type=float, default=0.0, help="Megatron's clip_grad (default 0: off)")
-    o.add_argument("--inject-nonfinite-at", type=int, default=None, metavar="ITER",
+    o.add_argument("--clip-grad", type=nonneg("--clip-grad"), default=0.0, help="Megatron's clip_grad (default 0: off)")
+    o.add_argument("--inject-nonfinite-at", type=int_at_least("--inject-nonfinite-at", 0), default=None, metavar="ITER",
                    help="put an inf into one gradient at this iteration (Megatron then skips the step; needs a "
                         "loss scaler: --fp16, or --bf16 / --use-distributed-optimizer, which get --loss-scale 1)")
     o.add_argument("--bf16", action="store_true")
     o.add_argument("--fp16", action="store_true", help="fp16 with Megatron's dynamic loss scaler")
-    o.add_argument("--loss-scale", type=float, default=None, help="constant loss scale (Megatron's --loss-scale)")
-    o.add_argument("--lr", type=float, default=1e-3, help="the optimizer's learning rate (default 1e-3)")
-    o.add_argument("--param-rtol", type=float, default=None,
+    o.add_argument("--loss-scale", type=positive_float("--loss-scale"), default=None,
+                   help="constant loss scale (Megatron's --loss-scale)")
+    o.add_argument("--lr", type=positive_float("--lr"), default=1e-3, help="the optimizer's learning rate (default 1e-3)")
+    o.add_argument("--param-rtol", type=positive_float("--param-rtol"), default=None,
                    help="final parameters vs the reference (default 1e-3; 0.1 for bf16/fp16)")
-    ap.add_argument("--grad-rtol", type=float, default=DEFAULT_GRAD_RTOL)
-    ap.add_argument("--loss-atol", type=float, default=DEFAULT_LOSS_ATOL)
-    ap.add_argument("--timeout", type=float, default=300.0, help="seconds for the whole run (default 300)")
+    ap.add_argument("--grad-rtol", type=positive_float("--grad-rtol"), default=DEFAULT_GRAD_RTOL)
+    ap.add_argument("--loss-atol", type=positive_float("--loss-atol"), default=DEFAULT_LOSS_ATOL)
+    ap.add_argument("--timeout", type=positive_float("--timeout"), default=300.0,
+                    help="seconds for the whole run (default 300)")
     ap.add_argument("--mcore-path", default=None, help="a directory holding another megatron-core (megatron/core)")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     return ap
+
+
+# Largest verification: processes (P x T x D) and stage-microbatches, and the memory a rank takes
+MAX_PROCESSES = 64
+MAX_STAGE_MICROBATCHES = 4096
+RANK_BYTES = 400 << 20  # a rank with torch and megatron imported, the tiny GPT, gloo buffers
+
+
+def _check_size(a) -> None:
+    """Refuse in one line, before any process starts, what this machine cannot run."""
+    world = a.pipeline_parallel_size * a.tensor_parallel_size * a.data_parallel_size
+    if world > MAX_PROCESSES:
+        raise VerifyUsageError(f"{world} processes (--pipeline-parallel-size x --tensor-parallel-size x "
+                               f"--data-parallel-size) is more than verify starts (at most {MAX_PROCESSES})")
+    m = a.num_microbatches or 2 * a.pipeline_parallel_size
+    n = a.pipeline_parallel_size * m * (a.chunks or 2)
+    if n > MAX_STAGE_MICROBATCHES:
+        raise VerifyUsageError(f"{n} stage-microbatches (pipeline size x microbatches x chunks) is more than a tiny-GPT "
+                               f"check needs (at most {MAX_STAGE_MICROBATCHES}); use fewer microbatches")
+    if a.inject_nonfinite_at is not None and a.inject_nonfinite_at >= a.iterations:
+        raise VerifyUsageError(f"--inject-nonfinite-at {a.inject_nonfinite_at} is not one of the {a.iterations} "
+                               f"iterations (0..{a.iterations - 1})")
+    try:
+        import psutil
+        avail = psutil.virtual_memory().available
+    except Exception:  # noqa: BLE001 - no psutil: no memory check
+        return
+    need = (world + 1) * RANK_BYTES
+    if need > avail:
+        raise VerifyUsageError(f"{world} processes need about {need / 2**30:.1f} GiB and this machine has "
+                               f"{avail / 2**30:.1f} GiB available; use fewer ranks")
 
 
 def _offload_time(text):
@@ -104,10 +138,7 @@ def main_verify(argv: Optional[Sequence[str]] = None) -> int:
         a = _build_parser().parse_args(argv)
         if a.placement is not None and a.schedule != "sequential":
             raise VerifyUsageError("--placement only applies to --schedule sequential")
-        for nm in ("grad_rtol", "loss_atol", "timeout"):
-            v = getattr(a, nm)
-            if not (v > 0 and math.isfinite(v)):
-                raise VerifyUsageError(f"--{nm.replace('_', '-')} must be a positive number, got {v}")
+        _check_size(a)
         if a.mcore_path is not None:
             from .launch import LaunchError, resolve_mcore_path
             try:
