@@ -158,6 +158,8 @@ def _replace(flags, **new):
     (_replace(TINY, num_layers=6), 4, "Megatron's argument check failed"),  # Megatron's own schedules
     (TINY + ["--zero-bubble-schedule", "zb-h2", "--zero-bubble-memory-limit", "3"], 4,
      "schedule zb-h2 with pipeline size 4 and 8 microbatches"),
+    (TINY + ["--load", "/nonexistent/ckpt"], 4,
+     "--load /nonexistent/ckpt: no such directory; Megatron would train from random weights"),
 ])
 def test_preflight_names_the_bad_input(argv, world, message, monkeypatch):
     from megatron_zb.megatron import preflight
@@ -299,3 +301,26 @@ def test_killing_the_launcher_ends_every_rank_and_no_checkpoint_follows(tmp_path
         assert "the launcher (torchrun agent)" in job.text() and secs < 10
     finally:
         job.close()
+
+
+def test_load_without_a_checkpoint_is_refused_unless_starting_fresh(tmp_path, monkeypatch):
+    """An empty --load folder: refused (Megatron would start from random weights), accepted with
+    --zero-bubble-start-fresh; a tracker behind a newer, unfinished save gives a note."""
+    from megatron_zb.megatron import preflight, startup
+    from megatron_zb.megatron.errors import ZeroBubbleArgumentError
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.setenv(var, os.environ.get(var, "0"))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ZeroBubbleArgumentError, match="no checkpoint in it .* --zero-bubble-start-fresh"):
+        preflight.check(TINY + ["--load", str(empty)], 4)
+    assert preflight.check(TINY + ["--load", str(empty), "--zero-bubble-start-fresh"], 4)
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "iter_0000010").mkdir(parents=True)
+    (ckpt / "iter_0000020").mkdir()  # a save killed part-way: the tracker still names 10
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("10")
+
+    class Args:
+        load = str(ckpt)
+    assert startup.check_load(Args()) == ("megatron-zb: resuming from iteration 10 (the checkpoint tracker's); "
+                                          "iter_0000020 was not finished (a save stopped part-way) and is ignored")

@@ -46,7 +46,7 @@ from .chunks import ChunkPlan
 from .errors import ZeroBubbleArgumentError
 from .flags import validate_zero_bubble_args
 from .session import TrainingSession, print0
-from .startup import (MegatronTrainingMissing, add_entry_args, check_sizes, cuda, machine_adjustments,
+from .startup import (MegatronTrainingMissing, add_entry_args, check_load, check_sizes, cuda, machine_adjustments,
                       megatron_check_message, microbatches)
 
 __all__ = ["DropIn", "enable"]
@@ -142,6 +142,7 @@ class DropIn:
             zb = validate_zero_bubble_args(args, before_megatron_validation=True)
             notes = machine_adjustments(args)
             check_sizes(args)
+            check_load(args)
             session = None
             if self.session is None:  # the schedule checked before Megatron prints its arguments
                 session = TrainingSession(args, zb, _microbatches(args), route=self.route).check()

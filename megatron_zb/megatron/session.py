@@ -54,7 +54,11 @@ class TrainingSession:
     def start(self) -> "TrainingSession":
         """Install the schedule (checked first) and its companions; announce it in one line on rank 0."""
         from . import checkpoint_placement
+        from .startup import check_load
         zb, args, pl = self.zb, self.args, self.placement
+        note = check_load(args)
+        if note:
+            print0(note)
         if zb is None:
             print0(f"megatron-zb: no zero-bubble flag given; Megatron's own pipeline schedules run ({self.route})")
         else:

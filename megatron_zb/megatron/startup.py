@@ -15,7 +15,7 @@ from .errors import ZeroBubbleArgumentError
 from .flags import validate_zero_bubble_args
 
 __all__ = ["MegatronTrainingMissing", "add_entry_args", "cuda", "prepare_megatron", "machine_adjustments",
-           "prepare_args", "check_sizes", "microbatches", "megatron_check_message", "placement_of", "layer_kw"]
+           "prepare_args", "check_sizes", "check_load", "microbatches", "megatron_check_message", "placement_of", "layer_kw"]
 
 
 class MegatronTrainingMissing(RuntimeError):
@@ -27,6 +27,10 @@ def add_entry_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     if has_flag(parser, "--zero-bubble-deterministic-init"):
         return parser
     g = parser.add_argument_group("megatron-zb entry point")
+    g.add_argument("--zero-bubble-start-fresh", action="store_true", default=False,
+                   help="Train from new weights when --load holds no checkpoint (without it such a --load is "
+                        "refused: Megatron would silently start from random weights, Megatron's "
+                        "--exit-on-missing-checkpoint made the default).")
     g.add_argument("--zero-bubble-deterministic-init", action="store_true", default=False,
                    help="Initialise every parameter from a seed derived from its name in the whole model "
                         "(normal(0, --init-method-std) for matrices), independent of the pipeline placement: "
@@ -144,6 +148,7 @@ def prepare_args(extra_args_provider: Optional[Callable] = None, args_defaults: 
         args.mock_data = True
         notes.append("--mock-data (no --data-path given)")
     check_sizes(args)
+    check_load(args)
     try:
         validate_args(args, defaults)
     except (AssertionError, ValueError, TypeError) as e:  # Megatron's own argument checks
@@ -151,6 +156,36 @@ def prepare_args(extra_args_provider: Optional[Callable] = None, args_defaults: 
     if set_globals:
         set_global_variables(args)
     return args, zb, notes
+
+
+def check_load(args) -> Optional[str]:
+    """``--load`` must hold a checkpoint (or ``--zero-bubble-start-fresh`` says to start from new
+    weights). Returns a note when the tracker resumes from an older iteration than a newer save
+    that was stopped part-way (its folder exists, the tracker does not name it)."""
+    load = getattr(args, "load", None)
+    if not load or getattr(args, "non_persistent_ckpt_type", None):
+        return None
+    tracker = os.path.join(load, "latest_checkpointed_iteration.txt")
+    if not os.path.isfile(tracker):
+        if getattr(args, "zero_bubble_start_fresh", False):
+            return None
+        why = "no such directory" if not os.path.isdir(load) else "no checkpoint in it (no latest_checkpointed_iteration.txt)"
+        raise ZeroBubbleArgumentError(
+            f"--load {load}: {why}; Megatron would train from random weights (and --save into it would overwrite "
+            "what is there): give a checkpoint directory, or add --zero-bubble-start-fresh to start from scratch")
+    try:
+        with open(tracker) as f:
+            text = f.read().strip()
+    except OSError as e:
+        raise ZeroBubbleArgumentError(f"--load {load}: cannot read {tracker} ({e.strerror})") from None
+    if not text.isdigit():
+        return None  # 'release'
+    saved = sorted(int(d[5:]) for d in os.listdir(load) if d.startswith("iter_") and d[5:].isdigit())
+    newer = [i for i in saved if i > int(text)]
+    if newer:
+        return (f"megatron-zb: resuming from iteration {int(text)} (the checkpoint tracker's); iter_{newer[-1]:07d} "
+                "was not finished (a save stopped part-way) and is ignored")
+    return None
 
 
 def check_sizes(args) -> None:
