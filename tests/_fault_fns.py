@@ -146,3 +146,44 @@ def slow_forward_on_one_rank(case):
            model=list(chunks), num_microbatches=2 * case["pp"], seq_length=cfg.seq_length,
            micro_batch_size=cfg.micro_batch_size, decoder_seq_length=cfg.seq_length)
     return rank
+
+
+def stop_while_saving(case):
+    """Like ``stop_outside_schedule``, but every rank is in a checkpoint save (``progress.saving``)
+    when ``stop_rank`` stops; the others wait in a collective inside the save, writing nothing.
+    Their stall watch names the stopped rank and what it was doing."""
+    import torch
+    import torch.distributed as dist
+
+    import megatron_zb.megatron.finalize as F
+    import megatron_zb.megatron.placement as P
+    import megatron_zb.verify.tinygpt as M
+    from megatron_zb.megatron.install import install
+    from megatron_zb.runtime import progress
+
+    rank = dist.get_rank()
+
+    def on_stall(message):
+        with open(os.path.join(case["out"], f"rank{rank}.txt"), "w") as f:
+            f.write(f"{time.time()}\n{message}")
+
+    progress.enable_stall_watch(case["timeout"], on_stall=on_stall)
+    placement = P.make_placement("single", case["pp"])
+    M.init_parallel_state(1, case["pp"], placement, seed=1234)
+    cfg = M.TinyGPTConfig(num_layers=placement.num_stages)
+    chunks = M.build_model_chunks(cfg, placement)
+    F.configure_grad_sync(chunks[0].config, chunks, placement=placement, ddp=False)
+    install("1f1b", timeout_s=case["timeout"])
+    import megatron.core.pipeline_parallel as mpp
+    fb = mpp.get_forward_backward_func()
+    batches = M.make_batches(cfg, 2 * case["pp"], 0)
+    fb(forward_step_func=M.forward_step_func, data_iterator=M.batch_iterators(batches, len(chunks)),
+       model=list(chunks), num_microbatches=2 * case["pp"], seq_length=cfg.seq_length,
+       micro_batch_size=cfg.micro_batch_size, decoder_seq_length=cfg.seq_length)
+    progress.saving("saving checkpoint iter 7")
+    if rank == case["stop_rank"]:
+        with open(os.path.join(case["out"], "stopped_at"), "w") as f:
+            f.write(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGSTOP)
+    dist.all_reduce(torch.ones(1))  # the others wait here, inside the "save", for the stopped rank
+    time.sleep(60)

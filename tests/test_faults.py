@@ -172,6 +172,30 @@ def test_a_rank_stopped_outside_the_schedule_is_named_by_the_stall_watch(rank_po
 
 @pytest.mark.megatron
 @pytest.mark.dist
+def test_a_rank_stopped_during_a_checkpoint_save_is_named(rank_pool, tmp_path):
+    """The stall watch covers saves: a rank stopped while every rank saves is named, with what it
+    was doing, by the ranks waiting inside the save (no silent hang until Megatron's distributed
+    timeout)."""
+    from megatron_zb.verify.launch import LaunchError
+    from tests import _fault_fns
+
+    case = dict(pp=4, timeout=TIMEOUT_S, stop_rank=1, out=str(tmp_path))
+    with pytest.raises(LaunchError):
+        rank_pool(_fault_fns.stop_while_saving, [case], 4, timeout=120)
+    stopped_at = float((tmp_path / "stopped_at").read_text())
+    found = {}
+    for f in glob.glob(str(tmp_path / "rank*.txt")):
+        t, msg = open(f).read().split("\n", 1)
+        found[os.path.basename(f)] = (float(t) - stopped_at, msg)
+    assert found and set(found) <= {"rank0.txt", "rank2.txt", "rank3.txt"}, found
+    for name, (secs, msg) in found.items():
+        assert "has been saving checkpoint iter 7 for" in msg and "without writing" in msg, msg
+        assert "the rank that stopped progressing first is pipeline rank 1 (global rank 1," in msg, (name, msg)
+        assert TIMEOUT_S <= secs < TIMEOUT_S + 9 * overload(), (name, secs)
+
+
+@pytest.mark.megatron
+@pytest.mark.dist
 def test_the_launch_timeout_names_a_rank_stuck_in_a_pass(rank_pool):
     from megatron_zb.verify.launch import LaunchTimeout
     from tests import _fault_fns

@@ -88,7 +88,7 @@ class TrainingSession:
             from ..runtime import progress
             progress.enable_stall_watch(zb["timeout_s"], on_stall=_on_stall)
             self._undos.append(progress.stop)
-            self._undos.append(_pause_stall_watch_while_saving())
+            self._undos.append(_watch_saves())
         return self
 
     def _announce(self, built, base) -> None:
@@ -154,19 +154,21 @@ def supervise() -> None:
         watch_parent(what="the launcher (torchrun agent)")
 
 
-def _pause_stall_watch_while_saving() -> Callable[[], None]:
-    """Checkpoint saving may take long: the stall watch (runtime.progress) is off meanwhile."""
+def _watch_saves() -> Callable[[], None]:
+    """Checkpoint saving may take long: the stall watch (runtime.progress) counts its writes as
+    progress, and a rank stuck in a save is named like a stuck pass."""
     import megatron.training.training as T
 
     from ..runtime import progress
     inner = T.save_checkpoint
 
     def save_checkpoint(*args, **kwargs):
-        progress.pause("saving a checkpoint")
+        iteration = args[0] if args else kwargs.get("iteration")
+        progress.saving(f"saving checkpoint iter {iteration}")
         try:
             return inner(*args, **kwargs)
         finally:
-            progress.pause(None)
+            progress.saving(None)
     T.save_checkpoint = save_checkpoint
 
     def undo():

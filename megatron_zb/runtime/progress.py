@@ -21,8 +21,13 @@ waited for" blames a healthy rank. This module lets a rank that times out name t
   stopped between iterations leaves the others blocked in Megatron's collectives (optimizer,
   loss and gradient reductions), which wait for ``--distributed-timeout-minutes``, not for our
   timeout. With the stall watch on, the publishing thread also checks that the rank has not
-  spent more than the timeout outside the schedule's actions (checkpoint saving excluded:
-  ``paused``); if it has, it diagnoses as above, prints one line and ends the process.
+  spent more than the timeout outside the schedule's actions; if it has, it diagnoses as above,
+  prints one line and ends the process.
+* **Checkpoint saves** (``saving``): a save may take long, so while one runs the watch counts
+  bytes written (by this process and its children, e.g. Megatron's asynchronous checkpoint
+  writer) as progress, and a rank past the timeout without writing ends only when another rank
+  of its pipeline does not respond (a slow filesystem or a slower peer is not a stuck rank): it
+  names that rank and what it was doing ("saving checkpoint iter N") like a stuck pass.
 * A culprit found **stopped** (``SIGSTOP``, state ``T``) on this host is killed (``SIGKILL``),
   ``KILL_GRACE_S`` after the diagnosis, from a thread (``finish_kills`` waits for it before the
   process exits; meanwhile the other ranks' timeouts fire and name it too): the
@@ -45,7 +50,8 @@ from typing import Dict, List, Optional, Sequence
 
 from .hooks import Hook
 
-__all__ = ["Progress", "tracker", "read_records", "diagnose_records", "enable_stall_watch", "pause", "stop",
+__all__ = ["Progress", "tracker", "read_records", "diagnose_records", "enable_stall_watch", "pause", "saving",
+           "written_bytes", "stop",
            "finish_kills",
            "PERIOD_S", "CHECK_S"]
 
@@ -92,7 +98,9 @@ class Progress(Hook):
         self._thread: Optional[threading.Thread] = None
         self._host = socket.gethostname()
         self.group: Sequence[int] = ()  # global ranks of this rank's pipeline group
-        self.paused: Optional[str] = None  # e.g. "saving a checkpoint": the stall watch is off
+        self.paused: Optional[str] = None  # the stall watch is off meanwhile
+        self.saving: Optional[str] = None  # e.g. "saving checkpoint iter 10": writes count as progress
+        self._written = 0
         self.last_activity = time.time()
 
     # -- hot path: attribute writes only ------------------------------------------------------
@@ -113,8 +121,14 @@ class Progress(Hook):
         self.last_activity = time.time()
 
     def pause(self, why: Optional[str]) -> None:
-        """Turn the stall watch off while ``why`` (e.g. saving a checkpoint); ``None``: on again."""
+        """Turn the stall watch off while ``why``; ``None``: on again."""
         self.paused = why
+        self.last_activity = time.time()
+
+    def save(self, what: Optional[str]) -> None:
+        """A checkpoint save begins (``what``, e.g. "saving checkpoint iter 10") or ends (None)."""
+        self.saving = what
+        self._written = written_bytes()
         self.last_activity = time.time()
 
     # -- publishing -----------------------------------------------------------------------------
@@ -122,7 +136,8 @@ class Progress(Hook):
         w = self.wait
         return {"rank": self.rank, "pp": self.pp_rank, "host": self._host, "pid": os.getpid(),
                 "seq": self._seq, "hb": time.time(), "it": self.iteration,
-                "cur": None if self.current is None else str(self.current), "cur_t": self.current_t,
+                "cur": self.saving if self.current is None and self.saving else
+                       (None if self.current is None else str(self.current)), "cur_t": self.current_t,
                 "done": None if self.last_done is None else str(self.last_done), "done_t": self.last_done_t,
                 "wait": None if w is None else {"what": w[0], "pp": w[1], "rank": w[2], "since": w[3]}}
 
@@ -166,14 +181,37 @@ class Progress(Hook):
         """The stall watch: too long outside the schedule's actions and waits -> diagnose and exit."""
         if self.paused is not None or self.current is not None or self.wait is not None:
             return
+        if self.saving is not None:
+            written = written_bytes()
+            if written != self._written:  # the save is writing: progress
+                self._written = written
+                self.last_activity = time.time()
+                return
         idle = time.time() - self.last_activity
         if idle <= limit:
             return
-        after = f"after {self.last_done}" if self.last_done is not None else "before its first pipeline action"
-        blame = self.diagnose(self.group or (self.rank,), None)
         who = f"pipeline rank {self.pp_rank} (global rank {self.rank})"
-        msg = (f"{who} spent {idle:.0f}s outside the pipeline schedule ({after} in iteration {self.iteration}: "
-               f"optimizer step, gradient or loss collectives), more than the timeout {limit:g}s; {blame}")
+        if self.saving is not None:
+            group = self.group or (self.rank,)
+            try:
+                first = self.read(group)
+                time.sleep(CHECK_S)
+                second = self.read(group)
+            except Exception:  # noqa: BLE001 - the store is gone: the job is ending anyway
+                return
+            silent = [g for g in group if g != self.rank and
+                      (first.get(g) is None or second.get(g) is None or second[g]["seq"] == first[g]["seq"])]
+            if not silent:  # every peer responds: a slow filesystem or a slower peer, not a stuck rank
+                self.last_activity = time.time()
+                return
+            blame = diagnose_records(first, second, self.rank, None, kill_stopped=True)
+            msg = (f"{who} has been {self.saving} for {idle:.0f}s without writing (iteration {self.iteration}), "
+                   f"more than the timeout {limit:g}s; {blame}")
+        else:
+            after = f"after {self.last_done}" if self.last_done is not None else "before its first pipeline action"
+            blame = self.diagnose(self.group or (self.rank,), None)
+            msg = (f"{who} spent {idle:.0f}s outside the pipeline schedule ({after} in iteration {self.iteration}: "
+                   f"optimizer step, gradient or loss collectives), more than the timeout {limit:g}s; {blame}")
         if _ON_STALL is not None:
             _ON_STALL(msg)
         else:
@@ -351,6 +389,40 @@ def pause(why: Optional[str]) -> None:
     """``tracker().pause(why)`` if this process has a tracker."""
     if _TRACKER is not None:
         _TRACKER.pause(why)
+
+
+def saving(what: Optional[str]) -> None:
+    """``tracker().save(what)`` if this process has a tracker: a checkpoint save begins or ends."""
+    if _TRACKER is not None:
+        _TRACKER.save(what)
+
+
+def written_bytes() -> int:
+    """Bytes this process and its children have written so far (Linux ``/proc/<pid>/io``; 0 elsewhere)."""
+    me = os.getpid()
+    pids = [me]
+    try:
+        for e in os.listdir("/proc"):
+            if e.isdigit():
+                try:
+                    with open(f"/proc/{e}/stat") as f:
+                        stat = f.read()
+                    if int(stat[stat.rfind(")") + 2:].split()[1]) == me:
+                        pids.append(int(e))
+                except (OSError, ValueError, IndexError):
+                    continue
+    except OSError:
+        return 0
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/io") as f:
+                for line in f:
+                    if line.startswith("write_bytes:"):
+                        total += int(line.split()[1])
+        except (OSError, ValueError):
+            continue
+    return total
 
 
 def stop() -> None:
