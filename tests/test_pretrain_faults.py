@@ -303,6 +303,29 @@ def test_killing_the_launcher_ends_every_rank_and_no_checkpoint_follows(tmp_path
         job.close()
 
 
+@pytest.mark.dist
+def test_nothing_outlives_a_sigkilled_rank(tmp_path):
+    """The OOM killer's way: a rank SIGKILLed after a checkpoint save started Megatron's
+    checkpoint-writer Manager (and multiprocessing's resource tracker) leaves nothing running:
+    they come back to the torchrun wrapper (a child subreaper), which ends them with the job."""
+    save = tmp_path / "ckpt"
+    job = _Job(tmp_path, SCHEDULE="zb-h1", PP=2, ITERS=100000, SAVE=save, SAVE_INTERVAL=3)
+    try:
+        job.wait_for(r"successfully saved checkpoint from iteration\s+3 ")
+        helpers = _descendants(job.ranks[1])
+        assert helpers, "a save started no helper process here: nothing to check"
+        os.kill(job.ranks[1], signal.SIGKILL)
+        rc = job.proc.wait(timeout=120)
+        assert rc != 0
+        deadline = time.monotonic() + 15
+        while any(_alive(p) for p in helpers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = [p for p in helpers if _alive(p)]
+        assert not left, f"outlived the job: {[open(f'/proc/{p}/cmdline').read()[:80] for p in left]}"
+    finally:
+        job.close()
+
+
 def test_load_without_a_checkpoint_is_refused_unless_starting_fresh(tmp_path, monkeypatch):
     """An empty --load folder: refused (Megatron would start from random weights), accepted with
     --zero-bubble-start-fresh; a tracker behind a newer, unfinished save gives a note."""

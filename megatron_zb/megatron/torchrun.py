@@ -2,7 +2,11 @@
 
     python -m megatron_zb.megatron.torchrun <torchrun's flags> -m megatron_zb.megatron.pretrain_gpt ...
 
-Exactly ``python -m torch.distributed.run`` (same flags, same agent, same rendezvous), except when
+Exactly ``python -m torch.distributed.run`` (same flags, same agent, same rendezvous), except that
+nothing outlives the job: the wrapper is a child subreaper, so what a killed rank left running
+(Megatron's checkpoint-writer Manager, multiprocessing's resource tracker: a SIGKILL, e.g. the OOM
+killer's, gives the rank no chance to stop them) comes back to it and is ended when the ranks are
+gone; and except when
 the ranks fail: torchrun then raises ``ChildFailedError`` and prints its own traceback and a table
 per rank. Instead this prints what the ranks recorded in torchrun's error files (``rank_errors``):
 the one-line message of a known error (bad flags, ...), whichever rank failed first, or the
@@ -22,8 +26,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    from ..runtime.supervise import become_subreaper, reap_orphans
+
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     os.environ["MZB_REPORT_TO_LAUNCHER"] = "1"  # the ranks record their errors; this prints them once
+    become_subreaper()  # what a killed rank leaves running comes back here (Megatron's writer Manager)
+    try:
+        return _run(run, args, ChildFailedError)
+    finally:
+        reap_orphans()
+
+
+def _run(run, args, ChildFailedError) -> int:
     try:
         run(args)
     except ChildFailedError as e:

@@ -12,8 +12,9 @@ import signal
 import sys
 import time
 import traceback
-from typing import List, Optional
+from typing import Optional
 
+from ..runtime.supervise import become_subreaper, reap_orphans
 from .rankio import attach_status, get_status, result_file, set_status, td, write_int, write_result
 
 __all__ = ["zygote_main"]
@@ -40,7 +41,7 @@ def zygote_main(workdir: str) -> None:
             if warm:
                 _import_runtime(header)
                 body = pickle.load(f)
-        _become_subreaper()  # orphans of the ranks (megatron's helpers) come back here to be reaped
+        become_subreaper()  # orphans of the ranks (megatron's helpers) come back here to be reaped
         pids = {}
         zygote = os.getpid()
         for rank in range(world_size):
@@ -55,7 +56,7 @@ def zygote_main(workdir: str) -> None:
             if pid in pids:
                 _kill_group(pid)  # whatever the rank left in its process group
                 write_int(os.path.join(workdir, f"exit{pids.pop(pid)}"), os.waitstatus_to_exitcode(status))
-        _reap_all()
+        reap_orphans()
         os._exit(0)
     except BaseException as e:  # noqa: BLE001 - the ranks report the zygote's failure as theirs
         tb = traceback.format_exc()
@@ -69,58 +70,11 @@ def zygote_main(workdir: str) -> None:
         os._exit(1)
 
 
-def _become_subreaper() -> bool:
-    """Linux: orphaned descendants are re-parented to this process instead of init."""
-    try:
-        import ctypes
-        return ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
-    except (OSError, AttributeError):  # pragma: no cover - not Linux
-        return False
-
-
 def _kill_group(pgid: int) -> None:
     try:
         os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
-
-
-def _children_of(pid: int) -> List[int]:
-    """Live child pids of ``pid`` (from /proc; empty where there is no /proc)."""
-    out = []
-    try:
-        entries = os.listdir("/proc")
-    except OSError:  # pragma: no cover
-        return out
-    for e in entries:
-        if not e.isdigit():
-            continue
-        try:
-            with open(f"/proc/{e}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2:].split()
-        if int(fields[1]) == pid and fields[0] != "Z":
-            out.append(int(e))
-    return out
-
-
-def _reap_all(deadline_s: float = 10.0) -> None:
-    """Kill every process still re-parented to this one and reap until no child is left."""
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        for pid in _children_of(os.getpid()):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            time.sleep(0.01)
 
 
 def _stop_own_children() -> None:
