@@ -255,16 +255,20 @@ class DropIn:
 
     def _tp_batch(self, orig):
         """Megatron broadcasts over tensor parallelism only the fields the rank's *physical* stage
-        needs (the first: tokens; the last: labels): a V rank holding both the embedding and the
-        loss needs all of them, which Megatron's multi-token-prediction case asks for."""
+        needs (the first: tokens; the last: labels). A rank whose chunks embed or compute the loss
+        where its physical stage would not (V: rank 0 does both; BitPipe: every path's ends) needs
+        all of them, which Megatron's multi-token-prediction case asks for."""
         import inspect
         sig = inspect.signature(orig)
-        pl = self.plan.placement
+        plan = self.plan
 
         def get_batch_on_this_tp_rank(*a, **k):
-            from megatron.core import parallel_state
-            me = parallel_state.get_pipeline_model_parallel_rank()
-            if "mtp_on_this_rank" in sig.parameters and pl.rank_of(0) == me == pl.rank_of(pl.num_stages - 1):
+            from megatron.core import parallel_state as ps
+            me, p = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
+            infos = [plan.info(c) for c in range(len(plan.placement.stages_of(me)))]
+            embeds, loss = any(i.pre_process for i in infos), any(i.post_process for i in infos)
+            if "mtp_on_this_rank" in sig.parameters and ((embeds and me != 0) or (loss and me != p - 1)
+                                                        or (embeds and loss)):
                 bound = sig.bind_partial(*a, **k)
                 bound.arguments["mtp_on_this_rank"] = True
                 return orig(*bound.args, **bound.kwargs)
