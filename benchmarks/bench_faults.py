@@ -12,6 +12,9 @@ waits for iteration 3 in its log, then:
   the end of the job; whether every error line names rank 2.
 * ``kill``: SIGKILL pipeline rank 2. Measured: seconds to the end of the job.
 * ``launcher``: SIGKILL the torchrun agent. Measured: seconds until every rank is gone.
+* ``save``: a checkpoint every 3 iterations; SIGSTOP pipeline rank 2 as soon as the log says the
+  save of iteration 6 began (the ranks are in Megatron's save: its collectives). Measured as for
+  ``stop``, plus whether the error lines say the ranks were saving.
 
 Prints a table and writes the JSON (with the host's load average: these are wall-clock times).
 """
@@ -72,12 +75,15 @@ def trial(scenario, pp, timeout, victim=2):
         env = dict(os.environ, SCHEDULE="zb-v", PP=str(pp), ITERS="100000", PREFLIGHT="0", PYTHONUNBUFFERED="1",
                    MASTER_PORT=str(_free_port()), EXTRA_ARGS=f"--zero-bubble-timeout {timeout}",
                    OMP_NUM_THREADS="1", PYTHON=os.environ.get("PYTHON", sys.executable))
+        if scenario == "save":
+            env.update(SAVE=os.path.join(tmp, "ckpt"), SAVE_INTERVAL="3")
         with open(log_path, "w") as log:
             proc = subprocess.Popen(["bash", SCRIPT], env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                                     start_new_session=True)
         ranks, left = {}, []
         try:
-            while not re.search(r"iteration\s+3/", open(log_path).read()):
+            ready = r"saving checkpoint at iteration\s+6 " if scenario == "save" else r"iteration\s+3/"
+            while not re.search(ready, open(log_path).read()):
                 if proc.poll() is not None:
                     raise RuntimeError(f"the job ended early:\n{open(log_path).read()[-2000:]}")
                 time.sleep(0.1)
@@ -91,7 +97,9 @@ def trial(scenario, pp, timeout, victim=2):
                     time.sleep(0.01)
                 return {"ranks_gone_s": round(time.monotonic() - t0, 2),
                         "all_gone": not any(_alive(r) for r in ranks.values())}
-            os.kill(ranks[victim], signal.SIGSTOP if scenario == "stop" else signal.SIGKILL)
+            if scenario == "save":
+                ranks = ranks or _ranks(proc.pid)
+            os.kill(ranks[victim], signal.SIGKILL if scenario == "kill" else signal.SIGSTOP)
             while proc.poll() is None and time.monotonic() - t0 < 600:
                 if first_error is None and "megatron-zb: error:" in open(log_path).read():
                     first_error = time.monotonic() - t0
@@ -101,9 +109,11 @@ def trial(scenario, pp, timeout, victim=2):
             errors = [line for line in text.splitlines() if line.startswith("megatron-zb: error:")]
             named = [bool(re.search(rf"first is pipeline rank {victim} \(global rank {victim},", e)) for e in errors]
             out = {"job_end_s": round(end, 2), "exit_code": proc.returncode, "error_lines": len(errors)}
-            if scenario == "stop":
+            if scenario in ("stop", "save"):
                 out.update(first_error_s=None if first_error is None else round(first_error, 2),
                            all_name_the_stopped_rank=bool(errors) and all(named))
+            if scenario == "save":
+                out["errors_say_saving"] = sum("saving checkpoint iter" in e for e in errors)
             return out
         finally:
             if proc.poll() is None:
@@ -119,8 +129,8 @@ def main():
     ap.add_argument("--pp", type=int, default=4)
     ap.add_argument("--timeout", type=float, default=5.0, help="--zero-bubble-timeout (seconds)")
     ap.add_argument("--trials", type=int, default=2)
-    ap.add_argument("--scenarios", nargs="+", default=["stop", "kill", "launcher"],
-                    choices=["stop", "kill", "launcher"])
+    ap.add_argument("--scenarios", nargs="+", default=["stop", "kill", "launcher", "save"],
+                    choices=["stop", "kill", "launcher", "save"])
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "faults.json"))
     a = ap.parse_args()
     results = {}

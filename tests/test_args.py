@@ -476,3 +476,31 @@ def test_preview_schedule_with_offload():
                             "--zero-bubble-memory-limit 3 --offload-time 0.5")
     sim, _ = preview_schedule(kw, 4, 16)
     assert max(sim.peak_memory) <= 3
+
+
+def test_schedule_names_come_from_the_registry():
+    """Every name the flag's help lists, and the unknown-name error, is the registry's (no stale list)."""
+    parser = chain_providers(add_zero_bubble_args)(argparse.ArgumentParser(prog="x"))
+    action = next(a for a in parser._actions if "--zero-bubble-schedule" in a.option_strings)
+    for name in core_schedules.names():
+        assert name in action.help, name
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--zero-bubble-schedule", "nope"])
+    from megatron_zb.core.ir import ScheduleError
+    with pytest.raises(ScheduleError) as info:
+        core_schedules.get("nope")
+    assert str(info.value).endswith(", ".join(core_schedules.names()))
+
+
+def test_the_readme_schedule_table_is_the_registry():
+    import os
+    import re
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
+    table = readme[readme.index("## Schedules"):readme.index("\n## ", readme.index("## Schedules") + 5)]
+    rows = re.findall(r"^\| `([a-z0-9-]+)` \|", table, re.M)
+    assert rows == core_schedules.names()
+    for name in rows:  # and the placement column says what the registry says
+        row = next(l for l in table.splitlines() if l.startswith(f"| `{name}` |"))
+        style = core_schedules.get(name).placement
+        word = {"single": "1 stage/rank", "looped": "looped", "v": "V", "bitpipe": "two V"}[style]
+        assert word in row.split("|")[2], (name, row)

@@ -176,11 +176,13 @@ def add_zero_bubble_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     if has_flag(parser, "--zero-bubble-schedule"):
         return parser
     names = ", ".join(core_schedules.names())
+    by_style = {style: ", ".join(n for n in core_schedules.names() if core_schedules.get(n).placement == style)
+                for style in ("v", "looped", "bitpipe")}
     g = parser.add_argument_group("megatron-zb", "zero-bubble pipeline schedules (megatron-zb plugin)")
     g.add_argument("--zero-bubble-schedule", type=_schedule_name, default=None, metavar="NAME",
                    help=f"Run this megatron-zb pipeline schedule instead of Megatron's. One of: {names}. "
-                        "V schedules (zb-v, v-half, v-min, v-auto, dualpipe-v, gpipe-v) place 2 model chunks "
-                        "per rank in V order; interleaved-1f1b/looped-bfs use Megatron's virtual pipeline "
+                        f"V schedules ({by_style['v']}) place 2 model chunks per rank in V order, "
+                        f"{by_style['bitpipe']} 4 (two V's); {by_style['looped']} use Megatron's virtual pipeline "
                         "(--num-layers-per-virtual-pipeline-stage).")
     g.add_argument("--zero-bubble-memory-limit", type=_memory_limit, default=None, metavar="L",
                    help="Per-rank activation memory limit: a number of microbatches of one stage's "
