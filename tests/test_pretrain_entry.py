@@ -75,6 +75,8 @@ def parse_log(text):
 # trainings
 # --------------------------------------------------------------------------------------------
 
+MOE_ARGS = ("--num-experts 4 --expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall --moe-router-topk 2 "
+            "--moe-aux-loss-coeff 0.01 --disable-bias-linear --zero-bubble-deterministic-init")
 RUNS = {
     "1f1b": dict(SCHEDULE="1f1b"),  # the one run with the flag check before torchrun (PREFLIGHT)
     # V placement (embedding and loss on rank 0) from the same weights as 1F1B: deterministic init
@@ -90,6 +92,9 @@ RUNS = {
     # the fork's flag in Megatron's own training loop, post-validating from the first step
     "zb-h2/postval": dict(SCHEDULE="zb-h2", EXTRA_ARGS="--enable-optimizer-post-validation "
                                                         "--zero-bubble-post-validation-min-clean-steps 0"),
+    # MoE with expert parallelism (PP=2 x DP=2, experts over EP=2, all-to-all over gloo, aux loss)
+    "zb-v/moe": dict(SCHEDULE="zb-v", NPROC=4, EXTRA_ARGS=MOE_ARGS),
+    "1f1b/moe": dict(SCHEDULE="1f1b", NPROC=4, EXTRA_ARGS=MOE_ARGS),
 }
 
 
@@ -146,6 +151,21 @@ def test_v_placement_equals_1f1b_from_the_same_weights(trainings):
     # rank 0 builds stages 0 and 3 (embedding and loss), rank 1 stages 1 and 2
     assert re.search(r"pipeline rank 0 chunk 1: stage 3 of 4, layers 3-3, loss", text)
     assert re.search(r"pipeline rank 1 chunk 1: stage 2 of 4, layers 2-2\b", text)
+    for (i, _, _, la), (_, _, _, lb) in zip(ref, v):
+        assert lb == pytest.approx(la, rel=2e-6), f"iteration {i}: 1f1b {la} vs zb-v {lb}"
+
+
+@pytest.mark.megatron
+@pytest.mark.dist
+@needs_training
+def test_moe_with_expert_parallelism_zb_v_equals_1f1b(trainings):
+    """An MoE GPT with EP=2 trains with zb-v exactly like 1f1b from the same weights; the router's
+    weight gradient, which stays in B, is named."""
+    text, v = _check_ok(trainings, "zb-v/moe")
+    _, ref = _check_ok(trainings, "1f1b/moe")
+    fused = [l for l in text.splitlines() if "weight gradients computed in B, not deferred to W" in l]
+    assert fused and all(l.endswith("decoder.layers.*.mlp.router.weight") for l in fused), fused  # experts: in W
+    assert "load_balancing_loss" in text
     for (i, _, _, la), (_, _, _, lb) in zip(ref, v):
         assert lb == pytest.approx(la, rel=2e-6), f"iteration {i}: 1f1b {la} vs zb-v {lb}"
 

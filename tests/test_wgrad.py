@@ -284,3 +284,33 @@ def test_transformer_engine_delayed_wgrad_runs_at_w():
     chunk(xs[0]).square().sum().backward()
     for a, b in zip([p.grad for p in chunk.parameters()], ref_grads[0]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="Transformer Engine's grouped linear (MoE experts) needs CUDA (none here)")
+def test_transformer_engine_grouped_linear_experts_defer_to_w():
+    """MoE's TE experts (TEGroupedMLP's GroupedLinear, one GEMM per local expert) follow the same
+    delayed-wgrad protocol: B leaves every expert's weight gradient to W."""
+    te = pytest.importorskip("transformer_engine.pytorch", reason="transformer_engine is not installed")
+    from megatron_zb.megatron.wgrad import attach_wgrad_queue
+
+    n, experts = 64, 4
+    splits = [5, 0, 7, 4]  # tokens per expert (an expert may get none)
+
+    def make(delay):
+        torch.manual_seed(0)
+        return te.GroupedLinear(experts, n, n, params_dtype=torch.float32, delay_wgrad_compute=delay).cuda()
+
+    ref, chunk = make(False), make(True)
+    q = WQueue("te-grouped")
+    assert attach_wgrad_queue(chunk, q) == 1
+    x = torch.randn(sum(splits), n, device="cuda")
+    ref(x, splits).square().sum().backward()
+    with q.defer(0):
+        chunk(x, splits).square().sum().backward()
+    assert all(p.grad is None for p in chunk.parameters())  # nothing before W
+    q.run(0)
+    for a, b in zip(chunk.parameters(), ref.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5)
+    q.assert_empty()

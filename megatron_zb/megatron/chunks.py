@@ -77,8 +77,7 @@ class ChunkPlan:
                                    f"the placement wants {list(info.layers)} (the model provider must build its "
                                    "layers with the config it is given)")
         tied = bool(getattr(model, "share_embeddings_and_output_weights", False))
-        for name, p in model.named_parameters():
-            p.mzb_global_name = zb_placement.global_param_name(name, info, tied)
+        zb_placement.name_params(model, info, tied)  # experts by their global index under EP
         model.mzb_chunk_info = info
         mark_replica_copies([model], self.placement)  # clipping counts each replicated weight once
         if getattr(self.args, "zero_bubble_deterministic_init", False):

@@ -22,6 +22,8 @@ import typing
 
 import torch
 
+from . import cpu_moe
+
 _APPLIED = False
 
 
@@ -46,6 +48,7 @@ def apply(force: bool = False) -> bool:
     _rng()
     _cuda_streams()
     _cuda_type_names()
+    cpu_moe.apply()
     _quiet_logs()
     _APPLIED = True
     return True

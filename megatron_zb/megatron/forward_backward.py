@@ -38,7 +38,7 @@ from .gradsync import GradSync
 from .options import ScheduleOptions
 from .passes import MegatronPasses, device
 from .routing import check_replicas_equal, merge_losses
-from .wgrad import attach_wgrad_queue
+from .wgrad import attach_wgrad_queue, fused_weights
 
 __all__ = ["ZeroBubbleForwardBackward"]
 
@@ -158,6 +158,7 @@ class ZeroBubbleForwardBackward:
         if key not in self._queues:
             q = WQueue(name=f"chunk {len(self._queues)}")
             attach_wgrad_queue(chunk_module, q)
+            _say_fused(chunk_module, q.name)
             self._queues[key] = q
         return self._queues[key]
 
@@ -400,3 +401,15 @@ def _check_config(config, name):
     if getattr(config, "num_microbatches_with_partial_activation_checkpoints", None) is not None:
         raise ZeroBubbleConfigError(f"{name}: num_microbatches_with_partial_activation_checkpoints is "
                                     "not supported by the megatron-zb runtime")
+
+
+def _say_fused(chunk_module, name: str) -> None:
+    """One line per pipeline rank and chunk (on its first data- and tensor-parallel rank) naming
+    the matrix weights whose gradient stays in B (correct, just not moved into W)."""
+    fused = fused_weights(chunk_module)
+    if not fused:
+        return
+    from megatron.core import parallel_state
+    if parallel_state.get_data_parallel_rank() == 0 and parallel_state.get_tensor_model_parallel_rank() == 0:
+        print(f"megatron-zb: pipeline rank {parallel_state.get_pipeline_model_parallel_rank()} {name}: weight "
+              f"gradients computed in B, not deferred to W: {', '.join(fused)}", flush=True)

@@ -36,10 +36,11 @@ class SequenceParallelTorchNorm:
 
 
 def layer_spec(config, num_layers: int):
-    """megatron's local GPT layer spec; with sequence parallelism its norms are swapped for
+    """megatron's local GPT layer spec (MoE layers from ``config.num_moe_experts``: megatron's
+    SequentialMLP of local experts); with sequence parallelism its norms are swapped for
     ``SequenceParallelTorchNorm`` and the block spec is given explicitly (so the final norm too)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    spec = get_gpt_layer_local_spec()
+    spec = get_gpt_layer_local_spec(num_experts=getattr(config, "num_moe_experts", None), moe_grouped_gemm=False)
     if not config.sequence_parallel:
         return spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules

@@ -40,7 +40,8 @@ from ..core.ir import Placement, ScheduleError
 __all__ = [
     "ChunkInfo", "make_placement", "stage_layer_counts", "stage_layer_ranges", "chunk_infos",
     "placement_layer_table", "embedding_and_loss_on_one_rank", "embedding_ranks", "install_layer_hooks",
-    "attach_layer_table", "global_param_name", "name_params", "unwrap", "name_seed", "init_tensor",
+    "attach_layer_table", "global_param_name", "name_params", "expert_offset", "is_expert_param", "unwrap",
+    "name_seed", "init_tensor",
     "deterministic_init_", "float16_chunks",
 ]
 
@@ -252,10 +253,12 @@ def attach_layer_table(config, placement: Placement, num_layers: int, *, placeme
 # --------------------------------------------------------------------------------------------
 
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+_EXPERT_RE = re.compile(r"^(mlp\.experts\.local_experts\.)(\d+)(\..*)$")
 
 
-def global_param_name(local_name: str, info: ChunkInfo, tie_embeddings: bool) -> str:
-    """The name a chunk parameter has in the whole (unpipelined) model."""
+def global_param_name(local_name: str, info: ChunkInfo, tie_embeddings: bool, expert_offset: int = 0) -> str:
+    """The name a chunk parameter has in the whole (unpipelined) model. ``expert_offset``: the global
+    index of this rank's first local expert (expert parallelism shards the experts over ranks)."""
     name = local_name
     while name.startswith("module."):
         name = name[len("module."):]
@@ -264,16 +267,36 @@ def global_param_name(local_name: str, info: ChunkInfo, tie_embeddings: bool) ->
         i = int(m.group(1))
         if i >= len(info.layers):
             raise RuntimeError(f"stage {info.stage} has {len(info.layers)} layers, got parameter {local_name}")
-        return f"decoder.layers.{info.layers[i]}.{m.group(2)}"
+        rest = m.group(2)
+        e = _EXPERT_RE.match(rest)
+        if e and expert_offset:
+            rest = f"{e.group(1)}{int(e.group(2)) + expert_offset}{e.group(3)}"
+        return f"decoder.layers.{info.layers[i]}.{rest}"
     if name == "output_layer.weight" and tie_embeddings:
         return "embedding.word_embeddings.weight"  # the tied copy
     return name
 
 
+def expert_offset(config) -> int:
+    """Global index of this rank's first local expert (0 without MoE or expert parallelism)."""
+    n = getattr(config, "num_moe_experts", None)
+    if not n:
+        return 0
+    from megatron.core import parallel_state
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    return parallel_state.get_expert_model_parallel_rank() * (n // ep) if ep > 1 else 0
+
+
+def is_expert_param(param) -> bool:
+    """megatron marks expert-parallel parameters ``allreduce=False`` (reduced over expert DP only)."""
+    return not getattr(param, "allreduce", True)
+
+
 def name_params(model, info: ChunkInfo, tie_embeddings: bool) -> None:
     """Set ``mzb_global_name`` / ``mzb_stage`` on every parameter of one chunk."""
+    offset = expert_offset(getattr(model, "config", None))
     for n, p in model.named_parameters():
-        p.mzb_global_name = global_param_name(n, info, tie_embeddings)
+        p.mzb_global_name = global_param_name(n, info, tie_embeddings, offset)
         p.mzb_stage = info.stage
 
 
@@ -326,11 +349,21 @@ def init_tensor(global_name: str, full_shape: Sequence[int], seed: int = 1234, s
     return std * x
 
 
-def _tp_slice(param, full: torch.Tensor) -> torch.Tensor:
+def _tp_rank_size(param) -> Tuple[int, int]:
+    """(rank, size) of the tensor-parallel group that shards ``param``: the expert TP group for
+    expert parameters, the TP group otherwise."""
     from megatron.core import parallel_state
+    if is_expert_param(param):
+        return (parallel_state.get_expert_tensor_parallel_rank(),
+                parallel_state.get_expert_tensor_parallel_world_size())
+    return (parallel_state.get_tensor_model_parallel_rank(),
+            parallel_state.get_tensor_model_parallel_world_size())
+
+
+def _tp_slice(param, full: torch.Tensor) -> torch.Tensor:
     if not getattr(param, "tensor_model_parallel", False):
         return full
-    r = parallel_state.get_tensor_model_parallel_rank()
+    r, _ = _tp_rank_size(param)
     dim = int(param.partition_dim)
     if int(getattr(param, "partition_stride", 1)) != 1:
         raise NotImplementedError(f"{param.mzb_global_name}: partition_stride != 1 not supported")
@@ -339,10 +372,9 @@ def _tp_slice(param, full: torch.Tensor) -> torch.Tensor:
 
 
 def _full_shape(param) -> Tuple[int, ...]:
-    from megatron.core import parallel_state
     shape = list(param.shape)
     if getattr(param, "tensor_model_parallel", False):
-        shape[int(param.partition_dim)] *= parallel_state.get_tensor_model_parallel_world_size()
+        shape[int(param.partition_dim)] *= _tp_rank_size(param)[1]
     return tuple(shape)
 
 

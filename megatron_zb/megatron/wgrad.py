@@ -80,6 +80,7 @@ __all__ = [
     "deferrable_layers",
     "wgrad_parameters",
     "queue_of",
+    "fused_weights",
 ]
 
 _PATCHED = "_mzb_wgrad_patched"  # marks our instance-level _forward_impl
@@ -453,6 +454,22 @@ def detach_wgrad_queue(model_chunk) -> None:
 def deferrable_layers(model_chunk) -> List[str]:
     """Names of the submodules :func:`attach_wgrad_queue` would make deferrable."""
     return [name for name, _, _ in _candidates(model_chunk)]
+
+
+def fused_weights(model_chunk) -> List[str]:
+    """Matrix weights of ``model_chunk`` whose gradient is still computed in B after
+    :func:`attach_wgrad_queue` (e.g. MoE's router gating, a tied output layer, layers megatron runs
+    through its own autograd functions), as ``name (count)`` with layer and expert indices
+    collapsed. Embedding tables (lookups, no GEMM) are not listed."""
+    import re
+    deferred = {id(p) for p in wgrad_parameters(model_chunk)}
+    counts: dict = {}
+    for name, p in model_chunk.named_parameters():
+        if not p.requires_grad or p.dim() < 2 or id(p) in deferred or "embedding" in name:
+            continue
+        key = re.sub(r"\.(\d+)\.", ".*.", name.replace("module.", ""))
+        counts[key] = counts.get(key, 0) + 1
+    return [f"{k} ({n})" if n > 1 else k for k, n in sorted(counts.items())]
 
 
 def queue_of(module) -> Optional[WQueue]:

@@ -86,6 +86,45 @@ class VerifyCase:
     post_validation: bool = False  # also train with optimizer post-validation, compare bit for bit
     min_clean_steps: int = 0  # post-validation: synchronous steps until this many clean ones
     param_rtol: Optional[float] = None  # default DEFAULT_PARAM_RTOL (HALF_PARAM_RTOL for bf16/fp16)
+    # Megatron's model features, by Megatron's flag names: MoE (megatron's SequentialMLP of local experts),
+    # expert parallelism over the data-parallel ranks, activation recompute, multi-token prediction.
+    # The reference trains the same model (experts, router, aux loss, MTP) non-pipelined, on one process,
+    # without expert parallelism or recompute (they change how it runs, not the math).
+    num_experts: Optional[int] = None
+    expert_model_parallel_size: int = 1
+    moe_router_topk: int = 2
+    moe_token_dispatcher_type: str = "alltoall"
+    moe_aux_loss_coeff: float = 0.0
+    moe_ffn_hidden_size: Optional[int] = None
+    recompute_granularity: Optional[str] = None  # 'full' | 'selective'
+    recompute_method: Optional[str] = None  # 'uniform' | 'block' (full recompute)
+    recompute_num_layers: Optional[int] = None
+    mtp_num_layers: Optional[int] = None
+
+    def model_overrides(self) -> Dict[str, Any]:
+        """TransformerConfig keywords of the model's math (the reference's too)."""
+        kw: Dict[str, Any] = {}
+        if self.num_experts:
+            # no linear biases, as MoE models are trained (megatron's expert MLP adds its bias in place
+            # on a view when neither TP nor EP splits it, which autograd refuses)
+            kw.update(num_moe_experts=self.num_experts, moe_router_topk=self.moe_router_topk,
+                      moe_aux_loss_coeff=self.moe_aux_loss_coeff, add_bias_linear=False)
+            if self.moe_ffn_hidden_size:
+                kw["moe_ffn_hidden_size"] = self.moe_ffn_hidden_size
+        return kw
+
+    def run_overrides(self) -> Dict[str, Any]:
+        """TransformerConfig keywords of how the pipelined run executes (not the reference)."""
+        kw: Dict[str, Any] = {}
+        if self.num_experts:
+            kw.update(expert_model_parallel_size=self.expert_model_parallel_size,
+                      moe_token_dispatcher_type=self.moe_token_dispatcher_type)
+        if self.recompute_granularity:
+            kw["recompute_granularity"] = self.recompute_granularity
+            if self.recompute_granularity == "full":
+                kw.update(recompute_method=self.recompute_method or "uniform",
+                          recompute_num_layers=self.recompute_num_layers or 1)
+        return kw
 
     @property
     def world_size(self) -> int:
@@ -117,6 +156,14 @@ class VerifyCase:
             bits.append("no-ddp")
         if not self.tie_embeddings:
             bits.append("untied")
+        if self.num_experts:
+            bits.append(f"moe={self.num_experts}x top{self.moe_router_topk} EP={self.expert_model_parallel_size} "
+                        f"{self.moe_token_dispatcher_type}" + (f" aux={self.moe_aux_loss_coeff:g}"
+                                                               if self.moe_aux_loss_coeff else ""))
+        if self.recompute_granularity:
+            bits.append(f"recompute={self.recompute_granularity}" + (
+                f"/{self.recompute_method or 'uniform'}/{self.recompute_num_layers or 1}"
+                if self.recompute_granularity == "full" else ""))
         if self.config_overrides:
             bits.append(",".join(f"{k}={v}" for k, v in sorted(self.config_overrides.items())))
         if self.optimizer:
@@ -244,8 +291,62 @@ def make_case(schedule: str, pipeline_parallel_size: int, tensor_parallel_size: 
             raise VerifyUsageError(f"offload time must be a number >= 0 or 'auto', got {case.offload_time!r}")
     elif case.offload_half_duplex:
         raise VerifyUsageError("--offload-half-duplex needs --offload-ratio")
+    _check_model_features(case)
     _check_optimizer_options(case)
     return case
+
+
+def _check_model_features(case: VerifyCase) -> None:
+    """MoE, expert parallelism, recompute and MTP options, with Megatron's flag names in the errors."""
+    def whole(name, v, lo):
+        if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+            raise VerifyUsageError(f"--{name.replace('_', '-')} must be an integer >= {lo}, got {v!r}")
+    ep = case.expert_model_parallel_size
+    whole("expert_model_parallel_size", ep, 1)
+    if case.num_experts is None:
+        if ep > 1:
+            raise VerifyUsageError("--expert-model-parallel-size needs --num-experts (a MoE model)")
+    else:
+        whole("num_experts", case.num_experts, 1)
+        whole("moe_router_topk", case.moe_router_topk, 1)
+        if case.moe_router_topk > case.num_experts:
+            raise VerifyUsageError(f"--moe-router-topk {case.moe_router_topk} is more than --num-experts "
+                                   f"{case.num_experts}")
+        if case.num_experts % ep:
+            raise VerifyUsageError(f"--num-experts {case.num_experts} must be divisible by "
+                                   f"--expert-model-parallel-size {ep}")
+        if case.data_parallel_size % ep:
+            raise VerifyUsageError(f"--expert-model-parallel-size {ep} must divide --data-parallel-size "
+                                   f"{case.data_parallel_size} (the experts are sharded over the data-parallel ranks; "
+                                   "the expert tensor-parallel size is the TP size, Megatron's default)")
+        if case.moe_token_dispatcher_type not in ("alltoall", "allgather"):
+            raise VerifyUsageError(f"--moe-token-dispatcher-type must be alltoall or allgather, got "
+                                   f"{case.moe_token_dispatcher_type!r} (flex needs DeepEP/HybridEP on GPUs)")
+        if not (isinstance(case.moe_aux_loss_coeff, (int, float)) and math.isfinite(case.moe_aux_loss_coeff)
+                and case.moe_aux_loss_coeff >= 0):
+            raise VerifyUsageError(f"--moe-aux-loss-coeff must be a finite number >= 0, got {case.moe_aux_loss_coeff!r}")
+        if case.moe_ffn_hidden_size is not None:
+            whole("moe_ffn_hidden_size", case.moe_ffn_hidden_size, 1)
+            if case.moe_ffn_hidden_size % case.tensor_parallel_size:
+                raise VerifyUsageError("--moe-ffn-hidden-size must be divisible by the TP size")
+        if case.variable_seq_lengths and case.moe_token_dispatcher_type != "alltoall":
+            raise VerifyUsageError("--variable-seq-lengths with MoE needs --moe-token-dispatcher-type alltoall")
+        if case.tensor_parallel_size > 1 and not case.sequence_parallel:
+            raise VerifyUsageError("MoE with --tensor-parallel-size > 1 needs --sequence-parallel (Megatron's rule)")
+    g = case.recompute_granularity
+    if g is not None and g not in ("full", "selective"):
+        raise VerifyUsageError(f"--recompute-granularity must be full or selective, got {g!r}")
+    if g != "full" and (case.recompute_method is not None or case.recompute_num_layers is not None):
+        raise VerifyUsageError("--recompute-method / --recompute-num-layers need --recompute-granularity full")
+    if case.recompute_method is not None and case.recompute_method not in ("uniform", "block"):
+        raise VerifyUsageError(f"--recompute-method must be uniform or block, got {case.recompute_method!r}")
+    if case.recompute_num_layers is not None:
+        whole("recompute_num_layers", case.recompute_num_layers, 1)
+    if case.mtp_num_layers is not None:
+        raise VerifyUsageError("--mtp-num-layers is not checked by verify yet: the MTP block on the last stage holds its "
+                               "own copy of the embeddings, and a first try (zb-h1, PP=2) showed that copy's "
+                               "position-embedding gradient differing from the reference; see docs/training.md, "
+                               "Megatron features")
 
 
 def _check_optimizer_options(case: VerifyCase) -> None:
@@ -300,7 +401,9 @@ _PIPELINE_ONLY_KEYS = ("p2p", "pipeline", "overlap", "sequence_parallel", "tenso
 
 
 def reference_overrides(case: VerifyCase) -> dict:
-    return {k: v for k, v in case.config_overrides.items() if not any(b in k for b in _PIPELINE_ONLY_KEYS)}
+    kw = {k: v for k, v in case.config_overrides.items() if not any(b in k for b in _PIPELINE_ONLY_KEYS)}
+    kw.update(case.model_overrides())
+    return kw
 
 
 def reference_key(case: VerifyCase) -> tuple:

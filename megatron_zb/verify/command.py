@@ -63,6 +63,22 @@ def _build_parser() -> argparse.ArgumentParser:
                     help="transfer time the schedule core plans with, in F+B of a stage (default 0.25); 'auto': "
                          "measured at the first iteration (here: CPU memcpy and matmul stand-ins)")
     ap.add_argument("--offload-half-duplex", action="store_true", help="one copy queue instead of two")
+    f = ap.add_argument_group("Megatron's model features (Megatron's flag names; the reference trains the same model "
+                              "non-pipelined, without expert parallelism or recompute)")
+    f.add_argument("--num-experts", type=positive_int("--num-experts"), default=None,
+                   help="MoE: experts per layer (megatron's SequentialMLP of local experts)")
+    f.add_argument("--expert-model-parallel-size", type=positive_int("--expert-model-parallel-size"), default=1,
+                   help="experts sharded over this many data-parallel ranks (must divide --data-parallel-size)")
+    f.add_argument("--moe-router-topk", type=positive_int("--moe-router-topk"), default=2)
+    f.add_argument("--moe-token-dispatcher-type", choices=("alltoall", "allgather"), default="alltoall")
+    f.add_argument("--moe-aux-loss-coeff", type=nonneg("--moe-aux-loss-coeff"), default=0.0,
+                   help="load-balancing loss coefficient (compared per layer with the reference's)")
+    f.add_argument("--moe-ffn-hidden-size", type=positive_int("--moe-ffn-hidden-size"), default=None)
+    f.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
+    f.add_argument("--recompute-method", choices=("uniform", "block"), default=None)
+    f.add_argument("--recompute-num-layers", type=positive_int("--recompute-num-layers"), default=None)
+    f.add_argument("--mtp-num-layers", type=positive_int("--mtp-num-layers"), default=None,
+                   help="multi-token prediction: not checked by verify yet (refused with the reason)")
     o = ap.add_argument_group("Megatron's optimizer (instead of the harness's plain SGD step)")
     o.add_argument("--optimizer", choices=("adam", "sgd"), default=None,
                    help="train with megatron.core.optimizer (get_megatron_optimizer); the reference is one process "
@@ -157,7 +173,12 @@ def main_verify(argv: Optional[Sequence[str]] = None) -> int:
                     use_distributed_optimizer=a.use_distributed_optimizer, loss_scale=a.loss_scale,
                     optimizer_lr=a.lr, param_rtol=a.param_rtol,
                     offload_ratio=a.offload_ratio, offload_time=a.offload_time,
-                    offload_half_duplex=a.offload_half_duplex)
+                    offload_half_duplex=a.offload_half_duplex, num_experts=a.num_experts,
+                    expert_model_parallel_size=a.expert_model_parallel_size, moe_router_topk=a.moe_router_topk,
+                    moe_token_dispatcher_type=a.moe_token_dispatcher_type, moe_aux_loss_coeff=a.moe_aux_loss_coeff,
+                    moe_ffn_hidden_size=a.moe_ffn_hidden_size, recompute_granularity=a.recompute_granularity,
+                    recompute_method=a.recompute_method, recompute_num_layers=a.recompute_num_layers,
+                    mtp_num_layers=a.mtp_num_layers)
         case = make_case(a.schedule, a.pipeline_parallel_size, a.tensor_parallel_size, a.num_microbatches,
                          a.iterations, **opts)
     except VerifyUsageError as e:
@@ -178,6 +199,8 @@ def main_verify(argv: Optional[Sequence[str]] = None) -> int:
                     f"|diff| {_fmt(row['abs_loss_diff'])})")
             if "max_rel_grad_diff" in row:
                 line += f", max rel grad diff {_fmt(row['max_rel_grad_diff'])}"
+            if "max_abs_aux_loss_diff" in row:
+                line += f", aux loss {sum(row.get('aux_losses', {}).values()):.6f} (|diff| {_fmt(row['max_abs_aux_loss_diff'])})"
             print(line)
         for p in res["problems"]:
             print(f"problem: {p}")

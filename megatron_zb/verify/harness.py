@@ -197,6 +197,7 @@ def compare(case: VerifyCase, ranks: List[dict]) -> dict:
                             worst = {"param": name, "rank": rank, "iteration": it, "rel_diff": e}
             row["max_rel_grad_diff"] = it_max
         per_iter.append(row)
+    aux = _compare_aux_losses(case, ref, ranks, per_iter, problems)
     passed = not problems and max_loss <= case.loss_atol and (case.forward_only or max_grad <= case.grad_rtol)
     times = [r["times"] for r in ranks if r.get("times")]
     iter_ms = [max(ts[i] for ts in times) * 1e3 for i in range(len(times[0]))] if times else []
@@ -220,6 +221,7 @@ def compare(case: VerifyCase, ranks: List[dict]) -> dict:
         "forward_only": case.forward_only,
         "per_iteration": [{k: _finite(v) if isinstance(v, float) else v for k, v in row.items()} for row in per_iter],
         "problems": problems,
+        **aux,
         **_offload_report(ranks),
         "megatron_core": ranks[0].get("megatron_version"),
         "case": case.describe(),
@@ -234,6 +236,37 @@ def compare(case: VerifyCase, ranks: List[dict]) -> dict:
         },
     }
     return res
+
+
+def _compare_aux_losses(case: VerifyCase, ref: dict, ranks: List[dict], per_iter: List[dict],
+                        problems: List[str]) -> dict:
+    """MoE's auxiliary losses (megatron's layer-wise tracker): per iteration, name and global layer,
+    the sum over every pipelined rank against the reference's; a difference over ``loss_atol`` is a
+    problem. Returns ``{"max_abs_aux_loss_diff": ...}`` (empty when no side tracked any)."""
+    ref_aux = ref.get("aux_losses") or []
+    if not any(ref_aux) and not any(any(r.get("aux_losses") or []) for r in ranks):
+        return {}
+    worst = 0.0
+    for it in range(case.iterations):
+        got: Dict[tuple, float] = {}
+        for r in ranks:
+            per = r.get("aux_losses") or []
+            for name, layers in (per[it] if it < len(per) else {}).items():
+                for layer, v in layers.items():
+                    got[(name, int(layer))] = got.get((name, int(layer)), 0.0) + v
+        want = {(name, int(layer)): v for name, layers in (ref_aux[it] if it < len(ref_aux) else {}).items()
+                for layer, v in layers.items()}
+        it_max = 0.0
+        for key in sorted(set(got) | set(want)):
+            d = abs(got.get(key, 0.0) - want.get(key, 0.0))
+            if d > case.loss_atol * max(1.0, abs(want.get(key, 0.0))):
+                problems.append(f"iteration {it}: {key[0]} of layer {key[1]} is {got.get(key, 0.0):.6g}, the reference "
+                                f"{want.get(key, 0.0):.6g}")
+            it_max = max(it_max, d)
+        per_iter[it]["max_abs_aux_loss_diff"] = it_max
+        per_iter[it]["aux_losses"] = {f"{k[0]}/layer{k[1]}": v for k, v in sorted(got.items())}
+        worst = max(worst, it_max)
+    return {"max_abs_aux_loss_diff": worst}
 
 
 def _replica_mismatches(ranks: List[dict], case: "VerifyCase") -> List[tuple]:

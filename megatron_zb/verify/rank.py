@@ -33,8 +33,9 @@ def _run_reference(case: VerifyCase) -> dict:
     cfg = case.model_config()
     ref = M.build_reference_model(cfg, **reference_overrides(case))
     ref.config.finalize_model_grads_func = _reference_finalize
-    losses, grads, params, times = [], [], [], []
+    losses, grads, params, times, aux = [], [], [], [], []
     m = case.num_microbatches * case.data_parallel_size  # every data-parallel replica's microbatches
+    M.take_aux_losses()
     for it in range(case.iterations):
         set_status(f"reference: iteration {it}")
         M.zero_grads_([ref])
@@ -47,6 +48,7 @@ def _run_reference(case: VerifyCase) -> dict:
             forward_only=case.forward_only)
         times.append(time.perf_counter() - t0)
         losses.append(M.iteration_loss(out))
+        aux.append(M.take_aux_losses())
         if not case.forward_only:
             grads.append(M.collect_full_grads([ref]))
             if case.use_distributed_optimizer:
@@ -58,7 +60,7 @@ def _run_reference(case: VerifyCase) -> dict:
         else:
             grads.append({})
     del ref
-    return {"losses": losses, "grads": grads, "times": times}
+    return {"losses": losses, "grads": grads, "times": times, "aux_losses": aux}
 
 
 def rank_case(case: VerifyCase) -> dict:
@@ -90,13 +92,14 @@ def rank_case(case: VerifyCase) -> dict:
     # 2. the pipelined run
     set_status(f"[{tag}] pipelined: initialising parallel state (other ranks may still run the reference)")
     placement = _pl.make_placement(case.placement, case.pipeline_parallel_size, case.chunks)
-    M.init_parallel_state(case.tensor_parallel_size, case.pipeline_parallel_size, placement, seed=case.seed)
+    M.init_parallel_state(case.tensor_parallel_size, case.pipeline_parallel_size, placement, seed=case.seed,
+                          expert_model_parallel_size=case.expert_model_parallel_size)
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     cfg = case.model_config()
     handle = None
     try:
-        overrides = dict(case.config_overrides)
+        overrides = {**case.model_overrides(), **case.run_overrides(), **case.config_overrides}
         if case.schedule == "megatron-interleaved" and case.pipeline_parallel_size == 2:
             # megatron's batched p2p at PP=2 + VPP pairs the two same-peer sends ambiguously
             overrides.setdefault("overlap_p2p_comm", True)
@@ -121,7 +124,8 @@ def rank_case(case: VerifyCase) -> dict:
         holds_last = pp_rank == placement.loss_rank  # replicated stages: the loss rank gets every path's losses
         dp_rank = parallel_state.get_data_parallel_rank()
         keep_params = placement.replicated
-        losses, loss_parts, grads, params, times, offload = [], [], [], [], [], []
+        losses, loss_parts, grads, params, times, offload, aux = [], [], [], [], [], [], []
+        M.take_aux_losses()  # the reference's, or an earlier case's, are not this run's
         m = case.num_microbatches
         for it in range(case.iterations):
             set_status(f"[{tag}] pipelined: iteration {it} forward-backward")
@@ -137,6 +141,7 @@ def rank_case(case: VerifyCase) -> dict:
                      micro_batch_size=cfg.micro_batch_size, decoder_seq_length=cfg.seq_length,
                      forward_only=case.forward_only)
             times.append(time.perf_counter() - t0)
+            aux.append(M.take_aux_losses())  # summed over every rank (TP ranks hold shares under SP)
             stats = getattr(getattr(handle, "forward_backward", None), "offload_stats", None)
             if stats is not None:
                 offload.append(dict(stats))
@@ -165,7 +170,7 @@ def rank_case(case: VerifyCase) -> dict:
     reports = holds_last and tp_rank == 0
     return {"rank": rank, "pp_rank": pp_rank, "tp_rank": tp_rank, "dp_rank": dp_rank, "reference": reference,
             "losses": losses if reports else None, "loss_parts": loss_parts if reports else None,
-            "grads": grads, "params": params, "times": times,
+            "grads": grads, "params": params, "times": times, "aux_losses": aux,
             "wall_s": time.perf_counter() - t_start, "megatron_version": M.megatron_version(), "offload": offload,
             "stages": [i.stage for i in infos], "layers": [list(i.layers) for i in infos]}
 

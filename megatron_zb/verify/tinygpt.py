@@ -20,12 +20,12 @@ from ..core.ir import Placement, ScheduleError
 from ..megatron.local_spec import layer_spec
 from ..megatron.finalize import grad_of, mark_replica_copies
 from ..megatron.placement import (ChunkInfo, attach_layer_table, chunk_infos, deterministic_init_, embedding_ranks,
-                                  name_params, name_seed, unwrap)
+                                  is_expert_param, name_params, name_seed, unwrap)
 
 __all__ = [
     "TinyGPTConfig", "megatron_version", "init_parallel_state", "destroy_parallel_state",
     "make_transformer_config", "build_model_chunks", "build_reference_model", "wrap_ddp",
-    "collect_full_grads", "zero_grads_", "sgd_step_", "make_batches", "batch_iterators", "loss_func",
+    "collect_full_grads", "take_aux_losses", "zero_grads_", "sgd_step_", "make_batches", "batch_iterators", "loss_func",
     "forward_step_func", "iteration_loss", "iteration_loss_parts",
 ]
 
@@ -62,8 +62,9 @@ def megatron_version() -> str:
 
 
 def init_parallel_state(tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-                        placement: Optional[Placement] = None, seed: int = 1234) -> None:
-    """(Re)initialise megatron's ``parallel_state`` for TP x PP over the current world.
+                        placement: Optional[Placement] = None, seed: int = 1234,
+                        expert_model_parallel_size: int = 1) -> None:
+    """(Re)initialise megatron's ``parallel_state`` for TP x PP (x EP) over the current world.
 
     ``placement`` decides the virtual-pipeline size (its chunks per rank, None for 1) and the
     embedding group: for V placement the embedding and the output layer both live on pipeline
@@ -82,6 +83,7 @@ def init_parallel_state(tensor_parallel_size: int = 1, pipeline_parallel_size: i
     kwargs = dict(tensor_model_parallel_size=tensor_parallel_size,
                   pipeline_model_parallel_size=pipeline_parallel_size,
                   virtual_pipeline_model_parallel_size=(v if v > 1 else None),
+                  expert_model_parallel_size=expert_model_parallel_size,
                   create_gloo_process_groups=False)
     emb = embedding_ranks(placement)
     if emb is not None:
@@ -232,24 +234,46 @@ def collect_full_grads(chunks: Sequence[torch.nn.Module], *, gather_tp: bool = T
                        params: bool = False) -> Dict[str, List[torch.Tensor]]:
     """{global name: [full gradient of each copy on this rank]} (TP shards all-gathered).
 
-    Collective over the tensor-parallel group when TP > 1 (every TP rank must call it); only TP
-    rank 0 returns entries. With ``params=True`` the parameter values are collected instead.
+    Collective over the tensor-parallel group when TP > 1 (every TP rank must call it; expert
+    parameters gather over the expert tensor-parallel group); only TP rank 0 returns entries. With
+    ``params=True`` the parameter values are collected instead.
     """
     from megatron.core import parallel_state
-    tp = parallel_state.get_tensor_model_parallel_world_size()
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    group = parallel_state.get_tensor_model_parallel_group()
     out: Dict[str, List[torch.Tensor]] = {}
     for c in chunks:
         for _, p in unwrap(c).named_parameters():
             t = p.detach() if params else grad_of(p)
             t = torch.zeros_like(p) if t is None else t.detach()
-            if tp > 1 and gather_tp and getattr(p, "tensor_model_parallel", False):
-                parts = [torch.empty_like(t) for _ in range(tp)]
-                torch.distributed.all_gather(parts, t.contiguous(), group=group)
-                t = torch.cat(parts, dim=int(p.partition_dim))
+            if gather_tp and getattr(p, "tensor_model_parallel", False):
+                group = (parallel_state.get_expert_tensor_parallel_group() if is_expert_param(p)
+                         else parallel_state.get_tensor_model_parallel_group())
+                n = torch.distributed.get_world_size(group) if group is not None else 1
+                if n > 1:
+                    parts = [torch.empty_like(t) for _ in range(n)]
+                    torch.distributed.all_gather(parts, t.contiguous(), group=group)
+                    t = torch.cat(parts, dim=int(p.partition_dim))
             if tp_rank == 0:
                 out.setdefault(p.mzb_global_name, []).append(t.clone())
+    return out
+
+
+def take_aux_losses() -> Dict[str, Dict[int, float]]:
+    """MoE's auxiliary losses of the last forward-backward, {name: {global layer: summed value}},
+    as megatron's layer-wise tracker holds them on this rank (its microbatches, its layers); the
+    tracker is cleared. Empty without MoE."""
+    try:
+        from megatron.core.transformer.moe import moe_utils
+    except ImportError:  # pragma: no cover
+        return {}
+    tracker = moe_utils.get_moe_layer_wise_logging_tracker()
+    out: Dict[str, Dict[int, float]] = {}
+    for name, entry in tracker.items():
+        values = entry.get("values") if isinstance(entry, dict) else None
+        if values is None:
+            continue
+        out[name] = {i: float(v) for i, v in enumerate(values.detach().float().tolist()) if v != 0.0}
+    moe_utils.clear_aux_losses_tracker()
     return out
 
 
