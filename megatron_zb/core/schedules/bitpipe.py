@@ -17,8 +17,8 @@ authors' (their ``get_microbatch_idx`` / ``get_bkmicrobatch_idx``; our own code)
 streams of p/2 chunk passes per unit: its own direction's first-half chunk (``own0``; own: down on
 ranks r < p/2, up on the others), the other direction's first half (``oth0``) and both second
 halves (``oth1``, ``own1``). Forwards take stream A = own0 then oth1 and stream B = oth0 then own1:
-the first ``lead`` passes of A (lead = p/2 - r on the upper half of the ranks, r - p/2 + 1 on the
-lower: the own-direction forwards that reach the rank before the other direction's first one), then
+the first ``lead`` passes of A (lead = p/2 - r for r < p/2, r - p/2 + 1 for the others: the
+own-direction forwards that reach the rank before the other direction's first one), then
 one of B, one of A, in turn, then the rest of B. Backwards mirror it (A = own1 then oth0, B = oth1
 then own0). Units follow one another; each chunk runs its microbatches in order.
 
