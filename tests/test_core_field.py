@@ -178,7 +178,8 @@ def test_bitpipe_at_least_as_fast_as_the_authors(case, theirs, kept):
     p, m, f, b, w, comm = case
     st = Setting(p, m, cost_f=f, cost_b=b, cost_w=w, cost_comm=comm)
     sched = generate("bitpipe", st)
-    res = simulate(sched, Setting(**{**st.to_dict(), "chunks": 2}))
+    res = validate(sched, Setting(**{**st.to_dict(), "chunks": 2}))
+    check_pair_order(lower(sched, Setting(**{**st.to_dict(), "chunks": 2})))
     assert res.makespan <= theirs + 1e-6 and sched.meta["interleaving"] == kept
     assert max(res.peak_memory) <= p + 1e-9  # 1F1B's activation
     if kept == "fixed":
