@@ -42,6 +42,13 @@ def test_pp2_every_schedule_and_megatron_options(mcore_path, mcore_version):
     _check(V.run_verify_many(cases, timeout=900, mcore_path=mcore_path), mcore_version)
 
 
+def test_pp6_bitpipe_authors_order(mcore_path, mcore_version):
+    """From P=6 on, bitpipe runs the BitPipe authors' per-rank order (both directions alternating
+    after the warm-up): on real processes too."""
+    _check(V.run_verify_many([V.make_case("bitpipe", 6, num_microbatches=12, iterations=2)], timeout=900,
+                             mcore_path=mcore_path), mcore_version)
+
+
 def test_pp4_every_schedule(mcore_path, mcore_version):
     cases = [V.make_case(n, 4, num_microbatches=8 if get(n).chunks != 2 else 4, iterations=2) for n in names()]
     cases += [V.make_case("zb-h1", 4, num_microbatches=2, iterations=2, label="m<p"),
