@@ -52,6 +52,10 @@ def add_parser(sub) -> None:
                     help="optimizer states sharded over the data-parallel ranks (12 of the 18 bytes/parameter)")
     pn.add_argument("--no-flash-attention", action="store_true",
                     help="count the 5as attention-score activations (no flash attention)")
+    pn.add_argument("--activation-bytes", type=int, choices=(2, 4), default=2,
+                    help="bytes per activation element: 2 with --bf16/--fp16 (default), 4 for fp32 training")
+    pn.add_argument("--no-dropout", action="store_true",
+                    help="no dropout (--hidden-dropout 0 --attention-dropout 0): no masks, no dropout outputs kept")
     pn.add_argument("--pipeline-parallel-size", type=positive_int("--pipeline-parallel-size"), required=True,
                     help="pipeline ranks P (>= 2)")
     pn.add_argument("--num-microbatches", type=positive_int("--num-microbatches"), required=True,
@@ -98,7 +102,8 @@ def cmd_plan(args) -> int:
                        ffn_hidden_size=args.ffn_hidden_size, tensor_parallel_size=args.tensor_parallel_size,
                        sequence_parallel=args.sequence_parallel, data_parallel_size=args.data_parallel_size,
                        distributed_optimizer=args.use_distributed_optimizer,
-                       flash_attention=not args.no_flash_attention)
+                       flash_attention=not args.no_flash_attention, activation_bytes=args.activation_bytes,
+                       dropout=not args.no_dropout)
     tflops = args.peak_tflops if args.peak_tflops is not None else P.GPU_PEAK_TFLOPS[args.gpu]
     profile = P.load_profile(args.profile) if args.profile else None
     if args.offload_ratio is None and (args.offload_time is not None or args.host_link_gbps is not None):

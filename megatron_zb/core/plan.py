@@ -10,7 +10,8 @@ profiling on) or are estimated from FLOPs with the zero-bubble paper's per-layer
 and a GPU's dense peak times an efficiency. Activation memory is Megatron's per-layer formula:
 M_B = s b (34 h + 5 a s) / t bytes per layer (sequence parallel divides the 10 s b h of the
 LayerNorm/dropout part by t as well), of which M_W = 32 s b h / t is still held after B until W.
-The loss stage adds its fp32 logits (4 s b V / t), the embedding stage its output (2 s b h).
+The loss stage adds its fp32 softmax (4 s b V / t) and the final norm's input and output (4 s b h),
+the embedding stage its output (2 s b h).
 Model states: 18 bytes per parameter (bf16 weight, fp32 main grad, fp32 master weight and two
 Adam moments; the distributed optimizer divides the 12 optimizer bytes by the data-parallel size).
 Replicated stages (bitpipe) hold both replicas' weights: twice a 1F1B rank's model states.
@@ -50,6 +51,8 @@ class ModelSpec:
     data_parallel_size: int = 1
     distributed_optimizer: bool = False
     flash_attention: bool = True  # drops the 5 a s attention-score term
+    activation_bytes: int = 2  # bytes per activation element: 2 (bf16/fp16), 4 (fp32)
+    dropout: bool = True  # dropout keeps its masks (1 byte per element) and its outputs
 
     def validate(self):
         for k in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
@@ -57,6 +60,8 @@ class ModelSpec:
             v = getattr(self, k)
             if not isinstance(v, int) or v < 1:
                 raise ScheduleError(f"--{k.replace('_', '-')} must be an integer >= 1, got {v!r}")
+        if self.activation_bytes not in (1, 2, 4):
+            raise ScheduleError(f"--activation-bytes must be 1, 2 or 4, got {self.activation_bytes!r}")
         if self.hidden_size % self.num_attention_heads:
             raise ScheduleError(f"--hidden-size {self.hidden_size} is not divisible by "
                                 f"--num-attention-heads {self.num_attention_heads}")
@@ -87,14 +92,36 @@ class ModelSpec:
         return x, x, x
 
     def layer_activation_bytes(self):
+        """(M_B, M_W) of one layer per microbatch. Per token, in activation elements of ``e`` bytes:
+        the layer norms and the QKV and MLP inputs 4 h (replicated over TP unless sequence parallel),
+        attention 4 h, MLP 8 h (split over TP), the softmax output a s (twice with dropout: its
+        output too; not with flash attention); dropout's masks add 2 h + a s bytes. With e = 2 and
+        dropout this is Megatron's s b (34 h + 5 a s) / t; M_W (the linears' inputs and output
+        gradients, held from B until W) is 16 e h s b / t = 32 s b h / t."""
         b, s, h, a, t = self.micro_batch_size, self.seq_length, self.hidden_size, self.num_attention_heads, self.tensor_parallel_size
-        attn = 0 if self.flash_attention else 5 * a * s
-        if self.sequence_parallel:
-            m_b = s * b * (34 * h + attn) / t
-        else:
-            m_b = s * b * (10 * h + (24 * h + attn) / t)
-        m_w = 32 * s * b * h / t
+        e = self.activation_bytes
+        drop = self.dropout
+        scores = 0 if self.flash_attention else ((2 * e + 1) if drop else e) * a * s
+        rep = 4 * e * h + (2 * h if drop else 0)
+        split = 12 * e * h + scores
+        m_b = s * b * ((rep + split) / t if self.sequence_parallel else rep + split / t)
+        m_w = 16 * e * s * b * h / t
         return m_b, min(m_w, m_b)
+
+    def loss_activation_bytes(self):
+        """(M_B, M_W) the loss stage adds per microbatch: the fp32 softmax of the cross entropy
+        (4 s b V / t), the final norm's input and the output layer's input (2 e s b h; / t with
+        sequence parallelism); W keeps the output layer's input and output gradient (the logits'
+        gradient, e s b V / t: its weight gradient is deferred like any linear's)."""
+        b, s, h, v, t = self.micro_batch_size, self.seq_length, self.hidden_size, self.vocab_size, self.tensor_parallel_size
+        e = self.activation_bytes
+        norm = 2 * e * s * b * h / (t if self.sequence_parallel else 1)
+        m_b = 4.0 * s * b * v / t + norm
+        return m_b, min(m_b, e * s * b * (h + v) / t)
+
+    def embedding_activation_bytes(self):
+        """M_B the embedding stage adds per microbatch: its output (e s b h)."""
+        return float(self.activation_bytes * self.seq_length * self.micro_batch_size * self.hidden_size)
 
     def params_per_layer(self):
         h = self.hidden_size
@@ -117,6 +144,22 @@ def layer_split(num_layers: int, num_stages: int, pad_ends: bool = False) -> Lis
     if min(counts) < 0:
         raise ScheduleError(f"{num_layers} layers cannot fill {num_stages} stages")
     return counts
+
+
+def stage_activation_bytes(spec: ModelSpec, num_stages: int, pad_ends: bool = False) -> dict:
+    """{stage: (mem_f, mem_w)} in bytes per microbatch of every pipeline stage (chunk): its layers,
+    the embedding on stage 0, the loss on the last (what ``core.simulate.stage_memory_trace`` takes)."""
+    m_b, m_w = spec.layer_activation_bytes()
+    loss_f, loss_w = spec.loss_activation_bytes()
+    out = {}
+    for s, n in enumerate(layer_split(spec.num_layers, num_stages, pad_ends)):
+        f, w = n * m_b, n * m_w
+        if s == 0:
+            f += spec.embedding_activation_bytes()
+        if s == num_stages - 1:
+            f, w = f + loss_f, w + loss_w
+        out[s] = (f, min(f, w))
+    return out
 
 
 def stage_costs(spec: ModelSpec, p: int, v: int, placement_style: str, tflops: float, efficiency: float,
@@ -152,9 +195,10 @@ def stage_costs(spec: ModelSpec, p: int, v: int, placement_style: str, tflops: f
     cf[last] += of[0] / speed
     cb[last] += of[1] / speed
     cw[last] += of[2] / speed
-    mf[last] += 4.0 * sq * b * vv / t
-    mw[last] += 2.0 * sq * b * h / t
-    mf[first] += 2.0 * sq * b * h
+    loss_f, loss_w = spec.loss_activation_bytes()
+    mf[last] += loss_f
+    mw[last] += loss_w
+    mf[first] += spec.embedding_activation_bytes()
     params[first] += vv * h / t
     params[last] += vv * h / t if last != first else 0.0
     return cf, cb, cw, mf, mw, [spec.state_bytes(x) for x in params], counts
@@ -181,12 +225,12 @@ def _replicated_stage_costs(spec: ModelSpec, pl: Placement, tflops: float, effic
             cf[r] += of[0] / speed / k
             cb[r] += of[1] / speed / k
             cw[r] += of[2] / speed / k
-            mf[r] += 4.0 * sq * b * vv / t / k
-            mw[r] += 2.0 * sq * b * h / t / k
+            mf[r] += spec.loss_activation_bytes()[0] / k
+            mw[r] += spec.loss_activation_bytes()[1] / k
             if pl.rank_of(pl.path(pl.path_of(s))[0]) != r:
                 params[r] += vv * h / t
         if l == 0:
-            mf[r] += 2.0 * sq * b * h / k
+            mf[r] += spec.embedding_activation_bytes() / k
             params[r] += vv * h / t
     return cf, cb, cw, mf, mw, [spec.state_bytes(x) for x in params], counts
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 from .hostlink import HostLinks
-from .ir import B, BW, F, OFFLOAD_KINDS, W, Action, Schedule, ScheduleError, Setting, deps
+from .ir import B, BW, F, OFFLOAD, OFFLOAD_KINDS, OFFLOAD_W, RELOAD, RELOAD_W, W, Action, Schedule, ScheduleError, Setting, deps
 
 
 @dataclass
@@ -271,6 +271,21 @@ def memory_trace(order: List[Action], rank: int, setting: Setting) -> List[float
     for a in order:
         if a.is_compute:
             cur += setting.pass_mem(a.kind, rank)
+            out.append(cur)
+    return out
+
+
+def stage_memory_trace(order: List[Action], stage_mem: Dict[int, Tuple[float, float]]) -> List[float]:
+    """``memory_trace`` with each stage's own (mem_f, mem_w) per pass of one chunk, e.g. the bytes
+    a run measured: an F adds mem_f, a B releases mem_f - mem_w, a W mem_w, a BW mem_f; in order
+    (copies taken as done where they stand, as the CPU test mode runs them), an OFFLOAD releases a
+    microbatch's activation until its RELOAD, an OFFLOAD_W what W holds until its RELOAD_W. One
+    value after each compute pass."""
+    cur, out = 0.0, []
+    for a in order:
+        f, w = stage_mem.get(a.stage, (0.0, 0.0))
+        cur += {F: f, B: -(f - w), W: -w, BW: -f, OFFLOAD: -f, RELOAD: f, OFFLOAD_W: -w, RELOAD_W: w}.get(a.kind, 0.0)
+        if a.is_compute:
             out.append(cur)
     return out
 

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from ..core.build import Built, build
 from ..core.ir import F, Placement, Schedule, ScheduleError
 from ..runtime.executor import execute
+from ..runtime.memory import ActivationMeter, MemoryHook, measured_memory
 from ..runtime.offload import OffloadHook
 from ..runtime.p2p import P2P, PairGroups
 from ..runtime.postval import PostValidation, ValidationPoint, replayable
@@ -67,6 +68,7 @@ class _Call:
     progress: Any = None
     offload: Optional[OffloadHook] = None
     profiling: Any = None
+    memory: Optional[MemoryHook] = None
 
     @property
     def placement(self) -> Placement:
@@ -96,6 +98,7 @@ class ZeroBubbleForwardBackward:
         self.profile: Optional[dict] = None  # the gathered profile once the window has ended
         self.offload = None  # runtime.offload.OffloadManager, made at the first training call
         self.offload_stats: Optional[dict] = None  # the manager's counts of the last iteration
+        self.memory: Optional[dict] = None  # runtime.memory: the last measured training iteration
         self.offload_time_measured: Optional[dict] = None  # --auto-offload-time's measurement
         self.profiler = None
         if options.profile_window is not None:
@@ -277,17 +280,30 @@ class ZeroBubbleForwardBackward:
                 check_replicas_equal(models, pl.stages_of(me), pl, self.replica_groups(pp_ranks, pl))
                 self._replicas_checked = True
         queues = [self.queue(mod) for mod in models] if not forward_only else []
-        offload = profiling = None
+        offload = profiling = memory = None
         if not forward_only:
             offload = self._offload_hook(models, queues, pl, me)
             prof = self.profiler
-            if prof is not None and prof.in_window(self.iterations):
+            in_window = prof is not None and prof.in_window(self.iterations)
+            if self.options.measure_memory or in_window:
+                memory = self._memory_hook(models, queues, pl, me, offload)
+            if in_window:
                 prof.ignore_parameters(prm for mod in models for prm in mod.parameters())
-                profiling = prof.hook(device(), offload=offload.manager if offload is not None else None)
+                # the F's saved tensors are already captured (nested capture hooks hide each other)
+                source = offload.manager if offload is not None else memory.meter
+                profiling = prof.hook(device(), offload=source)
         iters = data_iterator if isinstance(data_iterator, list) else [data_iterator] * len(models)
         return _Call(forward_step_func, list(iters), models, m, forward_only, collect_non_loss_data, first_val_step,
                      config, sched, me, pp_group, pp_ranks, p2p, queues, shape,
-                     cp_group.size() if cp_group is not None else 1, prog, offload, profiling)
+                     cp_group.size() if cp_group is not None else 1, prog, offload, profiling, memory)
+
+    def _memory_hook(self, models, queues, pl: Placement, me: int, offload: Optional[OffloadHook]) -> MemoryHook:
+        meter = ActivationMeter()
+        meter.ignore(prm for mod in models for prm in mod.parameters())
+        chunk_of = {s: i for i, s in enumerate(pl.stages_of(me))}
+        dev = device()
+        return MemoryHook(meter, cuda=dev.type == "cuda", offload=offload.manager if offload is not None else None,
+                          w_tensors=lambda stage, mb: queues[chunk_of[stage]].held_tensors(mb))
 
     def _offload_hook(self, models, queues, pl: Placement, me: int) -> Optional[OffloadHook]:
         if self.options.offload_ratio is None:
@@ -312,7 +328,8 @@ class ZeroBubbleForwardBackward:
             replicas = (ReplicaGradSync(self.replica_groups(call.pp_ranks, pl), timeout_s=self.options.timeout_s)
                         if pl.replicated else None)
             sync = GradSync(call.config, call.models, chunk_of, pl, replicas)
-        hooks = [call.progress, sync, point, call.offload, call.profiling]  # offload's capture around the profiler's
+        # the profiler reads the captured bytes after the inner capture (memory around offload) finished
+        hooks = [call.progress, sync, point, call.profiling, call.memory, call.offload]
         pairs = {i: j for r, i, j in call.schedule.meta.get("overlap_pairs", ()) if r == me}
         try:
             completed = execute(call.schedule.orders[me], me, pl, passes.stage_passes(call.shape, self.options.overlap),
@@ -325,6 +342,8 @@ class ZeroBubbleForwardBackward:
                 q.assert_empty()
             else:
                 q.clear()
+        if call.memory is not None and completed:
+            self.memory = measured_memory(call.memory.result, call.schedule.orders[me])
         if call.offload is not None and completed:
             self.offload_stats = dict(call.offload.stats, offload_time=self.options.offload_time)
             prof = self.profiler

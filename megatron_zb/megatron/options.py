@@ -36,6 +36,10 @@ class ScheduleOptions:
     # with forward_only=False) and write the profile JSON to profile_path at the window's end
     profile_window: Optional[tuple] = None
     profile_path: Optional[str] = None
+    # runtime.memory: measure each rank's activation memory at every pass boundary of every training
+    # iteration (always inside a profile window); ``memory`` of the forward-backward object holds the
+    # last iteration's peak, measured and as the simulator predicts it from the measured mem-f / mem-w
+    measure_memory: bool = False
     # activation offload (docs/offload.md): offload_ratio R (0..1), or 'auto' (as little as fits
     # memory_limit); offload_time K, or 'auto' (measured at the first iteration: matmul speed and
     # host-link bandwidth); full-duplex copies unless offload_overlap is False; only the first

@@ -303,6 +303,17 @@ class OffloadManager:
                 total += st.nbytes()
         return total
 
+    def storages(self, key: Optional[Tuple[int, int]] = None) -> Dict[int, int]:
+        """{pointer: bytes} of the captured storages (or reloaded copies) alive on the device, of
+        one (stage, mb) or all (``runtime.memory`` measures with it)."""
+        refs = self._by_key.get(key, ()) if key is not None else [r for r, _ in self._live.values()]
+        out = {}
+        for ref in refs:
+            st = ref()
+            if st is not None and st.data_ptr():
+                out[st.data_ptr()] = st.nbytes()
+        return out
+
     def resident_bytes(self) -> int:
         total = 0
         for ptr, (ref, n) in list(self._live.items()):

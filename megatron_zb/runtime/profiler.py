@@ -178,13 +178,14 @@ class PassProfiler:
     # -- the executor hook of one window iteration ---------------------------------------------
     def hook(self, device, offload=None) -> Hook:
         """The hook (``runtime.hooks``) that records this iteration on ``device``. ``offload``:
-        the rank's offload manager, if activation offload runs (its captures hide ours on a CPU,
-        so its own count of the captured bytes is taken)."""
+        whatever already captures each F's saved tensors on a CPU (the rank's offload manager, or
+        the activation meter of ``runtime.memory``): nested capture hooks hide each other, so its
+        counts (``last_captured_bytes``, ``alive_bytes(stage, mb)``) are taken."""
         dev = torch.device(device) if not isinstance(device, torch.device) else device
         cuda = dev.type == "cuda" and torch.cuda.is_available()
         self.device_type = "cuda" if cuda else "cpu"
         self.mem_method = ("cuda.memory_allocated" if cuda else "saved_tensors_hooks" if offload is None
-                           else "offload manager (saved_tensors_hooks)")
+                           else f"saved_tensors_hooks ({type(offload).__name__})")
         self._t_iter = time.perf_counter()
         return _ProfileHook(self, cuda, offload)
 

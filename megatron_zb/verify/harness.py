@@ -222,6 +222,7 @@ def compare(case: VerifyCase, ranks: List[dict]) -> dict:
         "per_iteration": [{k: _finite(v) if isinstance(v, float) else v for k, v in row.items()} for row in per_iter],
         "problems": problems,
         **aux,
+        **_memory_report(ranks),
         **_offload_report(ranks),
         "megatron_core": ranks[0].get("megatron_version"),
         "case": case.describe(),
@@ -288,6 +289,20 @@ def _replica_mismatches(ranks: List[dict], case: "VerifyCase") -> List[tuple]:
 def _equal(a, b) -> bool:
     import torch
     return a.shape == b.shape and bool(torch.equal(a, b))
+
+
+def _memory_report(ranks: List[dict]) -> dict:
+    """Per pipeline rank (its first tensor- and data-parallel rank): the activation peak measured in
+    the last iteration and the simulator's for the same order with that run's measured mem-f/mem-w
+    (``runtime.memory``); empty where nothing was measured (Megatron's own schedules)."""
+    mine = sorted((r["pp_rank"], r["memory"]) for r in ranks
+                  if r.get("memory") and r.get("tp_rank", 0) == 0 and r.get("dp_rank", 0) == 0)
+    if not mine:
+        return {}
+    return {"peak_activation_bytes_measured": [m["measured_peak_bytes"] for _, m in mine],
+            "peak_activation_bytes_predicted": [m["predicted_peak_bytes"] for _, m in mine],
+            "memory": [{"pp_rank": p, **{k: v for k, v in m.items() if k != "trace"}} for p, m in mine],
+            "memory_traces": [m["trace"] for _, m in mine]}
 
 
 def _offload_report(ranks: List[dict]) -> dict:

@@ -125,6 +125,7 @@ def rank_case(case: VerifyCase) -> dict:
         dp_rank = parallel_state.get_data_parallel_rank()
         keep_params = placement.replicated
         losses, loss_parts, grads, params, times, offload, aux = [], [], [], [], [], [], []
+        memory = None  # the last iteration's measured and predicted activation peak
         M.take_aux_losses()  # the reference's, or an earlier case's, are not this run's
         m = case.num_microbatches
         for it in range(case.iterations):
@@ -142,7 +143,10 @@ def rank_case(case: VerifyCase) -> dict:
                      forward_only=case.forward_only)
             times.append(time.perf_counter() - t0)
             aux.append(M.take_aux_losses())  # summed over every rank (TP ranks hold shares under SP)
-            stats = getattr(getattr(handle, "forward_backward", None), "offload_stats", None)
+            fbo = getattr(handle, "forward_backward", None)
+            if getattr(fbo, "memory", None) is not None:
+                memory = fbo.memory
+            stats = getattr(fbo, "offload_stats", None)
             if stats is not None:
                 offload.append(dict(stats))
             if holds_last and tp_rank == 0:
@@ -170,7 +174,7 @@ def rank_case(case: VerifyCase) -> dict:
     reports = holds_last and tp_rank == 0
     return {"rank": rank, "pp_rank": pp_rank, "tp_rank": tp_rank, "dp_rank": dp_rank, "reference": reference,
             "losses": losses if reports else None, "loss_parts": loss_parts if reports else None,
-            "grads": grads, "params": params, "times": times, "aux_losses": aux,
+            "grads": grads, "params": params, "times": times, "aux_losses": aux, "memory": memory,
             "wall_s": time.perf_counter() - t_start, "megatron_version": M.megatron_version(), "offload": offload,
             "stages": [i.stage for i in infos], "layers": [list(i.layers) for i in infos]}
 
@@ -215,6 +219,7 @@ def install_case(case: VerifyCase, **extra):
         raise RuntimeError(f"schedule {case.schedule!r} needs megatron_zb.megatron.install, which is not "
                            f"available ({e}); the pseudo-schedules {', '.join(PSEUDO_SCHEDULES)} work without it")
     kw = dict(case.schedule_options)
+    kw.setdefault("measure_memory", True)  # runtime.memory: verify reports measured vs predicted peaks
     if case.offload_ratio is not None:
         kw.update(offload_ratio=case.offload_ratio, offload_time=case.offload_time,
                   offload_overlap=not case.offload_half_duplex, offload_cpu_test=True)

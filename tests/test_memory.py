@@ -1,0 +1,76 @@
+"""Memory as measured (``runtime.memory``): each rank's activation bytes at every pass boundary of a
+real run, against the simulator's prediction from the run's measured mem-f / mem-w and against
+plan's formula for the same model."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_zb.core.ir import Action
+from megatron_zb.core.plan import ModelSpec, stage_activation_bytes
+from megatron_zb.core.simulate import stage_memory_trace
+from megatron_zb.runtime.memory import ActivationMeter
+
+
+def test_stage_memory_trace_follows_passes_and_copies():
+    order = [Action("F", 0, 0), Action("F", 0, 1), Action("OFFLOAD", 0, 0), Action("B", 0, 1),
+             Action("RELOAD", 0, 0), Action("B", 0, 0), Action("W", 0, 1), Action("W", 0, 0)]
+    assert stage_memory_trace(order, {0: (10.0, 4.0)}) == [10.0, 20.0, 4.0, 8.0, 4.0, 0.0]
+
+
+def test_meter_counts_saved_activations_not_weights_until_they_are_freed():
+    lin = torch.nn.Linear(64, 64)
+    meter = ActivationMeter()
+    meter.ignore(lin.parameters())
+    x = torch.randn(32, 64, requires_grad=True)
+    with meter.capture(0, 0, inputs=(x,)):
+        y = torch.relu(lin(x))  # saves x (the linear's input) and y (relu's output); not the weight
+    assert meter.last_captured_bytes == 2 * 32 * 64 * 4
+    assert meter.alive_bytes(0, 0) == meter.last_captured_bytes
+    held = torch.randn(32, 64)
+    meter.hold(0, 0, [held])
+    y.sum().backward()
+    del y
+    assert meter.alive_bytes(0, 0) == 2 * 32 * 64 * 4  # x (kept by the caller) and what W holds
+    del held
+    assert meter.alive_bytes(0, 0) == 32 * 64 * 4
+    del x
+    assert sum(meter.storages().values()) == 0
+
+
+@pytest.mark.megatron
+@pytest.mark.dist
+def test_measured_peaks_match_the_simulator_and_plan(mcore_path, mcore_version):
+    """PP=4, M=8: every rank's measured activation peak within 10% of the simulator's (measured
+    mem-f/mem-w) and within 25% of plan's formula (benchmarks/bench_memory.py has the whole table)."""
+    from megatron_zb import verify as V
+    from megatron_zb.core.build import build
+    from megatron_zb.megatron.options import ScheduleOptions
+    runs = [("1f1b", {}), ("zb-h1", {}), ("zb-v", {}), ("v-half", {}), ("interleaved-1f1b", {}),
+            ("dualpipe-v", {}), ("zb-v", {"offload_ratio": 1.0})]
+    cases = [V.make_case(n, 4, num_microbatches=8, iterations=2, config_overrides={"deallocate_pipeline_outputs": True},
+                         **kw) for n, kw in runs]
+    for case, r in zip(cases, V.run_verify_many(cases, timeout=900, mcore_path=mcore_path)):
+        assert r["passed"], (r["case"], r.get("error") or r.get("problems"))
+        meas, pred = r["peak_activation_bytes_measured"], r["peak_activation_bytes_predicted"]
+        assert len(meas) == 4 and all(m > 0 for m in meas), r["case"]
+        for rank, (m, p) in enumerate(zip(meas, pred)):
+            assert abs(p / m - 1) <= 0.10, (r["case"], rank, m, p)
+        cfg = case.model_config()
+        spec = ModelSpec(num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
+                         num_attention_heads=cfg.num_attention_heads, seq_length=cfg.seq_length,
+                         micro_batch_size=cfg.micro_batch_size, vocab_size=cfg.vocab_size, flash_attention=False,
+                         activation_bytes=4, dropout=False)
+        formula = stage_activation_bytes(spec, 4 * case.chunks)
+        opts = ScheduleOptions(case.schedule, case.chunks, None, **({"offload_ratio": 1.0, "offload_time": 0.25}
+                                                                     if case.offload_ratio is not None else {}))
+        orders = build(opts.request().replace(chunks=case.chunks if opts.spec.chunks is None else None), 4, 8) \
+            .lowered(False).orders
+        for rank, (m, order) in enumerate(zip(meas, orders)):
+            plan_peak = max(stage_memory_trace(order, formula))
+            assert abs(plan_peak / m - 1) <= 0.25, (r["case"], rank, m, plan_peak)
+        with_offload = r["peak_activation_bytes_measured"]
+        if case.offload_ratio is not None:  # offloading everything: well under zb-v's own peak
+            assert max(with_offload) < 0.5 * max(meas_zbv)
+        elif case.schedule == "zb-v":
+            meas_zbv = meas
