@@ -101,9 +101,13 @@ def _default_title(result: SimResult, time_unit: str = "ms") -> str:
 # picture
 
 
-def plot_timeline(result: SimResult, path: str, title: Optional[str] = None, time_unit: str = "ms") -> None:
+def plot_timeline(result: SimResult, path: str, title: Optional[str] = None, time_unit: str = "ms",
+                  memory: Optional[List[List[dict]]] = None) -> None:
     """Draw ``result`` as a timeline picture; the format (.png or .svg) follows ``path``.
-    ``time_unit``: the unit of the result's times (the axis shows ms for "s" and "ms")."""
+    ``time_unit``: the unit of the result's times (the axis shows ms for "s" and "ms").
+    ``memory``: per rank, a run's measured activation trace (``runtime.memory``: one
+    ``{"pass": "F3.0", "bytes": ..., "predicted": ...}`` per pass): drawn under the timeline, each
+    value at the end of its pass on this timeline, the prediction dashed."""
     ext = os.path.splitext(path)[1].lower()
     if ext not in PICTURE_EXTENSIONS:
         raise ValueError(f"plot_timeline writes {', '.join(PICTURE_EXTENSIONS)} files, got {path!r}")
@@ -132,11 +136,13 @@ def plot_timeline(result: SimResult, path: str, title: Optional[str] = None, tim
     width_in = min(32.0, max(10.0, 8.0 + per_rank / 30.0))
     row_in = 0.42 if nranks <= 16 else 0.3
     bottom_in, top_in = 0.6, 0.45
-    height_in = max(2.0, bottom_in + top_in + row_in * nranks)
+    mem_in = 2.0 if memory else 0.0  # the memory panel under the timeline
+    height_in = max(2.0, bottom_in + top_in + row_in * nranks) + mem_in
     dpi = 110
     fig = Figure(figsize=(width_in, height_in), dpi=dpi)
     FigureCanvasAgg(fig)
-    ax = fig.add_axes((0.06, bottom_in / height_in, 0.80, 1.0 - (bottom_in + top_in) / height_in))
+    ax = fig.add_axes((0.06, (bottom_in + mem_in) / height_in, 0.80,
+                       1.0 - (bottom_in + top_in + mem_in) / height_in))
 
     transfers = _transfers(result)
     bar_h = 0.8 if not transfers else 0.56
@@ -218,7 +224,38 @@ def plot_timeline(result: SimResult, path: str, title: Optional[str] = None, tim
     if handles:
         ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0),
                   fontsize=8, frameon=False, borderaxespad=0.0)
+    if memory:
+        mx = fig.add_axes((0.06, 0.45 / height_in, 0.80, (mem_in - 0.55) / height_in))
+        _draw_memory(mx, result, memory, (t0, t1))
+        ax.set_xlabel("")
+        mx.set_xlabel(f"time ({shown})")
     fig.savefig(path, format=ext[1:])
+
+
+def _draw_memory(mx, result: SimResult, memory: List[List[dict]], xlim) -> None:
+    """Each rank's measured activation MiB after each of its passes, placed at that pass's end on
+    the simulated timeline (steps), and the simulator's prediction dashed."""
+    import matplotlib.colors as mcolors
+    palette = list(mcolors.TABLEAU_COLORS.values())
+    for r, (tl, trace) in enumerate(zip(result.timeline, memory)):
+        ends = {f"{t.action.kind}{t.action.stage}.{t.action.mb}": t.end for t in tl if t.action.is_compute}
+        pts = [(ends[row["pass"]], row["bytes"] / 2**20, row.get("predicted", 0) / 2**20)
+               for row in trace if row.get("pass") in ends]
+        if not pts:
+            continue
+        pts.sort()
+        xs = [xlim[0]] + [x for x, _, _ in pts]
+        color = palette[r % len(palette)]
+        mx.step(xs, [0.0] + [m for _, m, _ in pts], where="post", color=color, linewidth=1.0, label=f"rank {r}")
+        mx.step(xs, [0.0] + [p for _, _, p in pts], where="post", color=color, linewidth=0.8, linestyle="--")
+    mx.set_xlim(*xlim)
+    mx.set_ylabel("activations (MiB)", fontsize=8)
+    mx.tick_params(labelsize=7)
+    mx.grid(color="#dddddd", linewidth=0.5)
+    for side in ("top", "right"):
+        mx.spines[side].set_visible(False)
+    mx.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, frameon=False,
+              title="dashed: predicted", title_fontsize=7)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -300,12 +337,14 @@ def write_chrome_trace(result: SimResult, path: str, time_unit: str = "ms") -> N
 # ---------------------------------------------------------------------------------------------
 
 
-def save(result: SimResult, path: str, title: Optional[str] = None, time_unit: str = "ms") -> None:
-    """Write ``result`` to ``path``: .png/.svg -> timeline picture, .json -> Chrome trace.
-    ``time_unit``: the unit of the result's times ("ms", "s" or "us")."""
+def save(result: SimResult, path: str, title: Optional[str] = None, time_unit: str = "ms",
+         memory: Optional[List[List[dict]]] = None) -> None:
+    """Write ``result`` to ``path``: .png/.svg -> timeline picture (with ``memory``: the measured
+    activation curve under it), .json -> Chrome trace. ``time_unit``: the unit of the result's times
+    ("ms", "s" or "us")."""
     ext = os.path.splitext(path)[1].lower()
     if ext in PICTURE_EXTENSIONS:
-        plot_timeline(result, path, title=title, time_unit=time_unit)
+        plot_timeline(result, path, title=title, time_unit=time_unit, memory=memory)
     elif ext in TRACE_EXTENSIONS:
         write_chrome_trace(result, path, time_unit=time_unit)
     else:

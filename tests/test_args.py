@@ -42,6 +42,11 @@ def _megatron_like(parser):
     parser.add_argument("--defer-embedding-wgrad-compute", action="store_true")
     parser.add_argument("--cuda-graph-impl", default="none")
     parser.add_argument("--save", default=None)
+    parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--fp16", action="store_true")
+    parser.add_argument("--hidden-dropout", type=float, default=0.1)
+    parser.add_argument("--attention-dropout", type=float, default=0.1)
+    parser.add_argument("--vocab-size", type=int, default=None)
     return parser
 
 
@@ -103,15 +108,23 @@ def test_unknown_schedule_fails_at_parse_with_the_known_list(capsys):
         assert name in err
 
 
-def test_memory_limit_microbatches_and_gb():
+def test_memory_limit_microbatches_and_gb(monkeypatch):
+    import megatron_zb.megatron.flags as flags
+    monkeypatch.setattr(flags, "_fused_attention", lambda args: True)  # as where TE is installed
     _, kw = validate(BASE + " --zero-bubble-schedule zb-auto --zero-bubble-memory-limit 6")
-    assert kw["memory_limit"] == 6
-    args, kw = validate(BASE + " --zero-bubble-schedule zb-auto --zero-bubble-memory-limit 20GB")
-    # 4 layers per rank x s b (34 h + 5 a s) bytes; TE -> flash attention drops the 5 a s term
-    per_mb = 4 * 2048 * 1 * 34 * 1024
+    assert kw["memory_limit"] == 6 and "mem_w" not in kw
+    args, kw = validate(BASE + " --bf16 --vocab-size 32000 --zero-bubble-schedule zb-auto --zero-bubble-memory-limit 20GB")
+    # bf16: 4 layers per rank x s b (34 h + 5 a s) bytes (TE: flash attention drops the 5 a s term),
+    # plus the embedding's output (2 s b h) and the loss stage's softmax and final norm (4 s b V + 4 s b h)
+    s, h, v = 2048, 1024, 32000
+    per_mb = 4 * s * 34 * h + 2 * s * h + 4 * s * v + 4 * s * h
     assert kw["memory_limit"] == pytest.approx(20e9 / per_mb)
-    args, kw = validate(BASE + " --transformer-impl local --zero-bubble-schedule zb-auto --zero-bubble-memory-limit 4GiB")
-    per_mb = 4 * 2048 * (10 * 1024 + 24 * 1024 + 5 * 16 * 2048)  # local: scores stored, no SP
+    assert kw["mem_w"] == pytest.approx(32 / 34)  # a byte budget: W's share from the same model
+    monkeypatch.undo()  # TE is not installed here: the local implementation keeps the attention scores
+    args, kw = validate(BASE + " --hidden-dropout 0 --attention-dropout 0 --vocab-size 32000"
+                        " --zero-bubble-schedule zb-auto --zero-bubble-memory-limit 4GiB")
+    # fp32 (no --bf16), no dropout, local: scores stored (4 a s bytes), no SP: 16 e h + 4 a s per token
+    per_mb = 4 * s * (64 * h + 4 * 16 * s) + 4 * s * h + 4 * s * v + 8 * s * h
     assert kw["memory_limit"] == pytest.approx(4 * 2 ** 30 / per_mb)
     assert memory_limit_in_microbatches(1, args, gib=True) == pytest.approx(2 ** 30 / per_mb)
     with pytest.raises(ZeroBubbleArgumentError, match="holds 0.0.* microbatches"):

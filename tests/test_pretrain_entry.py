@@ -9,10 +9,12 @@ Also the NumPy stand-in for megatron's compiled dataset helpers, against a line-
 transcription of the C++ loops.
 """
 import importlib.util
+import json
 import os
 import re
 import subprocess
 import sys
+import tempfile
 
 import numpy as np
 import pytest
@@ -319,3 +321,30 @@ def test_numpy_blending_indices_match_the_cpp_loops():
     assert np.bincount(di, minlength=3).tolist() == [3, 5, 2]
     for d in range(3):
         assert dsi[di == d].tolist() == list(range(sizes[d]))
+
+
+@pytest.mark.megatron
+@pytest.mark.dist
+@needs_training
+@pytest.mark.parametrize("schedule,limit_gib,extra", [
+    # about 1.9 microbatches of the tiny GPT's stage (one is 0.66 MB by plan's formula)
+    ("zb-auto", 0.0012, ""), ("v-auto", 0.0012, ""),
+    # zb-v peaks at 2 microbatches; 1.97 of them fit only with part of the activations offloaded
+    ("zb-v", 0.00123, "--zero-bubble-offload-ratio auto --zero-bubble-offload-cpu-test")])
+def test_a_memory_limit_in_gib_holds_as_measured(schedule, limit_gib, extra):
+    """--zero-bubble-memory-limit in GiB: every rank's activation peak, as measured in the profile
+    window (runtime.memory), is at most that; the measurement is in the profile JSON too."""
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "profile.json")
+        rc, text = run_script(SCHEDULE=schedule, PP=2, ITERS=3, PREFLIGHT=0,  # the window ends the run
+                              EXTRA_ARGS=f"--zero-bubble-memory-limit {limit_gib}GiB --zero-bubble-profile-window 2 3 "
+                                         f"--zero-bubble-profile-path {path} {extra}")
+        assert rc == 0, text[-4000:]
+        peaks = {int(r): float(m) for r, m in
+                 re.findall(r"pipeline rank (\d+): activations peak ([0-9.]+) MiB measured", text)}
+        assert sorted(peaks) == [0, 1], text[-3000:]
+        assert all(0 < m <= limit_gib * 1024 for m in peaks.values()), peaks
+        with open(path) as f:
+            prof = json.load(f)
+    assert all(0 < b <= limit_gib * 2 ** 30 for b in prof["peak_activation_bytes_measured"]), prof
+    assert len(prof["peak_activation_bytes_predicted"]) == 2 and len(prof["memory_traces"]) == 2

@@ -37,8 +37,34 @@ def add_parsers(sub) -> None:
                          "microsecond timestamps follow it")
     pl.add_argument("--iterations", type=_plot_iterations, default=1,
                     help="draw 1 to 3 training iterations back to back (the optimizer barrier shows)")
+    pl.add_argument("--memory", metavar="JSON",
+                    help="draw a run's measured activation memory under the timeline: a profile JSON written with "
+                         "--zero-bubble-profile-window, or the output of verify --json (their memory_traces)")
     add_post_validation_arg(pl, "draw the iterations")
     pl.set_defaults(func=cmd_plot)
+
+
+def _memory_traces(path: str):
+    """The per-rank measured activation traces of a profile JSON or of verify --json's output."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError as e:
+        raise UsageError(f"--memory {path!r}: cannot read it ({e.strerror})") from None
+    data = None
+    for chunk in (text, text.strip().splitlines()[-1] if text.strip() else ""):  # verify prints JSON last
+        try:
+            data = json.loads(chunk)
+            break
+        except ValueError:
+            continue
+    traces = data.get("memory_traces") if isinstance(data, dict) else None
+    if not (isinstance(traces, list) and traces and all(isinstance(t, list) for t in traces)
+            and all(isinstance(row, dict) and isinstance(row.get("pass"), str)
+                    and isinstance(row.get("bytes"), (int, float)) for t in traces for row in t)):
+        raise UsageError(f"--memory {path!r}: no measured memory traces in it (memory_traces: written by a profile "
+                         "window or verify --json)")
+    return traces
 
 
 def _plot_iterations(text):
@@ -188,8 +214,12 @@ def cmd_plot(args) -> int:
         if os.path.splitext(path)[1].lower() not in (".png", ".svg", ".json"):
             raise UsageError(f"--out {path!r}: use .png, .svg (picture) or .json (Chrome trace / Perfetto)")
         writable("--out", path)
+    memory = _memory_traces(args.memory) if args.memory else None
     built = build_from_args(args)
     sched, setting = built.schedule, built.setting
+    if memory is not None and len(memory) != setting.stages:
+        raise UsageError(f"--memory {args.memory!r} has traces of {len(memory)} pipeline rank(s); the schedule has "
+                         f"{setting.stages}")
     title = None
     if args.iterations > 1:
         res = back_to_back(sched, setting, args.iterations, args.cost_optimizer, args.optimizer_post_validation)
@@ -202,7 +232,7 @@ def cmd_plot(args) -> int:
         res = built.result
     for path in args.out:
         try:
-            plot.save(res, path, title=title, time_unit=args.time_unit)
+            plot.save(res, path, title=title, time_unit=args.time_unit, memory=memory)
         except OSError as e:
             raise UsageError(f"--out {path!r}: cannot write it ({e.strerror})") from None
         print(f"wrote {path}")

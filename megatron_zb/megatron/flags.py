@@ -19,7 +19,7 @@ from ..core.ir import ScheduleError
 from .args import DEFAULT_TIMEOUT_S, FORK_TIMERS_DEFAULT, NOT_AVAILABLE_FLAGS, WHAT_INSTEAD
 from .errors import ZeroBubbleArgumentError
 
-__all__ = ["validate_zero_bubble_args", "memory_limit_in_microbatches", "ZeroBubbleArgumentError"]
+__all__ = ["validate_zero_bubble_args", "memory_limit_in_microbatches", "mem_w_ratio", "ZeroBubbleArgumentError"]
 
 
 def _resolve_schedule(args) -> Optional[str]:
@@ -54,27 +54,51 @@ def _resolve_schedule(args) -> Optional[str]:
     return name
 
 
+def _fused_attention(args) -> bool:
+    """Transformer Engine's fused attention (no attention scores kept) — where TE is installed: without
+    it the machine adjustments run Megatron's local implementation, which keeps them."""
+    import importlib.util
+    return getattr(args, "transformer_impl", "local") == "transformer_engine" and \
+        importlib.util.find_spec("transformer_engine") is not None
+
+
+def _activation_spec(args):
+    """plan's model of the run's activations (``core.plan.ModelSpec``) from Megatron's arguments."""
+    from ..core.plan import ModelSpec
+    drop = any(float(getattr(args, k, 0.1) if getattr(args, k, None) is not None else 0.1) > 0
+               for k in ("hidden_dropout", "attention_dropout"))
+    return ModelSpec(num_layers=int(args.num_layers), hidden_size=int(args.hidden_size),
+                     num_attention_heads=int(args.num_attention_heads), seq_length=int(args.seq_length),
+                     micro_batch_size=int(getattr(args, "micro_batch_size", 1) or 1),
+                     vocab_size=int(getattr(args, "padded_vocab_size", None) or getattr(args, "vocab_size", None) or 32000),
+                     tensor_parallel_size=int(getattr(args, "tensor_model_parallel_size", 1) or 1),
+                     sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
+                     flash_attention=_fused_attention(args),
+                     activation_bytes=2 if (getattr(args, "bf16", False) or getattr(args, "fp16", False)) else 4,
+                     dropout=drop)
+
+
 def memory_limit_in_microbatches(gigabytes: float, args, *, gib: bool = False) -> float:
     """Convert a per-rank activation budget in GB into microbatches of one stage's activation.
 
-    One microbatch's activation on a rank = (layers on the rank) x M_B, with Megatron's per-layer
-    formula M_B = s b (34 h + 5 a s) / t bytes (sequence parallel; without it the 10 s b h
-    LayerNorm/dropout part is not divided by t; the 5 a s attention-score term is dropped with
-    Transformer Engine, whose fused attention does not store the scores). Embedding and loss
-    buffers are not counted: leave some headroom.
+    One microbatch's activation on a rank = (layers on the rank) x M_B plus, to be safe on every
+    rank, the embedding's output and the loss stage's buffers (``core.plan.ModelSpec``: Megatron's
+    per-layer formula, here with the run's element size (bf16/fp16 or fp32), dropout or not, and no
+    attention scores with Transformer Engine's fused attention), so a rank holding fewer never goes
+    over the budget when the schedule keeps to its microbatches.
     """
-    from ..core.plan import ModelSpec
+    spec = _activation_spec(args)
     p = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
-    spec = ModelSpec(num_layers=int(args.num_layers), hidden_size=int(args.hidden_size),
-                     num_attention_heads=int(args.num_attention_heads), seq_length=int(args.seq_length),
-                     micro_batch_size=int(getattr(args, "micro_batch_size", 1) or 1),
-                     tensor_parallel_size=int(getattr(args, "tensor_model_parallel_size", 1) or 1),
-                     sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
-                     flash_attention=getattr(args, "transformer_impl", "local") == "transformer_engine")
     m_b, _ = spec.layer_activation_bytes()
-    per_microbatch = m_b * spec.num_layers / p
+    per_microbatch = m_b * spec.num_layers / p + spec.embedding_activation_bytes() + spec.loss_activation_bytes()[0]
     budget = gigabytes * (2 ** 30 if gib else 1e9)
     return budget / per_microbatch
+
+
+def mem_w_ratio(args) -> float:
+    """What W keeps of a microbatch's activation (M_W / M_B of one layer), from the same model."""
+    m_b, m_w = _activation_spec(args).layer_activation_bytes()
+    return min(1.0, m_w / m_b) if m_b > 0 else 0.5
 
 
 def _given(args, dest, default=None):
@@ -283,6 +307,8 @@ def validate_zero_bubble_args(args, *, before_megatron_validation: Optional[bool
         v = getattr(args, f"zero_bubble_{opt}", None)
         if v is not None:
             kwargs[opt] = v
+    if ours is not None and ours[1] != "microbatches" and "mem_w" not in kwargs:
+        kwargs["mem_w"] = mem_w_ratio(args)  # a byte budget: W's share from the same model, not 0.5
     if window is not None:
         kwargs["profile_window"] = window
         path = getattr(args, "zero_bubble_profile_path", None)

@@ -363,12 +363,14 @@ class ZeroBubbleForwardBackward:
         prof = self.profiler
         if prof is None or forward_only or not prof.in_window(self.iterations):
             return
+        prof.memory = self.memory
         profile = prof.end_iteration(self.iterations, placement=call.placement,
                                      num_microbatches=call.num_microbatches, rank=call.me, group=call.pp_group,
                                      p2p=call.p2p, shape=call.shape, dtype=call.config.pipeline_dtype,
                                      device=device(), schedule=self.options.schedule)
         if profile is not None:
             self.profile = profile
+            _say_memory(call.me, self.memory)
             if auto_replans(self.options.schedule):
                 self.replan_from(profile)
 
@@ -432,3 +434,15 @@ def _say_fused(chunk_module, name: str) -> None:
     if parallel_state.get_data_parallel_rank() == 0 and parallel_state.get_tensor_model_parallel_rank() == 0:
         print(f"megatron-zb: pipeline rank {parallel_state.get_pipeline_model_parallel_rank()} {name}: weight "
               f"gradients computed in B, not deferred to W: {', '.join(fused)}", flush=True)
+
+
+def _say_memory(pp_rank: int, memory: Optional[dict]) -> None:
+    """At the end of the profile window, one line per pipeline rank (on its first data- and
+    tensor-parallel rank): its activation peak as measured and as the simulator predicts it."""
+    from megatron.core import parallel_state
+    if memory is None or parallel_state.get_data_parallel_rank() != 0 \
+            or parallel_state.get_tensor_model_parallel_rank() != 0:
+        return
+    m, p = memory["measured_peak_bytes"], memory["predicted_peak_bytes"]
+    print(f"megatron-zb: pipeline rank {pp_rank}: activations peak {m / 2**20:.3f} MiB measured, {p / 2**20:.3f} MiB "
+          f"predicted ({100 * (m / p - 1) if p else 0.0:+.1f}%; {memory['method']})", flush=True)

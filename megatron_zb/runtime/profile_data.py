@@ -147,7 +147,20 @@ def build_profile(rank_stats: Sequence[dict], *, schedule: Optional[str], placem
         "samples": counts,
         "per_chunk": per_chunk,
         **_offload_section(by_rank, p),
+        **_memory_section(by_rank, p),
     }
+
+
+def _memory_section(by_rank: Dict[int, dict], p: int) -> dict:
+    """Per rank, the activation peak measured in the window's last iteration and the simulator's for
+    the same order from the measured per-stage bytes (``runtime.memory``), and their traces."""
+    mem = [by_rank[r].get("memory") for r in range(p)]
+    if not all(mem):
+        return {}
+    return {"peak_activation_bytes_measured": [m["measured_peak_bytes"] for m in mem],
+            "peak_activation_bytes_predicted": [m["predicted_peak_bytes"] for m in mem],
+            "memory_method": mem[0].get("method"),
+            "memory_traces": [m.get("trace", []) for m in mem]}
 
 
 def _offload_section(by_rank: Dict[int, dict], p: int) -> dict:

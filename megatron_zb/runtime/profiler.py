@@ -160,6 +160,7 @@ class PassProfiler:
         self._gpu_mem_at_f: Dict[Tuple[int, int], int] = {}
         self._t_iter: Optional[float] = None
         self.offload_stats: List[dict] = []  # per window iteration, from the offload manager (if any)
+        self.memory: Optional[dict] = None  # the last window iteration's measured memory (runtime.memory)
 
     @property
     def done(self) -> bool:
@@ -254,6 +255,7 @@ class PassProfiler:
             "iteration_s": list(self.iteration_s),
             "iterations": list(self.iterations),
             "offload": list(self.offload_stats),
+            "memory": self.memory,
         }
 
     def _probe_comm(self, p2p, placement: Placement, me: int, shape, dtype, device) -> List[float]:
