@@ -114,8 +114,9 @@ def test_setting_errors():
         Setting(4, 4, cost_f=[1, 2])
     with pytest.raises(ScheduleError, match="non-negative"):
         Setting(4, 4, cost_b=-1)
-    with pytest.raises(ScheduleError, match="cannot exceed mem-f"):
-        Setting(4, 4, mem_w=2)
+    assert Setting(4, 4, mem_w=2).mem_w == [2.0] * 4  # W holds more than F kept: full recompute
+    with pytest.raises(ScheduleError, match="mem-w"):
+        Setting(4, 4, mem_w=-1)
 
 
 def test_overlap_pairs_round_trip_torch_format():

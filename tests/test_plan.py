@@ -113,3 +113,47 @@ def test_plan_help_documents_every_option_and_column(capsys):
             assert action.help, f"{action.option_strings[0]} has no help text"
     for col in ("iteration ms", "sync", "postval", "bubble", "vs 1f1b", "act GiB", "peak GiB", "fits", "microbatches"):
         assert col in text
+
+
+def test_moe_and_recompute_in_the_model():
+    """MoE: each token through k experts (F/B/W and activations per routed copy), the experts'
+    parameters spread over EP; full recompute: F keeps each block's input, B runs the forward
+    again, W holds more than F kept; selective recompute: no attention scores kept."""
+    base = dict(num_layers=8, hidden_size=1024, num_attention_heads=16, seq_length=2048, flash_attention=False)
+    dense = P.ModelSpec(**base, ffn_hidden_size=4096)
+    moe = P.ModelSpec(**base, ffn_hidden_size=4096, num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=2048,
+                      expert_model_parallel_size=4)
+    h, s = 1024, 2048
+    # MLP GEMM width per token: dense 4 x 4096; MoE 2 experts x 4 x 2048 plus the router's 2 x 8
+    assert moe.layer_flops()[2] - dense.layer_flops()[2] == pytest.approx(s * h * (2 * 4 * 2048 + 16 - 4 * 4096))
+    assert moe.params_per_layer() == pytest.approx(4 * h * h + 2 * 2 * h * 2048 + 8 * h + 9 * h)
+    (db, dw), (mb, mw) = dense.layer_activation_bytes(), moe.layer_activation_bytes()
+    assert mb - db == pytest.approx(2 * s * (2 * h + 2 * 2 * 2048 - 2 * 4096))  # + k dispatched copies, k x 2f
+    assert mw - dw == pytest.approx(2 * s * (2 * (2 * h + 2 * 2048) - (2 * h + 2 * 4096)))
+    full = P.ModelSpec(**base, recompute="full", recompute_num_layers=2)
+    fb, fw = full.layer_activation_bytes()
+    assert fb == pytest.approx(2 * s * h / 2) and fw == pytest.approx(P.ModelSpec(**base).layer_activation_bytes()[1])
+    assert fw > fb  # W outlives B's recomputed activations
+    f, b, w = full.layer_flops()
+    f0, b0, _ = P.ModelSpec(**base).layer_flops()
+    assert (f, b) == (pytest.approx(f0), pytest.approx(b0 + f0))
+    sel = P.ModelSpec(**base, recompute="selective").layer_activation_bytes()[0]
+    assert sel == pytest.approx(P.ModelSpec(**{**base, "flash_attention": True}).layer_activation_bytes()[0])
+    with pytest.raises(ScheduleError, match="moe-router-topk"):
+        P.ModelSpec(**base, num_experts=2, moe_router_topk=3).validate()
+
+
+def test_plan_takes_moe_and_recompute_flags(capsys):
+    assert main(ARGS + ["--num-experts", "8", "--moe-router-topk", "2", "--expert-model-parallel-size", "2",
+                        "--moe-ffn-hidden-size", "1024", "--json"]) == 0
+    moe = {r["schedule"]: r for r in json.loads(capsys.readouterr().out)["rows"] if "error" not in r}
+    assert main(ARGS + ["--recompute-granularity", "full", "--json"]) == 0
+    full = {r["schedule"]: r for r in json.loads(capsys.readouterr().out)["rows"] if "error" not in r}
+    assert main(ARGS + ["--json"]) == 0
+    dense = {r["schedule"]: r for r in json.loads(capsys.readouterr().out)["rows"] if "error" not in r}
+    assert max(full["1f1b"]["activation_bytes"]) < 0.2 * max(dense["1f1b"]["activation_bytes"])
+    assert full["1f1b"]["iteration_time_s"] > dense["1f1b"]["iteration_time_s"]  # B runs F again
+    # zb-h1 under full recompute: W's holdings dominate what F keeps
+    assert max(full["zb-h1"]["activation_bytes"]) > 2 * max(full["1f1b"]["activation_bytes"])
+    assert moe["1f1b"]["activation_bytes"] != dense["1f1b"]["activation_bytes"]
+    assert main(ARGS + ["--num-experts", "3", "--expert-model-parallel-size", "2"]) == 2

@@ -54,6 +54,17 @@ def add_parser(sub) -> None:
                     help="count the 5as attention-score activations (no flash attention)")
     pn.add_argument("--activation-bytes", type=int, choices=(2, 4), default=2,
                     help="bytes per activation element: 2 with --bf16/--fp16 (default), 4 for fp32 training")
+    pn.add_argument("--num-experts", type=positive_int("--num-experts"), default=None,
+                    help="MoE: experts per layer (Megatron's flag); F/B/W, memory and parameters per expert routing")
+    pn.add_argument("--moe-router-topk", type=positive_int("--moe-router-topk"), default=2)
+    pn.add_argument("--moe-ffn-hidden-size", type=positive_int("--moe-ffn-hidden-size"), default=None)
+    pn.add_argument("--expert-model-parallel-size", type=positive_int("--expert-model-parallel-size"), default=1,
+                    help="ranks the experts are spread over (their parameters per rank)")
+    pn.add_argument("--recompute-granularity", choices=("full", "selective"), default=None,
+                    help="activation recompute: full (F keeps each block's input, B runs the forward again; W then "
+                         "holds more than F kept) or selective (no attention scores kept)")
+    pn.add_argument("--recompute-num-layers", type=positive_int("--recompute-num-layers"), default=1,
+                    help="layers per recomputed block (full, uniform method)")
     pn.add_argument("--no-dropout", action="store_true",
                     help="no dropout (--hidden-dropout 0 --attention-dropout 0): no masks, no dropout outputs kept")
     pn.add_argument("--pipeline-parallel-size", type=positive_int("--pipeline-parallel-size"), required=True,
@@ -103,7 +114,10 @@ def cmd_plan(args) -> int:
                        sequence_parallel=args.sequence_parallel, data_parallel_size=args.data_parallel_size,
                        distributed_optimizer=args.use_distributed_optimizer,
                        flash_attention=not args.no_flash_attention, activation_bytes=args.activation_bytes,
-                       dropout=not args.no_dropout)
+                       dropout=not args.no_dropout, num_experts=args.num_experts,
+                       moe_router_topk=args.moe_router_topk, moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+                       expert_model_parallel_size=args.expert_model_parallel_size,
+                       recompute=args.recompute_granularity, recompute_num_layers=args.recompute_num_layers)
     tflops = args.peak_tflops if args.peak_tflops is not None else P.GPU_PEAK_TFLOPS[args.gpu]
     profile = P.load_profile(args.profile) if args.profile else None
     if args.offload_ratio is None and (args.offload_time is not None or args.host_link_gbps is not None):

@@ -333,7 +333,9 @@ class Setting:
     cost_w: Sequence[float] = (1.0,)
     cost_comm: float = 0.0
     mem_f: Sequence[float] = (1.0,)
-    mem_w: Optional[Sequence[float]] = None  # default: DEFAULT_MEM_W_RATIO * mem_f
+    # what W still holds after B; default DEFAULT_MEM_W_RATIO * mem_f. Usually part of mem_f; more than
+    # mem_f with full activation recompute (B recreates the layer, W keeps its GEMMs' inputs and gradients)
+    mem_w: Optional[Sequence[float]] = None
     memory_limit: Optional[float] = None  # per rank, same units as mem_f
     # replicated stages: time of the gradient all-reduce between the replicas of a whole stage
     # (all layers of a 1F1B stage; a chunk's share is cost_sync / chunks). Only charged where a
@@ -355,10 +357,6 @@ class Setting:
         if self.mem_w is None:
             self.mem_w = [DEFAULT_MEM_W_RATIO * x for x in self.mem_f]
         self.mem_w = _per_rank("mem-w", self.mem_w, p)
-        for r in range(p):
-            if self.mem_w[r] > self.mem_f[r]:
-                raise ScheduleError(f"mem-w ({self.mem_w[r]}) cannot exceed mem-f ({self.mem_f[r]}): "
-                                    "W only keeps part of what F allocated")
         if not _is_nonneg_number(self.cost_comm):
             raise ScheduleError(f"cost-comm must be a non-negative number, got {self.cost_comm!r}")
         if not _is_nonneg_number(self.cost_sync):

@@ -53,6 +53,15 @@ class ModelSpec:
     flash_attention: bool = True  # drops the 5 a s attention-score term
     activation_bytes: int = 2  # bytes per activation element: 2 (bf16/fp16), 4 (fp32)
     dropout: bool = True  # dropout keeps its masks (1 byte per element) and its outputs
+    # MoE: experts per layer (None: dense MLP), experts per token, expert MLP size, experts' ranks
+    num_experts: Optional[int] = None
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: Optional[int] = None
+    expert_model_parallel_size: int = 1
+    # activation recompute: 'full' (F keeps each block's input; B runs the forward again) or
+    # 'selective' (the attention core is recomputed: no scores kept); blocks of recompute_num_layers
+    recompute: Optional[str] = None
+    recompute_num_layers: int = 1
 
     def validate(self):
         for k in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
@@ -60,6 +69,20 @@ class ModelSpec:
             v = getattr(self, k)
             if not isinstance(v, int) or v < 1:
                 raise ScheduleError(f"--{k.replace('_', '-')} must be an integer >= 1, got {v!r}")
+        if self.num_experts is not None:
+            for k in ("num_experts", "moe_router_topk", "expert_model_parallel_size"):
+                v = getattr(self, k)
+                if not isinstance(v, int) or v < 1:
+                    raise ScheduleError(f"--{k.replace('_', '-')} must be an integer >= 1, got {v!r}")
+            if self.moe_router_topk > self.num_experts:
+                raise ScheduleError(f"--moe-router-topk {self.moe_router_topk} is more than --num-experts {self.num_experts}")
+            if self.num_experts % self.expert_model_parallel_size:
+                raise ScheduleError(f"--num-experts {self.num_experts} is not divisible by --expert-model-parallel-size "
+                                    f"{self.expert_model_parallel_size}")
+        if self.recompute not in (None, "full", "selective"):
+            raise ScheduleError(f"--recompute-granularity must be full or selective, got {self.recompute!r}")
+        if not isinstance(self.recompute_num_layers, int) or self.recompute_num_layers < 1:
+            raise ScheduleError(f"--recompute-num-layers must be an integer >= 1, got {self.recompute_num_layers!r}")
         if self.activation_bytes not in (1, 2, 4):
             raise ScheduleError(f"--activation-bytes must be 1, 2 or 4, got {self.activation_bytes!r}")
         if self.hidden_size % self.num_attention_heads:
@@ -77,12 +100,27 @@ class ModelSpec:
                                 "(sequence parallelism splits the sequence over the tensor-parallel ranks)")
 
     # -- per layer, per microbatch ------------------------------------------------------------
+    def _mlp_width(self):
+        """(MLP GEMM width per token: 4 x the FFN size, k x 4 x the expert FFN size for MoE, the router)"""
+        h = self.hidden_size
+        if self.num_experts:
+            f = self.moe_ffn_hidden_size or self.ffn_hidden_size or 4 * h
+            return self.moe_router_topk * 4 * f + 2 * self.num_experts
+        return 4 * (self.ffn_hidden_size or 4 * h)
+
     def layer_flops(self):
+        """(F, B, W) FLOPs of one layer per microbatch; MoE: each token through k experts (the
+        experts' ranks share the tokens, on average k per token per rank); full recompute runs the
+        forward again in B, selective recompute the attention core."""
         b, s, h, t = self.micro_batch_size, self.seq_length, self.hidden_size, self.tensor_parallel_size
-        ffn = self.ffn_hidden_size or 4 * h
-        gemm = b * s * h * (8 * h + 4 * ffn)  # 2 x (4 h^2 attention + 2 h ffn) per token
-        f = (gemm + 4 * b * s * s * h) / t
-        bb = (gemm + 8 * b * s * s * h) / t
+        gemm = b * s * h * (8 * h + self._mlp_width())  # 2 x (4 h^2 attention + MLP) per token
+        core = 4 * b * s * s * h
+        f = (gemm + core) / t
+        bb = (gemm + 2 * core) / t
+        if self.recompute == "full":
+            bb += f
+        elif self.recompute == "selective":
+            bb += core / t
         w = gemm / t
         return f, bb, w
 
@@ -94,19 +132,33 @@ class ModelSpec:
     def layer_activation_bytes(self):
         """(M_B, M_W) of one layer per microbatch. Per token, in activation elements of ``e`` bytes:
         the layer norms and the QKV and MLP inputs 4 h (replicated over TP unless sequence parallel),
-        attention 4 h, MLP 8 h (split over TP), the softmax output a s (twice with dropout: its
-        output too; not with flash attention); dropout's masks add 2 h + a s bytes. With e = 2 and
-        dropout this is Megatron's s b (34 h + 5 a s) / t; M_W (the linears' inputs and output
-        gradients, held from B until W) is 16 e h s b / t = 32 s b h / t."""
+        attention 4 h, the MLP's activation input and fc2 input 2 ffn (split over TP), the softmax
+        output a s (twice with dropout: its output too; not with flash attention or selective
+        recompute); dropout's masks add 2 h + a s bytes. With e = 2, ffn = 4 h and dropout this is
+        Megatron's s b (34 h + 5 a s) / t. MoE: per routed copy (k per token) the dispatched token h
+        and the expert's 2 f. M_W (the linears' inputs and output gradients, held from B until W):
+        (6 h + 2 h + 2 ffn) e s b / t, per routed copy 2 h + 2 f for MoE (the router's weight
+        gradient stays in B). Full recompute: F keeps each block's input (e h per token per
+        recompute_num_layers layers); B recreates the rest, and what W needs outlives it, so M_W is
+        then larger than M_B."""
         b, s, h, a, t = self.micro_batch_size, self.seq_length, self.hidden_size, self.num_attention_heads, self.tensor_parallel_size
         e = self.activation_bytes
         drop = self.dropout
-        scores = 0 if self.flash_attention else ((2 * e + 1) if drop else e) * a * s
-        rep = 4 * e * h + (2 * h if drop else 0)
-        split = 12 * e * h + scores
+        keep_scores = not (self.flash_attention or self.recompute == "selective")
+        scores = ((2 * e + 1) if drop else e) * a * s if keep_scores else 0
+        if self.num_experts:
+            k, f = self.moe_router_topk, self.moe_ffn_hidden_size or self.ffn_hidden_size or 4 * h
+            mlp_rep, mlp_split, mlp_w = h + k * h, 2 * k * f, k * (2 * h + 2 * f)
+        else:
+            f = self.ffn_hidden_size or 4 * h
+            mlp_rep, mlp_split, mlp_w = h, 2 * f, 2 * h + 2 * f
+        rep = e * (3 * h + mlp_rep) + (2 * h if drop else 0)
+        split = e * (4 * h + mlp_split) + scores
         m_b = s * b * ((rep + split) / t if self.sequence_parallel else rep + split / t)
-        m_w = 16 * e * s * b * h / t
-        return m_b, min(m_w, m_b)
+        m_w = e * s * b * (6 * h + mlp_w) / t
+        if self.recompute == "full":
+            m_b = e * s * b * h / (t if self.sequence_parallel else 1) / self.recompute_num_layers
+        return m_b, m_w
 
     def loss_activation_bytes(self):
         """(M_B, M_W) the loss stage adds per microbatch: the fp32 softmax of the cross entropy
@@ -117,16 +169,20 @@ class ModelSpec:
         e = self.activation_bytes
         norm = 2 * e * s * b * h / (t if self.sequence_parallel else 1)
         m_b = 4.0 * s * b * v / t + norm
-        return m_b, min(m_b, e * s * b * (h + v) / t)
+        return m_b, e * s * b * (h + v) / t
 
     def embedding_activation_bytes(self):
         """M_B the embedding stage adds per microbatch: its output (e s b h)."""
         return float(self.activation_bytes * self.seq_length * self.micro_batch_size * self.hidden_size)
 
     def params_per_layer(self):
-        h = self.hidden_size
+        h, t = self.hidden_size, self.tensor_parallel_size
+        if self.num_experts:  # this rank's experts (EP), split over TP, and the router
+            f = self.moe_ffn_hidden_size or self.ffn_hidden_size or 4 * h
+            experts = self.num_experts // self.expert_model_parallel_size
+            return (4 * h * h + experts * 2 * h * f) / t + self.num_experts * h + 9 * h
         ffn = self.ffn_hidden_size or 4 * h
-        return (4 * h * h + 2 * h * ffn) / self.tensor_parallel_size + 9 * h
+        return (4 * h * h + 2 * h * ffn) / t + 9 * h
 
     def state_bytes(self, n_params):
         opt = 12.0 / (self.data_parallel_size if self.distributed_optimizer else 1)
@@ -158,7 +214,7 @@ def stage_activation_bytes(spec: ModelSpec, num_stages: int, pad_ends: bool = Fa
             f += spec.embedding_activation_bytes()
         if s == num_stages - 1:
             f, w = f + loss_f, w + loss_w
-        out[s] = (f, min(f, w))
+        out[s] = (f, w)
     return out
 
 
@@ -320,7 +376,7 @@ def _row(name: str, spec: ModelSpec, p: int, m: int, budget: float, tflops: floa
     try:
         req = ScheduleRequest(name, chunks=v if sp.chunks is None else None, cost_f=cf, cost_b=cb, cost_w=cw,
                               cost_comm=comm, mem_f=[x / unit for x in mf],
-                              mem_w=[min(a, b) / unit for a, b in zip(mw, mf)],
+                              mem_w=[b / unit for b in mw],
                               memory_limit=limit_units if sp.searched else None, exact=exact,
                               offload=_offload_request(offload_ratio, offload_time, host_link_gbps, offload_overlap,
                                                        mf, cf, cb, limit_units))

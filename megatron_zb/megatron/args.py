@@ -208,7 +208,8 @@ def add_zero_bubble_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     g.add_argument("--zero-bubble-cost-comm", type=_cost("--zero-bubble-cost-comm"), default=None, metavar="T",
                    help="Relative time of one pipeline hop (default 0).")
     g.add_argument("--zero-bubble-mem-w", type=float, default=None, metavar="RATIO",
-                   help="Fraction of a microbatch's activation still held after B until W (default 0.5).")
+                   help="What W still holds after B, as a fraction of what F keeps (default 0.5; with a GB "
+                        "--zero-bubble-memory-limit from the model; above 1 with full recompute).")
     g.add_argument("--zero-bubble-offload-ratio", type=_share_or_auto("--zero-bubble-offload-ratio"), default=None,
                    metavar="R|auto",
                    help="Activation offload (implies --cpu-offload): offload this share (0..1) of each rank's "

@@ -75,7 +75,13 @@ def _activation_spec(args):
                      sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
                      flash_attention=_fused_attention(args),
                      activation_bytes=2 if (getattr(args, "bf16", False) or getattr(args, "fp16", False)) else 4,
-                     dropout=drop)
+                     dropout=drop, num_experts=getattr(args, "num_experts", None) or None,
+                     moe_router_topk=int(getattr(args, "moe_router_topk", None) or 2),
+                     moe_ffn_hidden_size=getattr(args, "moe_ffn_hidden_size", None),
+                     expert_model_parallel_size=int(getattr(args, "expert_model_parallel_size", None) or 1),
+                     recompute=getattr(args, "recompute_granularity", None),
+                     recompute_num_layers=int(getattr(args, "recompute_num_layers", None) or 1)
+                     if getattr(args, "recompute_method", None) == "uniform" else 1)
 
 
 def memory_limit_in_microbatches(gigabytes: float, args, *, gib: bool = False) -> float:
@@ -96,9 +102,10 @@ def memory_limit_in_microbatches(gigabytes: float, args, *, gib: bool = False) -
 
 
 def mem_w_ratio(args) -> float:
-    """What W keeps of a microbatch's activation (M_W / M_B of one layer), from the same model."""
+    """What W keeps of a microbatch's activation (M_W / M_B of one layer), from the same model (more
+    than 1 with full recompute: B recreates what F did not keep, and W's part of it outlives B)."""
     m_b, m_w = _activation_spec(args).layer_activation_bytes()
-    return min(1.0, m_w / m_b) if m_b > 0 else 0.5
+    return m_w / m_b if m_b > 0 else 0.5
 
 
 def _given(args, dest, default=None):

@@ -116,7 +116,7 @@ class ZeroBubbleForwardBackward:
         if "mem_f" in kw:
             ratios = sorted(w / f for f, w in zip(kw["mem_f"], kw["mem_w"]) if f > 0)
             if ratios:
-                upd["mem_w"] = min(1.0, ratios[len(ratios) // 2])
+                upd["mem_w"] = ratios[len(ratios) // 2]  # above 1 with full recompute
         self._replace_options(**upd)
 
     def _replace_options(self, **changes) -> None:

@@ -201,7 +201,7 @@ class MemoryHook(Hook):
             "peak_bytes": max([0] + [b for *_, b in self._trace]),
             "trace": [{"pass": f"{k}{s}.{mb}", "bytes": b} for k, s, mb, b in self._trace],
             "mem_f": {s: _median(v) for s, v in self._mem_f.items()},
-            "mem_w": {s: min(_median(v), _median(self._mem_f.get(s, [0]))) for s, v in self._mem_w.items()},
+            "mem_w": {s: _median(v) for s, v in self._mem_w.items()},
         }
 
 

@@ -108,7 +108,6 @@ def build_profile(rank_stats: Sequence[dict], *, schedule: Optional[str], placem
     for r in range(p):
         if not mem_w_known[r]:
             mem_w[r] = DEFAULT_MEM_W_RATIO * mem_f[r]
-        mem_w[r] = min(mem_w[r], mem_f[r])
     probes = [x for r in range(p) for x in by_rank[r].get("comm_probe", [])]
     counts["comm_probe"] = len(probes)
     iters = [by_rank[r].get("iteration_s", []) for r in range(p)]
@@ -248,7 +247,7 @@ def profile_to_setting_kwargs(profile: dict, normalize: bool = False) -> dict:
             mw = mw * len(mf)
         if len(mf) == 1 and len(mw) > 1:
             mf = mf * len(mw)
-        out["mem_f"], out["mem_w"] = mf, [min(a, b) for a, b in zip(mw, mf)]
+        out["mem_f"], out["mem_w"] = mf, mw
     if normalize:
         unit = sum(cf) / len(cf) if sum(cf) > 0 else (sum(cf + cb + cw) / (3 * len(cf)) or 1.0)
         for k in ("cost_f", "cost_b", "cost_w"):
