@@ -80,3 +80,16 @@ def test_verify_flags_for_model_features():
         tp = kw.pop("tensor_parallel_size", 1)
         with pytest.raises(V.VerifyUsageError, match=msg):
             V.make_case("zb-h1", 2, tp, **kw)
+
+
+def test_multi_token_prediction(mcore_path, mcore_version):
+    """MTP (one block on the loss stage, rotary positions, untied embeddings) under one-chunk
+    schedules, Megatron's own 1F1B included; with MoE too."""
+    mtp = dict(mtp_num_layers=1, tie_embeddings=False, num_microbatches=4, iterations=2)
+    cases = [V.make_case(n, 2, **mtp) for n in ("1f1b", "zb-h1", "zb-h2", "megatron-1f1b")]
+    cases.append(V.make_case("zb-h1", 2, label="mtp + moe", num_experts=4, moe_aux_loss_coeff=0.01, **mtp))
+    _check(V.run_verify_many(cases, timeout=900, mcore_path=mcore_path), mcore_version)
+    with pytest.raises(V.VerifyUsageError, match="needs --untied"):
+        V.make_case("zb-h1", 2, mtp_num_layers=1)
+    with pytest.raises(V.VerifyUsageError, match="one-chunk"):
+        V.make_case("zb-v", 2, mtp_num_layers=1, tie_embeddings=False)

@@ -104,6 +104,8 @@ class VerifyCase:
     def model_overrides(self) -> Dict[str, Any]:
         """TransformerConfig keywords of the model's math (the reference's too)."""
         kw: Dict[str, Any] = {}
+        if self.mtp_num_layers:  # with rotary positions (DeepSeek-V3's; no position-embedding copy)
+            kw["mtp_num_layers"] = self.mtp_num_layers
         if self.num_experts:
             # no linear biases, as MoE models are trained (megatron's expert MLP adds its bias in place
             # on a view when neither TP nor EP splits it, which autograd refuses)
@@ -133,6 +135,7 @@ class VerifyCase:
     def model_config(self):
         from .tinygpt import TinyGPTConfig
         return TinyGPTConfig(num_layers=self.num_layers, hidden_size=self.hidden_size,
+                             position_embedding_type="rope" if self.mtp_num_layers else "learned_absolute",
                              num_attention_heads=self.num_attention_heads, vocab_size=self.vocab_size,
                              seq_length=self.seq_length, micro_batch_size=self.micro_batch_size,
                              tie_embeddings=self.tie_embeddings, seed=self.seed,
@@ -343,10 +346,14 @@ def _check_model_features(case: VerifyCase) -> None:
     if case.recompute_num_layers is not None:
         whole("recompute_num_layers", case.recompute_num_layers, 1)
     if case.mtp_num_layers is not None:
-        raise VerifyUsageError("--mtp-num-layers is not checked by verify yet: the MTP block on the last stage holds its "
-                               "own copy of the embeddings, and a first try (zb-h1, PP=2) showed that copy's "
-                               "position-embedding gradient differing from the reference; see docs/training.md, "
-                               "Megatron features")
+        whole("mtp_num_layers", case.mtp_num_layers, 1)
+        if case.placement != "single" or case.chunks != 1:
+            raise VerifyUsageError("--mtp-num-layers runs with one-chunk schedules here (Megatron builds the MTP block "
+                                   "on the last pipeline stage)")
+        if case.tie_embeddings:
+            raise VerifyUsageError("--mtp-num-layers needs --untied: with tied embeddings the MTP stage holds two copies "
+                                   "of the word embedding and Megatron's finalize_model_grads all-reduces only the output "
+                                   "layer's, so even Megatron's own 1F1B differs from the reference there")
 
 
 def _check_optimizer_options(case: VerifyCase) -> None:

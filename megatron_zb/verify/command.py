@@ -78,7 +78,7 @@ def _build_parser() -> argparse.ArgumentParser:
     f.add_argument("--recompute-method", choices=("uniform", "block"), default=None)
     f.add_argument("--recompute-num-layers", type=positive_int("--recompute-num-layers"), default=None)
     f.add_argument("--mtp-num-layers", type=positive_int("--mtp-num-layers"), default=None,
-                   help="multi-token prediction: not checked by verify yet (refused with the reason)")
+                   help="multi-token prediction layers (one-chunk schedules, with --untied; rotary positions)")
     o = ap.add_argument_group("Megatron's optimizer (instead of the harness's plain SGD step)")
     o.add_argument("--optimizer", choices=("adam", "sgd"), default=None,
                    help="train with megatron.core.optimizer (get_megatron_optimizer); the reference is one process "

@@ -180,8 +180,14 @@ def build_model_chunks(model_cfg: TinyGPTConfig, placement: Placement, *, config
     multi = placement.models_per_rank > 1
     chunks = []
     for info in infos:
+        spec = layer_spec(config, len(info.layers))
+        extra = {}
+        if getattr(config, "mtp_num_layers", None) and info.post_process:  # MTP: on the loss stage
+            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+            extra["mtp_block_spec"] = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False,
+                                                             vp_stage=(info.vp_stage if multi else None))
         model = GPTModel(
-            config=config, transformer_layer_spec=layer_spec(config, len(info.layers)),
+            config=config, transformer_layer_spec=spec, **extra,
             vocab_size=model_cfg.vocab_size, max_sequence_length=model_cfg.seq_length,
             pre_process=info.pre_process, post_process=info.post_process,
             share_embeddings_and_output_weights=model_cfg.tie_embeddings,
