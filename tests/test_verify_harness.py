@@ -240,7 +240,7 @@ def test_pp4_and_the_install_path(rank_pool):
     for r, kw in zip(res, PP4.values()):
         _check_result(r)
     installed = per_case[-1]
-    assert installed[0]["stub_calls"] == [["gpipe-v", 2, None, ["flag"]], "uninstall"]
+    assert installed[0]["stub_calls"] == [["gpipe-v", 2, None, ["flag", "measure_memory"]], "uninstall"]
     assert [r["stages"] for r in installed] == [[0, 7], [1, 6], [2, 5], [3, 4]]  # V placement
     assert all(r["stub_calls"] == [] for r in per_case[0])  # pseudo-schedules never call install
 

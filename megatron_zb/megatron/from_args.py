@@ -51,9 +51,12 @@ def install_on_first_use():
             state["done"] = True
             state["handle"] = install_from_args(get_args())  # rebinds T.get_forward_backward_func
         current = T.get_forward_backward_func
-        if current is get_forward_backward_func:
-            return original(*a, **k)
-        return current(*a, **k)
+        if current is not get_forward_backward_func:
+            return current(*a, **k)
+        if state["handle"] is not None:  # installed; this name was ours, so install() left it: ask its own
+            import megatron.core.pipeline_parallel as mpp
+            return mpp.get_forward_backward_func(*a, **k)
+        return original(*a, **k)
     get_forward_backward_func.__wrapped__ = original
     T.get_forward_backward_func = get_forward_backward_func
 
