@@ -8,6 +8,7 @@ from megatron_zb import cli
 from megatron_zb.core import io as sio
 from megatron_zb.core import hostlink as H
 from megatron_zb.core import offload as O
+from megatron_zb.core.offload_search import generate_with_offload
 from megatron_zb.core.ir import (B, BW, F, OFFLOAD, OFFLOAD_W, RELOAD, RELOAD_W, W, Action, Placement, Schedule,
                                  ScheduleError, Setting)
 from megatron_zb.core.lower import check_pair_order, lower
@@ -142,7 +143,7 @@ def test_memory_limit_policy_offloads_as_little_as_needed():
 def test_searched_schedules_take_more_memory_and_offload_it_back():
     st = Setting(4, 12, memory_limit=3.0)
     plain = simulate(generate("zb-auto", st), st)
-    off = O.generate_with_offload("zb-auto", st, H.OffloadOptions(memory_limit=3.0, time=0.5))
+    off = generate_with_offload("zb-auto", st, H.OffloadOptions(memory_limit=3.0, time=0.5))
     res = simulate(off, st)
     assert max(res.peak_memory) <= 3.0 + 1e-9
     assert (plain.makespan, res.makespan) == (45.0, 36.0)  # zb-h2's order, offloaded under the limit
