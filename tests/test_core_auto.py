@@ -109,3 +109,37 @@ def test_looped_bfs_and_dualpipe_v():
 def test_small_m_and_odd_p(name, p, m):
     kw = {"chunks": 2} if name == "looped-bfs" else {}
     sim(name, p, m, **kw)
+
+
+@pytest.mark.parametrize("name,p,m", [("v-auto", 4, 12), ("zb-auto", 4, 12)])
+def test_memory_is_the_tie_break_under_a_generous_limit(name, p, m):
+    """Issue 26: under a limit far above what the fastest schedule needs, zb-auto / v-auto keep the
+    least-memory schedule among the equally fast: never more memory than the same search under
+    1F1B's peak, 1.5 or 2 times it, when that one is as fast."""
+    from megatron_zb.core.schedules.auto import SEARCH_TIE as TIE
+    kw = dict(cost_f=1.0, cost_b=1.0, cost_w=1.0)
+    s, big = sim(name, p, m, memory_limit=10 * p, **kw)
+    for lim in (p, 1.5 * p, 2 * p):
+        _, small = sim(name, p, m, memory_limit=lim, **kw)
+        if small.makespan <= big.makespan * (1 + TIE):
+            assert max(big.peak_memory) <= max(small.peak_memory) + 1e-9, lim
+            break
+    # never slower than the search at the generous limit alone
+    from megatron_zb.core.schedules.auto import v_auto, zb_auto
+    alone = (v_auto if name == "v-auto" else zb_auto)(Setting(p, m, memory_limit=10 * p, **kw), ladder=False)
+    st = Setting(p, m, chunks=alone.placement.chunks, **kw)
+    assert big.makespan <= simulate(alone, st).makespan + 1e-9
+    assert max(big.peak_memory) <= max(simulate(alone, st).peak_memory) + 1e-9
+
+
+def test_cheapest_of_equally_fast_candidates():
+    """``_cheapest``: among the equally fast (makespan and end, within its tie), the least peak wins."""
+    from megatron_zb.core.schedules.auto import _cheapest
+    st = Setting(4, 8, cost_f=1.0, cost_b=1.0, cost_w=1.0)
+    a, b = generate("zb-h2", st), generate("zb-h1", st)
+    ra, rb = simulate(a, st), simulate(b, st)
+    key = lambda r: (r.makespan, sum(r.spans), max(r.peak_memory))  # noqa: E731
+    # zb-h1 (27, peak 4) against zb-h2 (24 with post-validation, peak 7): not within 0.1%
+    assert _cheapest([(key(ra), a), (key(rb), b)], st)[1] is a
+    # the same schedule twice at different claimed peaks: the lower claim wins
+    assert _cheapest([(key(ra), a), ((ra.makespan, sum(ra.spans), 1.0), b)], st, tie=1.0)[1] is b

@@ -8,6 +8,7 @@ from megatron_zb import cli
 from megatron_zb.core import io as sio
 from megatron_zb.core import hostlink as H
 from megatron_zb.core import offload as O
+from megatron_zb.core.offload_search import generate_with_offload
 from megatron_zb.core.ir import (B, BW, F, OFFLOAD, OFFLOAD_W, RELOAD, RELOAD_W, W, Action, Placement, Schedule,
                                  ScheduleError, Setting)
 from megatron_zb.core.lower import check_pair_order, lower
@@ -142,7 +143,7 @@ def test_memory_limit_policy_offloads_as_little_as_needed():
 def test_searched_schedules_take_more_memory_and_offload_it_back():
     st = Setting(4, 12, memory_limit=3.0)
     plain = simulate(generate("zb-auto", st), st)
-    off = O.generate_with_offload("zb-auto", st, H.OffloadOptions(memory_limit=3.0, time=0.5))
+    off = generate_with_offload("zb-auto", st, H.OffloadOptions(memory_limit=3.0, time=0.5))
     res = simulate(off, st)
     assert max(res.peak_memory) <= 3.0 + 1e-9
     assert (plain.makespan, res.makespan) == (45.0, 36.0)  # zb-h2's order, offloaded under the limit
@@ -242,3 +243,18 @@ def test_late_w_reload_stalls_the_w():
     assert tr == {"OFFLOAD_W0.0": (2.0, 3.0), "RELOAD_W0.0": (3.0, 4.0)}
     w = res.timeline[0][-1]
     assert (w.start, w.end) == (4.0, 5.0) and res.offload.stalls == [2.0]
+
+
+@pytest.mark.parametrize("m", [24, 32, 64])
+def test_v_auto_offload_at_half_memory_table5_1p5b(m):
+    """Issue 26: the ZB paper's 1.5B costs (P=8; mem-f 34h+5as, mem-w 32h, h=2304, a=24, s=1024),
+    offload 'auto' at half of 1F1B's activation memory with K=0.5: near-zero bubble at M=24, 32 and
+    64 alike (before, 7.0% at M=24 and 2.8% at M=64: the search missed what it found at M=32)."""
+    from megatron_zb.core.build import OffloadRequest, ScheduleRequest, build
+    h, a, s = 2304, 24, 1024
+    req = ScheduleRequest("v-auto", cost_f=[18.522], cost_b=[18.086], cost_w=[9.337], cost_comm=0.601, mem_f=[1.0],
+                          mem_w=[32 * h / (34 * h + 5 * a * s)], memory_limit=4.0,
+                          offload=OffloadRequest(ratio="auto", time=0.5))
+    res = build(req, 8, m).result
+    assert max(res.peak_memory) <= 4.0 + 1e-9
+    assert res.bubble_rate <= 0.005

@@ -157,3 +157,24 @@ def test_plan_takes_moe_and_recompute_flags(capsys):
     assert max(full["zb-h1"]["activation_bytes"]) > 2 * max(full["1f1b"]["activation_bytes"])
     assert moe["1f1b"]["activation_bytes"] != dense["1f1b"]["activation_bytes"]
     assert main(ARGS + ["--num-experts", "3", "--expert-model-parallel-size", "2"]) == 2
+
+
+def test_readme_example_suggests_the_least_memory_of_the_equally_fast(capsys):
+    """Issue 26: README's example (P=8, M=32, 32 layers, TP=2, SP, 80 GiB): among the rows that fit
+    within 0.1% of the fastest, the first (and the suggested flags) needs the least memory, and
+    v-auto's --zero-bubble-memory-limit is its real peak, not the GPU's room."""
+    spec = P.ModelSpec(num_layers=32, hidden_size=4096, num_attention_heads=32, seq_length=4096,
+                       tensor_parallel_size=2, sequence_parallel=True)
+    rows = P.plan(spec, 8, 32, 80, schedules=["v-auto", "zb-v", "dualpipe-v", "zb-auto", "zb-h2", "1f1b"])
+    fit = [r for r in rows if "error" not in r and r["fits"]]
+    fastest = min(r["iteration_time_s"] for r in fit)
+    ties = [r for r in fit if r["iteration_time_s"] <= fastest * 1.001]
+    assert len(ties) >= 2
+    assert max(fit[0]["peak_bytes"]) == min(max(r["peak_bytes"]) for r in ties)
+    assert fit[:len(ties)] == sorted(ties, key=lambda r: (round(max(r["peak_bytes"]), 0), r["iteration_time_s"]))
+    va = next(r for r in rows if r["schedule"] == "v-auto")
+    zv = next(r for r in rows if r["schedule"] == "zb-v")
+    assert max(va["activation_bytes"]) <= max(zv["activation_bytes"]) + 1  # not 30.9 GiB as before
+    need = max(va["activation_bytes"]) / va["activation_unit_bytes"]
+    assert va["memory_limit_microbatches"] == pytest.approx(need, abs=0.011)
+    assert f"--zero-bubble-memory-limit {va['memory_limit_microbatches']:g}" in va["flags"]

@@ -153,7 +153,8 @@ def _usable_cpus() -> int:
 
 PLAN_COLUMNS = """columns:
   #              ranking: schedules that fit first, then by time per iteration (sync, or
-                 postval with --optimizer-post-validation)
+                 postval with --optimizer-post-validation); times within 0.1% of each other
+                 count as equal and the one needing the least memory (peak GiB) goes first
   iteration ms   simulated time of one training iteration in milliseconds, from one iteration's
                  start to the next: "sync" with Megatron's synchronous optimizer step (every rank
                  waits at its global norm/inf all-reduce), "postval" with optimizer post-validation
@@ -165,9 +166,11 @@ PLAN_COLUMNS = """columns:
   peak GiB       activations + model states (weights, gradients, optimizer) of the fullest
                  pipeline rank, and which rank that is
   fits           peak GiB <= --gpu-memory-gb
-Below the table: the flags of the fastest schedule that fits, ready to paste into a Megatron
-command, then those of the others that fit (--zero-bubble-memory-limit counts microbatches: one
-is the activation memory of one microbatch on the fullest rank, given in GiB below them)."""
+Below the table: the flags of the first schedule that fits (the fastest; among equally fast
+ones the cheapest in memory), ready to paste into a Megatron command, then those of the others
+that fit (--zero-bubble-memory-limit counts microbatches: one is the activation memory of one
+microbatch on the fullest rank, given in GiB below them; it is what the schedule needs, its peak,
+not the room left on the GPU)."""
 
 
 def _print_plan(args, spec, rows, profile, tflops, advice) -> None:
@@ -217,7 +220,8 @@ def _print_plan(args, spec, rows, profile, tflops, advice) -> None:
         return
     best, rest = fitting[0], fitting[1:]
     pv = " --enable-optimizer-post-validation" if args.optimizer_post_validation else ""
-    print(f"suggested flags ({best['schedule']}, the fastest that fits), ready to paste into your Megatron command:")
+    print(f"suggested flags ({best['schedule']}, the fastest that fits; of equally fast ones the least memory), "
+          "ready to paste into your Megatron command:")
     print(f"  {best['flags']}{pv}")
     if rest:
         print("the other schedules that fit:")
@@ -229,7 +233,7 @@ def _print_plan(args, spec, rows, profile, tflops, advice) -> None:
         if lim:
             unit = r["activation_unit_bytes"] / gib
             print(f"{r['schedule']}: --zero-bubble-memory-limit counts microbatches: {lim:g} x {unit:.2f} GiB "
-                  f"(one microbatch's activations on the fullest rank) = {lim * unit:.1f} GiB")
+                  f"(one microbatch's activations on the fullest rank) = {lim * unit:.1f} GiB, what it needs")
     if advice:
         print(advice)
 

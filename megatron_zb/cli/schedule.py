@@ -13,6 +13,7 @@ from ..core import schedules
 from ..core.build import Built, ScheduleRequest, build
 from ..core.ir import Schedule, ScheduleError
 from ..core.iteration import back_to_back, iteration_times
+from ..core.plan import by_memory_among_ties
 from .common import (UsageError, add_exact_args, add_post_validation_arg, add_setting_args, build_from_args, fmt,
                      request, sizes, writable)
 
@@ -145,7 +146,8 @@ def compare_rows(base: ScheduleRequest, p: int, m: int, names: Optional[List[str
                  cost_optimizer: float = 0.0, post_validation: bool = False) -> List[dict]:
     """Build and simulate every schedule (``names``, default all) with ``base``'s costs, limit and
     offload; rows sorted by the time per training iteration the user gets: with Megatron's
-    synchronous optimizer step, or post-validated. A schedule over the limit is a row that does not
+    synchronous optimizer step, or post-validated; times within 0.1% count as equal, the least
+    peak memory first. A schedule over the limit is a row that does not
     fit, one that cannot be built a row with its error."""
     key = "iteration_time_post_validated" if post_validation else "iteration_time"
     rows = []
@@ -166,7 +168,9 @@ def compare_rows(base: ScheduleRequest, p: int, m: int, names: Optional[List[str
     for r in rows:
         if "error" not in r and top:
             r["speedup_vs_1f1b"] = round(top[key] / r[key], 4) if r[key] else None
-    ok = sorted((r for r in rows if "error" not in r), key=lambda r: (not r["fits"], r[key], r["makespan"]))
+    ok = [r for r in rows if "error" not in r]
+    ok = (by_memory_among_ties([r for r in ok if r["fits"]], lambda r: r[key], lambda r: max(r["peak_memory"]))
+          + by_memory_among_ties([r for r in ok if not r["fits"]], lambda r: r[key], lambda r: max(r["peak_memory"])))
     return ok + [r for r in rows if "error" in r]
 
 

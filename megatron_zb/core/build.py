@@ -24,7 +24,8 @@ from .hostlink import OffloadOptions, has_offload
 from .ir import Schedule, ScheduleError, Setting
 from .lower import forward_only as forward_only_schedule
 from .lower import lower
-from .offload import add_offload, generate_with_offload
+from .offload import add_offload
+from .offload_search import generate_with_offload
 from .schedules.exact import AUTOMATIC, refine
 from .simulate import SimResult, simulate
 from .validate import validate

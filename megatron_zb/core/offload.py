@@ -26,12 +26,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from . import schedules
 from .hostlink import EPS, PAIR_OF, PART_OF, OffloadOptions, amounts, setting_for, strip_offload, transfer_times
 from .ir import B, BW, F, OVERLAP, Action, Schedule, ScheduleError, Setting
 from .simulate import simulate
 
-__all__ = ["add_offload", "candidates", "generate_with_offload", "Candidate"]
+__all__ = ["add_offload", "candidates", "Candidate"]
 
 
 @dataclass(frozen=True)
@@ -211,7 +210,11 @@ def _evict(events: List[tuple], cands: List[Candidate], window: Dict[tuple, Tupl
     """Pick parts to offload so that one rank's activation stays under ``limit`` at every moment,
     in the nominal timing (no queueing on the link): sweep time; wherever the level is over the
     limit, offload the part on the device there whose next use is furthest away (Belady's rule:
-    the longest remaining lifespan first), until the level fits or nothing more can go."""
+    the longest remaining lifespan first), until the level fits or nothing more can go.
+
+    The sweep's times never fall (a reload start comes after the moment it is chosen at), so the
+    parts that may go are kept in a heap (furthest next use first) as their windows open, and
+    what is offloaded at a moment is counted with two Fenwick trees (by window start, by end)."""
     import bisect
     import heapq
     times = [e[0] for e in events]
@@ -220,32 +223,69 @@ def _evict(events: List[tuple], cands: List[Candidate], window: Dict[tuple, Tupl
         cur += e[3]
         prefix.append(cur)
     chosen: List[Candidate] = []
-    free = sorted(cands, key=lambda c: (-c.lifespan - window[c.key][1], c.part, c.stage, c.mb))
+    starts = sorted({window[c.key][0] for c in cands})
+    ends = sorted({window[c.key][1] for c in cands})
+    tree_s, tree_e = [0.0] * (len(starts) + 1), [0.0] * (len(ends) + 1)
+
+    def add(tree, i, x):
+        i += 1
+        while i < len(tree):
+            tree[i] += x
+            i += i & -i
+
+    def upto(tree, n):  # sum of the first n entries
+        out = 0.0
+        while n > 0:
+            out += tree[n]
+            n -= n & -n
+        return out
+
+    by_start = sorted(cands, key=lambda c: (window[c.key][0], -c.lifespan - window[c.key][1], c.part, c.stage, c.mb))
+    nxt = 0
+    ready: List[tuple] = []  # (-end, -lifespan, stage, mb, index in by_start)
     # check points: every allocation of the base, and the reload start of every chosen part
     heap = [(e[0], e[1], e[2], idx) for idx, e in enumerate(events) if e[3] > 0]
     heapq.heapify(heap)
 
     def level(t, group, idx):
+        on = upto(tree_s, bisect.bisect_right(starts, t + EPS))
         if group == 1:
             base = prefix[idx]
-            out = sum(c.amount for c in chosen if window[c.key][0] <= t + EPS and t <= window[c.key][1] + EPS)
+            out = on - upto(tree_e, bisect.bisect_left(ends, t - EPS))
         else:  # a reload start at t: every base event up to t has happened
             k = bisect.bisect_right(times, t + EPS)
             base = prefix[k - 1] if k else 0.0
-            out = sum(c.amount for c in chosen if window[c.key][0] <= t + EPS and t < window[c.key][1] - EPS)
+            out = on - upto(tree_e, bisect.bisect_right(ends, t + EPS))
         return base - out
 
     while heap:
         t, group, _, idx = heapq.heappop(heap)
+        while nxt < len(by_start) and window[by_start[nxt].key][0] <= t + EPS:
+            c = by_start[nxt]
+            heapq.heappush(ready, (-window[c.key][1], -c.lifespan, c.stage, c.mb, nxt))
+            nxt += 1
+        held = []
         while level(t, group, idx) > limit + EPS:
-            fits = [c for c in free if window[c.key][0] <= t + EPS and
-                    (t <= window[c.key][1] + EPS if group == 1 else t < window[c.key][1] - EPS)]
-            if not fits:
+            pick = None
+            while ready:
+                item = heapq.heappop(ready)
+                end = -item[0]
+                if end + EPS < t:
+                    continue  # gone for good: later moments are later still
+                if group == 2 and not t < end - EPS:
+                    held.append(item)  # not at a reload start at t, maybe at a later pass at t
+                    continue
+                pick = by_start[item[4]]
                 break
-            c = max(fits, key=lambda c: (window[c.key][1], c.lifespan, -c.stage, -c.mb))
-            free.remove(c)
-            chosen.append(c)
-            heapq.heappush(heap, (window[c.key][1], 2, len(chosen), -1))
+            if pick is None:
+                break
+            chosen.append(pick)
+            w = window[pick.key]
+            add(tree_s, bisect.bisect_left(starts, w[0]), pick.amount)
+            add(tree_e, bisect.bisect_left(ends, w[1]), pick.amount)
+            heapq.heappush(heap, (w[1], 2, len(chosen), -1))
+        for item in held:
+            heapq.heappush(ready, item)
     return chosen
 
 
@@ -355,40 +395,3 @@ def add_offload(schedule: Schedule, setting: Setting, opts: OffloadOptions) -> S
             if over[r] > EPS:
                 target[r] = max(0.0, target[r] - over[r])
     return best[1]
-
-
-def generate_with_offload(name: str, setting: Setting, opts: OffloadOptions) -> Schedule:
-    """Generate schedule ``name`` and offload by ``opts``.
-
-    With ``opts.ratio`` None (as little as needed under ``opts.memory_limit``), ``zb-auto`` and
-    ``v-auto`` also take the schedules they build under larger limits, offloaded back under the
-    limit, and keep the fastest that fits (ties: the one that offloads less)."""
-    if opts.ratio is not None or not schedules.get(name).searched:
-        sched = schedules.generate(name, setting)
-        return add_offload(sched, setting, opts)
-    limit = opts.memory_limit
-    p = setting.stages
-    top = 2 * p * max(setting.mem_f)
-    limits = [limit] + [x for x in (2 * limit, top) if limit + EPS < x <= top + EPS]
-    best, key = None, None
-    for lim in sorted(set(round(x, 9) for x in limits)):
-        try:
-            base = schedules.generate(name, dataclasses.replace(setting, memory_limit=lim))
-        except ScheduleError:
-            continue  # nothing under this limit: a larger one may still offload under the real one
-        st = setting_for(base, setting)
-        if max(simulate(base, st).peak_memory) <= limit + EPS:
-            cand = dataclasses.replace(base, meta=dict(base.meta, offload=opts.to_meta()))
-        else:
-            cand = add_offload(base, st, opts)
-        res = simulate(cand, st)
-        if max(res.peak_memory) > limit + EPS:
-            continue
-        n = sum(res.offload.offloaded) + sum(res.offload.offloaded_w) if res.offload is not None else 0
-        k = (round(res.makespan, 9), n)
-        if key is None or k < key:
-            best, key = cand, k
-    if best is None:
-        raise ScheduleError(f"{name}: no schedule fits memory limit {limit:g}, even with activation offload "
-                            f"(offload time {opts.time})")
-    return best

@@ -30,6 +30,7 @@ from .build import OffloadRequest, ScheduleRequest, build
 from .ir import Placement, ScheduleError
 from .iteration import iteration_times
 from .schedules import get, names
+from .schedules.auto import TIE
 
 # schedules found by a search (seconds each at P=16), not built by a rule; the longest first
 SEARCHED = ("v-auto", "zb-v", "v-half", "v-min", "zb-auto")
@@ -299,7 +300,10 @@ def plan(spec: ModelSpec, pipeline_parallel_size: int, microbatches: int, gpu_me
          offload_overlap: bool = True, exact: Optional[tuple] = None, jobs: int = 1) -> List[dict]:
     """Rows sorted by (fits, time per training iteration): with Megatron's synchronous optimizer
     step, or with optimizer post-validation when ``post_validation`` (``cost_optimizer`` seconds
-    per step). Each row carries both times. Activation offload (``core.offload``):
+    per step); times within 0.1% count as equal, the least peak memory first
+    (``by_memory_among_ties``). Each row carries both times. zb-auto's and v-auto's memory limit
+    (``memory_limit_microbatches`` and the flag) is what the schedule needs, its peak rounded up,
+    where the schedule built under it is as fast; else the budget's room. Activation offload (``core.offload``):
     ``offload_ratio`` R (0..1) offloads that share of every schedule's activations; ``'auto'``
     offloads as little as brings each schedule under the memory budget (zb-auto / v-auto may then
     take a schedule that needs more). The transfer time is ``offload_time`` K, or derived per rank
@@ -349,8 +353,23 @@ def plan(spec: ModelSpec, pipeline_parallel_size: int, microbatches: int, gpu_me
         r["throughput_vs_1f1b"] = round(base[key] / r[key], 4) if base and r[key] else None
         if post_validation:
             r["flags"] += " --enable-optimizer-post-validation"
-    ok.sort(key=lambda r: (not r["fits"], r[key], r["makespan_s"]))
+    ok = (by_memory_among_ties([r for r in ok if r["fits"]], lambda r: r[key], lambda r: max(r["peak_bytes"]))
+          + by_memory_among_ties([r for r in ok if not r["fits"]], lambda r: r[key], lambda r: max(r["peak_bytes"])))
     return ok + [r for r in rows if "error" in r]
+
+
+def by_memory_among_ties(rows: List[dict], time, peak, tie: float = TIE) -> List[dict]:
+    """``rows`` by ``time(row)``, where times within ``tie`` (0.1%) of the fastest row not yet
+    placed count as equal: those go first, least ``peak(row)`` first (then faster), then the
+    rest the same way."""
+    rest = sorted(rows, key=lambda r: (time(r), peak(r)))
+    out = []
+    while rest:
+        top = time(rest[0]) * (1 + tie) + 1e-12
+        group = [r for r in rest if time(r) <= top]
+        rest = [r for r in rest if time(r) > top]
+        out += sorted(group, key=lambda r: (round(peak(r), 6), time(r)))
+    return out
 
 
 def _row(name: str, spec: ModelSpec, p: int, m: int, budget: float, tflops: float, efficiency: float,
@@ -381,8 +400,17 @@ def _row(name: str, spec: ModelSpec, p: int, m: int, budget: float, tflops: floa
                               offload=_offload_request(offload_ratio, offload_time, host_link_gbps, offload_overlap,
                                                        mf, cf, cb, limit_units))
         built = build(req, p, m, enforce_limit=False)
+        it = iteration_times(built.schedule, built.setting, cost_optimizer)
+        if sp.searched and limit_units and req.offload is None:
+            # the flag asks for what the schedule needs (its peak), not for the GPU's room: the
+            # schedule the run builds under that limit, where it is as fast (``TIE``)
+            need = math.ceil(max(built.result.peak_memory) * 100 - 1e-6) / 100
+            if need < math.floor(limit_units * 100) / 100:
+                tight = build(req.replace(memory_limit=need), p, m, enforce_limit=False)
+                it2 = iteration_times(tight.schedule, tight.setting, cost_optimizer)
+                if getattr(it2, ranked_by[:-2]) <= getattr(it, ranked_by[:-2]) * (1 + TIE):
+                    built, it, limit_units = tight, it2, need
         sched, res = built.schedule, built.result
-        it = iteration_times(sched, built.setting, cost_optimizer)
     except ScheduleError as e:
         return {"schedule": name, "error": str(e)}
     act_bytes = [x * unit for x in res.peak_memory]
@@ -394,7 +422,7 @@ def _row(name: str, spec: ModelSpec, p: int, m: int, budget: float, tflops: floa
            "activation_bytes": act_bytes, "state_bytes": states, "peak_bytes": total,
            "fits": max(total) <= budget, "layers_per_stage": counts,
            "activation_unit_bytes": unit,  # one microbatch's activation on the fullest rank
-           "memory_limit_microbatches": (math.floor(limit_units * 100) / 100
+           "memory_limit_microbatches": (math.floor(limit_units * 100 + 1e-6) / 100
                                          if sp.searched and limit_units else None),
            "weight_copies": res.weight_copies or [1.0] * p,
            "flags": _flags(sp, p, v, limit_units, counts, pad_ends)}
@@ -428,7 +456,7 @@ def _offload_request(ratio, time, gbps, overlap, mf, cf, cb, limit_units) -> Opt
 def _flags(sp, p, v, limit_units, counts, pad_ends):
     f = [f"--pipeline-model-parallel-size {p}", f"--zero-bubble-schedule {sp.name}"]
     if sp.searched and limit_units:
-        f.append(f"--zero-bubble-memory-limit {math.floor(limit_units * 100) / 100:g}")
+        f.append(f"--zero-bubble-memory-limit {math.floor(limit_units * 100 + 1e-6) / 100:g}")
     if sp.placement == "looped":
         f.append(f"--num-layers-per-virtual-pipeline-stage {max(1, min(counts))}")
     if pad_ends:

@@ -20,6 +20,13 @@ with the real per-stage costs:
   needs more than F+B+W per microbatch once F, B and W differ: V-Min's bubble grows with the
   imbalance (the paper says the same).
 
+Memory is the tie-break everywhere: among the schedules a search found as fast as the fastest
+(makespan and end of the last pass equal up to ``SEARCH_TIE``, float noise: a wider tie would
+trade time for memory and could lose to the authors' schedulers), the one with the lowest peak
+activation is kept.
+zb-auto and v-auto under a limit above 1F1B's peak also search at 1F1B's peak and at 1.5 and 2
+times it (``_least_memory_of``): a generous limit is not spent where a smaller one is as fast.
+
 Every search here is deterministic (work budgets, no clocks): each rank generates the schedule
 on its own and all must get the same one.
 """
@@ -38,6 +45,38 @@ from .greedy import best_of, capped_variants
 from .improve import improve
 from .rounds import round_variants
 from .vrounds import v_round_variants
+
+
+#: times within this share of the fastest count as equally fast where rows are ranked (plan,
+#: compare; the offload search stops within it of the unlimited schedule)
+TIE = 1e-3
+#: the searches' own tie: equal up to float noise, so that memory never costs time (zb-auto and
+#: v-auto stay never slower than the authors' schedulers, where a 0.1% tie lost 2408 -> 2410 at
+#: P=8, M=16, limit 2P on the H100 costs of benchmarks/bench_vs_authors.py)
+SEARCH_TIE = 1e-9
+
+
+def _cheapest(ranked: List[Tuple[tuple, Schedule]], setting: Setting,
+              tie: float = SEARCH_TIE) -> Tuple[tuple, Schedule]:
+    """Of ranked (key, schedule) pairs, key = (makespan, sum of spans, peak): the fastest (least
+    makespan, then sum of spans) unless another is within ``tie`` of it both in makespan and in
+    the end of its last pass (the iteration time with a synchronous optimizer step) and holds
+    less memory: then the one of those with the least peak (then makespan, end, sum of spans)."""
+    ref = min(ranked, key=lambda x: x[0][:2])
+    near = [x for x in ranked if x[0][0] <= ref[0][0] * (1 + tie) + 1e-9]
+    if len(near) == 1:
+        return ref
+    coder = Coder(setting, ref[1].placement, setting.microbatches)
+
+    def end(s: Schedule) -> float:
+        orders = coder.encode(s.orders)
+        t = coder.time(orders)
+        return max(t.end[o[-1]] for o in orders if o)
+
+    ends = {id(x[1]): end(x[1]) for x in near}
+    top = ends[id(ref[1])] * (1 + tie) + 1e-9
+    near = [x for x in near if ends[id(x[1])] <= top]
+    return min(near, key=lambda x: (round(x[0][2], 6), x[0][0], round(ends[id(x[1])], 9), x[0][1]))
 
 
 def _passes(setting: Setting) -> int:
@@ -86,16 +125,17 @@ def _finish(best: Schedule, setting: Setting, limit: Optional[float], name: str,
             lb: Optional[float] = None, work: int = 250_000) -> Schedule:
     """Local search (``_evals(setting, work)`` timings each) on the best ``top`` distinct
     candidates (``ranked``, best first; default: ``best`` alone) unless the best already meets
-    the lower bound; the shortest result, with its gap to the bound. A candidate that starts
-    worse often ends better (a different basin), hence several."""
+    the lower bound; of the results and the candidates, the one with the least peak memory among
+    those as short as the shortest (``_cheapest``), with its gap to the bound. A candidate
+    that starts worse often ends better (a different basin), hence several."""
     if lb is None:
         lb = lower_bound(setting, best.placement, limit)
     ranked = ranked or _rank([best], setting, limit) or [((0,), best)]
-    chosen = ranked[0][1]
+    pool = list(ranked)
     evals = _evals(setting, work)
     if ranked[0][0][0] > lb + 1e-9 and evals > 0:
-        results = [improve(s, setting, limit, max_evals=evals) for _, s in ranked[:top]]
-        chosen = _rank(results, setting, limit)[0][1]
+        pool += _rank([improve(s, setting, limit, max_evals=evals) for _, s in ranked[:top]], setting, limit)
+    chosen = _cheapest(pool, setting)[1] if len(pool[0][0]) == 3 else pool[0][1]
     res = validate(chosen, setting, memory_limit=float("inf") if limit is None else limit)
     meta = {k: v for k, v in chosen.meta.items() if k not in ("timing", "near_ties")}
     meta = dict(meta, memory_limit=limit, memory_claim=claim, lower_bound=round(lb, 9),
@@ -160,7 +200,7 @@ def _least_memory(fn: Callable[[float], Schedule], setting: Setting, lo: float, 
     return good
 
 
-def zb_auto(setting: Setting) -> Schedule:
+def _zb_auto(setting: Setting) -> Schedule:
     from .basic import one_f_one_b
     from .zb_handcrafted import zb_h1, zb_h2
     p = setting.stages
@@ -176,6 +216,52 @@ def zb_auto(setting: Setting) -> Schedule:
     ranked = _search("zb-auto", st, pl, limit, cands, max(setting.mem_f), 2 * p * max(setting.mem_f),
                      greedy_too=small)
     return _finish(ranked[0][1], st, limit, "zb-auto", limit, ranked)
+
+
+def zb_auto(setting: Setting, ladder: bool = True) -> Schedule:
+    """``ladder``: under a limit above 1F1B's peak, also search at smaller limits and keep the
+    cheapest of the equally fast (``_least_memory_of``)."""
+    limit = setting.memory_limit if setting.memory_limit is not None else setting.stages * max(setting.mem_f)
+    st = dataclasses.replace(setting, chunks=1, memory_limit=limit)
+    if not ladder:
+        return _zb_auto(st)
+    return _least_memory_of(lambda lim: _zb_auto(dataclasses.replace(st, memory_limit=lim)), st,
+                            Placement.single(st.stages), limit, "zb-auto")
+
+
+def _ladder(setting: Setting, limit: float) -> List[float]:
+    """The limits searched below ``limit``: 1F1B's peak (p x mem-f), 1.5 and 2 times it."""
+    one = setting.stages * max(setting.mem_f)
+    return [x * one for x in (1.0, 1.5, 2.0) if x * one < limit - 1e-9]
+
+
+def _least_memory_of(run: Callable[[float], Schedule], setting: Setting, pl: Placement, limit: float,
+                     name: str) -> Schedule:
+    """``run(limit)`` at the ladder's limits (ascending), then at ``limit`` itself, stopping once a
+    schedule meets the lower bound under ``limit``; of those found, the one with the least peak
+    memory of the fastest (``_cheapest``) (a schedule at ``limit`` is always tried unless one
+    below already meets the bound, so the result is never slower than the search at ``limit``
+    alone)."""
+    steps = _ladder(setting, limit)
+    if not steps:
+        return run(limit)
+    lb = lower_bound(setting, pl, limit)
+    found = []
+    for lim in steps + [limit]:
+        try:
+            s = run(lim)
+        except ScheduleError:
+            if lim == limit:
+                raise
+            continue
+        r = simulate(s, setting)
+        found.append(((round(r.makespan, 9), round(sum(r.spans), 9), round(max(r.peak_memory), 9)), s))
+        if r.makespan <= lb + 1e-9:
+            break
+    key, chosen = _cheapest(found, setting)
+    gap = round(max(0.0, key[0] / lb - 1.0), 6) if lb > 0 else 0.0
+    return dataclasses.replace(chosen, name=name, meta=dict(chosen.meta, memory_limit=limit, memory_claim=limit,
+                                                            lower_bound=round(lb, 9), gap_to_lower_bound=gap))
 
 
 def _v_setting(setting: Setting) -> Setting:
@@ -285,6 +371,11 @@ def v_min(setting: Setting) -> Schedule:
     return _v_search("v-min", setting)
 
 
-def v_auto(setting: Setting) -> Schedule:
+def v_auto(setting: Setting, ladder: bool = True) -> Schedule:
+    """``ladder``: as zb-auto's."""
     limit = setting.memory_limit if setting.memory_limit is not None else setting.stages * max(setting.mem_f)
-    return _v_search("v-auto", setting, limit)
+    if not ladder:
+        return _v_search("v-auto", setting, limit)
+    st = _v_setting(setting)
+    return _least_memory_of(lambda lim: _v_search("v-auto", setting, lim), st, Placement.vshape(st.stages), limit,
+                            "v-auto")
