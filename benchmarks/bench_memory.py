@@ -33,7 +33,7 @@ sys.path.insert(0, ROOT)
 
 from megatron_zb import verify as V  # noqa: E402
 from megatron_zb.core.build import build  # noqa: E402
-from megatron_zb.core.plan import ModelSpec, stage_activation_bytes  # noqa: E402
+from megatron_zb.core.model import ModelSpec, stage_activation_bytes  # noqa: E402
 from megatron_zb.core.simulate import stage_memory_trace  # noqa: E402
 
 CASES = [("1f1b", {}), ("zb-h1", {}), ("zb-h2", {}), ("zb-v", {}), ("v-half", {}), ("v-min", {}),

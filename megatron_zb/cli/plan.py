@@ -56,8 +56,10 @@ def add_parser(sub) -> None:
                     help="bytes per activation element: 2 with --bf16/--fp16 (default), 4 for fp32 training")
     pn.add_argument("--num-experts", type=positive_int("--num-experts"), default=None,
                     help="MoE: experts per layer (Megatron's flag); F/B/W, memory and parameters per expert routing")
-    pn.add_argument("--moe-router-topk", type=positive_int("--moe-router-topk"), default=2)
-    pn.add_argument("--moe-ffn-hidden-size", type=positive_int("--moe-ffn-hidden-size"), default=None)
+    pn.add_argument("--moe-router-topk", type=positive_int("--moe-router-topk"), default=2,
+                    help="experts each token goes through (default 2)")
+    pn.add_argument("--moe-ffn-hidden-size", type=positive_int("--moe-ffn-hidden-size"), default=None,
+                    help="an expert's MLP size (default --ffn-hidden-size)")
     pn.add_argument("--expert-model-parallel-size", type=positive_int("--expert-model-parallel-size"), default=1,
                     help="ranks the experts are spread over (their parameters per rank)")
     pn.add_argument("--recompute-granularity", choices=("full", "selective"), default=None,

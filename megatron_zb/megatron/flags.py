@@ -64,7 +64,7 @@ def _fused_attention(args) -> bool:
 
 def _activation_spec(args):
     """plan's model of the run's activations (``core.plan.ModelSpec``) from Megatron's arguments."""
-    from ..core.plan import ModelSpec
+    from ..core.model import ModelSpec
     drop = any(float(getattr(args, k, 0.1) if getattr(args, k, None) is not None else 0.1) > 0
                for k in ("hidden_dropout", "attention_dropout"))
     return ModelSpec(num_layers=int(args.num_layers), hidden_size=int(args.hidden_size),
