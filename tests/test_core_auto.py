@@ -143,3 +143,19 @@ def test_cheapest_of_equally_fast_candidates():
     assert _cheapest([(key(ra), a), (key(rb), b)], st)[1] is a
     # the same schedule twice at different claimed peaks: the lower claim wins
     assert _cheapest([(key(ra), a), ((ra.makespan, sum(ra.spans), 1.0), b)], st, tie=1.0)[1] is b
+
+
+@pytest.mark.parametrize("name,limit", [("v-auto", 2.13), ("v-auto", 3.37), ("zb-auto", 3.37)])
+def test_searched_schedules_keep_each_stages_forwards_in_microbatch_order(name, limit):
+    """Measured costs of a CPU run (F on rank 0 three times rank 1's): the local search used to swap
+    two microbatches' forwards of one stage (F0.2 before F0.0), which the runtime cannot run (it reads
+    a stage's data in order); such orders are no longer candidates."""
+    from megatron_zb.core.build import ScheduleRequest, build
+    req = ScheduleRequest(name, cost_f=[0.01132, 0.00342], cost_b=[0.00223, 0.00227], cost_w=[0.00066, 0.00066],
+                          cost_comm=0.000081, mem_w=[0.94], memory_limit=limit)
+    for m in (4, 8):
+        sched = build(req, 2, m).schedule
+        for order in sched.orders:
+            for s in {a.stage for a in order}:
+                fwd = [a.mb for a in order if a.kind == "F" and a.stage == s]
+                assert fwd == sorted(fwd), (name, limit, m, s, fwd)

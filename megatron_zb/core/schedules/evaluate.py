@@ -81,9 +81,26 @@ class Coder:
     def decode(self, orders: Sequence[Sequence[int]]) -> List[List[Action]]:
         return [[self.action(x) for x in o] for o in orders]
 
+    def forwards_in_order(self, orders: Sequence[Sequence[int]]) -> bool:
+        """Each stage's forwards in microbatch order (the runtime reads a stage's data in order):
+        a search move that swaps two microbatches' forwards of one stage is not a schedule."""
+        S, m = self.S, self.m
+        last = [-1] * S
+        for o in orders:
+            for x in o:
+                if x < S * m:  # an F
+                    s, j = divmod(x, m)
+                    if j < last[s]:
+                        return False
+                    last[s] = j
+        return True
+
     def time(self, orders: Sequence[Sequence[int]]) -> Optional[Timing]:
-        """Time coded per-rank orders (None if they deadlock). A BW producer is found through
-        its B code: coded orders of fused backwards register their end under both codes."""
+        """Time coded per-rank orders (None if they deadlock, or a stage's forwards are out of
+        microbatch order). A BW producer is found through its B code: coded orders of fused
+        backwards register their end under both codes."""
+        if not self.forwards_in_order(orders):
+            return None
         n, S, m = self.n, self.S, self.m
         dep, hop, cost = self.dep, self.hop, self.cost
         end: List[Optional[float]] = [None] * n
