@@ -91,3 +91,30 @@ def test_report_cpu_mode_reads_the_emulated_run(tmp_path, capsys):
     assert "zb-v trained the GPT with the same losses as 1f1b" in summary
     assert "zb-v 1.271x the iteration speed of 1f1b measured, 1.269x simulated" in summary
     assert "timeline_zb-v.png" in summary and "time in ms" in summary
+
+
+def test_report_reads_the_real_compute_rounds(tmp_path, capsys):
+    """The real-compute (CPU) section: Megatron's own 1F1B and megatron-zb's schedules over their
+    rounds, the speed-up over Megatron's, and the simulator's prediction from each run's profile."""
+    for s in ("zb-v", "1f1b"):
+        lines = [LINE.format(i=i, ms=300.0, loss=f"{4.0 - 0.01 * i:.6E}") for i in (1, 5, 10)]
+        (tmp_path / f"train_{s}.log").write_text("\n".join(lines) + "\n")
+    (tmp_path / "emulated.json").write_text(json.dumps({
+        "pp": 4, "microbatches": 8, "layers_per_rank": 2, "layer": {"hidden": 4096, "seq": 4096, "batch": 1},
+        "layer_ms": {"f": 43.8, "b": 59.2, "w": 32.0}, "source": "x.json", "rows": []}))
+    ms = {"megatron": 900.0, "1f1b": 910.0, "zb-h1": 840.0, "zb-v": 820.0}
+    for s, t in ms.items():
+        for r in (1, 2):
+            lines = [LINE.format(i=i, ms=t + (i % 2), loss="4.0E+00") for i in range(1, 9)]
+            (tmp_path / f"real_{s}_r{r}.log").write_text("\n".join(lines) + "\n")
+            if s != "megatron":
+                (tmp_path / f"real_profile_{s}_r{r}.json").write_text(json.dumps({
+                    "pipeline_size": 2, "microbatches": 8, "cost_f": [0.03, 0.03], "cost_b": [0.03, 0.03],
+                    "cost_w": [0.02, 0.02], "cost_comm": 0.0}))
+    rows = report.real_cpu_speed(str(tmp_path))
+    capsys.readouterr()
+    by = {r["schedule"]: r for r in rows}
+    assert by["megatron"]["speedup_measured"] == 1.0 and by["megatron"]["predicted"] == by["1f1b"]["predicted"]
+    assert by["zb-v"]["speedup_measured"] == pytest.approx(by["megatron"]["measured"] / by["zb-v"]["measured"])
+    assert by["zb-v"]["predicted"] < by["1f1b"]["predicted"]  # zb-v's simulated pipeline time is shorter
+    assert len(by["zb-h1"]["rounds"]) == 2
