@@ -37,6 +37,8 @@ def test_moe_expert_parallel_every_family_and_recompute(mcore_path, mcore_versio
         V.make_case("zb-v", 2, num_microbatches=4, iterations=2, label="moe + full recompute", **MOE, **FULL),
         V.make_case("v-half", 2, num_microbatches=6, iterations=2, label="moe + block recompute",
                     **{**MOE, **FULL, "recompute_method": "block"}),
+        V.make_case("zb-v", 2, num_microbatches=4, iterations=2, label="shared experts",
+                    moe_shared_expert_intermediate_size=128, **MOE),
     ]
     results = V.run_verify_many(cases, timeout=900, mcore_path=mcore_path)
     _check(results, mcore_version)

@@ -96,6 +96,7 @@ class VerifyCase:
     moe_token_dispatcher_type: str = "alltoall"
     moe_aux_loss_coeff: float = 0.0
     moe_ffn_hidden_size: Optional[int] = None
+    moe_shared_expert_intermediate_size: Optional[int] = None  # shared experts (every token, beside the routed)
     recompute_granularity: Optional[str] = None  # 'full' | 'selective'
     recompute_method: Optional[str] = None  # 'uniform' | 'block' (full recompute)
     recompute_num_layers: Optional[int] = None
@@ -113,6 +114,8 @@ class VerifyCase:
                       moe_aux_loss_coeff=self.moe_aux_loss_coeff, add_bias_linear=False)
             if self.moe_ffn_hidden_size:
                 kw["moe_ffn_hidden_size"] = self.moe_ffn_hidden_size
+            if self.moe_shared_expert_intermediate_size:
+                kw["moe_shared_expert_intermediate_size"] = self.moe_shared_expert_intermediate_size
         return kw
 
     def run_overrides(self) -> Dict[str, Any]:
@@ -162,7 +165,9 @@ class VerifyCase:
         if self.num_experts:
             bits.append(f"moe={self.num_experts}x top{self.moe_router_topk} EP={self.expert_model_parallel_size} "
                         f"{self.moe_token_dispatcher_type}" + (f" aux={self.moe_aux_loss_coeff:g}"
-                                                               if self.moe_aux_loss_coeff else ""))
+                                                               if self.moe_aux_loss_coeff else "")
+                        + (f" shared={self.moe_shared_expert_intermediate_size}"
+                           if self.moe_shared_expert_intermediate_size else ""))
         if self.recompute_granularity:
             bits.append(f"recompute={self.recompute_granularity}" + (
                 f"/{self.recompute_method or 'uniform'}/{self.recompute_num_layers or 1}"
@@ -328,6 +333,8 @@ def _check_model_features(case: VerifyCase) -> None:
         if not (isinstance(case.moe_aux_loss_coeff, (int, float)) and math.isfinite(case.moe_aux_loss_coeff)
                 and case.moe_aux_loss_coeff >= 0):
             raise VerifyUsageError(f"--moe-aux-loss-coeff must be a finite number >= 0, got {case.moe_aux_loss_coeff!r}")
+        if case.moe_shared_expert_intermediate_size is not None:
+            whole("moe_shared_expert_intermediate_size", case.moe_shared_expert_intermediate_size, 1)
         if case.moe_ffn_hidden_size is not None:
             whole("moe_ffn_hidden_size", case.moe_ffn_hidden_size, 1)
             if case.moe_ffn_hidden_size % case.tensor_parallel_size:

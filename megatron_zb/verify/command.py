@@ -74,6 +74,8 @@ def _build_parser() -> argparse.ArgumentParser:
     f.add_argument("--moe-aux-loss-coeff", type=nonneg("--moe-aux-loss-coeff"), default=0.0,
                    help="load-balancing loss coefficient (compared per layer with the reference's)")
     f.add_argument("--moe-ffn-hidden-size", type=positive_int("--moe-ffn-hidden-size"), default=None)
+    f.add_argument("--moe-shared-expert-intermediate-size", type=positive_int("--moe-shared-expert-intermediate-size"),
+                   default=None, help="shared experts of this size beside the routed ones")
     f.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
     f.add_argument("--recompute-method", choices=("uniform", "block"), default=None)
     f.add_argument("--recompute-num-layers", type=positive_int("--recompute-num-layers"), default=None)
@@ -176,7 +178,9 @@ def main_verify(argv: Optional[Sequence[str]] = None) -> int:
                     offload_half_duplex=a.offload_half_duplex, num_experts=a.num_experts,
                     expert_model_parallel_size=a.expert_model_parallel_size, moe_router_topk=a.moe_router_topk,
                     moe_token_dispatcher_type=a.moe_token_dispatcher_type, moe_aux_loss_coeff=a.moe_aux_loss_coeff,
-                    moe_ffn_hidden_size=a.moe_ffn_hidden_size, recompute_granularity=a.recompute_granularity,
+                    moe_ffn_hidden_size=a.moe_ffn_hidden_size,
+                    moe_shared_expert_intermediate_size=a.moe_shared_expert_intermediate_size,
+                    recompute_granularity=a.recompute_granularity,
                     recompute_method=a.recompute_method, recompute_num_layers=a.recompute_num_layers,
                     mtp_num_layers=a.mtp_num_layers)
         case = make_case(a.schedule, a.pipeline_parallel_size, a.tensor_parallel_size, a.num_microbatches,
