@@ -100,13 +100,14 @@ def retarget(schedule: Schedule, setting: Setting, m: int) -> Schedule:
     return Schedule(schedule.name, schedule.placement, m, orders, dict(meta, retargeted_from=ms))
 
 
-def _offloaded(base: Schedule, setting: Setting, opts: OffloadOptions) -> Optional[Tuple[tuple, Schedule]]:
+def _offloaded(base: Schedule, setting: Setting, opts: OffloadOptions,
+               base_result=None) -> Optional[Tuple[tuple, Schedule]]:
     """``base`` offloaded under ``opts.memory_limit``, with its (makespan, parts offloaded); None
-    where it does not fit (or does not run)."""
+    where it does not fit (or does not run). ``base_result``: ``base``'s simulation, if at hand."""
     limit = opts.memory_limit
     try:
         st = setting_for(base, setting)
-        if max(simulate(base, st).peak_memory) <= limit + EPS:
+        if max((base_result or simulate(base, st)).peak_memory) <= limit + EPS:
             cand = dataclasses.replace(base, meta=dict(base.meta, offload=opts.to_meta()))
             res = simulate(cand, st)
         else:
@@ -138,10 +139,10 @@ def generate_with_offload(name: str, setting: Setting, opts: OffloadOptions) -> 
     best: Optional[Tuple[tuple, Schedule]] = None
     fastest: List[float] = []  # makespan of the schedule under the largest limit, without offload
 
-    def consider(base: Schedule) -> bool:
+    def consider(base: Schedule, base_result=None) -> bool:
         """Offload ``base``; True once the best is within TIE of ``fastest`` (stop)."""
         nonlocal best
-        got = _offloaded(base, setting, opts)
+        got = _offloaded(base, setting, opts, base_result)
         if got is not None and (best is None or got[0] < best[0]):
             best = got
         return best is not None and bool(fastest) and best[0][0] <= fastest[0] * (1 + TIE) + EPS
@@ -151,9 +152,11 @@ def generate_with_offload(name: str, setting: Setting, opts: OffloadOptions) -> 
             base = _search(name, setting, lim)
         except ScheduleError:
             continue  # nothing under this limit: a larger one may still offload under the real one
+        res = None
         if not fastest:
-            fastest.append(simulate(base, setting_for(base, setting)).makespan)
-        if consider(base):
+            res = simulate(base, setting_for(base, setting))
+            fastest.append(res.makespan)
+        if consider(base, res):
             return best[1]
     for k in NEIGHBOURS:
         ms = k * p
