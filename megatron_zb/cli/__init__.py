@@ -8,6 +8,7 @@ gets one line on stderr and exit code 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import List, Optional
 
@@ -46,3 +47,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             msg = f"megatron-zb: error: {msg}"
         print(msg, file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader went away (e.g. `| head`): nothing more to say
+        try:
+            sys.stdout = open(os.devnull, "w")
+        except OSError:
+            pass
+        return 0

@@ -43,6 +43,12 @@ def add_setting_args(ap: argparse.ArgumentParser, schedule_required: bool = True
     ap.add_argument("--cost-sync", type=nonneg("--cost-sync"), default=0.0,
                     help="replicated stages (bitpipe): time of the gradient all-reduce between the replicas "
                          "of a whole stage, overlapped with the remaining passes (default 0)")
+    ap.add_argument("--cost-a2a", type=number_list("--cost-a2a"), default=[0.0],
+                    help="MoE expert parallelism: one microbatch's all-to-all (dispatch + combine) in an F, B or "
+                         "fused BW of a whole stage, serial with the pass's compute; inside an overlapped F&B pair "
+                         "(dualpipe-v) each pass's all-to-all hides behind the other's compute (default 0)")
+    ap.add_argument("--no-overlap", action="store_true",
+                    help="with --cost-a2a: overlapped pairs do not hide their all-to-all (to compare)")
     ap.add_argument("--mem-f", type=number_list("--mem-f"), default=[1.0],
                     help="activation one F allocates on a stage (default 1)")
     ap.add_argument("--mem-w", type=number_list("--mem-w"), default=None,
@@ -122,7 +128,8 @@ def request(args, name: Optional[str] = None, chunks: Optional[int] = None) -> S
     """The schedule request the flags describe (``name``: instead of --schedule, e.g. compare's rows)."""
     return ScheduleRequest(name=name or getattr(args, "schedule", None), chunks=chunks if chunks is not None
                            else args.chunks, cost_f=args.cost_f, cost_b=args.cost_b, cost_w=args.cost_w,
-                           cost_comm=args.cost_comm, cost_sync=args.cost_sync, mem_f=args.mem_f, mem_w=args.mem_w,
+                           cost_comm=args.cost_comm, cost_sync=args.cost_sync, cost_a2a=args.cost_a2a,
+                           a2a_overlap=not args.no_overlap, mem_f=args.mem_f, mem_w=args.mem_w,
                            memory_limit=args.memory_limit, offload=offload_request(args),
                            exact=(args.exact_nodes, args.exact_seconds) if getattr(args, "exact", False) else None)
 

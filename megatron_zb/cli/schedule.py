@@ -83,7 +83,8 @@ def _result_dict(built: Built, it) -> dict:
         if k in sched.meta:
             d[k] = sched.meta[k]
     d.update({"placement": sched.placement.style, "cost_f": setting.cost_f, "cost_b": setting.cost_b,
-              "cost_w": setting.cost_w, "cost_comm": setting.cost_comm, "mem_f": setting.mem_f,
+              "cost_w": setting.cost_w, "cost_comm": setting.cost_comm, "cost_a2a": setting.cost_a2a,
+              "a2a_overlap": setting.a2a_overlap, "mem_f": setting.mem_f,
               "mem_w": setting.mem_w, "memory_limit": setting.memory_limit})
     return d
 

@@ -113,6 +113,8 @@ class ScheduleRequest:
     cost_w: Sequence[float] = (1.0,)
     cost_comm: float = 0.0
     cost_sync: float = 0.0
+    cost_a2a: Sequence[float] = (0.0,)
+    a2a_overlap: bool = True
     mem_f: Sequence[float] = (1.0,)
     mem_w: Optional[Sequence[float]] = None
     memory_limit: Optional[float] = None
@@ -131,7 +133,8 @@ class ScheduleRequest:
         return Setting(p, m, chunks=self.chunks if chunks is None else chunks, cost_f=_seq(self.cost_f),
                        cost_b=_seq(self.cost_b), cost_w=_seq(self.cost_w), cost_comm=self.cost_comm,
                        mem_f=_seq(self.mem_f), mem_w=None if self.mem_w is None else _seq(self.mem_w),
-                       memory_limit=self.memory_limit, cost_sync=self.cost_sync)
+                       memory_limit=self.memory_limit, cost_sync=self.cost_sync, cost_a2a=_seq(self.cost_a2a),
+                       a2a_overlap=self.a2a_overlap)
 
 
 def _seq(x):

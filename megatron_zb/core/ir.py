@@ -341,6 +341,12 @@ class Setting:
     # (all layers of a 1F1B stage; a chunk's share is cost_sync / chunks). Only charged where a
     # placement has replicated stages.
     cost_sync: float = 0.0
+    # MoE expert parallelism: one microbatch's all-to-all (dispatch + combine) in an F, B or BW of a
+    # whole stage, part of the pass and serial with its compute; inside an overlapped F&B pair
+    # (dualpipe-v's OVERLAP_F_B) each pass's all-to-all hides behind the other's compute unless
+    # a2a_overlap is False. W has none.
+    cost_a2a: Sequence[float] = (0.0,)
+    a2a_overlap: bool = True
 
     def __post_init__(self):
         p = self.stages
@@ -353,6 +359,7 @@ class Setting:
         self.cost_f = _per_rank("cost-f", self.cost_f, p)
         self.cost_b = _per_rank("cost-b", self.cost_b, p)
         self.cost_w = _per_rank("cost-w", self.cost_w, p)
+        self.cost_a2a = _per_rank("cost-a2a", self.cost_a2a, p)
         self.mem_f = _per_rank("mem-f", self.mem_f, p)
         if self.mem_w is None:
             self.mem_w = [DEFAULT_MEM_W_RATIO * x for x in self.mem_f]
@@ -365,16 +372,21 @@ class Setting:
             raise ScheduleError(f"memory-limit must be a non-negative number, got {self.memory_limit!r}")
 
     def pass_cost(self, kind: str, rank: int) -> float:
+        """Time of one pass of one chunk: its compute and, for F/B/BW, its all-to-all."""
         v = self.chunks or 1
         if kind == F:
-            return self.cost_f[rank] / v
+            return (self.cost_f[rank] + self.cost_a2a[rank]) / v
         if kind == B:
-            return self.cost_b[rank] / v
+            return (self.cost_b[rank] + self.cost_a2a[rank]) / v
         if kind == W:
             return self.cost_w[rank] / v
         if kind == BW:
-            return (self.cost_b[rank] + self.cost_w[rank]) / v
+            return (self.cost_b[rank] + self.cost_w[rank] + self.cost_a2a[rank]) / v
         return 0.0
+
+    def pass_a2a(self, kind: str, rank: int) -> float:
+        """The all-to-all part of ``pass_cost`` (0 for W)."""
+        return self.cost_a2a[rank] / (self.chunks or 1) if kind in (F, B, BW) else 0.0
 
     def pass_mem(self, kind: str, rank: int) -> float:
         """Change of rank memory caused by one pass of one chunk."""

@@ -169,6 +169,10 @@ def simulate(schedule: Schedule, setting: Setting,
     timeline: List[List[Timed]] = [[] for _ in orders]
     comm = setting.cost_comm
     remaining = sum(len(o) for o in orders)
+    # overlapped F&B pairs (rank, index of the F among the rank's compute passes): each pass's
+    # all-to-all hides behind the other's compute (``Setting.a2a_overlap``)
+    pairs = set(map(tuple, schedule.meta.get("overlap_pairs", ()))) if setting.a2a_overlap and \
+        any(setting.cost_a2a) else set()
     while remaining:
         progressed = False
         for r, order in enumerate(orders):
@@ -197,7 +201,14 @@ def simulate(schedule: Schedule, setting: Setting,
                     break
                 if links is not None and a.kind in (B, BW, W):
                     ready = links.gate(r, a, ready)
-                end = ready + setting.pass_cost(a.kind, r)
+                i = len(timeline[r])
+                if (r, i) in pairs:  # the F of a pair; its B comes next
+                    dur = _paired_cost(setting, r, a, order[pos[r] + 1])
+                elif (r, i - 1) in pairs:  # the B of a pair
+                    dur = _paired_cost(setting, r, a, timeline[r][-1].action)
+                else:
+                    dur = setting.pass_cost(a.kind, r)
+                end = ready + dur
                 timeline[r].append(Timed(a, r, ready, end))
                 clock[r] = end
                 done[(a.kind, a.stage, a.mb)] = end
@@ -233,6 +244,14 @@ def simulate(schedule: Schedule, setting: Setting,
     copies = [pl.weight_copies(r) for r in range(p)] if pl.replicated else None
     return SimResult(schedule.name, setting.stages, schedule.num_microbatches, pl.chunks,
                      makespan, bubble, peaks, spans, busy, timeline, syncs, copies, offload)
+
+
+def _paired_cost(setting: Setting, r: int, a: Action, partner: Action) -> float:
+    """A pass of an overlapped pair: its compute, plus the part of its all-to-all that the
+    partner's compute does not cover."""
+    own = setting.pass_a2a(a.kind, r)
+    cover = setting.pass_cost(partner.kind, r) - setting.pass_a2a(partner.kind, r)
+    return setting.pass_cost(a.kind, r) - own + max(0.0, own - cover)
 
 
 def _replica_syncs(timeline: List[List[Timed]], pl, setting: Setting):
