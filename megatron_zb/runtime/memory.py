@@ -55,6 +55,10 @@ class ActivationMeter:
             except Exception:  # noqa: BLE001 - tensor subclasses without storage
                 pass
 
+    def ignore_pointers(self, pointers: Iterable[int]) -> None:
+        """Never count the storages at these data pointers."""
+        self._ignore.update(pointers)
+
     def _add(self, key: Key, t) -> int:
         if not isinstance(t, torch.Tensor):
             return 0

@@ -29,9 +29,10 @@ What is measured (inside the window only; outside it no hook is given, nothing i
   median round trip.
 * **Activation bytes per F pass** (``mem_f``) and what is still held from B until W (``mem_w``).
   On CUDA: ``torch.cuda.memory_allocated()`` before/after F (``mem_f``) and before/after W
-  (``mem_w`` = what W frees). On CPU (and whenever the passes do not run on a CUDA device): a
-  ``torch.autograd.graph.saved_tensors_hooks`` pack hook counts the bytes of the distinct storages
-  the F pass saves for backward (parameters, i.e. ``nn.Parameter`` and their views, and anything
+  (``mem_w`` = what W frees). On CPU (and whenever the passes do not run on a CUDA device): an
+  activation meter (``runtime.memory.ActivationMeter``: a ``torch.autograd.graph.saved_tensors_hooks``
+  pack hook; or whatever already captures, the offload manager or the forward-backward's meter) counts
+  the bytes of the distinct storages the F pass saves for backward (parameters, i.e. ``nn.Parameter`` and their views, and anything
   given to :meth:`PassProfiler.ignore_parameters`, are not activations and are skipped); the
   storages are tracked by weak reference, and the bytes still alive when that microbatch's W pass
   starts give ``mem_w``. This is an estimate: tensors a custom autograd Function keeps as plain
@@ -50,7 +51,6 @@ from __future__ import annotations
 import contextlib
 import re
 import time
-import weakref
 from collections import defaultdict
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -59,6 +59,7 @@ import torch.distributed as dist
 
 from ..core.ir import B, BW, F, W, Placement
 from .hooks import Hook
+from .memory import ActivationMeter
 from .profile_data import ProfileError, build_profile, save_profile
 
 __all__ = ["PassProfiler", "ProfileError"]
@@ -69,54 +70,6 @@ _WHAT = re.compile(r"\b([FB])(\d+)\.(\d+)\b")
 # --------------------------------------------------------------------------------------------
 # the per-rank recorder
 # --------------------------------------------------------------------------------------------
-
-class _SavedBytes:
-    """Distinct storages one F pass saved for backward, tracked by weak reference.
-
-    Storage Python objects are preserved as long as their storage lives (even when only a view or
-    a ``detach()``-ed alias of the saved tensor keeps it), so a weak reference to the storage
-    tells whether the memory is still held.
-    """
-
-    __slots__ = ("refs", "nbytes", "ignore")
-
-    def __init__(self, ignore):
-        self.refs: Dict[int, weakref.ref] = {}
-        self.nbytes: Dict[int, int] = {}
-        self.ignore = ignore
-
-    def pack(self, t):
-        if isinstance(t, torch.Tensor):
-            base = t._base if t._base is not None else t
-            if not isinstance(t, torch.nn.Parameter) and not isinstance(base, torch.nn.Parameter):
-                try:
-                    st = t.untyped_storage()
-                    ptr, n = st.data_ptr(), st.nbytes()
-                except Exception:  # sparse / meta / tensor subclasses without storage
-                    st, ptr, n = None, None, 0
-                if ptr and ptr not in self.ignore and ptr not in self.refs:
-                    try:
-                        self.refs[ptr] = weakref.ref(st)
-                        self.nbytes[ptr] = n
-                    except TypeError:
-                        pass
-        return t
-
-    @staticmethod
-    def unpack(t):
-        return t
-
-    def total(self) -> int:
-        return int(sum(self.nbytes.values()))
-
-    def alive(self) -> int:
-        n = 0
-        for ptr, ref in self.refs.items():
-            st = ref()
-            if st is not None and st.data_ptr() == ptr:  # megatron may swap a tensor's .data out
-                n += self.nbytes[ptr]
-        return n
-
 
 class PassProfiler:
     """Times passes and receives of one pipeline rank while the iteration is inside ``window``.
@@ -156,7 +109,7 @@ class PassProfiler:
         self.device_type = "cpu"
         self.mem_method = None
         self._events: List[tuple] = []  # CUDA: (what, stage, kind, start_event, end_event)
-        self._saved: Dict[Tuple[int, int], _SavedBytes] = {}
+        self._saved: Dict[Tuple[int, int], Any] = {}  # (stage, mb) -> what captured its F
         self._gpu_mem_at_f: Dict[Tuple[int, int], int] = {}
         self._t_iter: Optional[float] = None
         self.offload_stats: List[dict] = []  # per window iteration, from the offload manager (if any)
@@ -347,24 +300,23 @@ class _ProfileHook(Hook):
                 prof.mem_w[stage].append(max(0, m0 - torch.cuda.memory_allocated()))
             return
         if kind == F:
-            reg = self.offload if self.offload is not None else _SavedBytes(prof._ignore)
             t0 = time.perf_counter()
-            if self.offload is None:
-                with torch.autograd.graph.saved_tensors_hooks(reg.pack, reg.unpack):
+            src = self.offload
+            if src is None:  # nothing captures yet: a meter of this F alone does
+                src = ActivationMeter()
+                src.ignore_pointers(prof._ignore)
+                with src.capture(stage, a.mb):
                     yield
-                prof.mem_f[stage].append(reg.total())
             else:
                 yield
-                prof.mem_f[stage].append(self.offload.last_captured_bytes)
+            prof.mem_f[stage].append(src.last_captured_bytes)
             prof.times[(stage, F)].append(time.perf_counter() - t0)
-            prof._saved[(stage, a.mb)] = reg
+            prof._saved[(stage, a.mb)] = src
             return
         if kind == W:
-            reg = prof._saved.pop((stage, a.mb), None)
-            if reg is not None and reg is self.offload:
-                prof.mem_w[stage].append(self.offload.alive_bytes(stage, a.mb))
-            elif reg is not None:  # what the F pass saved and is still alive after B
-                prof.mem_w[stage].append(reg.alive())
+            src = prof._saved.pop((stage, a.mb), None)
+            if src is not None:  # what the F pass saved and is still alive after B
+                prof.mem_w[stage].append(src.alive_bytes(stage, a.mb))
         elif kind == BW:
             prof._saved.pop((stage, a.mb), None)
         t0 = time.perf_counter()
