@@ -65,8 +65,8 @@ def _fused_attention(args) -> bool:
 def _activation_spec(args):
     """plan's model of the run's activations (``core.plan.ModelSpec``) from Megatron's arguments."""
     from ..core.model import ModelSpec
-    drop = any(float(getattr(args, k, 0.1) if getattr(args, k, None) is not None else 0.1) > 0
-               for k in ("hidden_dropout", "attention_dropout"))
+    rates = [getattr(args, k, None) for k in ("hidden_dropout", "attention_dropout")]
+    drop = any((0.1 if r is None else float(r)) > 0 for r in rates)  # Megatron's default rate is 0.1
     return ModelSpec(num_layers=int(args.num_layers), hidden_size=int(args.hidden_size),
                      num_attention_heads=int(args.num_attention_heads), seq_length=int(args.seq_length),
                      micro_batch_size=int(getattr(args, "micro_batch_size", 1) or 1),

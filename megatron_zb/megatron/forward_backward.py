@@ -424,25 +424,27 @@ def _check_config(config, name):
                                     "not supported by the megatron-zb runtime")
 
 
-def _say_fused(chunk_module, name: str) -> None:
-    """One line per pipeline rank and chunk (on its first data- and tensor-parallel rank) naming
-    the matrix weights whose gradient stays in B (correct, just not moved into W)."""
-    fused = fused_weights(chunk_module)
-    if not fused:
-        return
+def _say(line: str) -> None:
+    """Print once per pipeline rank: on its first data- and tensor-parallel rank."""
     from megatron.core import parallel_state
     if parallel_state.get_data_parallel_rank() == 0 and parallel_state.get_tensor_model_parallel_rank() == 0:
-        print(f"megatron-zb: pipeline rank {parallel_state.get_pipeline_model_parallel_rank()} {name}: weight "
-              f"gradients computed in B, not deferred to W: {', '.join(fused)}", flush=True)
+        print(line, flush=True)
+
+
+def _say_fused(chunk_module, name: str) -> None:
+    """One line per pipeline rank and chunk naming the matrix weights whose gradient stays in B
+    (correct, just not moved into W)."""
+    fused = fused_weights(chunk_module)
+    if fused:
+        from megatron.core import parallel_state
+        _say(f"megatron-zb: pipeline rank {parallel_state.get_pipeline_model_parallel_rank()} {name}: weight "
+             f"gradients computed in B, not deferred to W: {', '.join(fused)}")
 
 
 def _say_memory(pp_rank: int, memory: Optional[dict]) -> None:
-    """At the end of the profile window, one line per pipeline rank (on its first data- and
-    tensor-parallel rank): its activation peak as measured and as the simulator predicts it."""
-    from megatron.core import parallel_state
-    if memory is None or parallel_state.get_data_parallel_rank() != 0 \
-            or parallel_state.get_tensor_model_parallel_rank() != 0:
-        return
-    m, p = memory["measured_peak_bytes"], memory["predicted_peak_bytes"]
-    print(f"megatron-zb: pipeline rank {pp_rank}: activations peak {m / 2**20:.3f} MiB measured, {p / 2**20:.3f} MiB "
-          f"predicted ({100 * (m / p - 1) if p else 0.0:+.1f}%; {memory['method']})", flush=True)
+    """At the end of the profile window, one line per pipeline rank: its activation peak as
+    measured and as the simulator predicts it."""
+    if memory is not None:
+        m, p = memory["measured_peak_bytes"], memory["predicted_peak_bytes"]
+        _say(f"megatron-zb: pipeline rank {pp_rank}: activations peak {m / 2**20:.3f} MiB measured, "
+             f"{p / 2**20:.3f} MiB predicted ({100 * (m / p - 1) if p else 0.0:+.1f}%; {memory['method']})")
