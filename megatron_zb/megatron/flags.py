@@ -315,6 +315,8 @@ def validate_zero_bubble_args(args, *, before_megatron_validation: Optional[bool
         v = getattr(args, f"zero_bubble_{opt}", None)
         if v is not None:
             kwargs[opt] = v
+    if _given(args, "overlap_moe_expert_parallel_comm"):
+        kwargs["ep_overlap"] = True  # also on in the model config, except on CPU (machine_adjustments)
     if ours is not None and ours[1] != "microbatches" and "mem_w" not in kwargs:
         kwargs["mem_w"] = mem_w_ratio(args)  # a byte budget: W's share from the same model, not 0.5
     if window is not None:

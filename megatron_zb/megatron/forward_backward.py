@@ -341,6 +341,10 @@ class ZeroBubbleForwardBackward:
             if sync is not None:
                 sync.close()
         if passes.plans is not None:
+            if completed and self.iterations == 1:
+                _say(f"megatron-zb: pipeline rank {me}: EP all-to-all overlap (--overlap-moe-expert-parallel-comm): "
+                     f"every pass through megatron-core's schedule plans, {passes.plans.pairs_run} overlapped F&B "
+                     "pair(s) per iteration run as one pass")
             self.overlapped_pairs = passes.plans.pairs_run
         for q in call.queues:
             if completed:
