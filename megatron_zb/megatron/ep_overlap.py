@@ -44,13 +44,13 @@ class PlanPasses:
 
     def forward(self, stage: int, mb: int, inp):
         plan, loss_func, model, held = self._start_forward(stage, mb, inp)
-        with self._autocast():
+        with self._around_run():
             output = type(plan).run(plan, None)
         return self._finish_forward(stage, mb, plan, loss_func, model, held, output)
 
     def backward(self, stage: int, mb: int, inp, out, grad, split: bool):
         plan, grad = self._start_backward(stage, mb, out, grad)
-        with self._deferring(stage, mb, split), self._autocast():
+        with self._deferring(stage, mb, split), self._around_run():
             type(plan).run(None, plan, b_grad=grad)
         return None if inp is None else inp.grad
 
@@ -60,7 +60,7 @@ class PlanPasses:
         (f_stage, f_mb, f_inp), (b_stage, b_mb, b_inp, b_out, b_grad, split) = f, b
         f_plan, loss_func, model, held = self._start_forward(f_stage, f_mb, f_inp)
         b_plan, b_grad = self._start_backward(b_stage, b_mb, b_out, b_grad)
-        with self._deferring(b_stage, b_mb, split), self._autocast():
+        with self._deferring(b_stage, b_mb, split), self._around_run():
             output = type(f_plan).run(f_plan, b_plan, b_grad=b_grad)
         out = self._finish_forward(f_stage, f_mb, f_plan, loss_func, model, held, output)
         self.pairs_run += 1
@@ -130,4 +130,17 @@ class PlanPasses:
         if getattr(cfg, "enable_autocast", False):
             return torch.autocast("cuda", dtype=cfg.autocast_dtype)
         return contextlib.nullcontext()
+
+    def _around_run(self):
+        """What megatron wraps a plan's run in: autocast, and FP8's delayed recipe around the whole
+        pass (other recipes enter their context layer by layer inside the plan)."""
+        cfg = self.owner.config
+        stack = contextlib.ExitStack()
+        stack.enter_context(self._autocast())
+        if getattr(cfg, "fp8", None):
+            from megatron.core.enums import Fp8Recipe
+            if cfg.fp8_recipe == Fp8Recipe.delayed:
+                from megatron.core.fp8_utils import get_fp8_context
+                stack.enter_context(get_fp8_context(cfg))
+        return stack
 
