@@ -207,6 +207,11 @@ def add_zero_bubble_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                             f"(a comma list gives one value per rank; default 1).")
     g.add_argument("--zero-bubble-cost-comm", type=_cost("--zero-bubble-cost-comm"), default=None, metavar="T",
                    help="Relative time of one pipeline hop (default 0).")
+    g.add_argument("--zero-bubble-cost-a2a", type=_cost("--zero-bubble-cost-a2a"), default=None, metavar="T",
+                   help="MoE: relative time of one microbatch's expert-parallel all-to-all (dispatch + combine) in "
+                        "an F, B or fused BW of a stage. With --overlap-moe-expert-parallel-comm the schedule core "
+                        "pairs an F with a B wherever hiding it shortens the iteration (default with that flag: "
+                        "half of F's cost); without it, charged serially (default 0).")
     g.add_argument("--zero-bubble-mem-w", type=float, default=None, metavar="RATIO",
                    help="What W still holds after B, as a fraction of what F keeps (default 0.5; with a GB "
                         "--zero-bubble-memory-limit from the model; above 1 with full recompute).")

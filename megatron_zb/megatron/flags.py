@@ -311,7 +311,7 @@ def validate_zero_bubble_args(args, *, before_megatron_validation: Optional[bool
 
     kwargs: Dict[str, Any] = {"schedule": name, "chunks": chunks, "memory_limit": limit,
                               "timeout_s": float(getattr(args, "zero_bubble_timeout", None) or DEFAULT_TIMEOUT_S)}
-    for opt in ("cost_f", "cost_b", "cost_w", "cost_comm", "mem_w"):
+    for opt in ("cost_f", "cost_b", "cost_w", "cost_comm", "cost_a2a", "mem_w"):
         v = getattr(args, f"zero_bubble_{opt}", None)
         if v is not None:
             kwargs[opt] = v
