@@ -7,6 +7,10 @@ produces, sends and receives real (small) tensors, so the p2p path is the real o
     passes = sleep_passes(setting, rank, placement, unit=0.02)
     execute(lowered.orders[rank], rank, placement, passes, p2p)
 
+MoE's all-to-all (``setting.cost_a2a``) is part of every F, B and BW's sleep, as the simulator
+charges it; the passes of an overlapped F&B pair (``pairs``) sleep only what the other's compute
+does not hide (``SleepPasses.pair_seconds`` in all, ``core.simulate.paired_cost`` each).
+
 :func:`time_iterations` runs a lowered schedule several times on every rank of a process group
 (barrier before each) and returns each iteration's wall time on this rank.
 """
@@ -15,15 +19,17 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import List, Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-from ..core.ir import B, BW, F, W, Placement, Schedule, Setting
+from ..core.ir import B, BW, F, W, Action, Placement, Schedule, Setting
+from ..core.simulate import paired_cost
 from .executor import StagePasses, execute
 
-__all__ = ["sleep_passes", "time_iterations", "precise_sleep"]
+__all__ = ["SleepPasses", "sleep_passes", "lowered_pairs", "time_iterations", "precise_sleep"]
 
 _yield = getattr(os, "sched_yield", lambda: time.sleep(0))
 
@@ -43,13 +49,38 @@ def precise_sleep(seconds: float, spin_s: float = 0.0004) -> None:
         _yield()
 
 
+@dataclass
+class SleepPasses(StagePasses):
+    """``StagePasses`` whose passes sleep (``sleep_passes``), plus what an overlapped F&B pair
+    sleeps: its two computes and only the part of each all-to-all the other's compute does not
+    hide, exactly as the simulator charges it (``core.simulate.paired_cost``)."""
+
+    seconds: Dict[str, float] = field(default_factory=dict)  # kind -> one plain pass
+    # split (B, not BW) -> (seconds of the F, seconds of the backward) inside a pair
+    pair_parts: Dict[bool, Tuple[float, float]] = field(default_factory=dict)
+
+    def pair_seconds(self, f_stage: int, b_stage: int, split: bool) -> float:
+        """Seconds an overlapped pair of this rank's F (of ``f_stage``) and B (``split``) or BW
+        (of ``b_stage``) takes in all, from the moment both have their inputs."""
+        f, b = self.pair_parts[bool(split)]
+        return f + b
+
+
 def sleep_passes(setting: Setting, rank: int, placement: Placement, shape: Sequence[int] = (4,),
-                 unit: float = 0.01, dtype: torch.dtype = torch.float32, device="cpu") -> StagePasses:
+                 unit: float = 0.01, dtype: torch.dtype = torch.float32, device="cpu",
+                 pairs: Iterable[Tuple[Action, Action]] = (),
+                 before_pair: Optional[Callable[[Action], None]] = None) -> SleepPasses:
     """StagePasses for ``rank`` whose F/B/W/BW sleep ``setting.pass_cost(kind, rank) * unit`` s.
 
     ``setting.chunks`` is taken from the placement (each chunk's pass costs the rank's value / V).
     F returns a tensor of ``shape`` (the stage's output, sent for real); B/BW return an input
     gradient of ``shape`` (stage 0 returns None).
+
+    ``pairs``: this rank's overlapped F&B pairs, (F, B or BW) actions. Their passes sleep their
+    part of ``pair_seconds`` (the F first, the backward right after, as the executor runs a pair
+    without an overlap hook): the sum is the pair's simulated time. ``before_pair(b)`` runs first
+    in the F of a pair whose backward is ``b`` (e.g. wait for b's input: a pair starts once both
+    passes have theirs, as the simulator has it).
     """
     if setting.chunks != placement.chunks:
         setting = dataclasses.replace(setting, chunks=placement.chunks)
@@ -57,15 +88,27 @@ def sleep_passes(setting: Setting, rank: int, placement: Placement, shape: Seque
         raise ValueError(f"unit must be >= 0 seconds, got {unit}")
     shape = tuple(int(x) for x in shape)
     dur = {k: setting.pass_cost(k, rank) * unit for k in (F, B, W, BW)}
+    parts = {}
+    for split, bk in ((True, B), (False, BW)):
+        f_act, b_act = Action(F, 0, 0), Action(bk, 0, 0)
+        hide = setting.a2a_overlap and any(setting.cost_a2a)
+        parts[split] = ((paired_cost(setting, rank, f_act, b_act) * unit, paired_cost(setting, rank, b_act, f_act) * unit)
+                        if hide else (dur[F], dur[bk]))
+    f_partner = {(f.stage, f.mb): b for f, b in pairs}
+    b_split = {(b.stage, b.mb): b.kind == B for _, b in pairs}
 
     def forward(stage, mb, inp):  # the (tiny) real work first, inside the pass's duration
-        t_end = time.perf_counter() + dur[F]
+        b = f_partner.get((stage, mb))
+        if b is not None and before_pair is not None:
+            before_pair(b)
+        t_end = time.perf_counter() + (dur[F] if b is None else parts[b.kind == B][0])
         out = torch.full(shape, float(stage * 1000 + mb), dtype=dtype, device=device)
         precise_sleep(t_end - time.perf_counter())
         return out
 
     def backward(stage, mb, inp, out, grad, split):
-        t_end = time.perf_counter() + (dur[B] if split else dur[BW])
+        paired = b_split.get((stage, mb))
+        t_end = time.perf_counter() + ((dur[B] if split else dur[BW]) if paired is None else parts[split][1])
         g = None if placement.is_first(stage) else torch.full(shape, float(mb), dtype=dtype, device=device)
         precise_sleep(t_end - time.perf_counter())
         return g
@@ -73,8 +116,14 @@ def sleep_passes(setting: Setting, rank: int, placement: Placement, shape: Seque
     def weight(stage, mb):
         precise_sleep(dur[W])
 
-    return StagePasses(forward=forward, backward=backward, weight=weight,
-                       recv_shape=lambda s, mb: shape, dtype=dtype, device=device)
+    return SleepPasses(forward=forward, backward=backward, weight=weight,
+                       recv_shape=lambda s, mb: shape, dtype=dtype, device=device, seconds=dur, pair_parts=parts)
+
+
+def lowered_pairs(lowered: Schedule, rank: int) -> Dict[int, int]:
+    """This rank's overlapped pairs of a lowered schedule: position of the F -> position of its
+    backward (``execute``'s ``overlap_pairs``)."""
+    return {i: j for r, i, j in lowered.meta.get("overlap_pairs", ()) if r == rank}
 
 
 def time_iterations(lowered: Schedule, rank: int, passes: StagePasses, p2p, iterations: int,
