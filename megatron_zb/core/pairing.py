@@ -10,10 +10,15 @@ followed by a plain B or BW on a rank's list (nothing between them, so after low
 messages lie between the two, which is what a runtime needs to run them together) of different
 microbatches (a backward of the forward's own microbatch waits for it). It tries every candidate,
 then only those whose backward has its input by the time the forward starts (read off the
-unpaired simulation), drops pairs that make the schedule deadlock (a pair waits for both inputs)
-and then, rank by rank, the pairs of a rank where that shortens the iteration. A set of pairs is
-kept only where the simulated iteration gets shorter; every rank's order of passes is unchanged,
-and so is activation memory. Without an all-to-all, or with ``a2a_overlap`` off, nothing changes.
+unpaired simulation), and drops pairs that make the schedule deadlock (a pair waits for both
+inputs). Where a rank's forward and backward meet only with one microbatch (the last stage of a
+1F1B-like order: F k, B k, F k+1, B k+1, ...), it can move the rank's forwards one backward earlier
+(``advance_forwards``: Megatron's extra warm-up forward of combined 1F1B), holding one more
+activation: only where the rank's peak stays within the memory limit, else within the schedule's
+own peak (the largest over its ranks), tried on every such rank at once, then rank by rank. Last,
+it drops the pairs of one rank at a time (once over the ranks) where that shortens the iteration. Everything is kept
+only where the simulated iteration gets shorter. Without an all-to-all, or with ``a2a_overlap``
+off, nothing changes.
 
 Pure Python, no torch.
 """
@@ -95,18 +100,12 @@ def _advance(schedule: Schedule, setting: Setting, base, best: Optional[_Found])
             return None
         return _best_pairs(sched, setting, res)
 
-    for ranks in [fits] + [None] * schedule.num_ranks:
-        if ranks is None:  # then a rank at a time
-            r = next((q for q in range(len(fits)) if fits[q] and q not in done), None)
-            if r is None:
-                break
-            done.add(r)
-            ranks = state[:r] + [not state[r]] + state[r + 1:]
-        else:
-            done = set()
+    tries = [list(fits)] + [r for r in range(len(fits)) if fits[r]]
+    for t in tries:  # every rank that fits at once, then one rank at a time from where the search stands
+        ranks = t if isinstance(t, list) else state[:t] + [not state[t]] + state[t + 1:]
         got = trial(ranks)
         if got is not None and got.makespan < limit - EPS:
-            best, state, limit = got, list(ranks), got.makespan
+            best, state, limit = got, ranks, got.makespan
     return best
 
 
@@ -146,14 +145,11 @@ def _best_pairs(schedule: Schedule, setting: Setting, base) -> Optional[_Found]:
 
 
 def _refine(best: _Found, setting: Setting) -> _Found:
-    """Drop one rank's pairs at a time while that shortens the iteration."""
-    improved = True
-    while improved and best.pairs:
-        improved = False
-        for r in sorted({c[0] for c in best.pairs}):
-            got = _feasible(best.unpaired, setting, frozenset(c for c in best.pairs if c[0] != r))
-            if got is not None and got.makespan < best.makespan - EPS:
-                best, improved = got, True
+    """Drop one rank's pairs at a time (once over the ranks) where that shortens the iteration."""
+    for r in sorted({c[0] for c in best.pairs}):
+        got = _feasible(best.unpaired, setting, frozenset(c for c in best.pairs if c[0] != r))
+        if got is not None and got.makespan < best.makespan - EPS:
+            best = got
     return best
 
 
@@ -176,19 +172,20 @@ def _apply(schedule: Schedule, chosen: FrozenSet[Cand]) -> Schedule:
 
 
 def _feasible(schedule: Schedule, setting: Setting, chosen: FrozenSet[Cand]) -> Optional[_Found]:
-    """``schedule`` with ``chosen`` paired, less the pairs a deadlock is stuck at; None if
-    nothing is left."""
-    while chosen:
-        trial = _apply(schedule, chosen)
-        try:
-            return _Found(simulate(trial, setting).makespan, schedule, chosen, trial)
-        except Deadlock as e:
-            stuck = set(e.stuck())
-            drop = {c for c in chosen if (c[0], c[2]) in stuck}
-            if not drop:  # not a pair's doing (cannot happen for a valid schedule): give up on these
-                return None
-            chosen = chosen - drop
-    return None
+    """``schedule`` with ``chosen`` paired, less the pairs that wait for each other (a pair starts
+    once both passes have their inputs: where that deadlocks, the simulator runs the pairs the
+    stuck ranks wait in as plain passes, which times the rest exactly as with those left out);
+    None if none is left."""
+    unpaired = set()
+    try:
+        res = simulate(_apply(schedule, chosen), setting, unpaired=unpaired)
+    except Deadlock:  # not the pairs' doing
+        return None
+    if unpaired:
+        chosen = frozenset(c for c in chosen if (c[0], c[2]) not in unpaired)
+    if not chosen:
+        return None
+    return _Found(res.makespan, schedule, chosen, _apply(schedule, chosen))
 
 
 def _ready_in_time(cands: List[Cand], schedule: Schedule, base, setting: Setting) -> List[Cand]:

@@ -151,11 +151,17 @@ def _deadlock_message(schedule: Schedule, orders, pos, done) -> str:
 
 
 def simulate(schedule: Schedule, setting: Setting,
-             release: Optional[Dict[Tuple[int, int], float]] = None) -> SimResult:
+             release: Optional[Dict[Tuple[int, int], float]] = None,
+             unpaired: Optional[set] = None) -> SimResult:
     """Time every compute pass. Raises Deadlock naming each stuck rank's waiting pass.
 
     ``release`` (optional): {(rank, i): t} -- the i-th compute pass of that rank starts no earlier
-    than t (``core.iteration`` uses it for iterations back to back)."""
+    than t (``core.iteration`` uses it for iterations back to back).
+
+    ``unpaired`` (optional, a set; ``core.pairing`` uses it): where the schedule would deadlock
+    because overlapped pairs wait for their backward's inputs, the pairs the stuck ranks wait in
+    run as two plain passes instead, and their (rank, index of the F among the rank's compute
+    passes) are added to the set."""
     schedule = schedule.flat()
     pl = schedule.placement
     nst = pl.num_stages
@@ -218,7 +224,12 @@ def simulate(schedule: Schedule, setting: Setting,
                 remaining -= 1
                 progressed = True
         if not progressed:
-            raise Deadlock(schedule, orders, pos, done)
+            stuck = {(r, sum(1 for a in o[:pos[r]] if a.is_compute)) for r, o in enumerate(orders)
+                     if pos[r] < len(o)} & pairs
+            if unpaired is None or not stuck:
+                raise Deadlock(schedule, orders, pos, done)
+            unpaired |= stuck  # these pairs wait for each other: run them as plain passes
+            pairs -= stuck
 
     syncs = _replica_syncs(timeline, pl, setting) if pl.replicated else []
     finish = [tl[-1].end if tl else 0.0 for tl in timeline]
