@@ -166,7 +166,8 @@ def _apply(schedule: Schedule, chosen: FrozenSet[Cand]) -> Schedule:
                 out.append(order[j])
                 j += 1
         orders.append(out)
-    meta = {k: v for k, v in schedule.meta.items() if k != "overlap_pairs"}
+    # a generator's lower bound counts every all-to-all serial: it does not bound the pairs
+    meta = {k: v for k, v in schedule.meta.items() if k not in ("overlap_pairs", "lower_bound", "gap_to_lower_bound")}
     meta["pairs_formed"] = len(chosen)
     return Schedule(schedule.name, schedule.placement, schedule.num_microbatches, orders, meta)
 
