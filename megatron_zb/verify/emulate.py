@@ -55,11 +55,13 @@ COMBINED_1F1B = "combined-1f1b"
 class Entry:
     """One schedule to run; ``label`` defaults to the schedule's name (plus the mode).
     ``memory_limit``: per rank, in mem-f units (the searched schedules search under it; the
-    overlapped pairs an all-to-all cost asks for stay within it)."""
+    overlapped pairs an all-to-all cost asks for stay within it). ``a2a_overlap``: this entry's
+    own (None: ``emulate``'s)."""
     schedule: str
     post_validation: bool = False
     label: Optional[str] = None
     memory_limit: Optional[float] = None
+    a2a_overlap: Optional[bool] = None
 
     @property
     def name(self) -> str:
@@ -74,6 +76,8 @@ def _setting(stages, microbatches, cost_f, cost_b, cost_w, cost_comm=0.0, cost_a
 def schedule_for(entry: Entry, setting: Setting) -> Tuple[Schedule, Setting]:
     """The schedule ``entry`` runs, as ``core.build`` makes it (with the overlapped pairs an
     all-to-all cost asks for), and the setting it was built with."""
+    if entry.a2a_overlap is not None:
+        setting = dataclasses.replace(setting, a2a_overlap=entry.a2a_overlap)
     if entry.schedule == COMBINED_1F1B:
         st = dataclasses.replace(setting, chunks=2, memory_limit=entry.memory_limit)
         return combined_1f1b(st), st
