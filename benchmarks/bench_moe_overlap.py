@@ -1,6 +1,6 @@
 """MoE expert-parallel all-to-all overlap against Megatron's combined 1F1B (issue 27, item 4).
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_moe_overlap.py [--emulate-stages 8] [--unit-ms 4]
+    OMP_NUM_THREADS=1 python benchmarks/bench_moe_overlap.py [--emulate-stages 8] [--unit-ms 10]
         [--out benchmarks/results/moe_overlap.json]
 
 A DeepSeek-like cost profile: per whole stage F = B = W = 1 (compute), and an all-to-all
@@ -97,7 +97,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--emulate-stages", type=int, nargs="*", default=[8],
                     help="pipeline sizes to emulate on real processes (default 8; 0 or none: skip)")
-    ap.add_argument("--unit-ms", type=float, default=4.0, help="ms per cost unit in the emulation (default 4)")
+    ap.add_argument("--unit-ms", type=float, default=10.0, help="ms per cost unit in the emulation (default 10)")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "moe_overlap.json"))
     a = ap.parse_args(argv)
     results = []
@@ -109,10 +109,11 @@ def main(argv=None) -> int:
                    "costs": {"f": 1.0, "b": 1.0, "w": 1.0, "a2a": round(share / (1 - share), 4)},
                    "simulated": sim, "simulate_s": round(time.time() - t0, 2)}
             if p in a.emulate_stages:
-                t0 = time.time()
+                t0, load = time.time(), os.getloadavg()[0]
                 res["emulated"] = emulated(p, share, a.unit_ms, sim[0]["peak_activation"])
                 res["emulated_unit_ms"] = a.unit_ms
                 res["emulate_s"] = round(time.time() - t0, 1)
+                res["load_average_before_after"] = [round(load, 2), round(os.getloadavg()[0], 2)]
             results.append(res)
             _print(res)
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
@@ -126,7 +127,9 @@ def main(argv=None) -> int:
 def _print(res: dict) -> None:
     em = {r["schedule"]: r for r in res.get("emulated", [])}
     print(f"\nP={res['stages']} M={res['microbatches']}, all-to-all {100 * res['a2a_share']:.0f}% of a pass "
-          f"(F=B=W=1, a2a={res['costs']['a2a']:g} per F/B/BW of a stage)")
+          f"(F=B=W=1, a2a={res['costs']['a2a']:g} per F/B/BW of a stage)"
+          + (f"; emulated with {res['emulated_unit_ms']:g} ms per unit, load average "
+             f"{res['load_average_before_after'][0]:g} -> {res['load_average_before_after'][1]:g}" if "emulated" in res else ""))
     print(f"{'schedule':<42} {'sim iter':>9} {'vs anchor':>9} {'peak act':>9} {'pairs':>6}"
           + (f" {'emul ms':>9} {'pred ms':>9} {'err':>6} {'vs anchor':>9}" if em else ""))
     for r in res["simulated"]:
