@@ -9,9 +9,9 @@
 # EXTRA_ARGS (passed last, so it overrides). Without a GPU the defaults are a tiny GPT that trains
 # on CPU in seconds (gloo, fp32); with GPUs a small bf16 GPT.
 #
-#   SCHEDULE      megatron-zb schedule (zb-h1, zb-h2, zb-auto, zb-v, v-half, v-min, v-auto, 1f1b, gpipe,
-#                 interleaved-1f1b, looped-bfs, dualpipe-v, gpipe-v); "megatron" = Megatron's own
-#                 schedules (no megatron-zb flag). Default zb-h1.
+#   SCHEDULE      megatron-zb schedule (gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-h2, zb-auto, zb-v,
+#                 v-half, v-min, v-auto, looped-bfs, dualpipe-v, gpipe-v, interleaved-zb, zeropp, bitpipe);
+#                 "megatron" = Megatron's own schedules (no megatron-zb flag). Default zb-h1.
 #   MEM_LIMIT     --zero-bubble-memory-limit (microbatches, or e.g. 20GB)
 #   PP TP         pipeline / tensor parallel sizes (default 2 / 1)
 #   NPROC         processes per node (default: the GPUs on this node, else PP x TP)

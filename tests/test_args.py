@@ -505,6 +505,16 @@ def test_schedule_names_come_from_the_registry():
     assert str(info.value).endswith(", ".join(core_schedules.names()))
 
 
+def test_the_launch_script_lists_the_registry():
+    import os
+    import re
+    script = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts",
+                               "pretrain_gpt_zb.sh")).read()
+    head = script[script.index("#   SCHEDULE      "):]
+    listed = re.findall(r"[a-z0-9]+(?:-[a-z0-9]+)*", head[head.index("(") + 1:head.index(")")])
+    assert listed == core_schedules.names()
+
+
 def test_the_readme_schedule_table_is_the_registry():
     import os
     import re

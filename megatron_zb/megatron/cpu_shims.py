@@ -248,6 +248,12 @@ def _cuda_streams():
     torch.cuda.current_stream = lambda *a, **k: _NullStream()
     torch.cuda.default_stream = lambda *a, **k: _NullStream()
     torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    # megatron's fine-grained schedule plans (--overlap-moe-expert-parallel-comm) mark ranges and
+    # hand tensors between streams: both mean nothing on one CPU stream
+    torch.cuda.nvtx.range_push = lambda *a, **k: None
+    torch.cuda.nvtx.range_pop = lambda *a, **k: None
+    torch.cuda.nvtx.range = lambda *a, **k: contextlib.nullcontext()
+    torch.Tensor.record_stream = lambda self, stream: None
 
 
 def _cuda_type_names():

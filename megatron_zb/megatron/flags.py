@@ -172,8 +172,6 @@ def validate_zero_bubble_args(args, *, before_megatron_validation: Optional[bool
 
     # -- Megatron options our runtime cannot honour --------------------------------------------
     conflicts = [
-        ("overlap_moe_expert_parallel_comm", "--overlap-moe-expert-parallel-comm",
-         "Megatron's combined-1F1B EP overlap is its own schedule"),
         ("defer_embedding_wgrad_compute", "--defer-embedding-wgrad-compute",
          "megatron-zb already defers weight gradients (W passes)"),
         ("num_microbatches_with_partial_activation_checkpoints",
@@ -186,6 +184,9 @@ def validate_zero_bubble_args(args, *, before_megatron_validation: Optional[bool
     for dest, flag, why in conflicts:
         if _given(args, dest):
             raise err(f"{flag} cannot be combined with megatron-zb schedule {name}: {why}")
+    if _given(args, "overlap_moe_expert_parallel_comm") and name not in core_schedules.overlapping():
+        raise err(f"--overlap-moe-expert-parallel-comm needs a schedule with overlapped F&B pairs "
+                  f"({', '.join(core_schedules.overlapping())}); schedule {name} has none")
     if getattr(args, "cuda_graph_impl", None) == "full_iteration":
         raise err(f"--cuda-graph-impl full_iteration captures Megatron's own schedule; it cannot be combined with "
                   f"megatron-zb schedule {name}")
@@ -314,6 +315,8 @@ def validate_zero_bubble_args(args, *, before_megatron_validation: Optional[bool
         v = getattr(args, f"zero_bubble_{opt}", None)
         if v is not None:
             kwargs[opt] = v
+    if _given(args, "overlap_moe_expert_parallel_comm"):
+        kwargs["ep_overlap"] = True  # also on in the model config, except on CPU (machine_adjustments)
     if ours is not None and ours[1] != "microbatches" and "mem_w" not in kwargs:
         kwargs["mem_w"] = mem_w_ratio(args)  # a byte budget: W's share from the same model, not 0.5
     if window is not None:

@@ -36,7 +36,7 @@ from ..runtime.replica import ReplicaGradSync, ReplicaGroups
 from ..runtime.wqueue import WQueue
 from .errors import ZeroBubbleConfigError
 from .gradsync import GradSync
-from .options import ScheduleOptions
+from .options import ScheduleOptions, check_ep_overlap
 from .passes import MegatronPasses, device
 from .routing import check_replicas_equal, merge_losses
 from .wgrad import attach_wgrad_queue, fused_weights
@@ -99,6 +99,7 @@ class ZeroBubbleForwardBackward:
         self.offload = None  # runtime.offload.OffloadManager, made at the first training call
         self.offload_stats: Optional[dict] = None  # the manager's counts of the last iteration
         self.memory: Optional[dict] = None  # runtime.memory: the last measured training iteration
+        self.overlapped_pairs = 0  # --overlap-moe-expert-parallel-comm: pairs run as one pass, last iteration
         self.offload_time_measured: Optional[dict] = None  # --auto-offload-time's measurement
         self.profiler = None
         if options.profile_window is not None:
@@ -322,7 +323,9 @@ class ZeroBubbleForwardBackward:
                                 models=call.models, queues=call.queues, chunk_of=chunk_of, placement=pl,
                                 num_microbatches=call.num_microbatches, config=call.config, cp_size=call.cp_size,
                                 forward_only=call.forward_only, collect_non_loss_data=call.collect_non_loss_data,
-                                first_val_step=call.first_val_step)
+                                first_val_step=call.first_val_step,
+                                ep_overlap=self.options.ep_overlap or bool(getattr(call.config,
+                                                                                   "overlap_moe_expert_parallel_comm", False)))
         sync = None
         if not call.forward_only:
             replicas = (ReplicaGradSync(self.replica_groups(call.pp_ranks, pl), timeout_s=self.options.timeout_s)
@@ -332,11 +335,17 @@ class ZeroBubbleForwardBackward:
         hooks = [call.progress, sync, point, call.profiling, call.memory, call.offload]
         pairs = {i: j for r, i, j in call.schedule.meta.get("overlap_pairs", ()) if r == me}
         try:
-            completed = execute(call.schedule.orders[me], me, pl, passes.stage_passes(call.shape, self.options.overlap),
+            completed = execute(call.schedule.orders[me], me, pl, passes.stage_passes(call.shape),
                                 call.p2p, forward_only=call.forward_only, overlap_pairs=pairs, hooks=hooks)
         finally:
             if sync is not None:
                 sync.close()
+        if passes.plans is not None:
+            if completed and self.iterations == 1:
+                _say(f"megatron-zb: pipeline rank {me}: EP all-to-all overlap (--overlap-moe-expert-parallel-comm): "
+                     f"every pass through megatron-core's schedule plans, {passes.plans.pairs_run} overlapped F&B "
+                     "pair(s) per iteration run as one pass")
+            self.overlapped_pairs = passes.plans.pairs_run
         for q in call.queues:
             if completed:
                 q.assert_empty()
@@ -417,8 +426,7 @@ def _check_forward_order(sched: Schedule) -> None:
 
 def _check_config(config, name):
     if getattr(config, "overlap_moe_expert_parallel_comm", False):
-        raise ZeroBubbleConfigError(f"{name}: overlap_moe_expert_parallel_comm (megatron's combined-1F1B "
-                                    "EP overlap) is not supported together with a megatron-zb schedule")
+        check_ep_overlap(name)
     if getattr(config, "num_microbatches_with_partial_activation_checkpoints", None) is not None:
         raise ZeroBubbleConfigError(f"{name}: num_microbatches_with_partial_activation_checkpoints is "
                                     "not supported by the megatron-zb runtime")

@@ -9,14 +9,23 @@ start-up preview of what training will run. No torch import (the flags' checks r
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from ..core import schedules as core_schedules
 from ..core.build import OffloadRequest, ScheduleRequest, build
 from ..core.ir import ScheduleError
 from .errors import ZeroBubbleArgumentError, ZeroBubbleConfigError
 
-__all__ = ["ScheduleOptions", "preview"]
+__all__ = ["ScheduleOptions", "check_ep_overlap", "preview"]
+
+
+def check_ep_overlap(schedule: str) -> None:
+    """Megatron's --overlap-moe-expert-parallel-comm runs overlapped F&B pairs as one pass: only
+    schedules whose order has such pairs take it."""
+    if schedule not in core_schedules.overlapping():
+        raise ZeroBubbleConfigError(
+            f"--overlap-moe-expert-parallel-comm needs a schedule with overlapped F&B pairs "
+            f"({', '.join(core_schedules.overlapping())}); schedule {schedule} has none (drop the flag or choose one)")
 
 
 @dataclasses.dataclass
@@ -31,7 +40,10 @@ class ScheduleOptions:
     cost_sync: float = 0.0  # replicated stages (bitpipe): the replica gradient all-reduce of a stage
     mem_w: Optional[float] = None
     timeout_s: float = 300.0
-    overlap: Optional[Callable] = None  # overlap(run_f, run_b) for overlapped F&B pairs (dualpipe-v)
+    # Megatron's EP all-to-all overlap (--overlap-moe-expert-parallel-comm; also on when the model
+    # config has it): every training pass through megatron-core's schedule plans, the schedule's
+    # overlapped F&B pairs as one pass (megatron.ep_overlap); schedules with pairs only
+    ep_overlap: bool = False
     # profiler (runtime.profiler): time passes over iterations [start, end] (counted from 1, calls
     # with forward_only=False) and write the profile JSON to profile_path at the window's end
     profile_window: Optional[tuple] = None
@@ -76,6 +88,8 @@ class ScheduleOptions:
             req = self.request()
         except ScheduleError as e:
             raise ZeroBubbleConfigError(str(e)) from None
+        if self.ep_overlap:
+            check_ep_overlap(self.schedule)
         if req.offload is None:
             return
         if req.offload.ratio == "auto" and self.memory_limit is None:

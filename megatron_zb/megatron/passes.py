@@ -28,7 +28,7 @@ class MegatronPasses:
 
     def __init__(self, *, forward_step_func, iterators: Sequence, models: Sequence, queues: Sequence,
                  chunk_of: Dict[int, int], placement: Placement, num_microbatches: int, config, cp_size: int,
-                 forward_only: bool, collect_non_loss_data: bool, first_val_step):
+                 forward_only: bool, collect_non_loss_data: bool, first_val_step, ep_overlap: bool = False):
         from megatron.core.pipeline_parallel import schedules as S
         from megatron.core.utils import get_model_type
         self.S = S
@@ -44,30 +44,52 @@ class MegatronPasses:
         self._first_done = set()
         params = inspect.signature(S.backward_step).parameters
         self._bwd_kwargs = {"model_type": get_model_type(models[0])} if "model_type" in params else {}
+        # --overlap-moe-expert-parallel-comm: every training pass through megatron's schedule plans,
+        # overlapped F&B pairs as one pass (megatron.ep_overlap)
+        self.plans = None
+        if ep_overlap and not forward_only:
+            from .ep_overlap import PlanPasses
+            self.plans = PlanPasses(self)
 
-    def stage_passes(self, shape, overlap=None) -> StagePasses:
+    def stage_passes(self, shape) -> StagePasses:
         return StagePasses(forward=self.forward, backward=self.backward, weight=self.weight,
                            recv_shape=lambda s, mb: shape, dtype=self.config.pipeline_dtype, device=device(),
-                           release_output=self.release, overlap=overlap)
+                           release_output=self.release, overlap=self.plans.pair if self.plans else None)
 
-    def forward(self, stage: int, mb: int, inp):
-        c = self.chunk_of[stage]
-        first = c not in self._first_done  # mb 0 except on a replica (it sees its path's microbatches)
-        self._first_done.add(c)
-        it = self.iterators[c]
+    def iterator(self, chunk: int, mb: int):
+        """The data iterator of ``chunk``, at microbatch ``mb`` (a replica reads only its path's)."""
+        it = self.iterators[chunk]
         if isinstance(it, RoutedIterator):
             it.target = mb
+        return it
+
+    def first_of(self, chunk: int) -> bool:
+        """The chunk's first forward of the call (mb 0 except on a replica)."""
+        first = chunk not in self._first_done
+        self._first_done.add(chunk)
+        return first
+
+    def record_forward(self, mb: int, num_tokens) -> None:
+        self.mb_of_entry.extend([mb] * (len(self.forward_data_store) - len(self.mb_of_entry)))
+        self.total_num_tokens += num_tokens
+
+    def forward(self, stage: int, mb: int, inp):
+        if self.plans is not None:
+            return self.plans.forward(stage, mb, inp)
+        c = self.chunk_of[stage]
+        first = self.first_of(c)
         S = self.S
         out, num_tokens = S.forward_step(
-            self.forward_step_func, it, self.models[c], self.m, inp, self.forward_data_store,
+            self.forward_step_func, self.iterator(c, mb), self.models[c], self.m, inp, self.forward_data_store,
             self.config, self.cp_size, self.collect_non_loss_data, None,
             is_first_microbatch=S.check_first_val_step(self.first_val_step, self.forward_only, first),
             current_microbatch=mb, vp_stage=None, is_last_stage=self.placement.is_last(stage))
-        self.mb_of_entry.extend([mb] * (len(self.forward_data_store) - len(self.mb_of_entry)))
-        self.total_num_tokens += num_tokens
+        self.record_forward(mb, num_tokens)
         return out
 
     def backward(self, stage: int, mb: int, inp, out, grad, split: bool):
+        if self.plans is not None:
+            return self.plans.backward(stage, mb, inp, out, grad, split)
         ctx = self.queues[self.chunk_of[stage]].defer(mb) if split else contextlib.nullcontext()
         with ctx:
             return self.S.backward_step(inp, out, grad, config=self.config, **self._bwd_kwargs)

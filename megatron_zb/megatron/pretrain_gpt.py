@@ -179,15 +179,15 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
     """Megatron's ``forward_step_func``: next microbatch through this chunk, loss on the loss stage."""
     from megatron.training import get_timers
 
-    if return_schedule_plan:
-        raise ValueError("megatron-zb's pretrain_gpt does not build schedule plans "
-                         "(--overlap-moe-expert-parallel-comm is not supported with megatron-zb schedules)")
     timers = get_timers()
     chunk = _unwrapped(model)
     timers("batch-generator", log_level=2).start()
     tokens, labels, loss_mask, attention_mask, position_ids = get_batch(
         data_iterator, bool(getattr(chunk, "pre_process", True)), bool(getattr(chunk, "post_process", True)))
     timers("batch-generator").stop()
+    if return_schedule_plan:  # --overlap-moe-expert-parallel-comm: the chunk's pass as megatron's schedule plan
+        plan = chunk.build_schedule_plan(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
+        return plan, partial(loss_func, loss_mask)
     output = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
     return output, partial(loss_func, loss_mask)
 

@@ -107,6 +107,11 @@ def machine_adjustments(args) -> List[str]:
             if getattr(args, dest, False):
                 setattr(args, dest, False)
                 changed.append(f"{flag} dropped (fp32 on CPU)")
+        if getattr(args, "overlap_moe_expert_parallel_comm", False):
+            # Megatron's config takes it with bf16/fp16 only; megatron-zb's runtime runs it (ep_overlap)
+            args.overlap_moe_expert_parallel_comm = False
+            changed.append("--overlap-moe-expert-parallel-comm run by megatron-zb alone (Megatron's config check "
+                           "wants bf16/fp16; fp32 on CPU, streams are no-ops)")
     return changed
 
 

@@ -43,9 +43,11 @@ class StagePasses:
     device: object = "cpu"
     # release an activation that has been sent or handed over (deallocate_pipeline_outputs)
     release_output: Optional[Callable[[torch.Tensor], None]] = None
-    # overlapped F&B pairs (DualPipe): overlap(run_f, run_b) runs both thunks, e.g. on two CUDA
-    # streams; without it they run one after the other
-    overlap: Optional[Callable[[Callable[[], None], Callable[[], None]], None]] = None
+    # overlapped F&B pairs (DualPipe): overlap(f, b) runs an F and a B as one pass, e.g. one's
+    # all-to-all on a communication stream behind the other's compute (megatron.ep_overlap);
+    # f = (stage, mb, input), b = (stage, mb, input, output, output_grad, split) as for forward and
+    # backward; returns (F's output, B's input grad). Without it the two run one after the other.
+    overlap: Optional[Callable[[tuple, tuple], Tuple[torch.Tensor, Optional[torch.Tensor]]]] = None
 
 
 Key = Tuple[int, int]  # (stage, microbatch)
@@ -74,8 +76,8 @@ def execute(actions: List[Action], rank: int, placement: Placement, passes: Stag
     """Run ``actions`` (this rank's lowered list) to the end.
 
     ``overlap_pairs`` maps the position of an overlapped pair's F to its B's (only messages lie
-    between them): the receives in between are posted first, then ``passes.overlap`` gets the F
-    (with the sends that follow it) and the B as two thunks.
+    between them): the receives in between are posted first, then ``passes.overlap`` runs the F and
+    the B as one pass (one after the other without it), then the sends in between.
 
     ``hooks`` (``runtime.hooks``): the runtime features of this call. If a hook's ``validate``
     (called once, right before the rank's first backward) says no, the rest of the list runs
@@ -115,14 +117,27 @@ def execute(actions: List[Action], rank: int, placement: Placement, passes: Stag
             for k in between:
                 if actions[k].kind in (RECV_F, RECV_B, RELOAD, RELOAD_W):
                     step(k)
-
-            def run_f(i=i, between=between):
+            sends = [k for k in between if actions[k].kind in (SEND_F, SEND_B, OFFLOAD, OFFLOAD_W)]
+            if passes.overlap is None:
                 step(i)
-                for k in between:
-                    if actions[k].kind in (SEND_F, SEND_B, OFFLOAD, OFFLOAD_W):
-                        step(k)
-
-            (passes.overlap or _one_after_the_other)(run_f, lambda j=j: step(j))
+                for k in sends:
+                    step(k)
+                step(j)
+            else:
+                fa, ba = actions[i], actions[j]
+                hk.begin(fa)
+                hk.begin(ba)
+                try:
+                    _pair(fa, i, ba, j, rank, placement, passes, st, bounds, hk)
+                except (ExecutionError, PipelineTimeout):
+                    raise
+                except Exception as e:
+                    raise ExecutionError(f"rank {rank}: the overlapped pair {fa} & {ba} (positions {i}, {j}) "
+                                         f"failed: {type(e).__name__}: {e}") from e
+                hk.end(fa)
+                hk.end(ba)
+                for k in sends:
+                    step(k)
             i = j + 1
             continue
         step(i)
@@ -145,11 +160,6 @@ def _validation_position(actions, pairs) -> Optional[int]:
     return first
 
 
-def _one_after_the_other(run_f, run_b):
-    run_f()
-    run_b()
-
-
 def _backward_bounds(actions):
     """Position of each stage's last B/BW (opens its gradient-sync window) and last B/BW/W."""
     last_b, last = {}, {}
@@ -165,7 +175,6 @@ def _step(a: Action, i: int, rank: int, pl: Placement, ps: StagePasses, p2p: Opt
           forward_only: bool, bounds, hk: Hooks) -> None:
     key = (a.stage, a.mb)
     k = a.kind
-    last_b, last = bounds
     if st.drain and k in OFFLOAD_KINDS:
         return  # nothing is computed any more: nothing to move (the hooks hear finish(False))
     if st.drain and k in (F, B, BW, W):
@@ -179,30 +188,13 @@ def _step(a: Action, i: int, rank: int, pl: Placement, ps: StagePasses, p2p: Opt
         with hk.wait(what):
             st.pending_grads[key] = p2p.recv(ps.recv_shape(*key), ps.dtype, ps.device, a.peer, what)
     elif k == F:
-        if pl.is_first(a.stage):
-            inp = None
-        elif key in st.pending_inputs:
-            with hk.wait(f"the input of F{a.stage}.{a.mb}"):
-                inp = st.pending_inputs.pop(key).wait()
-            inp = inp.requires_grad_(not forward_only)
-        elif key in st.local_inputs:
-            inp = st.local_inputs.pop(key)
-        else:
-            raise ExecutionError(f"rank {rank}: F{a.stage}.{a.mb} has no input: no RECV_F was posted "
-                                 f"and stage {pl.prev_stage(a.stage)} did not run here")
+        inp = _f_input(a, key, rank, pl, st, forward_only, hk)
         if forward_only:
             out = ps.forward(a.stage, a.mb, inp)
         else:
             with hk.compute(a, (inp,)):
                 out = ps.forward(a.stage, a.mb, inp)
-            st.saved[key] = (inp, out)
-        nxt = pl.next_stage(a.stage)
-        if nxt is not None and pl.rank_of(nxt) == rank:  # local hand-over (V turn)
-            st.local_inputs[(nxt, a.mb)] = out.detach().requires_grad_(not forward_only)
-            if ps.release_output is not None and not forward_only:
-                ps.release_output(out)  # like a sent output: the detached copy keeps the data
-        elif nxt is not None:
-            st.to_send_f[key] = out
+        _f_output(a, key, rank, pl, ps, st, forward_only, inp, out)
     elif k == SEND_F:
         out = st.to_send_f.pop(key)
         p2p.send(out, a.peer, f"the output of F{a.stage}.{a.mb}")
@@ -210,41 +202,90 @@ def _step(a: Action, i: int, rank: int, pl: Placement, ps: StagePasses, p2p: Opt
             ps.release_output(out)
         p2p.reap_sends()
     elif k in (B, BW):
-        if i == last_b.get(a.stage):
-            hk.before_last_backward(a.stage)
-        if pl.is_last(a.stage):
-            grad = None
-        elif key in st.pending_grads:
-            with hk.wait(f"the output gradient of B{a.stage}.{a.mb}"):
-                grad = st.pending_grads.pop(key).wait()
-        elif key in st.local_grads:
-            grad = st.local_grads.pop(key)
-        else:
-            raise ExecutionError(f"rank {rank}: {a} has no output gradient: no RECV_B was posted "
-                                 f"and stage {pl.next_stage(a.stage)} did not run its backward here")
-        inp, out = st.saved.pop(key)
+        grad, inp, out = _b_inputs(a, key, i, rank, pl, st, bounds, hk)
         with hk.compute(a, (inp,)):
             in_grad = ps.backward(a.stage, a.mb, inp, out, grad, k == B)
-        prev = pl.prev_stage(a.stage)
-        if prev is not None:
-            if pl.rank_of(prev) == rank:
-                st.local_grads[(prev, a.mb)] = in_grad
-            else:
-                st.to_send_b[key] = in_grad
-        if i == last.get(a.stage):
-            hk.after_last_backward(a.stage)
+        _b_output(a, key, i, rank, pl, st, bounds, hk, in_grad)
     elif k == SEND_B:
         p2p.send(st.to_send_b.pop(key), a.peer, f"the input gradient of B{a.stage}.{a.mb}")
         p2p.reap_sends()
     elif k == W:
         with hk.compute(a, ()):
             ps.weight(a.stage, a.mb)
-        if i == last.get(a.stage):
+        if i == bounds[1].get(a.stage):
             hk.after_last_backward(a.stage)
     elif k in OFFLOAD_KINDS:
         hk.transfer(a)
     else:
         raise ExecutionError(f"rank {rank}: unknown action {a}")
+
+
+def _f_input(a: Action, key: Key, rank: int, pl: Placement, st: _State, forward_only: bool, hk: Hooks):
+    if pl.is_first(a.stage):
+        return None
+    if key in st.pending_inputs:
+        with hk.wait(f"the input of F{a.stage}.{a.mb}"):
+            inp = st.pending_inputs.pop(key).wait()
+        return inp.requires_grad_(not forward_only)
+    if key in st.local_inputs:
+        return st.local_inputs.pop(key)
+    raise ExecutionError(f"rank {rank}: F{a.stage}.{a.mb} has no input: no RECV_F was posted "
+                         f"and stage {pl.prev_stage(a.stage)} did not run here")
+
+
+def _f_output(a: Action, key: Key, rank: int, pl: Placement, ps: StagePasses, st: _State, forward_only: bool,
+              inp, out) -> None:
+    if not forward_only:
+        st.saved[key] = (inp, out)
+    nxt = pl.next_stage(a.stage)
+    if nxt is not None and pl.rank_of(nxt) == rank:  # local hand-over (V turn)
+        st.local_inputs[(nxt, a.mb)] = out.detach().requires_grad_(not forward_only)
+        if ps.release_output is not None and not forward_only:
+            ps.release_output(out)  # like a sent output: the detached copy keeps the data
+    elif nxt is not None:
+        st.to_send_f[key] = out
+
+
+def _b_inputs(a: Action, key: Key, i: int, rank: int, pl: Placement, st: _State, bounds, hk: Hooks):
+    """(output gradient, saved input, saved output) of a B/BW."""
+    if i == bounds[0].get(a.stage):
+        hk.before_last_backward(a.stage)
+    if pl.is_last(a.stage):
+        grad = None
+    elif key in st.pending_grads:
+        with hk.wait(f"the output gradient of B{a.stage}.{a.mb}"):
+            grad = st.pending_grads.pop(key).wait()
+    elif key in st.local_grads:
+        grad = st.local_grads.pop(key)
+    else:
+        raise ExecutionError(f"rank {rank}: {a} has no output gradient: no RECV_B was posted "
+                             f"and stage {pl.next_stage(a.stage)} did not run its backward here")
+    inp, out = st.saved.pop(key)
+    return grad, inp, out
+
+
+def _b_output(a: Action, key: Key, i: int, rank: int, pl: Placement, st: _State, bounds, hk: Hooks, in_grad) -> None:
+    prev = pl.prev_stage(a.stage)
+    if prev is not None:
+        if pl.rank_of(prev) == rank:
+            st.local_grads[(prev, a.mb)] = in_grad
+        else:
+            st.to_send_b[key] = in_grad
+    if i == bounds[1].get(a.stage):
+        hk.after_last_backward(a.stage)
+
+
+def _pair(fa: Action, i: int, ba: Action, j: int, rank: int, pl: Placement, ps: StagePasses, st: _State,
+          bounds, hk: Hooks) -> None:
+    """An overlapped F&B pair as one pass (``passes.overlap``): both inputs first, then the pass
+    inside both passes' compute contexts (the F's outermost), then both results."""
+    fkey, bkey = (fa.stage, fa.mb), (ba.stage, ba.mb)
+    inp = _f_input(fa, fkey, rank, pl, st, False, hk)
+    grad, b_inp, b_out = _b_inputs(ba, bkey, j, rank, pl, st, bounds, hk)
+    with hk.compute(fa, (inp,)), hk.compute(ba, (b_inp,)):
+        out, in_grad = ps.overlap((fa.stage, fa.mb, inp), (ba.stage, ba.mb, b_inp, b_out, grad, ba.kind == B))
+    _f_output(fa, fkey, rank, pl, ps, st, False, inp, out)
+    _b_output(ba, bkey, j, rank, pl, st, bounds, hk, in_grad)
 
 
 def _drain(a: Action, key: Key, rank: int, pl: Placement, ps: StagePasses, st: _State) -> None:

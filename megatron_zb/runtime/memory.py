@@ -151,7 +151,6 @@ class MemoryHook(Hook):
         self._mem_f: Dict[int, List[int]] = defaultdict(list)
         self._mem_w: Dict[int, List[int]] = defaultdict(list)
         self._f_bytes: Dict[Key, int] = {}
-        self._before = 0
         self._base = torch.cuda.memory_allocated() if self.cuda else 0
 
     def _live(self, key: Optional[Key] = None) -> int:
@@ -166,9 +165,9 @@ class MemoryHook(Hook):
     def compute(self, a, inputs):
         key = (a.stage, a.mb)
         if self.cuda:
-            self._before = torch.cuda.memory_allocated()
+            before = torch.cuda.memory_allocated()  # a local: an overlapped pair nests two passes
             yield
-            delta = torch.cuda.memory_allocated() - self._before
+            delta = torch.cuda.memory_allocated() - before
             if a.kind == F:
                 self._f_bytes[key] = max(0, delta)
                 self._mem_f[a.stage].append(max(0, delta))

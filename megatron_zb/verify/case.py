@@ -101,6 +101,10 @@ class VerifyCase:
     recompute_method: Optional[str] = None  # 'uniform' | 'block' (full recompute)
     recompute_num_layers: Optional[int] = None
     mtp_num_layers: Optional[int] = None
+    # Megatron's --overlap-moe-expert-parallel-comm: every pass through megatron-core's schedule plans,
+    # overlapped F&B pairs as one pass (megatron.ep_overlap); not a TransformerConfig flag here, since
+    # megatron's config accepts it only with bf16/fp16 and the check runs in fp32
+    ep_overlap: bool = False
 
     def model_overrides(self) -> Dict[str, Any]:
         """TransformerConfig keywords of the model's math (the reference's too)."""
@@ -167,7 +171,8 @@ class VerifyCase:
                         f"{self.moe_token_dispatcher_type}" + (f" aux={self.moe_aux_loss_coeff:g}"
                                                                if self.moe_aux_loss_coeff else "")
                         + (f" shared={self.moe_shared_expert_intermediate_size}"
-                           if self.moe_shared_expert_intermediate_size else ""))
+                           if self.moe_shared_expert_intermediate_size else "")
+                        + (" ep-overlap" if self.ep_overlap else ""))
         if self.recompute_granularity:
             bits.append(f"recompute={self.recompute_granularity}" + (
                 f"/{self.recompute_method or 'uniform'}/{self.recompute_num_layers or 1}"
@@ -343,6 +348,8 @@ def _check_model_features(case: VerifyCase) -> None:
             raise VerifyUsageError("--variable-seq-lengths with MoE needs --moe-token-dispatcher-type alltoall")
         if case.tensor_parallel_size > 1 and not case.sequence_parallel:
             raise VerifyUsageError("MoE with --tensor-parallel-size > 1 needs --sequence-parallel (Megatron's rule)")
+    if case.ep_overlap:
+        _check_ep_overlap(case)
     g = case.recompute_granularity
     if g is not None and g not in ("full", "selective"):
         raise VerifyUsageError(f"--recompute-granularity must be full or selective, got {g!r}")
@@ -406,6 +413,27 @@ def _check_optimizer_options(case: VerifyCase) -> None:
                                        "would enter the weights): inject a non-finite gradient with --fp16, "
                                        "or with --bf16 / --use-distributed-optimizer and a loss scale")
             case.loss_scale = 1.0  # a constant scaler of 1: Megatron then checks and skips, numerics unchanged
+
+
+def _check_ep_overlap(case: VerifyCase) -> None:
+    """Megatron's own rules for --overlap-moe-expert-parallel-comm, and a schedule with pairs."""
+    from ..core import schedules as core_schedules
+    flag = "--overlap-moe-expert-parallel-comm"
+    if case.schedule not in core_schedules.overlapping():
+        raise VerifyUsageError(f"{flag} needs a schedule with overlapped F&B pairs "
+                               f"({', '.join(core_schedules.overlapping())}), got {case.schedule}")
+    if case.num_experts is None or case.expert_model_parallel_size < 2:
+        raise VerifyUsageError(f"{flag} overlaps the expert-parallel all-to-all: it needs --num-experts and "
+                               "--expert-model-parallel-size >= 2 (Megatron's rule)")
+    if case.moe_token_dispatcher_type != "alltoall":
+        raise VerifyUsageError(f"{flag} needs --moe-token-dispatcher-type alltoall (Megatron's rule)")
+    if case.recompute_granularity is not None:
+        raise VerifyUsageError(f"{flag} cannot be combined with --recompute-granularity (Megatron's rule for "
+                               "full recompute; selective is not covered here)")
+    if case.mtp_num_layers:
+        raise VerifyUsageError(f"{flag} with --mtp-num-layers is not covered by verify")
+    if case.forward_only:
+        raise VerifyUsageError(f"{flag} changes training passes only; drop --forward-only")
 
 
 # config overrides that only change how the pipeline runs (not the math) stay off the reference

@@ -76,6 +76,9 @@ def _build_parser() -> argparse.ArgumentParser:
     f.add_argument("--moe-ffn-hidden-size", type=positive_int("--moe-ffn-hidden-size"), default=None)
     f.add_argument("--moe-shared-expert-intermediate-size", type=positive_int("--moe-shared-expert-intermediate-size"),
                    default=None, help="shared experts of this size beside the routed ones")
+    f.add_argument("--overlap-moe-expert-parallel-comm", action="store_true",
+                   help="Megatron's EP all-to-all overlap: every pass through megatron-core's schedule plans, the "
+                        "schedule's overlapped F&B pairs as one pass (schedules with pairs; EP >= 2, alltoall)")
     f.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
     f.add_argument("--recompute-method", choices=("uniform", "block"), default=None)
     f.add_argument("--recompute-num-layers", type=positive_int("--recompute-num-layers"), default=None)
@@ -182,7 +185,7 @@ def main_verify(argv: Optional[Sequence[str]] = None) -> int:
                     moe_shared_expert_intermediate_size=a.moe_shared_expert_intermediate_size,
                     recompute_granularity=a.recompute_granularity,
                     recompute_method=a.recompute_method, recompute_num_layers=a.recompute_num_layers,
-                    mtp_num_layers=a.mtp_num_layers)
+                    mtp_num_layers=a.mtp_num_layers, ep_overlap=a.overlap_moe_expert_parallel_comm)
         case = make_case(a.schedule, a.pipeline_parallel_size, a.tensor_parallel_size, a.num_microbatches,
                          a.iterations, **opts)
     except VerifyUsageError as e:
@@ -219,6 +222,9 @@ def main_verify(argv: Optional[Sequence[str]] = None) -> int:
         if w and not case.forward_only and not case.optimizer:
             print(f"worst gradient: {w['param']} (rank {w['rank']}, iteration {w['iteration']}): "
                   f"{_fmt(w['rel_diff'])}")
+        if case.ep_overlap:
+            print(f"EP overlap: {res.get('overlapped_pairs')} overlapped F&B pair(s) per iteration ran as one pass "
+                  "through megatron-core's schedule plans")
         for o in res.get("offload", []):
             last = o["iterations"][-1] if o["iterations"] else {}
             print(f"offload rank {o['rank']}: peak resident activation {last.get('peak_resident_bytes', 0)} B, "

@@ -198,6 +198,9 @@ def compare(case: VerifyCase, ranks: List[dict]) -> dict:
             row["max_rel_grad_diff"] = it_max
         per_iter.append(row)
     aux = _compare_aux_losses(case, ref, ranks, per_iter, problems)
+    pairs = sum(r.get("overlapped_pairs") or 0 for r in ranks if not r.get("tp_rank") and not r.get("dp_rank"))
+    if case.ep_overlap and not case.forward_only and not pairs:
+        problems.append("--overlap-moe-expert-parallel-comm: no overlapped F&B pair ran as one pass")
     passed = not problems and max_loss <= case.loss_atol and (case.forward_only or max_grad <= case.grad_rtol)
     times = [r["times"] for r in ranks if r.get("times")]
     iter_ms = [max(ts[i] for ts in times) * 1e3 for i in range(len(times[0]))] if times else []
@@ -222,6 +225,7 @@ def compare(case: VerifyCase, ranks: List[dict]) -> dict:
         "per_iteration": [{k: _finite(v) if isinstance(v, float) else v for k, v in row.items()} for row in per_iter],
         "problems": problems,
         **aux,
+        "overlapped_pairs": pairs,  # run as one pass through megatron's schedule plans, per iteration
         **_memory_report(ranks),
         **_offload_report(ranks),
         "megatron_core": ranks[0].get("megatron_version"),

@@ -126,6 +126,7 @@ def rank_case(case: VerifyCase) -> dict:
         keep_params = placement.replicated
         losses, loss_parts, grads, params, times, offload, aux = [], [], [], [], [], [], []
         memory = None  # the last iteration's measured and predicted activation peak
+        pairs = 0  # overlapped F&B pairs run as one pass (megatron's schedule plans), last iteration
         M.take_aux_losses()  # the reference's, or an earlier case's, are not this run's
         m = case.num_microbatches
         for it in range(case.iterations):
@@ -146,6 +147,7 @@ def rank_case(case: VerifyCase) -> dict:
             fbo = getattr(handle, "forward_backward", None)
             if getattr(fbo, "memory", None) is not None:
                 memory = fbo.memory
+            pairs = getattr(fbo, "overlapped_pairs", 0)
             stats = getattr(fbo, "offload_stats", None)
             if stats is not None:
                 offload.append(dict(stats))
@@ -175,6 +177,7 @@ def rank_case(case: VerifyCase) -> dict:
     return {"rank": rank, "pp_rank": pp_rank, "tp_rank": tp_rank, "dp_rank": dp_rank, "reference": reference,
             "losses": losses if reports else None, "loss_parts": loss_parts if reports else None,
             "grads": grads, "params": params, "times": times, "aux_losses": aux, "memory": memory,
+            "overlapped_pairs": pairs,
             "wall_s": time.perf_counter() - t_start, "megatron_version": M.megatron_version(), "offload": offload,
             "stages": [i.stage for i in infos], "layers": [list(i.layers) for i in infos]}
 
@@ -223,6 +226,8 @@ def install_case(case: VerifyCase, **extra):
     if case.offload_ratio is not None:
         kw.update(offload_ratio=case.offload_ratio, offload_time=case.offload_time,
                   offload_overlap=not case.offload_half_duplex, offload_cpu_test=True)
+    if case.ep_overlap:
+        kw["ep_overlap"] = True
     kw.update(extra)
     return install(case.schedule, chunks=case.chunks, memory_limit=case.memory_limit, **kw)
 

@@ -350,9 +350,14 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss, num_tokens, {"lm loss": report}
 
 
-def forward_step_func(data_iterator, model):
-    """megatron forward_step_func: next microbatch -> (output, loss_func partial)."""
+def forward_step_func(data_iterator, model, return_schedule_plan: bool = False):
+    """megatron forward_step_func: next microbatch -> (output, loss_func partial); with
+    ``return_schedule_plan`` (megatron's EP overlap) the chunk's schedule plan instead of its output."""
     batch = next(data_iterator)
+    if return_schedule_plan:
+        plan = model.build_schedule_plan(batch["tokens"], batch["position_ids"], batch["attention_mask"],
+                                         labels=batch["labels"])
+        return plan, partial(loss_func, batch["loss_mask"])
     output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
     return output, partial(loss_func, batch["loss_mask"])
 
