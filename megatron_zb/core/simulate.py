@@ -180,9 +180,10 @@ def simulate(schedule: Schedule, setting: Setting,
     timeline: List[List[Timed]] = [[] for _ in orders]
     comm = setting.cost_comm
     remaining = sum(len(o) for o in orders)
-    # overlapped F&B pairs (rank, index of the F among the rank's compute passes): the pair starts
-    # when both passes have their inputs (as a runtime that runs the two together waits for both),
-    # and each pass's all-to-all hides behind the other's compute (``Setting.a2a_overlap``)
+    # overlapped F&B pairs (rank, index of the F among the rank's compute passes), run as one pass
+    # (the runtime's pair call, Megatron's combined 1F1B): the pair starts when both passes have
+    # their inputs, each pass's all-to-all hides behind the other's compute (``Setting.a2a_overlap``)
+    # and both results leave at the pair's end. The timeline shows the F, then the B
     pairs = set(map(tuple, schedule.meta.get("overlap_pairs", ()))) if setting.a2a_overlap and \
         any(setting.cost_a2a) else set()
     while remaining:
@@ -217,7 +218,11 @@ def simulate(schedule: Schedule, setting: Setting,
                 end = ready + dur
                 timeline[r].append(Timed(a, r, ready, end))
                 clock[r] = end
-                done[(a.kind, a.stage, a.mb)] = end
+                if (r, i) not in pairs:  # a pair's F hands its output on with the pair's end (its B's)
+                    done[(a.kind, a.stage, a.mb)] = end
+                    if (r, i - 1) in pairs:
+                        f = timeline[r][-2].action
+                        done[(f.kind, f.stage, f.mb)] = end
                 if a.kind in (B, BW):
                     done[("B*", a.stage, a.mb)] = end
                 pos[r] += 1

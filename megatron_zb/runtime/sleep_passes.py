@@ -8,8 +8,10 @@ produces, sends and receives real (small) tensors, so the p2p path is the real o
     execute(lowered.orders[rank], rank, placement, passes, p2p)
 
 MoE's all-to-all (``setting.cost_a2a``) is part of every F, B and BW's sleep, as the simulator
-charges it; the passes of an overlapped F&B pair (``pairs``) sleep only what the other's compute
-does not hide (``SleepPasses.pair_seconds`` in all, ``core.simulate.paired_cost`` each).
+charges it; an overlapped F&B pair runs as one pass (the executor's pair call, once both inputs
+are in) that sleeps the two computes and only what each all-to-all's partner does not hide
+(``SleepPasses.pair_seconds``: ``core.simulate.paired_cost`` of each), and hands both results on
+at its end, as the simulator has it.
 
 :func:`time_iterations` runs a lowered schedule several times on every rank of a process group
 (barrier before each) and returns each iteration's wall time on this rank.
@@ -20,7 +22,7 @@ import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -61,26 +63,22 @@ class SleepPasses(StagePasses):
 
     def pair_seconds(self, f_stage: int, b_stage: int, split: bool) -> float:
         """Seconds an overlapped pair of this rank's F (of ``f_stage``) and B (``split``) or BW
-        (of ``b_stage``) takes in all, from the moment both have their inputs."""
+        (of ``b_stage``) takes in all, from the moment both have their inputs (every chunk of a
+        rank costs the same: the stages only name the pair)."""
         f, b = self.pair_parts[bool(split)]
         return f + b
 
 
 def sleep_passes(setting: Setting, rank: int, placement: Placement, shape: Sequence[int] = (4,),
                  unit: float = 0.01, dtype: torch.dtype = torch.float32, device="cpu",
-                 pairs: Iterable[Tuple[Action, Action]] = (),
-                 before_pair: Optional[Callable[[Action], None]] = None) -> SleepPasses:
+                 pairs_as_one: bool = False) -> SleepPasses:
     """StagePasses for ``rank`` whose F/B/W/BW sleep ``setting.pass_cost(kind, rank) * unit`` s.
 
     ``setting.chunks`` is taken from the placement (each chunk's pass costs the rank's value / V).
     F returns a tensor of ``shape`` (the stage's output, sent for real); B/BW return an input
-    gradient of ``shape`` (stage 0 returns None).
-
-    ``pairs``: this rank's overlapped F&B pairs, (F, B or BW) actions. Their passes sleep their
-    part of ``pair_seconds`` (the F first, the backward right after, as the executor runs a pair
-    without an overlap hook): the sum is the pair's simulated time. ``before_pair(b)`` runs first
-    in the F of a pair whose backward is ``b`` (e.g. wait for b's input: a pair starts once both
-    passes have theirs, as the simulator has it).
+    gradient of ``shape`` (stage 0 returns None). ``pairs_as_one``: an overlapped F&B pair the
+    executor is given (``overlap_pairs``) runs as one pass (``StagePasses.overlap``, the executor's
+    pair call) that sleeps ``pair_seconds``; without it, as two plain passes.
     """
     if setting.chunks != placement.chunks:
         setting = dataclasses.replace(setting, chunks=placement.chunks)
@@ -89,34 +87,40 @@ def sleep_passes(setting: Setting, rank: int, placement: Placement, shape: Seque
     shape = tuple(int(x) for x in shape)
     dur = {k: setting.pass_cost(k, rank) * unit for k in (F, B, W, BW)}
     parts = {}
+    hide = setting.a2a_overlap and any(setting.cost_a2a)
     for split, bk in ((True, B), (False, BW)):
         f_act, b_act = Action(F, 0, 0), Action(bk, 0, 0)
-        hide = setting.a2a_overlap and any(setting.cost_a2a)
         parts[split] = ((paired_cost(setting, rank, f_act, b_act) * unit, paired_cost(setting, rank, b_act, f_act) * unit)
                         if hide else (dur[F], dur[bk]))
-    f_partner = {(f.stage, f.mb): b for f, b in pairs}
-    b_split = {(b.stage, b.mb): b.kind == B for _, b in pairs}
+
+    def output(stage, mb):
+        return torch.full(shape, float(stage * 1000 + mb), dtype=dtype, device=device)
+
+    def in_grad(stage, mb):
+        return None if placement.is_first(stage) else torch.full(shape, float(mb), dtype=dtype, device=device)
 
     def forward(stage, mb, inp):  # the (tiny) real work first, inside the pass's duration
-        b = f_partner.get((stage, mb))
-        if b is not None and before_pair is not None:
-            before_pair(b)
-        t_end = time.perf_counter() + (dur[F] if b is None else parts[b.kind == B][0])
-        out = torch.full(shape, float(stage * 1000 + mb), dtype=dtype, device=device)
+        t_end = time.perf_counter() + dur[F]
+        out = output(stage, mb)
         precise_sleep(t_end - time.perf_counter())
         return out
 
     def backward(stage, mb, inp, out, grad, split):
-        paired = b_split.get((stage, mb))
-        t_end = time.perf_counter() + ((dur[B] if split else dur[BW]) if paired is None else parts[split][1])
-        g = None if placement.is_first(stage) else torch.full(shape, float(mb), dtype=dtype, device=device)
+        t_end = time.perf_counter() + (dur[B] if split else dur[BW])
+        g = in_grad(stage, mb)
         precise_sleep(t_end - time.perf_counter())
         return g
 
     def weight(stage, mb):
         precise_sleep(dur[W])
 
-    return SleepPasses(forward=forward, backward=backward, weight=weight,
+    def overlap(f, b):  # f = (stage, mb, input), b = (stage, mb, input, output, grad, split)
+        t_end = time.perf_counter() + sum(parts[bool(b[5])])
+        out, g = output(f[0], f[1]), in_grad(b[0], b[1])
+        precise_sleep(t_end - time.perf_counter())
+        return out, g
+
+    return SleepPasses(forward=forward, backward=backward, weight=weight, overlap=overlap if pairs_as_one else None,
                        recv_shape=lambda s, mb: shape, dtype=dtype, device=device, seconds=dur, pair_parts=parts)
 
 

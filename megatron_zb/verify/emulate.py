@@ -108,7 +108,6 @@ def _rank_main(job: dict) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     groups = PairGroups(list(range(world)), {(a, b) for a in range(world) for b in range(a + 1, world)})
     p2p = P2P(groups, rank, timeout_s=job["timeout"])
-    recording = _GradientReceives(p2p)
     unit = job["unit_s"]
     out = []
     try:
@@ -122,11 +121,9 @@ def _rank_main(job: dict) -> dict:
                           hop / unit, job["cost_a2a"], job["a2a_overlap"])
             sched, st = schedule_for(entry, st)
             low = lower(sched, st)
-            pairs = lowered_pairs(low, rank)
-            hidden = st.a2a_overlap and any(st.cost_a2a)  # the simulator then starts a pair when both have inputs
-            passes = sleep_passes(st, rank, low.placement, unit=unit,
-                                  pairs=[(low.orders[rank][i], low.orders[rank][j]) for i, j in pairs.items()],
-                                  before_pair=recording.wait_for_gradient if hidden else None)
+            # the simulator runs the pairs as one pass where they hide an all-to-all, else as two
+            pairs = lowered_pairs(low, rank) if st.a2a_overlap and any(st.cost_a2a) else {}
+            passes = sleep_passes(st, rank, low.placement, unit=unit, pairs_as_one=True)
             record: List[tuple] = []
             timing = PassTimes(lambda kind, stage, mb, sec: record.append(
                 (kind, stage, mb, time.perf_counter() - sec, time.perf_counter())))
@@ -139,36 +136,13 @@ def _rank_main(job: dict) -> dict:
                 if i == n - 1:
                     record.clear()
                 starts.append(time.perf_counter())
-                execute(low.orders[rank], rank, low.placement, passes, recording, overlap_pairs=pairs, hooks=[timing])
+                execute(low.orders[rank], rank, low.placement, passes, p2p, overlap_pairs=pairs, hooks=[timing])
                 ends.append(time.perf_counter())
             dist.barrier()
             out.append({"starts": starts, "ends": ends, "passes": list(record)})
     finally:
         groups.destroy()
     return out
-
-
-class _GradientReceives:
-    """The runtime's P2P, keeping the handles of posted output-gradient receives so that the F of
-    an overlapped pair can wait for its backward's gradient first (``wait_for_gradient``): a pair
-    starts once both passes have their inputs, as the simulator has it (and as a runtime that
-    runs the two together must)."""
-
-    def __init__(self, p2p):
-        self._p2p, self._grads = p2p, {}
-
-    def recv(self, shape, dtype, device, peer, what):
-        handle = self._p2p.recv(shape, dtype, device, peer, what)
-        self._grads[what] = handle
-        return handle
-
-    def wait_for_gradient(self, b: Action) -> None:
-        handle = self._grads.pop(f"the output gradient of B{b.stage}.{b.mb}", None)  # the executor's name
-        if handle is not None:  # none: the gradient is this rank's own (V turn) or b is the last stage
-            handle.wait()
-
-    def __getattr__(self, name):
-        return getattr(self._p2p, name)
 
 
 def _ping_pong(groups, rank: int, world: int, rounds: int = 20) -> List[float]:
@@ -245,7 +219,7 @@ def _timeline(entry: Entry, st: Setting, ranks: List[dict], unit_s: float) -> Si
     sched, _ = schedule_for(entry, st)
     t0 = min(r["starts"][-1] for r in ranks)
     tl = [[Timed(Action(kind, stage, mb), rank, (a - t0) / unit_s, (b - t0) / unit_s)
-           for kind, stage, mb, a, b in r["passes"]] for rank, r in enumerate(ranks)]
+           for kind, stage, mb, a, b in sorted(r["passes"], key=lambda x: x[3])] for rank, r in enumerate(ranks)]
     busy = [sum(t.end - t.start for t in x) for x in tl]
     spans = [x[-1].end - x[0].start if x else 0.0 for x in tl]
     makespan = max(spans)
