@@ -62,6 +62,13 @@ def add_parser(sub) -> None:
                     help="an expert's MLP size (default --ffn-hidden-size)")
     pn.add_argument("--expert-model-parallel-size", type=positive_int("--expert-model-parallel-size"), default=1,
                     help="ranks the experts are spread over (their parameters per rank)")
+    pn.add_argument("--ep-bandwidth-gbps", type=positive_float("--ep-bandwidth-gbps"), default=None, metavar="GB/s",
+                    help="MoE with --expert-model-parallel-size > 1: all-to-all bandwidth per GPU in GB/s; each F and "
+                         "B moves 2 x tokens x topk x hidden x --activation-bytes per layer (the share routed to "
+                         "other ranks, (EP-1)/EP), hidden inside the overlapped F&B pairs a schedule forms "
+                         "(default 50: one 400 Gb/s InfiniBand NIC per GPU)")
+    pn.add_argument("--no-overlap", action="store_true",
+                    help="MoE: the all-to-all is not hidden inside overlapped F&B pairs (to compare)")
     pn.add_argument("--recompute-granularity", choices=("full", "selective"), default=None,
                     help="activation recompute: full (F keeps each block's input, B runs the forward again; W then "
                          "holds more than F kept) or selective (no attention scores kept)")
@@ -134,7 +141,9 @@ def cmd_plan(args) -> int:
                   offload_ratio=args.offload_ratio, offload_time=args.offload_time,
                   host_link_gbps=args.host_link_gbps, offload_overlap=not args.offload_half_duplex,
                   exact=(args.exact_nodes, args.exact_seconds) if args.exact else None,
-                  jobs=args.jobs if args.jobs is not None else min(8, _usable_cpus()))
+                  jobs=args.jobs if args.jobs is not None else min(8, _usable_cpus()),
+                  ep_bandwidth_gbps=args.ep_bandwidth_gbps if args.ep_bandwidth_gbps is not None else P.EP_BANDWIDTH_GBPS,
+                  a2a_overlap=not args.no_overlap)
     advice = post_validation_advice(rows, args.optimizer_post_validation)
     if args.json:
         print(json.dumps({"model": dataclasses.asdict(spec), "pipeline_parallel_size": args.pipeline_parallel_size,
@@ -168,6 +177,8 @@ PLAN_COLUMNS = """columns:
   peak GiB       activations + model states (weights, gradients, optimizer) of the fullest
                  pipeline rank, and which rank that is
   fits           peak GiB <= --gpu-memory-gb
+  pairs          MoE with expert parallelism: the overlapped F&B pairs of the schedule, whose
+                 all-to-all hides behind the other pass's compute (--ep-bandwidth-gbps)
 Below the table: the flags of the first schedule that fits (the fastest; among equally fast
 ones the cheapest in memory), ready to paste into a Megatron command, then those of the others
 that fit (--zero-bubble-memory-limit counts microbatches: one is the activation memory of one
@@ -186,15 +197,23 @@ def _print_plan(args, spec, rows, profile, tflops, advice) -> None:
           + (f"from the profile {args.profile}" if profile else
              f"from FLOPs at {tflops:g} TFLOPS x {args.efficiency:g} efficiency")
           + "; activations by Megatron's per-layer formula, model states 18 bytes/parameter")
+    a2a = next((r["cost_a2a_s"] for r in rows if r.get("cost_a2a_s")), None)
+    if a2a:
+        gbps = args.ep_bandwidth_gbps if args.ep_bandwidth_gbps is not None else 50.0
+        print(f"      MoE all-to-all (EP={spec.expert_model_parallel_size}): {spec.layer_a2a_bytes() / 2 ** 20:.1f} MiB "
+              f"per layer and microbatch in an F (as much in a B) at {gbps:g} GB/s: {1e3 * max(a2a):.2f} ms per F "
+              "and per B of the busiest rank, "
+              + ("hidden in the overlapped F&B pairs a schedule forms (pairs column)" if not args.no_overlap
+                 else "not hidden (--no-overlap)"))
     print("      ranked by the time per training iteration "
           + ("with optimizer post-validation" if args.optimizer_post_validation
              else "with Megatron's synchronous optimizer step")
           + (f" (optimizer step {1e3 * args.cost_optimizer:g} ms)" if args.cost_optimizer else ""))
     ok = [r for r in rows if "error" not in r]
     hdr1 = (f"{'#':>3}  {'schedule':<17} {'iteration ms':^19} {'bubble':>7} {'vs 1f1b':>8}  {'act GiB':^13}  "
-            f"{'peak GiB':^14}  fits")
+            f"{'peak GiB':^14}  fits" + ("  pairs" if a2a else ""))
     hdr2 = (f"{'':>3}  {'':<17} {'sync':>9} {'postval':>9} {'':>7} {'':>8}  {'min':>6} {'max':>6}  {'max':>6} "
-            f"{'on rank':>7}")
+            f"{'on rank':>7}" + (" " * 13 if a2a else ""))
     print(hdr1)
     print(hdr2)
     print("-" * len(hdr2))
@@ -206,7 +225,7 @@ def _print_plan(args, spec, rows, profile, tflops, advice) -> None:
         print(f"{i:>3}  {r['schedule']:<17} {1e3 * r['iteration_time_s']:>9.1f} "
               f"{1e3 * r['iteration_time_post_validated_s']:>9.1f} {100 * r['bubble_rate']:>6.1f}% "
               f"{(f'{tp:.3f}x' if tp else '-'):>8}  {min(act):>6.1f} {max(act):>6.1f}  {peak[worst]:>6.1f} "
-              f"{worst:>7}  {'yes' if r['fits'] else 'NO'}")
+              f"{worst:>7}  {'yes' if r['fits'] else 'NO ':<4}" + (f" {r.get('overlap_pairs', 0):>6}" if a2a else ""))
     for r in rows:
         if "error" in r:
             print(f"{'-':>3}  {r['schedule']:<17} n/a: {r['error']}")

@@ -11,7 +11,7 @@ from ..argtypes import positive_int
 from ..core import io as sched_io
 from ..core import schedules
 from ..core.build import Built, ScheduleRequest, build
-from ..core.ir import Schedule, ScheduleError
+from ..core.ir import OVERLAP, Schedule, ScheduleError
 from ..core.iteration import back_to_back, iteration_times
 from ..core.plan import by_memory_among_ties
 from .common import (UsageError, add_exact_args, add_post_validation_arg, add_setting_args, build_from_args, fmt,
@@ -86,7 +86,13 @@ def _result_dict(built: Built, it) -> dict:
               "cost_w": setting.cost_w, "cost_comm": setting.cost_comm, "cost_a2a": setting.cost_a2a,
               "a2a_overlap": setting.a2a_overlap, "mem_f": setting.mem_f,
               "mem_w": setting.mem_w, "memory_limit": setting.memory_limit})
+    if any(setting.cost_a2a):
+        d.update(overlap_pairs=_pair_count(sched), advanced_ranks=sched.meta.get("advanced_ranks", []))
     return d
+
+
+def _pair_count(sched: Schedule) -> int:
+    return sum(1 for o in sched.orders for a in o if a.kind == OVERLAP)
 
 
 def cmd_simulate(args) -> int:
@@ -109,6 +115,11 @@ def cmd_simulate(args) -> int:
           f"{it.iteration_time_post_validated:g} with optimizer post-validation"
           + (f" (optimizer step {args.cost_optimizer:g})" if args.cost_optimizer else ""))
     print("peak memory   " + " ".join(f"{x:g}" for x in d["peak_memory"]) + "   (per rank, mem-f units)")
+    if any(setting.cost_a2a):
+        adv = sched.meta.get("advanced_ranks")
+        print(f"all-to-all    {fmt(setting.cost_a2a)} per F/B/BW of a stage; {_pair_count(sched)} overlapped F&B pairs "
+              + ("hide it behind each other's compute" if setting.a2a_overlap else "(not hidden: --no-overlap)")
+              + (f"; forwards one backward earlier on rank(s) {', '.join(map(str, adv))}" if adv else ""))
     if "gap_to_lower_bound" in sched.meta:
         print(f"lower bound   {sched.meta['lower_bound']:g}   (gap {sched.meta['gap_to_lower_bound']:.4f})")
     if "exact" in sched.meta:

@@ -3,7 +3,8 @@ validated schedule, the setting it was built with and its lowered form out.
 
 Every caller goes through ``build``: the command line (simulate, compare, plot, plan), the
 training flags' start-up preview, the forward-backward function that training runs and the
-verify harness. So "generate, or generate with offload, or refine exactly, then validate" and the
+verify harness. So "generate, or generate with offload, or refine exactly, form the overlapped F&B
+pairs an all-to-all cost asks for (``core.pairing``), then validate" and the
 meaning of the ``'auto'`` offload options are written once, here.
 
     req = ScheduleRequest("zb-v", cost_f=[43.8], cost_b=[59.2], cost_w=[32.0],
@@ -26,6 +27,7 @@ from .lower import forward_only as forward_only_schedule
 from .lower import lower
 from .offload import add_offload
 from .offload_search import generate_with_offload
+from .pairing import form_pairs
 from .schedules.exact import AUTOMATIC, refine
 from .simulate import SimResult, simulate
 from .validate import validate
@@ -206,6 +208,8 @@ def build(request: ScheduleRequest, p: int, m: int, *, enforce_limit: bool = Tru
             if request.exact is not None and request.name in AUTOMATIC:
                 sched = refine(sched, setting, node_limit=request.exact[0], time_limit=request.exact[1])
     setting = dataclasses.replace(setting, chunks=sched.placement.chunks)
+    if base is None:  # MoE all-to-all overlap: the F&B pairs that shorten the iteration (none without)
+        sched = form_pairs(sched, setting)
     result = validate(sched, setting, memory_limit=float("inf"))
     built = Built(request, sched, setting, _result=result)
     limit = setting.memory_limit

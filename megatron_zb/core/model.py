@@ -149,6 +149,17 @@ class ModelSpec:
         """M_B the embedding stage adds per microbatch: its output (e s b h)."""
         return float(self.activation_bytes * self.seq_length * self.micro_batch_size * self.hidden_size)
 
+    def layer_a2a_bytes(self):
+        """Bytes one layer's expert-parallel all-to-all sends per microbatch from one rank in a
+        forward (dispatch + combine: 2 x tokens x k x h x e), counting only the routed copies that
+        leave the rank ((EP-1)/EP of them, uniform routing); the backward sends as much again. The
+        tokens are the rank's s b (s b / t with sequence parallelism). 0 for a dense model or EP 1."""
+        ep = self.expert_model_parallel_size
+        if not self.num_experts or ep < 2:
+            return 0.0
+        tokens = self.seq_length * self.micro_batch_size / (self.tensor_parallel_size if self.sequence_parallel else 1)
+        return 2.0 * tokens * self.moe_router_topk * self.hidden_size * self.activation_bytes * (ep - 1) / ep
+
     def params_per_layer(self):
         h, t = self.hidden_size, self.tensor_parallel_size
         if self.num_experts:  # this rank's experts (EP), split over TP, and the router

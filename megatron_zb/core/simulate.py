@@ -95,6 +95,11 @@ class Deadlock(ScheduleError):
             self._msg = _deadlock_message(*self._args)
         return self._msg
 
+    def stuck(self) -> List[Tuple[int, int]]:
+        """(rank, index among the rank's compute passes) of the pass each stuck rank waits in."""
+        _, orders, pos, _ = self._args
+        return [(r, sum(1 for a in o[:pos[r]] if a.is_compute)) for r, o in enumerate(orders) if pos[r] < len(o)]
+
     def __reduce__(self):  # pickles as the plain error it describes
         return ScheduleError, (str(self),)
 
@@ -146,11 +151,17 @@ def _deadlock_message(schedule: Schedule, orders, pos, done) -> str:
 
 
 def simulate(schedule: Schedule, setting: Setting,
-             release: Optional[Dict[Tuple[int, int], float]] = None) -> SimResult:
+             release: Optional[Dict[Tuple[int, int], float]] = None,
+             unpaired: Optional[set] = None) -> SimResult:
     """Time every compute pass. Raises Deadlock naming each stuck rank's waiting pass.
 
     ``release`` (optional): {(rank, i): t} -- the i-th compute pass of that rank starts no earlier
-    than t (``core.iteration`` uses it for iterations back to back)."""
+    than t (``core.iteration`` uses it for iterations back to back).
+
+    ``unpaired`` (optional, a set; ``core.pairing`` uses it): where the schedule would deadlock
+    because overlapped pairs wait for their backward's inputs, the pairs the stuck ranks wait in
+    run as two plain passes instead, and their (rank, index of the F among the rank's compute
+    passes) are added to the set."""
     schedule = schedule.flat()
     pl = schedule.placement
     nst = pl.num_stages
@@ -169,8 +180,10 @@ def simulate(schedule: Schedule, setting: Setting,
     timeline: List[List[Timed]] = [[] for _ in orders]
     comm = setting.cost_comm
     remaining = sum(len(o) for o in orders)
-    # overlapped F&B pairs (rank, index of the F among the rank's compute passes): each pass's
-    # all-to-all hides behind the other's compute (``Setting.a2a_overlap``)
+    # overlapped F&B pairs (rank, index of the F among the rank's compute passes), run as one pass
+    # (the runtime's pair call, Megatron's combined 1F1B): the pair starts when both passes have
+    # their inputs, each pass's all-to-all hides behind the other's compute (``Setting.a2a_overlap``)
+    # and both results leave at the pair's end. The timeline shows the F, then the B
     pairs = set(map(tuple, schedule.meta.get("overlap_pairs", ()))) if setting.a2a_overlap and \
         any(setting.cost_a2a) else set()
     while remaining:
@@ -187,38 +200,41 @@ def simulate(schedule: Schedule, setting: Setting,
                 ready = clock[r]
                 if release:
                     ready = max(ready, release.get((r, len(timeline[r])), ready))  # i-th compute pass
-                ok = True
-                for dk, ds, dmb in deps(a, nst, pl):
-                    t = done.get((dk, ds, dmb))
-                    if t is None:
-                        ok = False
-                        break
-                    if pl.stage_to_rank[ds] != r:
-                        t += comm
-                    if t > ready:
-                        ready = t
-                if not ok:
+                i = len(timeline[r])
+                # the F of an overlapped pair starts once the inputs of both its passes are in
+                ready = _inputs_ready(a, r, ready, done, nst, pl, comm)
+                if ready is not None and (r, i) in pairs:
+                    ready = _inputs_ready(order[pos[r] + 1], r, ready, done, nst, pl, comm)
+                if ready is None:
                     break
                 if links is not None and a.kind in (B, BW, W):
                     ready = links.gate(r, a, ready)
-                i = len(timeline[r])
                 if (r, i) in pairs:  # the F of a pair; its B comes next
-                    dur = _paired_cost(setting, r, a, order[pos[r] + 1])
+                    dur = paired_cost(setting, r, a, order[pos[r] + 1])
                 elif (r, i - 1) in pairs:  # the B of a pair
-                    dur = _paired_cost(setting, r, a, timeline[r][-1].action)
+                    dur = paired_cost(setting, r, a, timeline[r][-1].action)
                 else:
                     dur = setting.pass_cost(a.kind, r)
                 end = ready + dur
                 timeline[r].append(Timed(a, r, ready, end))
                 clock[r] = end
-                done[(a.kind, a.stage, a.mb)] = end
+                if (r, i) not in pairs:  # a pair's F hands its output on with the pair's end (its B's)
+                    done[(a.kind, a.stage, a.mb)] = end
+                    if (r, i - 1) in pairs:
+                        f = timeline[r][-2].action
+                        done[(f.kind, f.stage, f.mb)] = end
                 if a.kind in (B, BW):
                     done[("B*", a.stage, a.mb)] = end
                 pos[r] += 1
                 remaining -= 1
                 progressed = True
         if not progressed:
-            raise Deadlock(schedule, orders, pos, done)
+            stuck = {(r, sum(1 for a in o[:pos[r]] if a.is_compute)) for r, o in enumerate(orders)
+                     if pos[r] < len(o)} & pairs
+            if unpaired is None or not stuck:
+                raise Deadlock(schedule, orders, pos, done)
+            unpaired |= stuck  # these pairs wait for each other: run them as plain passes
+            pairs -= stuck
 
     syncs = _replica_syncs(timeline, pl, setting) if pl.replicated else []
     finish = [tl[-1].end if tl else 0.0 for tl in timeline]
@@ -246,9 +262,25 @@ def simulate(schedule: Schedule, setting: Setting,
                      makespan, bubble, peaks, spans, busy, timeline, syncs, copies, offload)
 
 
-def _paired_cost(setting: Setting, r: int, a: Action, partner: Action) -> float:
-    """A pass of an overlapped pair: its compute, plus the part of its all-to-all that the
-    partner's compute does not cover."""
+def _inputs_ready(a: Action, r: int, ready: float, done, nst: int, pl, comm: float) -> Optional[float]:
+    """When pass ``a`` on rank ``r`` has its inputs (no earlier than ``ready``); None if a
+    dependency has not run yet."""
+    for key in deps(a, nst, pl):
+        t = done.get(key)
+        if t is None:
+            return None
+        if pl.stage_to_rank[key[1]] != r:
+            t += comm
+        if t > ready:
+            ready = t
+    return ready
+
+
+def paired_cost(setting: Setting, r: int, a: Action, partner: Action) -> float:
+    """A pass of an overlapped pair on rank ``r``: its compute, plus the part of its all-to-all
+    that the partner's compute does not cover (``setting.chunks`` must be the schedule's). The
+    pair takes ``paired_cost(f, b) + paired_cost(b, f)``: the two computes and what is left of the
+    all-to-alls, max(0, a2a_f - compute_b) + max(0, a2a_b - compute_f)."""
     own = setting.pass_a2a(a.kind, r)
     cover = setting.pass_cost(partner.kind, r) - setting.pass_a2a(partner.kind, r)
     return setting.pass_cost(a.kind, r) - own + max(0.0, own - cover)

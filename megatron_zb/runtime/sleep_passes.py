@@ -7,6 +7,12 @@ produces, sends and receives real (small) tensors, so the p2p path is the real o
     passes = sleep_passes(setting, rank, placement, unit=0.02)
     execute(lowered.orders[rank], rank, placement, passes, p2p)
 
+MoE's all-to-all (``setting.cost_a2a``) is part of every F, B and BW's sleep, as the simulator
+charges it; an overlapped F&B pair runs as one pass (the executor's pair call, once both inputs
+are in) that sleeps the two computes and only what each all-to-all's partner does not hide
+(``SleepPasses.pair_seconds``: ``core.simulate.paired_cost`` of each), and hands both results on
+at its end, as the simulator has it.
+
 :func:`time_iterations` runs a lowered schedule several times on every rank of a process group
 (barrier before each) and returns each iteration's wall time on this rank.
 """
@@ -15,15 +21,17 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import List, Sequence
+from dataclasses import dataclass, field
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-from ..core.ir import B, BW, F, W, Placement, Schedule, Setting
+from ..core.ir import B, BW, F, W, Action, Placement, Schedule, Setting
+from ..core.simulate import paired_cost
 from .executor import StagePasses, execute
 
-__all__ = ["sleep_passes", "time_iterations", "precise_sleep"]
+__all__ = ["SleepPasses", "sleep_passes", "lowered_pairs", "time_iterations", "precise_sleep"]
 
 _yield = getattr(os, "sched_yield", lambda: time.sleep(0))
 
@@ -43,13 +51,34 @@ def precise_sleep(seconds: float, spin_s: float = 0.0004) -> None:
         _yield()
 
 
+@dataclass
+class SleepPasses(StagePasses):
+    """``StagePasses`` whose passes sleep (``sleep_passes``), plus what an overlapped F&B pair
+    sleeps: its two computes and only the part of each all-to-all the other's compute does not
+    hide, exactly as the simulator charges it (``core.simulate.paired_cost``)."""
+
+    seconds: Dict[str, float] = field(default_factory=dict)  # kind -> one plain pass
+    # split (B, not BW) -> (seconds of the F, seconds of the backward) inside a pair
+    pair_parts: Dict[bool, Tuple[float, float]] = field(default_factory=dict)
+
+    def pair_seconds(self, f_stage: int, b_stage: int, split: bool) -> float:
+        """Seconds an overlapped pair of this rank's F (of ``f_stage``) and B (``split``) or BW
+        (of ``b_stage``) takes in all, from the moment both have their inputs (every chunk of a
+        rank costs the same: the stages only name the pair)."""
+        f, b = self.pair_parts[bool(split)]
+        return f + b
+
+
 def sleep_passes(setting: Setting, rank: int, placement: Placement, shape: Sequence[int] = (4,),
-                 unit: float = 0.01, dtype: torch.dtype = torch.float32, device="cpu") -> StagePasses:
+                 unit: float = 0.01, dtype: torch.dtype = torch.float32, device="cpu",
+                 pairs_as_one: bool = False) -> SleepPasses:
     """StagePasses for ``rank`` whose F/B/W/BW sleep ``setting.pass_cost(kind, rank) * unit`` s.
 
     ``setting.chunks`` is taken from the placement (each chunk's pass costs the rank's value / V).
     F returns a tensor of ``shape`` (the stage's output, sent for real); B/BW return an input
-    gradient of ``shape`` (stage 0 returns None).
+    gradient of ``shape`` (stage 0 returns None). ``pairs_as_one``: an overlapped F&B pair the
+    executor is given (``overlap_pairs``) runs as one pass (``StagePasses.overlap``, the executor's
+    pair call) that sleeps ``pair_seconds``; without it, as two plain passes.
     """
     if setting.chunks != placement.chunks:
         setting = dataclasses.replace(setting, chunks=placement.chunks)
@@ -57,24 +86,48 @@ def sleep_passes(setting: Setting, rank: int, placement: Placement, shape: Seque
         raise ValueError(f"unit must be >= 0 seconds, got {unit}")
     shape = tuple(int(x) for x in shape)
     dur = {k: setting.pass_cost(k, rank) * unit for k in (F, B, W, BW)}
+    parts = {}
+    hide = setting.a2a_overlap and any(setting.cost_a2a)
+    for split, bk in ((True, B), (False, BW)):
+        f_act, b_act = Action(F, 0, 0), Action(bk, 0, 0)
+        parts[split] = ((paired_cost(setting, rank, f_act, b_act) * unit, paired_cost(setting, rank, b_act, f_act) * unit)
+                        if hide else (dur[F], dur[bk]))
+
+    def output(stage, mb):
+        return torch.full(shape, float(stage * 1000 + mb), dtype=dtype, device=device)
+
+    def in_grad(stage, mb):
+        return None if placement.is_first(stage) else torch.full(shape, float(mb), dtype=dtype, device=device)
 
     def forward(stage, mb, inp):  # the (tiny) real work first, inside the pass's duration
         t_end = time.perf_counter() + dur[F]
-        out = torch.full(shape, float(stage * 1000 + mb), dtype=dtype, device=device)
+        out = output(stage, mb)
         precise_sleep(t_end - time.perf_counter())
         return out
 
     def backward(stage, mb, inp, out, grad, split):
         t_end = time.perf_counter() + (dur[B] if split else dur[BW])
-        g = None if placement.is_first(stage) else torch.full(shape, float(mb), dtype=dtype, device=device)
+        g = in_grad(stage, mb)
         precise_sleep(t_end - time.perf_counter())
         return g
 
     def weight(stage, mb):
         precise_sleep(dur[W])
 
-    return StagePasses(forward=forward, backward=backward, weight=weight,
-                       recv_shape=lambda s, mb: shape, dtype=dtype, device=device)
+    def overlap(f, b):  # f = (stage, mb, input), b = (stage, mb, input, output, grad, split)
+        t_end = time.perf_counter() + sum(parts[bool(b[5])])
+        out, g = output(f[0], f[1]), in_grad(b[0], b[1])
+        precise_sleep(t_end - time.perf_counter())
+        return out, g
+
+    return SleepPasses(forward=forward, backward=backward, weight=weight, overlap=overlap if pairs_as_one else None,
+                       recv_shape=lambda s, mb: shape, dtype=dtype, device=device, seconds=dur, pair_parts=parts)
+
+
+def lowered_pairs(lowered: Schedule, rank: int) -> Dict[int, int]:
+    """This rank's overlapped pairs of a lowered schedule: position of the F -> position of its
+    backward (``execute``'s ``overlap_pairs``)."""
+    return {i: j for r, i, j in lowered.meta.get("overlap_pairs", ()) if r == rank}
 
 
 def time_iterations(lowered: Schedule, rank: int, passes: StagePasses, p2p, iterations: int,

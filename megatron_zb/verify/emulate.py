@@ -33,38 +33,65 @@ import dataclasses
 import statistics
 import time
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
-from ..core.ir import Action, Setting
+from ..core.build import ScheduleRequest, build
+from ..core.ir import Action, Schedule, Setting
 from ..core.iteration import iteration_times
-from ..core.schedules import generate
+from ..core.schedules.interleaved import combined_1f1b
 from ..core.simulate import SimResult, Timed
 
-__all__ = ["Entry", "emulate", "predicted_iteration"]
+__all__ = ["Entry", "COMBINED_1F1B", "emulate", "predicted_iteration", "schedule_for"]
 
 Costs = Union[float, Sequence[float]]
 
 
+#: Entry.schedule of Megatron's interleaved 1F1B (2 chunks per rank) with its combined-1F1B
+#: expert-parallel overlap (``core.schedules.interleaved.combined_1f1b``; not a registered schedule)
+COMBINED_1F1B = "combined-1f1b"
+
+
 @dataclass(frozen=True)
 class Entry:
-    """One schedule to run; ``label`` defaults to the schedule's name (plus the mode)."""
+    """One schedule to run; ``label`` defaults to the schedule's name (plus the mode).
+    ``memory_limit``: per rank, in mem-f units (the searched schedules search under it; the
+    overlapped pairs an all-to-all cost asks for stay within it). ``a2a_overlap``: this entry's
+    own (None: ``emulate``'s)."""
     schedule: str
     post_validation: bool = False
     label: Optional[str] = None
+    memory_limit: Optional[float] = None
+    a2a_overlap: Optional[bool] = None
 
     @property
     def name(self) -> str:
         return self.label or (self.schedule + (" + post-validation" if self.post_validation else ""))
 
 
-def _setting(stages, microbatches, cost_f, cost_b, cost_w, cost_comm=0.0) -> Setting:
-    return Setting(stages, microbatches, cost_f=cost_f, cost_b=cost_b, cost_w=cost_w, cost_comm=cost_comm)
+def _setting(stages, microbatches, cost_f, cost_b, cost_w, cost_comm=0.0, cost_a2a=0.0, a2a_overlap=True) -> Setting:
+    return Setting(stages, microbatches, cost_f=cost_f, cost_b=cost_b, cost_w=cost_w, cost_comm=cost_comm,
+                   cost_a2a=cost_a2a, a2a_overlap=a2a_overlap)
+
+
+def schedule_for(entry: Entry, setting: Setting) -> Tuple[Schedule, Setting]:
+    """The schedule ``entry`` runs, as ``core.build`` makes it (with the overlapped pairs an
+    all-to-all cost asks for), and the setting it was built with."""
+    if entry.a2a_overlap is not None:
+        setting = dataclasses.replace(setting, a2a_overlap=entry.a2a_overlap)
+    if entry.schedule == COMBINED_1F1B:
+        st = dataclasses.replace(setting, chunks=2, memory_limit=entry.memory_limit)
+        return combined_1f1b(st), st
+    req = ScheduleRequest(entry.schedule, cost_f=setting.cost_f, cost_b=setting.cost_b, cost_w=setting.cost_w,
+                          cost_comm=setting.cost_comm, cost_a2a=setting.cost_a2a, a2a_overlap=setting.a2a_overlap,
+                          memory_limit=entry.memory_limit)
+    built = build(req, setting.stages, setting.microbatches, enforce_limit=False)
+    return built.schedule, built.setting
 
 
 def predicted_iteration(entry: Entry, setting: Setting) -> Optional[float]:
     """The simulator's iteration time for ``entry`` (None where it has no prediction)."""
-    sched = generate(entry.schedule, setting)
-    it = iteration_times(sched, dataclasses.replace(setting, chunks=sched.placement.chunks))
+    sched, st = schedule_for(entry, setting)
+    it = iteration_times(sched, st)
     return it.iteration_time_post_validated if entry.post_validation else it.iteration_time
 
 
@@ -76,7 +103,7 @@ def _rank_main(job: dict) -> dict:
     from ..runtime.executor import execute
     from ..runtime.hooks import PassTimes
     from ..runtime.p2p import P2P, PairGroups
-    from ..runtime.sleep_passes import sleep_passes
+    from ..runtime.sleep_passes import lowered_pairs, sleep_passes
 
     rank, world = dist.get_rank(), dist.get_world_size()
     groups = PairGroups(list(range(world)), {(a, b) for a in range(world) for b in range(a + 1, world)})
@@ -91,9 +118,12 @@ def _rank_main(job: dict) -> dict:
         for e in job["entries"]:
             entry = Entry(**e)
             st = _setting(job["stages"], job["microbatches"], job["cost_f"], job["cost_b"], job["cost_w"],
-                          hop / unit)
-            low = lower(generate(entry.schedule, st))
-            passes = sleep_passes(st, rank, low.placement, unit=unit)
+                          hop / unit, job["cost_a2a"], job["a2a_overlap"])
+            sched, st = schedule_for(entry, st)
+            low = lower(sched, st)
+            # the simulator runs the pairs as one pass where they hide an all-to-all, else as two
+            pairs = lowered_pairs(low, rank) if st.a2a_overlap and any(st.cost_a2a) else {}
+            passes = sleep_passes(st, rank, low.placement, unit=unit, pairs_as_one=True)
             record: List[tuple] = []
             timing = PassTimes(lambda kind, stage, mb, sec: record.append(
                 (kind, stage, mb, time.perf_counter() - sec, time.perf_counter())))
@@ -106,7 +136,7 @@ def _rank_main(job: dict) -> dict:
                 if i == n - 1:
                     record.clear()
                 starts.append(time.perf_counter())
-                execute(low.orders[rank], rank, low.placement, passes, p2p, hooks=[timing])
+                execute(low.orders[rank], rank, low.placement, passes, p2p, overlap_pairs=pairs, hooks=[timing])
                 ends.append(time.perf_counter())
             dist.barrier()
             out.append({"starts": starts, "ends": ends, "passes": list(record)})
@@ -139,18 +169,22 @@ def _ping_pong(groups, rank: int, world: int, rounds: int = 20) -> List[float]:
 
 def emulate(entries: Sequence[Entry], stages: int, microbatches: int, cost_f: Costs, cost_b: Costs,
             cost_w: Costs, unit_s: float = 1e-3, iterations: int = 3, warmup: int = 1,
-            timeout: float = 600.0) -> List[dict]:
+            timeout: float = 600.0, cost_a2a: Costs = 0.0, a2a_overlap: bool = True) -> List[dict]:
     """Run ``entries`` on ``stages`` real processes; one row per entry (see the module doc).
-    Costs are per whole stage, in units of ``unit_s`` seconds (default: milliseconds)."""
+    Costs are per whole stage, in units of ``unit_s`` seconds (default: milliseconds).
+    ``cost_a2a``: MoE's all-to-all in every F, B and BW (``ir.Setting``); the schedules get the
+    overlapped F&B pairs it asks for (``core.pairing``), whose passes sleep what the simulator
+    charges them (``runtime.sleep_passes``; ``a2a_overlap`` False: no hiding)."""
     from .launch import run_cases
 
     if iterations < 1 or warmup < 1:
         raise ValueError(f"need iterations >= 1 and warmup >= 1, got {iterations}, {warmup}")
-    st = _setting(stages, microbatches, cost_f, cost_b, cost_w)
+    st = _setting(stages, microbatches, cost_f, cost_b, cost_w, cost_a2a=cost_a2a, a2a_overlap=a2a_overlap)
     for e in entries:  # a bad entry fails here, before any process starts
-        generate(e.schedule, st)
+        schedule_for(e, st)
     job = {"entries": [dataclasses.asdict(e) for e in entries], "stages": stages, "microbatches": microbatches,
-           "cost_f": st.cost_f, "cost_b": st.cost_b, "cost_w": st.cost_w, "unit_s": unit_s,
+           "cost_f": st.cost_f, "cost_b": st.cost_b, "cost_w": st.cost_w, "cost_a2a": st.cost_a2a,
+           "a2a_overlap": st.a2a_overlap, "unit_s": unit_s,
            "iterations": iterations, "warmup": warmup, "timeout": timeout}
     per_rank = run_cases(_rank_main, [job], stages, timeout=timeout, cpu_shims=False)[0]
     hop = per_rank[0][0]
@@ -182,10 +216,10 @@ def emulate(entries: Sequence[Entry], stages: int, microbatches: int, cost_f: Co
 def _timeline(entry: Entry, st: Setting, ranks: List[dict], unit_s: float) -> SimResult:
     """The last timed iteration as it ran: measured pass times, from that iteration's first start
     (peak memory is not measured: zeros)."""
-    sched = generate(entry.schedule, st)
+    sched, _ = schedule_for(entry, st)
     t0 = min(r["starts"][-1] for r in ranks)
     tl = [[Timed(Action(kind, stage, mb), rank, (a - t0) / unit_s, (b - t0) / unit_s)
-           for kind, stage, mb, a, b in r["passes"]] for rank, r in enumerate(ranks)]
+           for kind, stage, mb, a, b in sorted(r["passes"], key=lambda x: x[3])] for rank, r in enumerate(ranks)]
     busy = [sum(t.end - t.start for t in x) for x in tl]
     spans = [x[-1].end - x[0].start if x else 0.0 for x in tl]
     makespan = max(spans)

@@ -11,6 +11,12 @@ warm-up; Megatron refuses that, we run it). Megatron also refuses a last group o
 microbatches after full groups (m > group, 0 < m % group < p); there its order sometimes
 deadlocks (e.g. p=5, m=7, v=2) and sometimes only has extra bubbles (p=2, m=5): this generator
 runs the latter and refuses the former with the counts that work.
+
+``combined_1f1b``: the same order as Megatron runs it with ``--overlap-moe-expert-parallel-comm``
+(its "combined 1F1B", MoE expert-parallel all-to-all overlap): one more warm-up forward on every
+rank, so that the forward and the backward of every steady-state step are independent, and each
+such step one overlapped F&B pair (``OVERLAP_F_B``). Not a registered schedule: the anchor that
+``benchmarks/bench_moe_overlap.py`` compares with.
 """
 from __future__ import annotations
 
@@ -28,7 +34,12 @@ def schedule_table(m: int, v: int, group: int) -> List[Tuple[int, int]]:
     return table
 
 
-def interleaved_1f1b(setting: Setting, group: Optional[int] = None) -> Schedule:
+def combined_1f1b(setting: Setting, group: Optional[int] = None) -> Schedule:
+    """Megatron's interleaved 1F1B with its combined-1F1B EP overlap (see the module doc)."""
+    return interleaved_1f1b(setting, group, combined=True)
+
+
+def interleaved_1f1b(setting: Setting, group: Optional[int] = None, combined: bool = False) -> Schedule:
     p, m, v = setting.stages, setting.microbatches, setting.chunks
     if v < 2:
         raise ScheduleError("interleaved-1f1b needs --chunks >= 2 (model chunks per rank); "
@@ -47,13 +58,15 @@ def interleaved_1f1b(setting: Setting, group: Optional[int] = None) -> Schedule:
         def bwd(k):
             mb, c = table[k]
             return Action(BW, (v - 1 - c) * p + r, mb)
-        warm = min((p - r - 1) * 2 + (v - 1) * group, total)
+        warm = min((p - r - 1) * 2 + (v - 1) * group + int(combined), total)
         order = [fwd(k) for k in range(warm)]
         for k in range(total - warm):
-            order += [fwd(warm + k), bwd(k)]
+            f, b = fwd(warm + k), bwd(k)
+            order += [Action.overlap(f, b)] if combined and f.mb != b.mb else [f, b]
         order += [bwd(k) for k in range(total - warm, total)]
         orders.append(order)
-    sched = Schedule("interleaved-1f1b", Placement.looped(p, v), m, orders, {"group": group})
+    sched = Schedule("interleaved-1f1b", Placement.looped(p, v), m, orders,
+                     {"group": group, **({"combined_1f1b": True} if combined else {})})
     rest = m % group
     if m > group and 0 < rest < p:
         try:
