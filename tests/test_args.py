@@ -335,7 +335,6 @@ def test_looped_schedules_need_megatron_virtual_pipeline():
 
 
 @pytest.mark.parametrize("extra,flag", [
-    ("--overlap-moe-expert-parallel-comm", "--overlap-moe-expert-parallel-comm"),
     ("--defer-embedding-wgrad-compute", "--defer-embedding-wgrad-compute"),
     ("--cuda-graph-impl full_iteration", "--cuda-graph-impl full_iteration"),
 ])

@@ -8,23 +8,27 @@ from __future__ import annotations
 import pytest
 
 from megatron_zb import verify as V
-from megatron_zb.core import schedules as core_schedules
-from megatron_zb.core.build import ScheduleRequest, build
+from megatron_zb.core.build import build
+from megatron_zb.megatron.options import ScheduleOptions
 
 MOE = dict(num_experts=4, expert_model_parallel_size=2, data_parallel_size=2, moe_router_topk=2,
            moe_aux_loss_coeff=0.01, ep_overlap=True)
 
 
 def _pairs(schedule: str, p: int, m: int) -> int:
-    return len(build(ScheduleRequest(schedule), p, m).lowered().meta.get("overlap_pairs", ()))
+    """The pairs of the schedule training builds with the option (the all-to-all at half of F)."""
+    req = ScheduleOptions(schedule, ep_overlap=True).request()
+    return len(build(req, p, m).lowered().meta.get("overlap_pairs", ()))
 
 
 @pytest.mark.megatron
 @pytest.mark.dist
 def test_ep_overlap_equals_reference(mcore_path, mcore_version):
-    """World size 4 (PP=2 x DP=2, experts over EP=2): dualpipe-v with routed and shared experts; each
-    of the schedule's pairs ran as one pass through megatron's plans."""
+    """World size 4 (PP=2 x DP=2, experts over EP=2): dualpipe-v (pairs in its order) with routed and
+    shared experts, zb-v (pairs the core forms); each of the schedule's pairs ran as one pass through
+    megatron's plans."""
     cases = [V.make_case("dualpipe-v", 2, num_microbatches=8, iterations=2, **MOE),
+             V.make_case("zb-v", 2, num_microbatches=8, iterations=2, **MOE),
              V.make_case("dualpipe-v", 2, num_microbatches=6, iterations=2, label="shared experts",
                          moe_shared_expert_intermediate_size=64, **MOE)]
     results = V.run_verify_many(cases, timeout=900, mcore_path=mcore_path)
@@ -42,25 +46,28 @@ def test_ep_overlap_refused_without_pairs_or_experts(capsys):
     """One line, exit 2: a schedule without overlapped pairs, or no expert parallelism."""
     from megatron_zb.verify.command import main_verify
     base = ["-p", "2", "-d", "2", "--num-experts", "4", "--overlap-moe-expert-parallel-comm"]
-    for argv, msg in [(["--schedule", "zb-h1", "--expert-model-parallel-size", "2"], "needs a schedule with overlapped"),
+    for argv, msg in [(["--schedule", "zb-h1", "--expert-model-parallel-size", "2"], "has no overlapped F&B pair"),
                       (["--schedule", "dualpipe-v"], "--expert-model-parallel-size >= 2"),
                       (["--schedule", "dualpipe-v", "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type",
                         "allgather"], "alltoall")]:
         assert main_verify(base + argv) == 2
         err = capsys.readouterr().err.strip()
         assert msg in err and len(err.splitlines()) == 1, err
-    assert "dualpipe-v" in core_schedules.overlapping()
 
 
 def test_ep_overlap_flag_with_training_flags():
-    """Megatron's flag is taken with schedules that have pairs and refused (naming them) otherwise."""
+    """Megatron's flag is taken where the built schedule has overlapped pairs (dualpipe-v's own, those the
+    core forms in zb-v with the all-to-all) and refused in one line, at start-up, where it has none."""
     from megatron_zb.megatron.errors import ZeroBubbleArgumentError, ZeroBubbleConfigError
-    from megatron_zb.megatron.options import ScheduleOptions
+    from megatron_zb.megatron.options import ScheduleOptions, check_ep_overlap, preview
     from tests.test_args import BASE, validate
-    _, kw = validate(BASE + " --zero-bubble-schedule dualpipe-v --overlap-moe-expert-parallel-comm")
-    assert kw["schedule"] == "dualpipe-v"
-    with pytest.raises(ZeroBubbleArgumentError, match="overlapped F&B pairs .*dualpipe-v"):
-        validate(BASE + " --zero-bubble-schedule zb-h2 --overlap-moe-expert-parallel-comm")
-    with pytest.raises(ZeroBubbleConfigError, match="schedule 1f1b has none"):
-        ScheduleOptions("1f1b", ep_overlap=True).check(cuda=False)
-    ScheduleOptions("dualpipe-v", ep_overlap=True).check(cuda=False)
+    _, kw = validate(BASE + " --zero-bubble-schedule zb-v --overlap-moe-expert-parallel-comm --zero-bubble-cost-a2a 0.4")
+    assert kw["ep_overlap"] and kw["cost_a2a"] == 0.4
+    built, base = preview(ScheduleOptions(**kw), 4, 16)
+    assert built.setting.cost_a2a == [0.4] * 4 and built.lowered().meta["overlap_pairs"]
+    assert built.result.makespan < base.makespan
+    for name in ("dualpipe-v", "interleaved-1f1b"):
+        check_ep_overlap(preview(ScheduleOptions(name, ep_overlap=True), 4, 16)[0])
+    with pytest.raises(ZeroBubbleArgumentError, match="schedule 1f1b at pipeline size 4 with 16 microbatches has no"):
+        preview(ScheduleOptions("1f1b", ep_overlap=True), 4, 16)
+    assert ScheduleOptions("zb-v").request().cost_a2a == 0.0  # without the flag: no all-to-all, no pairs

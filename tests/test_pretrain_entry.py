@@ -98,8 +98,7 @@ RUNS = {
     "zb-v/moe": dict(SCHEDULE="zb-v", NPROC=4, EXTRA_ARGS=MOE_ARGS),
     "1f1b/moe": dict(SCHEDULE="1f1b", NPROC=4, EXTRA_ARGS=MOE_ARGS),
     # Megatron's EP all-to-all overlap flag: every pass through megatron-core's schedule plans
-    "dualpipe-v/moe-overlap": dict(SCHEDULE="dualpipe-v", NPROC=4,
-                                   EXTRA_ARGS=MOE_ARGS + " --overlap-moe-expert-parallel-comm"),
+    "zb-v/moe-overlap": dict(SCHEDULE="zb-v", NPROC=4, EXTRA_ARGS=MOE_ARGS + " --overlap-moe-expert-parallel-comm"),
 }
 
 
@@ -179,15 +178,16 @@ def test_moe_with_expert_parallelism_zb_v_equals_1f1b(trainings):
 @pytest.mark.dist
 @needs_training
 def test_moe_ep_overlap_flag_trains_like_1f1b(trainings):
-    """--overlap-moe-expert-parallel-comm with dualpipe-v: the overlapped pairs run as one pass through
-    megatron-core's schedule plans, and the losses equal 1f1b's from the same weights."""
-    text, v = _check_ok(trainings, "dualpipe-v/moe-overlap")
+    """--overlap-moe-expert-parallel-comm with zb-v: the schedule core pairs F&B passes (the all-to-all at
+    half of F by default), each pair runs as one pass through megatron-core's schedule plans, and the
+    losses equal 1f1b's from the same weights."""
+    text, v = _check_ok(trainings, "zb-v/moe-overlap")
     _, ref = _check_ok(trainings, "1f1b/moe")
     assert "--overlap-moe-expert-parallel-comm run by megatron-zb alone" in text  # CPU: fp32, not Megatron's config
     said = re.findall(r"EP all-to-all overlap .*?: every pass through megatron-core's schedule plans, (\d+) overlapped", text)
     assert said and all(int(n) > 0 for n in said), said
     for (i, _, _, la), (_, _, _, lb) in zip(ref, v):
-        assert lb == pytest.approx(la, rel=2e-6), f"iteration {i}: 1f1b {la} vs dualpipe-v + EP overlap {lb}"
+        assert lb == pytest.approx(la, rel=2e-6), f"iteration {i}: 1f1b {la} vs zb-v + EP overlap {lb}"
 
 
 @pytest.mark.megatron

@@ -17,7 +17,7 @@ from typing import List, Optional
 from .build import OffloadRequest, ScheduleRequest, build
 from .ir import OVERLAP, Placement, ScheduleError
 from .iteration import iteration_times
-from .schedules import get, names, overlapping
+from .schedules import get, names
 from .schedules.auto import TIE
 from .model import ModelSpec, layer_split, stage_activation_bytes  # noqa: F401 (plan's model, re-exported)
 
@@ -262,8 +262,9 @@ def _row(name: str, spec: ModelSpec, p: int, m: int, budget: float, tflops: floa
     if any(ca):
         pairs = sum(1 for o in sched.orders for a in o if a.kind == OVERLAP)
         row.update(cost_a2a_s=ca, overlap_pairs=pairs)
-        if pairs and name in overlapping():  # the schedules whose pairs the runtime runs as one pass
-            row["flags"] += " --overlap-moe-expert-parallel-comm"
+        if pairs:  # training asks the core for the same pairs: the all-to-all relative to F
+            rel = max(ca) / max(cf) if max(cf) > 0 else 0.0
+            row["flags"] += f" --overlap-moe-expert-parallel-comm --zero-bubble-cost-a2a {rel:.3g}"
     for k in ("gap_to_lower_bound", "exact"):
         if k in sched.meta:
             row[k] = sched.meta[k]

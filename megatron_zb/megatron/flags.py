@@ -184,9 +184,6 @@ def validate_zero_bubble_args(args, *, before_megatron_validation: Optional[bool
     for dest, flag, why in conflicts:
         if _given(args, dest):
             raise err(f"{flag} cannot be combined with megatron-zb schedule {name}: {why}")
-    if _given(args, "overlap_moe_expert_parallel_comm") and name not in core_schedules.overlapping():
-        raise err(f"--overlap-moe-expert-parallel-comm needs a schedule with overlapped F&B pairs "
-                  f"({', '.join(core_schedules.overlapping())}); schedule {name} has none")
     if getattr(args, "cuda_graph_impl", None) == "full_iteration":
         raise err(f"--cuda-graph-impl full_iteration captures Megatron's own schedule; it cannot be combined with "
                   f"megatron-zb schedule {name}")

@@ -150,6 +150,8 @@ class ZeroBubbleForwardBackward:
             except ScheduleError as e:
                 raise ZeroBubbleConfigError(f"{o.schedule} with pipeline size {p}, {m} microbatches: {e}") from None
             _check_forward_order(built.schedule)
+            if o.ep_overlap and not forward_only:
+                check_ep_overlap(built)
             self._built[key] = built
         return self._built[key]
 
@@ -208,6 +210,8 @@ class ZeroBubbleForwardBackward:
                 decoder_seq_length=decoder_seq_length, forward_only=forward_only,
                 collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step)
         _check_config(config, self.options.schedule)
+        if getattr(config, "overlap_moe_expert_parallel_comm", False) and not self.options.ep_overlap:
+            self._replace_options(ep_overlap=True)  # Megatron's flag in the model config: the same option
         o = self.options
         if o.offload_ratio is not None and o.offload_time == "auto" and not forward_only:
             from .offload import measure_offload_time  # --auto-offload-time: measured once, here
@@ -324,8 +328,7 @@ class ZeroBubbleForwardBackward:
                                 num_microbatches=call.num_microbatches, config=call.config, cp_size=call.cp_size,
                                 forward_only=call.forward_only, collect_non_loss_data=call.collect_non_loss_data,
                                 first_val_step=call.first_val_step,
-                                ep_overlap=self.options.ep_overlap or bool(getattr(call.config,
-                                                                                   "overlap_moe_expert_parallel_comm", False)))
+                                ep_overlap=self.options.ep_overlap)
         sync = None
         if not call.forward_only:
             replicas = (ReplicaGradSync(self.replica_groups(call.pp_ranks, pl), timeout_s=self.options.timeout_s)
@@ -425,8 +428,6 @@ def _check_forward_order(sched: Schedule) -> None:
 
 
 def _check_config(config, name):
-    if getattr(config, "overlap_moe_expert_parallel_comm", False):
-        check_ep_overlap(name)
     if getattr(config, "num_microbatches_with_partial_activation_checkpoints", None) is not None:
         raise ZeroBubbleConfigError(f"{name}: num_microbatches_with_partial_activation_checkpoints is "
                                     "not supported by the megatron-zb runtime")

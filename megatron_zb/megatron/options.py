@@ -24,13 +24,17 @@ __all__ = ["ScheduleOptions", "check_ep_overlap", "preview"]
 EP_OVERLAP_A2A_SHARE = 0.5
 
 
-def check_ep_overlap(schedule: str) -> None:
-    """Megatron's --overlap-moe-expert-parallel-comm runs overlapped F&B pairs as one pass: only
-    schedules whose order has such pairs take it."""
-    if schedule not in core_schedules.overlapping():
+def check_ep_overlap(built) -> None:
+    """Megatron's --overlap-moe-expert-parallel-comm runs the schedule's overlapped F&B pairs as one
+    pass: refuse a built schedule (``core.build.Built``) that has none. dualpipe-v has them in its
+    order; the core forms them in the others wherever hiding the all-to-all shortens the iteration."""
+    if not built.lowered().meta.get("overlap_pairs"):
+        s = built.setting
         raise ZeroBubbleConfigError(
-            f"--overlap-moe-expert-parallel-comm needs a schedule with overlapped F&B pairs "
-            f"({', '.join(core_schedules.overlapping())}); schedule {schedule} has none (drop the flag or choose one)")
+            f"--overlap-moe-expert-parallel-comm: schedule {built.schedule.name} at pipeline size {s.stages} with "
+            f"{s.microbatches} microbatches has no overlapped F&B pair to hide the all-to-all behind (the core pairs "
+            "an F with a B only where that shortens the iteration): choose dualpipe-v, zb-v, v-auto or "
+            "interleaved-1f1b, give a larger --zero-bubble-memory-limit, or drop the flag")
 
 
 @dataclasses.dataclass
@@ -101,8 +105,6 @@ class ScheduleOptions:
             req = self.request()
         except ScheduleError as e:
             raise ZeroBubbleConfigError(str(e)) from None
-        if self.ep_overlap:
-            check_ep_overlap(self.schedule)
         if req.offload is None:
             return
         if req.offload.ratio == "auto" and self.memory_limit is None:
@@ -135,6 +137,11 @@ def preview(options: ScheduleOptions, pipeline_size: int, num_microbatches: int)
     except ScheduleError as e:
         raise ZeroBubbleArgumentError(f"schedule {options.schedule} with pipeline size {pipeline_size} and "
                                       f"{num_microbatches} microbatches: {e}") from None
+    if options.ep_overlap:
+        try:
+            check_ep_overlap(built)
+        except ZeroBubbleConfigError as e:
+            raise ZeroBubbleArgumentError(str(e)) from None
     baseline = None
     try:
         baseline = build(ScheduleRequest("1f1b", cost_f=req.cost_f, cost_b=req.cost_b, cost_w=req.cost_w,

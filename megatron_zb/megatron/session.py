@@ -103,6 +103,13 @@ class TrainingSession:
                + f": simulated with {costs}: bubble {100 * sim.bubble_rate:.1f}%"
                + (f" (1f1b {100 * base.bubble_rate:.1f}%)" if base is not None else "")
                + f", peak activation {max(sim.peak_memory):.3g} microbatches per rank")
+        if zb.get("ep_overlap"):
+            a2a = max(built.setting.cost_a2a)
+            pairs = len(built.lowered().meta.get("overlap_pairs", ()))
+            print0(f"megatron-zb: EP all-to-all overlap: the schedule core planned with an all-to-all of {a2a:.3g} per "
+                   f"pass (F={max(built.setting.cost_f):.3g}; --zero-bubble-cost-a2a "
+                   + ("given" if zb.get("cost_a2a") is not None else "default: half of F") + f") and paired {pairs} "
+                   "F&B passes to hide it; 1f1b above carries the same all-to-all serially")
         if zb.get("offload_ratio") is not None:
             streams = "two copy streams" if zb.get("offload_overlap", True) else "one copy stream"
             if sim.offload is None:  # --auto-offload-time: K is measured on the device first

@@ -417,11 +417,10 @@ def _check_optimizer_options(case: VerifyCase) -> None:
 
 def _check_ep_overlap(case: VerifyCase) -> None:
     """Megatron's own rules for --overlap-moe-expert-parallel-comm, and a schedule with pairs."""
-    from ..core import schedules as core_schedules
     flag = "--overlap-moe-expert-parallel-comm"
-    if case.schedule not in core_schedules.overlapping():
-        raise VerifyUsageError(f"{flag} needs a schedule with overlapped F&B pairs "
-                               f"({', '.join(core_schedules.overlapping())}), got {case.schedule}")
+    if case.schedule in PSEUDO_SCHEDULES:
+        raise VerifyUsageError(f"{flag} runs through megatron-zb's runtime: give a megatron-zb schedule, not "
+                               f"{case.schedule}")
     if case.num_experts is None or case.expert_model_parallel_size < 2:
         raise VerifyUsageError(f"{flag} overlaps the expert-parallel all-to-all: it needs --num-experts and "
                                "--expert-model-parallel-size >= 2 (Megatron's rule)")
@@ -434,6 +433,18 @@ def _check_ep_overlap(case: VerifyCase) -> None:
         raise VerifyUsageError(f"{flag} with --mtp-num-layers is not covered by verify")
     if case.forward_only:
         raise VerifyUsageError(f"{flag} changes training passes only; drop --forward-only")
+    from ..core.build import build
+    from ..core.ir import ScheduleError
+    from ..megatron.errors import ZeroBubbleConfigError
+    from ..megatron.options import ScheduleOptions, check_ep_overlap
+    opts = ScheduleOptions(case.schedule, chunks=case.chunks, memory_limit=case.memory_limit, ep_overlap=True,
+                           **dict(case.schedule_options))
+    try:  # the schedule the ranks will build must have pairs
+        check_ep_overlap(build(opts.request(), case.pipeline_parallel_size, case.num_microbatches))
+    except ZeroBubbleConfigError as e:
+        raise VerifyUsageError(str(e)) from None
+    except ScheduleError:
+        pass  # a schedule that cannot be built says so where it is built
 
 
 # config overrides that only change how the pipeline runs (not the math) stay off the reference

@@ -38,9 +38,6 @@ class ScheduleSpec:
     # searched under --memory-limit (the limit decides the schedule; with activation offload the
     # search may also take what a larger limit builds and offload it back under)
     searched: bool = False
-    # its order has overlapped F&B pairs (``ir.OVERLAP``) that run as one pass: with Megatron's
-    # --overlap-moe-expert-parallel-comm, one's expert all-to-all hides behind the other's compute
-    overlap_pairs: bool = False
 
     def models(self, chunks: int) -> int:
         """Model chunks each rank builds for ``chunks`` chunks per rank."""
@@ -88,7 +85,7 @@ register(ScheduleSpec("v-auto", v_auto, "best V schedule under --memory-limit (d
 register(ScheduleSpec("looped-bfs", looped_bfs, "breadth-first looped schedule (torch's LoopedBFS)",
                       chunks=None, default_chunks=2, placement='looped'))
 register(ScheduleSpec("dualpipe-v", dualpipe_v, "DualPipeV's order with B/W split and overlapped F&B pairs",
-                      chunks=2, default_chunks=2, split_backward=True, placement='v', overlap_pairs=True))
+                      chunks=2, default_chunks=2, split_backward=True, placement='v'))
 register(ScheduleSpec("gpipe-v", gpipe_v, "GPipe on the V placement (2 chunks per rank)",
                       chunks=2, default_chunks=2, placement='v'))
 register(ScheduleSpec("interleaved-zb", interleaved_zb,
@@ -104,11 +101,6 @@ register(ScheduleSpec("bitpipe", bitpipe,
 
 def names() -> List[str]:
     return list(REGISTRY)
-
-
-def overlapping() -> List[str]:
-    """Schedules whose overlapped F&B pairs can hide an expert-parallel all-to-all."""
-    return [n for n, spec in REGISTRY.items() if spec.overlap_pairs]
 
 
 def get(name: str) -> ScheduleSpec:
