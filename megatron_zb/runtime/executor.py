@@ -12,6 +12,10 @@ through a stage:
   SEND_B  send the input gradient to the previous stage's rank (or hand it over locally)
   W       run the deferred weight gradients of this stage and microbatch
 
+An overlapped F&B pair (an F and a B/BW of two microbatches with only messages between them,
+``overlap_pairs``) runs as one pass through ``passes.overlap`` when given (megatron's EP overlap:
+one's all-to-all behind the other's compute), else as its two passes.
+
 Runtime features (progress, activation offload, post-validation, profiling, gradient sync)
 attach as hooks (``runtime.hooks``): the executor calls them at the points that module lists and
 knows nothing else about them.
