@@ -159,3 +159,25 @@ def test_searched_schedules_keep_each_stages_forwards_in_microbatch_order(name, 
             for s in {a.stage for a in order}:
                 fwd = [a.mb for a in order if a.kind == "F" and a.stage == s]
                 assert fwd == sorted(fwd), (name, limit, m, s, fwd)
+
+
+@pytest.mark.parametrize("p,m,costs", [(4, 16, (10.419, 10.207, 7.715, 0.408)), (8, 16, (18.522, 18.086, 9.337, 0.601)),
+                                       (8, 32, (43.8, 59.2, 32.0, 0.5))])
+def test_round_variants_reuse_a_tolerant_try_only_where_exact_comparisons_decide_the_same(p, m, costs, monkeypatch):
+    """vrounds: the exact-comparison rerun of a try is skipped where no comparison of the tolerant
+    try fell in (0, 1e-9]; the variants (orders and policy, in order) are those of running every
+    try again. (These settings have comparisons within 1e-9, so the exact reruns happen: all
+    reused at P=4 and P=8 M=32, all but one at P=8 M=16.)"""
+    from megatron_zb.core.schedules import vrounds
+    f, b, w, c = costs
+    st = Setting(p, m, chunks=2, cost_f=f, cost_b=b, cost_w=w, cost_comm=c, mem_w=32 * 6144 / (34 * 6144 + 5 * 48 * 1024))
+    lim = 2.0 * p
+    got = vrounds.v_round_variants(st, lim, "v-auto")
+    real = vrounds._try
+
+    def always_rerun(*a):
+        orders, key, (near, _), idle = real(*a)
+        return orders, key, (near, True), idle
+    monkeypatch.setattr(vrounds, "_try", always_rerun)
+    want = vrounds.v_round_variants(st, lim, "v-auto")
+    assert [(s.orders, s.meta) for s in got] == [(s.orders, s.meta) for s in want]

@@ -258,3 +258,27 @@ def test_v_auto_offload_at_half_memory_table5_1p5b(m):
     res = build(req, 8, m).result
     assert max(res.peak_memory) <= 4.0 + 1e-9
     assert res.bubble_rate <= 0.005
+
+
+@pytest.mark.parametrize("ratio,limit", [(1.0, None), (None, 2.5)])
+def test_offload_simulated_hands_back_the_simulation_of_what_it_returns(ratio, limit):
+    """The offload search reuses the policy's own simulation of the offloaded schedule and the
+    base's simulation it is given (issue 26: no simulation done twice); both are what simulating
+    afresh gives, and the schedule is add_offload's."""
+    st = _setting("zb-v", 4, 8, cost_f=1.0, cost_b=1.2, cost_w=0.7, cost_comm=0.05)
+    base = generate("zb-v", st)
+    opts = H.OffloadOptions(ratio=ratio, time=0.5, memory_limit=limit)
+    for given in (None, simulate(base, st)):
+        sched, res = O.offload_simulated(base, st, opts, given)
+        assert sched.orders == O.add_offload(base, st, opts).orders
+        fresh = simulate(sched, st)
+        assert (res.makespan, res.peak_memory, res.offload.offloaded) == \
+            (fresh.makespan, fresh.peak_memory, fresh.offload.offloaded)
+
+
+def test_retarget_with_the_sources_simulation_is_the_same():
+    from megatron_zb.core.offload_search import retarget
+    st = _setting("v-auto", 4, 16)
+    src = generate("v-auto", st)
+    for m in (12, 20):
+        assert retarget(src, st, m).orders == retarget(src, st, m, simulate(src, st)).orders

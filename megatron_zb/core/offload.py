@@ -30,7 +30,7 @@ from .hostlink import EPS, PAIR_OF, PART_OF, OffloadOptions, amounts, setting_fo
 from .ir import B, BW, F, OVERLAP, Action, Schedule, ScheduleError, Setting
 from .simulate import simulate
 
-__all__ = ["add_offload", "candidates", "Candidate"]
+__all__ = ["add_offload", "offload_simulated", "candidates", "Candidate"]
 
 
 @dataclass(frozen=True)
@@ -60,8 +60,10 @@ class _Units:
     weights: int = 0
 
 
-def _units(schedule: Schedule, setting: Setting) -> List[_Units]:
-    res = simulate(schedule, setting)
+def _units(schedule: Schedule, setting: Setting, res=None) -> List[_Units]:
+    """``res``: the schedule's simulation with ``setting``, if at hand."""
+    if res is None:
+        res = simulate(schedule, setting)
     out = []
     for r, order in enumerate(schedule.orders):
         tl = res.timeline[r]
@@ -309,14 +311,24 @@ def add_offload(schedule: Schedule, setting: Setting, opts: OffloadOptions) -> S
     ``meta['offload']`` records the options (the simulator reads K and the link mode there). With
     ratio 0, or when nothing has time to travel, the schedule has no offload actions but keeps the
     meta (so a report can say so)."""
-    schedule = strip_offload(schedule)
+    return offload_simulated(schedule, setting, opts)[0]
+
+
+def offload_simulated(schedule: Schedule, setting: Setting, opts: OffloadOptions, base_result=None):
+    """``add_offload``, and the simulation of what it returns (with ``setting``): (schedule,
+    result). ``base_result``: ``schedule``'s own simulation with ``setting``, if at hand (used only
+    where ``schedule`` holds no offload, as it is then what the policy simulates)."""
+    stripped = strip_offload(schedule)
+    if stripped is not schedule:
+        base_result = None
+    schedule = stripped
     st = setting_for(schedule, setting)
     T = transfer_times(schedule, st, opts)
-    units = _units(schedule, st)
+    base = base_result if base_result is not None else simulate(schedule, st)
+    units = _units(schedule, st, base)
     cands = _candidates(schedule, st, opts, T, units)
     meta = opts.to_meta()
     pl = schedule.placement
-    base = simulate(schedule, st)
     events = [_base_events(st, r, units[r], base.timeline[r]) for r in range(st.stages)]
     gaps, window = [], []
     for r, cs in enumerate(cands):
@@ -367,15 +379,14 @@ def add_offload(schedule: Schedule, setting: Setting, opts: OffloadOptions) -> S
             seen.add(sig)
             sched, res = settle([options[r][j] for r in range(len(units))])
             if j == 0 and not _queued(res):
-                return sched  # no copy waited for the link: the nominal choice is the real one
+                return sched, res  # no copy waited for the link: the nominal choice is the real one
             for r in range(len(units)):
                 key = (round(res.peak_memory[r], 9), j)
                 if best is None:
                     best = [None] * len(units)
                 if best[r] is None or key < best[r][0]:
                     best[r] = (key, j)
-        sched, _ = settle([options[r][best[r][1]] for r in range(len(units))])
-        return sched
+        return settle([options[r][best[r][1]] for r in range(len(units))])
     # as few parts as needed under the memory limit; where the real link timing (queueing, earlier
     # reloads) still leaves a rank over, aim lower on that rank and try again
     limit = opts.memory_limit
@@ -386,7 +397,7 @@ def add_offload(schedule: Schedule, setting: Setting, opts: OffloadOptions) -> S
         sched, res = settle(picked)
         over = [res.peak_memory[r] - limit for r in range(st.stages)]
         if best is None or max(over) < best[0] - EPS:
-            best = (max(over), sched)
+            best = (max(over), sched, res)
         elif all(x <= EPS for x in over) or max(over) >= best[0] - EPS:
             break  # no better by aiming lower: the link cannot carry more in time
         if all(x <= EPS for x in over):
@@ -394,4 +405,4 @@ def add_offload(schedule: Schedule, setting: Setting, opts: OffloadOptions) -> S
         for r in range(st.stages):
             if over[r] > EPS:
                 target[r] = max(0.0, target[r] - over[r])
-    return best[1]
+    return best[1], best[2]

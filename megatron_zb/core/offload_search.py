@@ -28,11 +28,11 @@ import dataclasses
 from typing import Dict, List, Optional, Tuple
 
 from . import schedules
-from .hostlink import EPS, OffloadOptions, setting_for
+from .hostlink import EPS, OffloadOptions, has_offload, setting_for
 from .ir import Action, Schedule, ScheduleError, Setting
-from .offload import add_offload
+from .offload import add_offload, offload_simulated
 from .schedules.auto import TIE, v_auto, zb_auto
-from .simulate import simulate
+from .simulate import SimResult, simulate
 
 __all__ = ["generate_with_offload", "retarget"]
 
@@ -45,27 +45,31 @@ NEIGHBOURS = (4, 3, 5)
 AIMS = (1.0, 0.975, 0.9375)
 
 
-def _search(name: str, setting: Setting, limit: float) -> Schedule:
+def _search(name: str, setting: Setting, limit: float) -> Tuple[Schedule, Optional[SimResult]]:
     """The searched schedule ``name`` under ``limit`` alone (no ladder of smaller limits: memory
-    is what offload is for)."""
+    is what offload is for), and its simulation where the search made one."""
     st = dataclasses.replace(setting, memory_limit=limit)
+    sim: List[SimResult] = []
     if name == "zb-auto":
-        return zb_auto(st, ladder=False)
+        return zb_auto(st, ladder=False, sim=sim), (sim[0] if sim else None)
     if name == "v-auto":
-        return v_auto(st, ladder=False)
-    return schedules.generate(name, st)
+        return v_auto(st, ladder=False, sim=sim), (sim[0] if sim else None)
+    return schedules.generate(name, st), None
 
 
-def retarget(schedule: Schedule, setting: Setting, m: int) -> Schedule:
+def retarget(schedule: Schedule, setting: Setting, m: int, result: Optional[SimResult] = None) -> Schedule:
     """``schedule`` (for ``schedule.num_microbatches`` microbatches, timed with ``setting``'s
     costs) for ``m`` microbatches: the first microbatches keep their times, the last ones keep
     theirs shifted by (m - its count) periods, and (when m is larger) the middle one is repeated
     one period apart; each rank runs its passes in that time order. The period is the mean gap
-    between the first stage's forwards over the middle half. Offload actions are dropped."""
+    between the first stage's forwards over the middle half. Offload actions are dropped.
+    ``result``: ``schedule``'s simulation with ``setting``'s costs, if at hand (used where it holds
+    no offload)."""
     src = schedule.compute_only().flat()
     ms = src.num_microbatches
     st = dataclasses.replace(setting_for(src, setting), microbatches=ms)
-    res = simulate(src, st)
+    offloaded = has_offload(schedule) or schedule.meta.get("offload") is not None
+    res = result if result is not None and not offloaded else simulate(src, st)
     start: Dict[Tuple[str, int, int], float] = {}
     pos: Dict[Tuple[str, int, int], int] = {}
     for tl in res.timeline:
@@ -107,15 +111,19 @@ def _offloaded(base: Schedule, setting: Setting, opts: OffloadOptions,
     limit = opts.memory_limit
     try:
         st = setting_for(base, setting)
-        if max((base_result or simulate(base, st)).peak_memory) <= limit + EPS:
+        if base_result is None:
+            base_result = simulate(base, st)
+        if max(base_result.peak_memory) <= limit + EPS:
             cand = dataclasses.replace(base, meta=dict(base.meta, offload=opts.to_meta()))
             res = simulate(cand, st)
         else:
             # the link's real timing may leave a rank a little over: aim a little lower
             for aim in AIMS:
-                cand = add_offload(base, st, dataclasses.replace(opts, memory_limit=aim * limit))
+                # its simulation is the offloaded schedule's (the limit aimed at in its meta
+                # changes no timing; the meta then records the real one)
+                cand, res = offload_simulated(base, st, dataclasses.replace(opts, memory_limit=aim * limit),
+                                              base_result)
                 cand = dataclasses.replace(cand, meta=dict(cand.meta, offload=opts.to_meta()))
-                res = simulate(cand, st)
                 if max(res.peak_memory) <= limit + EPS or max(res.peak_memory) > 1.1 * limit:
                     break
     except ScheduleError:
@@ -149,12 +157,12 @@ def generate_with_offload(name: str, setting: Setting, opts: OffloadOptions) -> 
 
     for lim in lims:
         try:
-            base = _search(name, setting, lim)
+            base, res = _search(name, setting, lim)
         except ScheduleError:
             continue  # nothing under this limit: a larger one may still offload under the real one
-        res = None
-        if not fastest:
+        if res is None:
             res = simulate(base, setting_for(base, setting))
+        if not fastest:
             fastest.append(res.makespan)
         if consider(base, res):
             return best[1]
@@ -164,8 +172,8 @@ def generate_with_offload(name: str, setting: Setting, opts: OffloadOptions) -> 
             continue
         for f in LADDER[:3]:
             try:
-                src = _search(name, dataclasses.replace(setting, microbatches=ms), f * one)
-                base = retarget(src, setting, m)
+                src, res = _search(name, dataclasses.replace(setting, microbatches=ms), f * one)
+                base = retarget(src, setting, m, res)
             except ScheduleError:
                 continue
             if consider(base):

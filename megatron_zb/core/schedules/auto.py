@@ -122,12 +122,13 @@ def _rank(cands: List[Schedule], setting: Setting, limit: Optional[float]) -> Li
 
 def _finish(best: Schedule, setting: Setting, limit: Optional[float], name: str, claim,
             ranked: Optional[List[Tuple[tuple, Schedule]]] = None, top: int = 3,
-            lb: Optional[float] = None, work: int = 250_000) -> Schedule:
+            lb: Optional[float] = None, work: int = 250_000, sim: Optional[list] = None) -> Schedule:
     """Local search (``_evals(setting, work)`` timings each) on the best ``top`` distinct
     candidates (``ranked``, best first; default: ``best`` alone) unless the best already meets
     the lower bound; of the results and the candidates, the one with the least peak memory among
     those as short as the shortest (``_cheapest``), with its gap to the bound. A candidate
-    that starts worse often ends better (a different basin), hence several."""
+    that starts worse often ends better (a different basin), hence several. ``sim``: a list the
+    chosen schedule's simulation (with ``setting``) is appended to, for a caller that needs it."""
     if lb is None:
         lb = lower_bound(setting, best.placement, limit)
     ranked = ranked or _rank([best], setting, limit) or [((0,), best)]
@@ -137,6 +138,8 @@ def _finish(best: Schedule, setting: Setting, limit: Optional[float], name: str,
         pool += _rank([improve(s, setting, limit, max_evals=evals) for _, s in ranked[:top]], setting, limit)
     chosen = _cheapest(pool, setting)[1] if len(pool[0][0]) == 3 else pool[0][1]
     res = validate(chosen, setting, memory_limit=float("inf") if limit is None else limit)
+    if sim is not None:
+        sim.append(res)
     meta = {k: v for k, v in chosen.meta.items() if k not in ("timing", "near_ties")}
     meta = dict(meta, memory_limit=limit, memory_claim=claim, lower_bound=round(lb, 9),
                 gap_to_lower_bound=round(max(0.0, res.makespan / lb - 1.0), 6) if lb > 0 else 0.0)
@@ -200,7 +203,7 @@ def _least_memory(fn: Callable[[float], Schedule], setting: Setting, lo: float, 
     return good
 
 
-def _zb_auto(setting: Setting) -> Schedule:
+def _zb_auto(setting: Setting, sim: Optional[list] = None) -> Schedule:
     from .basic import one_f_one_b
     from .zb_handcrafted import zb_h1, zb_h2
     p = setting.stages
@@ -215,16 +218,17 @@ def _zb_auto(setting: Setting) -> Schedule:
             cands += capped_variants(st, limit, "zb-auto")
     ranked = _search("zb-auto", st, pl, limit, cands, max(setting.mem_f), 2 * p * max(setting.mem_f),
                      greedy_too=small)
-    return _finish(ranked[0][1], st, limit, "zb-auto", limit, ranked)
+    return _finish(ranked[0][1], st, limit, "zb-auto", limit, ranked, sim=sim)
 
 
-def zb_auto(setting: Setting, ladder: bool = True) -> Schedule:
+def zb_auto(setting: Setting, ladder: bool = True, sim: Optional[list] = None) -> Schedule:
     """``ladder``: under a limit above 1F1B's peak, also search at smaller limits and keep the
-    cheapest of the equally fast (``_least_memory_of``)."""
+    cheapest of the equally fast (``_least_memory_of``). ``sim`` (without the ladder): as
+    ``_finish``'s."""
     limit = setting.memory_limit if setting.memory_limit is not None else setting.stages * max(setting.mem_f)
     st = dataclasses.replace(setting, chunks=1, memory_limit=limit)
     if not ladder:
-        return _zb_auto(st)
+        return _zb_auto(st, sim)
     return _least_memory_of(lambda lim: _zb_auto(dataclasses.replace(st, memory_limit=lim)), st,
                             Placement.single(st.stages), limit, "zb-auto")
 
@@ -315,7 +319,7 @@ def _timing(schedule: Schedule, setting: Setting) -> Dict:
     return {(t.action.kind, t.action.stage, t.action.mb): t.start for tl in res.timeline for t in tl}
 
 
-def _v_search(name: str, setting: Setting, limit: Optional[float] = None) -> Schedule:
+def _v_search(name: str, setting: Setting, limit: Optional[float] = None, sim: Optional[list] = None) -> Schedule:
     """The best V schedule under ``limit``; v-half / v-min (limit None) take the peak memory of
     the paper's block of that name. Candidates, each family only while the best so far is above
     the lower bound: the round heuristic (``vrounds``), the paper's V-Half / V-Min blocks, the
@@ -356,7 +360,7 @@ def _v_search(name: str, setting: Setting, limit: Optional[float] = None) -> Sch
     # on small settings V searches end in narrow basins: more starting points and a longer
     # search than zb-auto's (at p=16 m=16 a start 0.3% worse ends 0.3% better)
     return _finish(ranked[0][1], st, limit, name, limit, ranked, top=5 if small else 3, lb=lb,
-                   work=1_000_000 if small else 250_000)
+                   work=1_000_000 if small else 250_000, sim=sim)
 
 
 def zb_v(setting: Setting) -> Schedule:
@@ -371,11 +375,11 @@ def v_min(setting: Setting) -> Schedule:
     return _v_search("v-min", setting)
 
 
-def v_auto(setting: Setting, ladder: bool = True) -> Schedule:
-    """``ladder``: as zb-auto's."""
+def v_auto(setting: Setting, ladder: bool = True, sim: Optional[list] = None) -> Schedule:
+    """``ladder`` and ``sim``: as zb-auto's."""
     limit = setting.memory_limit if setting.memory_limit is not None else setting.stages * max(setting.mem_f)
     if not ladder:
-        return _v_search("v-auto", setting, limit)
+        return _v_search("v-auto", setting, limit, sim)
     st = _v_setting(setting)
     return _least_memory_of(lambda lim: _v_search("v-auto", setting, lim), st, Placement.vshape(st.stages), limit,
                             "v-auto")

@@ -52,12 +52,15 @@ def _try(st: Setting, limit: float, fill_b: bool, fill_f: bool, tol: float, appr
     orders: List[List[Tuple[str, int, int]]] = [[] for _ in range(p)]
     approved = approved or [-1.0] * p
     top_approved = max(approved)
-    near = [False]
+    near = [False, False]  # a comparison within EPS; one that tol=EPS decides unlike an exact one
+    top_idle = [0.0]  # max(idle): idle times only grow
 
     def le(x: float, y: float) -> bool:
         d = x - y
         if 0.0 < abs(d) <= EPS:
             near[0] = True
+            if d > 0.0:
+                near[1] = True
         return d <= tol
 
     def dep(i: int, k: str) -> Optional[Tuple[float, bool]]:
@@ -97,6 +100,8 @@ def _try(st: Setting, limit: float, fill_b: bool, fill_f: bool, tol: float, appr
             first[i] = start
         if cnt[FA][i]:
             idle[i] += start - clock[i]
+            if idle[i] > top_idle[0]:
+                top_idle[0] = idle[i]
         clock[i] = start + d
         mem[i] += dmm
         peak[i] = max(peak[i], mem[i])
@@ -108,7 +113,7 @@ def _try(st: Setting, limit: float, fill_b: bool, fill_f: bool, tol: float, appr
                 pend[i].append((s, j))
 
     def allowance(i: int) -> float:
-        return max(max(idle), top_approved - approved[i]) - idle[i]
+        return max(top_idle[0], top_approved - approved[i]) - idle[i]
 
     def fill(i: int, k: str, overrun: bool) -> None:
         dd = dep(i, k) if k != FA or i > 0 else None
@@ -189,7 +194,7 @@ def _try(st: Setting, limit: float, fill_b: bool, fill_f: bool, tol: float, appr
         raise ScheduleError("V round heuristic: passes left unscheduled")
     spans = [clock[i] - first[i] for i in range(p)]
     key = (round(max(spans), 9), round(sum(spans), 9), round(max(peak), 9))
-    return orders, key, near[0], list(idle)
+    return orders, key, tuple(near), list(idle)
 
 
 def _materialize(orders, key, st: Setting, limit: float, name: str, policy: dict) -> Schedule:
@@ -205,15 +210,28 @@ def v_round_variants(setting: Setting, limit: float, name: str = "v-rounds", kee
     fell within it, exact comparisons too. ``keep``: the best that many by makespan."""
     raws = []
     for fill_b, fill_f in itertools.product((True, False), repeat=2):
+        # the tol=EPS chain's tries: (key, orders, whether tol=0 would decide otherwise, idle)
+        done: List[Optional[tuple]] = []
         for tol in (EPS, 0.0):
             approved, top = None, None
             near = False
-            for _ in range(depth):
-                try:
-                    orders, key, near_t, idle = _try(setting, limit, fill_b, fill_f, tol, approved)
-                except ScheduleError:
-                    break
-                near = near or near_t
+            reuse = tol == 0.0  # while the tries so far were the EPS chain's, unchanged
+            for step in range(depth):
+                if reuse and step < len(done) and done[step] is not None and not done[step][2]:
+                    # no comparison of that try fell where exact comparisons decide otherwise:
+                    # the exact try makes the same decisions, so it is the same schedule
+                    key, orders, _, idle = done[step]
+                else:
+                    reuse = False
+                    try:
+                        orders, key, (near_t, differs), idle = _try(setting, limit, fill_b, fill_f, tol, approved)
+                    except ScheduleError:
+                        if tol == EPS:
+                            done.append(None)
+                        break
+                    near = near or near_t
+                    if tol == EPS:
+                        done.append((key, orders, differs, idle))
                 raws.append((key, orders, {"fill_b": fill_b, "fill_f": fill_f, "tie_tolerance": tol}))
                 worst = max(idle)
                 if top is not None and worst >= top - 1e-12:
