@@ -141,8 +141,10 @@ def test_cheapest_of_equally_fast_candidates():
     key = lambda r: (r.makespan, sum(r.spans), max(r.peak_memory))  # noqa: E731
     # zb-h1 (27, peak 4) against zb-h2 (24 with post-validation, peak 7): not within 0.1%
     assert _cheapest([(key(ra), a), (key(rb), b)], st)[1] is a
-    # the same schedule twice at different claimed peaks: the lower claim wins
-    assert _cheapest([(key(ra), a), ((ra.makespan, sum(ra.spans), 1.0), b)], st, tie=1.0)[1] is b
+    # within a wide tie the lower real peak wins: zb-h1 (4) over zb-h2 (7), even where zb-h2's key
+    # claims 0.0 (vslots' building blocks carry that placeholder; it used to win every tie)
+    assert _cheapest([(key(ra), a), (key(rb), b)], st, tie=1.0)[1] is b
+    assert _cheapest([((ra.makespan, sum(ra.spans), 0.0), a), (key(rb), b)], st, tie=1.0)[1] is b
 
 
 @pytest.mark.parametrize("name,limit", [("v-auto", 2.13), ("v-auto", 3.37), ("zb-auto", 3.37)])

@@ -61,22 +61,26 @@ def _cheapest(ranked: List[Tuple[tuple, Schedule]], setting: Setting,
     """Of ranked (key, schedule) pairs, key = (makespan, sum of spans, peak): the fastest (least
     makespan, then sum of spans) unless another is within ``tie`` of it both in makespan and in
     the end of its last pass (the iteration time with a synchronous optimizer step) and holds
-    less memory: then the one of those with the least peak (then makespan, end, sum of spans)."""
+    less memory: then the one of those with the least peak (then makespan, end, sum of spans).
+    The peaks compared are counted here, not taken from the keys (vslots' building blocks claim
+    0.0 there, which let them win every tie whatever they held)."""
     ref = min(ranked, key=lambda x: x[0][:2])
     near = [x for x in ranked if x[0][0] <= ref[0][0] * (1 + tie) + 1e-9]
     if len(near) == 1:
         return ref
     coder = Coder(setting, ref[1].placement, setting.microbatches)
 
-    def end(s: Schedule) -> float:
+    def end_peak(s: Schedule) -> Tuple[float, float]:
+        """The end of its last pass, and its peak as the coder counts it (a key's own peak may be
+        a placeholder: vslots' building blocks carry 0.0)."""
         orders = coder.encode(s.orders)
         t = coder.time(orders)
-        return max(t.end[o[-1]] for o in orders if o)
+        return max(t.end[o[-1]] for o in orders if o), max(coder.peak(o) for o in orders)
 
-    ends = {id(x[1]): end(x[1]) for x in near}
-    top = ends[id(ref[1])] * (1 + tie) + 1e-9
-    near = [x for x in near if ends[id(x[1])] <= top]
-    return min(near, key=lambda x: (round(x[0][2], 6), x[0][0], round(ends[id(x[1])], 9), x[0][1]))
+    ends = {id(x[1]): end_peak(x[1]) for x in near}
+    top = ends[id(ref[1])][0] * (1 + tie) + 1e-9
+    near = [x for x in near if ends[id(x[1])][0] <= top]
+    return min(near, key=lambda x: (round(ends[id(x[1])][1], 6), x[0][0], round(ends[id(x[1])][0], 9), x[0][1]))
 
 
 def _passes(setting: Setting) -> int:
