@@ -94,6 +94,7 @@ def main(argv=None):
                 print(f"{model:<6} {p:>3} {m:>4} {name:<8} {100 * r['bubble']:>7.2f}% {r['makespan']:>10.3f} "
                       f"{r['peak']:>6.3f} {r['offloaded']:>5} {r['offloaded_w']:>5} "
                       f"{r['retargeted_from'] or '-':>6} {r['cpu_s']:>6.2f}", flush=True)
+    print(markdown(rows))
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump({"command": "python benchmarks/bench_offload_table5.py "
@@ -103,6 +104,20 @@ def main(argv=None):
                    "seq_length": SEQ, "offload_time": a.offload_time, "time": "CPU seconds (time.process_time)",
                    "rows": rows}, f, indent=1)
     print(f"wrote {a.out}")
+
+
+def markdown(rows) -> str:
+    """docs/offload.md's rows: per model and M, bubble (%) / CPU seconds of each schedule."""
+    cell = {(r["model"], r["microbatches"], r["schedule"]): r for r in rows}
+    out = []
+    for (model, m) in dict.fromkeys((r["model"], r["microbatches"]) for r in rows):
+        cells = []
+        for name in ("v-auto", "zb-auto"):
+            r = cell.get((model, m, name))
+            cells.append("-" if r is None else "error" if "error" in r else
+                         f"{100 * r['bubble']:.2f} / {r['cpu_s']:.1f} s")
+        out.append(f"| {model} ({MODELS[model][0]}) | {m} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
 
 
 if __name__ == "__main__":
