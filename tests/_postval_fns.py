@@ -42,7 +42,7 @@ def drain_case(case):
     from megatron_zb.core.ir import Setting
     from megatron_zb.core.lower import lower
     from megatron_zb.core.schedules import generate
-    from megatron_zb.runtime.executor import execute
+    from megatron_zb.runtime.executor import execute, rank_pairs
     from megatron_zb.runtime.hooks import Hook
     from megatron_zb.runtime.p2p import P2P, PairGroups
     from megatron_zb.runtime.sleep_passes import sleep_passes
@@ -60,7 +60,7 @@ def drain_case(case):
         done.append(("F", stage, mb))
         return orig_fwd(stage, mb, inp)
     passes.forward = forward
-    overlap = {i: j for r, i, j in low.meta.get("overlap_pairs", ()) if r == me}
+    overlap = rank_pairs(low, me)
 
     class Verdict(Hook):
         def validate(self):

@@ -13,7 +13,7 @@ from megatron_zb.core.ir import Setting
 from megatron_zb.core.lower import forward_only as fwd_only_schedule
 from megatron_zb.core.lower import lower
 from megatron_zb.core.schedules import generate, get
-from megatron_zb.runtime.executor import StagePasses, execute
+from megatron_zb.runtime.executor import StagePasses, execute, rank_pairs
 from megatron_zb.runtime.p2p import P2P, PairGroups
 
 H, MBS = 8, 3
@@ -107,7 +107,7 @@ def run_rank(rank, world, name, m, chunks, fwd_only, drop_sends_on=None, timeout
         return forward(*f), backward(*b)
 
     passes.overlap = pair
-    pairs = {i: j for r, i, j in low.meta.get("overlap_pairs", ()) if r == rank}
+    pairs = rank_pairs(low, rank)
     hook = OffloadHook(mgr) if mgr is not None else None
     execute(actions, rank, pl, passes, p2p, forward_only=fwd_only, overlap_pairs=pairs, hooks=[hook])
     if not fwd_only:

@@ -229,10 +229,10 @@ def simulate(schedule: Schedule, setting: Setting,
                 remaining -= 1
                 progressed = True
         if not progressed:
-            stuck = {(r, sum(1 for a in o[:pos[r]] if a.is_compute)) for r, o in enumerate(orders)
-                     if pos[r] < len(o)} & pairs
+            deadlock = Deadlock(schedule, orders, pos, done)
+            stuck = set(deadlock.stuck()) & pairs
             if unpaired is None or not stuck:
-                raise Deadlock(schedule, orders, pos, done)
+                raise deadlock
             unpaired |= stuck  # these pairs wait for each other: run them as plain passes
             pairs -= stuck
 

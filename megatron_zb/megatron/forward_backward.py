@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from ..core.build import Built, build
 from ..core.ir import F, Placement, Schedule, ScheduleError
-from ..runtime.executor import execute
+from ..runtime.executor import execute, rank_pairs
 from ..runtime.memory import ActivationMeter, MemoryHook, measured_memory
 from ..runtime.offload import OffloadHook
 from ..runtime.p2p import P2P, PairGroups
@@ -336,7 +336,7 @@ class ZeroBubbleForwardBackward:
             sync = GradSync(call.config, call.models, chunk_of, pl, replicas)
         # the profiler reads the captured bytes after the inner capture (memory around offload) finished
         hooks = [call.progress, sync, point, call.profiling, call.memory, call.offload]
-        pairs = {i: j for r, i, j in call.schedule.meta.get("overlap_pairs", ()) if r == me}
+        pairs = rank_pairs(call.schedule, me)
         try:
             completed = execute(call.schedule.orders[me], me, pl, passes.stage_passes(call.shape),
                                 call.p2p, forward_only=call.forward_only, overlap_pairs=pairs, hooks=hooks)

@@ -156,6 +156,12 @@ def execute(actions: List[Action], rank: int, placement: Placement, passes: Stag
     return not st.drain
 
 
+def rank_pairs(lowered, rank: int) -> Dict[int, int]:
+    """This rank's overlapped F&B pairs of a lowered schedule (``meta['overlap_pairs']``): position of
+    the F -> position of its backward, as ``execute`` takes them (``overlap_pairs``)."""
+    return {i: j for r, i, j in lowered.meta.get("overlap_pairs", ()) if r == rank}
+
+
 def _validation_position(actions, pairs) -> Optional[int]:
     first = next((i for i, a in enumerate(actions) if a.kind in (B, BW)), None)
     for i, j in pairs.items():

@@ -31,7 +31,7 @@ from ..core.ir import B, BW, F, W, Action, Placement, Schedule, Setting
 from ..core.simulate import paired_cost
 from .executor import StagePasses, execute
 
-__all__ = ["SleepPasses", "sleep_passes", "lowered_pairs", "time_iterations", "precise_sleep"]
+__all__ = ["SleepPasses", "sleep_passes", "time_iterations", "precise_sleep"]
 
 _yield = getattr(os, "sched_yield", lambda: time.sleep(0))
 
@@ -122,12 +122,6 @@ def sleep_passes(setting: Setting, rank: int, placement: Placement, shape: Seque
 
     return SleepPasses(forward=forward, backward=backward, weight=weight, overlap=overlap if pairs_as_one else None,
                        recv_shape=lambda s, mb: shape, dtype=dtype, device=device, seconds=dur, pair_parts=parts)
-
-
-def lowered_pairs(lowered: Schedule, rank: int) -> Dict[int, int]:
-    """This rank's overlapped pairs of a lowered schedule: position of the F -> position of its
-    backward (``execute``'s ``overlap_pairs``)."""
-    return {i: j for r, i, j in lowered.meta.get("overlap_pairs", ()) if r == rank}
 
 
 def time_iterations(lowered: Schedule, rank: int, passes: StagePasses, p2p, iterations: int,

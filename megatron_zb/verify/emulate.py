@@ -103,7 +103,8 @@ def _rank_main(job: dict) -> dict:
     from ..runtime.executor import execute
     from ..runtime.hooks import PassTimes
     from ..runtime.p2p import P2P, PairGroups
-    from ..runtime.sleep_passes import lowered_pairs, sleep_passes
+    from ..runtime.executor import rank_pairs
+    from ..runtime.sleep_passes import sleep_passes
 
     rank, world = dist.get_rank(), dist.get_world_size()
     groups = PairGroups(list(range(world)), {(a, b) for a in range(world) for b in range(a + 1, world)})
@@ -122,7 +123,7 @@ def _rank_main(job: dict) -> dict:
             sched, st = schedule_for(entry, st)
             low = lower(sched, st)
             # the simulator runs the pairs as one pass where they hide an all-to-all, else as two
-            pairs = lowered_pairs(low, rank) if st.a2a_overlap and any(st.cost_a2a) else {}
+            pairs = rank_pairs(low, rank) if st.a2a_overlap and any(st.cost_a2a) else {}
             passes = sleep_passes(st, rank, low.placement, unit=unit, pairs_as_one=True)
             record: List[tuple] = []
             timing = PassTimes(lambda kind, stage, mb, sec: record.append(
