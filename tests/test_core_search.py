@@ -11,6 +11,7 @@ from hypothesis import given, settings, strategies as stg
 from megatron_zb.core.ir import Placement, Schedule, ScheduleError, Setting
 from megatron_zb.core.schedules import generate, vslots
 from megatron_zb.core.schedules.bounds import lower_bound
+from megatron_zb.core.iteration import iteration_times
 from megatron_zb.core.schedules.evaluate import Coder
 from megatron_zb.core.schedules.exact import refine, solve
 from megatron_zb.core.schedules.greedy import capped_variants
@@ -120,6 +121,9 @@ def test_fast_timing_agrees_with_the_simulator(p, m, c, comm, name):
     r = simulate(s, st)
     assert t.makespan == pytest.approx(r.makespan, abs=1e-9)
     assert t.spans == pytest.approx(r.spans, abs=1e-9)
+    # and the post-validated iteration time, iterations back to back (the searches' tie-break)
+    post = iteration_times(s, st).iteration_time_post_validated
+    assert coder.post_validated(coder.encode(s.orders), comm) == pytest.approx(post, abs=1e-6)
 
 
 def test_fast_timing_reports_a_deadlock():

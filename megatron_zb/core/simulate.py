@@ -256,7 +256,7 @@ def simulate(schedule: Schedule, setting: Setting,
         peaks = [links.peak(r, tl) for r, tl in enumerate(timeline)]
     makespan = max(spans) if spans else 0.0
     p = len(orders)
-    bubble = 1.0 - sum(busy) / (p * makespan) if makespan > 0 else 0.0
+    bubble = max(0.0, 1.0 - sum(busy) / (p * makespan)) if makespan > 0 else 0.0  # no float-noise negatives
     copies = [pl.weight_copies(r) for r in range(p)] if pl.replicated else None
     return SimResult(schedule.name, setting.stages, schedule.num_microbatches, pl.chunks,
                      makespan, bubble, peaks, spans, busy, timeline, syncs, copies, offload)

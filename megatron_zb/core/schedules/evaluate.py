@@ -6,9 +6,10 @@ in order, each at the earliest moment its input and the rank allow; a hop betwee
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..ir import B, BW, F, W, Action, Placement, Setting
+from ..iteration import AVERAGE_OVER, ITERATIONS, validation_times
 
 KIND = {F: 0, B: 1, W: 2, BW: 3}
 
@@ -95,10 +96,12 @@ class Coder:
                     last[s] = j
         return True
 
-    def time(self, orders: Sequence[Sequence[int]]) -> Optional[Timing]:
+    def time(self, orders: Sequence[Sequence[int]],
+             release: Optional[Sequence[Dict[int, float]]] = None) -> Optional[Timing]:
         """Time coded per-rank orders (None if they deadlock, or a stage's forwards are out of
         microbatch order). A BW producer is found through its B code: coded orders of fused
-        backwards register their end under both codes."""
+        backwards register their end under both codes. ``release``: per rank, {position: time}
+        before which the pass at that position may not start (``simulate``'s ``release``)."""
         if not self.forwards_in_order(orders):
             return None
         n, S, m = self.n, self.S, self.m
@@ -116,8 +119,11 @@ class Coder:
             o = orders[r]
             i, t = pos[r], clock[r]
             ln = len(o)
+            rel = release[r] if release is not None else None
             while i < ln:
                 x = o[i]
+                if rel and i in rel and rel[i] > t:
+                    t = rel[i]
                 d = dep[x]
                 if d >= 0:
                     e = end[d]
@@ -146,6 +152,30 @@ class Coder:
             return None
         spans = [end[o[-1]] - start[o[0]] if o else 0.0 for o in orders]
         return Timing(start, end, spans, max(spans) if spans else 0.0)
+
+    def post_validated(self, orders: Sequence[Sequence[int]], comm: float) -> Optional[float]:
+        """``iteration.iteration_times``' post-validated time (optimizer cost 0) of coded orders:
+        ``ITERATIONS`` iterations back to back, each rank's next one released at the end of its
+        last pass and its first backward at the validation result (``validation_times``)."""
+        bw = self.S * self.m  # the first B-or-BW code
+        points = [next((i for i, x in enumerate(o) if x >= bw and x < 2 * bw or x >= 3 * bw), None)
+                  for o in orders]
+        t = self.time(orders)
+        last = []
+        for k in range(ITERATIONS):
+            if t is None:
+                return None
+            ends = [t.end[o[-1]] if o else 0.0 for o in orders]
+            last.append(max(ends))
+            if k == ITERATIONS - 1:
+                break
+            v = validation_times(ends, comm)
+            release = [{0: ends[r]} for r in range(len(orders))]
+            for r, i in enumerate(points):
+                if i is not None:
+                    release[r][i] = max(release[r].get(i, 0.0), v[r])
+            t = self.time(orders, release)
+        return (last[-1] - last[-1 - AVERAGE_OVER]) / AVERAGE_OVER
 
     def peak(self, order: Sequence[int]) -> float:
         cur = best = 0.0
