@@ -46,14 +46,15 @@ AIMS = (1.0, 0.975, 0.9375)
 
 
 def _search(name: str, setting: Setting, limit: float) -> Tuple[Schedule, Optional[SimResult]]:
-    """The searched schedule ``name`` under ``limit`` alone (no ladder of smaller limits: memory
-    is what offload is for), and its simulation where the search made one."""
+    """The fastest searched schedule ``name`` under ``limit`` (memory not a tie-break: no smaller
+    limits, no slower schedule for a lower peak; memory is what offload is for), and its
+    simulation where the search made one."""
     st = dataclasses.replace(setting, memory_limit=limit)
     sim: List[SimResult] = []
     if name == "zb-auto":
-        return zb_auto(st, ladder=False, sim=sim), (sim[0] if sim else None)
+        return zb_auto(st, memory=False, sim=sim), (sim[0] if sim else None)
     if name == "v-auto":
-        return v_auto(st, ladder=False, sim=sim), (sim[0] if sim else None)
+        return v_auto(st, memory=False, sim=sim), (sim[0] if sim else None)
     return schedules.generate(name, st), None
 
 

@@ -52,6 +52,8 @@ from .vrounds import v_round_variants
 #: within it by memory, the searches keep the least peak within it (``_cheapest``), the offload
 #: search stops within it of the unlimited schedule
 TIE = 1e-3
+#: equal up to float noise: the tie of a search without memory as its tie-break (``memory=False``)
+NOISE = 1e-9
 
 
 def _cheapest(ranked: List[Tuple[tuple, Schedule]], setting: Setting,
@@ -139,7 +141,8 @@ def _rank(cands: List[Schedule], setting: Setting, limit: Optional[float]) -> Li
 
 def _finish(best: Schedule, setting: Setting, limit: Optional[float], name: str, claim,
             ranked: Optional[List[Tuple[tuple, Schedule]]] = None, top: int = 3,
-            lb: Optional[float] = None, work: int = 250_000, sim: Optional[list] = None) -> Schedule:
+            lb: Optional[float] = None, work: int = 250_000, sim: Optional[list] = None,
+            tie: float = TIE) -> Schedule:
     """Local search (``_evals(setting, work)`` timings each) on the best ``top`` distinct
     candidates (``ranked``, best first; default: ``best`` alone) unless the best already meets
     the lower bound; of the results and the candidates, the one with the least peak memory among
@@ -153,7 +156,7 @@ def _finish(best: Schedule, setting: Setting, limit: Optional[float], name: str,
     evals = _evals(setting, work)
     if ranked[0][0][0] > lb + 1e-9 and evals > 0:
         pool += _rank([improve(s, setting, limit, max_evals=evals) for _, s in ranked[:top]], setting, limit)
-    chosen = _cheapest(pool, setting)[1] if len(pool[0][0]) == 3 else pool[0][1]
+    chosen = _cheapest(pool, setting, tie)[1] if len(pool[0][0]) == 3 else pool[0][1]
     res = validate(chosen, setting, memory_limit=float("inf") if limit is None else limit)
     if sim is not None:
         sim.append(res)
@@ -220,7 +223,7 @@ def _least_memory(fn: Callable[[float], Schedule], setting: Setting, lo: float, 
     return good
 
 
-def _zb_auto(setting: Setting, sim: Optional[list] = None) -> Schedule:
+def _zb_auto(setting: Setting, sim: Optional[list] = None, tie: float = TIE) -> Schedule:
     from .basic import one_f_one_b
     from .zb_handcrafted import zb_h1, zb_h2
     p = setting.stages
@@ -235,17 +238,18 @@ def _zb_auto(setting: Setting, sim: Optional[list] = None) -> Schedule:
             cands += capped_variants(st, limit, "zb-auto")
     ranked = _search("zb-auto", st, pl, limit, cands, max(setting.mem_f), 2 * p * max(setting.mem_f),
                      greedy_too=small)
-    return _finish(ranked[0][1], st, limit, "zb-auto", limit, ranked, sim=sim)
+    return _finish(ranked[0][1], st, limit, "zb-auto", limit, ranked, sim=sim, tie=tie)
 
 
-def zb_auto(setting: Setting, ladder: bool = True, sim: Optional[list] = None) -> Schedule:
-    """``ladder``: under a limit above 1F1B's peak, also search at smaller limits and keep the
-    cheapest of the equally fast (``_least_memory_of``). ``sim`` (without the ladder): as
-    ``_finish``'s."""
+def zb_auto(setting: Setting, memory: bool = True, sim: Optional[list] = None) -> Schedule:
+    """``memory``: memory is the tie-break (under a limit above 1F1B's peak it also searches at
+    smaller limits, ``_least_memory_of``, and keeps the least peak within ``TIE`` of the fastest);
+    without it the fastest under the limit (the offload search's bases: there memory is what
+    offload is for). ``sim`` (without ``memory``): as ``_finish``'s."""
     limit = setting.memory_limit if setting.memory_limit is not None else setting.stages * max(setting.mem_f)
     st = dataclasses.replace(setting, chunks=1, memory_limit=limit)
-    if not ladder:
-        return _zb_auto(st, sim)
+    if not memory:
+        return _zb_auto(st, sim, tie=NOISE)
     return _least_memory_of(lambda lim: _zb_auto(dataclasses.replace(st, memory_limit=lim)), st,
                             Placement.single(st.stages), limit, "zb-auto")
 
@@ -336,7 +340,8 @@ def _timing(schedule: Schedule, setting: Setting) -> Dict:
     return {(t.action.kind, t.action.stage, t.action.mb): t.start for tl in res.timeline for t in tl}
 
 
-def _v_search(name: str, setting: Setting, limit: Optional[float] = None, sim: Optional[list] = None) -> Schedule:
+def _v_search(name: str, setting: Setting, limit: Optional[float] = None, sim: Optional[list] = None,
+              tie: float = TIE) -> Schedule:
     """The best V schedule under ``limit``; v-half / v-min (limit None) take the peak memory of
     the paper's block of that name. Candidates, each family only while the best so far is above
     the lower bound: the round heuristic (``vrounds``), the paper's V-Half / V-Min blocks, the
@@ -377,7 +382,7 @@ def _v_search(name: str, setting: Setting, limit: Optional[float] = None, sim: O
     # on small settings V searches end in narrow basins: more starting points and a longer
     # search than zb-auto's (at p=16 m=16 a start 0.3% worse ends 0.3% better)
     return _finish(ranked[0][1], st, limit, name, limit, ranked, top=5 if small else 3, lb=lb,
-                   work=1_000_000 if small else 250_000, sim=sim)
+                   work=1_000_000 if small else 250_000, sim=sim, tie=tie)
 
 
 def zb_v(setting: Setting) -> Schedule:
@@ -392,11 +397,11 @@ def v_min(setting: Setting) -> Schedule:
     return _v_search("v-min", setting)
 
 
-def v_auto(setting: Setting, ladder: bool = True, sim: Optional[list] = None) -> Schedule:
-    """``ladder`` and ``sim``: as zb-auto's."""
+def v_auto(setting: Setting, memory: bool = True, sim: Optional[list] = None) -> Schedule:
+    """``memory`` and ``sim``: as zb-auto's."""
     limit = setting.memory_limit if setting.memory_limit is not None else setting.stages * max(setting.mem_f)
-    if not ladder:
-        return _v_search("v-auto", setting, limit, sim)
+    if not memory:
+        return _v_search("v-auto", setting, limit, sim, tie=NOISE)
     st = _v_setting(setting)
     return _least_memory_of(lambda lim: _v_search("v-auto", setting, lim), st, Placement.vshape(st.stages), limit,
                             "v-auto")
