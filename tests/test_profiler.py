@@ -380,9 +380,10 @@ def test_profiles_on_gloo_pipeline():
     assert all(0 < x < 1 for x in zt["cost_f"] + zt["cost_b"][1:] + zt["cost_w"] + ft["cost_bw"])
     assert zt["cost_b"][0] < 0.2 * zt["cost_w"][0]  # stage 0 has no input gradient to compute
     # B + W re-walks part of the graph (the toy's W differentiates the whole stage again), so it
-    # is somewhat above the fused backward; timing on a shared 2-core machine is noisy: loose bounds
+    # is somewhat above the fused backward; timing on a shared 2-core machine is noisy: loose bounds,
+    # stretched with the host's load like the sleep bounds (2.36 once at load 30 from other sessions)
     ratio = (sum(zt["cost_b"]) + sum(zt["cost_w"])) / sum(ft["cost_bw"])
-    assert 0.6 < ratio < 2.0, (zt, ft)
+    assert 0.6 / overload < ratio < 2.0 * overload, (ratio, overload, zt, ft)
     for r in range(world):
         # x@W saves x, tanh saves t1 (the second matmul saves the same t1), tanh saves y (the
         # last stage's square() saves the same y); the weights are ignored
