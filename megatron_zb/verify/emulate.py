@@ -100,10 +100,9 @@ def _rank_main(job: dict) -> dict:
     import torch.distributed as dist
 
     from ..core.lower import lower
-    from ..runtime.executor import execute
+    from ..runtime.executor import execute, rank_pairs
     from ..runtime.hooks import PassTimes
     from ..runtime.p2p import P2P, PairGroups
-    from ..runtime.executor import rank_pairs
     from ..runtime.sleep_passes import sleep_passes
 
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -71,12 +71,13 @@ def _cheapest(ranked: List[Tuple[tuple, Schedule]], setting: Setting,
         return ref
     coder = Coder(setting, ref[1].placement, setting.microbatches)
 
-    def end_peak(s: Schedule) -> Tuple[float, float]:
-        """The end of its last pass, and its peak as the coder counts it (a key's own peak may be
-        a placeholder: vslots' building blocks carry 0.0)."""
+    def end_peak(s: Schedule) -> Tuple[float, float, list]:
+        """The end of its last pass, its peak as the coder counts it (a key's own peak may be a
+        placeholder: vslots' building blocks carry 0.0), and its coded orders."""
         orders = coder.encode(s.orders)
         t = coder.time(orders)
-        return round(max(t.end[o[-1]] for o in orders if o), 9), round(max(coder.peak(o) for o in orders), 6)
+        return (round(max(t.end[o[-1]] for o in orders if o), 9), round(max(coder.peak(o) for o in orders), 6),
+                orders)
 
     ends = {id(x[1]): end_peak(x[1]) for x in near}
     top = ends[id(ref[1])][0] * (1 + tie) + 1e-9
@@ -91,7 +92,7 @@ def _cheapest(ranked: List[Tuple[tuple, Schedule]], setting: Setting,
     for x in sorted(near, key=lambda x: (x[0][0], ends[id(x[1])][0], x[0][1])):
         if best is not None and x[0][0] > best_key[0] + 1e-9:
             break
-        k = (round(coder.post_validated(coder.encode(x[1].orders), setting.cost_comm), 9), x[0][0],
+        k = (round(coder.post_validated(ends[id(x[1])][2], setting.cost_comm), 9), x[0][0],
              ends[id(x[1])][0], x[0][1])
         if best is None or k < best_key:
             best, best_key = x, k
