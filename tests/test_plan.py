@@ -99,7 +99,7 @@ def test_errors(capsys):
     assert main(ARGS[:-4] + ["--pipeline-parallel-size", "1", "--num-microbatches", "4"]) == 2
     assert ">= 2" in capsys.readouterr().err
     with pytest.raises(ScheduleError, match="lacks cost_b"):
-        P._profile_costs({"cost_f": [1, 1]}, 2)
+        P.profile_costs({"cost_f": [1, 1]}, 2)
 
 
 def test_plan_help_documents_every_option_and_column(capsys):

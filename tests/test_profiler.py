@@ -105,7 +105,7 @@ def test_json_round_trip_and_setting_kwargs(tmp_path):
     assert res_n.makespan * sum(kw["cost_f"]) / 4 == pytest.approx(res.makespan)
     # the planner reads the same file
     from megatron_zb.core import plan as core_plan
-    assert core_plan._profile_costs(core_plan.load_profile(path), 4)["cost_b"] == [0.02] * 4
+    assert core_plan.profile_costs(core_plan.load_profile(path), 4)["cost_b"] == [0.02] * 4
 
 
 def test_load_profile_errors(tmp_path):

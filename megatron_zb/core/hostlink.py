@@ -36,7 +36,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from .ir import B, BW, F, OFFLOAD, OFFLOAD_KINDS, OFFLOAD_W, RELOAD, RELOAD_W, W, Action, Schedule, ScheduleError, Setting
 
-__all__ = ["OffloadOptions", "strip_offload", "has_offload", "offloaded_keys", "check_offload", "transfer_times",
+__all__ = ["OffloadOptions", "strip_offload", "has_offload", "offloaded_keys", "check_offload", "transfer_times", "durations",
            "setting_for", "amounts", "HostLinks", "Transfer", "OffloadResult", "PART_OF", "PAIR_OF", "EPS"]
 
 EPS = 1e-9
@@ -118,16 +118,26 @@ def setting_for(schedule: Schedule, setting: Setting) -> Setting:
     return setting
 
 
-def transfer_times(schedule: Schedule, setting: Setting, time) -> List[float]:
-    """One-way time of one (stage, mb) activation on each rank: K x (F + B) of a chunk."""
+def transfer_times(schedule: Schedule, setting: Setting, time) -> List[Dict[int, float]]:
+    """Per rank, {stage: one-way time of one (stage, mb) activation}: K x (F + B) of that chunk."""
     st = setting_for(schedule, setting)
     p = st.stages
+    pl = schedule.placement
     opts = time if isinstance(time, OffloadOptions) else OffloadOptions(ratio=0.0, time=time)
-    return [opts.time_of(r, p) * (st.pass_cost(F, r) + st.pass_cost(B, r)) for r in range(p)]
+    return [{s: opts.time_of(r, p) * (st.pass_cost(F, r, s) + st.pass_cost(B, r, s)) for s in pl.stages_of(r)}
+            for r in range(p)]
 
 
-def amounts(st: Setting, r: int) -> Dict[str, float]:
-    return {"B": st.pass_mem(F, r), "W": -st.pass_mem(W, r)}
+def amounts(st: Setting, r: int, stage: Optional[int] = None) -> Dict[str, float]:
+    """What an offload of stage ``stage`` on rank ``r`` moves: the activation F keeps ('B') and the
+    part W still needs after B ('W'), in mem-f units."""
+    return {"B": st.pass_mem(F, r, stage), "W": -st.pass_mem(W, r, stage)}
+
+
+def durations(st: Setting, T: List[Dict[int, float]], r: int, stage: int) -> Dict[str, float]:
+    """One-way time of each part ('B', 'W') of stage ``stage`` on rank ``r``."""
+    a = amounts(st, r, stage)
+    return {part: (T[r][stage] * a[part] / a["B"] if a["B"] > 0 else 0.0) for part in a}
 
 
 def check_offload(schedule: Schedule) -> None:
@@ -203,7 +213,7 @@ class OffloadResult:
     offloaded: List[int]  # activations (F parts) offloaded per rank
     offloaded_w: List[int]  # W parts offloaded per rank
     forwards: List[int]  # F passes per rank
-    transfer_time: List[float]  # one-way time of one activation per rank
+    transfer_time: List[float]  # one-way time of one activation per rank (its largest chunk's)
     stalled: Dict[Tuple[str, int, int], float] = field(default_factory=dict)  # (part, stage, mb) -> wait
 
     def to_dict(self) -> dict:
@@ -237,7 +247,6 @@ class HostLinks:
         self.options["time"] = time
         p = self.setting.stages
         self.T = transfer_times(schedule, self.setting, time)
-        self.amount = [amounts(self.setting, r) for r in range(p)]
         self.free = [[0.0, 0.0] for _ in range(p)]  # [D2H queue, H2D queue] (one queue unless overlap)
         self.off_end: Dict[Tuple[str, int, int], float] = {}
         self.back_end: Dict[Tuple[str, int, int], float] = {}
@@ -245,9 +254,8 @@ class HostLinks:
         self.stalls = [0.0] * p
         self.stalled: Dict[Tuple[str, int, int], float] = {}
 
-    def duration(self, r: int, part: str) -> float:
-        full = self.amount[r]["B"]
-        return self.T[r] * (self.amount[r][part] / full if full > 0 else 0.0)
+    def duration(self, r: int, stage: int, part: str) -> float:
+        return durations(self.setting, self.T, r, stage)[part]
 
     def issue(self, r: int, a: Action, t: float) -> None:
         part = PART_OF[a.kind]
@@ -259,10 +267,10 @@ class HostLinks:
             if key not in self.off_end:
                 raise ScheduleError(f"rank {r}: {a} before {PAIR_OF[part][0]}{a.stage}.{a.mb}")
             start = max(start, self.off_end[key])
-        end = start + self.duration(r, part)
+        end = start + self.duration(r, a.stage, part)
         self.free[r][lane] = end
         (self.back_end if back else self.off_end)[key] = end
-        self.transfers[r].append(Transfer(a, r, t, start, end, self.amount[r][part]))
+        self.transfers[r].append(Transfer(a, r, t, start, end, amounts(self.setting, r, a.stage)[part]))
 
     def gate(self, r: int, a: Action, ready: float) -> float:
         """When compute pass ``a`` may start, given it could start at ``ready`` otherwise."""
@@ -289,7 +297,7 @@ class HostLinks:
         ev = []  # (time, group, seq, delta): at equal times offload ends, then passes in order, then reloads
         for i, t in enumerate(timeline):
             k = t.action.kind
-            ev.append((t.start if k == F else t.end, 1, i, st.pass_mem(k, r)))
+            ev.append((t.start if k == F else t.end, 1, i, st.pass_mem(k, r, t.action.stage)))
         for tr in self.transfers[r]:
             if tr.action.kind in (OFFLOAD, OFFLOAD_W):
                 ev.append((tr.end, 0, 0, -tr.amount))
@@ -305,5 +313,6 @@ class HostLinks:
     def result(self, peak_without: List[float], forwards: List[int]) -> OffloadResult:
         off = [sum(1 for t in tl if t.action.kind == OFFLOAD) for tl in self.transfers]
         off_w = [sum(1 for t in tl if t.action.kind == OFFLOAD_W) for tl in self.transfers]
-        return OffloadResult(self.options, self.transfers, self.stalls, peak_without, off, off_w, forwards, self.T,
+        return OffloadResult(self.options, self.transfers, self.stalls, peak_without, off, off_w, forwards,
+                             [max(T.values(), default=0.0) for T in self.T],
                              dict(self.stalled))

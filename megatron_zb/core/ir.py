@@ -321,8 +321,14 @@ def deps(action: Action, num_stages: int, placement: Optional[Placement] = None)
 class Setting:
     """What a generator, the simulator and the planner need to know about one pipeline.
 
-    Costs and memory are per *rank* (a whole stage: all layers a rank holds); with ``chunks``
-    model chunks per rank each chunk's pass costs / allocates the rank's value divided by chunks.
+    Costs and memory come per *rank* (a whole stage: all layers a rank holds; with ``chunks``
+    model chunks per rank each chunk's pass costs / allocates the rank's value divided by chunks)
+    or per *model chunk* (one value per virtual stage, P x chunks of them in pipeline order, each
+    the chunk's own time or memory: the way to describe a V rank's light first chunk beside its
+    heavy last one, or any uneven layout). One value means the same for every rank. Each list is
+    read on its own: per-chunk costs may come with per-rank memory and the other way round.
+    A replicated placement (BitPipe) takes per-chunk values per *logical* stage: its paths are
+    consecutive blocks of stages, so physical stage s reads value s mod (P x chunks).
     """
 
     stages: int  # pipeline ranks P
@@ -356,14 +362,14 @@ class Setting:
             raise ScheduleError(f"microbatches must be an integer >= 1, got {self.microbatches!r}")
         if self.chunks is not None and (not isinstance(self.chunks, int) or self.chunks < 1):
             raise ScheduleError(f"chunks must be an integer >= 1, got {self.chunks!r}")
-        self.cost_f = _per_rank("cost-f", self.cost_f, p)
-        self.cost_b = _per_rank("cost-b", self.cost_b, p)
-        self.cost_w = _per_rank("cost-w", self.cost_w, p)
-        self.cost_a2a = _per_rank("cost-a2a", self.cost_a2a, p)
-        self.mem_f = _per_rank("mem-f", self.mem_f, p)
+        self.cost_f = _values("cost-f", self.cost_f, p, self.chunks)
+        self.cost_b = _values("cost-b", self.cost_b, p, self.chunks)
+        self.cost_w = _values("cost-w", self.cost_w, p, self.chunks)
+        self.cost_a2a = _values("cost-a2a", self.cost_a2a, p, self.chunks)
+        self.mem_f = _values("mem-f", self.mem_f, p, self.chunks)
         if self.mem_w is None:
             self.mem_w = [DEFAULT_MEM_W_RATIO * x for x in self.mem_f]
-        self.mem_w = _per_rank("mem-w", self.mem_w, p)
+        self.mem_w = _values("mem-w", self.mem_w, p, self.chunks)
         if not _is_nonneg_number(self.cost_comm):
             raise ScheduleError(f"cost-comm must be a non-negative number, got {self.cost_comm!r}")
         if not _is_nonneg_number(self.cost_sync):
@@ -371,35 +377,65 @@ class Setting:
         if self.memory_limit is not None and not (_is_nonneg_number(self.memory_limit)):
             raise ScheduleError(f"memory-limit must be a non-negative number, got {self.memory_limit!r}")
 
-    def pass_cost(self, kind: str, rank: int) -> float:
-        """Time of one pass of one chunk: its compute and, for F/B/BW, its all-to-all."""
-        v = self.chunks or 1
+    @property
+    def per_chunk(self) -> bool:
+        """Whether any cost or memory is given per model chunk."""
+        return any(len(x) != self.stages for x in (self.cost_f, self.cost_b, self.cost_w, self.cost_a2a,
+                                                   self.mem_f, self.mem_w))
+
+    def _at(self, values: Sequence[float], rank: int, stage: Optional[int]) -> float:
+        """One chunk's share of ``values``: its own value (per chunk) or the rank's / chunks."""
+        if len(values) == self.stages:
+            return values[rank] / (self.chunks or 1)
+        if stage is None:
+            raise ScheduleError("per-chunk costs need the stage of the pass (internal: pass_cost without stage)")
+        return values[stage % len(values)]
+
+    def pass_cost(self, kind: str, rank: int, stage: Optional[int] = None) -> float:
+        """Time of one pass of one chunk (stage ``stage`` on ``rank``): its compute and, for
+        F/B/BW, its all-to-all."""
+        a2a = self._at(self.cost_a2a, rank, stage) if kind in (F, B, BW) else 0.0
         if kind == F:
-            return (self.cost_f[rank] + self.cost_a2a[rank]) / v
+            return self._at(self.cost_f, rank, stage) + a2a
         if kind == B:
-            return (self.cost_b[rank] + self.cost_a2a[rank]) / v
+            return self._at(self.cost_b, rank, stage) + a2a
         if kind == W:
-            return self.cost_w[rank] / v
+            return self._at(self.cost_w, rank, stage)
         if kind == BW:
-            return (self.cost_b[rank] + self.cost_w[rank] + self.cost_a2a[rank]) / v
+            return self._at(self.cost_b, rank, stage) + self._at(self.cost_w, rank, stage) + a2a
         return 0.0
 
-    def pass_a2a(self, kind: str, rank: int) -> float:
+    def pass_a2a(self, kind: str, rank: int, stage: Optional[int] = None) -> float:
         """The all-to-all part of ``pass_cost`` (0 for W)."""
-        return self.cost_a2a[rank] / (self.chunks or 1) if kind in (F, B, BW) else 0.0
+        return self._at(self.cost_a2a, rank, stage) if kind in (F, B, BW) else 0.0
 
-    def pass_mem(self, kind: str, rank: int) -> float:
+    def pass_mem(self, kind: str, rank: int, stage: Optional[int] = None) -> float:
         """Change of rank memory caused by one pass of one chunk."""
-        v = self.chunks or 1
         if kind == F:
-            return self.mem_f[rank] / v
+            return self._at(self.mem_f, rank, stage)
         if kind == B:
-            return -(self.mem_f[rank] - self.mem_w[rank]) / v
+            return -(self._at(self.mem_f, rank, stage) - self._at(self.mem_w, rank, stage))
         if kind == W:
-            return -self.mem_w[rank] / v
+            return -self._at(self.mem_w, rank, stage)
         if kind == BW:
-            return -self.mem_f[rank] / v
+            return -self._at(self.mem_f, rank, stage)
         return 0.0
+
+    def rank_values(self, name: str, placement: "Placement") -> List[float]:
+        """Per rank, the whole stage's value of ``name`` ('cost_f', 'mem_f', ...): the rank's
+        own, or the sum over the chunks it holds (per-chunk values; a replicated placement's
+        rank counts one path's share, as a microbatch runs through one path)."""
+        values = getattr(self, name)
+        if len(values) == self.stages:
+            return list(values)
+        out = [0.0] * self.stages
+        for s in range(placement.num_stages):
+            out[placement.rank_of(s)] += values[s % len(values)] / placement.num_paths
+        return out
+
+    def stage_peak_unit(self, placement: "Placement") -> float:
+        """The largest whole-stage activation of a rank (1F1B's peak is P of these)."""
+        return max(self.rank_values("mem_f", placement))
 
     def to_dict(self) -> dict:
         return {k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in self.__dict__.items()}
@@ -415,7 +451,8 @@ def _is_nonneg_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x and 0 <= x < float("inf")
 
 
-def _per_rank(name: str, values, p: int) -> List[float]:
+def _values(name: str, values, p: int, chunks: Optional[int]) -> List[float]:
+    """One value (for every rank), one per rank, or one per model chunk (P x chunks, chunks > 1)."""
     if isinstance(values, (int, float)):
         values = [values]
     values = list(values)
@@ -424,6 +461,8 @@ def _per_rank(name: str, values, p: int) -> List[float]:
             raise ScheduleError(f"{name} must be non-negative numbers, got {x!r}")
     if len(values) == 1:
         return [float(values[0])] * p
-    if len(values) != p:
-        raise ScheduleError(f"{name} has {len(values)} values; give one value or one per stage ({p})")
-    return [float(x) for x in values]
+    if len(values) == p or (chunks and chunks > 1 and len(values) == p * chunks):
+        return [float(x) for x in values]
+    per_chunk = (f", or one per model chunk ({p} x {chunks} = {p * chunks})" if chunks and chunks > 1
+                 else " (one per model chunk where a schedule runs several chunks per rank)")
+    raise ScheduleError(f"{name} has {len(values)} values; give one value or one per stage ({p}){per_chunk}")

@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from .hostlink import EPS, PAIR_OF, PART_OF, OffloadOptions, amounts, setting_for, strip_offload, transfer_times
+from .hostlink import EPS, PAIR_OF, PART_OF, OffloadOptions, amounts, durations, setting_for, strip_offload, transfer_times
 from .ir import B, BW, F, OVERLAP, Action, Schedule, ScheduleError, Setting
 from .simulate import simulate
 
@@ -109,11 +109,6 @@ def _reload_gap(u: _Units, key, T: float, latest_issue: Optional[float] = None) 
     return None
 
 
-def _durations(st: Setting, T: List[float], r: int) -> Dict[str, float]:
-    a = amounts(st, r)
-    return {p: (T[r] * a[p] / a["B"] if a["B"] > 0 else 0.0) for p in a}
-
-
 def candidates(schedule: Schedule, setting: Setting, opts: OffloadOptions) -> List[List[Candidate]]:
     """Per rank, the parts that have time to travel, longest lifespan first (activations before
     W parts at equal lifespans)."""
@@ -127,18 +122,17 @@ def _candidates(schedule, st, opts, T, units) -> List[List[Candidate]]:
     pl = schedule.placement
     out = []
     for r, u in enumerate(units):
-        dur = _durations(st, T, r)
-        amt = amounts(st, r)
         cands = []
         for key in u.src:
             part, s, mb = key
-            if key not in u.dst or amt[part] <= 0 or (part == "W" and not opts.w_parts):
+            amt = amounts(st, r, s)[part]
+            if key not in u.dst or amt <= 0 or (part == "W" and not opts.w_parts):
                 continue
             if opts.chunks is not None and pl.chunk_of(s) >= opts.chunks:
                 continue
-            if _reload_gap(u, key, dur[part]) is None:
+            if _reload_gap(u, key, durations(st, T, r, s)[part]) is None:
                 continue
-            cands.append(Candidate(r, part, s, mb, u.dst[key][1] - u.src[key][1], amt[part]))
+            cands.append(Candidate(r, part, s, mb, u.dst[key][1] - u.src[key][1], amt))
         cands.sort(key=lambda c: (-round(c.lifespan, 9), c.part, c.stage, c.mb))
         out.append(cands)
     return out
@@ -177,10 +171,9 @@ def _settle(schedule: Schedule, st: Setting, units: List[_Units], chosen, T: Lis
         if not stalled:
             return sched, res
         for r, u in enumerate(units):
-            dur = _durations(st, T, r)
             for key in [k for k in chosen[r] if k in stalled]:
                 g = chosen[r][key]
-                g2 = _reload_gap(u, key, dur[key[0]], latest_issue=u.end[g - 1] - stalled[key])
+                g2 = _reload_gap(u, key, durations(st, T, r, key[1])[key[0]], latest_issue=u.end[g - 1] - stalled[key])
                 if g2 is None or g2 >= g:
                     g2 = g - 1 if g - 1 > u.src[key][0] + 1 else None
                 if g2 is None:
@@ -201,7 +194,7 @@ def _settle(schedule: Schedule, st: Setting, units: List[_Units], chosen, T: Lis
 
 def _base_events(st: Setting, r: int, units: _Units, timeline) -> List[tuple]:
     """(time, group, seq, delta) of one rank's passes, sorted as ``HostLinks.peak`` sorts them."""
-    ev = [(t.start if t.action.kind == F else t.end, 1, i, st.pass_mem(t.action.kind, r))
+    ev = [(t.start if t.action.kind == F else t.end, 1, i, st.pass_mem(t.action.kind, r, t.action.stage))
           for i, t in enumerate(timeline)]
     ev.sort(key=lambda e: e[:3])
     return ev
@@ -332,11 +325,11 @@ def offload_simulated(schedule: Schedule, setting: Setting, opts: OffloadOptions
     events = [_base_events(st, r, units[r], base.timeline[r]) for r in range(st.stages)]
     gaps, window = [], []
     for r, cs in enumerate(cands):
-        dur = _durations(st, T, r)
-        g = {c.key: _reload_gap(units[r], c.key, dur[c.part]) for c in cs}
+        dur = {c.key: durations(st, T, r, c.stage)[c.part] for c in cs}
+        g = {c.key: _reload_gap(units[r], c.key, dur[c.key]) for c in cs}
         gaps.append(g)
         # nominal time on the host: from the end of the D2H to the issue of the reload
-        window.append({c.key: (units[r].src[c.key][1] + dur[c.part], units[r].end[g[c.key] - 1]) for c in cs})
+        window.append({c.key: (units[r].src[c.key][1] + dur[c.key], units[r].end[g[c.key] - 1]) for c in cs})
 
     def settle(picked: List[List[Candidate]]):
         return _settle(schedule, st, units, [{c.key: gaps[r][c.key] for c in cs} for r, cs in enumerate(picked)],

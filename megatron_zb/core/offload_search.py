@@ -29,7 +29,7 @@ from typing import Dict, List, Optional, Tuple
 
 from . import schedules
 from .hostlink import EPS, OffloadOptions, has_offload, setting_for
-from .ir import Action, Schedule, ScheduleError, Setting
+from .ir import Action, Placement, Schedule, ScheduleError, Setting
 from .offload import add_offload, offload_simulated
 from .schedules.auto import TIE, v_auto, zb_auto
 from .simulate import SimResult, simulate
@@ -141,7 +141,9 @@ def generate_with_offload(name: str, setting: Setting, opts: OffloadOptions) -> 
         return add_offload(schedules.generate(name, setting), setting, opts)
     limit = opts.memory_limit
     p, m = setting.stages, setting.microbatches
-    one = p * max(setting.mem_f)
+    spec = schedules.get(name)
+    st = dataclasses.replace(setting, chunks=spec.resolve_chunks(setting.chunks))
+    one = p * st.stage_peak_unit(Placement.vshape(p) if spec.placement == "v" else Placement.single(p))
     top = 2 * one
     lims = sorted({round(x, 9) for x in [f * one for f in LADDER] + [2 * limit, limit]
                    if limit - EPS <= x <= top + EPS}, reverse=True)

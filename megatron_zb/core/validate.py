@@ -96,7 +96,7 @@ def validate(schedule: Schedule, setting: Optional[Setting] = None,
         for i, a in enumerate(order):
             if not a.is_compute:
                 continue
-            cur += st.pass_mem(a.kind, r)
+            cur += st.pass_mem(a.kind, r, a.stage)
             if cur > limit + 1e-9:
                 raise ScheduleError(f"rank {r} position {i}: {a} raises activation memory to "
                                     f"{cur:g}, over the limit {limit:g}")

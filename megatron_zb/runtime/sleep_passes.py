@@ -22,7 +22,7 @@ import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -57,24 +57,35 @@ class SleepPasses(StagePasses):
     sleeps: its two computes and only the part of each all-to-all the other's compute does not
     hide, exactly as the simulator charges it (``core.simulate.paired_cost``)."""
 
-    seconds: Dict[str, float] = field(default_factory=dict)  # kind -> one plain pass
-    # split (B, not BW) -> (seconds of the F, seconds of the backward) inside a pair
-    pair_parts: Dict[bool, Tuple[float, float]] = field(default_factory=dict)
+    seconds: Dict[str, float] = field(default_factory=dict)  # kind -> one plain pass of the rank's first chunk
+    stage_seconds: Dict[Tuple[str, int], float] = field(default_factory=dict)  # (kind, stage) -> one plain pass
+    setting: Optional[Setting] = None
+    unit: float = 0.0
+    rank: int = 0
 
     def pair_seconds(self, f_stage: int, b_stage: int, split: bool) -> float:
         """Seconds an overlapped pair of this rank's F (of ``f_stage``) and B (``split``) or BW
-        (of ``b_stage``) takes in all, from the moment both have their inputs (every chunk of a
-        rank costs the same: the stages only name the pair)."""
-        f, b = self.pair_parts[bool(split)]
-        return f + b
+        (of ``b_stage``) takes in all, from the moment both have their inputs."""
+        return sum(self.pair_parts(f_stage, b_stage, split))
+
+    def pair_parts(self, f_stage: int, b_stage: int, split: bool) -> Tuple[float, float]:
+        """(seconds of the F, seconds of the backward) inside an overlapped pair: each pass's
+        all-to-all hides behind the other's compute unless the setting says it does not."""
+        st, bk = self.setting, (B if split else BW)
+        if st is None or not (st.a2a_overlap and any(st.cost_a2a)):
+            return self.stage_seconds[(F, f_stage)], self.stage_seconds[(bk, b_stage)]
+        r = self.rank
+        f_act, b_act = Action(F, f_stage, 0), Action(bk, b_stage, 0)
+        return paired_cost(st, r, f_act, b_act) * self.unit, paired_cost(st, r, b_act, f_act) * self.unit
 
 
 def sleep_passes(setting: Setting, rank: int, placement: Placement, shape: Sequence[int] = (4,),
                  unit: float = 0.01, dtype: torch.dtype = torch.float32, device="cpu",
                  pairs_as_one: bool = False) -> SleepPasses:
-    """StagePasses for ``rank`` whose F/B/W/BW sleep ``setting.pass_cost(kind, rank) * unit`` s.
+    """StagePasses for ``rank`` whose F/B/W/BW of stage s sleep ``setting.pass_cost(kind, rank, s) * unit`` s.
 
-    ``setting.chunks`` is taken from the placement (each chunk's pass costs the rank's value / V).
+    ``setting.chunks`` is taken from the placement (each chunk's pass costs the rank's value / V,
+    or its own where the setting gives costs per chunk).
     F returns a tensor of ``shape`` (the stage's output, sent for real); B/BW return an input
     gradient of ``shape`` (stage 0 returns None). ``pairs_as_one``: an overlapped F&B pair the
     executor is given (``overlap_pairs``) runs as one pass (``StagePasses.overlap``, the executor's
@@ -85,13 +96,8 @@ def sleep_passes(setting: Setting, rank: int, placement: Placement, shape: Seque
     if unit < 0:
         raise ValueError(f"unit must be >= 0 seconds, got {unit}")
     shape = tuple(int(x) for x in shape)
-    dur = {k: setting.pass_cost(k, rank) * unit for k in (F, B, W, BW)}
-    parts = {}
-    hide = setting.a2a_overlap and any(setting.cost_a2a)
-    for split, bk in ((True, B), (False, BW)):
-        f_act, b_act = Action(F, 0, 0), Action(bk, 0, 0)
-        parts[split] = ((paired_cost(setting, rank, f_act, b_act) * unit, paired_cost(setting, rank, b_act, f_act) * unit)
-                        if hide else (dur[F], dur[bk]))
+    dur = {(k, s): setting.pass_cost(k, rank, s) * unit for k in (F, B, W, BW) for s in range(placement.num_stages)}
+    first = placement.stages_of(rank)[0]
 
     def output(stage, mb):
         return torch.full(shape, float(stage * 1000 + mb), dtype=dtype, device=device)
@@ -100,28 +106,31 @@ def sleep_passes(setting: Setting, rank: int, placement: Placement, shape: Seque
         return None if placement.is_first(stage) else torch.full(shape, float(mb), dtype=dtype, device=device)
 
     def forward(stage, mb, inp):  # the (tiny) real work first, inside the pass's duration
-        t_end = time.perf_counter() + dur[F]
+        t_end = time.perf_counter() + dur[(F, stage)]
         out = output(stage, mb)
         precise_sleep(t_end - time.perf_counter())
         return out
 
     def backward(stage, mb, inp, out, grad, split):
-        t_end = time.perf_counter() + (dur[B] if split else dur[BW])
+        t_end = time.perf_counter() + dur[(B if split else BW, stage)]
         g = in_grad(stage, mb)
         precise_sleep(t_end - time.perf_counter())
         return g
 
     def weight(stage, mb):
-        precise_sleep(dur[W])
+        precise_sleep(dur[(W, stage)])
 
     def overlap(f, b):  # f = (stage, mb, input), b = (stage, mb, input, output, grad, split)
-        t_end = time.perf_counter() + sum(parts[bool(b[5])])
+        t_end = time.perf_counter() + passes.pair_seconds(f[0], b[0], bool(b[5]))
         out, g = output(f[0], f[1]), in_grad(b[0], b[1])
         precise_sleep(t_end - time.perf_counter())
         return out, g
 
-    return SleepPasses(forward=forward, backward=backward, weight=weight, overlap=overlap if pairs_as_one else None,
-                       recv_shape=lambda s, mb: shape, dtype=dtype, device=device, seconds=dur, pair_parts=parts)
+    passes = SleepPasses(forward=forward, backward=backward, weight=weight, overlap=overlap if pairs_as_one else None,
+                         recv_shape=lambda s, mb: shape, dtype=dtype, device=device,
+                         seconds={k: dur[(k, first)] for k in (F, B, W, BW)}, stage_seconds=dur, setting=setting,
+                         unit=unit, rank=rank)
+    return passes
 
 
 def time_iterations(lowered: Schedule, rank: int, passes: StagePasses, p2p, iterations: int,

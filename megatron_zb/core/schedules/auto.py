@@ -228,16 +228,16 @@ def _zb_auto(setting: Setting, sim: Optional[list] = None, tie: float = TIE) -> 
     from .basic import one_f_one_b
     from .zb_handcrafted import zb_h1, zb_h2
     p = setting.stages
-    limit = setting.memory_limit if setting.memory_limit is not None else p * max(setting.mem_f)
     pl = Placement.single(p)
+    limit = setting.memory_limit if setting.memory_limit is not None else p * unit(setting, pl)
     st = dataclasses.replace(setting, chunks=1)
     cands = [f(st) for f in (zb_h1, zb_h2, one_f_one_b)]
     small = _passes(st) * p <= 150_000  # the event-driven greedy costs ~ passes x p; it rarely wins
-    if limit >= max(st.mem_f) - 1e-9:
+    if limit >= unit(st, pl) - 1e-9:
         cands += round_variants(st, limit, "zb-auto", keep=4)
         if small:
             cands += capped_variants(st, limit, "zb-auto")
-    ranked = _search("zb-auto", st, pl, limit, cands, max(setting.mem_f), 2 * p * max(setting.mem_f),
+    ranked = _search("zb-auto", st, pl, limit, cands, unit(st, pl), 2 * p * unit(st, pl),
                      greedy_too=small)
     return _finish(ranked[0][1], st, limit, "zb-auto", limit, ranked, sim=sim, tie=tie)
 
@@ -247,17 +247,25 @@ def zb_auto(setting: Setting, memory: bool = True, sim: Optional[list] = None) -
     smaller limits, ``_least_memory_of``, and keeps the least peak within ``TIE`` of the fastest);
     without it the fastest under the limit (the offload search's bases: there memory is what
     offload is for). ``sim`` (without ``memory``): as ``_finish``'s."""
-    limit = setting.memory_limit if setting.memory_limit is not None else setting.stages * max(setting.mem_f)
-    st = dataclasses.replace(setting, chunks=1, memory_limit=limit)
+    st = dataclasses.replace(setting, chunks=1)
+    limit = setting.memory_limit if setting.memory_limit is not None else setting.stages * unit(st)
+    st = dataclasses.replace(st, memory_limit=limit)
     if not memory:
         return _zb_auto(st, sim, tie=NOISE)
     return _least_memory_of(lambda lim: _zb_auto(dataclasses.replace(st, memory_limit=lim)), st,
                             Placement.single(st.stages), limit, "zb-auto")
 
 
-def _ladder(setting: Setting, limit: float) -> List[float]:
+def unit(setting: Setting, placement: Optional[Placement] = None) -> float:
+    """One rank's whole-stage activation of one microbatch, the largest over the ranks (1F1B's
+    peak is P of these): mem-f per rank, or the sum of a rank's chunks where it is given per
+    chunk (``placement``: the schedule's; default one stage per rank)."""
+    return setting.stage_peak_unit(placement or Placement.single(setting.stages))
+
+
+def _ladder(setting: Setting, limit: float, pl: Optional[Placement] = None) -> List[float]:
     """The limits searched below ``limit``: 1F1B's peak (p x mem-f), 1.5 and 2 times it."""
-    one = setting.stages * max(setting.mem_f)
+    one = setting.stages * unit(setting, pl)
     return [x * one for x in (1.0, 1.5, 2.0) if x * one < limit - 1e-9]
 
 
@@ -268,7 +276,7 @@ def _least_memory_of(run: Callable[[float], Schedule], setting: Setting, pl: Pla
     memory within ``TIE`` of the fastest (``_cheapest``) (a schedule at ``limit`` is always tried
     unless one below already meets the bound, so the result is never more than ``TIE`` slower
     than the search at ``limit`` alone)."""
-    steps = _ladder(setting, limit)
+    steps = _ladder(setting, limit, pl)
     if not steps:
         return run(limit)
     lb = lower_bound(setting, pl, limit)
@@ -355,7 +363,7 @@ def _v_search(name: str, setting: Setting, limit: Optional[float] = None, sim: O
     coder = Coder(st, pl, m)
     peak = {n: max(coder.peak(o) for o in coder.encode(s.orders)) for n, s in paper.items() if s is not None}
     if limit is None:  # the paper's memory; its formula where its block does not fit this p
-        limit = peak.get(name, (p / 2 + 1 if name == "v-half" else p / 3 + 1) * max(st.mem_f))
+        limit = peak.get(name, (p / 2 + 1 if name == "v-half" else p / 3 + 1) * unit(st, pl))
     fits = [n for n in peak if peak[n] <= limit + 1e-9]
     cands = [paper[n] for n in fits]
     lb = lower_bound(st, pl, limit)
@@ -377,7 +385,8 @@ def _v_search(name: str, setting: Setting, limit: Optional[float] = None, sim: O
             cands.append(blocks)
     if not optimal() and small:
         cands += vslots.search(st, limit, name, keep=4)
-    ranked = _search(name, st, pl, limit, cands, max(st.mem_f) / 2, p * max(st.mem_f),
+    chunk = max(st.pass_mem(F, pl.rank_of(s), s) for s in range(pl.num_stages))
+    ranked = _search(name, st, pl, limit, cands, chunk, p * unit(st, pl),
                      other=lambda x: vblock.search(st, pl, x, name),
                      greedy_too=_passes(st) * p <= 150_000 and not optimal())
     # on small settings V searches end in narrow basins: more starting points and a longer
@@ -387,7 +396,8 @@ def _v_search(name: str, setting: Setting, limit: Optional[float] = None, sim: O
 
 
 def zb_v(setting: Setting) -> Schedule:
-    return _v_search("zb-v", setting, setting.stages * max(setting.mem_f))
+    st = _v_setting(setting)
+    return _v_search("zb-v", setting, setting.stages * unit(st, Placement.vshape(st.stages)))
 
 
 def v_half(setting: Setting) -> Schedule:
@@ -400,9 +410,10 @@ def v_min(setting: Setting) -> Schedule:
 
 def v_auto(setting: Setting, memory: bool = True, sim: Optional[list] = None) -> Schedule:
     """``memory`` and ``sim``: as zb-auto's."""
-    limit = setting.memory_limit if setting.memory_limit is not None else setting.stages * max(setting.mem_f)
+    st = _v_setting(setting)
+    limit = (setting.memory_limit if setting.memory_limit is not None
+             else setting.stages * unit(st, Placement.vshape(st.stages)))
     if not memory:
         return _v_search("v-auto", setting, limit, sim, tie=NOISE)
-    st = _v_setting(setting)
     return _least_memory_of(lambda lim: _v_search("v-auto", setting, lim), st, Placement.vshape(st.stages), limit,
                             "v-auto")

@@ -64,7 +64,7 @@ class _Chain:
         S = pl.num_stages
         self.S = S
         self.rank = [pl.rank_of(s) for s in range(S)]
-        self.cost = {(k, s): st.pass_cost(k, self.rank[s]) for k in (F, B, W) for s in range(S)}
+        self.cost = {(k, s): st.pass_cost(k, self.rank[s], s) for k in (F, B, W) for s in range(S)}
         c = st.cost_comm
         path = [(F, s) for s in range(S)] + [(B, s) for s in reversed(range(S))]
         hop = {}  # hop before each path element / before W(s) (same rank as B(s): none)
@@ -199,7 +199,7 @@ def lower_bound(setting: Setting, placement: Placement, limit: Optional[float]) 
     st = dataclasses.replace(setting, chunks=placement.chunks)
     m = setting.microbatches
     R = placement.num_ranks
-    busy = [sum(m * st.pass_cost(k, r) for k in (F, B, W)) * len(placement.stages_of(r)) for r in range(R)]
+    busy = [sum(m * st.pass_cost(k, r, s) for k in (F, B, W) for s in placement.stages_of(r)) for r in range(R)]
     lb = max(busy)
     if limit is not None and limit == float("inf"):
         limit = None

@@ -47,7 +47,7 @@ class Coder:
         for k, kind in enumerate((F, B, W, BW)):
             for s in range(S):
                 r = placement.rank_of(s)
-                c, dm = st.pass_cost(kind, r), st.pass_mem(kind, r)
+                c, dm = st.pass_cost(kind, r, s), st.pass_mem(kind, r, s)
                 for j in range(m):
                     x = (k * S + s) * m + j
                     rank[x], cost[x], dmem[x] = r, c, dm

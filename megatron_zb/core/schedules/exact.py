@@ -83,8 +83,8 @@ def solve(setting: Setting, placement: Placement, limit: Optional[float], upper:
         raise ScheduleError("exact mode needs stages 0..p-1 on distinct ranks (one stage per rank, V or looped)")
     pos = _chain_pos(S)
     kinds = [(k, s) for s in range(S) for k in (F, B, W)]
-    cost = {(k, s): st.pass_cost(k, rank[s]) for k, s in kinds}
-    dmem = {(k, s): st.pass_mem(k, rank[s]) for k, s in kinds}
+    cost = {(k, s): st.pass_cost(k, rank[s], s) for k, s in kinds}
+    dmem = {(k, s): st.pass_mem(k, rank[s], s) for k, s in kinds}
     c = st.cost_comm
     keys: List[Key] = [(k, s, j) for (k, s) in kinds for j in range(m)]
     idx = {x: i for i, x in enumerate(keys)}

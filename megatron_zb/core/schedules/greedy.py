@@ -18,6 +18,7 @@ the costs, so callers try a few (``best_of``) and keep the shortest.
 """
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 from dataclasses import dataclass
@@ -45,12 +46,14 @@ def greedy(setting: Setting, placement: Placement, limit: float, policy: Policy 
     nst = pl.num_stages
     v = pl.chunks
     stages_of = [pl.stages_of(r) for r in range(p)]
-    cost = {(r, k): setting.pass_cost(k, r) for r in range(p) for k in (F, B, W)}
+    if setting.chunks != v:
+        setting = dataclasses.replace(setting, chunks=v)
+    cost = {(s, k): setting.pass_cost(k, pl.rank_of(s), s) for s in range(nst) for k in (F, B, W)}
     comm = setting.cost_comm
-    fmem = [setting.mem_f[r] / v for r in range(p)]
-    bfree = [(setting.mem_f[r] - setting.mem_w[r]) / v for r in range(p)]
-    wfree = [setting.mem_w[r] / v for r in range(p)]
-    if any(fmem[r] > limit + EPS for r in range(p)):
+    fmem = [setting.pass_mem(F, pl.rank_of(s), s) for s in range(nst)]
+    bfree = [-setting.pass_mem(B, pl.rank_of(s), s) for s in range(nst)]
+    wfree = [-setting.pass_mem(W, pl.rank_of(s), s) for s in range(nst)]
+    if max(fmem) > limit + EPS:
         raise ScheduleError(f"memory limit {limit:g} is below one forward's activation ({max(fmem):g})")
 
     end: Dict[Tuple[str, int, int], float] = {}
@@ -85,22 +88,22 @@ def greedy(setting: Setting, placement: Placement, limit: float, policy: Policy 
         return arrival(B, s + 1, mb, r)
 
     def run(r, kind, s, mb, start):
-        t_end = start + cost[(r, kind)]
+        t_end = start + cost[(s, kind)]
         end[(kind, s, mb)] = t_end
         clock[r] = t_end
         orders[r].append(Action(kind, s, mb))
         done[r] += 1
         if kind == F:
             next_f[s] += 1
-            mem[r] += fmem[r]
+            mem[r] += fmem[s]
             inflight[r] += 1
         elif kind == B:
             next_b[s] += 1
             inflight[r] -= 1
-            mem[r] -= bfree[r]
+            mem[r] -= bfree[s]
             pending_w[r].append((s, mb))
         else:
-            mem[r] -= wfree[r]
+            mem[r] -= wfree[s]
 
     deepest = [max(stages_of[r]) for r in range(p)]
     # a rank waiting for others: its clock is raised to the next candidate time
@@ -125,7 +128,7 @@ def greedy(setting: Setting, placement: Placement, limit: float, policy: Policy 
         fs = []
         capped = policy.cap is not None and inflight[r] >= policy.cap[r]
         for c in sorted((c for c in now if c[1] == F and not capped), key=lambda c: -c[2]):
-            need = fmem[r] + (fmem[r] if policy.reserve and c[2] != deepest[r] else 0.0)
+            need = fmem[c[2]] + (fmem[deepest[r]] if policy.reserve and c[2] != deepest[r] else 0.0)
             if mem[r] + need <= limit + EPS:
                 fs.append(c)
         f_blocked = any(c[1] == F for c in now) and not fs and not capped
@@ -143,7 +146,7 @@ def greedy(setting: Setting, placement: Placement, limit: float, policy: Policy 
             others = [clock[q] for q in range(p) if q != r and done[q] < total[q] and clock[q] > t + EPS]
             horizon = min(future + others) if (future or others) else None
             wgap_ok = pending_w[r] and (policy.fill == "always" or f_blocked or horizon is None
-                                        or horizon - t >= cost[(r, W)] - EPS)
+                                        or horizon - t >= cost[(pending_w[r][0][0], W)] - EPS)
             if wgap_ok:
                 s, mb = pending_w[r].pop(0)
                 run(r, W, s, mb, t)

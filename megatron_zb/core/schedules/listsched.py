@@ -41,15 +41,17 @@ def run(name: str, setting: Setting, placement: Placement, plan: Plan, m: int,
     p = pl.num_ranks
     if setting.chunks != pl.chunks:
         setting = dataclasses.replace(setting, chunks=pl.chunks)
-    cost = {(r, k): setting.pass_cost(k, r) for r in range(p) for k in (F, BW)}
-    fmem = [setting.pass_mem(F, r) for r in range(p)]
-    bmem = [setting.pass_mem(BW, r) for r in range(p)]
+    cost = {(s, k): setting.pass_cost(k, pl.rank_of(s), s) for s in range(pl.num_stages) for k in (F, BW)}
+    fmem = [setting.pass_mem(F, pl.rank_of(s), s) for s in range(pl.num_stages)]
+    bmem = [setting.pass_mem(BW, pl.rank_of(s), s) for s in range(pl.num_stages)]
     comm = setting.cost_comm
-    shortest = [min([c for c in (cost[(r, F)], cost[(r, BW)]) if c > 0] or [0.0]) for r in range(p)]
+    shortest = [min([c for s in pl.stages_of(r) for c in (cost[(s, F)], cost[(s, BW)]) if c > 0] or [0.0])
+                for r in range(p)]
     for r in range(p):
-        if plan.f_seq[r] and fmem[r] > plan.cap[r] + EPS:
+        need = max([fmem[s] for s, _ in plan.f_seq[r]], default=0.0)
+        if need > plan.cap[r] + EPS:
             raise ScheduleError(f"{name}: activation limit {plan.cap[r]:g} on rank {r} is below one forward's "
-                                f"activation ({fmem[r]:g})")
+                                f"activation ({need:g})")
 
     end: Dict[Tuple[int, int, int], float] = {}  # (0 = F / 1 = BW, stage, mb) -> end time
     fi = [0] * p
@@ -85,7 +87,7 @@ def run(name: str, setting: Setting, placement: Placement, plan: Plan, m: int,
             return False
         if bi[q] < len(plan.b_seq[q]) and b_ready(q) is not None:
             return True
-        return (fi[q] < len(plan.f_seq[q]) and mem[q] + fmem[q] <= plan.cap[q] + EPS
+        return (fi[q] < len(plan.f_seq[q]) and mem[q] + fmem[plan.f_seq[q][fi[q]][0]] <= plan.cap[q] + EPS
                 and f_ready(q) is not None)
 
     def stall():
@@ -114,15 +116,15 @@ def run(name: str, setting: Setting, placement: Placement, plan: Plan, m: int,
         has_f = fi[r] < len(plan.f_seq[r])
         brt = b_ready(r) if has_b else None
         frt = f_ready(r) if has_f else None
-        fits = has_f and mem[r] + fmem[r] <= plan.cap[r] + EPS
+        fits = has_f and mem[r] + fmem[plan.f_seq[r][fi[r]][0]] <= plan.cap[r] + EPS
         if brt is not None and brt <= t + EPS:
             s, mb = plan.b_seq[r][bi[r]]
             bi[r] += 1
-            kind, key, dm = BW, 1, bmem[r]
+            kind, key, dm = BW, 1, bmem[s]
         elif fits and frt is not None and frt <= t + EPS:
             s, mb = plan.f_seq[r][fi[r]]
             fi[r] += 1
-            kind, key, dm = F, 0, fmem[r]
+            kind, key, dm = F, 0, fmem[s]
         else:
             known = [x for x in (brt, frt if fits else None) if x is not None and x > t + EPS]
             if not known and not any(can_progress(q) for q in range(p)):
@@ -136,7 +138,7 @@ def run(name: str, setting: Setting, placement: Placement, plan: Plan, m: int,
                 clock[r] = horizon
             heapq.heappush(heap, (clock[r], next(seq), r))
             continue
-        clock[r] = end[(key, s, mb)] = t + cost[(r, kind)]
+        clock[r] = end[(key, s, mb)] = t + cost[(s, kind)]
         mem[r] += dm
         orders[r].append(Action(kind, s, mb))
         if not done(r):
@@ -145,6 +147,7 @@ def run(name: str, setting: Setting, placement: Placement, plan: Plan, m: int,
 
 
 def in_flight_cap(setting: Setting, placement: Placement, counts: Sequence[float]) -> List[float]:
-    """Per-rank caps from counts of in-flight chunk forwards (each allocating mem-f / chunks)."""
-    v = placement.chunks
-    return [counts[r] * setting.mem_f[r] / v for r in range(placement.num_ranks)]
+    """Per-rank caps from counts of in-flight chunk forwards (each allocating mem-f / chunks; with
+    per-chunk memory, the rank's largest chunk's)."""
+    st = setting if setting.chunks == placement.chunks else dataclasses.replace(setting, chunks=placement.chunks)
+    return [counts[r] * max(st.pass_mem(F, r, s) for s in placement.stages_of(r)) for r in range(placement.num_ranks)]

@@ -115,7 +115,7 @@ def chain(placement: Placement) -> List[Tuple[str, int]]:
 def period_of(setting: Setting, placement: Placement, stretch: float = 1.0) -> float:
     """The busiest rank's F+B+W for one microbatch (all its chunks), times ``stretch``."""
     st = dataclasses.replace(setting, chunks=placement.chunks)
-    return stretch * max(len(placement.stages_of(r)) * sum(st.pass_cost(k, r) for k in (F, B, W))
+    return stretch * max(sum(st.pass_cost(k, r, s) for s in placement.stages_of(r) for k in (F, B, W))
                          for r in range(placement.num_ranks))
 
 
@@ -127,7 +127,7 @@ def building_block(setting: Setting, placement: Placement, period: float, down: 
     memory when B costs more than F)."""
     pl = placement
     st = dataclasses.replace(setting, chunks=pl.chunks)
-    cost = lambda k, s: st.pass_cost(k, pl.rank_of(s))  # noqa: E731
+    cost = lambda k, s: st.pass_cost(k, pl.rank_of(s), s)  # noqa: E731
     busy: List[List[Tuple[float, float]]] = [[] for _ in range(pl.num_ranks)]
     rest = [[cost(k, s) for s in pl.stages_of(r) for k in (F, B, W)] for r in range(pl.num_ranks)]
     start: Dict[Tuple[str, int], float] = {}
@@ -195,8 +195,8 @@ def compact(setting: Setting, placement: Placement, times: Dict[Key, float], lim
     for key in order:
         kind, s, mb = key
         r = pl.rank_of(s)
-        d = st.pass_cost(kind, r)
-        dm = st.pass_mem(kind, r)
+        d = st.pass_cost(kind, r, s)
+        dm = st.pass_mem(kind, r, s)
         own = times[key]
         ready = 0.0
         for dk, ds, dmb in deps(Action(kind, s, mb), nst):
@@ -205,7 +205,7 @@ def compact(setting: Setting, placement: Placement, times: Dict[Key, float], lim
             if t is None:
                 dk = BW
                 t = new[(dk, ds, dmb)]
-            t += st.pass_cost(dk, pl.rank_of(ds)) + (setting.cost_comm if pl.rank_of(ds) != r else 0.0)
+            t += st.pass_cost(dk, pl.rank_of(ds), ds) + (setting.cost_comm if pl.rank_of(ds) != r else 0.0)
             ready = max(ready, t)
         if mb > 0 and (kind, s, mb - 1) in new:  # a stage's passes of one kind stay in microbatch order
             ready = max(ready, new[(kind, s, mb - 1)])
@@ -273,9 +273,9 @@ def refill_w(setting: Setting, placement: Placement, orders: List[List[Action]],
         return t
 
     def run(r: int, a: Action, t: float) -> None:
-        e = t + st.pass_cost(a.kind, r)
+        e = t + st.pass_cost(a.kind, r, a.stage)
         clock[r] = e
-        mem[r] += st.pass_mem(a.kind, r)
+        mem[r] += st.pass_mem(a.kind, r, a.stage)
         end[(a.kind, a.stage, a.mb)] = e
         if a.kind in (B, BW):
             end[("B*", a.stage, a.mb)] = e
@@ -289,9 +289,9 @@ def refill_w(setting: Setting, placement: Placement, orders: List[List[Action]],
             return (clock[r], r, "W") if pend[r] else None
         a = fb[r][pos[r]]
         rt = ready_at(r, a)
-        room = a.kind != F or mem[r] + st.pass_mem(F, r) <= limit + EPS
+        room = a.kind != F or mem[r] + st.pass_mem(F, r, a.stage) <= limit + EPS
         if pend[r] and (not room or rt is None or rt > clock[r] + EPS and
-                        (eager or clock[r] + st.pass_cost(W, r) <= rt + EPS)):
+                        (eager or clock[r] + st.pass_cost(W, r, pend[r][0].stage) <= rt + EPS)):
             return (clock[r], r, "W")
         if rt is not None and room:
             return (max(clock[r], rt), r, "FB")

@@ -23,6 +23,7 @@ turns on the last rank and goes down the first) and W's (one per B, in B order).
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections import deque
 from typing import Dict, List, Optional, Tuple
@@ -36,15 +37,16 @@ FA, FZ, BZ, BA = "Fa", "Fz", "Bz", "Ba"
 def _try(st: Setting, limit: float, fill_b: bool, fill_f: bool, tol: float, approved: Optional[List[float]]):
     p, m = st.stages, st.microbatches
     c = st.cost_comm
-    cf = [x / 2 for x in st.cost_f]
-    cb = [x / 2 for x in st.cost_b]
-    cw = [x / 2 for x in st.cost_w]
-    fmem = [x / 2 for x in st.mem_f]
-    bmem = [-(a - b) / 2 for a, b in zip(st.mem_f, st.mem_w)]
-    wmem = [-x / 2 for x in st.mem_w]
+    st = st if st.chunks == 2 else dataclasses.replace(st, chunks=2)
     stage = {FA: lambda i: i, FZ: lambda i: 2 * p - 1 - i, BZ: lambda i: 2 * p - 1 - i, BA: lambda i: i}
-    cost = {FA: cf, FZ: cf, BZ: cb, BA: cb}
-    dm = {FA: fmem, FZ: fmem, BZ: bmem, BA: bmem}
+    kind_of = {FA: F, FZ: F, BZ: B, BA: B}
+    # per rank, each chunk's own cost and memory change (the V's two chunks may differ)
+    cost = {k: [st.pass_cost(kind_of[k], i, stage[k](i)) for i in range(p)] for k in kind_of}
+    dm = {k: [st.pass_mem(kind_of[k], i, stage[k](i)) for i in range(p)] for k in kind_of}
+    cw = {s: st.pass_cost(W, min(s, 2 * p - 1 - s), s) for s in range(2 * p)}
+    wmem = {s: st.pass_mem(W, min(s, 2 * p - 1 - s), s) for s in range(2 * p)}
+    fmem = [max(dm[FA][i], dm[FZ][i]) for i in range(p)]  # the larger chunk activation of a rank
+    bmem = [max(dm[BA][i], dm[BZ][i]) for i in range(p)]
     cnt = {k: [0] * p for k in (FA, FZ, BZ, BA)}
     end: Dict[str, List[List[Optional[float]]]] = {k: [[None] * m for _ in range(p)] for k in (FA, FZ, BZ, BA)}
     clock, mem, idle, peak, first = [0.0] * p, [0.0] * p, [0.0] * p, [0.0] * p, [0.0] * p
@@ -84,7 +86,7 @@ def _try(st: Setting, limit: float, fill_b: bool, fill_f: bool, tol: float, appr
     def put(i: int, k: str) -> None:
         if k == "W":
             s, j = pend[i].popleft()
-            start, d, dmm, kind = clock[i], cw[i], wmem[i], W
+            start, d, dmm, kind = clock[i], cw[s], wmem[s], W
         else:
             j = cnt[k][i]
             if j >= m:
@@ -122,7 +124,7 @@ def _try(st: Setting, limit: float, fill_b: bool, fill_f: bool, tol: float, appr
         if dd is None:
             return
         at = dd[0] + (c if dd[1] else 0.0)
-        while pend[i] and le(clock[i] + cw[i], at):
+        while pend[i] and le(clock[i] + cw[pend[i][0][0]], at):
             put(i, "W")
         if pend[i] and overrun and not le(at - clock[i], allowance(i)):
             put(i, "W")
@@ -133,9 +135,9 @@ def _try(st: Setting, limit: float, fill_b: bool, fill_f: bool, tol: float, appr
     for i in range(p - 1, -1, -1):
         if i < p - 1:
             arrive = end[FZ][i + 1][0] + c
-            while (cnt[FA][i] < m and le(clock[i] + cf[i], arrive)
+            while (cnt[FA][i] < m and le(clock[i] + cost[FA][i], arrive)
                    and mem[i] + fmem[i] * (2 + 2 * i) <= limit + EPS
-                   and all(mem[j] + fmem[j] <= limit + EPS for j in range(i))):
+                   and all(mem[j] + dm[FA][j] <= limit + EPS for j in range(i))):
                 for j in range(i + 1):
                     put(j, FA)
         put(i, FZ)
@@ -179,7 +181,7 @@ def _try(st: Setting, limit: float, fill_b: bool, fill_f: bool, tol: float, appr
                 k = FA
             if k is None:
                 continue
-            while mem[i] + fmem[i] > limit + EPS:
+            while mem[i] + dm[k][i] > limit + EPS:
                 if not pend[i]:
                     raise ScheduleError(f"V round heuristic: rank {i} cannot fit memory limit {limit:g}")
                 put(i, "W")

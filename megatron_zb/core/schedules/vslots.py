@@ -452,8 +452,10 @@ def search(setting: Setting, limit: float, name: str, keep: int = 2) -> List[Sch
     p, m = st.stages, st.microbatches
     if p < 2:
         return []
-    max_mem = min(2 * p, int(2 * limit / max(st.mem_f) + 1e-9))  # chunk activations
-    coder = Coder(st, Placement.vshape(p), m)
+    pl = Placement.vshape(p)
+    chunk = max(st.pass_mem(F, pl.rank_of(s), s) for s in range(pl.num_stages))  # the largest chunk activation
+    max_mem = min(2 * p, int(limit / chunk + 1e-9)) if chunk > 0 else 2 * p  # chunk activations
+    coder = Coder(st, pl, m)
     found: List[Tuple[tuple, int, Schedule]] = []
     seen = set()
     tops: Dict[tuple, int] = {}  # a block met before (k0 = k1, or len0 = p - 1) ends as it did then

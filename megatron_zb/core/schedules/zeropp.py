@@ -72,7 +72,9 @@ def zeropp(setting: Setting) -> Schedule:
     p, m, v = setting.stages, setting.microbatches, setting.chunks
     if v is None or v < 2:
         raise ScheduleError("zeropp needs --chunks >= 2 (model chunks per rank); with one chunk use zb-h1 or zb-auto")
-    limit = float(p) if setting.memory_limit is None else float(setting.memory_limit)
+    # default: 1F1B's peak, P whole-stage activations of the fullest rank
+    limit = (p * setting.stage_peak_unit(Placement.looped(p, v)) if setting.memory_limit is None
+             else float(setting.memory_limit))
     st = dataclasses.replace(setting, memory_limit=None)
     units: List[int] = [m] if m <= p else [p << i for i in range(m.bit_length()) if p << i <= m]
     best: Optional[Schedule] = None

@@ -1,0 +1,124 @@
+"""Each model chunk's own cost, from its layout: F/B/W seconds, activation bytes and parameters of
+the embedding, the transformer layers, the MTP layers and the output layer + loss it holds
+(``core.model.ModelSpec``'s per-layer formulas at a GPU's peak x efficiency). Pure Python.
+
+A chunk is a virtual stage of ``core.layout.Layout`` (pipeline order); its values go to the core
+per chunk (``ir.Setting`` takes one value per model chunk). Where MTP layers sit in a chunk before
+the loss's, the shared output layer and loss they compute again run with the loss (Megatron's
+multi-token prediction), so that part is charged to the loss's chunk.
+
+Tied embeddings: the output layer uses the embedding's weight. On another rank than the embedding
+it keeps a copy (Megatron's), counted there; on the embedding's rank (a V) it is the same tensor.
+A replicated placement (BitPipe) has one embedding and one loss per path, each counted on its
+rank; its per-chunk values are per logical stage (each path's copy runs the same layers)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List
+
+from .ir import Placement, ScheduleError
+from .layout import Layout
+from .model import ModelSpec
+
+__all__ = ["ChunkCosts", "chunk_costs", "stage_work"]
+
+
+@dataclass
+class ChunkCosts:
+    """Per chunk (virtual stage, pipeline order): seconds of one microbatch's F, B, W and of its
+    expert-parallel all-to-all (in an F, and again in a B), activation bytes held from F to B
+    (mem_f) and from B to W (mem_w); per rank: parameters."""
+
+    layout: Layout
+    cost_f: List[float]
+    cost_b: List[float]
+    cost_w: List[float]
+    cost_a2a: List[float]
+    mem_f: List[float]
+    mem_w: List[float]
+    params: List[float]
+
+    def rank_sum(self, name: str, placement: Placement) -> List[float]:
+        """Per rank, the sum of ``name`` over the chunks it holds (one path's share when replicated)."""
+        values = getattr(self, name)
+        out = [0.0] * placement.num_ranks
+        for s in range(placement.num_stages):
+            out[placement.rank_of(s)] += values[placement.logical(s)] / placement.num_paths
+        return out
+
+
+def _flops(spec: ModelSpec, stage: str, layers: range, mtp_total: int):
+    """(F, B, W) FLOPs, (M_B, M_W) bytes and all-to-all bytes of one chunk's content."""
+    f = [0.0, 0.0, 0.0]
+    m = [0.0, 0.0]
+    a2a = 0.0
+
+    def add(x, y=None):
+        for k in range(3):
+            f[k] += x[k]
+        if y is not None:
+            m[0] += y[0]
+            m[1] += y[1]
+
+    if "E" in stage:
+        add(spec.embedding_flops(), (spec.embedding_activation_bytes(), 0.0))
+    for i in layers:
+        add(spec.layer_flops(i), spec.layer_activation_bytes(i))
+        a2a += spec.layer_a2a_bytes(i)
+    n_mtp = stage.count("m")
+    for _ in range(n_mtp):
+        add(spec.mtp_layer_flops(with_output=False), spec.mtp_activation_bytes(with_output=False))
+        a2a += spec.layer_a2a_bytes(spec.num_layers - 1)
+    if "L" in stage:
+        add(spec.output_flops(), spec.loss_activation_bytes())
+        for _ in range(mtp_total):  # each MTP layer's shared output layer and loss run here
+            add(spec.output_flops(), spec.loss_activation_bytes())
+    return f, m, a2a
+
+
+def stage_work(spec: ModelSpec, layout: Layout) -> List[float]:
+    """FLOPs of one microbatch's F + B + W per chunk (what a layout balances)."""
+    out = []
+    for stage, layers in zip(layout.stages, layout.layer_ranges()):
+        f, _, _ = _flops(spec, stage, layers, layout.num_mtp_layers)
+        out.append(sum(f))
+    return out
+
+
+def chunk_costs(spec: ModelSpec, layout: Layout, placement: Placement, flops_per_s: float,
+                ep_bytes_per_s: float) -> ChunkCosts:
+    """Each chunk's costs for ``layout`` on ``placement`` (whose logical stages it must describe)."""
+    if layout.num_stages != placement.num_logical_stages:
+        raise ScheduleError(f"layout {layout} has {layout.num_stages} stages; the placement runs "
+                            f"{placement.num_logical_stages} model chunks")
+    if layout.num_layers != spec.num_layers:
+        raise ScheduleError(f"layout {layout} holds {layout.num_layers} transformer layers, the model "
+                            f"{spec.num_layers}")
+    if layout.num_mtp_layers != spec.mtp_num_layers:
+        raise ScheduleError(f"layout {layout} holds {layout.num_mtp_layers} MTP layers, the model "
+                            f"{spec.mtp_num_layers} (--mtp-num-layers)")
+    cf, cb, cw, ca, mf, mw, par = [], [], [], [], [], [], []
+    for stage, layers in zip(layout.stages, layout.layer_ranges()):
+        f, m, a2a = _flops(spec, stage, layers, layout.num_mtp_layers)
+        cf.append(f[0] / flops_per_s)
+        cb.append(f[1] / flops_per_s)
+        cw.append(f[2] / flops_per_s)
+        ca.append(a2a / ep_bytes_per_s if ep_bytes_per_s > 0 else 0.0)
+        mf.append(m[0])
+        mw.append(m[1])
+        p = sum(spec.params_per_layer(i) for i in layers) + stage.count("m") * spec.mtp_params()
+        par.append(p)
+    params = [0.0] * placement.num_ranks
+    last = layout.num_stages - 1
+    for s in range(placement.num_stages):
+        r, l = placement.rank_of(s), placement.logical(s)
+        params[r] += par[l]
+        path = placement.path(placement.path_of(s))
+        if l == 0:
+            params[r] += spec.embedding_params()
+        if l == last:
+            if spec.untie_embeddings_and_output_weights:
+                params[r] += spec.output_params()
+            elif placement.rank_of(path[0]) != r:  # the tied weight's copy on the loss's rank
+                params[r] += spec.embedding_params()
+    return ChunkCosts(layout, cf, cb, cw, ca, mf, mw, params)

@@ -1,0 +1,249 @@
+"""One schedule's row of `megatron-zb plan`: its layout, each chunk's costs, the schedule built with
+them, its time per iteration and memory per rank, and the flags to paste. Pure Python.
+
+The layout: the user's (``--pipeline-model-parallel-layout``), or the best of the even split and
+the balanced one (``core.layout_search``: every rank carrying equal work, the embedding and the
+output layer + loss counted where they sit), by fitting first, then time per iteration. With a
+profile, the costs are what it measured (per rank or per chunk) and the layout is the one it ran.
+"""
+from __future__ import annotations
+
+import json
+import math
+from typing import List, Optional
+
+from .build import OffloadRequest, ScheduleRequest, build
+from .chunk_costs import chunk_costs
+from .ir import OVERLAP, Placement, ScheduleError
+from .iteration import iteration_times
+from .layout import Layout, from_counts
+from .layout_search import balanced, even_counts
+from .model import ModelSpec, layer_split
+from .schedules import get
+from .schedules.auto import TIE
+
+__all__ = ["placement_for", "candidate_layouts", "row", "profile_costs", "load_profile"]
+
+
+def placement_for(style: str, p: int, v: int) -> Placement:
+    if style == "v":
+        return Placement.vshape(p)
+    if style == "bitpipe":
+        return Placement.bitpipe(p)
+    return Placement.looped(p, v)
+
+
+def candidate_layouts(spec: ModelSpec, pl: Placement, pad_ends: bool, layout: Optional[Layout],
+                      search: bool) -> List[Layout]:
+    """The layouts a row tries: the user's alone; else the even split (with ``pad_ends``: the first
+    and last chunk one layer less) and, with ``search``, the balanced one."""
+    S = pl.num_logical_stages
+    if layout is not None:
+        layout.check(num_layers=spec.num_layers, mtp_layers=spec.mtp_num_layers, num_stages=S)
+        return [layout]
+    if pad_ends:
+        even = layer_split(spec.num_layers, S, pad_ends=True)
+    else:
+        even = even_counts(spec.num_layers, S)
+    out = [from_counts(even, spec.mtp_num_layers)]
+    if search:
+        work = [sum(spec.layer_flops(i)) for i in range(spec.num_layers)]
+        first = sum(spec.embedding_flops())
+        last = sum(spec.output_flops()) * (1 + spec.mtp_num_layers) + \
+            spec.mtp_num_layers * sum(spec.mtp_layer_flops(with_output=False))
+        for lay in balanced(work, pl, first, last, spec.mtp_num_layers, keep=1, starts=[even]):
+            if lay.stages not in [x.stages for x in out]:
+                out.append(lay)
+    return out
+
+
+def row(name: str, spec: ModelSpec, p: int, m: int, budget: float, flops_per_s: float, profile: Optional[dict],
+        pad_ends: bool, interleave_chunks: int, cost_optimizer: float, ranked_by: str, offload: tuple,
+        exact: Optional[tuple], a2a: tuple, layout: Optional[Layout] = None, search: bool = True) -> dict:
+    """The best row over the candidate layouts (fits first, then ``ranked_by``), or {schedule, error}."""
+    sp = get(name)
+    v = sp.resolve_chunks(interleave_chunks if sp.chunks is None else None)
+    pl = placement_for(sp.placement, p, v)
+    S = pl.num_logical_stages
+    if layout is None and S > spec.num_layers + 2:
+        return {"schedule": name, "error": f"{spec.num_layers} layers < {S} model chunks"}
+    try:
+        layouts = candidate_layouts(spec, pl, pad_ends, layout, search and profile is None)
+    except ScheduleError as e:
+        return {"schedule": name, "error": str(e)}
+    best, first_error = None, None
+    for lay in layouts:
+        r = _one(sp, spec, p, m, v, pl, lay, budget, flops_per_s, profile, cost_optimizer, ranked_by, offload,
+                 exact, a2a, pad_ends and layout is None and lay is layouts[0])
+        if "error" in r:
+            first_error = first_error or r
+            continue
+        if best is None or (not r["fits"], r[ranked_by]) < (not best["fits"], best[ranked_by] * (1 - TIE)):
+            best = r
+    return best if best is not None else first_error
+
+
+def _one(sp, spec, p, m, v, pl, lay: Layout, budget, flops_per_s, profile, cost_optimizer, ranked_by, offload,
+         exact, a2a, padded: bool) -> dict:
+    offload_ratio, offload_time, host_link_gbps, offload_overlap = offload
+    ep_gbps, a2a_overlap = a2a
+    name = sp.name
+    try:
+        cc = chunk_costs(spec, lay, pl, flops_per_s, ep_gbps * 1e9)
+    except ScheduleError as e:
+        return {"schedule": name, "error": str(e)}
+    cf, cb, cw, ca, mf, mw = cc.cost_f, cc.cost_b, cc.cost_w, cc.cost_a2a, cc.mem_f, cc.mem_w
+    states = [spec.state_bytes(x) for x in cc.params]
+    comm = 0.0
+    if profile is not None:
+        measured = profile_costs(profile, p, len(cf))
+        cf, cb, cw = measured["cost_f"], measured["cost_b"], measured["cost_w"]
+        comm = measured.get("cost_comm", 0.0)
+        ca = measured.get("cost_a2a", [0.0])
+        if measured.get("mem_f"):
+            mf, mw = measured["mem_f"], measured["mem_w"]
+    rank_mf = _rank_sum(mf, pl, p)
+    unit = max(rank_mf)  # simulate in units of the largest whole-stage activation of a rank
+    act_budget = [max(0.0, budget - states[r]) for r in range(p)]
+    limit_units = min(act_budget) / unit if unit > 0 else None
+    try:
+        req = ScheduleRequest(name, chunks=v if sp.chunks is None else None, cost_f=cf, cost_b=cb, cost_w=cw,
+                              cost_comm=comm, cost_a2a=ca, a2a_overlap=a2a_overlap, mem_f=[x / unit for x in mf],
+                              mem_w=[x / unit for x in mw],
+                              memory_limit=limit_units if sp.searched else None, exact=exact,
+                              offload=_offload_request(offload_ratio, offload_time, host_link_gbps, offload_overlap,
+                                                       rank_mf, _rank_sum(cf, pl, p), _rank_sum(cb, pl, p),
+                                                       limit_units))
+        built = build(req, p, m, enforce_limit=False)
+        it = iteration_times(built.schedule, built.setting, cost_optimizer)
+        if sp.searched and limit_units and req.offload is None:
+            # the flag asks for what the schedule needs (its peak), not for the GPU's room: the
+            # schedule the run builds under that limit, where it is as fast (``TIE``)
+            need = math.ceil(max(built.result.peak_memory) * 100 - 1e-6) / 100
+            if need < math.floor(limit_units * 100) / 100:
+                tight = build(req.replace(memory_limit=need), p, m, enforce_limit=False)
+                it2 = iteration_times(tight.schedule, tight.setting, cost_optimizer)
+                if getattr(it2, ranked_by[:-2]) <= getattr(it, ranked_by[:-2]) * (1 + TIE):
+                    built, it, limit_units = tight, it2, need
+        sched, res = built.schedule, built.result
+    except ScheduleError as e:
+        return {"schedule": name, "error": str(e)}
+    act_bytes = [x * unit for x in res.peak_memory]
+    total = [a + s for a, s in zip(act_bytes, states)]
+    searched_limit = math.floor(limit_units * 100 + 1e-6) / 100 if sp.searched and limit_units else None
+    out = {"schedule": name, "chunks": v, "makespan_s": res.makespan, "bubble_rate": res.bubble_rate,
+           "iteration_time_s": it.iteration_time,
+           "iteration_time_post_validated_s": it.iteration_time_post_validated,
+           "ranked_by": ranked_by,
+           "activation_bytes": act_bytes, "state_bytes": states, "peak_bytes": total,
+           "fits": max(total) <= budget, "layers_per_stage": lay.layers(), "layout": str(lay),
+           "chunk_cost_s": [f + b + w for f, b, w in zip(cf, cb, cw)],
+           "activation_unit_bytes": unit,  # one microbatch's activation on the fullest rank
+           "memory_limit_microbatches": searched_limit,
+           "weight_copies": res.weight_copies or [1.0] * p,
+           "flags": _flags(sp, p, searched_limit, lay, padded, profile is not None)}
+    if any(ca):
+        pairs = sum(1 for o in sched.orders for a in o if a.kind == OVERLAP)
+        out.update(cost_a2a_s=_rank_sum(ca, pl, p), overlap_pairs=pairs)
+        if pairs:  # training asks the core for the same pairs: the all-to-all relative to F
+            rel = max(ca) / max(cf) if max(cf) > 0 else 0.0
+            out["flags"] += f" --overlap-moe-expert-parallel-comm --zero-bubble-cost-a2a {rel:.3g}"
+    for k in ("gap_to_lower_bound", "exact"):
+        if k in sched.meta:
+            out[k] = sched.meta[k]
+    if res.offload is not None:
+        o = res.offload.to_dict()
+        out["offload"] = {"time": o["time"], "offloaded": o["offloaded"], "offloaded_w": o["offloaded_w"],
+                          "activation_bytes_without_offload": [x * unit for x in o["peak_memory_without_offload"]]}
+        ks = o["time"] if isinstance(o["time"], list) else [o["time"]]
+        share = max(o["offloaded_share"]) if o["offloaded_share"] else 0.0
+        out["flags"] += (f" --cpu-offload --zero-bubble-offload-ratio {share:.2f} --offload-time "
+                         f"{max(ks):.3g}")
+    return out
+
+
+def _rank_sum(values: List[float], pl: Placement, p: int) -> List[float]:
+    """Per rank: a per-rank list as it is, a per-chunk one summed over the rank's chunks."""
+    if len(values) == p:
+        return list(values)
+    if len(values) == 1:
+        return list(values) * p
+    out = [0.0] * p
+    for s in range(pl.num_stages):
+        out[pl.rank_of(s)] += values[pl.logical(s) % len(values)] / pl.num_paths
+    return out
+
+
+def _offload_request(ratio, time, gbps, overlap, mf, cf, cb, limit_units) -> Optional[OffloadRequest]:
+    """The plan's offload options: 'auto' offloads under the activation budget (``limit_units``),
+    whatever limit a schedule searches under; K from ``time`` or, per rank, from ``gbps``."""
+    if ratio is None:
+        return None
+    if time is None:
+        if gbps is None:
+            time = 1.0
+        else:  # K per rank: bytes / bandwidth over (F + B) seconds of the rank's chunks
+            time = [(mf[r] / (gbps * 1e9)) / (cf[r] + cb[r]) if cf[r] + cb[r] > 0 else 0.0 for r in range(len(mf))]
+    return OffloadRequest(ratio=ratio, time=time, overlap=overlap, memory_limit=limit_units)
+
+
+def _flags(sp, p, limit, lay: Layout, padded: bool, profiled: bool) -> str:
+    f = [f"--pipeline-model-parallel-size {p}", f"--zero-bubble-schedule {sp.name}"]
+    if limit:
+        f.append(f"--zero-bubble-memory-limit {limit:g}")
+    counts = lay.layers()
+    if sp.placement == "looped":
+        f.append(f"--num-virtual-stages-per-pipeline-rank {lay.num_stages // p}")
+    even = len(set(counts)) == 1
+    if padded:
+        f.append("--allow-padding-num-layers")
+    elif not even and not profiled:
+        f.append(f"--pipeline-model-parallel-layout '{lay}'")
+    return " ".join(f)
+
+
+def profile_costs(profile: dict, p: int, chunks: Optional[int] = None) -> dict:
+    """A profile's costs: one value, one per rank or (``chunks``: the row's model chunks in all)
+    one per model chunk, as the profiler writes them."""
+    if not isinstance(profile, dict):
+        raise ScheduleError("profile JSON: expected an object with cost_f, cost_b, cost_w (per-stage seconds)")
+    out = {}
+    for k in ("cost_f", "cost_b", "cost_w", "mem_f", "mem_w", "cost_a2a"):
+        val = profile.get(k)
+        if val is None:
+            continue
+        if _nonneg(val):
+            val = [float(val)] * p
+        if not (isinstance(val, list) and all(_nonneg(x) for x in val)):
+            raise ScheduleError(f"profile's {k} must be a number or a list of numbers >= 0, got {_short(val)}")
+        if len(val) != p and len(val) != (chunks or p):
+            per = f" or one per model chunk ({chunks})" if chunks and chunks != p else ""
+            raise ScheduleError(f"profile has {len(val)} values of {k} but the plan is for {p} stages{per}")
+        out[k] = [float(x) for x in val]
+    for k in ("cost_f", "cost_b", "cost_w"):
+        if k not in out:
+            raise ScheduleError(f"profile JSON lacks {k}: expected per-stage costs as written by the profiler")
+    if sum(out["cost_f"]) + sum(out["cost_b"]) <= 0:
+        raise ScheduleError("profile's cost_f and cost_b are all zero: no pass took any time")
+    comm = profile.get("cost_comm", 0.0)
+    if comm is not None and not _nonneg(comm):
+        raise ScheduleError(f"profile's cost_comm must be a number >= 0, got {_short(comm)}")
+    out["cost_comm"] = float(comm or 0.0)
+    return out
+
+
+def _nonneg(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
+
+
+def _short(v) -> str:
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def load_profile(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:  # missing, a directory, not text, not JSON
+        raise ScheduleError(f"cannot read profile {path!r}: {e}") from None
