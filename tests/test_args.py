@@ -282,14 +282,19 @@ def test_v_needs_even_layers_per_stage_unless_padding():
                  "--allow-padding-num-layers")
 
 
-def test_v_refuses_user_virtual_pipeline_and_layouts():
+def test_v_refuses_user_virtual_pipeline_and_reads_layouts_in_v_order():
     for extra in ("--num-layers-per-virtual-pipeline-stage 2", "--num-virtual-stages-per-pipeline-rank 4"):
         with pytest.raises(ZeroBubbleArgumentError, match="places 2 model chunks per rank in V order itself"):
             validate(BASE + " --zero-bubble-schedule v-half " + extra)
-    for extra, flag in (("--decoder-first-pipeline-num-layers 3", "--decoder-first-pipeline-num-layers"),
-                        ("--pipeline-model-parallel-layout E|t|t|L", "--pipeline-model-parallel-layout")):
-        with pytest.raises(ZeroBubbleArgumentError, match=f"{flag} cannot be combined with V schedule"):
-            validate(BASE + " --zero-bubble-schedule zb-v " + extra)
+    # Megatron's layout flags: read per pipeline rank (first/last) or in pipeline order (the layout string)
+    args, _ = validate(BASE + " --zero-bubble-schedule zb-v --decoder-first-pipeline-num-layers 2 "
+                              "--decoder-last-pipeline-num-layers 6")
+    assert args.zero_bubble_layers_per_stage == [1, 2, 2, 3, 3, 2, 2, 1]  # each rank's layers over its 2 chunks
+    assert args.decoder_first_pipeline_num_layers is None  # taken over: Megatron would read it interleaved
+    with pytest.raises(ZeroBubbleArgumentError, match="does not divide evenly"):
+        validate(BASE + " --zero-bubble-schedule zb-v --decoder-first-pipeline-num-layers 3")
+    with pytest.raises(ZeroBubbleArgumentError, match="has 4 stages; schedule zb-v runs 8 model chunks"):
+        validate(BASE + " --zero-bubble-schedule zb-v --pipeline-model-parallel-layout E|t*8|t*8|L")
 
 
 def test_v_after_megatron_validation_points_to_the_launcher():
@@ -430,9 +435,13 @@ def test_install_on_first_use_reads_megatrons_global_args(megatron_parser, monke
 def test_uneven_layers_need_padding():
     with pytest.raises(ZeroBubbleArgumentError, match="--num-layers 14 cannot be split evenly over 4 pipeline stages"):
         validate("--pipeline-model-parallel-size 4 --num-layers 14 --zero-bubble-schedule zb-h1")
-    _, kw = validate("--pipeline-model-parallel-size 4 --num-layers 14 --zero-bubble-schedule zb-h1 "
-                     "--decoder-first-pipeline-num-layers 2 --decoder-last-pipeline-num-layers 3")
-    assert kw["schedule"] == "zb-h1"  # Megatron's own uneven split
+    args, kw = validate("--pipeline-model-parallel-size 4 --num-layers 14 --zero-bubble-schedule zb-h1 "
+                        "--decoder-first-pipeline-num-layers 2 --decoder-last-pipeline-num-layers 4")
+    assert kw["schedule"] == "zb-h1"  # Megatron's own uneven split, which megatron-zb's layer table mirrors
+    assert args.zero_bubble_layers_per_stage == [2, 4, 4, 4]
+    with pytest.raises(ZeroBubbleArgumentError, match="other 2 pipeline ranks share 9 layers"):  # Megatron refuses it too
+        validate("--pipeline-model-parallel-size 4 --num-layers 14 --zero-bubble-schedule zb-h1 "
+                 "--decoder-first-pipeline-num-layers 2 --decoder-last-pipeline-num-layers 3")
 
 
 # -- activation offload (the fork's flags and ours) -----------------------------------------------

@@ -40,6 +40,8 @@ def runs(tmp_path_factory):
     profile = tmp_path_factory.mktemp("profile") / "zb-h1.json"
     cases = {"megatron": ("megatron", False), "zb-v": ("zb-v", False), "zb-v/builder": ("zb-v", True),
              "v-half": ("v-half", False), "bitpipe": ("bitpipe", False),
+             # Megatron's layout flag under a V (read in V order): rank 0 holds the embedding alone and the loss alone
+             "zb-v/layout": ("zb-v", False, "--pipeline-model-parallel-layout E|ttt|t|L"),
              "zb-h1": ("zb-h1", False, f"--zero-bubble-profile-window 1 2 --zero-bubble-profile-path {profile}")}
     return {name: run(*case) for name, case in cases.items()}
 
@@ -52,7 +54,7 @@ def test_megatrons_own_schedule_runs_and_says_so(runs):
     assert "megatron-zb: adjusted for this machine:" in out  # no CUDA: said in one line
 
 
-@pytest.mark.parametrize("name", ["zb-v", "zb-v/builder", "v-half", "bitpipe", "zb-h1"])
+@pytest.mark.parametrize("name", ["zb-v", "zb-v/builder", "zb-v/layout", "v-half", "bitpipe", "zb-h1"])
 def test_schedules_from_the_users_script_equal_megatrons_1f1b(runs, name):
     rc, out, losses = runs[name]
     assert rc == 0, f"{name}:\n{out[-4000:]}"
@@ -64,7 +66,11 @@ def test_schedules_from_the_users_script_equal_megatrons_1f1b(runs, name):
     assert f"({placement} placement" in banner[0] and "pipeline size 2" in banner[0] and "bubble" in banner[0]
     assert "through megatron_zb.run" in banner[0]
     assert f"megatron-zb: {ITERS} training iteration(s) ran through {schedule}" in out
-    if placement in ("v", "bitpipe"):  # each chunk says what it holds
+    if name == "zb-v/layout":  # the layout's chunks, and the schedule planned with each chunk's share
+        assert "pipeline rank 0 chunk 1: stage 3 of 4, no layers, loss" in out
+        assert "pipeline rank 1 chunk 0: stage 1 of 4, layers 0-2" in out
+        assert "for the layout E|t*3|t|L" in banner[0]
+    elif placement in ("v", "bitpipe"):  # each chunk says what it holds
         assert "pipeline rank 0 chunk 1: stage 3 of 4, layers 3-3, loss" in out or placement == "bitpipe"
     if name == "zb-h1":  # profiled: the end line sets the measured iteration against the simulator's
         assert re.search(r"ran through zb-h1; profiled iterations 1-2: [0-9.]+ ms measured, [0-9.]+ ms simulated "

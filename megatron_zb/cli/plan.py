@@ -9,6 +9,7 @@ import os
 from typing import List, Optional
 
 from ..argtypes import nonneg, positive_float, positive_int, share_or_auto
+from ..core.models import names as model_names
 from .common import UsageError, add_exact_args, add_post_validation_arg, check_size
 
 
@@ -29,24 +30,42 @@ def add_parser(sub) -> None:
                         "written while training (--profile); activation memory from Megatron's per-layer "
                         "formula, model states at 18 bytes per parameter.",
                         epilog=PLAN_COLUMNS, formatter_class=argparse.RawDescriptionHelpFormatter)
-    pn.add_argument("--num-layers", type=positive_int("--num-layers"), required=True,
-                    help="transformer layers of the model (Megatron's --num-layers)")
-    pn.add_argument("--hidden-size", type=positive_int("--hidden-size"), required=True, help="hidden size h")
-    pn.add_argument("--num-attention-heads", type=positive_int("--num-attention-heads"), required=True,
+    src = pn.add_mutually_exclusive_group()
+    src.add_argument("--model", metavar="NAME", default=None,
+                     help="a public model's shape (no download): " + ", ".join(model_names()) + "; the flags below "
+                          "override its values (give --seq-length: the default is 4096, not its context length)")
+    src.add_argument("--hf-config", metavar="FILE", default=None,
+                     help="a HuggingFace config.json (or a folder holding one): hidden_size, intermediate_size, "
+                          "num_hidden_layers, num_attention_heads, num_key_value_heads, vocab_size, "
+                          "tie_word_embeddings, MoE and MTP keys; the flags below override it")
+    pn.add_argument("--num-layers", type=positive_int("--num-layers"), default=None,
+                    help="transformer layers of the model (Megatron's --num-layers; required without --model / "
+                         "--hf-config)")
+    pn.add_argument("--hidden-size", type=positive_int("--hidden-size"), default=None, help="hidden size h")
+    pn.add_argument("--num-attention-heads", type=positive_int("--num-attention-heads"), default=None,
                     help="attention heads a (must divide --hidden-size)")
-    pn.add_argument("--seq-length", type=positive_int("--seq-length"), required=True, help="sequence length s")
-    pn.add_argument("--micro-batch-size", type=positive_int("--micro-batch-size"), default=1,
+    pn.add_argument("--num-query-groups", type=positive_int("--num-query-groups"), default=None,
+                    help="grouped-query attention: key/value heads (default: one per attention head)")
+    pn.add_argument("--swiglu", action="store_true", default=None,
+                    help="gated MLP (SwiGLU): three h x ffn matrices, ffn = --ffn-hidden-size")
+    pn.add_argument("--untie-embeddings-and-output-weights", action="store_true", default=None,
+                    help="the output layer has its own weight (Megatron's default: tied to the embedding)")
+    pn.add_argument("--seq-length", type=positive_int("--seq-length"), default=None,
+                    help="sequence length s (default 4096 with --model / --hf-config)")
+    pn.add_argument("--micro-batch-size", type=positive_int("--micro-batch-size"), default=None,
                     help="sequences per microbatch b (default 1)")
-    pn.add_argument("--vocab-size", type=positive_int("--vocab-size"), default=32000,
+    pn.add_argument("--vocab-size", type=positive_int("--vocab-size"), default=None,
                     help="vocabulary size: the output layer's cost and logits memory on the loss stage "
                          "(default 32000)")
+    pn.add_argument("--mtp-num-layers", type=positive_int("--mtp-num-layers"), default=None,
+                    help="multi-token prediction layers (DeepSeek-V3), on the loss's model chunk")
     pn.add_argument("--ffn-hidden-size", type=positive_int("--ffn-hidden-size"), default=None,
                     help="MLP hidden size (default 4 x --hidden-size)")
-    pn.add_argument("--tensor-parallel-size", type=positive_int("--tensor-parallel-size"), default=1,
+    pn.add_argument("--tensor-parallel-size", type=positive_int("--tensor-parallel-size"), default=None,
                     help="tensor-parallel size t: divides costs and most memory (default 1)")
     pn.add_argument("--sequence-parallel", action="store_true",
                     help="sequence parallelism: the LayerNorm/dropout activations are divided by t too")
-    pn.add_argument("--data-parallel-size", type=positive_int("--data-parallel-size"), default=1,
+    pn.add_argument("--data-parallel-size", type=positive_int("--data-parallel-size"), default=None,
                     help="data-parallel size: only matters with --use-distributed-optimizer (default 1)")
     pn.add_argument("--use-distributed-optimizer", action="store_true",
                     help="optimizer states sharded over the data-parallel ranks (12 of the 18 bytes/parameter)")
@@ -56,11 +75,16 @@ def add_parser(sub) -> None:
                     help="bytes per activation element: 2 with --bf16/--fp16 (default), 4 for fp32 training")
     pn.add_argument("--num-experts", type=positive_int("--num-experts"), default=None,
                     help="MoE: experts per layer (Megatron's flag); F/B/W, memory and parameters per expert routing")
-    pn.add_argument("--moe-router-topk", type=positive_int("--moe-router-topk"), default=2,
+    pn.add_argument("--moe-router-topk", type=positive_int("--moe-router-topk"), default=None,
                     help="experts each token goes through (default 2)")
+    pn.add_argument("--moe-layer-freq", type=_layer_freq, default=None, metavar="K|PATTERN",
+                    help="which layers are MoE: every K-th from layer 0, or Megatron's pattern, e.g. "
+                         "'([0]*3+[1]*58)' for DeepSeek-V3's three dense first layers (default: every layer)")
+    pn.add_argument("--moe-shared-expert-intermediate-size", type=positive_int("--moe-shared-expert-intermediate-size"),
+                    default=None, help="MLP size of the shared experts every token goes through")
     pn.add_argument("--moe-ffn-hidden-size", type=positive_int("--moe-ffn-hidden-size"), default=None,
                     help="an expert's MLP size (default --ffn-hidden-size)")
-    pn.add_argument("--expert-model-parallel-size", type=positive_int("--expert-model-parallel-size"), default=1,
+    pn.add_argument("--expert-model-parallel-size", type=positive_int("--expert-model-parallel-size"), default=None,
                     help="ranks the experts are spread over (their parameters per rank)")
     pn.add_argument("--ep-bandwidth-gbps", type=positive_float("--ep-bandwidth-gbps"), default=None, metavar="GB/s",
                     help="MoE with --expert-model-parallel-size > 1: all-to-all bandwidth per GPU in GB/s; each F and "
@@ -93,6 +117,12 @@ def add_parser(sub) -> None:
                          "(--zero-bubble-profile-window) instead of FLOPs")
     pn.add_argument("--allow-padding-num-layers", action="store_true",
                     help="first and last stage take one layer less (they hold the embedding and the loss)")
+    pn.add_argument("--pipeline-model-parallel-layout", metavar="LAYOUT", default=None,
+                    help="Megatron's layout (E embedding, t transformer layer, m MTP layer, L loss, | between stages, "
+                         "*N repeats; in pipeline order: a V's 2P stages are ranks 0..P-1 then P-1..0) for every row "
+                         "whose model chunks it matches; default: each row tries the even split and a balanced one")
+    pn.add_argument("--no-layout-search", action="store_true",
+                    help="only the even split (Megatron's default layout), no balanced layout")
     pn.add_argument("--cost-optimizer", type=nonneg("--cost-optimizer"), default=0.0,
                     help="seconds of one optimizer step, added to the time per iteration (default 0)")
     add_post_validation_arg(pn, "rank by the time per iteration")
@@ -116,17 +146,7 @@ def add_parser(sub) -> None:
 
 def cmd_plan(args) -> int:
     from ..core import plan as P
-    spec = P.ModelSpec(num_layers=args.num_layers, hidden_size=args.hidden_size,
-                       num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
-                       micro_batch_size=args.micro_batch_size, vocab_size=args.vocab_size,
-                       ffn_hidden_size=args.ffn_hidden_size, tensor_parallel_size=args.tensor_parallel_size,
-                       sequence_parallel=args.sequence_parallel, data_parallel_size=args.data_parallel_size,
-                       distributed_optimizer=args.use_distributed_optimizer,
-                       flash_attention=not args.no_flash_attention, activation_bytes=args.activation_bytes,
-                       dropout=not args.no_dropout, num_experts=args.num_experts,
-                       moe_router_topk=args.moe_router_topk, moe_ffn_hidden_size=args.moe_ffn_hidden_size,
-                       expert_model_parallel_size=args.expert_model_parallel_size,
-                       recompute=args.recompute_granularity, recompute_num_layers=args.recompute_num_layers)
+    spec = P.ModelSpec(**model_kwargs(args))
     tflops = args.peak_tflops if args.peak_tflops is not None else P.GPU_PEAK_TFLOPS[args.gpu]
     profile = P.load_profile(args.profile) if args.profile else None
     if args.offload_ratio is None and (args.offload_time is not None or args.host_link_gbps is not None):
@@ -143,7 +163,8 @@ def cmd_plan(args) -> int:
                   exact=(args.exact_nodes, args.exact_seconds) if args.exact else None,
                   jobs=args.jobs if args.jobs is not None else min(8, _usable_cpus()),
                   ep_bandwidth_gbps=args.ep_bandwidth_gbps if args.ep_bandwidth_gbps is not None else P.EP_BANDWIDTH_GBPS,
-                  a2a_overlap=not args.no_overlap)
+                  a2a_overlap=not args.no_overlap, layout=args.pipeline_model_parallel_layout,
+                  layout_search=not args.no_layout_search)
     advice = post_validation_advice(rows, args.optimizer_post_validation)
     if args.json:
         print(json.dumps({"model": dataclasses.asdict(spec), "pipeline_parallel_size": args.pipeline_parallel_size,
@@ -155,6 +176,64 @@ def cmd_plan(args) -> int:
         return 0
     _print_plan(args, spec, rows, profile, tflops, advice)
     return 0
+
+
+# ModelSpec field -> the plan flag's dest (flags left at None keep the named model's / config's value)
+_MODEL_FLAGS = {
+    "num_layers": "num_layers", "hidden_size": "hidden_size", "num_attention_heads": "num_attention_heads",
+    "seq_length": "seq_length", "micro_batch_size": "micro_batch_size", "vocab_size": "vocab_size",
+    "ffn_hidden_size": "ffn_hidden_size", "tensor_parallel_size": "tensor_parallel_size",
+    "data_parallel_size": "data_parallel_size", "num_experts": "num_experts", "moe_router_topk": "moe_router_topk",
+    "moe_ffn_hidden_size": "moe_ffn_hidden_size", "expert_model_parallel_size": "expert_model_parallel_size",
+    "num_query_groups": "num_query_groups", "swiglu": "swiglu", "moe_layer_freq": "moe_layer_freq",
+    "moe_shared_expert_intermediate_size": "moe_shared_expert_intermediate_size",
+    "untie_embeddings_and_output_weights": "untie_embeddings_and_output_weights", "mtp_num_layers": "mtp_num_layers",
+}
+DEFAULT_SEQ_LENGTH = 4096
+
+
+def model_kwargs(args) -> dict:
+    """ModelSpec keywords: a named model's or a HuggingFace config's shape, the flags given over it."""
+    from ..core import models
+    from ..core.ir import ScheduleError
+    base = {}
+    try:
+        if args.model:
+            base = models.spec_kwargs(args.model, seq_length=args.seq_length or DEFAULT_SEQ_LENGTH)
+        elif args.hf_config:
+            base = models.load_hf_config(args.hf_config, seq_length=args.seq_length or DEFAULT_SEQ_LENGTH)
+    except ScheduleError as e:
+        raise UsageError(str(e)) from None
+    for field, dest in _MODEL_FLAGS.items():
+        v = getattr(args, dest, None)
+        if v is not None:
+            base[field] = v
+    missing = [f"--{k.replace('_', '-')}" for k in ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
+               if base.get(k) is None]
+    if missing:
+        raise UsageError(f"plan needs the model: give {', '.join(missing)} (or --model NAME / --hf-config FILE)")
+    base.update(sequence_parallel=args.sequence_parallel, distributed_optimizer=args.use_distributed_optimizer,
+                flash_attention=not args.no_flash_attention, activation_bytes=args.activation_bytes,
+                dropout=not args.no_dropout, recompute=args.recompute_granularity,
+                recompute_num_layers=args.recompute_num_layers)
+    return base
+
+
+def _layer_freq(text):
+    """--moe-layer-freq: an integer K, or Megatron's list pattern such as ([0]*3+[1]*58) or [1,0,1,0]."""
+    import re
+    t = str(text).strip()
+    if re.fullmatch(r"\d+", t):
+        return positive_int("--moe-layer-freq")(t)
+    body = t[1:-1] if t.startswith("(") and t.endswith(")") else t
+    out = []
+    for part in body.split("+"):
+        m = re.fullmatch(r"\s*\[([01](?:\s*,\s*[01])*)\]\s*(?:\*\s*(\d+))?\s*", part)
+        if not m:
+            raise argparse.ArgumentTypeError(f"--moe-layer-freq takes an integer or a pattern like ([0]*3+[1]*58), "
+                                             f"got {text!r}")
+        out += [int(x) for x in m.group(1).split(",")] * int(m.group(2) or 1)
+    return out
 
 
 def _usable_cpus() -> int:
@@ -191,12 +270,25 @@ def _print_plan(args, spec, rows, profile, tflops, advice) -> None:
     p, m = args.pipeline_parallel_size, args.num_microbatches
     extras = [f"TP={spec.tensor_parallel_size}" + (" (sequence parallel)" if spec.sequence_parallel else ""),
               f"DP={spec.data_parallel_size}" + (" (distributed optimizer)" if spec.distributed_optimizer else "")]
-    print(f"plan: {p} pipeline ranks, {m} microbatches; {spec.num_layers} layers, hidden {spec.hidden_size}, "
-          f"sequence {spec.seq_length}, micro-batch {spec.micro_batch_size}, " + ", ".join(extras))
+    name = f"{args.model}: " if args.model else f"{args.hf_config}: " if args.hf_config else ""
+    shape = [f"{spec.num_layers} layers", f"hidden {spec.hidden_size}"]
+    if spec.num_query_groups:
+        shape.append(f"{spec.num_query_groups} KV heads")
+    if spec.num_experts:
+        shape.append(f"{spec.num_experts} experts top-{spec.moe_router_topk}")
+    if spec.mtp_num_layers:
+        shape.append(f"MTP {spec.mtp_num_layers}")
+    shape.append(f"vocabulary {spec.vocab_size}" + ("" if spec.untie_embeddings_and_output_weights else " (tied)"))
+    print(f"plan: {p} pipeline ranks, {m} microbatches; {name}{', '.join(shape)}, sequence {spec.seq_length}, "
+          f"micro-batch {spec.micro_batch_size}, " + ", ".join(extras))
     print(f"      {args.gpu_memory_gb:g} GiB per GPU; F/B/W times "
           + (f"from the profile {args.profile}" if profile else
              f"from FLOPs at {tflops:g} TFLOPS x {args.efficiency:g} efficiency")
-          + "; activations by Megatron's per-layer formula, model states 18 bytes/parameter")
+          + "; activations by Megatron's per-layer formula, model states 18 bytes/parameter; each model chunk "
+          "costed by what it holds (embedding, layers, output layer + loss)"
+          + ("" if profile else f"; layouts: {args.pipeline_model_parallel_layout}" if args.pipeline_model_parallel_layout
+             else "; layouts: the even split (Megatron's) or a balanced one, whichever is faster"
+             if not args.no_layout_search else "; layouts: the even split (Megatron's)"))
     a2a = next((r["cost_a2a_s"] for r in rows if r.get("cost_a2a_s")), None)
     if a2a:
         gbps = args.ep_bandwidth_gbps if args.ep_bandwidth_gbps is not None else 50.0
@@ -211,7 +303,7 @@ def _print_plan(args, spec, rows, profile, tflops, advice) -> None:
           + (f" (optimizer step {1e3 * args.cost_optimizer:g} ms)" if args.cost_optimizer else ""))
     ok = [r for r in rows if "error" not in r]
     hdr1 = (f"{'#':>3}  {'schedule':<17} {'iteration ms':^19} {'bubble':>7} {'vs 1f1b':>8}  {'act GiB':^13}  "
-            f"{'peak GiB':^14}  fits" + ("  pairs" if a2a else ""))
+            f"{'peak GiB':^14}  fits" + ("  pairs" if a2a else "") + "  layout (pipeline order)")
     hdr2 = (f"{'':>3}  {'':<17} {'sync':>9} {'postval':>9} {'':>7} {'':>8}  {'min':>6} {'max':>6}  {'max':>6} "
             f"{'on rank':>7}" + (" " * 13 if a2a else ""))
     print(hdr1)
@@ -225,7 +317,8 @@ def _print_plan(args, spec, rows, profile, tflops, advice) -> None:
         print(f"{i:>3}  {r['schedule']:<17} {1e3 * r['iteration_time_s']:>9.1f} "
               f"{1e3 * r['iteration_time_post_validated_s']:>9.1f} {100 * r['bubble_rate']:>6.1f}% "
               f"{(f'{tp:.3f}x' if tp else '-'):>8}  {min(act):>6.1f} {max(act):>6.1f}  {peak[worst]:>6.1f} "
-              f"{worst:>7}  {'yes' if r['fits'] else 'NO ':<4}" + (f" {r.get('overlap_pairs', 0):>6}" if a2a else ""))
+              f"{worst:>7}  {'yes' if r['fits'] else 'NO ':<4}" + (f" {r.get('overlap_pairs', 0):>6}" if a2a else "")
+              + f"  {r.get('layout', '')}")
     for r in rows:
         if "error" in r:
             print(f"{'-':>3}  {r['schedule']:<17} n/a: {r['error']}")

@@ -72,8 +72,10 @@ def record_from_args(args) -> Optional[dict]:
         style = "looped" if vpp > 1 else "single"
     try:
         placement = P.make_placement(style, int(p), int(vpp) if style == "looped" else None)
-        return record(placement, int(L), getattr(args, "zero_bubble_resolved_schedule", None),
-                      allow_padding_num_layers=bool(getattr(args, "allow_padding_num_layers", False)))
+        counts = getattr(args, "zero_bubble_layers_per_stage", None)
+        layer_kw = ({"layers_per_stage": list(counts)} if counts else
+                    {"allow_padding_num_layers": bool(getattr(args, "allow_padding_num_layers", False))})
+        return record(placement, int(L), getattr(args, "zero_bubble_resolved_schedule", None), **layer_kw)
     except Exception:  # noqa: BLE001 - a layout we cannot reconstruct (e.g. uneven first/last stages)
         return None
 

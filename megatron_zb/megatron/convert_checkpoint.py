@@ -83,7 +83,8 @@ def _model_key(n_chunks: int, chunk: int) -> str:
     return "model" if n_chunks == 1 else f"model{chunk}"
 
 
-def _target_record(source: dict, schedule: str, chunks: Optional[int], allow_padding: bool) -> dict:
+def _target_record(source: dict, schedule: str, chunks: Optional[int], allow_padding: bool,
+                   layout: Optional[str] = None) -> dict:
     from ..core import schedules
     from ..core.ir import ScheduleError
     from .placement import make_placement
@@ -96,13 +97,18 @@ def _target_record(source: dict, schedule: str, chunks: Optional[int], allow_pad
                            "virtual pipeline size of the run that will load it)")
     try:
         placement = make_placement(style, source["pipeline_size"], chunks if style == "looped" else None)
+        if layout is not None:  # the loading run's --pipeline-model-parallel-layout, in pipeline order
+            from ..core.layout import parse
+            lay = parse(layout).check(num_layers=source["num_layers"], num_stages=placement.num_logical_stages,
+                                      flag="--to-layout")
+            return CP.record(placement, source["num_layers"], schedule, layers_per_stage=lay.layers())
         return CP.record(placement, source["num_layers"], schedule, allow_padding_num_layers=allow_padding)
     except ScheduleError as e:
         raise ConvertError(f"--to-schedule {schedule}: {e}") from None
 
 
 def convert(load: str, save: str, schedule: str, chunks: Optional[int] = None,
-            iteration: Optional[int] = None) -> str:
+            iteration: Optional[int] = None, layout: Optional[str] = None) -> str:
     """Write the converted checkpoint; returns a one-line summary. Raises ``ConvertError``."""
     src_dir, it_name = _iteration_dir(load, iteration)
     files = _rank_files(src_dir)
@@ -119,7 +125,7 @@ def convert(load: str, save: str, schedule: str, chunks: Optional[int] = None,
         raise ConvertError(f"{src_dir}: rank directories for pipeline ranks {pps}, but the placement has "
                            f"{source['pipeline_size']} ranks")
     allow_padding = bool(getattr(first.get("args"), "allow_padding_num_layers", False))
-    target = _target_record(source, schedule, chunks, allow_padding)
+    target = _target_record(source, schedule, chunks, allow_padding, layout)
     if CP.same_placement(source, target):
         raise ConvertError(f"the checkpoint already has the placement of {schedule} ({CP.describe(source)}); "
                            "load it as it is")
@@ -196,13 +202,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--to-schedule", required=True, metavar="NAME", help="the schedule of the run that will load it")
     ap.add_argument("--chunks", type=int, default=None, help="chunks per rank for looped schedules (interleaved-1f1b)")
     ap.add_argument("--iteration", type=int, default=None, help="default: the latest")
+    ap.add_argument("--to-layout", default=None, metavar="LAYOUT",
+                    help="the loading run's --pipeline-model-parallel-layout (pipeline order; default: an even split)")
     a = ap.parse_args(argv)
     try:
         from . import cpu_shims
         cpu_shims.python_compat()
         if not cpu_shims.cuda_available():
             cpu_shims.apply()  # unpickling the saved arguments imports megatron
-        print(convert(a.load, a.save, a.to_schedule, a.chunks, a.iteration), flush=True)
+        print(convert(a.load, a.save, a.to_schedule, a.chunks, a.iteration, a.to_layout), flush=True)
     except ConvertError as e:
         print(f"megatron-zb convert_checkpoint: error: {e}", file=sys.stderr)
         return 2

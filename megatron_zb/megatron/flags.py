@@ -15,9 +15,11 @@ from __future__ import annotations
 from typing import Any, Dict, Optional
 
 from ..core import schedules as core_schedules
-from ..core.ir import ScheduleError
+from ..core.ir import Placement, ScheduleError
+from ..core.layout import parse as parse_layout
 from .args import DEFAULT_TIMEOUT_S, FORK_TIMERS_DEFAULT, NOT_AVAILABLE_FLAGS, WHAT_INSTEAD
 from .errors import ZeroBubbleArgumentError
+from .layout_args import apply_layout, chunk_cost_kwargs, given_layout_flags, layout_from_args
 
 __all__ = ["validate_zero_bubble_args", "memory_limit_in_microbatches", "mem_w_ratio", "ZeroBubbleArgumentError"]
 
@@ -79,6 +81,12 @@ def _activation_spec(args):
                      moe_router_topk=int(getattr(args, "moe_router_topk", None) or 2),
                      moe_ffn_hidden_size=getattr(args, "moe_ffn_hidden_size", None),
                      expert_model_parallel_size=int(getattr(args, "expert_model_parallel_size", None) or 1),
+                     num_query_groups=getattr(args, "num_query_groups", None)
+                     if getattr(args, "group_query_attention", False) else None,
+                     ffn_hidden_size=getattr(args, "ffn_hidden_size", None), swiglu=bool(getattr(args, "swiglu", False)),
+                     untie_embeddings_and_output_weights=bool(getattr(args, "untie_embeddings_and_output_weights",
+                                                                      False)),
+                     mtp_num_layers=int(getattr(args, "mtp_num_layers", None) or 0),
                      recompute=getattr(args, "recompute_granularity", None),
                      recompute_num_layers=int(getattr(args, "recompute_num_layers", None) or 1)
                      if getattr(args, "recompute_method", None) == "uniform" else 1)
@@ -97,6 +105,9 @@ def memory_limit_in_microbatches(gigabytes: float, args, *, gib: bool = False) -
     p = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
     m_b, _ = spec.layer_activation_bytes()
     per_microbatch = m_b * spec.num_layers / p + spec.embedding_activation_bytes() + spec.loss_activation_bytes()[0]
+    laid_out = getattr(args, "zero_bubble_chunk_costs", None)
+    if laid_out:  # a layout: the fullest rank's chunks, as each holds them
+        per_microbatch = laid_out["unit_bytes"]
     budget = gigabytes * (2 ** 30 if gib else 1e9)
     return budget / per_microbatch
 
@@ -106,6 +117,11 @@ def mem_w_ratio(args) -> float:
     than 1 with full recompute: B recreates what F did not keep, and W's part of it outlives B)."""
     m_b, m_w = _activation_spec(args).layer_activation_bytes()
     return m_w / m_b if m_b > 0 else 0.5
+
+
+def _has_model(args) -> bool:
+    """The flags describe the model well enough for plan's per-layer formulas."""
+    return all(getattr(args, k, None) for k in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"))
 
 
 def _given(args, dest, default=None):
@@ -167,8 +183,6 @@ def validate_zero_bubble_args(args, *, before_megatron_validation: Optional[bool
     nvspr = getattr(args, "num_virtual_stages_per_pipeline_rank", None)
     vpp = getattr(args, "virtual_pipeline_model_parallel_size", None)
     layout = getattr(args, "pipeline_model_parallel_layout", None)
-    first = getattr(args, "decoder_first_pipeline_num_layers", None)
-    last = getattr(args, "decoder_last_pipeline_num_layers", None)
 
     # -- Megatron options our runtime cannot honour --------------------------------------------
     conflicts = [
@@ -196,19 +210,11 @@ def validate_zero_bubble_args(args, *, before_megatron_validation: Optional[bool
                 (not before_megatron_validation and vpp not in (None, models)):
             raise err(f"schedule {name} places {models} model chunks per rank {what} itself; drop "
                       "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank")
-        for dest, flag in (("pipeline_model_parallel_layout", "--pipeline-model-parallel-layout"),
-                           ("decoder_first_pipeline_num_layers", "--decoder-first-pipeline-num-layers"),
-                           ("decoder_last_pipeline_num_layers", "--decoder-last-pipeline-num-layers"),
-                           ("account_for_embedding_in_pipeline_split", "--account-for-embedding-in-pipeline-split"),
-                           ("account_for_loss_in_pipeline_split", "--account-for-loss-in-pipeline-split")):
-            if _given(args, dest):
-                raise err(f"{flag} cannot be combined with V schedule {name}, which sets the layer layout itself "
-                          "(use --allow-padding-num-layers for a layer count that does not split evenly)")
         if not before_megatron_validation:
             raise err(f"V schedule {name} needs megatron-zb's model layout (2 chunks per rank in V order, "
                       "embedding and loss on rank 0), which Megatron has validated away here: run your script "
                       "through `python -m megatron_zb.run` (or apply patches/megatron-lm-<line>), which builds it")
-        if L is not None:
+        if L is not None and not given_layout_flags(args):
             S = 2 * p
             if L % S:
                 if not pad:
@@ -224,10 +230,13 @@ def validate_zero_bubble_args(args, *, before_megatron_validation: Optional[bool
             # the two replicas of every stage must start identical: draw every weight from its global name
             args.zero_bubble_deterministic_init = True
     elif style == "looped":
-        if layout is not None:
-            raise err(f"--pipeline-model-parallel-layout cannot be combined with megatron-zb schedule {name}")
         if before_megatron_validation:
-            if nvspr is not None:
+            if layout is not None:  # Megatron takes the chunks per rank from the layout's stages
+                try:
+                    chunks = parse_layout(layout).num_stages // p
+                except ScheduleError as e:
+                    raise err(str(e)) from None
+            elif nvspr is not None:
                 chunks = int(nvspr)
             elif nlpvs is not None and L is not None:
                 per_rank = L // p
@@ -250,18 +259,30 @@ def validate_zero_bubble_args(args, *, before_megatron_validation: Optional[bool
             raise err("--no-overlap-p2p-communication: Megatron refuses a virtual pipeline at PP=2 without p2p "
                       "overlap; megatron-zb does its own pipeline communication, so drop the flag")
     else:  # single
-        if nlpvs is not None or nvspr is not None or (vpp not in (None, 1)) or layout is not None:
+        if nlpvs is not None or nvspr is not None or (vpp not in (None, 1)):
             raise err(f"schedule {name} runs one model chunk per rank; drop --num-layers-per-virtual-pipeline-stage "
-                      "/ --num-virtual-stages-per-pipeline-rank / --pipeline-model-parallel-layout (or pick "
-                      "interleaved-1f1b, or a V schedule such as zb-v)")
+                      "/ --num-virtual-stages-per-pipeline-rank (or pick interleaved-1f1b, or a V schedule such as "
+                      "zb-v)")
         chunks = 1
-        if L is not None and L % p and not pad and first is None and last is None \
-                and not getattr(args, "account_for_embedding_in_pipeline_split", False) \
-                and not getattr(args, "account_for_loss_in_pipeline_split", False):
+        if L is not None and L % p and not pad and not given_layout_flags(args):
             raise err(f"--num-layers {L} cannot be split evenly over {p} pipeline stages: use a multiple of {p}, "
                       f"or --allow-padding-num-layers with --num-layers = k x {p} - 2 (first and last stage one "
                       "layer less)")
         _apply_padding_single(args, before_megatron_validation, name=name)
+
+    # the layers each model chunk holds (Megatron's layout flags, read in pipeline order)
+    args.zero_bubble_resolved_schedule = name
+    placement = {"single": lambda: Placement.single(p), "looped": lambda: Placement.looped(p, chunks),
+                 "v": lambda: Placement.vshape(p), "bitpipe": lambda: Placement.bitpipe(p)}[style]()
+    if getattr(args, "zero_bubble_layout_taken", False):  # taken over by an earlier call (V, BitPipe)
+        pass
+    else:
+        laid = layout_from_args(args, placement)
+        apply_layout(args, laid, placement, before_megatron_validation)
+        args.zero_bubble_layout_taken = style in ("v", "bitpipe") and laid is not None
+        # the schedule sees each chunk's share of the work and memory (what it holds), unless costs are given
+        args.zero_bubble_chunk_costs = (chunk_cost_kwargs(_activation_spec(args), laid, placement)
+                                        if laid is not None and _has_model(args) else None)
 
     if style == "v" and p == 2 and getattr(args, "overlap_p2p_comm", True) is False:
         raise err("--no-overlap-p2p-communication: Megatron refuses a virtual pipeline at PP=2 without p2p overlap; "
@@ -308,6 +329,10 @@ def validate_zero_bubble_args(args, *, before_megatron_validation: Optional[bool
 
     kwargs: Dict[str, Any] = {"schedule": name, "chunks": chunks, "memory_limit": limit,
                               "timeout_s": float(getattr(args, "zero_bubble_timeout", None) or DEFAULT_TIMEOUT_S)}
+    laid_out = getattr(args, "zero_bubble_chunk_costs", None)
+    given = {opt: getattr(args, f"zero_bubble_{opt}", None) for opt in ("cost_f", "cost_b", "cost_w", "mem_w")}
+    if laid_out and all(v is None for v in given.values()):
+        kwargs.update({k: v for k, v in laid_out.items() if k != "unit_bytes"})
     for opt in ("cost_f", "cost_b", "cost_w", "cost_comm", "cost_a2a", "mem_w"):
         v = getattr(args, f"zero_bubble_{opt}", None)
         if v is not None:

@@ -112,9 +112,11 @@ class ZeroBubbleForwardBackward:
         """Take the cost options (F/B/W per stage, comm, mem_w ratio) from a profile and drop the
         built schedules: the next call builds the schedule again from the measured costs. Every
         pipeline rank must call it at the same iteration (it does, after the window)."""
-        kw = profile_to_setting_kwargs(profile, normalize=True)
+        kw = profile_to_setting_kwargs(profile, normalize=True, per_chunk=True)
         upd = {k: kw[k] for k in ("cost_f", "cost_b", "cost_w", "cost_comm")}
-        if "mem_f" in kw:
+        if "mem_f" in kw and len(kw["mem_f"]) == len(kw["cost_f"]) and len(kw["cost_f"]) != profile.get("stages"):
+            upd["mem_f"], upd["mem_w"] = kw["mem_f"], kw["mem_w"]  # each chunk's own (in units of the fullest rank)
+        elif "mem_f" in kw:
             ratios = sorted(w / f for f, w in zip(kw["mem_f"], kw["mem_w"]) if f > 0)
             if ratios:
                 upd["mem_w"] = ratios[len(ratios) // 2]  # above 1 with full recompute
@@ -379,7 +381,8 @@ class ZeroBubbleForwardBackward:
         profile = prof.end_iteration(self.iterations, placement=call.placement,
                                      num_microbatches=call.num_microbatches, rank=call.me, group=call.pp_group,
                                      p2p=call.p2p, shape=call.shape, dtype=call.config.pipeline_dtype,
-                                     device=device(), schedule=self.options.schedule)
+                                     device=device(), schedule=self.options.schedule,
+                                     built=call.schedule)
         if profile is not None:
             self.profile = profile
             _say_memory(call.me, self.memory)

@@ -50,7 +50,10 @@ class ScheduleOptions:
     # MoE: one microbatch's expert all-to-all in an F, B or BW of a stage (default with ep_overlap:
     # EP_OVERLAP_A2A_SHARE of F's cost); with ep_overlap the core pairs F&B passes that hide it
     cost_a2a: Any = None
-    mem_w: Optional[float] = None
+    # activation of one microbatch's pass (one value, one per rank or one per model chunk) and what W
+    # keeps of it after B (a share of mem_f, or values like mem_f's: one per rank or chunk)
+    mem_f: Any = 1.0
+    mem_w: Any = None
     timeout_s: float = 300.0
     # Megatron's EP all-to-all overlap (--overlap-moe-expert-parallel-comm; also on when the model
     # config has it): every training pass through megatron-core's schedule plans, the schedule's
@@ -93,9 +96,13 @@ class ScheduleOptions:
         if a2a is None:
             f = self.cost_f if isinstance(self.cost_f, (list, tuple)) else [self.cost_f]
             a2a = [EP_OVERLAP_A2A_SHARE * float(x) for x in f] if self.ep_overlap else 0.0
+        mem_f = list(self.mem_f) if isinstance(self.mem_f, (list, tuple)) else [self.mem_f]
+        mem_w = self.mem_w
+        if mem_w is not None and not isinstance(mem_w, (list, tuple)):
+            mem_w = [float(mem_w) * x for x in mem_f]  # a share of each stage's mem_f
         return ScheduleRequest(self.schedule, chunks=self.chunks if self.spec.chunks is None else None,
                                cost_f=self.cost_f, cost_b=self.cost_b, cost_w=self.cost_w, cost_comm=self.cost_comm,
-                               cost_sync=self.cost_sync, mem_w=None if self.mem_w is None else [self.mem_w],
+                               cost_sync=self.cost_sync, mem_f=mem_f, mem_w=None if mem_w is None else list(mem_w),
                                memory_limit=self.memory_limit, offload=offload, cost_a2a=a2a,
                                a2a_overlap=bool(self.ep_overlap))
 
@@ -143,10 +150,10 @@ def preview(options: ScheduleOptions, pipeline_size: int, num_microbatches: int)
         except ZeroBubbleConfigError as e:
             raise ZeroBubbleArgumentError(str(e)) from None
     baseline = None
-    try:
-        baseline = build(ScheduleRequest("1f1b", cost_f=req.cost_f, cost_b=req.cost_b, cost_w=req.cost_w,
-                                         cost_comm=req.cost_comm, mem_w=req.mem_w, cost_a2a=req.cost_a2a,
-                                         a2a_overlap=False), p, m).result
+    try:  # per-chunk values as each rank's whole stage
+        st, pl = built.setting, built.schedule.placement
+        whole = {k: st.rank_values(k, pl) for k in ("cost_f", "cost_b", "cost_w", "cost_a2a", "mem_f", "mem_w")}
+        baseline = build(ScheduleRequest("1f1b", cost_comm=req.cost_comm, a2a_overlap=False, **whole), p, m).result
     except ScheduleError:
         pass
     return built, baseline

@@ -94,8 +94,11 @@ class TrainingSession:
     def _announce(self, built, base) -> None:
         zb, pl, sim = self.zb, self.placement, built.result
         limit = zb.get("memory_limit")
-        given = any(zb.get(k) is not None for k in ("cost_f", "cost_b", "cost_w"))
+        given = any(getattr(self.args, f"zero_bubble_{k}", None) is not None for k in ("cost_f", "cost_b", "cost_w"))
+        layout = getattr(self.args, "zero_bubble_layout", None)
         costs = ("given costs (--zero-bubble-cost-f/-b/-w)" if given else
+                 f"each chunk's share of the model's FLOPs and activations for the layout {layout}"
+                 if layout and getattr(self.args, "zero_bubble_chunk_costs", None) else
                  "unit costs F=B=W=1, not measured ones (--zero-bubble-cost-f/-b/-w give yours)")
         print0(f"megatron-zb: schedule {zb['schedule']} installed ({pl.style} placement, {pl.models_per_rank} "
                f"chunk(s) per rank, pipeline size {pl.num_ranks}, {self.m} microbatches"

@@ -253,4 +253,10 @@ def placement_of(args):
 
 
 def layer_kw(args) -> dict:
+    """How the placement splits the layers: the layout's counts (Megatron's layout flags, read by
+    ``megatron.layout_args``) or an even split (with the fork's padding)."""
+    from .layout_args import layers_per_stage
+    counts = layers_per_stage(args)
+    if counts is not None:
+        return {"layers_per_stage": counts}
     return {"allow_padding_num_layers": bool(getattr(args, "allow_padding_num_layers", False))}

@@ -43,8 +43,9 @@ def build_profile(rank_stats: Sequence[dict], *, schedule: Optional[str], placem
     """The profile from every pipeline rank's :meth:`PassProfiler.rank_stats` (pure function).
 
     Per chunk (global stage): the median of each pass kind. Per pipeline rank (the ``cost_*`` and
-    ``mem_*`` lists, one value per rank as the simulator's settings want): the sum over the rank's
-    chunks. Where a schedule ran only fused backwards (BW), B and W are each taken as half of BW
+    ``mem_*`` lists, one value per rank): the sum over the rank's chunks. Per model chunk in pipeline
+    order (``chunk_cost_*``, ``chunk_mem_*``: what the simulator takes per chunk; a replicated
+    placement's logical stage averaged over its copies): each chunk's own. Where a schedule ran only fused backwards (BW), B and W are each taken as half of BW
     (``backward_split`` says so). ``mem_w`` without a W pass: DEFAULT_MEM_W_RATIO x mem_f.
     """
     p = placement.num_ranks
@@ -57,6 +58,9 @@ def build_profile(rank_stats: Sequence[dict], *, schedule: Optional[str], placem
     has_bw = [False] * p
     mem_f, mem_w = [0.0] * p, [0.0] * p
     mem_w_known = [True] * p
+    S = placement.num_logical_stages
+    chunk = {k: [0.0] * S for k in ("f", "b", "w", "mem_f", "mem_w")}
+    share = 1.0 / placement.num_paths
     counts = {k: 0 for k in (F, B, W, BW, "recv_wait", "comm_probe")}
     split_sources = set()
     for r in range(p):
@@ -93,6 +97,10 @@ def build_profile(rank_stats: Sequence[dict], *, schedule: Optional[str], placem
                 mem_w_known[r] = False
             else:
                 mem_w[r] += mw
+            lg = placement.logical(s)
+            for k, x in (("f", f), ("b", b), ("w", w), ("mem_f", mf or 0.0),
+                         ("mem_w", mw if mw is not None else DEFAULT_MEM_W_RATIO * (mf or 0.0))):
+                chunk[k][lg] += x * share
             per_chunk.append({
                 "stage": s, "rank": r, "chunk": placement.chunk_of(s),
                 "f": f, "b": med[B], "w": med[W], "bw": med[BW],
@@ -112,6 +120,8 @@ def build_profile(rank_stats: Sequence[dict], *, schedule: Optional[str], placem
     counts["comm_probe"] = len(probes)
     iters = [by_rank[r].get("iteration_s", []) for r in range(p)]
     per_iter = [max(xs) for xs in zip(*iters)] if all(iters) else []
+    gaps = [by_rank[r].get("between_s", []) for r in range(p)]
+    between = [max(xs) for xs in zip(*gaps)] if all(gaps) else []
     first = by_rank[0]
     return {
         "format": PROFILE_FORMAT,
@@ -143,8 +153,13 @@ def build_profile(rank_stats: Sequence[dict], *, schedule: Optional[str], placem
         "p2p_wait_per_iter": [sum(sum(v) for k in (F, B) for v in by_rank[r].get("recv_wait", {}).get(k, {}).values())
                               / max(1, len(by_rank[r].get("iterations", []))) for r in range(p)],
         "iteration_s": median(per_iter),
+        # from the end of one forward-backward call to the next one's start (the slowest rank): Megatron's
+        # optimizer step, gradient finalisation and the rest of its loop; None with a one-iteration window
+        "between_iterations_s": median(between),
         "samples": counts,
         "per_chunk": per_chunk,
+        "chunk_cost_f": chunk["f"], "chunk_cost_b": chunk["b"], "chunk_cost_w": chunk["w"],
+        "chunk_mem_f": chunk["mem_f"], "chunk_mem_w": chunk["mem_w"],
         **_offload_section(by_rank, p),
         **_memory_section(by_rank, p),
     }
@@ -226,17 +241,32 @@ def check_profile(prof, where="profile"):
         raise ProfileError(f"{where}: per-stage lists have different lengths {sorted(lens)}")
 
 
-def profile_to_setting_kwargs(profile: dict, normalize: bool = False) -> dict:
+def profile_to_setting_kwargs(profile: dict, normalize: bool = False, per_chunk: bool = False) -> dict:
     """``cost_f/cost_b/cost_w`` (lists per stage), ``cost_comm``, ``mem_f``, ``mem_w`` for
     ``core.ir.Setting(stages, microbatches, **kwargs)``.
 
     Raw: seconds and bytes, as measured. ``normalize=True``: costs in units of the mean F cost per
-    stage, memory in units of the largest stage's ``mem_f`` (so ``memory_limit`` keeps its meaning
-    "activations of this many microbatches of one stage").
+    rank, memory in units of the largest rank's ``mem_f`` (so ``memory_limit`` keeps its meaning
+    "activations of this many microbatches of one stage"). ``per_chunk``: one value per model chunk
+    (the profile's ``chunk_*`` lists, where it has them; the same units).
     """
     check_profile(profile)
     as_list = lambda v: [float(x) for x in (v if isinstance(v, list) else [v])]  # noqa: E731
     cf, cb, cw = (as_list(profile[k]) for k in _REQUIRED)
+    if per_chunk and profile.get("chunk_cost_f"):
+        out = profile_to_setting_kwargs(profile, normalize=False)
+        unit = sum(cf) / len(cf) if sum(cf) > 0 else (sum(cf + cb + cw) / (3 * len(cf)) or 1.0)
+        mu = max(out["mem_f"]) if out.get("mem_f") else 1.0
+        if not normalize:
+            unit = mu = 1.0
+        chunked = {"cost_f": [x / unit for x in as_list(profile["chunk_cost_f"])],
+                   "cost_b": [x / unit for x in as_list(profile["chunk_cost_b"])],
+                   "cost_w": [x / unit for x in as_list(profile["chunk_cost_w"])],
+                   "cost_comm": out["cost_comm"] / unit}
+        if "mem_f" in out:
+            chunked["mem_f"] = [x / mu for x in as_list(profile["chunk_mem_f"])]
+            chunked["mem_w"] = [x / mu for x in as_list(profile["chunk_mem_w"])]
+        return chunked
     comm = float(profile.get("cost_comm") or 0.0)
     out = {"cost_f": cf, "cost_b": cb, "cost_w": cw, "cost_comm": comm}
     mf = profile.get("mem_f")

@@ -105,6 +105,8 @@ class PassProfiler:
         self.mem_w: Dict[int, List[int]] = defaultdict(list)  # stage -> bytes held from B until W
         self.recv_wait: Dict[Tuple[int, str], List[float]] = defaultdict(list)  # (stage, 'F'|'B') -> s
         self.iteration_s: List[float] = []
+        self.between_s: List[float] = []  # from one window iteration's end to the next one's start
+        self._t_end: Optional[float] = None
         self.iterations: List[int] = []
         self.device_type = "cpu"
         self.mem_method = None
@@ -141,6 +143,9 @@ class PassProfiler:
         self.mem_method = ("cuda.memory_allocated" if cuda else "saved_tensors_hooks" if offload is None
                            else f"saved_tensors_hooks ({type(offload).__name__})")
         self._t_iter = time.perf_counter()
+        if self._t_end is not None:  # Megatron's optimizer step (and the rest of its loop) since the last one
+            self.between_s.append(self._t_iter - self._t_end)
+            self._t_end = None
         return _ProfileHook(self, cuda, offload)
 
     def _record_wait(self, what: str, seconds: float = None, events=None) -> None:
@@ -155,7 +160,7 @@ class PassProfiler:
     def end_iteration(self, iteration: int, *, placement: Placement, num_microbatches: int, rank: int,
                       group=None, p2p=None, shape: Optional[Sequence[int]] = None,
                       dtype: torch.dtype = torch.float32, device=None,
-                      schedule: Optional[str] = None) -> Optional[dict]:
+                      schedule: Optional[str] = None, built=None) -> Optional[dict]:
         """Close one window iteration. At the window's last iteration: probe the hop time, gather
         every pipeline rank's samples (one ``all_gather_object`` over ``group``), build the profile,
         write it (pipeline rank 0 of the pipeline holding global rank 0) and return it."""
@@ -171,7 +176,8 @@ class PassProfiler:
                     self.recv_wait[(stage, kind)].append(secs)
             self._events.clear()
         if self._t_iter is not None:
-            self.iteration_s.append(time.perf_counter() - self._t_iter)
+            self._t_end = time.perf_counter()
+            self.iteration_s.append(self._t_end - self._t_iter)
             self._t_iter = None
         self.iterations.append(iteration)
         self._saved.clear()
@@ -188,6 +194,10 @@ class PassProfiler:
             everyone = [mine]
         profile = build_profile(everyone, schedule=schedule or self.schedule, placement=placement,
                                 microbatches=num_microbatches, window=(self.start, self.end))
+        if built is not None:  # the schedule that ran (``core.io``), to simulate it with the measured costs
+            import json
+            from ..core.io import to_json
+            profile["built_schedule"] = json.loads(to_json(built))
         self.profile = profile
         if self.path and _is_writer(group):
             save_profile(profile, self.path)
@@ -206,6 +216,7 @@ class PassProfiler:
             "mem_w": {str(s): v for s, v in self.mem_w.items()},
             "recv_wait": {k: {str(s): v for (s, kk), v in self.recv_wait.items() if kk == k} for k in (F, B)},
             "iteration_s": list(self.iteration_s),
+            "between_s": list(self.between_s),
             "iterations": list(self.iterations),
             "offload": list(self.offload_stats),
             "memory": self.memory,

@@ -93,6 +93,7 @@ class VerifyCase:
     num_experts: Optional[int] = None
     expert_model_parallel_size: int = 1
     moe_router_topk: int = 2
+    moe_router_pre_softmax: bool = False  # softmax before the top-k (Megatron wants it with top-1)
     moe_token_dispatcher_type: str = "alltoall"
     moe_aux_loss_coeff: float = 0.0
     moe_ffn_hidden_size: Optional[int] = None
@@ -116,6 +117,8 @@ class VerifyCase:
             # on a view when neither TP nor EP splits it, which autograd refuses)
             kw.update(num_moe_experts=self.num_experts, moe_router_topk=self.moe_router_topk,
                       moe_aux_loss_coeff=self.moe_aux_loss_coeff, add_bias_linear=False)
+            if self.moe_router_pre_softmax:
+                kw["moe_router_pre_softmax"] = True
             if self.moe_ffn_hidden_size:
                 kw["moe_ffn_hidden_size"] = self.moe_ffn_hidden_size
             if self.moe_shared_expert_intermediate_size:
@@ -162,6 +165,8 @@ class VerifyCase:
         if self.offload_ratio is not None:
             bits.append(f"offload={self.offload_ratio} K={self.offload_time}"
                         + (" half-duplex" if self.offload_half_duplex else ""))
+        if self.layers_per_stage:
+            bits.append("layers=" + ",".join(map(str, self.layers_per_stage)))
         if not self.ddp:
             bits.append("no-ddp")
         if not self.tie_embeddings:

@@ -63,6 +63,18 @@ def _build_parser() -> argparse.ArgumentParser:
                     help="transfer time the schedule core plans with, in F+B of a stage (default 0.25); 'auto': "
                          "measured at the first iteration (here: CPU memcpy and matmul stand-ins)")
     ap.add_argument("--offload-half-duplex", action="store_true", help="one copy queue instead of two")
+    lay = ap.add_argument_group("Megatron's model layout (read in pipeline order, under every schedule; a V's 2P "
+                                "stages are ranks 0..P-1 then P-1..0)")
+    lay.add_argument("--pipeline-model-parallel-layout", default=None, metavar="LAYOUT",
+                     help="e.g. 'E|(tt|)*3,t|L': E embedding, t transformer layer, m MTP layer, L loss, | between stages")
+    for which in ("first", "last"):
+        lay.add_argument(f"--decoder-{which}-pipeline-num-layers", default=None, metavar="N",
+                         type=int_at_least(f"--decoder-{which}-pipeline-num-layers", 0),
+                         help=f"layers of the {which} pipeline rank (the others share the rest evenly)")
+    lay.add_argument("--account-for-embedding-in-pipeline-split", action="store_true",
+                     help="the embedding counts as one layer: its chunk holds one layer less")
+    lay.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
+                     help="the loss counts as one layer: its chunk holds one layer less")
     f = ap.add_argument_group("Megatron's model features (Megatron's flag names; the reference trains the same model "
                               "non-pipelined, without expert parallelism or recompute)")
     f.add_argument("--num-experts", type=positive_int("--num-experts"), default=None,
@@ -70,6 +82,8 @@ def _build_parser() -> argparse.ArgumentParser:
     f.add_argument("--expert-model-parallel-size", type=positive_int("--expert-model-parallel-size"), default=1,
                    help="experts sharded over this many data-parallel ranks (must divide --data-parallel-size)")
     f.add_argument("--moe-router-topk", type=positive_int("--moe-router-topk"), default=2)
+    f.add_argument("--moe-router-pre-softmax", action="store_true",
+                   help="softmax over all experts before the top-k (Megatron requires it with --moe-router-topk 1)")
     f.add_argument("--moe-token-dispatcher-type", choices=("alltoall", "allgather"), default="alltoall")
     f.add_argument("--moe-aux-loss-coeff", type=nonneg("--moe-aux-loss-coeff"), default=0.0,
                    help="load-balancing loss coefficient (compared per layer with the reference's)")
@@ -142,6 +156,41 @@ def _check_size(a) -> None:
                                f"{avail / 2**30:.1f} GiB available; use fewer ranks")
 
 
+def _layout(a):
+    """(--num-layers, layers per stage or None) from the layout flags, read for the schedule's
+    placement (``megatron.layout_args``, as training reads them)."""
+    from ..core.ir import Placement
+    from ..megatron.errors import ZeroBubbleArgumentError
+    from ..megatron.layout_args import given_layout_flags, layout_from_args
+    from .case import schedule_placement
+    if not given_layout_flags(a):
+        return a.num_layers, None
+    if a.schedule in PSEUDO_SCHEDULES and a.schedule != "sequential":
+        raise VerifyUsageError(f"the layout flags apply to megatron-zb's schedules and sequential, not {a.schedule}")
+    if a.schedule == "sequential":
+        style, chunks = a.placement or "single", a.chunks or (2 if a.placement in ("v", "looped") else 1)
+    else:
+        style, chunks = schedule_placement(a.schedule, a.chunks)
+    p = a.pipeline_parallel_size
+    pl = {"single": lambda: Placement.single(p), "looped": lambda: Placement.looped(p, chunks),
+          "v": lambda: Placement.vshape(p), "bitpipe": lambda: Placement.bitpipe(p)}[style]()
+    ns = argparse.Namespace(**vars(a))
+    if ns.num_layers is None and ns.pipeline_model_parallel_layout is not None:
+        from ..core.layout import parse
+        from ..core.ir import ScheduleError
+        try:
+            ns.num_layers = parse(ns.pipeline_model_parallel_layout).num_layers
+        except ScheduleError as e:
+            raise VerifyUsageError(str(e)) from None
+    if ns.num_layers is None:
+        raise VerifyUsageError(f"{given_layout_flags(a)[0]} needs --num-layers")
+    try:
+        layout = layout_from_args(ns, pl)
+    except ZeroBubbleArgumentError as e:
+        raise VerifyUsageError(str(e)) from None
+    return ns.num_layers, layout.layers()
+
+
 def _offload_time(text):
     if str(text).strip().lower() == "auto":
         return "auto"
@@ -166,7 +215,8 @@ def main_verify(argv: Optional[Sequence[str]] = None) -> int:
                 resolve_mcore_path(a.mcore_path)
             except LaunchError as e:
                 raise VerifyUsageError(str(e)) from None
-        opts = dict(chunks=a.chunks, placement=a.placement, num_layers=a.num_layers,
+        num_layers, layers_per_stage = _layout(a)
+        opts = dict(chunks=a.chunks, placement=a.placement, num_layers=num_layers, layers_per_stage=layers_per_stage,
                     allow_padding_num_layers=a.allow_padding_num_layers, sequence_parallel=a.sequence_parallel,
                     ddp=not a.no_ddp, overlap_grad_reduce=a.overlap_grad_reduce,
                     gradient_accumulation_fusion=a.gradient_accumulation_fusion,
@@ -180,6 +230,7 @@ def main_verify(argv: Optional[Sequence[str]] = None) -> int:
                     offload_ratio=a.offload_ratio, offload_time=a.offload_time,
                     offload_half_duplex=a.offload_half_duplex, num_experts=a.num_experts,
                     expert_model_parallel_size=a.expert_model_parallel_size, moe_router_topk=a.moe_router_topk,
+                    moe_router_pre_softmax=a.moe_router_pre_softmax,
                     moe_token_dispatcher_type=a.moe_token_dispatcher_type, moe_aux_loss_coeff=a.moe_aux_loss_coeff,
                     moe_ffn_hidden_size=a.moe_ffn_hidden_size,
                     moe_shared_expert_intermediate_size=a.moe_shared_expert_intermediate_size,
@@ -197,6 +248,9 @@ def main_verify(argv: Optional[Sequence[str]] = None) -> int:
     print(f"megatron-zb verify: {case.describe()} on {case.world_size} CPU process(es), "
           f"{case.iterations} iteration(s)", flush=True)
     res = run_verify_many([case], timeout=a.timeout, mcore_path=a.mcore_path)[0]
+    if res.get("error_type") == "MegatronConfigRefused":  # found before any rank started
+        print(f"megatron-zb verify: {res['error']}", file=sys.stderr)
+        return 2
     if res.get("error"):
         print(f"ERROR ({res['error_type']}): {res['error']}")
     else:

@@ -74,10 +74,14 @@ def run_verify_many(cases: Sequence[VerifyCase], *, timeout: float = 600.0, mcor
         return [_error_result(c, err, 0.0) for c in cases]
     try:
         references = _optimizer_references(cases, timeout, mcore_path)
-        per_case = L.run_cases(rank_case, cases, ws.pop(), timeout=timeout, mcore_path=mcore_path)
+        per_case = L.run_cases(rank_case, cases, ws.pop(), timeout=timeout, mcore_path=mcore_path,
+                               precheck=check_megatron_configs)
     except L.LaunchError as e:
         if raise_errors:
             raise
+        if getattr(e, "exc_type", None) == "MegatronConfigRefused":  # before any rank started: one line
+            return [dict(_error_result(c, e, time.time() - t0), error=e.message.split(": ", 1)[-1],
+                         error_type="MegatronConfigRefused") for c in cases]
         wall = time.time() - t0
         return [_error_result(c, e, wall) for c in cases]
     wall = time.time() - t0
@@ -112,6 +116,34 @@ def _install_importable() -> bool:
         return importlib.util.find_spec("megatron_zb.megatron.install") is not None
     except (ImportError, ValueError):
         return False
+
+
+class MegatronConfigRefused(ValueError):
+    """Megatron's TransformerConfig refuses a case's model (raised before any rank starts)."""
+
+
+def check_megatron_configs(cases: Sequence[VerifyCase]) -> None:
+    """Build every case's TransformerConfig as its ranks will (in the launch's zygote, megatron
+    imported, before any rank is forked): a model Megatron refuses fails here in one line instead of
+    inside every rank."""
+    from .tinygpt import make_transformer_config
+    for c in cases:
+        overrides = {**c.model_overrides(), **c.run_overrides(), **c.config_overrides}
+        try:
+            make_transformer_config(c.model_config(), tensor_parallel_size=c.tensor_parallel_size,
+                                    pipeline_parallel_size=c.pipeline_parallel_size,
+                                    chunks=_models_per_rank(c), sequence_parallel=c.sequence_parallel,
+                                    gradient_accumulation_fusion=c.gradient_accumulation_fusion, **overrides)
+        except (AssertionError, ValueError, TypeError) as e:
+            text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise MegatronConfigRefused(f"Megatron refuses this model ({c.describe()}): {text}") from None
+
+
+def _models_per_rank(c: VerifyCase) -> int:
+    from ..core import schedules as core_schedules
+    if c.schedule in core_schedules.names():
+        return core_schedules.get(c.schedule).models(c.chunks)
+    return c.chunks
 
 
 def _error_result(case: VerifyCase, err: Exception, wall: float) -> dict:

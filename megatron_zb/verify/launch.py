@@ -142,11 +142,13 @@ class _CallWith:
 def run_cases(fn: Callable, cases: Sequence[Any], world_size: int, *, timeout: float = 300.0,
               mcore_path: Optional[str] = None, backend: str = "gloo", cpu_shims: bool = True,
               env: Optional[Dict[str, str]] = None, grace: float = 3.0, keep_logs: bool = False,
-              barrier_between: bool = True) -> List[List[Any]]:
+              barrier_between: bool = True, precheck: Optional[Callable] = None) -> List[List[Any]]:
     """Run ``fn(case)`` on every rank for each case, in order, in one process group.
 
     Returns ``results[case_index][rank]``. Paying the process start and the megatron import once
-    for many cases is the point. ``timeout`` bounds the whole launch (seconds).
+    for many cases is the point. ``timeout`` bounds the whole launch (seconds). ``precheck``: called
+    with the cases once megatron is imported, before any rank is forked (gloo); what it raises
+    fails every rank (a ``RankError`` naming its type), e.g. a model config Megatron refuses.
     """
     import torch.distributed as dist  # parent needs only torch (for the store)
 
@@ -173,7 +175,7 @@ def run_cases(fn: Callable, cases: Sequence[Any], world_size: int, *, timeout: f
             pickle.dump(header, f)
             TensorPickler(f, protocol=pickle.HIGHEST_PROTOCOL).dump(
                 {"fn": fn, "cases": cases, "port": port, "timeout": timeout,
-                 "barrier_between": barrier_between})
+                 "barrier_between": barrier_between, "precheck": precheck})
         child_env = dict(os.environ)
         child_env.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world_size),

@@ -41,6 +41,8 @@ def zygote_main(workdir: str) -> None:
             if warm:
                 _import_runtime(header)
                 body = pickle.load(f)
+                if body.get("precheck") is not None:  # e.g. a model config Megatron refuses: before any fork
+                    body["precheck"](body["cases"])
         become_subreaper()  # orphans of the ranks (megatron's helpers) come back here to be reaped
         pids = {}
         zygote = os.getpid()
