@@ -57,6 +57,16 @@ def add_setting_args(ap: argparse.ArgumentParser, schedule_required: bool = True
                     help="per-rank activation limit, in mem-f units")
     ap.add_argument("--cost-optimizer", type=nonneg("--cost-optimizer"), default=0.0,
                     help="time of one optimizer step, for the time per training iteration (default 0)")
+    lay = ap.add_argument_group("model layout (the layers each model chunk holds)")
+    lay.add_argument("--layout", "--pipeline-model-parallel-layout", dest="layout", default=None, metavar="LAYOUT",
+                     help="Megatron's layout in pipeline order (E embedding, t transformer layer, m MTP layer, L loss, "
+                          "| between chunks, *N repeats; a V's 2P chunks are ranks 0..P-1 then P-1..0). With it, "
+                          "--cost-f/-b/-w and --mem-f/-w are one transformer layer's, and each chunk costs what it holds")
+    lay.add_argument("--output-layer-cost", type=nonneg("--output-layer-cost"), default=0.0, metavar="X",
+                     help="with --layout: the output layer and loss in transformer layers (F, B, W and memory; e.g. 2.24 "
+                          "for Llama-3-8B's 128k vocabulary; default 0)")
+    lay.add_argument("--embedding-cost", type=nonneg("--embedding-cost"), default=0.0, metavar="X",
+                     help="with --layout: the embedding in transformer layers (default 0)")
     _add_offload_args(ap)
 
 
@@ -124,14 +134,52 @@ def offload_request(args) -> Optional[OffloadRequest]:
                           chunks=args.offload_chunk_num)
 
 
-def request(args, name: Optional[str] = None, chunks: Optional[int] = None) -> ScheduleRequest:
-    """The schedule request the flags describe (``name``: instead of --schedule, e.g. compare's rows)."""
-    return ScheduleRequest(name=name or getattr(args, "schedule", None), chunks=chunks if chunks is not None
-                           else args.chunks, cost_f=args.cost_f, cost_b=args.cost_b, cost_w=args.cost_w,
-                           cost_comm=args.cost_comm, cost_sync=args.cost_sync, cost_a2a=args.cost_a2a,
-                           a2a_overlap=not args.no_overlap, mem_f=args.mem_f, mem_w=args.mem_w,
-                           memory_limit=args.memory_limit, offload=offload_request(args),
-                           exact=(args.exact_nodes, args.exact_seconds) if getattr(args, "exact", False) else None)
+def request(args, name: Optional[str] = None, chunks: Optional[int] = None,
+            p: Optional[int] = None) -> ScheduleRequest:
+    """The schedule request the flags describe (``name``: instead of --schedule, e.g. compare's rows).
+    With --layout, each chunk's costs from what it holds (``layout_costs``; ``p``: pipeline ranks)."""
+    req = ScheduleRequest(name=name or getattr(args, "schedule", None), chunks=chunks if chunks is not None
+                          else args.chunks, cost_f=args.cost_f, cost_b=args.cost_b, cost_w=args.cost_w,
+                          cost_comm=args.cost_comm, cost_sync=args.cost_sync, cost_a2a=args.cost_a2a,
+                          a2a_overlap=not args.no_overlap, mem_f=args.mem_f, mem_w=args.mem_w,
+                          memory_limit=args.memory_limit, offload=offload_request(args),
+                          exact=(args.exact_nodes, args.exact_seconds) if getattr(args, "exact", False) else None)
+    if getattr(args, "layout", None) is not None:
+        req = req.replace(**layout_costs(args, req, p if p is not None else args.stages))
+    elif getattr(args, "output_layer_cost", 0.0) or getattr(args, "embedding_cost", 0.0):
+        raise UsageError("--output-layer-cost / --embedding-cost describe what a --layout's chunks hold: give --layout")
+    return req
+
+
+def layout_costs(args, req: ScheduleRequest, p: int) -> dict:
+    """Per-chunk costs of --layout for ``req``'s schedule: each chunk holds n transformer layers (the
+    flags' per-layer F/B/W/memory each), k MTP layers (one layer each) and maybe the embedding and
+    the output layer + loss (``--embedding-cost`` / ``--output-layer-cost`` layers; the loss's chunk
+    also runs each MTP layer's output layer again)."""
+    from ..core.ir import ScheduleError
+    from ..core.layout import parse
+    spec = schedules.get(req.name)
+    try:
+        lay = parse(args.layout)
+        chunks = spec.resolve_chunks(req.chunks)
+    except ScheduleError as e:
+        raise UsageError(f"--layout: {e}") from None
+    if lay.num_stages != p * chunks:
+        raise ScheduleError(f"--layout {lay} has {lay.num_stages} chunks; {req.name} runs {p * chunks} "
+                            f"({p} ranks x {chunks})")
+    for flag, v in (("--cost-f", args.cost_f), ("--cost-b", args.cost_b), ("--cost-w", args.cost_w),
+                    ("--mem-f", args.mem_f), ("--cost-a2a", args.cost_a2a)) + \
+            ((("--mem-w", args.mem_w),) if args.mem_w is not None else ()):
+        if len(v) != 1:
+            raise UsageError(f"with --layout, {flag} is one transformer layer's: give one value, got {len(v)}")
+    o, e, mtp = args.output_layer_cost, args.embedding_cost, lay.num_mtp_layers
+    units = [s.count("t") + s.count("m") + (e if "E" in s else 0.0) + ((1 + mtp) * o if "L" in s else 0.0)
+             for s in lay.stages]
+    mem_w = args.mem_w[0] if args.mem_w is not None else None
+    out = {k: [u * getattr(args, k)[0] for u in units] for k in ("cost_f", "cost_b", "cost_w", "cost_a2a", "mem_f")}
+    out["mem_w"] = None if mem_w is None else [u * mem_w for u in units]
+    out["chunks"] = req.chunks
+    return out
 
 
 def sizes(args, stages=None, microbatches=None, chunks=None):
@@ -161,7 +209,7 @@ def build_from_args(args) -> Built:
                              f"not {getattr(args, 'schedule', None) or '--load'}")
     if base is not None:
         p, m = sizes(args, base.num_ranks, base.num_microbatches, base.placement.chunks)
-        req = request(args, name=base.name, chunks=base.placement.chunks)
+        req = request(args, name=base.name, chunks=base.placement.chunks, p=base.num_ranks)
     else:
         p, m = sizes(args)
         req = request(args)

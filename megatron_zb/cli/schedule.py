@@ -155,19 +155,21 @@ def _save_schedule(sched: Schedule, path: str):
 
 
 def compare_rows(base: ScheduleRequest, p: int, m: int, names: Optional[List[str]] = None,
-                 cost_optimizer: float = 0.0, post_validation: bool = False) -> List[dict]:
+                 cost_optimizer: float = 0.0, post_validation: bool = False, for_name=None) -> List[dict]:
     """Build and simulate every schedule (``names``, default all) with ``base``'s costs, limit and
     offload; rows sorted by the time per training iteration the user gets: with Megatron's
     synchronous optimizer step, or post-validated; times within 0.1% count as equal, the least
     peak memory first. A schedule over the limit is a row that does not
-    fit, one that cannot be built a row with its error."""
+    fit, one that cannot be built a row with its error. ``for_name(name)``: the request of one row
+    where it is not ``base`` renamed (e.g. each row's own per-chunk costs of a layout)."""
     key = "iteration_time_post_validated" if post_validation else "iteration_time"
     rows = []
     for name in names or schedules.names():
         try:
             spec = schedules.get(name)
-            built = build(base.replace(name=name, chunks=base.chunks if spec.chunks is None else None), p, m,
-                          enforce_limit=False)
+            req = (for_name(name) if for_name is not None else
+                   base.replace(name=name, chunks=base.chunks if spec.chunks is None else None))
+            built = build(req, p, m, enforce_limit=False)
             it = iteration_times(built.schedule, built.setting, cost_optimizer)
         except ScheduleError as e:
             rows.append({"schedule": name, "error": str(e)})
@@ -186,11 +188,24 @@ def compare_rows(base: ScheduleRequest, p: int, m: int, names: Optional[List[str
     return ok + [r for r in rows if "error" in r]
 
 
+def without_layout(args):
+    """The flags without --layout (compare's header line: the per-layer costs as given)."""
+    ns = argparse.Namespace(**vars(args))
+    ns.layout, ns.output_layer_cost, ns.embedding_cost = None, 0.0, 0.0
+    return ns
+
+
 def cmd_compare(args) -> int:
     p, m = sizes(args)
-    req = request(args, name="1f1b")
+    layout = getattr(args, "layout", None)
+    req = request(args, name="1f1b") if layout is None else request(without_layout(args), name="1f1b")
     setting = req.setting(p, m)
-    rows = compare_rows(req, p, m, cost_optimizer=args.cost_optimizer, post_validation=args.optimizer_post_validation)
+
+    def for_name(name):  # with --layout: each row's chunks cost what they hold
+        spec = schedules.get(name)
+        return request(args, name=name, chunks=args.chunks if spec.chunks is None else None, p=p)
+    rows = compare_rows(req, p, m, cost_optimizer=args.cost_optimizer, post_validation=args.optimizer_post_validation,
+                        for_name=for_name if layout is not None else None)
     ok = [r for r in rows if "error" not in r]
     if setting.memory_limit is not None and not any(r["fits"] for r in ok):
         least = min(max(r["peak_memory"]) for r in ok)
@@ -203,6 +218,7 @@ def cmd_compare(args) -> int:
         return 0
     print(f"P={setting.stages} M={setting.microbatches} F={fmt(setting.cost_f)} B={fmt(setting.cost_b)} "
           f"W={fmt(setting.cost_w)} comm={setting.cost_comm:g}"
+          + (f" per layer; layout {layout}, output layer {args.output_layer_cost:g} layers" if layout else "")
           + (f" optimizer={args.cost_optimizer:g}" if args.cost_optimizer else "")
           + (f" memory-limit={setting.memory_limit:g}" if setting.memory_limit is not None else ""))
     print("ranked by the time per training iteration "
