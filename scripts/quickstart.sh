@@ -10,10 +10,12 @@
 #      picture of the zb-v iteration as it ran. It runs in the background during step 2 (its
 #      passes wait; they need almost no CPU).
 #   4. speed, with real compute (CPU): Megatron's own 1F1B (no megatron-zb flag) and megatron-zb's
-#      1f1b, zb-h1 and zb-v train a GPT of 8 layers (hidden 256, sequence 256) on 2 pipeline ranks,
-#      each a process on its own core, in interleaved rounds: measured time per iteration and
-#      speed-up over Megatron's 1F1B next to the simulator's prediction from each run's profiled
-#      F/B/W. REAL_ROUNDS (default 2), REAL_ITERS (8); REAL_ROUNDS=0 skips it.
+#      zb-h1 and zb-v train a GPT of 8 layers (hidden 256, sequence 256, vocabulary 7168: its output
+#      layer weighs about 2 layers) on 2 pipeline ranks, each a process on its own core, each with
+#      the layout `megatron-zb plan` picks for it, in interleaved rounds: the median time per
+#      iteration over the rounds with their spread, and the speed-up over Megatron's 1F1B next to
+#      the simulator's prediction from each chunk's profiled F/B/W and the measured optimizer step.
+#      REAL_ROUNDS (default 3), REAL_ITERS (8); REAL_ROUNDS=0 skips it.
 # With at least $PP GPUs (nvidia-smi) steps 2 and 3 are one: 1f1b, zb-h1 and zb-v train a small
 # bf16 GPT with real compute, and the report compares their measured iteration times with the
 # simulator's prediction from each run's profiled F/B/W times (FORCE_CPU=1: the CPU path anyway).
@@ -87,16 +89,19 @@ if [ -n "$EMU" ]; then
     fi
     EMU=
 fi
-if [ "$MODE" = cpu ] && [ "${REAL_ROUNDS:-2}" -gt 0 ]; then
-    echo "== real compute (CPU): Megatron's own 1F1B and megatron-zb's 1f1b, zb-h1, zb-v on 2 pipeline ranks," \
-         "${REAL_ROUNDS:-2} rounds (logs: $OUT/real_*.log) =="
-    for R in $(seq 1 "${REAL_ROUNDS:-2}"); do
-        for S in megatron 1f1b zb-h1 zb-v; do
-            FLAGS="--zero-bubble-deterministic-init"
+if [ "$MODE" = cpu ] && [ "${REAL_ROUNDS:-3}" -gt 0 ]; then
+    # each schedule with the layout `megatron-zb plan` picks for this model (Megatron's own 1F1B: 1f1b's)
+    eval "$(.venv/bin/python scripts/quickstart_report.py --real-layouts)"
+    echo "== real compute (CPU): Megatron's own 1F1B and megatron-zb's zb-h1, zb-v on 2 pipeline ranks, layouts" \
+         "$LAYOUT_megatron / $LAYOUT_zb_h1 / $LAYOUT_zb_v, ${REAL_ROUNDS:-3} rounds (logs: $OUT/real_*.log) =="
+    for R in $(seq 1 "${REAL_ROUNDS:-3}"); do
+        for S in megatron zb-h1 zb-v; do
+            V="LAYOUT_${S//-/_}"
+            FLAGS="--zero-bubble-deterministic-init --pipeline-model-parallel-layout ${!V}"
             if [ "$S" != megatron ]; then
                 FLAGS="$FLAGS --zero-bubble-profile-window 2 4 --zero-bubble-profile-path $OUT/real_profile_${S}_r$R.json"
             fi
-            if ! env SCHEDULE="$S" PP=2 NUM_LAYERS=8 HIDDEN=256 HEADS=4 SEQ_LEN=256 MBS=1 GBS=8 \
+            if ! env SCHEDULE="$S" PP=2 NUM_LAYERS=8 HIDDEN=256 HEADS=4 SEQ_LEN=256 MBS=1 GBS=8 VOCAB=7168 \
                     ITERS="${REAL_ITERS:-8}" LOG_INTERVAL=1 LOG_FILE="$OUT/real_${S}_r$R.log" PREFLIGHT=0 \
                     EXTRA_ARGS="$FLAGS" bash scripts/pretrain_gpt_zb.sh >/dev/null 2>&1; then
                 echo "real-compute run $S (round $R) failed; the last lines of $OUT/real_${S}_r$R.log:"

@@ -25,7 +25,9 @@ import sys
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 from megatron_zb import plot  # noqa: E402
+from megatron_zb.core import io as sched_io  # noqa: E402
 from megatron_zb.core.ir import Setting  # noqa: E402
+from megatron_zb.core.iteration import iteration_times  # noqa: E402
 from megatron_zb.core.schedules import generate  # noqa: E402
 from megatron_zb.core.simulate import simulate  # noqa: E402
 from megatron_zb.verify.emulate import Entry  # noqa: E402
@@ -124,14 +126,25 @@ def emulated_speed(out):
     return rows, [r["picture"] for r in rows if r.get("picture")]
 
 
-def simulated_ms(prof, schedule):
-    """The simulator's pipeline time (ms) for the schedule that ran (generated with the default unit
-    costs: no cost flags were given), timed with the F/B/W and message times profiled in that run."""
+def simulated_ms(prof, schedule, with_step=False):
+    """The simulator's time (ms) for the schedule that ran (the one the profile recorded; else the
+    schedule generated with unit costs), timed with the F/B/W (per model chunk where the profile has
+    them) and message times profiled in that run; ``with_step``: a whole training iteration with
+    Megatron's synchronous optimizer step, its time the measured gap between two forward-backward
+    calls (the step and the rest of Megatron's loop)."""
     p, m = prof["pipeline_size"], prof["microbatches"]
-    sched = generate(schedule, Setting(p, m))
-    st = Setting(p, m, chunks=sched.placement.chunks, cost_f=prof["cost_f"], cost_b=prof["cost_b"],
-                 cost_w=prof["cost_w"], cost_comm=prof.get("cost_comm") or 0.0)
+    if prof.get("built_schedule") and prof.get("schedule") == schedule:
+        sched = sched_io.from_json(json.dumps(prof["built_schedule"]))
+    else:
+        sched = generate(schedule, Setting(p, m))
+    chunks = sched.placement.chunks
+    per = "chunk_" if prof.get("chunk_cost_f") else ""
+    cf, cb, cw = prof[per + "cost_f"], prof[per + "cost_b"], prof[per + "cost_w"]
+    st = Setting(p, m, chunks=chunks, cost_f=cf, cost_b=cb, cost_w=cw, cost_comm=prof.get("cost_comm") or 0.0)
     res = simulate(sched, st)
+    if with_step:
+        step = prof.get("between_iterations_s") or 0.0
+        return 1e3 * iteration_times(sched, st, step).iteration_time, res
     return 1e3 * max(tl[-1].end for tl in res.timeline if tl), res
 
 
@@ -171,15 +184,37 @@ def gpu_speed(out, schedules, logs, window_end):
 
 
 # The real-compute comparison on CPU (the quickstart's REAL_* settings): Megatron's own 1F1B (no
-# megatron-zb flag) first, then megatron-zb's schedules; profiled in iterations 2..4, timed after.
-REAL = ["megatron", "1f1b", "zb-h1", "zb-v"]
+# megatron-zb flag) first, then megatron-zb's schedules, each with the balanced layout plan finds
+# for it (``real_layouts``); profiled in iterations 2..4, timed after.
+REAL = ["megatron", "zb-h1", "zb-v"]
 REAL_TIMED_FROM = 5
+# the real-compute GPT: 8 layers, hidden 256, sequence 256, 2 pipeline ranks, 8 microbatches, fp32;
+# its vocabulary makes the output layer weigh about two transformer layers, as in Llama-3-8B
+REAL_MODEL = dict(num_layers=8, hidden_size=256, num_attention_heads=4, seq_length=256, ffn_hidden_size=1024,
+                  vocab_size=7168, micro_batch_size=1, activation_bytes=4, dropout=False)
+
+
+def real_layouts():
+    """Shell assignments LAYOUT_<schedule>='...' of the layout plan picks for each real-compute run
+    (Megatron's own 1F1B takes 1f1b's: one chunk per rank, as Megatron lays it out)."""
+    from megatron_zb.core.plan import ModelSpec, plan
+    rows = plan(ModelSpec(**REAL_MODEL), 2, 8, 80.0, schedules=["1f1b", "zb-h1", "zb-v"], jobs=1)
+    got = {r["schedule"]: r["layout"] for r in rows if "layout" in r}
+    got["megatron"] = got["1f1b"]
+    for s in REAL:
+        print(f"LAYOUT_{s.replace('-', '_')}='{got[s]}'")
+
+
+def _spread(xs):
+    return f"{min(xs):.0f}-{max(xs):.0f}" if len(xs) > 1 else "-"
 
 
 def real_cpu_speed(out):
-    """Real compute on this machine's CPU: per schedule the median over its rounds of the median
-    elapsed time of the iterations after the profiling window; the simulator's pipeline time from
-    the F/B/W each run profiled (Megatron's own 1F1B runs the order of our 1f1b: that prediction)."""
+    """Real compute on this machine's CPU: per schedule and round the median elapsed time of the
+    iterations after the profiling window; the median over the rounds and their spread. Simulated:
+    the schedule that ran, with each chunk's F/B/W profiled in that run and Megatron's optimizer step
+    (the measured time between two forward-backward calls); Megatron's own 1F1B runs 1f1b's order,
+    timed with zb-h1's profile (the same layout; its fused backward costs B + W)."""
     rows = []
     for s in REAL:
         meds, preds = [], []
@@ -188,32 +223,42 @@ def real_cpu_speed(out):
             after = [ms for i, (ms, _) in its.items() if i >= REAL_TIMED_FROM]
             if after:
                 meds.append(statistics.median(after))
-            prof = path.replace(f"real_{s}_", f"real_profile_{s}_").replace(".log", ".json")
+            src = "zb-h1" if s == "megatron" else s
+            prof = path.replace(f"real_{s}_", f"real_profile_{src}_").replace(".log", ".json")
             if os.path.exists(prof):
-                preds.append(simulated_ms(json.load(open(prof)), s)[0])
+                preds.append(simulated_ms(json.load(open(prof)), "1f1b" if s == "megatron" else s, with_step=True)[0])
         if not meds:
             return None
         rows.append({"label": "Megatron's own 1F1B" if s == "megatron" else s, "schedule": s,
                      "measured": statistics.median(meds), "rounds": meds,
                      "predicted": statistics.median(preds) if preds else None})
     base = rows[0]
-    base["predicted"] = rows[1]["predicted"]  # the same order as megatron-zb's 1f1b
     for r in rows:
-        r["speedup_measured"] = base["measured"] / r["measured"]
+        per_round = [b / x for b, x in zip(base["rounds"], r["rounds"])]
+        r["speedup_measured"] = statistics.median(per_round)
+        r["speedup_measured_rounds"] = per_round
         r["speedup_predicted"] = base["predicted"] / r["predicted"] if r["predicted"] else None
         r["error_pct"] = 100.0 * (r["measured"] - r["predicted"]) / r["predicted"] if r["predicted"] else None
+        r["ratio_error_pct"] = (100.0 * (r["speedup_measured"] / r["speedup_predicted"] - 1.0)
+                                if r["speedup_predicted"] else None)
     n = len(rows[0]["rounds"])
     print(f"Speed with REAL compute (CPU): 2 pipeline ranks, each a process on its own core (gloo), train a GPT of\n"
-          f"8 layers, hidden 256, sequence 256, 8 microbatches; {n} rounds, schedules interleaved; median elapsed time\n"
-          f"per iteration from iteration {REAL_TIMED_FROM} on (after the profiling window). simulated = the simulator's "
-          "pipeline\ntime for the schedule that ran with the F/B/W and message times profiled in that run (it leaves "
-          "out the\noptimizer step and data loading; Megatron's own 1F1B runs the same order as megatron-zb's 1f1b)")
-    print(f"{'schedule':<22}{'ms per iteration':^30}{'speed-up over Megatron 1F1B':^28}")
-    print(f"{'':<22}{'measured':>10}{'simulated':>11}{'diff':>9}{'measured':>14}{'simulated':>12}")
+          f"8 layers, hidden 256, sequence 256, vocabulary {REAL_MODEL['vocab_size']} (its output layer weighs about 2 "
+          f"layers), 8 microbatches,\neach schedule with the layout plan picks for it; {n} rounds, schedules "
+          f"interleaved; per round the median elapsed\ntime per iteration from iteration {REAL_TIMED_FROM} on; the "
+          "median over the rounds, and their spread (min-max).\nsimulated = the schedule that ran, timed with each "
+          "model chunk's F/B/W profiled in that run and the\nmeasured optimizer step (the gap between two "
+          "forward-backward calls); Megatron's own 1F1B runs 1f1b's order")
+    print(f"{'schedule':<22}{'ms per iteration':^38}{'speed-up over Megatron 1F1B':^34}")
+    print(f"{'':<22}{'measured':>10}{'spread':>10}{'simulated':>11}{'diff':>7}{'measured':>11}{'spread':>13}"
+          f"{'simulated':>11}")
     for r in rows:
-        pred = f"{r['predicted']:>11.1f}{r['error_pct']:>+8.1f}%" if r["predicted"] else f"{'-':>11}{'-':>9}"
-        sp = f"{r['speedup_predicted']:>11.3f}x" if r["speedup_predicted"] else f"{'-':>12}"
-        print(f"{r['label']:<22}{r['measured']:>10.1f}{pred}{r['speedup_measured']:>13.3f}x{sp}")
+        pred = f"{r['predicted']:>11.1f}{r['error_pct']:>+6.1f}%" if r["predicted"] else f"{'-':>11}{'-':>7}"
+        sp = f"{r['speedup_predicted']:>10.3f}x" if r["speedup_predicted"] else f"{'-':>11}"
+        spread = (f"{min(r['speedup_measured_rounds']):.3f}-{max(r['speedup_measured_rounds']):.3f}"
+                  if n > 1 and r is not base else "-")
+        print(f"{r['label']:<22}{r['measured']:>10.1f}{_spread(r['rounds']):>10}{pred}"
+              f"{r['speedup_measured']:>10.3f}x{spread:>13}{sp}")
     return rows
 
 
@@ -225,10 +270,15 @@ def main(argv=None):
     ap.add_argument("--schedules", nargs="+", default=["zb-v", "1f1b"])
     ap.add_argument("--microbatches", type=int, default=8, help="cpu mode: for the emulated run (the tiny GPT's)")
     ap.add_argument("--profile-window-end", type=int, default=20, help="gpu mode")
+    ap.add_argument("--real-layouts", action="store_true",
+                    help="print the layout plan picks for each real-compute run (shell assignments) and exit")
     ap.add_argument("--emulate", action="store_true",
                     help="only run the emulated-compute comparison (writes <out>/emulated.json and pictures)")
     args = ap.parse_args(argv)
     out = args.out
+    if args.real_layouts:
+        real_layouts()
+        return
     if args.emulate:
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # clean up the launched ranks when stopped
         run_emulation(out, args.pp, args.microbatches)
@@ -265,9 +315,12 @@ def main(argv=None):
         else:
             print(f"speed ({kind}): {r['label']} {r['speedup_measured']:.3f}x the iteration speed of {base} measured")
     for r in (real or [])[1:]:
-        print(f"speed (real compute, CPU): {r['label']} {r['speedup_measured']:.3f}x the iteration speed of Megatron's "
-              f"own 1F1B measured, {r['speedup_predicted']:.3f}x simulated from its profiled F/B/W (iteration "
-              f"{r['measured']:.0f} ms measured, {r['predicted']:.0f} ms simulated: {r['error_pct']:+.1f}%)")
+        rr = r["speedup_measured_rounds"]
+        print(f"speed (real compute, CPU, balanced layouts): {r['label']} {r['speedup_measured']:.3f}x the iteration "
+              f"speed of Megatron's own 1F1B measured (median of {len(rr)} rounds, {min(rr):.3f}-{max(rr):.3f}), "
+              f"{r['speedup_predicted']:.3f}x simulated from each chunk's profiled F/B/W and the optimizer step "
+              f"(ratio {r['ratio_error_pct']:+.1f}%; iteration {r['measured']:.0f} ms measured, {r['predicted']:.0f} "
+              f"ms simulated)")
     for p in pictures:
         what = "emulated iteration as it ran" if args.mode == "cpu" else "schedule with the profiled times"
         exts = "(.svg; Chrome trace .trace.json)" if p.endswith("zb-v") else ""

@@ -119,6 +119,24 @@ def mem_w_ratio(args) -> float:
     return m_w / m_b if m_b > 0 else 0.5
 
 
+def _megatrons_own_layout(args) -> None:
+    """Megatron's own schedules: its layout flags, read as Megatron reads them (one chunk per rank or
+    its interleaving), so that megatron-zb's entry point builds the same layers (deterministic init)."""
+    p = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
+    if p < 2 or not given_layout_flags(args) or not getattr(args, "num_layers", None):
+        args.zero_bubble_layers_per_stage = None
+        return
+    text = getattr(args, "pipeline_model_parallel_layout", None)
+    v = getattr(args, "virtual_pipeline_model_parallel_size", None) or \
+        getattr(args, "num_virtual_stages_per_pipeline_rank", None) or 1
+    if isinstance(text, str):
+        try:
+            v = max(1, parse_layout(text).num_stages // p)
+        except ScheduleError as e:
+            raise ZeroBubbleArgumentError(str(e)) from None
+    apply_layout(args, layout_from_args(args, Placement.looped(p, int(v))), Placement.looped(p, int(v)), True)
+
+
 def _has_model(args) -> bool:
     """The flags describe the model well enough for plan's per-layer formulas."""
     return all(getattr(args, k, None) for k in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"))
@@ -164,6 +182,7 @@ def validate_zero_bubble_args(args, *, before_megatron_validation: Optional[bool
         _offload_kwargs(args, name=None, chunks=1, limit=None)  # stray offload flags get their message
         args.zero_bubble_resolved_schedule = None
         args.zero_bubble_placement = None
+        _megatrons_own_layout(args)
         if getattr(args, "allow_padding_num_layers", False):
             _apply_padding_single(args, before_megatron_validation, name=None)
         return None
