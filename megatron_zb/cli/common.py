@@ -67,6 +67,14 @@ def add_setting_args(ap: argparse.ArgumentParser, schedule_required: bool = True
                           "for Llama-3-8B's 128k vocabulary; default 0)")
     lay.add_argument("--embedding-cost", type=nonneg("--embedding-cost"), default=0.0, metavar="X",
                      help="with --layout: the embedding in transformer layers (default 0)")
+    lay.add_argument("--enable-vocab-parallel", action="store_true",
+                     help="with --layout: vocabulary parallelism: the output layer and loss (--output-layer-cost) "
+                          "spread over every rank's vocabulary shard as passes the core places (VS, VT, VW), with "
+                          "all-reduce barriers beside the compute (docs/vocab_parallel.md)")
+    lay.add_argument("--disable-backward-fusion", action="store_true",
+                     help="vocabulary parallelism with two barriers per microbatch instead of one (the ZB authors' flag)")
+    lay.add_argument("--vocab-cost-comm", type=nonneg("--vocab-cost-comm"), default=0.0, metavar="T",
+                     help="time of one vocabulary barrier's collective (default 0)")
     _add_offload_args(ap)
 
 
@@ -146,8 +154,12 @@ def request(args, name: Optional[str] = None, chunks: Optional[int] = None,
                           exact=(args.exact_nodes, args.exact_seconds) if getattr(args, "exact", False) else None)
     if getattr(args, "layout", None) is not None:
         req = req.replace(**layout_costs(args, req, p if p is not None else args.stages))
-    elif getattr(args, "output_layer_cost", 0.0) or getattr(args, "embedding_cost", 0.0):
-        raise UsageError("--output-layer-cost / --embedding-cost describe what a --layout's chunks hold: give --layout")
+    elif getattr(args, "output_layer_cost", 0.0) or getattr(args, "embedding_cost", 0.0) or \
+            getattr(args, "enable_vocab_parallel", False):
+        raise UsageError("--output-layer-cost / --embedding-cost / --enable-vocab-parallel describe what a --layout's "
+                         "chunks hold: give --layout")
+    elif getattr(args, "disable_backward_fusion", False) or getattr(args, "vocab_cost_comm", 0.0):
+        raise UsageError("--disable-backward-fusion / --vocab-cost-comm need --enable-vocab-parallel")
     return req
 
 
@@ -173,12 +185,24 @@ def layout_costs(args, req: ScheduleRequest, p: int) -> dict:
         if len(v) != 1:
             raise UsageError(f"with --layout, {flag} is one transformer layer's: give one value, got {len(v)}")
     o, e, mtp = args.output_layer_cost, args.embedding_cost, lay.num_mtp_layers
-    units = [s.count("t") + s.count("m") + (e if "E" in s else 0.0) + ((1 + mtp) * o if "L" in s else 0.0)
+    vocab = getattr(args, "enable_vocab_parallel", False)
+    if vocab and o <= 0:
+        raise UsageError("--enable-vocab-parallel spreads the output layer over the ranks: give --output-layer-cost X "
+                         "(its cost in transformer layers)")
+    units = [s.count("t") + s.count("m") + (e if "E" in s else 0.0) + ((1 + mtp) * o if "L" in s and not vocab else 0.0)
              for s in lay.stages]
     mem_w = args.mem_w[0] if args.mem_w is not None else None
     out = {k: [u * getattr(args, k)[0] for u in units] for k in ("cost_f", "cost_b", "cost_w", "cost_a2a", "mem_f")}
     out["mem_w"] = None if mem_w is None else [u * mem_w for u in units]
     out["chunks"] = req.chunks
+    if vocab:  # each rank's shard: the output layer's (1 + MTP) x o layers over p ranks
+        from ..core.vocab import VocabSetting
+        share = (1 + mtp) * o / p
+        f, b, w, mf = (getattr(args, k)[0] * share for k in ("cost_f", "cost_b", "cost_w", "mem_f"))
+        two = getattr(args, "disable_backward_fusion", False)
+        out["vocab"] = VocabSetting(barriers=2 if two else 1, cost_s=f if two else f + b, cost_t=b if two else 0.0,
+                                    cost_w=w, cost_comm=args.vocab_cost_comm, mem_s=mf,
+                                    mem_w=(mem_w if mem_w is not None else 0.5 * args.mem_f[0]) * share)
     return out
 
 

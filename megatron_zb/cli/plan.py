@@ -123,6 +123,15 @@ def add_parser(sub) -> None:
                          "whose model chunks it matches; default: each row tries the even split and a balanced one")
     pn.add_argument("--no-layout-search", action="store_true",
                     help="only the even split (Megatron's default layout), no balanced layout")
+    vg = pn.add_argument_group("vocabulary parallelism (the output layer and loss spread over every pipeline rank)")
+    vx = vg.add_mutually_exclusive_group()
+    vx.add_argument("--enable-vocab-parallel", action="store_true",
+                    help="only rows with vocabulary parallelism (default: a row with and one without for every schedule)")
+    vx.add_argument("--no-vocab-parallel", action="store_true", help="only rows without it")
+    vg.add_argument("--disable-backward-fusion", action="store_true",
+                    help="two all-reduce barriers per microbatch instead of one (the ZB authors' flag)")
+    vg.add_argument("--vocab-comm-gbps", type=positive_float("--vocab-comm-gbps"), default=None, metavar="GB/s",
+                    help="bandwidth of the vocabulary barriers' collectives over the pipeline ranks (default 50)")
     pn.add_argument("--cost-optimizer", type=nonneg("--cost-optimizer"), default=0.0,
                     help="seconds of one optimizer step, added to the time per iteration (default 0)")
     add_post_validation_arg(pn, "rank by the time per iteration")
@@ -164,7 +173,10 @@ def cmd_plan(args) -> int:
                   jobs=args.jobs if args.jobs is not None else min(8, _usable_cpus()),
                   ep_bandwidth_gbps=args.ep_bandwidth_gbps if args.ep_bandwidth_gbps is not None else P.EP_BANDWIDTH_GBPS,
                   a2a_overlap=not args.no_overlap, layout=args.pipeline_model_parallel_layout,
-                  layout_search=not args.no_layout_search)
+                  layout_search=not args.no_layout_search,
+                  vocab_parallel="on" if args.enable_vocab_parallel else "off" if args.no_vocab_parallel else "both",
+                  vocab_barriers=2 if args.disable_backward_fusion else 1,
+                  vocab_gbps=args.vocab_comm_gbps if args.vocab_comm_gbps is not None else P.EP_BANDWIDTH_GBPS)
     advice = post_validation_advice(rows, args.optimizer_post_validation)
     if args.json:
         print(json.dumps({"model": dataclasses.asdict(spec), "pipeline_parallel_size": args.pipeline_parallel_size,
@@ -314,14 +326,14 @@ def _print_plan(args, spec, rows, profile, tflops, advice) -> None:
         peak = [x / gib for x in r["peak_bytes"]]
         worst = max(range(len(peak)), key=peak.__getitem__)
         tp = r.get("throughput_vs_1f1b")
-        print(f"{i:>3}  {r['schedule']:<17} {1e3 * r['iteration_time_s']:>9.1f} "
+        print(f"{i:>3}  {_label(r):<17} {1e3 * r['iteration_time_s']:>9.1f} "
               f"{1e3 * r['iteration_time_post_validated_s']:>9.1f} {100 * r['bubble_rate']:>6.1f}% "
               f"{(f'{tp:.3f}x' if tp else '-'):>8}  {min(act):>6.1f} {max(act):>6.1f}  {peak[worst]:>6.1f} "
               f"{worst:>7}  {'yes' if r['fits'] else 'NO ':<4}" + (f" {r.get('overlap_pairs', 0):>6}" if a2a else "")
               + f"  {r.get('layout', '')}")
     for r in rows:
         if "error" in r:
-            print(f"{'-':>3}  {r['schedule']:<17} n/a: {r['error']}")
+            print(f"{'-':>3}  {_label(r):<17} n/a: {r['error']}")
     fitting = [r for r in ok if r["fits"]]
     print()
     if not ok:
@@ -334,14 +346,14 @@ def _print_plan(args, spec, rows, profile, tflops, advice) -> None:
         return
     best, rest = fitting[0], fitting[1:]
     pv = " --enable-optimizer-post-validation" if args.optimizer_post_validation else ""
-    print(f"suggested flags ({best['schedule']}, the fastest that fits; of equally fast ones the least memory), "
+    print(f"suggested flags ({_label(best)}, the fastest that fits; of equally fast ones the least memory), "
           "ready to paste into your Megatron command:")
     print(f"  {best['flags']}{pv}")
     if rest:
         print("the other schedules that fit:")
-        width = max(len(r["schedule"]) for r in rest)
+        width = max(len(_label(r)) for r in rest)
         for r in rest:
-            print(f"  {r['schedule']:<{width}}  {r['flags']}{pv}")
+            print(f"  {_label(r):<{width}}  {r['flags']}{pv}")
     for r in fitting:
         lim = r.get("memory_limit_microbatches")
         if lim:
@@ -350,6 +362,12 @@ def _print_plan(args, spec, rows, profile, tflops, advice) -> None:
                   f"(one microbatch's activations on the fullest rank) = {lim * unit:.1f} GiB, what it needs")
     if advice:
         print(advice)
+
+
+def _label(r: dict) -> str:
+    """A row's name in the table: the schedule, '+vocab' with vocabulary parallelism (2 barriers: '+vocab2')."""
+    v = r.get("vocab_parallel")
+    return r["schedule"] + ("" if not v else " +vocab" if v == 1 else " +vocab2")
 
 
 def post_validation_advice(rows: List[dict], post_validation: bool) -> Optional[str]:

@@ -192,6 +192,7 @@ def without_layout(args):
     """The flags without --layout (compare's header line: the per-layer costs as given)."""
     ns = argparse.Namespace(**vars(args))
     ns.layout, ns.output_layer_cost, ns.embedding_cost = None, 0.0, 0.0
+    ns.enable_vocab_parallel, ns.disable_backward_fusion, ns.vocab_cost_comm = False, False, 0.0
     return ns
 
 
@@ -219,6 +220,9 @@ def cmd_compare(args) -> int:
     print(f"P={setting.stages} M={setting.microbatches} F={fmt(setting.cost_f)} B={fmt(setting.cost_b)} "
           f"W={fmt(setting.cost_w)} comm={setting.cost_comm:g}"
           + (f" per layer; layout {layout}, output layer {args.output_layer_cost:g} layers" if layout else "")
+          + ((" spread over every rank (vocabulary parallelism, "
+              + ("2 barriers" if args.disable_backward_fusion else "1 barrier") + ")")
+             if getattr(args, "enable_vocab_parallel", False) else "")
           + (f" optimizer={args.cost_optimizer:g}" if args.cost_optimizer else "")
           + (f" memory-limit={setting.memory_limit:g}" if setting.memory_limit is not None else ""))
     print("ranked by the time per training iteration "

@@ -31,6 +31,7 @@ from .pairing import form_pairs
 from .schedules.exact import AUTOMATIC, refine
 from .simulate import SimResult, simulate
 from .validate import validate
+from .vocab import VocabSetting, place_vocab
 
 __all__ = ["OffloadRequest", "ScheduleRequest", "Built", "OverMemoryLimit", "build", "AUTO"]
 
@@ -122,6 +123,9 @@ class ScheduleRequest:
     memory_limit: Optional[float] = None
     offload: Optional[OffloadRequest] = None
     exact: Optional[Tuple[int, Optional[float]]] = None
+    # vocabulary parallelism (core.vocab): the output layer and loss on every rank's shard, as
+    # passes the core places into the schedule; costs above then leave the output layer out
+    vocab: Optional[VocabSetting] = None
 
     @property
     def spec(self) -> schedules.ScheduleSpec:
@@ -136,7 +140,7 @@ class ScheduleRequest:
                        cost_b=_seq(self.cost_b), cost_w=_seq(self.cost_w), cost_comm=self.cost_comm,
                        mem_f=_seq(self.mem_f), mem_w=None if self.mem_w is None else _seq(self.mem_w),
                        memory_limit=self.memory_limit, cost_sync=self.cost_sync, cost_a2a=_seq(self.cost_a2a),
-                       a2a_overlap=self.a2a_overlap)
+                       a2a_overlap=self.a2a_overlap, vocab=self.vocab)
 
 
 def _seq(x):
@@ -178,6 +182,32 @@ class Built:
         return self._lowered[forward_only]
 
 
+def _with_vocab(spec, sched: Schedule, base: Setting, setting: Setting) -> Schedule:
+    """The vocabulary passes placed into ``sched`` (``core.vocab.place_vocab``). A searched schedule
+    whose passes then peak over the memory limit is searched again under a limit lowered by what
+    they add (the vocabulary activations and the backwards they delay), until it fits."""
+    st = dataclasses.replace(setting, chunks=sched.placement.chunks)
+    out = place_vocab(sched, st, memory_limit=setting.memory_limit)
+    limit = setting.memory_limit
+    if limit is None or not spec.searched:
+        return out
+    peak = max(simulate(out, st).peak_memory)
+    for step in range(1, 5):
+        if peak <= limit + 1e-9:
+            break
+        lower = limit - (peak - limit) * step
+        if lower <= 0:
+            break
+        try:
+            again = place_vocab(spec.generate(dataclasses.replace(base, memory_limit=lower)), st, memory_limit=limit)
+        except ScheduleError:
+            break
+        p2 = max(simulate(again, st).peak_memory)
+        if p2 < peak:
+            out, peak = again, p2
+    return out
+
+
 def build(request: ScheduleRequest, p: int, m: int, *, enforce_limit: bool = True,
           base: Optional[Schedule] = None) -> Built:
     """Generate ``request`` for ``p`` ranks and ``m`` microbatches (or take ``base``, e.g. a
@@ -194,6 +224,9 @@ def build(request: ScheduleRequest, p: int, m: int, *, enforce_limit: bool = Tru
         spec = request.spec
         setting = request.setting(p, m, chunks=spec.resolve_chunks(request.chunks))
         off = request.offload
+        if request.vocab is not None and off is not None:
+            raise ScheduleError("vocabulary parallelism and activation offload together are not supported yet: "
+                                "leave out one of them")
         if off is not None and off.chunks is not None and off.chunks > setting.chunks:
             raise ScheduleError(f"offload of the first {off.chunks} model chunk(s) of each rank, but schedule "
                                 f"{request.name} runs {setting.chunks} chunk(s) per rank (offload chunks "
@@ -204,9 +237,12 @@ def build(request: ScheduleRequest, p: int, m: int, *, enforce_limit: bool = Tru
                                     "host link): leave out the offload ratio or the exact mode")
             sched = generate_with_offload(request.name, setting, request.offload.options(setting.memory_limit))
         else:
-            sched = spec.generate(setting)
+            base = dataclasses.replace(setting, vocab=None)  # the pipeline's own passes first
+            sched = spec.generate(base)
             if request.exact is not None and request.name in AUTOMATIC:
-                sched = refine(sched, setting, node_limit=request.exact[0], time_limit=request.exact[1])
+                sched = refine(sched, base, node_limit=request.exact[0], time_limit=request.exact[1])
+            if request.vocab is not None:
+                sched = _with_vocab(spec, sched, base, setting)
     setting = dataclasses.replace(setting, chunks=sched.placement.chunks)
     if base is None:  # MoE all-to-all overlap: the F&B pairs that shorten the iteration (none without)
         sched = form_pairs(sched, setting)

@@ -20,7 +20,7 @@ from .ir import Placement, ScheduleError
 from .layout import Layout
 from .model import ModelSpec
 
-__all__ = ["ChunkCosts", "chunk_costs", "stage_work"]
+__all__ = ["ChunkCosts", "chunk_costs", "stage_work", "vocab_setting"]
 
 
 @dataclass
@@ -47,8 +47,10 @@ class ChunkCosts:
         return out
 
 
-def _flops(spec: ModelSpec, stage: str, layers: range, mtp_total: int):
-    """(F, B, W) FLOPs, (M_B, M_W) bytes and all-to-all bytes of one chunk's content."""
+def _flops(spec: ModelSpec, stage: str, layers: range, mtp_total: int, vocab: bool = False):
+    """(F, B, W) FLOPs, (M_B, M_W) bytes and all-to-all bytes of one chunk's content. ``vocab``:
+    vocabulary parallelism takes the output layer and loss off the loss's chunk (``vocab_setting``);
+    it keeps the final norm's input and output."""
     f = [0.0, 0.0, 0.0]
     m = [0.0, 0.0]
     a2a = 0.0
@@ -69,7 +71,10 @@ def _flops(spec: ModelSpec, stage: str, layers: range, mtp_total: int):
     for _ in range(n_mtp):
         add(spec.mtp_layer_flops(with_output=False), spec.mtp_activation_bytes(with_output=False))
         a2a += spec.layer_a2a_bytes(spec.num_layers - 1)
-    if "L" in stage:
+    if "L" in stage and vocab:
+        e, tp = spec.activation_bytes, spec.tensor_parallel_size
+        m[0] += 2 * e * spec.seq_length * spec.micro_batch_size * spec.hidden_size / (tp if spec.sequence_parallel else 1)
+    elif "L" in stage:
         add(spec.output_flops(), spec.loss_activation_bytes())
         for _ in range(mtp_total):  # each MTP layer's shared output layer and loss run here
             add(spec.output_flops(), spec.loss_activation_bytes())
@@ -86,8 +91,9 @@ def stage_work(spec: ModelSpec, layout: Layout) -> List[float]:
 
 
 def chunk_costs(spec: ModelSpec, layout: Layout, placement: Placement, flops_per_s: float,
-                ep_bytes_per_s: float) -> ChunkCosts:
-    """Each chunk's costs for ``layout`` on ``placement`` (whose logical stages it must describe)."""
+                ep_bytes_per_s: float, vocab: bool = False) -> ChunkCosts:
+    """Each chunk's costs for ``layout`` on ``placement`` (whose logical stages it must describe);
+    ``vocab``: with vocabulary parallelism (the output layer in ``vocab_setting``'s passes)."""
     if layout.num_stages != placement.num_logical_stages:
         raise ScheduleError(f"layout {layout} has {layout.num_stages} stages; the placement runs "
                             f"{placement.num_logical_stages} model chunks")
@@ -99,7 +105,7 @@ def chunk_costs(spec: ModelSpec, layout: Layout, placement: Placement, flops_per
                             f"{spec.mtp_num_layers} (--mtp-num-layers)")
     cf, cb, cw, ca, mf, mw, par = [], [], [], [], [], [], []
     for stage, layers in zip(layout.stages, layout.layer_ranges()):
-        f, m, a2a = _flops(spec, stage, layers, layout.num_mtp_layers)
+        f, m, a2a = _flops(spec, stage, layers, layout.num_mtp_layers, vocab)
         cf.append(f[0] / flops_per_s)
         cb.append(f[1] / flops_per_s)
         cw.append(f[2] / flops_per_s)
@@ -116,9 +122,40 @@ def chunk_costs(spec: ModelSpec, layout: Layout, placement: Placement, flops_per
         path = placement.path(placement.path_of(s))
         if l == 0:
             params[r] += spec.embedding_params()
-        if l == last:
+        if l == last and not vocab:
             if spec.untie_embeddings_and_output_weights:
                 params[r] += spec.output_params()
             elif placement.rank_of(path[0]) != r:  # the tied weight's copy on the loss's rank
                 params[r] += spec.embedding_params()
+    if vocab:  # every rank holds its shard of the output layer (tied: of the embedding's weight)
+        for r in range(placement.num_ranks):
+            params[r] += spec.embedding_params() / placement.num_ranks
     return ChunkCosts(layout, cf, cb, cw, ca, mf, mw, params)
+
+
+def vocab_setting(spec: ModelSpec, p: int, flops_per_s: float, bytes_per_s: float, barriers: int = 1,
+                  mem_unit: float = 1.0):
+    """The vocabulary passes of ``spec`` over ``p`` pipeline ranks (``core.vocab.VocabSetting``):
+    each rank's shard of the output layer (V / (p x TP) rows). One barrier: VS computes the logits,
+    their statistics and the shard's part of the input gradient (two GEMMs), VT the softmax and the
+    logits' gradient (elementwise); two barriers: VS the logits and statistics, VT the input
+    gradient's part. VW the shard's weight gradient. Memory (units of ``mem_unit`` bytes): VS holds
+    the fp32 logits shard and a copy of the hidden states until VT, VW's the logits' gradient and
+    the hidden states. A barrier: the statistics (4 floats per token), and the input gradient
+    (s b h elements) gathered to (one barrier) or summed on (two) the loss's rank."""
+    from .vocab import VocabSetting
+    f, b, w = (x / p for x in spec.output_flops())
+    tokens = spec.seq_length * spec.micro_batch_size
+    shard = spec.vocab_size / (p * spec.tensor_parallel_size)
+    e = spec.activation_bytes
+    soft = 10.0 * tokens * shard  # softmax, its gradient: a few operations per logit
+    hidden = e * tokens * spec.hidden_size
+    if barriers == 1:
+        cs, ct = (f + b) / flops_per_s, soft / flops_per_s
+        moved = hidden * (p - 1) + 16.0 * tokens * p
+    else:
+        cs, ct = (f + soft) / flops_per_s, b / flops_per_s
+        moved = 2.0 * hidden * (p - 1) / p + 16.0 * tokens * p
+    return VocabSetting(barriers=barriers, cost_s=cs, cost_t=ct, cost_w=w / flops_per_s,
+                        cost_comm=moved / bytes_per_s if bytes_per_s > 0 else 0.0,
+                        mem_s=(4.0 * tokens * shard + hidden) / mem_unit, mem_w=(e * tokens * shard + hidden) / mem_unit)

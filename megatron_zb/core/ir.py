@@ -15,6 +15,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 F, B, W, BW = "F", "B", "W", "BW"
 COMPUTE_KINDS = (F, B, W, BW)
+# Vocabulary parallelism (core.vocab): the output layer and loss spread over every pipeline rank;
+# each rank runs, per microbatch, VS (its vocabulary shard's forward), VT (its backward) and VW
+# (the shard's weight gradient). ``Action.stage`` of a vocabulary pass is the rank whose shard it is.
+VS, VT, VW = "VS", "VT", "VW"
+VOCAB_KINDS = (VS, VT, VW)
 # Lowered communication actions: the tensor of (stage, mb) produced by the named pass.
 SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
 COMM_KINDS = (SEND_F, RECV_F, SEND_B, RECV_B)
@@ -27,7 +32,7 @@ OVERLAP = "OVERLAP_F_B"
 # for the part W still needs. They run on the rank's host link, not on its compute stream.
 OFFLOAD, RELOAD, OFFLOAD_W, RELOAD_W = "OFFLOAD", "RELOAD", "OFFLOAD_W", "RELOAD_W"
 OFFLOAD_KINDS = (OFFLOAD, RELOAD, OFFLOAD_W, RELOAD_W)
-ALL_KINDS = COMPUTE_KINDS + COMM_KINDS + (OVERLAP,) + OFFLOAD_KINDS
+ALL_KINDS = COMPUTE_KINDS + COMM_KINDS + (OVERLAP,) + OFFLOAD_KINDS + VOCAB_KINDS
 
 
 class ScheduleError(ValueError):
@@ -50,7 +55,11 @@ class Action:
 
     @property
     def is_compute(self) -> bool:
-        return self.kind in COMPUTE_KINDS or self.kind == OVERLAP
+        return self.kind in COMPUTE_KINDS or self.kind == OVERLAP or self.kind in VOCAB_KINDS
+
+    @property
+    def is_vocab(self) -> bool:
+        return self.kind in VOCAB_KINDS
 
     @classmethod
     def overlap(cls, f: "Action", b: "Action") -> "Action":
@@ -353,6 +362,9 @@ class Setting:
     # a2a_overlap is False. W has none.
     cost_a2a: Sequence[float] = (0.0,)
     a2a_overlap: bool = True
+    # vocabulary parallelism (``core.vocab.VocabSetting``): the vocabulary passes' costs and memory
+    # and how many all-reduce barriers they have; None without it
+    vocab: Optional[object] = None
 
     def __post_init__(self):
         p = self.stages
@@ -394,6 +406,8 @@ class Setting:
     def pass_cost(self, kind: str, rank: int, stage: Optional[int] = None) -> float:
         """Time of one pass of one chunk (stage ``stage`` on ``rank``): its compute and, for
         F/B/BW, its all-to-all."""
+        if kind in VOCAB_KINDS:
+            return self.vocab.cost(kind, rank) if self.vocab is not None else 0.0
         a2a = self._at(self.cost_a2a, rank, stage) if kind in (F, B, BW) else 0.0
         if kind == F:
             return self._at(self.cost_f, rank, stage) + a2a
@@ -411,6 +425,8 @@ class Setting:
 
     def pass_mem(self, kind: str, rank: int, stage: Optional[int] = None) -> float:
         """Change of rank memory caused by one pass of one chunk."""
+        if kind in VOCAB_KINDS:
+            return self.vocab.mem(kind, rank) if self.vocab is not None else 0.0
         if kind == F:
             return self._at(self.mem_f, rank, stage)
         if kind == B:
@@ -438,7 +454,8 @@ class Setting:
         return max(self.rank_values("mem_f", placement))
 
     def to_dict(self) -> dict:
-        return {k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in self.__dict__.items()}
+        return {k: (list(v) if isinstance(v, (list, tuple)) else v.to_dict() if hasattr(v, "to_dict") else v)
+                for k, v in self.__dict__.items() if not k.startswith("_")}
 
 
 # M_W / M_B for the default mem-w. Megatron's per-layer formula gives M_B = 34h + 5as and

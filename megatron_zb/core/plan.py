@@ -37,7 +37,8 @@ def plan(spec: ModelSpec, pipeline_parallel_size: int, microbatches: int, gpu_me
          offload_ratio=None, offload_time=None, host_link_gbps: Optional[float] = None,
          offload_overlap: bool = True, exact: Optional[tuple] = None, jobs: int = 1,
          ep_bandwidth_gbps: float = EP_BANDWIDTH_GBPS, a2a_overlap: bool = True,
-         layout: Optional[str] = None, layout_search: bool = True) -> List[dict]:
+         layout: Optional[str] = None, layout_search: bool = True, vocab_parallel: str = "off",
+         vocab_barriers: int = 1, vocab_gbps: float = EP_BANDWIDTH_GBPS) -> List[dict]:
     """Rows sorted by (fits, time per training iteration): with Megatron's synchronous optimizer
     step, or with optimizer post-validation when ``post_validation`` (``cost_optimizer`` seconds
     per step); times within 0.1% count as equal, the least peak memory first
@@ -58,7 +59,9 @@ def plan(spec: ModelSpec, pipeline_parallel_size: int, microbatches: int, gpu_me
     Layouts (``core.plan_row``): each row runs the layout ``layout`` (Megatron's
     ``--pipeline-model-parallel-layout`` grammar, pipeline order; a schedule whose model chunks it
     does not match gets an error row), or the faster of the even split and, with ``layout_search``,
-    the balanced layout (``core.layout_search``), each chunk costed by what it holds."""
+    the balanced layout (``core.layout_search``), each chunk costed by what it holds.
+    ``vocab_parallel``: 'off' (rows without vocabulary parallelism), 'on' (with, ``vocab_barriers``
+    barriers, its collectives at ``vocab_gbps`` GB/s) or 'both' (a row of each for every schedule)."""
     if exact is not None and offload_ratio is not None:
         raise ScheduleError("the exact mode solves schedules without activation offload (the MILP has no host "
                             "link): leave out the offload ratio or the exact mode")
@@ -79,25 +82,35 @@ def plan(spec: ModelSpec, pipeline_parallel_size: int, microbatches: int, gpu_me
     if microbatches < 1:
         raise ScheduleError("--num-microbatches must be >= 1")
     fixed: Optional[Layout] = parse(layout, p) if layout is not None else None
-    one = functools.partial(row, spec=spec, p=p, m=m, budget=gpu_memory_gb * 1024 ** 3,
+    if vocab_parallel not in ("off", "on", "both"):
+        raise ScheduleError(f"vocab_parallel is 'off', 'on' or 'both', got {vocab_parallel!r}")
+    if vocab_parallel == "on" and offload_ratio is not None:
+        raise ScheduleError("vocabulary parallelism and activation offload together are not supported yet: leave out "
+                            "one of them")
+    if vocab_parallel == "both" and (offload_ratio is not None or profile is not None or exact is not None):
+        vocab_parallel = "off"  # rows with vocabulary parallelism are not modelled with these
+    one = functools.partial(_job, spec=spec, p=p, m=m, budget=gpu_memory_gb * 1024 ** 3,
                             flops_per_s=tflops * 1e12 * efficiency, profile=profile, pad_ends=pad_ends,
                             interleave_chunks=interleave_chunks, cost_optimizer=cost_optimizer,
                             ranked_by=key, offload=(offload_ratio, offload_time, host_link_gbps, offload_overlap),
-                            exact=exact, a2a=(ep_bandwidth_gbps, a2a_overlap), layout=fixed, search=layout_search)
-    todo = list(schedules or names())
+                            exact=exact, a2a=(ep_bandwidth_gbps, a2a_overlap), layout=fixed, search=layout_search,
+                            vocab_gbps=vocab_gbps)
+    variants = {"off": [None], "on": [vocab_barriers], "both": [None, vocab_barriers]}[vocab_parallel]
+    todo = [(name, v) for name in (schedules or names()) for v in variants]
     if jobs > 1 and len(todo) > 1:
         # fork where there is one: the workers need nothing re-imported (and the caller's main
         # module may be a script that cannot be, e.g. stdin)
         ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
         # the searched schedules first, the longest first (they take seconds; the others milliseconds)
-        order = sorted(range(len(todo)), key=lambda i: SEARCHED.index(todo[i]) if todo[i] in SEARCHED
+        order = sorted(range(len(todo)), key=lambda i: SEARCHED.index(todo[i][0]) if todo[i][0] in SEARCHED
                        else len(SEARCHED))
         with concurrent.futures.ProcessPoolExecutor(min(jobs, len(todo)), mp_context=ctx) as pool:
             done = dict(zip(order, pool.map(one, [todo[i] for i in order])))
         rows = [done[i] for i in range(len(todo))]
     else:
-        rows = [one(name) for name in todo]
-    base = next((r for r in rows if r["schedule"] == "1f1b" and "error" not in r), None)
+        rows = [one(job) for job in todo]
+    base = next((r for r in rows if r["schedule"] == "1f1b" and "error" not in r and not r.get("vocab_parallel")),
+                None)
     ok = [r for r in rows if "error" not in r]
     for r in ok:
         r["throughput_vs_1f1b"] = round(base[key] / r[key], 4) if base and r[key] else None
@@ -106,6 +119,12 @@ def plan(spec: ModelSpec, pipeline_parallel_size: int, microbatches: int, gpu_me
     ok = (by_memory_among_ties([r for r in ok if r["fits"]], lambda r: r[key], lambda r: max(r["peak_bytes"]))
           + by_memory_among_ties([r for r in ok if not r["fits"]], lambda r: r[key], lambda r: max(r["peak_bytes"])))
     return ok + [r for r in rows if "error" in r]
+
+
+def _job(job, **kw) -> dict:
+    """One (schedule, vocabulary barriers or None) row (``plan_row.row``)."""
+    name, vocab = job
+    return row(name, vocab=vocab, **kw)
 
 
 def by_memory_among_ties(rows: List[dict], time, peak, tie: float = TIE) -> List[dict]:

@@ -34,7 +34,7 @@ def placement_for(style: str, p: int, v: int) -> Placement:
 
 
 def candidate_layouts(spec: ModelSpec, pl: Placement, pad_ends: bool, layout: Optional[Layout],
-                      search: bool) -> List[Layout]:
+                      search: bool, vocab: bool = False) -> List[Layout]:
     """The layouts a row tries: the user's alone; else the even split (with ``pad_ends``: the first
     and last chunk one layer less) and, with ``search``, the balanced one."""
     S = pl.num_logical_stages
@@ -49,7 +49,7 @@ def candidate_layouts(spec: ModelSpec, pl: Placement, pad_ends: bool, layout: Op
     if search:
         work = [sum(spec.layer_flops(i)) for i in range(spec.num_layers)]
         first = sum(spec.embedding_flops())
-        last = sum(spec.output_flops()) * (1 + spec.mtp_num_layers) + \
+        last = (0.0 if vocab else sum(spec.output_flops()) * (1 + spec.mtp_num_layers)) + \
             spec.mtp_num_layers * sum(spec.mtp_layer_flops(with_output=False))
         for lay in balanced(work, pl, first, last, spec.mtp_num_layers, keep=1, starts=[even]):
             if lay.stages not in [x.stages for x in out]:
@@ -59,22 +59,28 @@ def candidate_layouts(spec: ModelSpec, pl: Placement, pad_ends: bool, layout: Op
 
 def row(name: str, spec: ModelSpec, p: int, m: int, budget: float, flops_per_s: float, profile: Optional[dict],
         pad_ends: bool, interleave_chunks: int, cost_optimizer: float, ranked_by: str, offload: tuple,
-        exact: Optional[tuple], a2a: tuple, layout: Optional[Layout] = None, search: bool = True) -> dict:
-    """The best row over the candidate layouts (fits first, then ``ranked_by``), or {schedule, error}."""
+        exact: Optional[tuple], a2a: tuple, layout: Optional[Layout] = None, search: bool = True,
+        vocab: Optional[int] = None, vocab_gbps: float = 50.0) -> dict:
+    """The best row over the candidate layouts (fits first, then ``ranked_by``), or {schedule, error}.
+    ``vocab``: with vocabulary parallelism, that many barriers (``core.vocab``)."""
     sp = get(name)
     v = sp.resolve_chunks(interleave_chunks if sp.chunks is None else None)
     pl = placement_for(sp.placement, p, v)
     S = pl.num_logical_stages
     if layout is None and S > spec.num_layers + 2:
         return {"schedule": name, "error": f"{spec.num_layers} layers < {S} model chunks"}
+    if vocab is not None and (pl.replicated or profile is not None):
+        return {"schedule": name, "vocab_parallel": vocab,
+                "error": "vocabulary parallelism: not with replicated stages (bitpipe)" if pl.replicated
+                else "vocabulary parallelism: plan's profile rows do not model it"}
     try:
-        layouts = candidate_layouts(spec, pl, pad_ends, layout, search and profile is None)
+        layouts = candidate_layouts(spec, pl, pad_ends, layout, search and profile is None, vocab is not None)
     except ScheduleError as e:
         return {"schedule": name, "error": str(e)}
     best, first_error = None, None
     for lay in layouts:
         r = _one(sp, spec, p, m, v, pl, lay, budget, flops_per_s, profile, cost_optimizer, ranked_by, offload,
-                 exact, a2a, pad_ends and layout is None and lay is layouts[0])
+                 exact, a2a, pad_ends and layout is None and lay is layouts[0], (vocab, vocab_gbps))
         if "error" in r:
             first_error = first_error or r
             continue
@@ -84,12 +90,13 @@ def row(name: str, spec: ModelSpec, p: int, m: int, budget: float, flops_per_s: 
 
 
 def _one(sp, spec, p, m, v, pl, lay: Layout, budget, flops_per_s, profile, cost_optimizer, ranked_by, offload,
-         exact, a2a, padded: bool) -> dict:
+         exact, a2a, padded: bool, vocab=(None, 50.0)) -> dict:
     offload_ratio, offload_time, host_link_gbps, offload_overlap = offload
     ep_gbps, a2a_overlap = a2a
+    barriers, vocab_gbps = vocab
     name = sp.name
     try:
-        cc = chunk_costs(spec, lay, pl, flops_per_s, ep_gbps * 1e9)
+        cc = chunk_costs(spec, lay, pl, flops_per_s, ep_gbps * 1e9, vocab=barriers is not None)
     except ScheduleError as e:
         return {"schedule": name, "error": str(e)}
     cf, cb, cw, ca, mf, mw = cc.cost_f, cc.cost_b, cc.cost_w, cc.cost_a2a, cc.mem_f, cc.mem_w
@@ -106,8 +113,12 @@ def _one(sp, spec, p, m, v, pl, lay: Layout, budget, flops_per_s, profile, cost_
     unit = max(rank_mf)  # simulate in units of the largest whole-stage activation of a rank
     act_budget = [max(0.0, budget - states[r]) for r in range(p)]
     limit_units = min(act_budget) / unit if unit > 0 else None
+    vs = None
+    if barriers is not None:
+        from .chunk_costs import vocab_setting
+        vs = vocab_setting(spec, p, flops_per_s, vocab_gbps * 1e9, barriers, mem_unit=unit)
     try:
-        req = ScheduleRequest(name, chunks=v if sp.chunks is None else None, cost_f=cf, cost_b=cb, cost_w=cw,
+        req = ScheduleRequest(name, chunks=v if sp.chunks is None else None, cost_f=cf, cost_b=cb, cost_w=cw, vocab=vs,
                               cost_comm=comm, cost_a2a=ca, a2a_overlap=a2a_overlap, mem_f=[x / unit for x in mf],
                               mem_w=[x / unit for x in mw],
                               memory_limit=limit_units if sp.searched else None, exact=exact,
@@ -142,6 +153,9 @@ def _one(sp, spec, p, m, v, pl, lay: Layout, budget, flops_per_s, profile, cost_
            "memory_limit_microbatches": searched_limit,
            "weight_copies": res.weight_copies or [1.0] * p,
            "flags": _flags(sp, p, searched_limit, lay, padded, profile is not None)}
+    if barriers is not None:
+        out["vocab_parallel"] = barriers
+        out["flags"] += " --enable-vocab-parallel" + (" --disable-backward-fusion" if barriers == 2 else "")
     if any(ca):
         pairs = sum(1 for o in sched.orders for a in o if a.kind == OVERLAP)
         out.update(cost_a2a_s=_rank_sum(ca, pl, p), overlap_pairs=pairs)

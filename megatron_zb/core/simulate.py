@@ -24,6 +24,7 @@ from typing import Dict, List, Optional, Tuple
 
 from .hostlink import HostLinks
 from .ir import B, BW, F, OFFLOAD, OFFLOAD_KINDS, OFFLOAD_W, RELOAD, RELOAD_W, W, Action, Schedule, ScheduleError, Setting, deps
+from .vocab import Barriers, key_rank, vocab_deps
 
 
 @dataclass
@@ -85,9 +86,9 @@ class Deadlock(ScheduleError):
     every stuck rank; positions count every action of the (flattened) rank list."""
 
     def __init__(self, schedule: Schedule, orders: List[List[Action]], pos: List[int],
-                 done: Dict[Tuple[str, int, int], float]):
+                 done: Dict[Tuple[str, int, int], float], dep_of=None):
         super().__init__("schedule deadlocks")
-        self._args = (schedule, orders, pos, done)
+        self._args = (schedule, orders, pos, done, dep_of)
         self._msg: Optional[str] = None
 
     def __str__(self) -> str:
@@ -97,14 +98,14 @@ class Deadlock(ScheduleError):
 
     def stuck(self) -> List[Tuple[int, int]]:
         """(rank, index among the rank's compute passes) of the pass each stuck rank waits in."""
-        _, orders, pos, _ = self._args
+        _, orders, pos, _, _ = self._args
         return [(r, sum(1 for a in o[:pos[r]] if a.is_compute)) for r, o in enumerate(orders) if pos[r] < len(o)]
 
     def __reduce__(self):  # pickles as the plain error it describes
         return ScheduleError, (str(self),)
 
 
-def _deadlock_message(schedule: Schedule, orders, pos, done) -> str:
+def _deadlock_message(schedule: Schedule, orders, pos, done, dep_of=None) -> str:
     pl = schedule.placement
     nst = pl.num_stages
     index = [[i for i, a in enumerate(o) if a.is_compute] for o in schedule.orders]  # compute -> list position
@@ -118,7 +119,7 @@ def _deadlock_message(schedule: Schedule, orders, pos, done) -> str:
     waits = {}  # rank -> (its pass, the missing dependency, (rank, compute index) of it or None)
     for r in stuck:
         a = orders[r][pos[r]]
-        dep = next(d for d in deps(a, nst, pl) if d not in done)
+        dep = next(d for d in (dep_of(a) if dep_of is not None else deps(a, nst, pl)) if d not in done)
         waits[r] = (a, dep, where.get(dep))
 
     def name(dep):
@@ -172,9 +173,19 @@ def simulate(schedule: Schedule, setting: Setting,
     links = None
     if schedule.meta.get("offload") is not None or any(a.kind in OFFLOAD_KINDS for o in schedule.orders for a in o):
         links = HostLinks(schedule, setting)
+    barriers = None  # vocabulary parallelism: its collectives' completions
+    if any(a.is_vocab for o in schedule.orders for a in o):
+        if setting.vocab is None:
+            raise ScheduleError(f"schedule {schedule.name} has vocabulary passes: its setting needs their costs "
+                                "(vocabulary parallelism)")
     orders = [[a for a in o if a.is_compute or (links is not None and a.kind in OFFLOAD_KINDS)]
               for o in schedule.orders]
     done: Dict[Tuple[str, int, int], float] = {}  # (kind, stage, mb) -> end time; BW also as 'B*'
+    if any(a.is_vocab for o in orders for a in o):
+        barriers = Barriers(pl.num_ranks, setting.vocab.check(pl.num_ranks), done)
+        dep_of = lambda a: vocab_deps(a, pl, setting.vocab.barriers)  # noqa: E731
+    else:
+        dep_of = lambda a: deps(a, nst, pl)  # noqa: E731
     pos = [0] * len(orders)
     clock = [0.0] * len(orders)
     timeline: List[List[Timed]] = [[] for _ in orders]
@@ -202,9 +213,9 @@ def simulate(schedule: Schedule, setting: Setting,
                     ready = max(ready, release.get((r, len(timeline[r])), ready))  # i-th compute pass
                 i = len(timeline[r])
                 # the F of an overlapped pair starts once the inputs of both its passes are in
-                ready = _inputs_ready(a, r, ready, done, nst, pl, comm)
+                ready = _inputs_ready(a, r, ready, done, dep_of, pl, comm)
                 if ready is not None and (r, i) in pairs:
-                    ready = _inputs_ready(order[pos[r] + 1], r, ready, done, nst, pl, comm)
+                    ready = _inputs_ready(order[pos[r] + 1], r, ready, done, dep_of, pl, comm)
                 if ready is None:
                     break
                 if links is not None and a.kind in (B, BW, W):
@@ -225,11 +236,13 @@ def simulate(schedule: Schedule, setting: Setting,
                         done[(f.kind, f.stage, f.mb)] = end
                 if a.kind in (B, BW):
                     done[("B*", a.stage, a.mb)] = end
+                if barriers is not None:
+                    barriers.passed(a, end)
                 pos[r] += 1
                 remaining -= 1
                 progressed = True
         if not progressed:
-            deadlock = Deadlock(schedule, orders, pos, done)
+            deadlock = Deadlock(schedule, orders, pos, done, dep_of)
             stuck = set(deadlock.stuck()) & pairs
             if unpaired is None or not stuck:
                 raise deadlock
@@ -262,14 +275,14 @@ def simulate(schedule: Schedule, setting: Setting,
                      makespan, bubble, peaks, spans, busy, timeline, syncs, copies, offload)
 
 
-def _inputs_ready(a: Action, r: int, ready: float, done, nst: int, pl, comm: float) -> Optional[float]:
+def _inputs_ready(a: Action, r: int, ready: float, done, dep_of, pl, comm: float) -> Optional[float]:
     """When pass ``a`` on rank ``r`` has its inputs (no earlier than ``ready``); None if a
     dependency has not run yet."""
-    for key in deps(a, nst, pl):
+    for key in dep_of(a):
         t = done.get(key)
         if t is None:
             return None
-        if pl.stage_to_rank[key[1]] != r:
+        if key_rank(key, pl) not in (None, r):
             t += comm
         if t > ready:
             ready = t

@@ -5,7 +5,7 @@ import dataclasses
 from collections import Counter
 from typing import Optional
 
-from .ir import B, BW, COMPUTE_KINDS, F, OFFLOAD_KINDS, W, Schedule, ScheduleError, Setting
+from .ir import B, BW, COMPUTE_KINDS, F, OFFLOAD_KINDS, VOCAB_KINDS, W, Schedule, ScheduleError, Setting
 from .hostlink import check_offload
 from .simulate import Deadlock, simulate
 
@@ -28,6 +28,15 @@ def validate(schedule: Schedule, setting: Optional[Setting] = None,
     for r, order in enumerate(schedule.orders):
         for i, a in enumerate(order):
             if not a.is_compute:
+                continue
+            if a.kind in VOCAB_KINDS:  # a vocabulary pass runs on its own rank's shard
+                if a.stage != r or not (0 <= a.mb < m):
+                    raise ScheduleError(f"rank {r} position {i}: {a} must name this rank's vocabulary shard ({r}) and "
+                                        f"a microbatch in 0..{m - 1}")
+                key = (a.kind, a.stage, a.mb)
+                seen[key] += 1
+                if seen[key] > 1:
+                    raise ScheduleError(f"rank {r} position {i}: {a} appears twice")
                 continue
             if a.kind not in COMPUTE_KINDS:
                 raise ScheduleError(f"rank {r} position {i}: unknown pass kind in {a}")
@@ -71,6 +80,13 @@ def validate(schedule: Schedule, setting: Optional[Setting] = None,
         if not nbw and not (nb and nw):
             missing = "B and W (or one BW)" if not (nb or nw) else ("W" if nb else "B")
             raise ScheduleError(f"rank {r}: stage {s} microbatch {mb} is missing {missing}")
+    if any(seen[(k, r, mb)] for k in VOCAB_KINDS for r in range(pl.num_ranks) for mb in range(m)):
+        for r in range(pl.num_ranks):
+            for mb in range(m):
+                for k in VOCAB_KINDS:
+                    if not seen[(k, r, mb)]:
+                        raise ScheduleError(f"rank {r}: missing vocabulary pass {k} of microbatch {mb} (every rank "
+                                            "runs VS, VT and VW of every microbatch on its shard)")
     offload = any(a.kind in OFFLOAD_KINDS for o in schedule.orders for a in o)
     if offload:
         check_offload(schedule)

@@ -1,0 +1,353 @@
+"""Vocabulary parallelism in the schedule core: the output layer and loss spread over every pipeline
+rank ("Balancing Pipeline Parallelism with Vocabulary Parallelism", Yeung et al., MLSys 2025),
+as passes the core places into any schedule. Pure Python.
+
+Each rank r holds a shard of the output layer (a slice of the vocabulary). Per microbatch j, after
+the last stage's forward F(S-1, j) its hidden states reach every rank, and every rank runs:
+
+* **VS** (S in the paper): its shard's logits, their local maximum and sum of exponentials, the
+  target's logit where the target is in the shard; with one barrier also the shard's part of the
+  input gradient, unnormalised (every rank's part is rescaled by the global maximum and sum later);
+* **VT** (T): after the barrier the softmax of its shard and the logits' gradient; with two barriers
+  also its part of the input gradient;
+* **VW**: its shard's weight gradient (a W pass: the core may move it, like any W).
+
+**Barriers** are collectives over the pipeline group that run beside the compute (asynchronous):
+C0(j), once every rank's VS(·, j) ended, combines the statistics (and, with one barrier, the input
+gradient's parts); with two barriers C1(j), once every rank's VT(·, j) ended, sums the input
+gradient's parts. The last stage's backward of j waits for the last barrier (its output gradient).
+A barrier takes ``cost_comm``; barriers run one after the other.
+
+``add_vocab`` places the passes into a schedule without them: it replays the schedule's order and,
+on every rank, runs a vocabulary pass as soon as it is ready (VT, then VS, before the rank's next
+pass), and each VW in the rank's idle time or, at the latest, before the next VT (so one shard's
+logits gradient is held at a time). Memory per rank: VS allocates ``mem_s`` (the logits shard, the
+statistics), VT frees all but ``mem_w`` (what VW needs), VW frees the rest.
+"""
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from .ir import B, BW, F, VOCAB_KINDS, VS, VT, VW, W, Action, Placement, Schedule, ScheduleError, Setting, deps
+
+__all__ = ["VocabSetting", "BARRIER_KINDS", "Barriers", "vocab_deps", "key_rank", "add_vocab", "barrier_of",
+           "delay_backwards", "place_vocab"]
+
+C0, C1 = "C0", "C1"
+BARRIER_KINDS = (C0, C1)
+EPS = 1e-9
+
+
+def _tuple(name: str, v) -> Tuple[float, ...]:
+    vals = [v] if isinstance(v, (int, float)) and not isinstance(v, bool) else list(v)
+    if not vals or any(isinstance(x, bool) or not isinstance(x, (int, float)) or not (x >= 0 and x < float("inf"))
+                       for x in vals):
+        raise ScheduleError(f"vocabulary {name} must be non-negative numbers, got {v!r}")
+    return tuple(float(x) for x in vals)
+
+
+@dataclass(frozen=True)
+class VocabSetting:
+    """The vocabulary passes of one pipeline: one value, or one per rank (its shard's)."""
+
+    barriers: int = 1
+    cost_s: Sequence[float] = (1.0,)
+    cost_t: Sequence[float] = (1.0,)
+    cost_w: Sequence[float] = (1.0,)
+    cost_comm: float = 0.0
+    mem_s: Sequence[float] = (0.0,)
+    mem_w: Sequence[float] = (0.0,)
+
+    def __post_init__(self):
+        if self.barriers not in (1, 2):
+            raise ScheduleError(f"vocabulary parallelism has one or two barriers, got {self.barriers!r}")
+        for k in ("cost_s", "cost_t", "cost_w", "mem_s", "mem_w"):
+            object.__setattr__(self, k, _tuple(k.replace("_", "-"), getattr(self, k)))
+        if any(w > s + EPS for s, w in zip(self._full(self.mem_s, 1), self._full(self.mem_w, 1))):
+            raise ScheduleError("vocabulary mem-w (what VW needs) cannot exceed mem-s (what VS allocates)")
+        c = self.cost_comm
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not (0 <= c < float("inf")):
+            raise ScheduleError(f"vocabulary cost-comm must be a non-negative number, got {c!r}")
+
+    @staticmethod
+    def _full(vals, p):
+        return list(vals) * p if len(vals) == 1 else list(vals)
+
+    def check(self, p: int) -> "VocabSetting":
+        for k in ("cost_s", "cost_t", "cost_w", "mem_s", "mem_w"):
+            n = len(getattr(self, k))
+            if n not in (1, p):
+                raise ScheduleError(f"vocabulary {k.replace('_', '-')} has {n} values; give one or one per rank ({p})")
+        return self
+
+    def _at(self, vals, rank: int) -> float:
+        return vals[0] if len(vals) == 1 else vals[rank]
+
+    def cost(self, kind: str, rank: int) -> float:
+        return self._at({VS: self.cost_s, VT: self.cost_t, VW: self.cost_w}[kind], rank)
+
+    def mem(self, kind: str, rank: int) -> float:
+        s, w = self._at(self.mem_s, rank), self._at(self.mem_w, rank)
+        return {VS: s, VT: -(s - w), VW: -w}[kind]
+
+    def to_dict(self) -> dict:
+        return {"barriers": self.barriers, "cost_s": list(self.cost_s), "cost_t": list(self.cost_t),
+                "cost_w": list(self.cost_w), "cost_comm": self.cost_comm, "mem_s": list(self.mem_s),
+                "mem_w": list(self.mem_w)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "VocabSetting":
+        return cls(**{k: d[k] for k in ("barriers", "cost_s", "cost_t", "cost_w", "cost_comm", "mem_s", "mem_w")
+                      if k in d})
+
+
+def barrier_of(kind: str, barriers: int) -> Optional[str]:
+    """The barrier the passes of ``kind`` feed: VS -> C0; VT -> C1 with two barriers."""
+    if kind == VS:
+        return C0
+    if kind == VT and barriers == 2:
+        return C1
+    return None
+
+
+def vocab_deps(a: Action, placement: Placement, barriers: int) -> List[Tuple[str, int, int]]:
+    """``ir.deps`` for a schedule with vocabulary passes: VS after the last stage's forward, VT after
+    C0, VW after its VT, the last stage's backward after the last barrier (its output gradient)."""
+    last = placement.num_stages - 1
+    if a.kind == VS:
+        return [(F, last, a.mb)]
+    if a.kind == VT:
+        return [(C0, -1, a.mb)]
+    if a.kind == VW:
+        return [(VT, a.stage, a.mb)]
+    if a.kind in (B, BW) and a.stage == last:
+        return [(C1 if barriers == 2 else C0, -1, a.mb)]
+    return deps(a, placement.num_stages, placement)
+
+
+def key_rank(key: Tuple[str, int, int], placement: Placement) -> Optional[int]:
+    """The rank a dependency key's pass ran on (None for a barrier: it ends everywhere at once)."""
+    if key[0] in BARRIER_KINDS:
+        return None
+    if key[0] in VOCAB_KINDS:
+        return key[1]
+    return placement.rank_of(key[1])
+
+
+class Barriers:
+    """When each barrier of each microbatch completes (``done`` gets (C0|C1, -1, mb) -> time)."""
+
+    def __init__(self, p: int, vocab: VocabSetting, done: Dict):
+        self.p, self.vocab, self.done = p, vocab, done
+        self.ends: Dict[Tuple[str, int], List[float]] = {}
+        self.free = 0.0  # the link: one collective at a time
+
+    def passed(self, a: Action, end: float) -> None:
+        b = barrier_of(a.kind, self.vocab.barriers)
+        if b is None:
+            return
+        ends = self.ends.setdefault((b, a.mb), [])
+        ends.append(end)
+        if len(ends) == self.p:
+            start = max(max(ends), self.free)
+            self.free = start + self.vocab.cost_comm
+            self.done[(b, -1, a.mb)] = self.free
+
+
+def add_vocab(schedule: Schedule, setting: Setting, w_cap: int = 1) -> Schedule:
+    """``schedule`` (without vocabulary passes; one path) with every rank's VS, VT and VW placed
+    (see the module docstring); ``setting.vocab`` gives their costs. ``w_cap``: the most VW a rank
+    may leave pending (their logits gradients held) before its next VT."""
+    vocab = setting.vocab
+    if vocab is None:
+        raise ScheduleError("vocabulary passes need a vocabulary setting")
+    pl = schedule.placement
+    if pl.replicated:
+        raise ScheduleError(f"vocabulary parallelism with replicated stages ({schedule.name}) is not supported: "
+                            "each path would need its own output layer's shards")
+    if any(a.is_vocab for o in schedule.orders for a in o):
+        raise ScheduleError(f"schedule {schedule.name} already has vocabulary passes")
+    p, m = pl.num_ranks, schedule.num_microbatches
+    vocab.check(p)
+    last = pl.num_stages - 1
+    base = [deque(a for a in o if a.is_compute) for o in schedule.flat().orders]
+    if any(a.kind not in (F, B, W, BW) for o in base for a in o):
+        raise ScheduleError(f"vocabulary passes go into plain F/B/W schedules; {schedule.name} has others")
+    done: Dict[Tuple[str, int, int], float] = {}
+    barriers = Barriers(p, vocab, done)
+    clock = [0.0] * p
+    nxt_s, nxt_t = [0] * p, [0] * p
+    pending_w: List[deque] = [deque() for _ in range(p)]
+    orders: List[List[Action]] = [[] for _ in range(p)]
+    comm = setting.cost_comm
+    st = setting
+
+    def ready_at(r: int, a: Action) -> Optional[float]:
+        t = 0.0
+        for key in vocab_deps(a, pl, vocab.barriers):
+            e = done.get(key)
+            if e is None:
+                return None
+            if key_rank(key, pl) not in (None, r):
+                e += comm
+            t = max(t, e)
+        return t
+
+    def run(r: int, a: Action, start: float) -> None:
+        end = start + st.pass_cost(a.kind, r, a.stage if not a.is_vocab else None)
+        clock[r] = end
+        orders[r].append(a)
+        done[(a.kind, a.stage, a.mb)] = end
+        if a.kind in (B, BW):
+            done[("B*", a.stage, a.mb)] = end
+        if a.kind == VS:
+            nxt_s[r] += 1
+        elif a.kind == VT:
+            nxt_t[r] += 1
+            pending_w[r].append(a.mb)
+        barriers.passed(a, end)
+
+    def candidates(r: int):
+        """(ready time, priority, action) of rank r's next passes whose inputs are known."""
+        out = []
+        if nxt_t[r] < nxt_s[r]:
+            a = Action(VT, r, nxt_t[r])
+            t = ready_at(r, a)
+            if t is not None:
+                out.append((t, 0, a))
+        if nxt_s[r] < m:
+            a = Action(VS, r, nxt_s[r])
+            t = ready_at(r, a)
+            if t is not None:
+                out.append((t, 1, a))
+        if base[r]:
+            a = base[r][0]
+            t = ready_at(r, a)
+            if t is not None:
+                out.append((t, 2, a))
+        return out
+
+    def finished(r: int) -> bool:
+        return not base[r] and nxt_s[r] == m and nxt_t[r] == m and not pending_w[r]
+
+    heap = [(0.0, r) for r in range(p)]
+    heapq.heapify(heap)
+    stalls = 0
+    while heap:
+        t0, r = heapq.heappop(heap)
+        if finished(r) or t0 < clock[r] - EPS:
+            if not finished(r) and t0 < clock[r] - EPS:
+                heapq.heappush(heap, (clock[r], r))
+            continue
+        t = clock[r]
+        cands = candidates(r)
+        now = sorted((c for c in cands if c[0] <= t + EPS), key=lambda c: (c[1], c[2].mb))
+        must_w = len(pending_w[r]) >= w_cap and any(c[2].kind == VT for c in now)  # gradients held: at most w_cap
+        if now and not must_w:
+            _, _, a = now[0]
+            if base[r] and a is base[r][0]:
+                base[r].popleft()
+            run(r, a, t)
+            stalls = 0
+        else:
+            future = [c[0] for c in cands if c[0] > t + EPS]
+            others = [clock[q] for q in range(p) if q != r and not finished(q) and clock[q] > t + EPS]
+            horizon = min(future + others) if (future or others) else None
+            if pending_w[r] and (must_w or horizon is None or
+                                 horizon - t >= st.pass_cost(VW, r) - EPS or not base[r] and nxt_s[r] == m):
+                run(r, Action(VW, r, pending_w[r].popleft()), t)
+                stalls = 0
+            elif horizon is not None:
+                clock[r] = horizon
+            else:
+                stalls += 1
+                if stalls > 4 * p + 8:
+                    raise ScheduleError(f"vocabulary passes cannot be placed into {schedule.name}: rank {r} waits "
+                                        f"at time {t:g} for a pass no rank can run")
+                clock[r] = t + EPS
+        if not finished(r):
+            heapq.heappush(heap, (clock[r], r))
+    meta = dict(schedule.meta, vocab=vocab.to_dict())
+    return Schedule(schedule.name, pl, m, orders, meta)
+
+
+def delay_backwards(schedule: Schedule, k: int, only_loss: bool = False) -> Schedule:
+    """Every rank's backward passes k forwards later in its order (each B or BW with the W's that
+    follow it before the next forward), forwards and backwards each keeping their own order: the
+    rank holds k more microbatches, and a backward waiting for a vocabulary barrier no longer
+    stalls the forwards behind it (the paper's 1F1B with vocabulary parallelism holds p + 1 or
+    p + 2 microbatches). ``only_loss``: only the loss stage's backwards (the ones a barrier feeds)."""
+    if k <= 0:
+        return schedule
+    last = schedule.placement.num_stages - 1
+    orders = []
+    for o in schedule.flat().orders:
+        out: List[Action] = []
+        held: deque = deque()  # [countdown, [B, W...]]
+        seq = [x for x in o if x.is_compute]
+        f_after = [0] * (len(seq) + 1)  # forwards after each position: a backward with fewer behind it stays
+        for i in range(len(seq) - 1, -1, -1):
+            f_after[i] = f_after[i + 1] + (seq[i].kind == F)
+        for i, a in enumerate(seq):
+            if a.kind in (B, BW) and f_after[i] < k and not held:
+                out.append(a)  # the cool-down: no forward left to let by
+                continue
+            if only_loss and a.kind != F and not (a.kind in (B, BW) and a.stage == last) and \
+                    not (a.kind == W and a.stage == last):
+                while held and any(x.mb <= a.mb for x in held[0][1]) and a.kind in (B, BW):
+                    out += held.popleft()[1]  # a microbatch's backward chain starts at the loss stage
+                out.append(a)
+                continue
+            if a.kind in (B, BW):
+                held.append([k, [a]])
+            elif a.kind == W and held and any(x.kind == B and x.stage == a.stage and x.mb == a.mb
+                                              for _, grp in held for x in grp):
+                next(grp for _, grp in held if any(x.kind == B and x.stage == a.stage and x.mb == a.mb
+                                                   for x in grp)).append(a)
+            elif a.kind == W:
+                out.append(a)
+            else:  # F
+                out.append(a)
+                for h in held:
+                    h[0] -= 1
+                while held and held[0][0] <= 0:
+                    out += held.popleft()[1]
+        while held:
+            out += held.popleft()[1]
+        orders.append(out)
+    meta = dict(schedule.meta, vocab_delay=k)
+    return Schedule(schedule.name, schedule.placement, schedule.num_microbatches, orders, meta)
+
+
+# the variants ``place_vocab`` tries: (backwards delayed by k forwards, or the loss stage's by k
+# passes when k is negative; VW left pending at most)
+VARIANTS = tuple((k, cap) for k in (0, 1, 2, -1, -2, -3) for cap in (1, 2, 4))
+
+
+def place_vocab(schedule: Schedule, setting: Setting, memory_limit: Optional[float] = None) -> Schedule:
+    """The vocabulary passes placed into ``schedule``: of the ``VARIANTS`` (``delay_backwards`` k,
+    then ``add_vocab`` with that VW cap), the one with the shortest makespan, then the least peak
+    memory, among those within ``memory_limit`` where any is (deterministic)."""
+    from .simulate import simulate
+    if schedule.placement.replicated:
+        raise ScheduleError(f"vocabulary parallelism with replicated stages ({schedule.name}) is not supported: "
+                            "each path would need its own output layer's shards")
+    best, best_key = None, None
+    for k, cap in VARIANTS:
+        try:
+            s = add_vocab(delay_backwards(schedule, abs(k), only_loss=k < 0), setting, w_cap=cap)
+            res = simulate(s, setting)
+        except ScheduleError:
+            continue
+        peak = max(res.peak_memory)
+        over = memory_limit is not None and peak > memory_limit + 1e-9
+        key = (over, round(res.makespan, 9), round(peak, 9), k, cap)
+        if best_key is None or key < best_key:
+            best, best_key = s, key
+    if best is None:
+        raise ScheduleError(f"vocabulary passes cannot be placed into {schedule.name}")
+    best.meta = dict(best.meta, vocab_variant={"delay": best_key[3], "w_cap": best_key[4]})
+    return best
