@@ -73,7 +73,7 @@ def test_bad_vocabulary_settings_are_named():
         VocabSetting(mem_s=0.1, mem_w=0.2)
     with pytest.raises(ScheduleError, match="replicated stages"):
         build(ScheduleRequest("bitpipe", vocab=_vs()), 4, 8)
-    orders = [[Action(F, 0, 0), Action(VS, 0, 0), Action(B, 0, 0)]]
+    orders = [[Action(F, 0, 0), Action(VS, 0, 0), Action(B, 0, 0), Action("W", 0, 0)]]
     with pytest.raises(ScheduleError, match="vocabulary passes: its setting needs"):
         simulate(Schedule("x", Placement.single(1), 1, orders), Setting(1, 1))
     with pytest.raises(ScheduleError, match="missing vocabulary pass VT"):
