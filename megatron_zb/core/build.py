@@ -31,7 +31,8 @@ from .pairing import form_pairs
 from .schedules.exact import AUTOMATIC, refine
 from .simulate import SimResult, simulate
 from .validate import validate
-from .vocab import VocabSetting, place_vocab
+from .vocab import VocabSetting
+from .vocab_place import place_vocab
 
 __all__ = ["OffloadRequest", "ScheduleRequest", "Built", "OverMemoryLimit", "build", "AUTO"]
 

@@ -73,8 +73,8 @@ def tied_embedding_copies(chunks: Sequence[torch.nn.Module]) -> List[torch.nn.Pa
     out = []
     for c in chunks:
         for _, p in unwrap(c).named_parameters():
-            if p.mzb_global_name == "embedding.word_embeddings.weight":
-                out.append(p)
+            if p.mzb_global_name == "embedding.word_embeddings.weight" and not hasattr(p, "mzb_vocab_rows"):
+                out.append(p)  # (a vocabulary shard holds some rows: megatron.vocab_parallel sums those)
     return out
 
 
@@ -111,7 +111,9 @@ def finalize_model_grads_for(model: List[torch.nn.Module], num_tokens: Optional[
     the rank that holds the last stage (rank 0 for V, not megatron's last pipeline rank).
     """
     from megatron.core import parallel_state
+    from .vocab_parallel import sync_tied_gradients
     model = list(model)
+    sync_tied_gradients(model, grad_of, _set_grad)  # vocabulary parallelism: the embedding and its shards
     v_like = placement is not None and (embedding_and_loss_on_one_rank(placement) or placement.replicated)
     if all(_is_ddp(c) for c in model):
         from megatron.core.distributed import finalize_model_grads

@@ -101,6 +101,7 @@ class ZeroBubbleForwardBackward:
         self.memory: Optional[dict] = None  # runtime.memory: the last measured training iteration
         self.overlapped_pairs = 0  # --overlap-moe-expert-parallel-comm: pairs run as one pass, last iteration
         self.offload_time_measured: Optional[dict] = None  # --auto-offload-time's measurement
+        self.vocab = None  # vocabulary parallelism: megatron.vocab_parallel.VocabParallel, made at the first call
         self.profiler = None
         if options.profile_window is not None:
             try:
@@ -212,6 +213,9 @@ class ZeroBubbleForwardBackward:
                 decoder_seq_length=decoder_seq_length, forward_only=forward_only,
                 collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step)
         _check_config(config, self.options.schedule)
+        if forward_only and self.options.vocab_parallel is not None:
+            raise ZeroBubbleConfigError("evaluation (a forward-only call) with --enable-vocab-parallel is not supported "
+                                        "yet: train with --eval-iters 0")
         if getattr(config, "overlap_moe_expert_parallel_comm", False) and not self.options.ep_overlap:
             self._replace_options(ep_overlap=True)  # Megatron's flag in the model config: the same option
         o = self.options
@@ -332,6 +336,9 @@ class ZeroBubbleForwardBackward:
                                 first_val_step=call.first_val_step,
                                 ep_overlap=self.options.ep_overlap)
         sync = None
+        if self.options.vocab_parallel is not None and not call.forward_only:  # every rank's vocabulary shard
+            from .vocab_parallel import setup_passes
+            self.vocab = setup_passes(self.vocab, self.options, pl, call.models, call.config, passes, device())
         if not call.forward_only:
             replicas = (ReplicaGradSync(self.replica_groups(call.pp_ranks, pl), timeout_s=self.options.timeout_s)
                         if pl.replicated else None)
@@ -356,6 +363,8 @@ class ZeroBubbleForwardBackward:
                 q.assert_empty()
             else:
                 q.clear()
+        if passes.vocab is not None and completed:
+            passes.vocab.runtime.finish()
         if call.memory is not None and completed:
             self.memory = measured_memory(call.memory.result, call.schedule.orders[me])
         if call.offload is not None and completed:

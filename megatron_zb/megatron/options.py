@@ -81,6 +81,10 @@ class ScheduleOptions:
     # optimizer post-validation (runtime.postval; the optimizer side: megatron.optimizer): wrap
     # Megatron's optimizer with handle.post_validated_optimizer(...)
     post_validation: bool = False
+    # vocabulary parallelism (core.vocab, runtime.vocab, megatron.vocab_parallel): 1 or 2 barriers,
+    # None off; ``vocab_costs``: the VS/VT/VW costs and memory (core.vocab.VocabSetting's fields)
+    vocab_parallel: Optional[int] = None
+    vocab_costs: Optional[dict] = None
 
     @property
     def spec(self) -> core_schedules.ScheduleSpec:
@@ -100,7 +104,13 @@ class ScheduleOptions:
         mem_w = self.mem_w
         if mem_w is not None and not isinstance(mem_w, (list, tuple)):
             mem_w = [float(mem_w) * x for x in mem_f]  # a share of each stage's mem_f
-        return ScheduleRequest(self.schedule, chunks=self.chunks if self.spec.chunks is None else None,
+        vocab = None
+        if self.vocab_parallel is not None:
+            from ..core.vocab import VocabSetting
+            costs = dict(cost_s=0.25, cost_t=0.25, cost_w=0.25, mem_s=0.25, mem_w=0.1)  # of a stage's F = 1
+            costs.update(self.vocab_costs or {})
+            vocab = VocabSetting(barriers=int(self.vocab_parallel), **costs)
+        return ScheduleRequest(self.schedule, chunks=self.chunks if self.spec.chunks is None else None, vocab=vocab,
                                cost_f=self.cost_f, cost_b=self.cost_b, cost_w=self.cost_w, cost_comm=self.cost_comm,
                                cost_sync=self.cost_sync, mem_f=mem_f, mem_w=None if mem_w is None else list(mem_w),
                                memory_limit=self.memory_limit, offload=offload, cost_a2a=a2a,
@@ -112,6 +122,13 @@ class ScheduleOptions:
             req = self.request()
         except ScheduleError as e:
             raise ZeroBubbleConfigError(str(e)) from None
+        if self.vocab_parallel is not None:
+            for on, what in ((req.offload is not None, "activation offload"), (self.post_validation, "optimizer "
+                             "post-validation"), (self.spec.placement == "bitpipe", f"{self.schedule}'s replicated "
+                             "stages"), (self.ep_overlap, "--overlap-moe-expert-parallel-comm")):
+                if on:
+                    raise ZeroBubbleConfigError(f"vocabulary parallelism (--enable-vocab-parallel) cannot be combined "
+                                                f"with {what} yet")
         if req.offload is None:
             return
         if req.offload.ratio == "auto" and self.memory_limit is None:

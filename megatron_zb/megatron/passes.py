@@ -38,6 +38,7 @@ class MegatronPasses:
         self.collect_non_loss_data, self.first_val_step = collect_non_loss_data, first_val_step
         # replicated stages: each chunk reads only the microbatches of its path
         self.iterators = [RoutedIterator(it) for it in iterators] if placement.replicated else list(iterators)
+        self.vocab = None  # vocabulary parallelism (megatron.vocab_parallel.VocabParallel), set by the caller
         self.forward_data_store: List = []
         self.mb_of_entry: List[int] = []  # microbatch of each forward_data_store entry
         self.total_num_tokens = torch.zeros([], dtype=torch.int, device=device())
@@ -54,7 +55,8 @@ class MegatronPasses:
     def stage_passes(self, shape) -> StagePasses:
         return StagePasses(forward=self.forward, backward=self.backward, weight=self.weight,
                            recv_shape=lambda s, mb: shape, dtype=self.config.pipeline_dtype, device=device(),
-                           release_output=self.release, overlap=self.plans.pair if self.plans else None)
+                           release_output=self.release, overlap=self.plans.pair if self.plans else None,
+                           vocab=self.vocab)
 
     def iterator(self, chunk: int, mb: int):
         """The data iterator of ``chunk``, at microbatch ``mb`` (a replica reads only its path's)."""
@@ -79,13 +81,42 @@ class MegatronPasses:
         c = self.chunk_of[stage]
         first = self.first_of(c)
         S = self.S
+        last = self.placement.is_last(stage)
+        fsf = self.forward_step_func
+        if last and self.vocab is not None:  # the output layer is the vocabulary passes': keep the loss function
+            self.vocab.labels.current = mb
+            fsf = self._keeping_loss_func(mb)
+            last = False
         out, num_tokens = S.forward_step(
-            self.forward_step_func, self.iterator(c, mb), self.models[c], self.m, inp, self.forward_data_store,
+            fsf, self.iterator(c, mb), self.models[c], self.m, inp, self.forward_data_store,
             self.config, self.cp_size, self.collect_non_loss_data, None,
             is_first_microbatch=S.check_first_val_step(self.first_val_step, self.forward_only, first),
-            current_microbatch=mb, vp_stage=None, is_last_stage=self.placement.is_last(stage))
+            current_microbatch=mb, vp_stage=None, is_last_stage=last)
         self.record_forward(mb, num_tokens)
         return out
+
+    def _keeping_loss_func(self, mb: int):
+        def fsf(data_iterator, model, *a, **k):
+            output, loss_func = self.forward_step_func(data_iterator, model, *a, **k)
+            self.vocab.loss_funcs[mb] = loss_func
+            return output, loss_func
+        return fsf
+
+    def loss_step(self, mb: int, losses: torch.Tensor) -> torch.Tensor:
+        """Megatron's loss step on the per-token losses the vocabulary passes computed [b, s]: the
+        user's loss function and Megatron's scaling (``forward_step_calc_loss``; the loss dict and the
+        token count recorded as a last stage's forward would); returns each token's gradient scale."""
+        c = self.chunk_of[self.placement.num_stages - 1]
+        leaf = losses.detach().requires_grad_(True)
+        with torch.enable_grad():
+            out, num_tokens = self.S.forward_step_calc_loss(
+                self.models[c], leaf, self.vocab.loss_funcs.pop(mb), self.config, None, self.collect_non_loss_data,
+                self.m, self.forward_data_store, self.cp_size, True)
+            if self.config.grad_scale_func is not None:
+                out = self.config.grad_scale_func(out)
+            (g,) = torch.autograd.grad(out, leaf)
+        self.record_forward(mb, num_tokens)
+        return g
 
     def backward(self, stage: int, mb: int, inp, out, grad, split: bool):
         if self.plans is not None:

@@ -163,13 +163,15 @@ def embedding_and_loss_on_one_rank(placement: Placement) -> bool:
     return placement.num_ranks > 1 and placement.rank_of(0) == placement.rank_of(placement.num_stages - 1)
 
 
-def embedding_ranks(placement: Placement):
+def embedding_ranks(placement: Placement, vocab_parallel: bool = False):
     """``get_embedding_ranks`` for megatron's ``initialize_model_parallel`` where the embedding and
     the tied output layer live on one rank (V): the group is that rank alone. Also for replicated
     stages (BitPipe: each direction's embedding and output layer share a rank; the replica
-    gradient sync joins the directions): a cross-rank embedding group would sum twice. None
-    otherwise (megatron's default: first and last pipeline rank)."""
-    if not (placement.style == "v" or placement.replicated or embedding_and_loss_on_one_rank(placement)):
+    gradient sync joins the directions): a cross-rank embedding group would sum twice; and with
+    vocabulary parallelism (the tied copies are every rank's shards, summed by
+    ``megatron.vocab_parallel``). None otherwise (megatron's default: first and last pipeline rank)."""
+    if not (vocab_parallel or placement.style == "v" or placement.replicated
+            or embedding_and_loss_on_one_rank(placement)):
         return None
     first = placement.rank_of(0)
 
@@ -383,5 +385,10 @@ def deterministic_init_(chunks: Sequence[torch.nn.Module], seed: int = 1234, std
     """Overwrite every parameter with ``init_tensor(global name)`` sliced for this TP rank."""
     for chunk in chunks:
         for _, p in unwrap(chunk).named_parameters():
+            rows = getattr(p, "mzb_vocab_rows", None)
+            if rows is not None:  # a vocabulary shard: its rows of the whole output layer / embedding
+                v0, v1, vocab = rows
+                p.data.copy_(init_tensor(p.mzb_global_name, (vocab, p.shape[1]), seed, std)[v0:v1])
+                continue
             full = init_tensor(p.mzb_global_name, _full_shape(p), seed, std)
             p.data.copy_(_tp_slice(p, full))

@@ -27,8 +27,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..core.ir import (B, BW, F, OFFLOAD, OFFLOAD_KINDS, OFFLOAD_W, RECV_B, RECV_F, RELOAD, RELOAD_W, SEND_B, SEND_F, W,
-                       Action, Placement)
+from ..core.ir import (B, BW, F, OFFLOAD, OFFLOAD_KINDS, OFFLOAD_W, RECV_B, RECV_F, RELOAD, RELOAD_W, SEND_B, SEND_F,
+                       VOCAB_KINDS, W, Action, Placement)
 from .hooks import Hook, Hooks
 from .p2p import P2P, PipelineTimeout
 
@@ -52,6 +52,9 @@ class StagePasses:
     # f = (stage, mb, input), b = (stage, mb, input, output, output_grad, split) as for forward and
     # backward; returns (F's output, B's input grad). Without it the two run one after the other.
     overlap: Optional[Callable[[tuple, tuple], Tuple[torch.Tensor, Optional[torch.Tensor]]]] = None
+    # vocabulary parallelism (runtime.vocab.VocabRuntime): runs VS/VT/VW; the loss stage's output goes to
+    # it (``loss_output(mb, out)``) and its backward takes the output gradient from it (``loss_grad(mb)``)
+    vocab: Optional[object] = None
 
 
 Key = Tuple[int, int]  # (stage, microbatch)
@@ -212,7 +215,7 @@ def _step(a: Action, i: int, rank: int, pl: Placement, ps: StagePasses, p2p: Opt
             ps.release_output(out)
         p2p.reap_sends()
     elif k in (B, BW):
-        grad, inp, out = _b_inputs(a, key, i, rank, pl, st, bounds, hk)
+        grad, inp, out = _b_inputs(a, key, i, rank, pl, st, bounds, hk, ps.vocab)
         with hk.compute(a, (inp,)):
             in_grad = ps.backward(a.stage, a.mb, inp, out, grad, k == B)
         _b_output(a, key, i, rank, pl, st, bounds, hk, in_grad)
@@ -226,6 +229,9 @@ def _step(a: Action, i: int, rank: int, pl: Placement, ps: StagePasses, p2p: Opt
             hk.after_last_backward(a.stage)
     elif k in OFFLOAD_KINDS:
         hk.transfer(a)
+    elif k in VOCAB_KINDS:  # this rank's vocabulary shard (runtime.vocab)
+        with hk.compute(a, ()):
+            ps.vocab.run(k, a.mb)
     else:
         raise ExecutionError(f"rank {rank}: unknown action {a}")
 
@@ -248,7 +254,9 @@ def _f_output(a: Action, key: Key, rank: int, pl: Placement, ps: StagePasses, st
     if not forward_only:
         st.saved[key] = (inp, out)
     nxt = pl.next_stage(a.stage)
-    if nxt is not None and pl.rank_of(nxt) == rank:  # local hand-over (V turn)
+    if nxt is None and ps.vocab is not None and not forward_only:  # the output layer is every rank's shards'
+        ps.vocab.loss_output(a.mb, out)
+    elif nxt is not None and pl.rank_of(nxt) == rank:  # local hand-over (V turn)
         st.local_inputs[(nxt, a.mb)] = out.detach().requires_grad_(not forward_only)
         if ps.release_output is not None and not forward_only:
             ps.release_output(out)  # like a sent output: the detached copy keeps the data
@@ -256,12 +264,12 @@ def _f_output(a: Action, key: Key, rank: int, pl: Placement, ps: StagePasses, st
         st.to_send_f[key] = out
 
 
-def _b_inputs(a: Action, key: Key, i: int, rank: int, pl: Placement, st: _State, bounds, hk: Hooks):
+def _b_inputs(a: Action, key: Key, i: int, rank: int, pl: Placement, st: _State, bounds, hk: Hooks, vocab=None):
     """(output gradient, saved input, saved output) of a B/BW."""
     if i == bounds[0].get(a.stage):
         hk.before_last_backward(a.stage)
     if pl.is_last(a.stage):
-        grad = None
+        grad = vocab.loss_grad(a.mb) if vocab is not None else None
     elif key in st.pending_grads:
         with hk.wait(f"the output gradient of B{a.stage}.{a.mb}"):
             grad = st.pending_grads.pop(key).wait()
@@ -291,7 +299,7 @@ def _pair(fa: Action, i: int, ba: Action, j: int, rank: int, pl: Placement, ps: 
     inside both passes' compute contexts (the F's outermost), then both results."""
     fkey, bkey = (fa.stage, fa.mb), (ba.stage, ba.mb)
     inp = _f_input(fa, fkey, rank, pl, st, False, hk)
-    grad, b_inp, b_out = _b_inputs(ba, bkey, j, rank, pl, st, bounds, hk)
+    grad, b_inp, b_out = _b_inputs(ba, bkey, j, rank, pl, st, bounds, hk, ps.vocab)
     with hk.compute(fa, (inp,)), hk.compute(ba, (b_inp,)):
         out, in_grad = ps.overlap((fa.stage, fa.mb, inp), (ba.stage, ba.mb, b_inp, b_out, grad, ba.kind == B))
     _f_output(fa, fkey, rank, pl, ps, st, False, inp, out)

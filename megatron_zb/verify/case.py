@@ -106,6 +106,9 @@ class VerifyCase:
     # overlapped F&B pairs as one pass (megatron.ep_overlap); not a TransformerConfig flag here, since
     # megatron's config accepts it only with bf16/fp16 and the check runs in fp32
     ep_overlap: bool = False
+    # vocabulary parallelism (--enable-vocab-parallel; 2 with --disable-backward-fusion): the output
+    # layer as every pipeline rank's shard; the reference keeps its whole output layer
+    vocab_parallel: Optional[int] = None
 
     def model_overrides(self) -> Dict[str, Any]:
         """TransformerConfig keywords of the model's math (the reference's too)."""
@@ -167,6 +170,8 @@ class VerifyCase:
                         + (" half-duplex" if self.offload_half_duplex else ""))
         if self.layers_per_stage:
             bits.append("layers=" + ",".join(map(str, self.layers_per_stage)))
+        if self.vocab_parallel:
+            bits.append(f"vocab-parallel/{self.vocab_parallel}")
         if not self.ddp:
             bits.append("no-ddp")
         if not self.tie_embeddings:
@@ -284,6 +289,8 @@ def make_case(schedule: str, pipeline_parallel_size: int, tensor_parallel_size: 
         raise VerifyUsageError("sequence_parallel needs --tensor-parallel-size >= 2")
     if case.sequence_parallel and case.seq_length % t:
         raise VerifyUsageError("seq_length must be divisible by the TP size with sequence parallelism")
+    if case.vocab_parallel is not None:
+        _check_vocab(case)
     if case.overlap_grad_reduce and not case.ddp:
         raise VerifyUsageError("overlap_grad_reduce needs ddp")
     if case.gradient_accumulation_fusion and not case.ddp:
@@ -470,3 +477,23 @@ def reference_key(case: VerifyCase) -> tuple:
     return (json.dumps(case.model_config().to_dict(), sort_keys=True), case.num_microbatches * case.data_parallel_size,
             case.iterations, case.lr, case.forward_only, case.use_distributed_optimizer,
             repr(sorted(reference_overrides(case).items())), opt if case.optimizer else None)
+
+
+def _check_vocab(case: VerifyCase) -> None:
+    """Vocabulary parallelism: what it runs with so far, refused in one line otherwise."""
+    if case.vocab_parallel not in (1, 2):
+        raise VerifyUsageError(f"vocab_parallel is 1 or 2 barriers, got {case.vocab_parallel!r}")
+    blockers = [(case.placement == "bitpipe", "replicated stages (bitpipe)"),
+                (case.schedule in PSEUDO_SCHEDULES, f"the pseudo-schedule {case.schedule}"),
+                (case.offload_ratio is not None, "activation offload"), (case.optimizer is not None, "--optimizer"),
+                (case.forward_only, "--forward-only"), (bool(case.mtp_num_layers), "--mtp-num-layers"),
+                (case.sequence_parallel, "--sequence-parallel"), (case.overlap_grad_reduce, "--overlap-grad-reduce"),
+                (case.ep_overlap, "--overlap-moe-expert-parallel-comm")]
+    for on, what in blockers:
+        if on:
+            raise VerifyUsageError(f"--enable-vocab-parallel cannot be combined with {what} yet")
+    shards = case.pipeline_parallel_size * case.tensor_parallel_size
+    if case.vocab_size % shards:
+        raise VerifyUsageError(f"--enable-vocab-parallel: the vocabulary ({case.vocab_size}) must split evenly over "
+                               f"{shards} pipeline x tensor-parallel ranks")
+

@@ -63,6 +63,11 @@ def _build_parser() -> argparse.ArgumentParser:
                     help="transfer time the schedule core plans with, in F+B of a stage (default 0.25); 'auto': "
                          "measured at the first iteration (here: CPU memcpy and matmul stand-ins)")
     ap.add_argument("--offload-half-duplex", action="store_true", help="one copy queue instead of two")
+    vg = ap.add_argument_group("vocabulary parallelism (the output layer and loss spread over every pipeline rank)")
+    vg.add_argument("--enable-vocab-parallel", action="store_true",
+                    help="the output layer as every rank's vocabulary shard, its passes placed by the schedule core")
+    vg.add_argument("--disable-backward-fusion", action="store_true",
+                    help="with --enable-vocab-parallel: two barriers per microbatch instead of one")
     lay = ap.add_argument_group("Megatron's model layout (read in pipeline order, under every schedule; a V's 2P "
                                 "stages are ranks 0..P-1 then P-1..0)")
     lay.add_argument("--pipeline-model-parallel-layout", default=None, metavar="LAYOUT",
@@ -206,6 +211,8 @@ def main_verify(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         a = _build_parser().parse_args(argv)
+        if a.disable_backward_fusion and not a.enable_vocab_parallel:
+            raise VerifyUsageError("--disable-backward-fusion needs --enable-vocab-parallel")
         if a.placement is not None and a.schedule != "sequential":
             raise VerifyUsageError("--placement only applies to --schedule sequential")
         _check_size(a)
@@ -231,6 +238,7 @@ def main_verify(argv: Optional[Sequence[str]] = None) -> int:
                     offload_half_duplex=a.offload_half_duplex, num_experts=a.num_experts,
                     expert_model_parallel_size=a.expert_model_parallel_size, moe_router_topk=a.moe_router_topk,
                     moe_router_pre_softmax=a.moe_router_pre_softmax,
+                    vocab_parallel=(2 if a.disable_backward_fusion else 1) if a.enable_vocab_parallel else None,
                     moe_token_dispatcher_type=a.moe_token_dispatcher_type, moe_aux_loss_coeff=a.moe_aux_loss_coeff,
                     moe_ffn_hidden_size=a.moe_ffn_hidden_size,
                     moe_shared_expert_intermediate_size=a.moe_shared_expert_intermediate_size,

@@ -93,6 +93,7 @@ def rank_case(case: VerifyCase) -> dict:
     set_status(f"[{tag}] pipelined: initialising parallel state (other ranks may still run the reference)")
     placement = _pl.make_placement(case.placement, case.pipeline_parallel_size, case.chunks)
     M.init_parallel_state(case.tensor_parallel_size, case.pipeline_parallel_size, placement, seed=case.seed,
+                          vocab_parallel=bool(case.vocab_parallel),
                           expert_model_parallel_size=case.expert_model_parallel_size)
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
@@ -110,6 +111,7 @@ def rank_case(case: VerifyCase) -> dict:
         set_status(f"[{tag}] building model chunks")
         chunks = M.build_model_chunks(cfg, placement, layers_per_stage=case.layers_per_stage,
                                       allow_padding_num_layers=case.allow_padding_num_layers,
+                                      vocab_parallel=bool(case.vocab_parallel),
                                       sequence_parallel=case.sequence_parallel,
                                       gradient_accumulation_fusion=case.gradient_accumulation_fusion, **overrides)
         config = chunks[0].config
@@ -228,6 +230,8 @@ def install_case(case: VerifyCase, **extra):
                   offload_overlap=not case.offload_half_duplex, offload_cpu_test=True)
     if case.ep_overlap:
         kw["ep_overlap"] = True
+    if case.vocab_parallel:
+        kw["vocab_parallel"] = case.vocab_parallel
     kw.update(extra)
     return install(case.schedule, chunks=case.chunks, memory_limit=case.memory_limit, **kw)
 

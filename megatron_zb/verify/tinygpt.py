@@ -63,7 +63,7 @@ def megatron_version() -> str:
 
 def init_parallel_state(tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
                         placement: Optional[Placement] = None, seed: int = 1234,
-                        expert_model_parallel_size: int = 1) -> None:
+                        expert_model_parallel_size: int = 1, vocab_parallel: bool = False) -> None:
     """(Re)initialise megatron's ``parallel_state`` for TP x PP (x EP) over the current world.
 
     ``placement`` decides the virtual-pipeline size (its chunks per rank, None for 1) and the
@@ -85,7 +85,7 @@ def init_parallel_state(tensor_parallel_size: int = 1, pipeline_parallel_size: i
                   virtual_pipeline_model_parallel_size=(v if v > 1 else None),
                   expert_model_parallel_size=expert_model_parallel_size,
                   create_gloo_process_groups=False)
-    emb = embedding_ranks(placement)
+    emb = embedding_ranks(placement, vocab_parallel)
     if emb is not None:
         kwargs["get_embedding_ranks"] = emb
     parallel_state.initialize_model_parallel(**kwargs)
@@ -151,7 +151,7 @@ def make_transformer_config(model_cfg: TinyGPTConfig, *, tensor_parallel_size: i
 
 def build_model_chunks(model_cfg: TinyGPTConfig, placement: Placement, *, config=None,
                        pp_rank: Optional[int] = None, layers_per_stage: Optional[Sequence[int]] = None,
-                       allow_padding_num_layers: bool = False, init: bool = True,
+                       allow_padding_num_layers: bool = False, init: bool = True, vocab_parallel: bool = False,
                        **config_kw) -> List[torch.nn.Module]:
     """Build this rank's model chunks (``GPTModel`` each, ordered by stage) and initialise them.
 
@@ -198,6 +198,16 @@ def build_model_chunks(model_cfg: TinyGPTConfig, placement: Placement, *, config
         _check_layers(model, info)
         name_params(model, info, model_cfg.tie_embeddings)
         chunks.append(model)
+    if vocab_parallel:  # the output layer as every rank's shard (megatron.vocab_parallel)
+        from ..megatron import vocab_parallel as VP
+        for m, info in zip(chunks, infos):
+            if info.post_process:
+                VP.prepare_loss_chunk(m)
+        VP.attach_shard(chunks[0], vocab_size=model_cfg.vocab_size, hidden=model_cfg.hidden_size,
+                        p=placement.num_ranks, tp=parallel_state.get_tensor_model_parallel_world_size(),
+                        pp_rank=pp_rank, tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+                        tied=model_cfg.tie_embeddings, dtype=config.params_dtype,
+                        device=next(chunks[0].parameters()).device)
     if init:
         deterministic_init_(chunks, model_cfg.seed, model_cfg.init_std)
     mark_replica_copies(chunks, placement)
@@ -251,6 +261,11 @@ def collect_full_grads(chunks: Sequence[torch.nn.Module], *, gather_tp: bool = T
         for _, p in unwrap(c).named_parameters():
             t = p.detach() if params else grad_of(p)
             t = torch.zeros_like(p) if t is None else t.detach()
+            if getattr(p, "mzb_vocab_rows", None) is not None:  # a vocabulary shard: every shard's rows
+                t = _gathered_shards(p, t)
+                if t is not None:
+                    out.setdefault(p.mzb_global_name, []).append(t)
+                continue
             if gather_tp and getattr(p, "tensor_model_parallel", False):
                 group = (parallel_state.get_expert_tensor_parallel_group() if is_expert_param(p)
                          else parallel_state.get_tensor_model_parallel_group())
@@ -262,6 +277,26 @@ def collect_full_grads(chunks: Sequence[torch.nn.Module], *, gather_tp: bool = T
             if tp_rank == 0:
                 out.setdefault(p.mzb_global_name, []).append(t.clone())
     return out
+
+
+def _gathered_shards(p, t: torch.Tensor) -> Optional[torch.Tensor]:
+    """The whole output layer (or tied embedding) from every rank's vocabulary shard, on the
+    shard holding row 0 (None elsewhere). Collective over the shards' group."""
+    group = getattr(p, "mzb_vocab_group", None)
+    v0, _, vocab = p.mzb_vocab_rows
+    if group is None:
+        return t.clone() if t.shape[0] == vocab else None
+    n = torch.distributed.get_world_size(group)
+    parts = [torch.empty_like(t) for _ in range(n)]
+    starts = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
+    torch.distributed.all_gather(parts, t.contiguous(), group=group)
+    torch.distributed.all_gather(starts, torch.tensor([v0], dtype=torch.int64), group=group)
+    if v0 != 0:
+        return None
+    full = torch.empty(vocab, t.shape[1], dtype=t.dtype, device=t.device)
+    for s, part in zip(starts, parts):
+        full[int(s):int(s) + part.shape[0]] = part
+    return full
 
 
 def take_aux_losses() -> Dict[str, Dict[int, float]]:

@@ -1,0 +1,54 @@
+"""Vocabulary parallelism on real megatron-core (issue 33): the output layer as every pipeline rank's
+shard, its passes placed by the schedule core, against the non-pipelined reference with its whole
+output layer (loss, every gradient, the shards' gathered included), on both megatron-core versions."""
+import subprocess
+import sys
+
+import pytest
+
+from megatron_zb import verify as V
+
+pytestmark = [pytest.mark.megatron, pytest.mark.dist]
+
+FAMILIES = ["1f1b", "zb-h1", "zb-v", "v-half", "v-auto"]
+
+
+def _check(results, mcore_version=None):
+    bad = [f"{r['case']}: {r.get('error') or r.get('problems')} rel={r.get('max_rel_grad_diff')} "
+           f"loss={r.get('max_abs_loss_diff')}" for r in results if not r["passed"]]
+    assert not bad, "\n".join(bad)
+    for r in results:
+        assert not mcore_version or r["megatron_core"].startswith(mcore_version), (r["case"], r["megatron_core"])
+
+
+def test_every_family_at_pp2_and_pp4(mcore_path, mcore_version):
+    for p in (2, 4):
+        cases = [V.make_case(n, p, num_microbatches=2 * p, iterations=2, num_layers=2 * p, vocab_parallel=1 + (i % 2),
+                             tie_embeddings=(i != 3), label=f"vocab {1 + (i % 2)} barrier(s)")
+                 for i, n in enumerate(FAMILIES)]
+        _check(V.run_verify_many(cases, timeout=900, mcore_path=mcore_path), mcore_version)
+
+
+def test_tensor_parallel_and_moe(mcore_path, mcore_version):
+    cases = [V.make_case("zb-v", 2, 2, num_microbatches=4, iterations=2, vocab_parallel=b, label=f"TP=2, {b} barrier(s)")
+             for b in (1, 2)]
+    _check(V.run_verify_many(cases, timeout=900, mcore_path=mcore_path), mcore_version)
+    moe = [V.make_case(n, 2, num_microbatches=4, iterations=2, vocab_parallel=1, data_parallel_size=2, num_experts=4,
+                       expert_model_parallel_size=2, moe_aux_loss_coeff=0.01, label="MoE, EP=2")
+           for n in ("zb-v", "zb-h1")]
+    _check(V.run_verify_many(moe, timeout=900, mcore_path=mcore_path), mcore_version)
+
+
+def test_what_it_does_not_run_yet_is_refused_in_one_line():
+    for extra, what in ((["--offload-ratio", "1"], "activation offload"), (["--forward-only"], "--forward-only"),
+                        (["--disable-backward-fusion"], None)):
+        args = ["--schedule", "zb-v", "-p", "2", "--enable-vocab-parallel"] if what else ["--schedule", "zb-v", "-p", "2"]
+        out = subprocess.run([sys.executable, "-m", "megatron_zb.cli", "verify", *args, *extra],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2, out.stderr
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1 and (what or "needs --enable-vocab-parallel") in lines[0]
+    with pytest.raises(V.VerifyUsageError, match="replicated stages"):
+        V.make_case("bitpipe", 2, vocab_parallel=1)
+    with pytest.raises(V.VerifyUsageError, match="split evenly over 6"):
+        V.make_case("zb-h1", 3, 2, vocab_parallel=1, num_attention_heads=4)
