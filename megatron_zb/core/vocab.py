@@ -115,14 +115,16 @@ def barrier_of(kind: str, barriers: int) -> Optional[str]:
 
 def vocab_deps(a: Action, placement: Placement, barriers: int) -> List[Tuple[str, int, int]]:
     """``ir.deps`` for a schedule with vocabulary passes: VS after the last stage's forward, VT after
-    C0, VW after its VT, the last stage's backward after the last barrier (its output gradient)."""
+    C0, VW after its VT and the loss stage's rank's VT (the loss scale), the last stage's backward
+    after the last barrier (its output gradient)."""
     last = placement.num_stages - 1
     if a.kind == VS:
         return [(F, last, a.mb)]
     if a.kind == VT:
         return [(C0, -1, a.mb)]
-    if a.kind == VW:
-        return [(VT, a.stage, a.mb)]
+    if a.kind == VW:  # and the per-token loss scale the loss stage's rank computes in its VT
+        loss_rank = placement.rank_of(last)
+        return [(VT, a.stage, a.mb)] + ([(VT, loss_rank, a.mb)] if loss_rank != a.stage else [])
     if a.kind in (B, BW) and a.stage == last:
         return [(C1 if barriers == 2 else C0, -1, a.mb)]
     return deps(a, placement.num_stages, placement)
