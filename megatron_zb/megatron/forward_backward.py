@@ -121,6 +121,10 @@ class ZeroBubbleForwardBackward:
             ratios = sorted(w / f for f, w in zip(kw["mem_f"], kw["mem_w"]) if f > 0)
             if ratios:
                 upd["mem_w"] = ratios[len(ratios) // 2]  # above 1 with full recompute
+        if self.options.vocab_parallel is not None and "vocab_cost_s" in kw:  # the vocabulary passes, measured
+            # (their barriers' communication stays the model's estimate, in units of a stage's F)
+            upd["vocab_costs"] = dict(self.options.vocab_costs or {}, cost_s=kw["vocab_cost_s"],
+                                      cost_t=kw["vocab_cost_t"], cost_w=kw["vocab_cost_w"])
         self._replace_options(**upd)
 
     def _replace_options(self, **changes) -> None:
