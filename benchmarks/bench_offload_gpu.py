@@ -31,7 +31,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _setup(device):
+def setup_process(device):
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
@@ -210,8 +210,10 @@ def measured_k(a, res_off):
                                                                            ("transfer_s", "compute_s", "matmul")}}
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(argv=None, parser=None):
+    """The benchmark's settings (``--tiny``: its tiny dimensions filled in); ``parser``: an
+    ``argparse.ArgumentParser`` (sub)class to use, e.g. one that fails in one line."""
+    ap = (parser or argparse.ArgumentParser)(description=__doc__.splitlines()[0])
     ap.add_argument("--schedule", default="1f1b")
     ap.add_argument("--stages", type=int, default=8)
     ap.add_argument("--microbatches", type=int, default=16)
@@ -231,6 +233,11 @@ def main(argv=None):
     a = ap.parse_args(argv)
     if a.tiny:
         a.hidden, a.heads, a.seq, a.layers, a.dtype, a.repeats = 64, 4, 32, 1, "fp32", 1
+    return a
+
+
+def main(argv=None):
+    a = parse_args(argv)
     if a.device == "cpu":
         from megatron_zb.megatron import cpu_shims
         cpu_shims.apply()
@@ -238,7 +245,7 @@ def main(argv=None):
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         sys.exit("bench_offload_gpu: no CUDA device here; run it on a GPU machine (or --device cpu --tiny to check "
                  "the code path)")
-    _setup(torch.device(a.device))
+    setup_process(torch.device(a.device))
     base = run(a, offload=False)
     off = run(a, offload=True)
     k = measured_k(a, off)

@@ -62,8 +62,9 @@ def build(args):
     return build_module(get_gpt_layer_local_spec(), config=cfg, layer_number=1)
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parse_args(argv=None, parser=None):
+    """The benchmark's settings; ``parser``: an ``argparse.ArgumentParser`` (sub)class to use."""
+    ap = (parser or argparse.ArgumentParser)(description=__doc__.split("\n")[0])
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--ffn", type=int, default=0, help="default 4*hidden")
@@ -75,7 +76,11 @@ def main():
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="parameters and activations")
     ap.add_argument("--out", default="benchmarks/results/split_overhead.json")
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
     import megatron.core

@@ -1,7 +1,9 @@
 """Post-validation's cost on one process: a megatron GPT stage (bf16, Megatron's Adam), Megatron's
 synchronous step against the post-validated eager step + its validation, and the rollback path.
 ``tests/test_postval_gpu.py`` and the GPU check (``benchmarks/gpu_check.py``) run it on a GPU; with
-``case["device"] = "cpu"`` the same logic runs on a CPU (a smoke check, no figures)."""
+``case["device"] = "cpu"`` the same logic runs on a CPU (a smoke check, no figures); with
+``case["compare_in_rank"]`` the rank compares the two runs' parameters itself and returns
+``bit_identical`` instead of them."""
 from __future__ import annotations
 
 __all__ = ["gpu_step_timing"]
@@ -83,4 +85,8 @@ def gpu_step_timing(case):
         results[mode] = {"times": times, "redo": redo, "params": {k: [x.cpu() for x in vs] for k, vs in params.items()},
                          "rollbacks": v.rollbacks if v else 0}
     dist.barrier()
+    if case.get("compare_in_rank"):  # the bit-for-bit verdict instead of every parameter, twice
+        meg, pv = results["megatron"].pop("params"), results["post-validated"].pop("params")
+        results["bit_identical"] = sorted(meg) == sorted(pv) and all(
+            len(meg[k]) == len(pv[k]) and all(torch.equal(a, b) for a, b in zip(meg[k], pv[k])) for k in meg)
     return results
