@@ -26,11 +26,6 @@ import time
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from megatron_zb.megatron import cpu_shims  # noqa: E402
-
-# On a CUDA host, --device cpu still needs the shims (megatron would put its buffers on the GPU).
-cpu_shims.apply(force="--device=cuda" not in sys.argv and "cuda" not in sys.argv)
-
 import torch  # noqa: E402
 
 
@@ -81,6 +76,10 @@ def parse_args(argv=None, parser=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    from megatron_zb.megatron import cpu_shims
+    # before megatron is imported; on a CUDA host --device cpu still needs them (megatron would put
+    # its buffers on the GPU)
+    cpu_shims.apply(force=args.device != "cuda")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
     import megatron.core
