@@ -128,6 +128,9 @@ def check_wheels(folder: str, gpu_python: str) -> dict:
 
 
 def env(ctx: Context) -> None:
+    ctx.plan.update(checks="Python, torch and its CUDA, the GPU, megatron-core importable (the carried wheel), "
+                           "numpy, packaging >= 24.2" + ("; the wheels to bring" if ctx.dry else ""),
+                    wheels=ctx.wheels, gpu_python=ctx.gpu_python)
     info = {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
             "host": platform.node()}
     import torch
@@ -179,7 +182,7 @@ def env(ctx: Context) -> None:
 # offload: one GPT stage with and without activation offload (benchmarks/bench_offload_gpu.py)
 # ------------------------------------------------------------------------------------------------
 
-OFFLOAD_ARGV = ["--schedule", "zb-h1", "--stages", "8", "--microbatches", "16", "--rank", "0", "--layers", "1",
+OFFLOAD_ARGV = ["--schedule", "zb-h1", "--stages", "4", "--microbatches", "8", "--rank", "0", "--layers", "1",
                 "--hidden", "4096", "--heads", "32", "--seq", "4096", "--dtype", "bf16", "--repeats", "2",
                 "--offload-time", "0.5", "--device", "cuda"]
 OFFLOAD_TINY_ARGV = ["--schedule", "zb-h1", "--stages", "4", "--microbatches", "4", "--device", "cpu", "--tiny"]
@@ -258,7 +261,7 @@ def offload(ctx: Context) -> None:
 # postval: the eager step and the rollback against Megatron's step (verify.step_timing)
 # ------------------------------------------------------------------------------------------------
 
-POSTVAL_SIZE = {"layers": 4, "hidden": 2048, "seq": 2048, "iterations": 8}
+POSTVAL_SIZE = {"layers": 2, "hidden": 2048, "seq": 2048, "iterations": 6}
 POSTVAL_TINY = {"layers": 2, "hidden": 64, "seq": 32, "iterations": 3, "device": "cpu"}
 
 

@@ -31,7 +31,7 @@ if [ "${1:-}" = "--fetch-wheels" ]; then
     exit 0
 fi
 
-if ! "$PY" -c "import megatron.core" >/dev/null 2>&1; then
+if ! "$PY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('megatron.core') is None)" >/dev/null 2>&1; then
     if compgen -G "$WHEELS/megatron_core-*.whl" >/dev/null; then
         SITE=${MZB_SITE:-/tmp/mzb-site}
         "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
