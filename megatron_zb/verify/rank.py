@@ -123,8 +123,8 @@ def rank_case(case: VerifyCase) -> dict:
     if case.optimizer is not None:
         return _rank_optimizer_case(case, t_start)
     set_status(f"[{tag}] reference: setting up")
+    dev = _device(case)  # before megatron seeds its CUDA generators
     M.init_parallel_state(1, 1, seed=case.seed)
-    dev = _device(case)
     reference = None
     if rank == 0:
         key = reference_key(case)
