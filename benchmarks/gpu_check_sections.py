@@ -89,9 +89,37 @@ def _med(xs):
 # env: the machine and the wheels brought along
 # ------------------------------------------------------------------------------------------------
 
+# what the GPU machine's image holds of megatron-core's requirements (device tool's KINDS.md, read
+# 2026-11; None: there, version not recorded)
+GPU_IMAGE = {"torch": "2.11.0", "numpy": "2.5.2", "packaging": None}
+
+
+def _unmet(requires, carried) -> list:
+    """Requirements neither carried as a wheel nor met by the GPU machine's image."""
+    try:
+        from packaging.requirements import Requirement
+    except ImportError:  # pragma: no cover - packaging comes with megatron-core
+        return []
+    out = []
+    for text in requires:
+        try:
+            req = Requirement(text)
+        except ValueError:
+            continue
+        name = req.name.lower().replace("_", "-")
+        if name in carried:
+            continue
+        if name not in GPU_IMAGE:
+            out.append(f"needs {text}, which the GPU machine lacks: carry its wheel too")
+        elif GPU_IMAGE[name] and not req.specifier.contains(GPU_IMAGE[name], prereleases=True):
+            out.append(f"needs {text}, the GPU machine has {name} {GPU_IMAGE[name]}")
+    return out
+
+
 def check_wheels(folder: str, gpu_python: str) -> dict:
     """The megatron-core wheel(s) in ``folder``: one version only (pip stops on two), built for the
-    GPU machine's Python (cpXY tag or py3), Requires-Python met, the Requires-Dist it needs."""
+    GPU machine's Python (cpXY tag or py3), Requires-Python met, and each Requires-Dist carried too or
+    met by the GPU machine's image (``GPU_IMAGE``)."""
     tag = "cp" + gpu_python.replace(".", "")
     out = {"folder": folder, "python": gpu_python, "wheels": [], "problems": []}
     paths = sorted(glob.glob(os.path.join(folder, "*.whl")))
@@ -117,6 +145,8 @@ def check_wheels(folder: str, gpu_python: str) -> dict:
                            if l.startswith("Requires-Dist:") and "extra ==" not in l]
         req_py = next((l.split(":", 1)[1].strip() for l in text.splitlines() if l.startswith("Requires-Python:")), "")
         out["requires_python"] = req_py
+        carried = {os.path.basename(q).split("-")[0].lower().replace("_", "-") for q in paths}
+        out["problems"] += [f"{name}: {u}" for u in _unmet(out["requires"], carried)]
         try:
             from packaging.specifiers import SpecifierSet
             if req_py and gpu_python not in SpecifierSet(req_py):
@@ -124,6 +154,7 @@ def check_wheels(folder: str, gpu_python: str) -> dict:
         except ImportError:  # pragma: no cover - packaging comes with megatron-core
             pass
     out["ok"] = not out["problems"]
+    out["gpu_image"] = GPU_IMAGE
     return out
 
 

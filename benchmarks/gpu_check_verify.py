@@ -202,6 +202,9 @@ def ep_overlap(ctx: Context) -> None:
         return
     ctx.need_cuda()
     _stage_on_cpu(ctx)
+    # one hardware queue (Megatron's usual 1) would serialise the streams whose overlap this measures
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+    ctx.figures["CUDA_DEVICE_MAX_CONNECTIONS"] = os.environ["CUDA_DEVICE_MAX_CONNECTIONS"]
     r = V.run_verify_many([case], timeout=max(10.0, ctx.remaining() - 8), mcore_path=ctx.mcore_path)[0]
     _verdicts(ctx, [r])
     ctx.figures["case"] = _case_figures(r)

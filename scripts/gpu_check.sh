@@ -39,5 +39,5 @@ if ! "$PY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('megatron.c
         export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
     fi
 fi
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=1
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} PYTHONUNBUFFERED=1
 exec "$PY" benchmarks/gpu_check.py "$@"

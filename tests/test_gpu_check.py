@@ -119,11 +119,11 @@ def test_stream_overlap_from_a_trace():
     assert stream_overlap([{"ph": "X", "cat": "cpu_op", "ts": 0, "dur": 5}]) == {"gpu_events": 0}
 
 
-def _fake_wheel(folder, name, requires_python=">=3.12"):
+def _fake_wheel(folder, name, requires_python=">=3.12", requires=("torch>=2.6.0", "packaging>=24.2")):
     with zipfile.ZipFile(os.path.join(folder, name), "w") as z:
         dist = "-".join(name.split("-")[:2])
-        z.writestr(f"{dist}.dist-info/METADATA", f"Name: megatron-core\nRequires-Python: {requires_python}\n"
-                   "Requires-Dist: torch>=2.6.0\nRequires-Dist: packaging>=24.2\nRequires-Dist: pytest; extra == 'test'\n")
+        z.writestr(f"{dist}.dist-info/METADATA", f"Name: {name.split('-')[0]}\nRequires-Python: {requires_python}\n"
+                   + "".join(f"Requires-Dist: {r}\n" for r in requires) + "Requires-Dist: pytest; extra == 'test'\n")
 
 
 def test_wheel_check(tmp_path):
@@ -138,6 +138,14 @@ def test_wheel_check(tmp_path):
     problems = check_wheels(str(tmp_path), "3.12")["problems"]
     assert any("several megatron-core versions" in p for p in problems)
     assert any("requires Python >=3.13" in p for p in problems)
+    (tmp_path / "megatron_core-0.16.1-cp312-cp312-manylinux_2_28_x86_64.whl").unlink()
+    _fake_wheel(tmp_path, "megatron_core-0.19.2-cp312-cp312-manylinux_2_28_x86_64.whl",
+                requires=("torch>=2.12", "einops", "numpy"))
+    problems = check_wheels(str(tmp_path), "3.12")["problems"]
+    assert any("needs torch>=2.12, the GPU machine has torch 2.11.0" in p for p in problems)
+    assert any("needs einops, which the GPU machine lacks" in p for p in problems) and len(problems) == 2
+    _fake_wheel(tmp_path, "einops-0.8.0-py3-none-any.whl")
+    assert len(check_wheels(str(tmp_path), "3.12")["problems"]) == 1
 
 
 def staged_exchange(_case):
