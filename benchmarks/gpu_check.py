@@ -263,6 +263,10 @@ def child_main(a) -> int:
     signal.signal(signal.SIGTERM, on_term)
     rec = {"status": "error", "figures": {}, "rows": [], "plan": {}}
     t0 = time.time()
+    if a.mcore_path:  # first for this process and what it starts (verify's ranks get it as mcore_path)
+        sys.path.insert(0, os.path.abspath(a.mcore_path))
+        os.environ["PYTHONPATH"] = os.pathsep.join([os.path.abspath(a.mcore_path)] + [
+            p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
     try:
         faults = dict(f.split(":", 1) for f in os.environ.get(FAULT_ENV, "").split(",") if ":" in f)
         if faults.get(a.child) == "hang":

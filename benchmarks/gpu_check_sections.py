@@ -174,9 +174,10 @@ def env(ctx: Context) -> None:
             info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
         except Exception:  # noqa: BLE001
             pass
-    if ctx.mcore_path:
-        sys.path.insert(0, ctx.mcore_path)
     try:
+        from megatron_zb.megatron import cpu_shims
+        cpu_shims.python_compat()
+        cpu_shims.apply()  # without CUDA only (megatron-core >= 0.19 imports triton): as every CPU run here
         import megatron.core
         from megatron.core import package_info
         info["megatron_core"] = package_info.__version__
