@@ -102,6 +102,8 @@ def attach_shard(chunk, *, vocab_size: int, hidden: int, p: int, tp: int, pp_ran
     w.tensor_model_parallel = True  # every TP rank holds different rows: clipping counts each
     w.partition_dim, w.partition_stride = 0, 1
     w.allreduce = True
+    if tied:  # a copy of the first stage's embedding rows: Megatron's gradient norm counts that once
+        w.shared = True
     return shard
 
 
@@ -243,7 +245,7 @@ def deliver_grad(weight: torch.nn.Parameter, grad: torch.Tensor) -> None:
 
 
 def setup_passes(state: Optional["VocabParallel"], options, placement: Placement, models, config, passes,
-                 dev) -> "VocabParallel":
+                 dev, forward_only: bool = False) -> "VocabParallel":
     """The run's ``VocabParallel`` (made at the first training call, by every rank), bound to this
     rank's shard and to this attempt's passes (``passes.vocab``, the loss step)."""
     if state is None:
@@ -254,6 +256,8 @@ def setup_passes(state: Optional["VocabParallel"], options, placement: Placement
                                     "them through megatron-zb (its entry point, megatron_zb.run, or "
                                     "megatron_zb.megatron.vocab_parallel.attach_shard)")
     state.bind(weight, deliver_grad, config.hidden_size, config.pipeline_dtype, dev, passes.loss_step)
+    state.runtime.forward_only = bool(forward_only)
+    state.runtime.mb.clear()  # (an interrupted call leaves nothing behind)
     state.labels = _loss_chunk_labels(models) if state.is_loss_rank else LabelStore()
     state.labels.labels.clear()
     state.loss_funcs.clear()
