@@ -53,6 +53,11 @@ class Context:
     def remaining(self) -> float:
         return self.deadline - time.time()
 
+    def launch_timeout(self, after: float = 0.0) -> float:
+        """A verify launch's timeout: what is left, less what stopping a launch that ran out takes
+        (its report and clean-up, up to ~15 s) and ``after`` (work after the launch)."""
+        return max(10.0, self.remaining() - 15.0 - after)
+
     def row(self, what, measured, predicted="") -> None:
         self.record["rows"].append({"what": what, "measured": measured, "predicted": predicted})
 
@@ -312,7 +317,7 @@ def postval(ctx: Context) -> None:
                 "iterations each)", "(GPU run)", "the eager step does the step's work; a rollback costs one step")
         return
     ctx.need_cuda()
-    eager, rollback = [r[0] for r in L.run_cases(gpu_step_timing, cases, 1, timeout=max(10.0, ctx.remaining() - 3),
+    eager, rollback = [r[0] for r in L.run_cases(gpu_step_timing, cases, 1, timeout=ctx.launch_timeout(),
                                                  backend="nccl" if gpu else "gloo", cpu_shims=not gpu,
                                                  mcore_path=ctx.mcore_path)]
     meg, pv = _med(eager["megatron"]["times"]), _med(eager["post-validated"]["times"])

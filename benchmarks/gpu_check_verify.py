@@ -32,7 +32,8 @@ def _stage_on_cpu(ctx: Context) -> None:
 
 
 def _verdicts(ctx: Context, results) -> list:
-    bad = [f"{r['case']}: {r.get('error') or r.get('problems')}" for r in results if not r.get("passed")]
+    bad = [f"{r['case']}: " + (str(r.get("error")).strip().splitlines() or [""])[0] if r.get("error") else
+           f"{r['case']}: {'; '.join(map(str, r.get('problems') or []))}" for r in results if not r.get("passed")]
     for b in bad:
         ctx.fail(b[:400])
     return bad
@@ -70,7 +71,7 @@ def memory(ctx: Context) -> None:
         return
     ctx.need_cuda()
     _stage_on_cpu(ctx)
-    results = V.run_verify_many(cases, timeout=max(10.0, ctx.remaining() - 3), mcore_path=ctx.mcore_path)
+    results = V.run_verify_many(cases, timeout=ctx.launch_timeout(), mcore_path=ctx.mcore_path)
     _verdicts(ctx, results)
     ctx.figures["cases"] = []
     worst = 0.0
@@ -112,7 +113,7 @@ def pipeline(ctx: Context) -> None:
     # both launches at once (2 + 4 processes on the one GPU): correctness, not timing
     from concurrent.futures import ThreadPoolExecutor
     with ThreadPoolExecutor(len(launches)) as pool:
-        futures = {pp: pool.submit(V.run_verify_many, cs, timeout=max(10.0, ctx.remaining() - 3),
+        futures = {pp: pool.submit(V.run_verify_many, cs, timeout=ctx.launch_timeout(),
                                    mcore_path=ctx.mcore_path) for pp, cs in launches.items()}
     for pp, cs in launches.items():
         results = futures[pp].result()
@@ -209,7 +210,7 @@ def ep_overlap(ctx: Context) -> None:
     # one hardware queue (Megatron's usual 1) would serialise the streams whose overlap this measures
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
     ctx.figures["CUDA_DEVICE_MAX_CONNECTIONS"] = os.environ["CUDA_DEVICE_MAX_CONNECTIONS"]
-    r = V.run_verify_many([case], timeout=max(10.0, ctx.remaining() - 8), mcore_path=ctx.mcore_path)[0]
+    r = V.run_verify_many([case], timeout=ctx.launch_timeout(5.0), mcore_path=ctx.mcore_path)[0]
     _verdicts(ctx, [r])
     ctx.figures["case"] = _case_figures(r)
     per_rank = {}
