@@ -109,6 +109,8 @@ class VerifyCase:
     # vocabulary parallelism (--enable-vocab-parallel; 2 with --disable-backward-fusion): the output
     # layer as every pipeline rank's shard; the reference keeps its whole output layer
     vocab_parallel: Optional[int] = None
+    device: str = "cpu"  # "cuda": every rank and the reference on a GPU, which ranks may share (verify.cuda_gloo)
+    profile_dir: Optional[str] = None  # torch profiler's Chrome trace of the last pipelined iteration, per rank
 
     def model_overrides(self) -> Dict[str, Any]:
         """TransformerConfig keywords of the model's math (the reference's too)."""
@@ -302,8 +304,6 @@ def make_case(schedule: str, pipeline_parallel_size: int, tensor_parallel_size: 
         raise VerifyUsageError("use_distributed_optimizer needs ddp (megatron's DistributedOptimizer shards its buffers)")
     if case.use_distributed_optimizer and case.forward_only:
         raise VerifyUsageError("use_distributed_optimizer has no step to check with forward_only")
-    if case.iterations < 1:
-        raise VerifyUsageError("iterations must be >= 1")
     if case.offload_ratio is not None:
         r = case.offload_ratio
         if r != "auto" and not (isinstance(r, (int, float)) and not isinstance(r, bool) and 0 <= r <= 1):
