@@ -238,12 +238,12 @@ def build(request: ScheduleRequest, p: int, m: int, *, enforce_limit: bool = Tru
                                     "host link): leave out the offload ratio or the exact mode")
             sched = generate_with_offload(request.name, setting, request.offload.options(setting.memory_limit))
         else:
-            base = dataclasses.replace(setting, vocab=None)  # the pipeline's own passes first
-            sched = spec.generate(base)
+            own = dataclasses.replace(setting, vocab=None)  # the pipeline's own passes first
+            sched = spec.generate(own)
             if request.exact is not None and request.name in AUTOMATIC:
-                sched = refine(sched, base, node_limit=request.exact[0], time_limit=request.exact[1])
+                sched = refine(sched, own, node_limit=request.exact[0], time_limit=request.exact[1])
             if request.vocab is not None:
-                sched = _with_vocab(spec, sched, base, setting)
+                sched = _with_vocab(spec, sched, own, setting)
     setting = dataclasses.replace(setting, chunks=sched.placement.chunks)
     if base is None:  # MoE all-to-all overlap: the F&B pairs that shorten the iteration (none without)
         sched = form_pairs(sched, setting)
