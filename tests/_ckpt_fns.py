@@ -15,6 +15,10 @@ One case = one schedule/placement. On every rank:
    (``dist_checkpointing.load``, ``load_state_dict``) and run the remaining iterations.
 
 The parent compares the two runs' losses and final parameters.
+
+Vocabulary parallelism: ``case["vocab"]`` (barriers, or None) for the uninterrupted run and the
+saving one, ``case["resume_vocab"]`` for the resumed one (default the same): a checkpoint saved with
+it resumes without it and the other way round (the shards are the output layer's rows).
 """
 from __future__ import annotations
 
@@ -35,7 +39,7 @@ def _allow_save_without_psutil():
         fa._process_memory = lambda: 0
 
 
-def _setup(case, M):
+def _setup(case, M, vocab=None):
     """(Re)initialise parallel state, build (optionally DDP-wrapped) chunks and the optimizer."""
     from megatron_zb.megatron import finalize as F
     from megatron_zb.megatron import placement as P
@@ -43,9 +47,9 @@ def _setup(case, M):
     from megatron.core import parallel_state
 
     placement = P.make_placement(case["placement"], case["pp"], case.get("chunks"))
-    M.init_parallel_state(case["tp"], case["pp"], placement, seed=1234)
-    cfg = M.TinyGPTConfig(num_layers=case.get("num_layers", 4))
-    chunks = M.build_model_chunks(cfg, placement)
+    M.init_parallel_state(case["tp"], case["pp"], placement, seed=1234, vocab_parallel=bool(vocab))
+    cfg = M.TinyGPTConfig(num_layers=case.get("num_layers", 4), tie_embeddings=not case.get("untied"))
+    chunks = M.build_model_chunks(cfg, placement, vocab_parallel=bool(vocab))
     config = chunks[0].config
     ddp = bool(case.get("ddp") or case.get("optimizer"))
     if ddp:
@@ -186,11 +190,13 @@ def resume_case(case):
     rank = dist.get_rank()
     tag = case["label"]
     n, split = case["iterations"], case["split"]
-    handle = install(case["schedule"], chunks=case.get("chunks"))
+    vocab = case.get("vocab")
+    resume_vocab = case.get("resume_vocab", vocab)
+    handle = install(case["schedule"], chunks=case.get("chunks"), vocab_parallel=vocab)
     try:
         # 1. uninterrupted
         set_status(f"[{tag}] uninterrupted run")
-        st = _setup(case, M)
+        st = _setup(case, M, vocab)
         full_losses = _train(case, M, st, range(n))
         full_params = _params(M, st["chunks"])
         del st
@@ -198,7 +204,7 @@ def resume_case(case):
 
         # 2. first part, then save
         set_status(f"[{tag}] first {split} iterations")
-        st = _setup(case, M)
+        st = _setup(case, M, vocab)
         first_losses = _train(case, M, st, range(split))
         saved_params = _params(M, st["chunks"])
         saved_opt = _optimizer_state(M, st)
@@ -218,7 +224,10 @@ def resume_case(case):
 
         # 3. fresh state: rebuild with different weights and a fresh optimizer, load, resume
         set_status(f"[{tag}] rebuild + dist_checkpointing.load")
-        st = _setup(case, M)
+        if resume_vocab != vocab:
+            handle.uninstall()
+            handle = install(case["schedule"], chunks=case.get("chunks"), vocab_parallel=resume_vocab)
+        st = _setup(case, M, resume_vocab)
         P.deterministic_init_([P.unwrap(c) for c in st["chunks"]], seed=_DIFFERENT_SEED)
         before_load = _params(M, st["chunks"])
         sharded = _checkpoint_state(st, is_loading=True)
@@ -252,7 +261,9 @@ def resume_case(case):
         "diff_after_load": _max_diff(after_load, saved_params) if after_load else None,
         "diff_final": _max_diff(resumed_params, full_params) if full_params else None,
         "opt_state_abs": _max_abs(saved_opt) if saved_opt else None,
-        "diff_opt_state": _max_diff(loaded_opt, saved_opt) if saved_opt else None,
+        # (across vocabulary parallelism each rank holds other rows of the output layer's state: the
+        # resumed losses and parameters show whether it came back)
+        "diff_opt_state": _max_diff(loaded_opt, saved_opt) if saved_opt and resume_vocab == vocab else None,
         "param_names": sorted(full_params),
         "num_params": sum(len(v) for v in full_params.values()),
     }

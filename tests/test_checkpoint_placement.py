@@ -46,6 +46,25 @@ def test_a_per_rank_format_with_another_placement_is_refused_naming_both_and_the
         CP.check(_rec("single", p=4, layers=8), _rec("single", p=2, layers=8), "torch")
 
 
+def test_vocabulary_parallelism_on_one_side_only():
+    """torch_dist maps the shards to the output layer's rows both ways, except into shards from a
+    tied run without it (it saved no output layer); a per-rank format maps nothing. One line each."""
+    vp = lambda tied: CP.record(make_placement("v", 2), 4, "zb-v", vocab_parallel={"barriers": 1, "tied": tied})  # noqa
+    plain = _rec("v", schedule="zb-v")
+    for saved, current in ((vp(True), plain), (vp(False), plain), (plain, vp(False)), (vp(True), vp(True))):
+        assert CP.check(saved, current, "torch_dist") is None
+    with pytest.raises(CP.CheckpointPlacementError, match="saved without --enable-vocab-parallel and with tied "
+                                                          "embeddings") as info:
+        CP.check(plain, vp(True), "torch_dist")
+    assert "\n" not in str(info.value)
+    with pytest.raises(CP.CheckpointPlacementError, match="per-rank 'torch' format.*resume with --enable-vocab"):
+        CP.check(vp(False), plain, "torch")
+    args = Namespace(pipeline_model_parallel_size=2, num_layers=4, virtual_pipeline_model_parallel_size=None,
+                     enable_vocab_parallel=True, zero_bubble_resolved_schedule="1f1b",
+                     untie_embeddings_and_output_weights=True, disable_backward_fusion=True)
+    assert CP.record_from_args(args)["vocab_parallel"] == {"barriers": 2, "tied": False}
+
+
 def test_checkpoints_without_a_record_get_the_placement_their_arguments_imply():
     args = Namespace(pipeline_model_parallel_size=2, num_layers=4, virtual_pipeline_model_parallel_size=None)
     assert CP.record_from_args(args)["style"] == "single"

@@ -70,8 +70,9 @@ def _check(case, ranks, mcore_version):
         # the rebuilt model really started elsewhere, and the load put the saved weights back exactly
         assert r["diff_before_load"] > 1e-3, f"{tag} rank {r['rank']}: rebuilt weights equal the saved ones"
         assert r["diff_after_load"] == 0.0, f"{tag} rank {r['rank']}: loaded weights differ by {r['diff_after_load']}"
-        assert r["diff_final"] <= PARAM_ATOL, f"{tag} rank {r['rank']}: final params differ by {r['diff_final']}"
-        if case["optimizer"]:  # megatron's optimizer state (Adam moments, step) came back exactly
+        tol = case.get("param_atol", PARAM_ATOL)
+        assert r["diff_final"] <= tol, f"{tag} rank {r['rank']}: final params differ by {r['diff_final']}"
+        if case["optimizer"] and r["diff_opt_state"] is not None:  # Adam's moments and step came back exactly
             assert r["opt_state_abs"] > 0.0, f"{tag} rank {r['rank']}: empty optimizer state"
             assert r["diff_opt_state"] == 0.0, f"{tag} rank {r['rank']}: optimizer state differs after load"
     assert "embedding.word_embeddings.weight" in names and "decoder.final_layernorm.weight" in names, tag
@@ -86,6 +87,23 @@ def test_resume_from_megatron_checkpoint_pp2(rank_pool, mcore_version):
         _case("zb-v pp2 ddp", "zb-v", 2, "v", chunks=2, ddp=True),
         _case("zb-v pp2 ddp + megatron adam", "zb-v", 2, "v", chunks=2, ddp=True, optimizer=True),
     ]
+    _run(rank_pool, cases, 2, mcore_version)
+
+
+def test_resume_across_vocabulary_parallelism(rank_pool, mcore_version):
+    """--enable-vocab-parallel (issue 33): saved with it, resumed with it (tied, Adam); saved with it,
+    resumed without it and the other way round (untied: the shards are the output layer's rows, torch_dist
+    reshards them)."""
+    def vp(label, vocab, resume_vocab, untied=True, **kw):
+        c = _case(label, "zb-v", 2, "v", chunks=2, **kw)
+        c.update(vocab=vocab, resume_vocab=resume_vocab, untied=untied)
+        return c
+    cases = [vp("zb-v pp2 vocab-parallel tied + adam", 1, 1, untied=False, ddp=True, optimizer=True),
+             vp("zb-v pp2 vocab-parallel -> without, tied", 2, None, untied=False),
+             vp("zb-v pp2 without -> vocab-parallel, untied + adam", None, 1, ddp=True, optimizer=True)]
+    # the resumed half computes the output layer as shards: Adam magnifies its rounding differences (the
+    # loaded weights are equal exactly; every loss within LOSS_ATOL)
+    cases[2]["param_atol"] = 1e-4
     _run(rank_pool, cases, 2, mcore_version)
 
 

@@ -28,7 +28,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 from ..core.ir import Placement
 
 __all__ = ["KEY", "CheckpointPlacementError", "record", "record_from_args", "describe", "same_placement",
-           "check", "install", "version"]
+           "check", "install", "version", "vocab_of_args"]
 
 KEY = "megatron_zb"
 MAPS_BY_GLOBAL_NAMES = ("torch_dist",)
@@ -46,8 +46,10 @@ def version() -> str:
         return "0.1.0"
 
 
-def record(placement: Placement, num_layers: int, schedule: Optional[str], **layer_kw) -> dict:
-    """The placement record stored in checkpoints (plain data: ints, strings, lists)."""
+def record(placement: Placement, num_layers: int, schedule: Optional[str], vocab_parallel: Optional[dict] = None,
+           **layer_kw) -> dict:
+    """The placement record stored in checkpoints (plain data: ints, strings, lists);
+    ``vocab_parallel``: ``{"barriers": 1|2, "tied": bool}`` under ``--enable-vocab-parallel``."""
     from . import placement as P
     infos = [i for r in range(placement.num_ranks) for i in P.chunk_infos(placement, num_layers, r, **layer_kw)]
     infos.sort(key=lambda i: i.stage)
@@ -55,7 +57,16 @@ def record(placement: Placement, num_layers: int, schedule: Optional[str], **lay
             "chunks": placement.models_per_rank, "num_layers": int(num_layers),
             "stages": [[i.rank, i.vp_stage, list(i.layers)] for i in infos],
             "embedding": [[i.rank, i.vp_stage] for i in infos if i.pre_process],
-            "loss": [[i.rank, i.vp_stage] for i in infos if i.post_process], "version": version()}
+            "loss": [[i.rank, i.vp_stage] for i in infos if i.post_process], "version": version(),
+            "vocab_parallel": vocab_parallel}
+
+
+def vocab_of_args(args) -> Optional[dict]:
+    """``record``'s ``vocab_parallel`` for a run's (or a checkpoint's saved) Megatron arguments."""
+    if not (getattr(args, "enable_vocab_parallel", False) and getattr(args, "zero_bubble_resolved_schedule", None)):
+        return None
+    return {"barriers": 2 if getattr(args, "disable_backward_fusion", False) else 1,
+            "tied": not bool(getattr(args, "untie_embeddings_and_output_weights", False))}
 
 
 def record_from_args(args) -> Optional[dict]:
@@ -75,7 +86,8 @@ def record_from_args(args) -> Optional[dict]:
         counts = getattr(args, "zero_bubble_layers_per_stage", None)
         layer_kw = ({"layers_per_stage": list(counts)} if counts else
                     {"allow_padding_num_layers": bool(getattr(args, "allow_padding_num_layers", False))})
-        return record(placement, int(L), getattr(args, "zero_bubble_resolved_schedule", None), **layer_kw)
+        return record(placement, int(L), getattr(args, "zero_bubble_resolved_schedule", None),
+                      vocab_parallel=vocab_of_args(args), **layer_kw)
     except Exception:  # noqa: BLE001 - a layout we cannot reconstruct (e.g. uneven first/last stages)
         return None
 
@@ -111,6 +123,8 @@ def check(saved: Optional[dict], current: dict, ckpt_format: str, where: str = "
     (different, but ``ckpt_format`` maps layers by global names); raises
     ``CheckpointPlacementError`` when the format is per-rank.
     """
+    if saved is not None:
+        _check_vocab(saved.get("vocab_parallel"), current.get("vocab_parallel"), ckpt_format, where)
     if saved is None or same_placement(saved, current):
         return None
     if ckpt_format in MAPS_BY_GLOBAL_NAMES:
@@ -127,6 +141,24 @@ def check(saved: Optional[dict], current: dict, ckpt_format: str, where: str = "
         f"{where} was saved with {describe(saved)}, but this run uses {describe(current)}; its '{ckpt_format}' "
         f"format stores each rank's layers under local names, so loading it would put layers in the wrong place. "
         f"Save with --ckpt-format torch_dist (it maps layers by global names), {convert}")
+
+
+def _check_vocab(saved: Optional[dict], current: Optional[dict], ckpt_format: str, where: str) -> None:
+    """Vocabulary parallelism on one side only: torch_dist maps the shards to the output layer's rows
+    (``megatron.vocab_parallel.VocabShard``), except where the saving run had tied embeddings without it
+    (no output layer saved) and this run holds shards; a per-rank format maps nothing."""
+    if bool(saved) == bool(current):
+        return
+    flag = "--enable-vocab-parallel"
+    if ckpt_format not in MAPS_BY_GLOBAL_NAMES:
+        raise CheckpointPlacementError(
+            f"{where} was saved {'with' if saved else 'without'} {flag} in the per-rank '{ckpt_format}' format, which "
+            f"cannot map the output layer to this run ({'without' if saved else 'with'} it): resume "
+            f"{'with' if saved else 'without'} {flag}, or save with --ckpt-format torch_dist")
+    if current and current.get("tied"):
+        raise CheckpointPlacementError(
+            f"{where} was saved without {flag} and with tied embeddings, so it holds no output layer to shard: "
+            f"resume it without {flag} (or with --untie-embeddings-and-output-weights from a checkpoint that has one)")
 
 
 # --------------------------------------------------------------------------------------------

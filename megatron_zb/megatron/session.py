@@ -80,7 +80,9 @@ class TrainingSession:
                        "neither clipped nor skipped; Megatron's log line shows the grad norm of the previous "
                        "iteration's step)")
         try:
-            record = checkpoint_placement.record(pl, args.num_layers, zb["schedule"] if zb else None, **layer_kw(args))
+            record = checkpoint_placement.record(pl, args.num_layers, zb["schedule"] if zb else None,
+                                                 vocab_parallel=checkpoint_placement.vocab_of_args(args),
+                                                 **layer_kw(args))
             self._undos.append(checkpoint_placement.install(record))
         except ScheduleError:  # a layout our tables do not describe (Megatron's own uneven splits): no record
             pass

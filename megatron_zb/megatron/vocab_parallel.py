@@ -43,6 +43,22 @@ class VocabShard(torch.nn.Module):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.empty(rows, hidden, dtype=dtype, device=device))
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        """Megatron's distributed checkpoints: the shard as its rows of the whole output layer, under
+        the output layer's key (``output_layer.weight``, tied embeddings too), so torch_dist reshards
+        it: a checkpoint saved with vocabulary parallelism loads without it (untied: Megatron's
+        tensor-parallel output layer; tied: the embedding holds the same rows) and the other way
+        round (untied; a tied run without it saved no output layer: ``checkpoint_placement`` refuses)."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.dist_checkpointing import ShardedTensor
+        w = self.weight
+        v0, v1, vocab = w.mzb_vocab_rows
+        rows = v1 - v0
+        base = prefix[:-len(SHARD_ATTR) - 1] if prefix.endswith(SHARD_ATTR + ".") else prefix
+        dp = ps.get_data_parallel_rank(with_context_parallel=True)
+        return {f"{prefix}weight": ShardedTensor.from_rank_offsets(
+            f"{base}output_layer.weight", w, (0, v0 // rows, vocab // rows), replica_id=(0, 0, dp))}
+
 
 def shard_rows(vocab_size: int, p: int, tp: int, pp_rank: int, tp_rank: int):
     """(first row, rows) of the (pp_rank, tp_rank) shard of a ``vocab_size`` vocabulary."""
@@ -88,6 +104,15 @@ def prepare_loss_chunk(model) -> None:
     model.compute_language_model_loss = types.MethodType(lambda self, labels, logits: store.stash(labels, logits),
                                                          model)
     model.mzb_vocab_loss_chunk = True
+    whole = model.sharded_state_dict
+
+    def sharded_state_dict(self, *a, **k):  # Megatron's, for a chunk without an output layer (the shards hold it)
+        self.post_process = False
+        try:
+            return whole(*a, **k)
+        finally:
+            self.post_process = True
+    model.sharded_state_dict = types.MethodType(sharded_state_dict, model)
 
 
 def attach_shard(chunk, *, vocab_size: int, hidden: int, p: int, tp: int, pp_rank: int, tp_rank: int,
@@ -180,6 +205,7 @@ class VocabParallel:
         from megatron.core import parallel_state as ps
         self.placement, self.barriers, self.timeout_s = placement, int(barriers), float(timeout_s)
         pp = ps.get_pipeline_model_parallel_group()
+        self.made_for = pp  # the parallel state the groups were made in
         mp = ps.get_model_parallel_group()
         pp_ranks = dist.get_process_group_ranks(pp)
         mp_ranks = sorted(dist.get_process_group_ranks(mp))
@@ -295,7 +321,8 @@ def setup_passes(state: Optional["VocabParallel"], options, placement: Placement
                  dev, forward_only: bool = False) -> "VocabParallel":
     """The run's ``VocabParallel`` (made at the first training call, by every rank), bound to this
     rank's shard and to this attempt's passes (``passes.vocab``, the loss step)."""
-    if state is None:
+    from megatron.core import parallel_state as ps
+    if state is None or state.made_for is not ps.get_pipeline_model_parallel_group():  # (parallel state rebuilt)
         state = VocabParallel(placement, options.vocab_parallel, options.timeout_s)
     weight = find_shard(models)
     if weight is None:

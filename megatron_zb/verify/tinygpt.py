@@ -284,8 +284,11 @@ def _gathered_shards(p, t: torch.Tensor) -> Optional[torch.Tensor]:
     shard holding row 0 (None elsewhere). Collective over the shards' group."""
     group = getattr(p, "mzb_vocab_group", None)
     v0, _, vocab = p.mzb_vocab_rows
+    if group is None and t.shape[0] != vocab:  # before the first call made the passes' groups: the replica's
+        from megatron.core import parallel_state
+        group = parallel_state.get_model_parallel_group()
     if group is None:
-        return t.clone() if t.shape[0] == vocab else None
+        return t.clone()
     n = torch.distributed.get_world_size(group)
     parts = [torch.empty_like(t) for _ in range(n)]
     starts = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
