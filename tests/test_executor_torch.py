@@ -10,6 +10,7 @@ from megatron_zb.core.ir import ScheduleError, Setting
 from megatron_zb.core.schedules import generate, get, names
 
 from tests import _toy_pipeline as toy
+from tests._host import overload
 from tests._ports import free_port
 
 pytestmark = pytest.mark.dist
@@ -153,4 +154,4 @@ def test_a_peer_that_exits_is_named_without_waiting_for_the_timeout(mode, doing)
     assert msg.startswith("PeerLost: pipeline rank 1 (global rank 1) "), msg
     assert (f"{doing} pipeline rank 0 (global rank 0) and lost the "
             "connection to it; that rank is stuck or has failed (transport:") in msg, msg
-    assert waited < 30, waited  # not the 60 s timeout
+    assert waited < min(30 * overload(), 50), waited  # at once: not the 60 s timeout (slack for a busy host)

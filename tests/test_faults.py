@@ -133,10 +133,10 @@ def test_ranks_end_when_the_verify_launcher_is_killed(tmp_path):
         assert len(pids) == 2, f"the ranks did not start (launcher exit {proc.poll()})"
         proc.kill()
         proc.wait()
-        t0 = time.monotonic()
-        while any(_alive(p) for p in pids) and time.monotonic() - t0 < 10:
+        t0, limit = time.monotonic(), 10 * overload()  # at once; slack for a busy host
+        while any(_alive(p) for p in pids) and time.monotonic() - t0 < limit:
             time.sleep(0.05)
-        assert not any(_alive(p) for p in pids), "ranks outlived their launcher by 10 s"
+        assert not any(_alive(p) for p in pids), f"ranks outlived their launcher by {limit:.0f} s"
     finally:
         if proc.poll() is None:
             proc.kill()

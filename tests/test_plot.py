@@ -134,9 +134,9 @@ def test_large_schedule_renders_quickly(tmp_path):
     import time
 
     res = simulate(one_f_one_b(16, 64, split=True), Setting(stages=16, microbatches=64))
-    t = time.perf_counter()
+    t = time.process_time()  # CPU time (the rendering's work), not the wall clock of a busy host
     plot.save(res, str(tmp_path / "big.png"))
-    assert time.perf_counter() - t < 8.0
+    assert time.process_time() - t < 8.0
     assert (tmp_path / "big.png").read_bytes().startswith(PNG_SIGNATURE)
 
 

@@ -288,17 +288,17 @@ def test_killing_the_launcher_ends_every_rank_and_no_checkpoint_follows(tmp_path
         job.wait_for(r"successfully saved checkpoint from iteration\s+5 ")
         before = sorted(os.listdir(save)), (save / "latest_checkpointed_iteration.txt").read_text()
         assert len(job.ranks) == 2
-        t0 = time.monotonic()
+        t0, limit = time.monotonic(), 10 * overload()  # at once; slack for a busy host
         os.kill(job.proc.pid, signal.SIGKILL)  # the torchrun agent (the script exec'd it)
         job.proc.wait()
-        while any(_alive(p) for p in job.ranks.values()) and time.monotonic() - t0 < 10:
+        while any(_alive(p) for p in job.ranks.values()) and time.monotonic() - t0 < limit:
             time.sleep(0.05)
         secs = time.monotonic() - t0
-        assert not any(_alive(p) for p in job.ranks.values()), "ranks outlived their launcher by 10 s"
+        assert not any(_alive(p) for p in job.ranks.values()), f"ranks outlived their launcher by {limit:.0f} s"
         time.sleep(2)
         after = sorted(os.listdir(save)), (save / "latest_checkpointed_iteration.txt").read_text()
         assert after == before, f"checkpoints changed after the launcher died: {before} -> {after}"
-        assert "the launcher (torchrun agent)" in job.text() and secs < 10
+        assert "the launcher (torchrun agent)" in job.text() and secs < limit
     finally:
         job.close()
 
