@@ -113,6 +113,7 @@ def test_load_names_the_broken_rank_and_position(tmp_path, capsys):
     assert "F3.0 at rank 3 position 1 comes too late: rank 3 position 0 (B3.0) waits for it" in err
 
 
+@pytest.mark.timing
 def test_unreasonable_size_refused_at_once(capsys):
     import time
     t = time.process_time()  # CPU time: the work done before refusing, however busy the host is

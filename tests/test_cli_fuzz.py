@@ -128,6 +128,7 @@ def test_plan_never_traces_back(files, capsys, data):
     ["--schedule", "zb-h1", "-p", "2", "--timeout", "0"],
     ["--schedule", "nope", "-p", "2"],
 ])
+@pytest.mark.timing
 def test_verify_refuses_bad_input_before_starting_ranks(argv, capsys, monkeypatch):
     from megatron_zb.verify import command
     launched = []  # the launch is the one way ranks start: refused input never reaches it

@@ -121,6 +121,7 @@ def test_simulate_and_compare_show_the_pairs(capsys):
     assert "overlapped F&B pairs hide it" in out and "lower bound" not in out  # the bound counts a2a serial
 
 
+@pytest.mark.timing
 def test_the_post_pass_is_quick_at_p16():
     st = Setting(16, 64, chunks=2, cost_a2a=[0.6], memory_limit=24.0, **COSTS)
     s = generate("zb-v", st)
@@ -151,6 +152,7 @@ def test_plan_estimates_the_all_to_all_from_the_moe_flags(capsys):
     assert "--ep-bandwidth-gbps" in capsys.readouterr().err
 
 
+@pytest.mark.timing
 def test_sleep_passes_charge_a_pair_what_the_simulator_does(monkeypatch):
     from megatron_zb.runtime import sleep_passes as SP
     from megatron_zb.runtime.sleep_passes import precise_sleep, sleep_passes
@@ -177,6 +179,7 @@ def test_sleep_passes_charge_a_pair_what_the_simulator_does(monkeypatch):
 
 
 @pytest.mark.dist
+@pytest.mark.timing
 def test_emulated_pairs_run_as_one_pass_in_the_schedules_order():
     """dualpipe-v's and zb-v's pairs on 4 real processes (sleeping passes, real messages): each rank
     runs its schedule's passes in order (the recorded sequence, not sorted clock readings), every

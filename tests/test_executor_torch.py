@@ -116,6 +116,7 @@ def test_every_schedule_with_offload_matches_reference():
                 np.testing.assert_allclose(g, rg, rtol=1e-5, atol=1e-6, err_msg=f"{name} offload stage {s}")
 
 
+@pytest.mark.timing
 def test_stuck_peer_times_out_naming_rank_pass_and_peer():
     # rank 0 never sends: rank 1 must fail after the timeout, naming itself, the pass and the peer
     results = run_cases(2, [("zb-h1", 2, None, False, 0, 3)], timeout=60)
@@ -134,6 +135,7 @@ def test_stuck_peer_times_out_naming_rank_pass_and_peer():
     ("post", "to post the receive of the input of F1.0 from"),
     ("send", "to send the output of F1.0 to"),
 ])
+@pytest.mark.timing
 def test_a_peer_that_exits_is_named_without_waiting_for_the_timeout(mode, doing):
     # rank 0's process ends (as it does after its own timeout) while rank 1 waits for it, or before
     # rank 1 posts a receive from it or sends to it: rank 1 fails at once with PeerLost (a

@@ -79,6 +79,7 @@ TIMEOUT_S = 3.0
 
 @pytest.mark.megatron
 @pytest.mark.dist
+@pytest.mark.timing
 def test_the_stopped_rank_is_named_by_every_rank(rank_pool, tmp_path):
     from megatron_zb.verify.launch import RankError
     from tests import _fault_fns
@@ -120,6 +121,7 @@ def _alive(pid):
 
 
 @pytest.mark.dist
+@pytest.mark.timing
 def test_ranks_end_when_the_verify_launcher_is_killed(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT] + [p for p in sys.path if p]))
     proc = subprocess.Popen([sys.executable, "-c", _LAUNCHER, str(tmp_path)], env=env, cwd=ROOT,
@@ -148,6 +150,7 @@ def test_ranks_end_when_the_verify_launcher_is_killed(tmp_path):
 
 @pytest.mark.megatron
 @pytest.mark.dist
+@pytest.mark.timing
 def test_a_rank_stopped_outside_the_schedule_is_named_by_the_stall_watch(rank_pool, tmp_path):
     from megatron_zb.verify.launch import LaunchError
     from tests import _fault_fns
@@ -172,6 +175,7 @@ def test_a_rank_stopped_outside_the_schedule_is_named_by_the_stall_watch(rank_po
 
 @pytest.mark.megatron
 @pytest.mark.dist
+@pytest.mark.timing
 def test_a_rank_stopped_during_a_checkpoint_save_is_named(rank_pool, tmp_path):
     """The stall watch covers saves: a rank stopped while every rank saves is named, with what it
     was doing, by the ranks waiting inside the save (no silent hang until Megatron's distributed
@@ -197,6 +201,7 @@ def test_a_rank_stopped_during_a_checkpoint_save_is_named(rank_pool, tmp_path):
 @pytest.mark.megatron
 @pytest.mark.dist
 @pytest.mark.version_free  # verify's launcher and its 45 s timeout: the same on every megatron-core
+@pytest.mark.timing
 def test_the_launch_timeout_names_a_rank_stuck_in_a_pass(rank_pool):
     from megatron_zb.verify.launch import LaunchTimeout
     from tests import _fault_fns

@@ -129,6 +129,7 @@ def test_save_bad_extension(res_1f1b, tmp_path, name):
     assert not (tmp_path / name).exists()
 
 
+@pytest.mark.timing
 def test_large_schedule_renders_quickly(tmp_path):
     pytest.importorskip("matplotlib")
     import time

@@ -30,6 +30,7 @@ def test_replay_records_then_replays_then_continues():
 
 
 @pytest.mark.dist
+@pytest.mark.timing
 def test_channel_rounds_and_a_silent_rank_times_out(rank_pool):
     t0 = time.time()
     res = rank_pool(F.channel_case, [{"kind": "rounds", "timeout": 30},

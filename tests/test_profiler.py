@@ -368,6 +368,7 @@ def _run(world, cases, iterations, window, timeout=240):
 
 
 @pytest.mark.dist
+@pytest.mark.timing
 def test_profiles_on_gloo_pipeline():
     """Each pass's profiled time is that pass: every sample encloses the pass's own run (the pass
     timed itself, same order) and, in the median, adds only the executor's few statements around
@@ -466,6 +467,7 @@ def test_install_profile_options_and_replan(monkeypatch):
 
 @pytest.mark.megatron
 @pytest.mark.dist
+@pytest.mark.timing
 def test_megatron_run_writes_profile(tmp_path, mcore_path):
     from megatron_zb import verify as V
     path = str(tmp_path / "profile.json")

@@ -22,6 +22,7 @@ LINE = (" [2026-11-23 20:40:01.977951] iteration        {i}/      20 | consumed 
 
 
 @pytest.mark.dist
+@pytest.mark.timing
 def test_emulated_runs_follow_the_schedule_and_the_simulator():
     """The emulated runner on 2 real processes: every rank runs its schedule's passes in order (the
     recorded sequence), each pass and each iteration at least as long as the plan, the prediction is

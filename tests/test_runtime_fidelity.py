@@ -17,6 +17,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import bench_runtime_fidelity as bench  # noqa: E402
 
 
+@pytest.mark.timing
 def test_sleep_passes_durations(monkeypatch):
     """Each pass sleeps its per-chunk cost: never less (measured), and it never asks for more (the
     sleep it requests, recorded): both hold whatever the host's load. How late a sleep ends on a
@@ -40,6 +41,7 @@ def test_sleep_passes_durations(monkeypatch):
     assert len(asked) == 3 and asked[0] <= 0.002 and asked[1] <= 0.004 and asked[2] <= 0.003
 
 
+@pytest.mark.timing
 def test_precise_sleep_sleeps_then_yields_to_the_deadline(monkeypatch):
     """``precise_sleep``: ``time.sleep`` until ``spin_s`` before the deadline, then yields until it:
     never ends early, never asks the OS for more than the time left."""
@@ -60,6 +62,7 @@ def test_precise_sleep_sleeps_then_yields_to_the_deadline(monkeypatch):
 
 
 @pytest.mark.dist
+@pytest.mark.timing
 def test_measured_iterations_on_real_processes():
     """The benchmark's runner on 2 real processes: zb-h1 and 1f1b run, every iteration at least the
     simulated time (sleeps cannot run faster than the plan), the simulated times and speed-up are

@@ -24,6 +24,7 @@ from tests._host import overload
 # -- launcher ----------------------------------------------------------------------------------
 
 @pytest.mark.dist
+@pytest.mark.timing
 def test_launch_results_per_rank_and_cases():
     res = L.run_cases(H.allreduce_rank, [{"add": 0}, {"add": 10}], 3, cpu_shims=False, timeout=120)
     assert [[r["rank"] for r in case] for case in res] == [[0, 1, 2], [0, 1, 2]]
@@ -44,6 +45,7 @@ def test_launch_reraises_rank_exception_with_its_traceback():
 
 
 @pytest.mark.dist
+@pytest.mark.timing
 def test_launch_reports_a_failure_before_the_ranks_start(monkeypatch):
     # a function the ranks cannot import (its module exists only in this process): every rank
     # reports the error; nothing hangs
@@ -58,6 +60,7 @@ def test_launch_reports_a_failure_before_the_ranks_start(monkeypatch):
 
 
 @pytest.mark.dist
+@pytest.mark.timing
 def test_launch_timeout_names_the_stuck_rank_and_its_status():
     t = time.time()
     with pytest.raises(L.LaunchTimeout) as ei:
