@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from megatron_zb.core.ir import ScheduleError, Setting
-from megatron_zb.core.schedules import generate, get, names
+from megatron_zb.core.ir import ScheduleError
+from megatron_zb.core.schedules import get, names
 
 from tests import _toy_pipeline as toy
 from tests._host import overload
@@ -22,7 +22,8 @@ def run_cases(world, cases, timeout=120):
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=toy._worker, args=(r, world, port, cases, q)) for r in range(world)]
+    made = {k: s for k, s in toy._SCHEDULES.items() if k[1] == world}  # generated here once (_applies)
+    procs = [ctx.Process(target=toy._worker, args=(r, world, port, cases, q, made)) for r in range(world)]
     for p in procs:
         p.start()
     results = {}
@@ -40,7 +41,7 @@ def run_cases(world, cases, timeout=120):
 
 def _applies(name, world, m, chunks):
     try:
-        generate(name, Setting(world, m, chunks=chunks))
+        toy.generated(name, world, m, chunks)
         return True
     except ScheduleError:  # a microbatch-count rule of the schedule (e.g. interleaved-zb's rounds)
         return False

@@ -12,7 +12,10 @@ from megatron_zb import verify as V
 
 pytestmark = [pytest.mark.megatron, pytest.mark.dist]
 
-ITERATIONS = 10
+# 6 iterations (was 10): every case's clipped steps come first (iterations 0-1, 0-2 or 0,1,3; sgd
+# 3 and 5), the injected non-finite gradient at 4 is skipped, and iteration 5 shows the run going on
+# after the skip; iterations 6-9 clipped nothing more (measured on 0.16.1) and added only time
+ITERATIONS = 6
 INF_AT = 4
 
 # every pair of (schedule, layout, distributed optimizer, dtype) appears at least once
