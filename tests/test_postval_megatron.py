@@ -31,9 +31,16 @@ MATRIX = [  # (schedule, PP, TP, distributed optimizer, dtype, clip)
 ]
 
 
-def _cases():
+def _cases(second_version=False):
+    """The matrix (every pair of schedule, layout, distributed optimizer and dtype) and four more.
+    On a second megatron-core (``MZB_MCORE``, the test script's 0.19.2 pass) the matrix's zb-h2 rows
+    only: they still hold every pair of layout, distributed optimizer and dtype, the parts of
+    megatron-core a version changes (the schedule is megatron-zb's own; zb-v runs in the DP and sgd
+    cases)."""
     out = []
     for name, p, t, dist_opt, dtype, clip in MATRIX:
+        if second_version and name != "zb-h2":
+            continue
         # FP32Optimizer (fp32 without the distributed optimizer) never checks for inf/NaN in
         # Megatron: a non-finite gradient would enter the weights there, so clipping only
         inject = None if (dtype == "fp32" and not dist_opt) else INF_AT
@@ -55,7 +62,7 @@ def _cases():
 
 @pytest.fixture(scope="module")
 def results(mcore_path):
-    cases = _cases()
+    cases = _cases(second_version=mcore_path is not None)
     return cases, V.run_verify_many(cases, timeout=900, mcore_path=mcore_path)
 
 
