@@ -71,8 +71,8 @@ def pytest_configure(config):
     _become_subreaper()
     for line in ("dist: launches several real torch.distributed processes",
                  "megatron: needs torch and megatron-core (run on both megatron-core versions)",
-                 "version_free: a megatron test of megatron-zb's own process handling whose outcome does not "
-                 "depend on megatron-core's version (the 0.19.2 pass leaves it out)",
+                 "version_free: a megatron test whose outcome does not depend on megatron-core's version "
+                 "(megatron-zb's own process handling, launcher, progress, stall watch): the 0.19.2 pass leaves it out",
                  "timing: measures time, never a figure that changes with the host's load (scripts/stress_tests.sh "
                  "runs these beside busy processes)"):
         config.addinivalue_line("markers", line)
