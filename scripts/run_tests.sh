@@ -8,7 +8,7 @@
 # the second pass mostly fills idle time. Pass 2's output is printed when both have finished.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup_env.sh
+[ "${MZB_SKIP_SETUP:-0}" = 1 ] || bash scripts/setup_env.sh  # MZB_SKIP_SETUP=1: the environment exists
 export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
 PY=.venv/bin/python
 pass2() {

@@ -1,6 +1,7 @@
 """Functions the harness tests run inside launched ranks (module-level, so ranks can import them)."""
 from __future__ import annotations
 
+import os
 import time
 
 
@@ -11,7 +12,7 @@ def allreduce_rank(case):
     import torch.distributed as dist
     t = torch.tensor([float(dist.get_rank()) + case["add"]])
     dist.all_reduce(t)
-    return {"rank": dist.get_rank(), "world": dist.get_world_size(), "sum": float(t),
+    return {"rank": dist.get_rank(), "world": dist.get_world_size(), "sum": float(t), "pid": os.getpid(),
             "tensor": torch.arange(3, dtype=torch.bfloat16) * dist.get_rank(),
             "threads": torch.get_num_threads()}
 

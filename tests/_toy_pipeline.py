@@ -47,10 +47,24 @@ def reference(nst, m):
     return losses, {s: [p.grad.numpy().copy() for p in params[s]] for s in range(nst)}
 
 
+# (name, world, m, chunks) -> the generated schedule. The parent generates each once and hands them
+# to the ranks (``_worker``'s ``schedules``): four ranks generating the searched schedules again
+# cost four times the parent's 6 CPU seconds at P=4 (the executor is what these tests check).
+_SCHEDULES = {}
+
+
+def generated(name, world, m, chunks):
+    key = (name, world, m, chunks)
+    if key not in _SCHEDULES:
+        spec = get(name)
+        _SCHEDULES[key] = generate(name, Setting(world, m, chunks=chunks if spec.chunks is None else None))
+    return _SCHEDULES[key]
+
+
 def run_rank(rank, world, name, m, chunks, fwd_only, drop_sends_on=None, timeout_s=60, offload=None):
     spec = get(name)
     st = Setting(world, m, chunks=chunks if spec.chunks is None else None)
-    sched = generate(name, st)
+    sched = generated(name, world, m, chunks)
     mgr = None
     if offload is not None:  # activation offload at this ratio (copies: synchronous CPU test mode)
         from megatron_zb.core.hostlink import OffloadOptions
@@ -129,7 +143,8 @@ def _groups(world):
     return _GROUPS[world]
 
 
-def _worker(rank, world, port, cases, q):
+def _worker(rank, world, port, cases, q, schedules=None):
+    _SCHEDULES.update(schedules or {})
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)

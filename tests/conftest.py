@@ -18,6 +18,10 @@
   started and that is still running (after a grace of a few seconds) fails the test's teardown,
   naming the processes (they are then killed), and the session ends with the same check.
 
+* ``--cpu-durations N``: the N tests that took the most CPU seconds (user + system of this process and
+  of every process it waited for, the ranks and their launchers included; per phase, like
+  ``--durations``). A busy host stretches wall times, not these: how to find what to shorten.
+
 Nothing here imports torch or megatron (the schedule-core tests stay light).
 """
 from __future__ import annotations
@@ -55,14 +59,22 @@ if MCORE_PATH is not None:
         os.environ["MZB_MCORE_PATH"] = MCORE_PATH
 
 
+def pytest_addoption(parser):
+    parser.addoption("--cpu-durations", type=int, default=None, metavar="N",
+                     help="show the N tests that took the most CPU seconds (this process and every process it "
+                          "waited for, ranks included): unlike --durations, the same on a busy host")
+
+
 def pytest_configure(config):
     if _MCORE_ERROR:
         raise pytest.UsageError(_MCORE_ERROR)
     _become_subreaper()
     for line in ("dist: launches several real torch.distributed processes",
                  "megatron: needs torch and megatron-core (run on both megatron-core versions)",
-                 "version_free: a megatron test of megatron-zb's own process handling whose outcome does not "
-                 "depend on megatron-core's version (the 0.19.2 pass leaves it out)"):
+                 "version_free: a megatron test whose outcome does not depend on megatron-core's version "
+                 "(megatron-zb's own process handling, launcher, progress, stall watch): the 0.19.2 pass leaves it out",
+                 "timing: measures time, never a figure that changes with the host's load (scripts/stress_tests.sh "
+                 "runs these beside busy processes)"):
         config.addinivalue_line("markers", line)
 
 
@@ -173,3 +185,51 @@ def pytest_sessionfinish(session, exitstatus):
         sys.stderr.write(f"\nprocesses left running when the test session ended (killed now): "
                          + "; ".join(f"pid {p}: {c}" for p, c in sorted(left.items())) + "\n")
         session.exitstatus = 1
+
+
+# -- CPU seconds per test (--cpu-durations) ----------------------------------------------------------
+
+_CPU = []  # (seconds, system seconds, phase, nodeid)
+
+
+def _cpu_now():
+    import resource
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + kids.ru_utime, me.ru_stime + kids.ru_stime
+
+
+def _cpu_since(t0, phase, item):
+    u, s = _cpu_now()
+    _CPU.append((u - t0[0] + s - t0[1], s - t0[1], phase, item.nodeid))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    t = _cpu_now()
+    yield
+    _cpu_since(t, "setup", item)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    t = _cpu_now()
+    yield
+    _cpu_since(t, "call", item)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item):
+    t = _cpu_now()
+    yield
+    _cpu_since(t, "teardown", item)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    n = config.getoption("--cpu-durations")
+    if n is None or not _CPU:
+        return
+    total, system = sum(c[0] for c in _CPU), sum(c[1] for c in _CPU)
+    terminalreporter.write_sep("=", f"slowest {n or len(_CPU)} tests in CPU seconds (of {total:.0f} s in all, "
+                                    f"{system:.0f} s of it system)")
+    for c, sys_s, phase, nodeid in sorted(_CPU, reverse=True)[: n or None]:
+        terminalreporter.write_line(f"{c:8.2f}s cpu ({sys_s:6.2f}s sys) {phase:<8} {nodeid}")

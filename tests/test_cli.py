@@ -113,12 +113,13 @@ def test_load_names_the_broken_rank_and_position(tmp_path, capsys):
     assert "F3.0 at rank 3 position 1 comes too late: rank 3 position 0 (B3.0) waits for it" in err
 
 
+@pytest.mark.timing
 def test_unreasonable_size_refused_at_once(capsys):
     import time
-    t = time.perf_counter()
+    t = time.process_time()  # CPU time: the work done before refusing, however busy the host is
     rc, _, err = run(capsys, "simulate", "--schedule", "1f1b", "--stages", "100000", "--microbatches", "8")
     assert rc == 2 and "more than the simulator handles in a few seconds" in err
     rc, _, err = run(capsys, "plan", "--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4",
                      "--seq-length", "32", "--pipeline-parallel-size", "4", "--num-microbatches", "1000000")
     assert rc == 2 and "--num-microbatches 1000000" in err
-    assert time.perf_counter() - t < 2.0
+    assert time.process_time() - t < 2.0

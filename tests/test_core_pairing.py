@@ -121,12 +121,15 @@ def test_simulate_and_compare_show_the_pairs(capsys):
     assert "overlapped F&B pairs hide it" in out and "lower bound" not in out  # the bound counts a2a serial
 
 
+@pytest.mark.timing
 def test_the_post_pass_is_quick_at_p16():
     st = Setting(16, 64, chunks=2, cost_a2a=[0.6], memory_limit=24.0, **COSTS)
-    s = generate("zb-v", st)
-    t0 = time.perf_counter()
+    # zb-v's order as generated without the all-to-all (0.3 CPU s; with it, the generator's own
+    # search takes 26 s at P=16 since 5126f8e, the pairing's input either way)
+    s = generate("zb-v", dataclasses.replace(st, cost_a2a=[0.0]))
+    t0 = time.process_time()  # CPU time: what the pass costs, not how busy the host is
     got = form_pairs(s, st)
-    assert time.perf_counter() - t0 < 20  # about 1-2 s on a quiet 2-core box
+    assert time.process_time() - t0 < 20  # about 1-2 s
     assert simulate(got, st).makespan < simulate(s, st).makespan
 
 
@@ -151,8 +154,10 @@ def test_plan_estimates_the_all_to_all_from_the_moe_flags(capsys):
     assert "--ep-bandwidth-gbps" in capsys.readouterr().err
 
 
-def test_sleep_passes_charge_a_pair_what_the_simulator_does():
-    from megatron_zb.runtime.sleep_passes import sleep_passes
+@pytest.mark.timing
+def test_sleep_passes_charge_a_pair_what_the_simulator_does(monkeypatch):
+    from megatron_zb.runtime import sleep_passes as SP
+    from megatron_zb.runtime.sleep_passes import precise_sleep, sleep_passes
     st = Setting(2, 4, cost_f=2, cost_b=3, cost_w=1, cost_a2a=1.5)  # per chunk (V): F 1, B 1.5, W .5, a2a .75
     pl = Placement.vshape(2)
     f, b = Action(F, 1, 1), Action(B, 2, 0)
@@ -164,33 +169,57 @@ def test_sleep_passes_charge_a_pair_what_the_simulator_does():
     assert ps.pair_seconds(1, 2, True) == pytest.approx(want * 0.002)
     assert ps.seconds[F] == pytest.approx(1.75 * 0.002)  # a plain F: compute + all-to-all
     assert ps.pair_seconds(1, 2, False) == pytest.approx((1 + 2.0) * 0.002)  # with a BW (B + W 2.0)
+    asked = []  # the pair's sleep: aimed at its start + pair_seconds, never later (whatever the load)
+    monkeypatch.setattr(SP, "precise_sleep", lambda sec: (asked.append(sec), precise_sleep(sec)))
     t0 = time.perf_counter()
     out, g = ps.overlap((1, 1, None), (2, 0, None, None, None, True))  # the executor's pair call
     took = time.perf_counter() - t0
-    assert out.shape == (4,) and g.shape == (4,) and 0.005 <= took < 0.05
+    assert out.shape == (4,) and g.shape == (4,) and took >= 0.005
+    assert len(asked) == 1 and asked[0] <= 0.005
     serial = sleep_passes(dataclasses.replace(st, a2a_overlap=False), 1, pl, unit=0.002)
     assert serial.pair_seconds(1, 2, True) == pytest.approx((1.75 + 2.25) * 0.002)
 
 
 @pytest.mark.dist
-def test_emulated_pairs_match_the_simulator():
+@pytest.mark.timing
+def test_emulated_pairs_run_as_one_pass_in_the_schedules_order():
+    """dualpipe-v's and zb-v's pairs on 4 real processes (sleeping passes, real messages): each rank
+    runs its schedule's passes in order (the recorded sequence, not sorted clock readings), every
+    pair as one pass (its B inside its F's interval, the two back to back), no pass and no
+    iteration shorter than the plan allows. What holds whatever the host's load; the measured
+    speed-up of the hidden all-to-all (measured < the serial prediction, error vs the simulator)
+    is a figure: benchmarks/bench_test_figures.py (and bench_moe_overlap.py)."""
+    from megatron_zb.core.iteration import iteration_times
     from megatron_zb.verify.emulate import Entry, emulate, predicted_iteration, schedule_for
-    from tests._host import overload
+    unit = 2e-3
     entries = [Entry("dualpipe-v"), Entry("zb-v")]
-    rows = emulate(entries, 4, 8, 10.0, 10.0, 6.0, unit_s=2e-3, iterations=2, warmup=1, timeout=120, cost_a2a=6.0)
+    rows = emulate(entries, 4, 8, 10.0, 10.0, 6.0, unit_s=unit, iterations=2, warmup=1, timeout=120, cost_a2a=6.0)
     by = {r["label"]: r for r in rows}
     for name in ("dualpipe-v", "zb-v"):
         r = by[name]
-        sched, _ = schedule_for(Entry(name), Setting(4, 8, cost_f=10, cost_b=10, cost_w=6, cost_a2a=6,
-                                                     cost_comm=r["hop"]))
-        assert _pairs(sched) > 0
-        assert r["measured"] >= 0.98 * r["predicted"]  # sleeps cannot run faster than the plan
-        assert abs(r["error_pct"]) < 40 * overload(), r  # the benchmark's figure is a few %; a smoke test
-        tl = r["timeline"].timeline  # what ran: the schedule's passes in order (a pair: one pass, F then B)
+        st = Setting(4, 8, cost_f=10, cost_b=10, cost_w=6, cost_a2a=6, cost_comm=r["hop"])
+        sched, built = schedule_for(Entry(name), st)
+        assert _pairs(sched) > 0 and r["hop"] >= 0
+        assert r["predicted"] == pytest.approx(predicted_iteration(Entry(name), st))
+        # sleeps cannot end early: no iteration beats the same schedule simulated without message time
+        floor = iteration_times(sched, dataclasses.replace(built, cost_comm=0.0)).iteration_time
+        assert len(r["per_iteration"]) == 2 and min(r["per_iteration"]) >= 0.98 * floor, (r["per_iteration"], floor)
+        flat = sched.flat()
+        tl = r["timeline"].timeline  # what ran, in the order each rank ran it (a pair: F then B)
         for rank in range(4):
             assert [(t.action.kind, t.action.stage, t.action.mb) for t in tl[rank]] == \
-                [(a.kind, a.stage, a.mb) for a in sched.flat().orders[rank]]
+                [(a.kind, a.stage, a.mb) for a in flat.orders[rank] if a.is_compute]
+        pairs = flat.meta["overlap_pairs"]
+        assert len(pairs) == _pairs(sched)
+        for rank, k in pairs:
+            f, b = tl[rank][k], tl[rank][k + 1]
+            assert f.start <= b.start and b.end <= f.end, (name, rank, k, f, b)  # one pass: B inside F's
+            assert f.end - f.start >= 0.98 * (paired_cost(built, rank, f.action, b.action)
+                                               + paired_cost(built, rank, b.action, f.action)), (name, f, b)
+        for rank in range(4):  # one pass at a time: each begins after the previous one ended (pairs: F's)
+            outer = [t for i, t in enumerate(tl[rank]) if (rank, i - 1) not in pairs]
+            assert all(x.end <= y.start for x, y in zip(outer, outer[1:])), (name, rank)
     serial = predicted_iteration(Entry("dualpipe-v"), Setting(4, 8, cost_f=10, cost_b=10, cost_w=6, cost_a2a=6,
                                                               a2a_overlap=False))
-    assert serial == pytest.approx(343.0) and by["dualpipe-v"]["predicted"] < 320  # 301 + the measured hops
-    assert by["dualpipe-v"]["measured"] < serial  # the hidden all-to-all shows on real processes
+    hidden = predicted_iteration(Entry("dualpipe-v"), Setting(4, 8, cost_f=10, cost_b=10, cost_w=6, cost_a2a=6))
+    assert serial == pytest.approx(343.0) and hidden == pytest.approx(301.0)  # without message time

@@ -6,10 +6,11 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from megatron_zb.core.ir import ScheduleError, Setting
-from megatron_zb.core.schedules import generate, get, names
+from megatron_zb.core.ir import ScheduleError
+from megatron_zb.core.schedules import get, names
 
 from tests import _toy_pipeline as toy
+from tests._host import overload
 from tests._ports import free_port
 
 pytestmark = pytest.mark.dist
@@ -21,7 +22,8 @@ def run_cases(world, cases, timeout=120):
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=toy._worker, args=(r, world, port, cases, q)) for r in range(world)]
+    made = {k: s for k, s in toy._SCHEDULES.items() if k[1] == world}  # generated here once (_applies)
+    procs = [ctx.Process(target=toy._worker, args=(r, world, port, cases, q, made)) for r in range(world)]
     for p in procs:
         p.start()
     results = {}
@@ -39,7 +41,7 @@ def run_cases(world, cases, timeout=120):
 
 def _applies(name, world, m, chunks):
     try:
-        generate(name, Setting(world, m, chunks=chunks))
+        toy.generated(name, world, m, chunks)
         return True
     except ScheduleError:  # a microbatch-count rule of the schedule (e.g. interleaved-zb's rounds)
         return False
@@ -115,6 +117,7 @@ def test_every_schedule_with_offload_matches_reference():
                 np.testing.assert_allclose(g, rg, rtol=1e-5, atol=1e-6, err_msg=f"{name} offload stage {s}")
 
 
+@pytest.mark.timing
 def test_stuck_peer_times_out_naming_rank_pass_and_peer():
     # rank 0 never sends: rank 1 must fail after the timeout, naming itself, the pass and the peer
     results = run_cases(2, [("zb-h1", 2, None, False, 0, 3)], timeout=60)
@@ -133,6 +136,7 @@ def test_stuck_peer_times_out_naming_rank_pass_and_peer():
     ("post", "to post the receive of the input of F1.0 from"),
     ("send", "to send the output of F1.0 to"),
 ])
+@pytest.mark.timing
 def test_a_peer_that_exits_is_named_without_waiting_for_the_timeout(mode, doing):
     # rank 0's process ends (as it does after its own timeout) while rank 1 waits for it, or before
     # rank 1 posts a receive from it or sends to it: rank 1 fails at once with PeerLost (a
@@ -153,4 +157,4 @@ def test_a_peer_that_exits_is_named_without_waiting_for_the_timeout(mode, doing)
     assert msg.startswith("PeerLost: pipeline rank 1 (global rank 1) "), msg
     assert (f"{doing} pipeline rank 0 (global rank 0) and lost the "
             "connection to it; that rank is stuck or has failed (transport:") in msg, msg
-    assert waited < 30, waited  # not the 60 s timeout
+    assert waited < min(30 * overload(), 50), waited  # at once: not the 60 s timeout (slack for a busy host)

@@ -6,6 +6,7 @@ a lazy import cannot hide a circle or a forbidden dependency.
 from __future__ import annotations
 
 import ast
+import functools
 import os
 import subprocess
 import sys
@@ -42,6 +43,17 @@ def _modules():
                 yield rel, path
 
 
+@functools.lru_cache(maxsize=None)  # every file is parsed once for all the tests here
+def _tree(path: str) -> ast.Module:
+    with open(path) as f:
+        return ast.parse(f.read(), path)
+
+
+@functools.lru_cache(maxsize=None)
+def _nodes(path: str) -> tuple:
+    return tuple(ast.walk(_tree(path)))
+
+
 def _from_target(module: str, path: str, node: ast.ImportFrom) -> str:
     """The module a ``from X import ...`` statement of ``module`` (file ``path``) names."""
     if not node.level:
@@ -52,8 +64,7 @@ def _from_target(module: str, path: str, node: ast.ImportFrom) -> str:
 
 
 def _imports(module: str, path: str):
-    tree = ast.parse(open(path).read(), path)
-    for node in ast.walk(tree):
+    for node in _nodes(path):
         if isinstance(node, ast.Import):
             for a in node.names:
                 yield a.name
@@ -110,8 +121,7 @@ def test_megatron_adapters_hold_no_test_scaffolding():
     names = set()
     for module, path in _modules():
         if _part(module) == "megatron":
-            tree = ast.parse(open(path).read())
-            names |= {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+            names |= {n.name for n in _tree(path).body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
     scaffolding = {"TinyGPTConfig", "build_reference_model", "make_batches", "sgd_step_", "collect_full_grads",
                    "init_parallel_state", "run_cases", "launch", "main_verify"}
     assert not (names & scaffolding), f"test scaffolding in megatron_zb/megatron: {sorted(names & scaffolding)}"
@@ -128,7 +138,7 @@ def _file_graph():
     g = {}
     for module, path in _modules():
         deps = set()
-        for node in ast.walk(ast.parse(open(path).read(), path)):
+        for node in _nodes(path):
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):
@@ -171,7 +181,7 @@ def test_no_import_circle_between_files():
 def test_no_private_name_imported_across_modules():
     bad = []
     for module, path in _modules():
-        for node in ast.walk(ast.parse(open(path).read(), path)):
+        for node in _nodes(path):
             if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("megatron_zb")):
                 bad += [f"{module} imports {a.name} from {'.' * node.level}{node.module or ''}"
                         for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
@@ -203,9 +213,10 @@ def test_every_module_imports():
     assert out.returncode == 0 and not out.stdout.strip(), out.stdout + out.stderr[-2000:]
 
 
-def _top_level_names(path: str) -> set:
+@functools.lru_cache(maxsize=None)  # each module is parsed once, not once per import of it (was 20 s)
+def _top_level_names(path: str) -> frozenset:
     names = set()
-    for node in ast.parse(open(path).read(), path).body:
+    for node in _tree(path).body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             names.add(node.name)
         elif isinstance(node, ast.Assign):
@@ -218,7 +229,7 @@ def _top_level_names(path: str) -> set:
             for sub in ast.walk(node):
                 if isinstance(sub, (ast.Import, ast.ImportFrom)):
                     names |= {(a.asname or a.name).split(".")[0] for a in sub.names}
-    return names
+    return frozenset(names)
 
 
 def test_every_name_imported_from_the_package_exists():
@@ -231,7 +242,7 @@ def test_every_name_imported_from_the_package_exists():
               if f.endswith(".py")]
     bad = []
     for module, path in list(_modules()) + others:
-        for node in ast.walk(ast.parse(open(path).read(), path)):
+        for node in _nodes(path):
             if not isinstance(node, ast.ImportFrom):
                 continue
             target = _from_target(module, path, node)

@@ -129,14 +129,15 @@ def test_save_bad_extension(res_1f1b, tmp_path, name):
     assert not (tmp_path / name).exists()
 
 
+@pytest.mark.timing
 def test_large_schedule_renders_quickly(tmp_path):
     pytest.importorskip("matplotlib")
     import time
 
     res = simulate(one_f_one_b(16, 64, split=True), Setting(stages=16, microbatches=64))
-    t = time.perf_counter()
+    t = time.process_time()  # CPU time (the rendering's work), not the wall clock of a busy host
     plot.save(res, str(tmp_path / "big.png"))
-    assert time.perf_counter() - t < 8.0
+    assert time.process_time() - t < 8.0
     assert (tmp_path / "big.png").read_bytes().startswith(PNG_SIGNATURE)
 
 

@@ -9,6 +9,7 @@ import torch
 
 from megatron_zb.runtime.postval import Replay, combine, replayable
 from tests import _postval_fns as F
+from tests._host import overload
 
 
 def test_combine_sums_and_ors():
@@ -29,6 +30,7 @@ def test_replay_records_then_replays_then_continues():
 
 
 @pytest.mark.dist
+@pytest.mark.timing
 def test_channel_rounds_and_a_silent_rank_times_out(rank_pool):
     t0 = time.time()
     res = rank_pool(F.channel_case, [{"kind": "rounds", "timeout": 30},
@@ -41,7 +43,7 @@ def test_channel_rounds_and_a_silent_rank_times_out(rank_pool):
     e0, e1 = silent[0]["error"], silent[1]["error"]
     assert e0 and "pipeline rank 0" in e0 and "iteration 5" in e0 and "from pipeline rank 1" in e0
     assert e1 and "pipeline rank 1" in e1 and "the full result from pipeline rank 2" in e1
-    assert time.time() - t0 < 100  # timed out, never hung
+    assert time.time() - t0 < 100 * overload()  # timed out, never hung (slack for a busy host)
 
 
 @pytest.mark.dist

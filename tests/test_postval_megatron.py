@@ -12,7 +12,10 @@ from megatron_zb import verify as V
 
 pytestmark = [pytest.mark.megatron, pytest.mark.dist]
 
-ITERATIONS = 10
+# 6 iterations (was 10): every case's clipped steps come first (iterations 0-1, 0-2 or 0,1,3; sgd
+# 3 and 5), the injected non-finite gradient at 4 is skipped, and iteration 5 shows the run going on
+# after the skip; iterations 6-9 clipped nothing more (measured on 0.16.1) and added only time
+ITERATIONS = 6
 INF_AT = 4
 
 # every pair of (schedule, layout, distributed optimizer, dtype) appears at least once
@@ -28,9 +31,16 @@ MATRIX = [  # (schedule, PP, TP, distributed optimizer, dtype, clip)
 ]
 
 
-def _cases():
+def _cases(second_version=False):
+    """The matrix (every pair of schedule, layout, distributed optimizer and dtype) and four more.
+    On a second megatron-core (``MZB_MCORE``, the test script's 0.19.2 pass) the matrix's zb-h2 rows
+    only: they still hold every pair of layout, distributed optimizer and dtype, the parts of
+    megatron-core a version changes (the schedule is megatron-zb's own; zb-v runs in the DP and sgd
+    cases)."""
     out = []
     for name, p, t, dist_opt, dtype, clip in MATRIX:
+        if second_version and name != "zb-h2":
+            continue
         # FP32Optimizer (fp32 without the distributed optimizer) never checks for inf/NaN in
         # Megatron: a non-finite gradient would enter the weights there, so clipping only
         inject = None if (dtype == "fp32" and not dist_opt) else INF_AT
@@ -52,7 +62,7 @@ def _cases():
 
 @pytest.fixture(scope="module")
 def results(mcore_path):
-    cases = _cases()
+    cases = _cases(second_version=mcore_path is not None)
     return cases, V.run_verify_many(cases, timeout=900, mcore_path=mcore_path)
 
 

@@ -176,6 +176,7 @@ def test_preflight_names_the_bad_input(argv, world, message, monkeypatch):
     (dict(GBS=15, MBS=2), "--global-batch-size 15 is not a multiple of --micro-batch-size 2"),
     (dict(SCHEDULE="zb-x"), "unknown schedule 'zb-x'"),
 ])
+@pytest.mark.timing
 def test_the_launch_script_says_one_line_and_exits_2_before_torchrun(env, message):
     t0 = time.monotonic()
     proc = subprocess.run(["bash", SCRIPT], env=_env(MASTER_PORT=free_port(), PP=4, **env), cwd=ROOT,
@@ -258,6 +259,7 @@ TIMEOUT_S = 5
 
 
 @pytest.mark.dist
+@pytest.mark.timing
 def test_a_stopped_rank_is_named_by_every_rank_and_the_job_ends(tmp_path):
     job = _Job(tmp_path, SCHEDULE="zb-v", PP=4, ITERS=100000, EXTRA_ARGS=f"--zero-bubble-timeout {TIMEOUT_S}")
     try:
@@ -281,6 +283,7 @@ def test_a_stopped_rank_is_named_by_every_rank_and_the_job_ends(tmp_path):
 
 
 @pytest.mark.dist
+@pytest.mark.timing
 def test_killing_the_launcher_ends_every_rank_and_no_checkpoint_follows(tmp_path):
     save = tmp_path / "ckpt"
     job = _Job(tmp_path, SCHEDULE="zb-v", PP=2, ITERS=100000, SAVE=save, SAVE_INTERVAL=5)
@@ -288,22 +291,23 @@ def test_killing_the_launcher_ends_every_rank_and_no_checkpoint_follows(tmp_path
         job.wait_for(r"successfully saved checkpoint from iteration\s+5 ")
         before = sorted(os.listdir(save)), (save / "latest_checkpointed_iteration.txt").read_text()
         assert len(job.ranks) == 2
-        t0 = time.monotonic()
+        t0, limit = time.monotonic(), 10 * overload()  # at once; slack for a busy host
         os.kill(job.proc.pid, signal.SIGKILL)  # the torchrun agent (the script exec'd it)
         job.proc.wait()
-        while any(_alive(p) for p in job.ranks.values()) and time.monotonic() - t0 < 10:
+        while any(_alive(p) for p in job.ranks.values()) and time.monotonic() - t0 < limit:
             time.sleep(0.05)
         secs = time.monotonic() - t0
-        assert not any(_alive(p) for p in job.ranks.values()), "ranks outlived their launcher by 10 s"
+        assert not any(_alive(p) for p in job.ranks.values()), f"ranks outlived their launcher by {limit:.0f} s"
         time.sleep(2)
         after = sorted(os.listdir(save)), (save / "latest_checkpointed_iteration.txt").read_text()
         assert after == before, f"checkpoints changed after the launcher died: {before} -> {after}"
-        assert "the launcher (torchrun agent)" in job.text() and secs < 10
+        assert "the launcher (torchrun agent)" in job.text() and secs < limit
     finally:
         job.close()
 
 
 @pytest.mark.dist
+@pytest.mark.timing
 def test_nothing_outlives_a_sigkilled_rank(tmp_path):
     """The OOM killer's way: a rank SIGKILLed after a checkpoint save started Megatron's
     checkpoint-writer Manager (and multiprocessing's resource tracker) leaves nothing running:

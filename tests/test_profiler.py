@@ -1,6 +1,7 @@
 """The pass profiler: aggregation and the profile JSON (pure), instrumentation on one process,
-and real gloo pipelines (plain torch, and megatron through install()): sane per-stage numbers,
-B+W close to the fused BW, and no collective outside the profiling window."""
+and real gloo pipelines (plain torch, and megatron through install()): each sample is the pass it
+times (checked against the pass's own timing, not against the clock: the host may be busy), and no
+collective outside the profiling window."""
 from __future__ import annotations
 
 import json
@@ -16,7 +17,6 @@ from megatron_zb.core.schedules import generate
 from megatron_zb.core.simulate import simulate
 from megatron_zb.runtime import profile_data as PD
 from megatron_zb.runtime import profiler as P
-from tests import _host
 from tests._ports import free_port
 
 
@@ -275,18 +275,23 @@ def _run_case(rank, world, groups, case, iterations, window):
 
         passes = StagePasses(forward=forward, backward=backward, weight=weight, recv_shape=lambda s, mb: (MBS, H))
         weights = [t for ps in params.values() for t in ps]
+    own, in_window = {}, [False]
+    passes = _timed(passes, own, in_window)
     p2p = P2P(groups, rank, timeout_s=60)
     prof = P.PassProfiler(window, None, schedule=name)
     prof.ignore_parameters(weights)
-    counts, profile = [], None
+    counts, profile, raw = [], None, None
     calls = []
     saved = _count_collectives(calls)
     try:
         for it in range(1, iterations + 1):
             del calls[:]
+            in_window[0] = prof.in_window(it)
             hooks = [prof.hook("cpu")] if prof.in_window(it) else []
             execute(low.orders[rank], rank, pl, passes, p2p, hooks=hooks)
             if prof.in_window(it):
+                if it == window[1]:  # the profiler's own samples, before it turns them into the profile
+                    raw = {f"{k}{s}": list(v) for (s, k), v in prof.times.items()}
                 out = prof.end_iteration(it, placement=pl, num_microbatches=m, rank=rank, group=None,
                                          p2p=p2p, shape=(MBS, H))
                 profile = out or profile
@@ -294,7 +299,26 @@ def _run_case(rank, world, groups, case, iterations, window):
     finally:
         for n, f in saved.items():
             setattr(dist, n, f)
-    return {"profile": profile, "collectives": counts}
+    return {"profile": profile, "collectives": counts, "samples": raw, "own": own}
+
+
+def _timed(passes, own, active):
+    """``passes`` whose every call also times itself: own[kind + stage] lists each pass's own
+    duration, in the order they ran (only while ``active[0]``, the profiling window)."""
+    import dataclasses
+
+    def wrap(kind_of, fn):
+        def run(s, mb, *args):
+            t0 = time.perf_counter()
+            try:
+                return fn(s, mb, *args)
+            finally:
+                if active[0]:
+                    own.setdefault(f"{kind_of(args)}{s}", []).append(time.perf_counter() - t0)
+        return run
+    return dataclasses.replace(passes, forward=wrap(lambda a: "F", passes.forward),
+                               backward=wrap(lambda a: "B" if a[-1] else "BW", passes.backward),
+                               weight=wrap(lambda a: "W", passes.weight))
 
 
 def _worker(rank, world, port, cases, iterations, window, q):
@@ -344,12 +368,16 @@ def _run(world, cases, iterations, window, timeout=240):
 
 
 @pytest.mark.dist
+@pytest.mark.timing
 def test_profiles_on_gloo_pipeline():
+    """Each pass's profiled time is that pass: every sample encloses the pass's own run (the pass
+    timed itself, same order) and, in the median, adds only the executor's few statements around
+    it (no wait for inputs, no other pass); the profile's per-rank costs are the samples' medians;
+    sleeps of known length are never reported shorter. These hold on a host of any load; how close
+    B + W comes to the fused backward on real compute is a figure (benchmarks/bench_test_figures.py)."""
     world, iterations, window = 2, 5, (2, 4)
     cases = [("zb-h1", "sleep"), ("1f1b", "sleep"), ("zb-h1", "torch"), ("1f1b", "torch")]
     res = _run(world, cases, iterations, window)
-    # timings end late by the host's scheduling delay, which grows with its load
-    overload = _host.overload()
     profiles = {}
     for ci, case in enumerate(cases):
         for r in range(world):
@@ -357,33 +385,39 @@ def test_profiles_on_gloo_pipeline():
             assert status == "ok", f"{case} rank {r}:\n{payload}"
             # no collective before or after the window; exactly one all_gather_object at its end
             assert payload["collectives"] == [[], [], [], ["all_gather_object"], []], (case, r)
+            samples, own = payload["samples"], payload["own"]
+            assert sorted(samples) == sorted(own), (case, r, sorted(samples), sorted(own))
+            for key, got in samples.items():
+                mine = own[key]
+                assert len(got) == len(mine) == 3 * 2 * world, (case, r, key)  # 3 iterations x 2*world mbs
+                assert all(g >= m for g, m in zip(got, mine)), (case, r, key, got, mine)  # encloses the pass
+                extra = sorted(g - m for g, m in zip(got, mine))
+                assert extra[len(extra) // 2] < 0.002, (case, r, key, extra)  # not a wait, not a second pass
         p0 = res[0][ci][1]["profile"]
         assert p0 is not None and p0 == res[1][ci][1]["profile"]  # every rank builds the same
         assert p0["window"] == [2, 4] and p0["iterations"] == 3 and p0["pipeline_size"] == 2
         assert p0["samples"]["F"] == 3 * 2 * (2 * world)
-        assert p0["samples"]["comm_probe"] == 5 and 0 < p0["cost_comm"] < 0.02 * overload, (p0["cost_comm"], overload)
+        assert p0["samples"]["comm_probe"] == 5 and p0["cost_comm"] > 0
         assert p0["samples"]["recv_wait"] == 3 * 2 * (2 * world)  # rank 1: every input, rank 0: every grad
+        for r in range(world):  # the profile's costs: the medians of the samples (one stage per rank)
+            samples = res[r][ci][1]["samples"]
+            for kind, cost in (("F", "cost_f"), ("B", "cost_b"), ("W", "cost_w"), ("BW", "cost_bw")):
+                if f"{kind}{r}" in samples:
+                    assert p0[cost][r] == pytest.approx(PD.median(samples[f"{kind}{r}"])), (case, r, kind)
         profiles[case] = p0
-    # sleeps of known length: F=20 ms, B=30, W=10 per stage
+    # sleeps of known length: F=20 ms, B=30, W=10 per stage; a sleep never ends early
     zs, fs = profiles[("zb-h1", "sleep")], profiles[("1f1b", "sleep")]
-    # a sleep never ends early; it ends late by the scheduling delay
-    late = 0.002 + 0.002 * overload
     for r in range(world):
         for got, want in ((zs["cost_f"][r], 0.020), (zs["cost_b"][r], 0.030), (zs["cost_w"][r], 0.010),
                           (fs["cost_bw"][r], 0.040)):
-            assert want * 0.9 <= got <= want + late, (r, got, want, late)
+            assert got >= want, (r, got, want)
     assert fs["backward_split"].startswith("assumed") and zs["backward_split"] == "measured"
     assert zs["p2p_wait_per_iter"][1] > 0.015  # rank 1 waits at least for the first F of rank 0
-    # real autograd work: sane numbers, B + W close to the fused backward, saved bytes exact
+    # real autograd work: positive times, saved bytes exact
     zt, ft = profiles[("zb-h1", "torch")], profiles[("1f1b", "torch")]
     act = MBS * H * 4
-    assert all(0 < x < 1 for x in zt["cost_f"] + zt["cost_b"][1:] + zt["cost_w"] + ft["cost_bw"])
-    assert zt["cost_b"][0] < 0.2 * zt["cost_w"][0]  # stage 0 has no input gradient to compute
-    # B + W re-walks part of the graph (the toy's W differentiates the whole stage again), so it
-    # is somewhat above the fused backward; timing on a shared 2-core machine is noisy: loose bounds,
-    # stretched with the host's load like the sleep bounds (2.36 once at load 30 from other sessions)
-    ratio = (sum(zt["cost_b"]) + sum(zt["cost_w"])) / sum(ft["cost_bw"])
-    assert 0.6 / overload < ratio < 2.0 * overload, (ratio, overload, zt, ft)
+    assert all(x > 0 for x in zt["cost_f"] + zt["cost_b"] + zt["cost_w"] + ft["cost_bw"])
+    assert zt["backward_split"] == "measured" and ft["backward_split"].startswith("assumed")
     for r in range(world):
         # x@W saves x, tanh saves t1 (the second matmul saves the same t1), tanh saves y (the
         # last stage's square() saves the same y); the weights are ignored
@@ -433,6 +467,7 @@ def test_install_profile_options_and_replan(monkeypatch):
 
 @pytest.mark.megatron
 @pytest.mark.dist
+@pytest.mark.timing
 def test_megatron_run_writes_profile(tmp_path, mcore_path):
     from megatron_zb import verify as V
     path = str(tmp_path / "profile.json")

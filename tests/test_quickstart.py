@@ -22,32 +22,45 @@ LINE = (" [2026-11-23 20:40:01.977951] iteration        {i}/      20 | consumed 
 
 
 @pytest.mark.dist
-def test_emulated_runs_match_the_simulator():
-    from megatron_zb.verify.emulate import Entry, emulate
+@pytest.mark.timing
+def test_emulated_runs_follow_the_schedule_and_the_simulator():
+    """The emulated runner on 2 real processes: every rank runs its schedule's passes in order (the
+    recorded sequence), each pass and each iteration at least as long as the plan, the prediction is
+    the simulator's with the measured message time. What holds whatever the host's load; how close
+    the measured times come to the prediction (and zb-h1's measured speed-up) are figures:
+    benchmarks/bench_test_figures.py, and the quickstart prints them."""
+    import dataclasses
+
+    from megatron_zb.verify.emulate import Entry, emulate, predicted_iteration
     entries = [Entry("1f1b"), Entry("zb-h1"), Entry("1f1b", post_validation=True, label="1f1b back to back")]
-    for attempt in range(2):  # timings on a shared 2-core box: a loaded moment gets one more try
-        rows = emulate(entries, 2, 4, 10.0, 10.0, 10.0, unit_s=1e-3, iterations=2, warmup=1, timeout=120)
-        if all(abs(r["error_pct"]) < 40 for r in rows if r["label"] in ("1f1b", "zb-h1")):
-            break
+    rows = emulate(entries, 2, 4, 10.0, 10.0, 10.0, unit_s=1e-3, iterations=2, warmup=1, timeout=120)
     by = {r["label"]: r for r in rows}
     assert set(by) == {"1f1b", "zb-h1", "1f1b back to back"}
-    assert 0 <= rows[0]["hop"] < 50  # ms
+    hop = rows[0]["hop"]
+    assert hop >= 0 and all(r["hop"] == hop for r in rows)  # one measurement for every entry
+    st = Setting(2, 4, cost_f=10.0, cost_b=10.0, cost_w=10.0)
     for label, sim in (("1f1b", 150.0), ("zb-h1", 130.0)):
         r = by[label]
-        assert r["predicted"] == pytest.approx(sim, abs=0.5 + 10 * r["hop"])  # comm = the measured hop
-        assert r["measured"] >= 0.98 * r["predicted"]  # waits cannot end before the plan
-        assert abs(r["error_pct"]) < 40, r  # the quickstart shows the real figure; this is a smoke test
+        assert predicted_iteration(Entry(label), st) == pytest.approx(sim)  # without message time
+        assert r["predicted"] == pytest.approx(predicted_iteration(Entry(label), dataclasses.replace(st, cost_comm=hop)))
+        # waits cannot end early: no iteration beats the plan without message time
+        assert len(r["per_iteration"]) == 2 and min(r["per_iteration"]) >= 0.98 * sim, r["per_iteration"]
+        assert r["measured"] == pytest.approx(sum(r["per_iteration"]) / 2)  # the median of two
         tl = r["timeline"].timeline
         sched = generate(label, Setting(2, 4))
         for rank in range(2):  # the timeline is what ran: each rank's passes in its schedule's order
             ran = [(t.action.kind, t.action.stage, t.action.mb) for t in tl[rank]]
             assert ran == [(a.kind, a.stage, a.mb) for a in sched.orders[rank] if a.is_compute]
             assert all(t.end - t.start >= (19.0 if t.action.kind == BW else 9.5) for t in tl[rank])
-    assert by["zb-h1"]["speedup_predicted"] == pytest.approx(150 / 130, rel=0.02)
-    assert by["zb-h1"]["speedup_measured"] > 1.0
-    # back to back (post-validation's timing): 1f1b's steady period is its iteration time here
-    assert by["1f1b back to back"]["predicted"] is None or by["1f1b back to back"]["predicted"] > 0
-    assert by["1f1b back to back"]["measured"] == pytest.approx(by["1f1b"]["measured"], rel=0.4)
+            assert all(x.end <= y.start for x, y in zip(tl[rank], tl[rank][1:]))  # one pass at a time
+    assert by["zb-h1"]["speedup_predicted"] == pytest.approx(by["1f1b"]["predicted"] / by["zb-h1"]["predicted"])
+    assert by["zb-h1"]["speedup_measured"] == pytest.approx(by["1f1b"]["measured"] / by["zb-h1"]["measured"])
+    # back to back (post-validation's timing): the steady period is at least a rank's own work,
+    # 4 microbatches x (F + B + W) = 120 ms, and the simulator predicts 1f1b's iteration time here
+    b2b = by["1f1b back to back"]
+    assert min(b2b["per_iteration"]) >= 0.98 * 120.0, b2b["per_iteration"]
+    assert b2b["predicted"] == pytest.approx(
+        predicted_iteration(Entry("1f1b", post_validation=True), dataclasses.replace(st, cost_comm=hop)))
 
 
 def test_emulate_refuses_a_bad_entry_before_starting_processes():

@@ -26,9 +26,13 @@ Each row: ``label``, ``schedule``, ``measured`` (median, in the costs' unit), ``
 ``predicted``, ``error_pct``, ``speedup_measured`` / ``speedup_predicted`` over the first entry,
 and ``timeline``: a ``SimResult`` of what ran in the last timed iteration (measured pass starts
 and ends, in the costs' unit, from the start of that iteration), which ``megatron_zb.plot`` draws.
+Each rank's passes are listed in the order the rank entered them (recorded as they began, an
+overlapped pair's F before its B), never sorted by measured start times: on a busy host two
+passes' clock readings can come out in either order, the sequence cannot.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import statistics
 import time
@@ -40,6 +44,7 @@ from ..core.ir import Action, Schedule, Setting
 from ..core.iteration import iteration_times
 from ..core.schedules.interleaved import combined_1f1b
 from ..core.simulate import SimResult, Timed
+from ..runtime.hooks import Hook
 
 __all__ = ["Entry", "COMBINED_1F1B", "emulate", "predicted_iteration", "schedule_for"]
 
@@ -95,13 +100,28 @@ def predicted_iteration(entry: Entry, setting: Setting) -> Optional[float]:
     return it.iteration_time_post_validated if entry.post_validation else it.iteration_time
 
 
+class _Ran(Hook):
+    """A runtime hook (``runtime.hooks``: the ``compute`` context) that records what ran, in the
+    order it ran: [kind, stage, mb, start, end] per compute pass, appended when the pass begins
+    (an overlapped pair: its F, then its B, as the executor enters them)."""
+
+    def __init__(self):
+        self.passes: List[list] = []
+
+    @contextlib.contextmanager
+    def compute(self, action, inputs):
+        row = [action.kind, action.stage, action.mb, time.perf_counter(), None]
+        self.passes.append(row)
+        yield
+        row[4] = time.perf_counter()
+
+
 def _rank_main(job: dict) -> dict:
     """Runs on every rank (launched by ``verify.launch``): each entry's timed iterations."""
     import torch.distributed as dist
 
     from ..core.lower import lower
     from ..runtime.executor import execute, rank_pairs
-    from ..runtime.hooks import PassTimes
     from ..runtime.p2p import P2P, PairGroups
     from ..runtime.sleep_passes import sleep_passes
 
@@ -124,9 +144,7 @@ def _rank_main(job: dict) -> dict:
             # the simulator runs the pairs as one pass where they hide an all-to-all, else as two
             pairs = rank_pairs(low, rank) if st.a2a_overlap and any(st.cost_a2a) else {}
             passes = sleep_passes(st, rank, low.placement, unit=unit, pairs_as_one=True)
-            record: List[tuple] = []
-            timing = PassTimes(lambda kind, stage, mb, sec: record.append(
-                (kind, stage, mb, time.perf_counter() - sec, time.perf_counter())))
+            timing = _Ran()
             n = job["warmup"] + job["iterations"]
             starts, ends = [], []
             dist.barrier()
@@ -134,12 +152,12 @@ def _rank_main(job: dict) -> dict:
                 if not entry.post_validation:
                     dist.barrier()
                 if i == n - 1:
-                    record.clear()
+                    timing.passes.clear()
                 starts.append(time.perf_counter())
                 execute(low.orders[rank], rank, low.placement, passes, p2p, overlap_pairs=pairs, hooks=[timing])
                 ends.append(time.perf_counter())
             dist.barrier()
-            out.append({"starts": starts, "ends": ends, "passes": list(record)})
+            out.append({"starts": starts, "ends": ends, "passes": [tuple(p) for p in timing.passes]})
     finally:
         groups.destroy()
     return out
@@ -215,11 +233,11 @@ def emulate(entries: Sequence[Entry], stages: int, microbatches: int, cost_f: Co
 
 def _timeline(entry: Entry, st: Setting, ranks: List[dict], unit_s: float) -> SimResult:
     """The last timed iteration as it ran: measured pass times, from that iteration's first start
-    (peak memory is not measured: zeros)."""
+    (peak memory is not measured: zeros). Each rank's passes in the order it ran them."""
     sched, _ = schedule_for(entry, st)
     t0 = min(r["starts"][-1] for r in ranks)
     tl = [[Timed(Action(kind, stage, mb), rank, (a - t0) / unit_s, (b - t0) / unit_s)
-           for kind, stage, mb, a, b in sorted(r["passes"], key=lambda x: x[3])] for rank, r in enumerate(ranks)]
+           for kind, stage, mb, a, b in r["passes"]] for rank, r in enumerate(ranks)]
     busy = [sum(t.end - t.start for t in x) for x in tl]
     spans = [x[-1].end - x[0].start if x else 0.0 for x in tl]
     makespan = max(spans)
