@@ -376,6 +376,10 @@ class Setting:
             raise ScheduleError(f"cost-sync must be a non-negative number, got {self.cost_sync!r}")
         if self.memory_limit is not None and not (_is_nonneg_number(self.memory_limit)):
             raise ScheduleError(f"memory-limit must be a non-negative number, got {self.memory_limit!r}")
+        # pass_cost / pass_mem by (what, kind, rank, stage), filled as they are asked for: the
+        # searches ask millions of times. A Setting is never changed once made (dataclasses.replace
+        # makes a new one, with a table of its own)
+        self._passes: Dict[tuple, float] = {}
 
     @property
     def per_chunk(self) -> bool:
@@ -394,6 +398,13 @@ class Setting:
     def pass_cost(self, kind: str, rank: int, stage: Optional[int] = None) -> float:
         """Time of one pass of one chunk (stage ``stage`` on ``rank``): its compute and, for
         F/B/BW, its all-to-all."""
+        key = ("c", kind, rank, stage)
+        v = self._passes.get(key)
+        if v is None:
+            v = self._passes[key] = self._pass_cost(kind, rank, stage)
+        return v
+
+    def _pass_cost(self, kind: str, rank: int, stage: Optional[int]) -> float:
         a2a = self._at(self.cost_a2a, rank, stage) if kind in (F, B, BW) else 0.0
         if kind == F:
             return self._at(self.cost_f, rank, stage) + a2a
@@ -411,6 +422,13 @@ class Setting:
 
     def pass_mem(self, kind: str, rank: int, stage: Optional[int] = None) -> float:
         """Change of rank memory caused by one pass of one chunk."""
+        key = ("m", kind, rank, stage)
+        v = self._passes.get(key)
+        if v is None:
+            v = self._passes[key] = self._pass_mem(kind, rank, stage)
+        return v
+
+    def _pass_mem(self, kind: str, rank: int, stage: Optional[int]) -> float:
         if kind == F:
             return self._at(self.mem_f, rank, stage)
         if kind == B:
@@ -438,7 +456,8 @@ class Setting:
         return max(self.rank_values("mem_f", placement))
 
     def to_dict(self) -> dict:
-        return {k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in self.__dict__.items()}
+        return {k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in self.__dict__.items()
+                if not k.startswith("_")}
 
 
 # M_W / M_B for the default mem-w. Megatron's per-layer formula gives M_B = 34h + 5as and

@@ -8,8 +8,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ..ir import B, BW, F, W, Action, Placement, Setting
+from ..ir import B, BW, F, W, Action, Placement, Schedule, Setting
 from ..iteration import AVERAGE_OVER, ITERATIONS, validation_times
+from ..simulate import simulate
 
 KIND = {F: 0, B: 1, W: 2, BW: 3}
 
@@ -104,13 +105,53 @@ class Coder:
         before which the pass at that position may not start (``simulate``'s ``release``)."""
         if not self.forwards_in_order(orders):
             return None
-        n, S, m = self.n, self.S, self.m
-        dep, hop, cost = self.dep, self.hop, self.cost
-        end: List[Optional[float]] = [None] * n
-        start = [0.0] * n
+        R = len(orders)
+        return self._run(orders, [None] * self.n, [0.0] * self.n, [0] * R, [0.0] * R, release)
+
+    def retime(self, orders: Sequence[Sequence[int]], base: Timing, rank: int, first: int) -> Optional[Timing]:
+        """``time(orders)`` where ``base`` times orders that differ from ``orders`` only on
+        ``rank`` from position ``first`` on (and were in forward order): the same result, with
+        only the passes that may move timed again. Every pass of the base that ended before the
+        end of ``rank``'s pass ``first - 1`` (before 0: none) depends on nothing that changed (its
+        inputs ended earlier still, and the changed passes start at that end at the earliest), so
+        it keeps its times; the simulation resumes after those."""
+        o = orders[rank]
+        S, m = self.S, self.m
+        last = [-1] * S  # forwards of each stage in microbatch order: only this rank's changed
+        for x in o:
+            if x < S * m:
+                s, j = divmod(x, m)
+                if j < last[s]:
+                    return None
+                last[s] = j
+        bend = base.end
+        cut = bend[o[first - 1]] if first > 0 else 0.0
+        end = list(bend)
+        start = list(base.start)
         R = len(orders)
         pos = [0] * R
         clock = [0.0] * R
+        bw0, two = 3 * S * m, 2 * S * m
+        for r in range(R):
+            q = orders[r]
+            i = len(q)
+            while i > 0 and not bend[q[i - 1]] < cut:
+                i -= 1
+            pos[r] = i
+            clock[r] = bend[q[i - 1]] if i else 0.0
+            for x in q[i:]:
+                end[x] = None
+                if x >= bw0:
+                    end[x - two] = None
+        return self._run(orders, end, start, pos, clock, None)
+
+    def _run(self, orders, end: List[Optional[float]], start: List[float], pos: List[int], clock: List[float],
+             release) -> Optional[Timing]:
+        """The work-list simulation from a state: each rank r at position ``pos[r]`` at time
+        ``clock[r]``, ``end`` holding the ends of the passes done (None for the others)."""
+        S, m = self.S, self.m
+        dep, hop, cost = self.dep, self.hop, self.cost
+        R = len(orders)
         waiting = {}
         bw0 = 3 * S * m
         stack = list(range(R - 1, -1, -1))
@@ -185,6 +226,28 @@ class Coder:
             if cur > best:
                 best = cur
         return best
+
+
+class Run:
+    """What a search reads of a schedule's simulation: makespan, spans, peak and each pass's
+    start ((kind, stage, microbatch) -> time), timed by ``coder`` (the simulator's rules, the same
+    times), or by ``simulate`` where the coder gives none: a deadlock (simulate raises, saying
+    where) or forwards out of microbatch order (simulate times them)."""
+
+    __slots__ = ("makespan", "spans", "peak", "starts")
+
+    def __init__(self, coder: Coder, s: Schedule, setting: Setting):
+        codes = coder.encode(s.orders)
+        t = coder.time(codes)
+        if t is None:
+            res = simulate(s, setting)
+            self.makespan, self.spans, self.peak = res.makespan, res.spans, max(res.peak_memory)
+            self.starts = {(x.action.kind, x.action.stage, x.action.mb): x.start for tl in res.timeline for x in tl}
+            return
+        self.makespan, self.spans = t.makespan, t.spans
+        self.peak = max(coder.peak(o) for o in codes)
+        start = t.start
+        self.starts = {(a.kind, a.stage, a.mb): start[x] for o, c in zip(s.orders, codes) for a, x in zip(o, c)}
 
 
 def score(t: Timing) -> Tuple[float, float]:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..ir import B, BW, F, W, Action, Placement, Schedule, ScheduleError, Setting
-from ..simulate import simulate
+from .evaluate import Coder, Run
 
 EPS = 1e-9
 
@@ -174,16 +174,17 @@ def best_of(setting: Setting, placement: Placement, limit: float, name: str,
             policies: Sequence[Policy] = tuple(POLICIES)) -> Schedule:
     """Try each policy; keep the valid schedule with the smallest makespan (then peak memory)."""
     best, best_key, errors = None, None, []
+    coder = Coder(setting, placement, setting.microbatches)
     for pol in policies:
         try:
             s = greedy(setting, placement, limit, pol, name)
-            res = simulate(s, setting)
+            res = Run(coder, s, setting)  # the simulator's times, coded
         except ScheduleError as e:
             errors.append(str(e))
             continue
-        if max(res.peak_memory) > limit + 1e-6:
+        if res.peak > limit + 1e-6:
             continue
-        key = (round(res.makespan, 9), round(max(res.peak_memory), 9))
+        key = (round(res.makespan, 9), round(res.peak, 9))
         if best_key is None or key < best_key:
             best, best_key = s, key
     if best is None:

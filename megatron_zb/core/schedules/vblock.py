@@ -31,11 +31,14 @@ import bisect
 import dataclasses
 import heapq
 import itertools
+from collections import deque
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from ..ir import B, BW, F, W, Action, Placement, Schedule, ScheduleError, Setting, deps
-from ..simulate import peak_memory, simulate
+from ..ir import B, BW, F, W, Action, Placement, Schedule, ScheduleError, Setting
+from ..simulate import peak_memory
+from .evaluate import Coder, Run
 from .improve import lower_bound
+from .memo import Memo, setting_key
 
 EPS = 1e-9
 Key = Tuple[str, int, int]  # (kind, stage, microbatch)
@@ -178,14 +181,34 @@ def orders_by_time(placement: Placement, times: Dict[Key, float]) -> List[List[A
     return orders
 
 
+def _tables(setting: Setting, pl: Placement):
+    """Each stage's rank and each (kind, stage)'s pass cost and memory change (chunks: the
+    placement's)."""
+    st = dataclasses.replace(setting, chunks=pl.chunks)
+    rank = pl.stage_to_rank
+    cost = {(k, s): st.pass_cost(k, rank[s], s) for k in (F, B, W, BW) for s in range(pl.num_stages)}
+    mem = {(k, s): st.pass_mem(k, rank[s], s) for k in (F, B, W, BW) for s in range(pl.num_stages)}
+    return rank, cost, mem
+
+
+def _dep(kind: str, s: int, mb: int, nst: int) -> Optional[Key]:
+    """``ir.deps`` of a pass of a plain placement (one input at most; 'B*': a B or a BW)."""
+    if kind == F:
+        return (F, s - 1, mb) if s > 0 else None
+    if kind == W:
+        return (B, s, mb)
+    return ("B*", s + 1, mb) if s < nst - 1 else (F, s, mb)
+
+
 def compact(setting: Setting, placement: Placement, times: Dict[Key, float], limit: float) -> Dict[Key, float]:
     """Move each pass, in time order, to the earliest idle time of its rank at or after its
     inputs that ends by its own time, unless an F would lift the rank's memory over ``limit``.
     ``times`` must be a valid timing of the passes (a block, or a simulated schedule)."""
     pl = placement
-    st = dataclasses.replace(setting, chunks=pl.chunks)
     nst = pl.num_stages
     p = pl.num_ranks
+    rank, cost, mem = _tables(setting, pl)
+    comm = setting.cost_comm
     placed: List[List[Tuple[float, float]]] = [[] for _ in range(p)]  # (start, mem change), by start
     gaps: List[List[List[float]]] = [[] for _ in range(p)]  # idle [start, end) between placed passes
     last_end = [0.0] * p
@@ -194,39 +217,45 @@ def compact(setting: Setting, placement: Placement, times: Dict[Key, float], lim
     order = sorted(times, key=lambda k: (times[k], _KIND_ORDER[k[0]], k[1] if k[0] == F else -k[1], k[2]))
     for key in order:
         kind, s, mb = key
-        r = pl.rank_of(s)
-        d = st.pass_cost(kind, r, s)
-        dm = st.pass_mem(kind, r, s)
+        r = rank[s]
+        d = cost[key[:2]]
+        dm = mem[key[:2]]
         own = times[key]
         ready = 0.0
-        for dk, ds, dmb in deps(Action(kind, s, mb), nst):
+        dep = _dep(kind, s, mb, nst)
+        if dep is not None:
+            dk, ds, dmb = dep
             dk = B if dk == "B*" else dk
             t = new.get((dk, ds, dmb))
             if t is None:
                 dk = BW
                 t = new[(dk, ds, dmb)]
-            t += st.pass_cost(dk, pl.rank_of(ds), ds) + (setting.cost_comm if pl.rank_of(ds) != r else 0.0)
+            t += cost[dk, ds] + (comm if rank[ds] != r else 0.0)
             ready = max(ready, t)
-        if mb > 0 and (kind, s, mb - 1) in new:  # a stage's passes of one kind stay in microbatch order
-            ready = max(ready, new[(kind, s, mb - 1)])
+        if mb > 0:  # a stage's passes of one kind stay in microbatch order
+            t = new.get((kind, s, mb - 1))
+            if t is not None:
+                ready = max(ready, t)
+        gr = gaps[r]
         if own > last_end[r] + EPS:  # idle until this pass's own time: nothing else can start there
-            if gaps[r] and abs(gaps[r][-1][1] - last_end[r]) <= EPS:
-                gaps[r][-1][1] = own
+            if gr and abs(gr[-1][1] - last_end[r]) <= EPS:
+                gr[-1][1] = own
             else:
-                gaps[r].append([last_end[r], own])
+                gr.append([last_end[r], own])
             last_end[r] = own
         at = None
-        for i, g in enumerate(gaps[r]):
-            t = max(g[0], ready)
-            if t + d > min(g[1], own) + EPS:
-                if g[0] > own:
+        for i, g in enumerate(gr):
+            g0, g1 = g
+            t = ready if ready > g0 else g0  # max(g0, ready), min(g1, own) below
+            if t + d > (own if own < g1 else g1) + EPS:
+                if g0 > own:
                     break
                 continue
             if dm > 0 and not _room(placed[r], total[r], t, dm, limit):
                 continue
             at = t
-            pieces = [[g[0], t], [t + d, g[1]]]
-            gaps[r][i:i + 1] = [x for x in pieces if x[1] - x[0] > EPS]
+            pieces = [[g0, t], [t + d, g1]]
+            gr[i:i + 1] = [x for x in pieces if x[1] - x[0] > EPS]
             break
         if at is None:
             at = own
@@ -255,43 +284,58 @@ def refill_w(setting: Setting, placement: Placement, orders: List[List[Action]],
     next F/B has not arrived (``eager``) or will not arrive before the W ends, or when the next
     F needs its memory; the rest at the end."""
     pl = placement
-    st = dataclasses.replace(setting, chunks=pl.chunks)
     p, nst = pl.num_ranks, pl.num_stages
+    rank, cost, mem_of = _tables(setting, pl)
+    comm = setting.cost_comm
+    top = limit + EPS
     fb = [[a for a in o if a.kind != W] for o in orders]
+    # per rank and F/B position: the key of its input (None: none), its cost, memory change and
+    # whether it is an F; the rank's W's as (stage, W action, cost, memory change)
+    info = [[(_dep(a.kind, a.stage, a.mb, nst), cost[a.kind, a.stage], mem_of[a.kind, a.stage], a.kind == F)
+             for a in o] for o in fb]
     out: List[List[Action]] = [[] for _ in range(p)]
-    pend: List[List[Action]] = [[] for _ in range(p)]
+    pend: List[deque] = [deque() for _ in range(p)]
     pos, clock, mem = [0] * p, [0.0] * p, [0.0] * p
     end: Dict[Tuple[str, int, int], float] = {}
 
-    def ready_at(r: int, a: Action) -> Optional[float]:
+    def ready_at(r: int, dep: Optional[Key]) -> Optional[float]:
         t = 0.0
-        for dk, ds, dmb in deps(a, nst):
-            e = end.get((dk, ds, dmb))
+        if dep is not None:
+            e = end.get(dep)
             if e is None:
                 return None
-            t = max(t, e + (setting.cost_comm if pl.rank_of(ds) != r else 0.0))
+            t = max(t, e + (comm if rank[dep[1]] != r else 0.0))
         return t
 
-    def run(r: int, a: Action, t: float) -> None:
-        e = t + st.pass_cost(a.kind, r, a.stage)
+    def run_fb(r: int, a: Action, t: float, c: float, dm: float) -> None:
+        e = t + c
         clock[r] = e
-        mem[r] += st.pass_mem(a.kind, r, a.stage)
-        end[(a.kind, a.stage, a.mb)] = e
+        mem[r] += dm
+        key = (a.kind, a.stage, a.mb)
+        end[key] = e
         if a.kind in (B, BW):
             end[("B*", a.stage, a.mb)] = e
         if a.kind == B:
-            pend[r].append(Action(W, a.stage, a.mb))
+            pend[r].append((Action(W, a.stage, a.mb), cost[W, a.stage], mem_of[W, a.stage]))
+        out[r].append(a)
+
+    def run_w(r: int, t: float) -> None:
+        a, c, dm = pend[r].popleft()
+        e = t + c
+        clock[r] = e
+        mem[r] += dm
+        end[(W, a.stage, a.mb)] = e
         out[r].append(a)
 
     def candidate(r: int):
         """(time, rank, what) of rank r's next action, or None while it waits for others."""
         if pos[r] == len(fb[r]):
             return (clock[r], r, "W") if pend[r] else None
-        a = fb[r][pos[r]]
-        rt = ready_at(r, a)
-        room = a.kind != F or mem[r] + st.pass_mem(F, r, a.stage) <= limit + EPS
+        dep, _, dm, is_f = info[r][pos[r]]
+        rt = ready_at(r, dep)
+        room = not is_f or mem[r] + dm <= top
         if pend[r] and (not room or rt is None or rt > clock[r] + EPS and
-                        (eager or clock[r] + st.pass_cost(W, r, pend[r][0].stage) <= rt + EPS)):
+                        (eager or clock[r] + pend[r][0][1] <= rt + EPS)):
             return (clock[r], r, "W")
         if rt is not None and room:
             return (max(clock[r], rt), r, "FB")
@@ -310,13 +354,15 @@ def refill_w(setting: Setting, placement: Placement, orders: List[List[Action]],
         if ver != version[r]:
             continue
         if what == "W":
-            run(r, pend[r].pop(0), t)
-            touched = {r}
+            run_w(r, t)
+            touched = (r,)
         else:
             a = fb[r][pos[r]]
-            run(r, a, t)
+            _, c, dm, _ = info[r][pos[r]]
+            run_fb(r, a, t, c, dm)
             pos[r] += 1
-            touched = {r} | {pl.rank_of(x) for x in (a.stage - 1, a.stage + 1) if 0 <= x < nst}
+            touched = (r,) + tuple(q for q in {rank[x] for x in (a.stage - 1, a.stage + 1) if 0 <= x < nst}
+                                   if q != r)
         for q in touched:
             version[q] += 1
             c = candidate(q)
@@ -331,7 +377,13 @@ def _score(res) -> Tuple[float, float]:
 def polish(setting: Setting, placement: Placement, times: Dict[Key, float], limit: float, name: str,
            rounds: int = 3) -> Optional[Schedule]:
     """Squeeze, reorder warm-up/cool-down and refill W's until the makespan stops falling."""
+    return _polish(setting, placement, times, limit, name, rounds)[0]
+
+
+def _polish(setting: Setting, placement: Placement, times: Dict[Key, float], limit: float, name: str,
+            rounds: int) -> Tuple[Optional[Schedule], Optional[Run]]:
     m = 1 + max(k[2] for k in times)
+    coder = Coder(setting, placement, m)
     best, best_res = None, None
     for _ in range(rounds):
         orders = orders_by_time(placement, compact(setting, placement, times, limit))
@@ -345,15 +397,15 @@ def polish(setting: Setting, placement: Placement, times: Dict[Key, float], limi
         improved = False
         for o in cands:
             s = Schedule(name, placement, m, o)
-            res = simulate(s, setting)
-            if max(res.peak_memory) > limit + 1e-9:
+            res = Run(coder, s, setting)
+            if res.peak > limit + 1e-9:
                 continue
             if best_res is None or _score(res) < _score(best_res):
                 best, best_res, improved = s, res, True
         if not improved:
             break
-        times = {(t.action.kind, t.action.stage, t.action.mb): t.start for tl in best_res.timeline for t in tl}
-    return best
+        times = best_res.starts
+    return best, best_res
 
 
 # -- search -----------------------------------------------------------------------------------
@@ -370,6 +422,32 @@ def block_peak(setting: Setting, placement: Placement, block, period: float, m: 
     return max(peak_memory(o, r, st) for r, o in enumerate(orders))
 
 
+#: the blocks of a setting (``_blocks``), whatever the limit: the V searches of one plan share them
+_GRIDS = Memo(8)
+
+
+def _blocks(st: Setting, placement: Placement, short: int) -> List[tuple]:
+    """Every distinct block of the grid as (-peak, stretch, down, up, reverse, block, period), the
+    peak counted over ``short`` microbatches at most (remembered: ``memo``)."""
+    def build() -> List[tuple]:
+        unit = period_of(st, placement) / 6
+        out, seen = [], set()
+        for stretch, down, up, reverse in itertools.product(STRETCHES, DOWN, UP, (False, True)):
+            period = period_of(st, placement, stretch)
+            blk = building_block(st, placement, period, down * unit, up * unit, reverse)
+            sig = tuple(sorted((k, round(t % period, 6), int((t + EPS) // period)) for k, t in blk.items()))
+            if sig in seen:
+                continue
+            seen.add(sig)
+            span = max(blk.values()) - min(blk.values())
+            peak = block_peak(st, placement, blk, period, min(short, int(span / period) + 3))
+            out.append((-peak, stretch, down, up, reverse, blk, period))
+        return out
+
+    key = (setting_key(dataclasses.replace(st, memory_limit=None)), placement, short)
+    return _GRIDS.get(key, build)
+
+
 def search(setting: Setting, placement: Placement, limit: float, name: str, probe: int = 2,
            extra: Sequence[Tuple[str, Callable[[int], Dict[Key, float]]]] = ()) -> Optional[Schedule]:
     """The best block schedule under ``limit`` (None if nothing fits). ``extra``: more starting
@@ -382,19 +460,7 @@ def search(setting: Setting, placement: Placement, limit: float, name: str, prob
     unit = period_of(st, placement) / 6
     if unit <= EPS:  # nothing costs time: any valid order is optimal, leave it to the others
         return None
-    blocks = []
-    seen = set()
-    for stretch, down, up, reverse in itertools.product(STRETCHES, DOWN, UP, (False, True)):
-        period = period_of(st, placement, stretch)
-        blk = building_block(st, placement, period, down * unit, up * unit, reverse)
-        sig = tuple(sorted((k, round(t % period, 6), int((t + EPS) // period)) for k, t in blk.items()))
-        if sig in seen:
-            continue
-        seen.add(sig)
-        span = max(blk.values()) - min(blk.values())
-        peak = block_peak(st, placement, blk, period, min(short, int(span / period) + 3))
-        if peak <= limit + 1e-9:
-            blocks.append((-peak, stretch, down, up, reverse, blk, period))
+    blocks = [c for c in _blocks(st, placement, short) if -c[0] <= limit + 1e-9]
     # per stretch, the blocks that use the most memory (long lifespans fill the warm-up best)
     blocks.sort(key=lambda c: c[:5])
     if placement.num_ranks * short > 1024:  # big pipelines: one block per stretch
@@ -406,19 +472,18 @@ def search(setting: Setting, placement: Placement, limit: float, name: str, prob
     floor = lower_bound(short_st, placement, limit) + 1e-9
     scored = []
     for k, (label, timing) in enumerate(starts):
-        s = polish(short_st, placement, timing(short), limit, name, rounds=2)
+        s, res = _polish(short_st, placement, timing(short), limit, name, rounds=2)
         if s is not None:
-            scored.append((_score(simulate(s, short_st)), k))
+            scored.append((_score(res), k))
             if scored[-1][0][0] <= floor:  # cannot be beaten
                 break
     scored.sort()
     best, best_res = None, None
     for _, k in scored[:2 if st.stages * m <= 2048 else 1]:
         label, timing = starts[k]
-        s = polish(st, placement, timing(m), limit, name)
+        s, res = _polish(st, placement, timing(m), limit, name, 3)
         if s is None:
             continue
-        res = simulate(s, st)
         if best_res is None or _score(res) < _score(best_res):
             best, best_res = s, res
             best.meta = {"start": label}
