@@ -211,6 +211,7 @@ def compact(setting: Setting, placement: Placement, times: Dict[Key, float], lim
     comm = setting.cost_comm
     placed: List[List[Tuple[float, float]]] = [[] for _ in range(p)]  # (start, mem change), by start
     gaps: List[List[List[float]]] = [[] for _ in range(p)]  # idle [start, end) between placed passes
+    gap_ends: List[List[float]] = [[] for _ in range(p)]  # their ends, for bisect
     last_end = [0.0] * p
     total = [0.0] * p
     new: Dict[Key, float] = {}
@@ -236,16 +237,21 @@ def compact(setting: Setting, placement: Placement, times: Dict[Key, float], lim
             t = new.get((kind, s, mb - 1))
             if t is not None:
                 ready = max(ready, t)
-        gr = gaps[r]
+        gr, ge = gaps[r], gap_ends[r]
         if own > last_end[r] + EPS:  # idle until this pass's own time: nothing else can start there
             if gr and abs(gr[-1][1] - last_end[r]) <= EPS:
-                gr[-1][1] = own
+                gr[-1][1] = ge[-1] = own
             else:
                 gr.append([last_end[r], own])
+                ge.append(own)
             last_end[r] = own
         at = None
-        for i, g in enumerate(gr):
-            g0, g1 = g
+        # the gaps ending before ready + d cannot hold the pass (they are sorted): skip them, unless
+        # one of them starts after the pass's own time (the scan would stop there)
+        rd = ready + d
+        first = bisect.bisect_left(ge, True, key=lambda e: not e + EPS < rd)
+        for i in range(first if first == 0 or gr[first - 1][0] <= own else len(gr), len(gr)):
+            g0, g1 = gr[i]
             t = ready if ready > g0 else g0  # max(g0, ready), min(g1, own) below
             if t + d > (own if own < g1 else g1) + EPS:
                 if g0 > own:
@@ -254,8 +260,9 @@ def compact(setting: Setting, placement: Placement, times: Dict[Key, float], lim
             if dm > 0 and not _room(placed[r], total[r], t, dm, limit):
                 continue
             at = t
-            pieces = [[g0, t], [t + d, g1]]
-            gr[i:i + 1] = [x for x in pieces if x[1] - x[0] > EPS]
+            pieces = [x for x in ([g0, t], [t + d, g1]) if x[1] - x[0] > EPS]
+            gr[i:i + 1] = pieces
+            ge[i:i + 1] = [x[1] for x in pieces]
             break
         if at is None:
             at = own
@@ -361,8 +368,10 @@ def refill_w(setting: Setting, placement: Placement, orders: List[List[Action]],
             _, c, dm, _ = info[r][pos[r]]
             run_fb(r, a, t, c, dm)
             pos[r] += 1
+            # a neighbour's next action changes only if it waited for what this pass produced
+            made = ((a.kind, a.stage, a.mb), ("B*", a.stage, a.mb))
             touched = (r,) + tuple(q for q in {rank[x] for x in (a.stage - 1, a.stage + 1) if 0 <= x < nst}
-                                   if q != r)
+                                   if q != r and pos[q] < len(fb[q]) and info[q][pos[q]][0] in made)
         for q in touched:
             version[q] += 1
             c = candidate(q)
