@@ -327,20 +327,27 @@ class Run:
     times), or by ``simulate`` where the coder gives none: a deadlock (simulate raises, saying
     where) or forwards out of microbatch order (simulate times them)."""
 
-    __slots__ = ("makespan", "spans", "peak", "starts")
+    __slots__ = ("makespan", "spans", "peak", "_starts", "_made")
 
     def __init__(self, coder: Coder, s: Schedule, setting: Setting):
         codes = coder.encode(s.orders)
         t = coder.time(codes)
+        self._starts = None
         if t is None:
             res = simulate(s, setting)
             self.makespan, self.spans, self.peak = res.makespan, res.spans, max(res.peak_memory)
-            self.starts = {(x.action.kind, x.action.stage, x.action.mb): x.start for tl in res.timeline for x in tl}
+            self._starts = {(x.action.kind, x.action.stage, x.action.mb): x.start for tl in res.timeline for x in tl}
             return
         self.makespan, self.spans = t.makespan, t.spans
         self.peak = max(coder.peak(o) for o in codes)
-        start = t.start
-        self.starts = {(a.kind, a.stage, a.mb): start[x] for o, c in zip(s.orders, codes) for a, x in zip(o, c)}
+        self._made = (s.orders, codes, t.start)
+
+    @property
+    def starts(self) -> Dict[Tuple[str, int, int], float]:
+        if self._starts is None:
+            orders, codes, start = self._made
+            self._starts = {(a.kind, a.stage, a.mb): start[x] for o, c in zip(orders, codes) for a, x in zip(o, c)}
+        return self._starts
 
 
 def score(t: Timing) -> Tuple[float, float]:

@@ -143,50 +143,36 @@ def refill_w(setting: Setting, placement: Placement, orders: List[List[Action]],
     comm = setting.cost_comm
     top = limit + EPS
     fb = [[a for a in o if a.kind != W] for o in orders]
-    # per rank and F/B position: the key of its input (None: none), its cost, memory change and
-    # whether it is an F; the rank's W's as (stage, W action, cost, memory change)
-    info = [[(_dep(a.kind, a.stage, a.mb, nst), cost[a.kind, a.stage], mem_of[a.kind, a.stage], a.kind == F)
-             for a in o] for o in fb]
+    # the ranks next to each stage's on the chain (those that may wait for its passes)
+    nbr = [tuple(sorted({rank[x] for x in (s - 1, s + 1) if 0 <= x < nst} - {rank[s]})) for s in range(nst)]
+    # per rank and F/B position: the key of its input (None: none), the hop before it, its cost,
+    # memory change, whether it is an F, the keys it makes, its W (for a B) and its neighbours
+    info = []
+    for r, o in enumerate(fb):
+        row = []
+        for a in o:
+            dep = _dep(a.kind, a.stage, a.mb, nst)
+            made = ((a.kind, a.stage, a.mb),) + ((("B*", a.stage, a.mb),) if a.kind in (B, BW) else ())
+            w = (Action(W, a.stage, a.mb), cost[W, a.stage], mem_of[W, a.stage]) if a.kind == B else None
+            row.append((dep, 0.0 if dep is None or rank[dep[1]] == r else comm, cost[a.kind, a.stage],
+                        mem_of[a.kind, a.stage], a.kind == F, made, w, nbr[a.stage]))
+        info.append(row)
     out: List[List[Action]] = [[] for _ in range(p)]
     pend: List[deque] = [deque() for _ in range(p)]
     pos, clock, mem = [0] * p, [0.0] * p, [0.0] * p
+    size = [len(o) for o in fb]
     end: Dict[Tuple[str, int, int], float] = {}
-
-    def ready_at(r: int, dep: Optional[Key]) -> Optional[float]:
-        t = 0.0
-        if dep is not None:
-            e = end.get(dep)
-            if e is None:
-                return None
-            t = max(t, e + (comm if rank[dep[1]] != r else 0.0))
-        return t
-
-    def run_fb(r: int, a: Action, t: float, c: float, dm: float) -> None:
-        e = t + c
-        clock[r] = e
-        mem[r] += dm
-        key = (a.kind, a.stage, a.mb)
-        end[key] = e
-        if a.kind in (B, BW):
-            end[("B*", a.stage, a.mb)] = e
-        if a.kind == B:
-            pend[r].append((Action(W, a.stage, a.mb), cost[W, a.stage], mem_of[W, a.stage]))
-        out[r].append(a)
-
-    def run_w(r: int, t: float) -> None:
-        a, c, dm = pend[r].popleft()
-        e = t + c
-        clock[r] = e
-        mem[r] += dm
-        end[(W, a.stage, a.mb)] = e
-        out[r].append(a)
 
     def candidate(r: int):
         """(time, rank, what) of rank r's next action, or None while it waits for others."""
-        if pos[r] == len(fb[r]):
+        if pos[r] == size[r]:
             return (clock[r], r, "W") if pend[r] else None
-        dep, _, dm, is_f = info[r][pos[r]]
-        rt = ready_at(r, dep)
+        dep, hop, _, dm, is_f = info[r][pos[r]][:5]
+        if dep is None:
+            rt = 0.0
+        else:
+            e = end.get(dep)
+            rt = None if e is None else max(0.0, e + hop)
         room = not is_f or mem[r] + dm <= top
         if pend[r] and (not room or rt is None or rt > clock[r] + EPS and
                         (eager or clock[r] + pend[r][0][1] <= rt + EPS)):
@@ -200,7 +186,7 @@ def refill_w(setting: Setting, placement: Placement, orders: List[List[Action]],
     version = [0] * p
     while True:
         if not heap:
-            if any(pos[r] < len(fb[r]) for r in range(p)):
+            if any(pos[r] < size[r] for r in range(p)):
                 raise ScheduleError("W refill stalls: the F/B order does not fit memory limit "
                                     f"{limit:g} even with every W run at once")
             return out
@@ -208,17 +194,27 @@ def refill_w(setting: Setting, placement: Placement, orders: List[List[Action]],
         if ver != version[r]:
             continue
         if what == "W":
-            run_w(r, t)
+            a, c, dm = pend[r].popleft()
+            e = t + c
+            clock[r] = e
+            mem[r] += dm
+            end[(W, a.stage, a.mb)] = e
+            out[r].append(a)
             touched = (r,)
         else:
             a = fb[r][pos[r]]
-            _, c, dm, _ = info[r][pos[r]]
-            run_fb(r, a, t, c, dm)
+            _, _, c, dm, _, made, w, near = info[r][pos[r]]
+            e = t + c
+            clock[r] = e
+            mem[r] += dm
+            for k in made:
+                end[k] = e
+            if w is not None:
+                pend[r].append(w)
+            out[r].append(a)
             pos[r] += 1
-            # a neighbour's next action changes only if it waited for what this pass produced
-            made = ((a.kind, a.stage, a.mb), ("B*", a.stage, a.mb))
-            touched = (r,) + tuple(q for q in {rank[x] for x in (a.stage - 1, a.stage + 1) if 0 <= x < nst}
-                                   if q != r and pos[q] < len(fb[q]) and info[q][pos[q]][0] in made)
+            # a neighbour's next action changes only if it waited for what this pass made
+            touched = (r,) + tuple(q for q in near if pos[q] < size[q] and info[q][pos[q]][0] in made)
         for q in touched:
             version[q] += 1
             c = candidate(q)
