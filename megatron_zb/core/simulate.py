@@ -186,7 +186,7 @@ def simulate(schedule: Schedule, setting: Setting,
     # and both results leave at the pair's end. The timeline shows the F, then the B
     pairs = set(map(tuple, schedule.meta.get("overlap_pairs", ()))) if setting.a2a_overlap and \
         any(setting.cost_a2a) else set()
-    if links is None and not pairs and not pl.replicated:
+    if links is None and not pairs:
         fast = Plain(orders, pl, setting)
         fast = fast.timeline(release) if fast.ok else None
         if fast is not None:
@@ -269,7 +269,8 @@ def simulate(schedule: Schedule, setting: Setting,
 
 class Plain:
     """A schedule's compute passes coded once for ``simulate``'s rules where nothing else takes
-    part (no host link, no overlapped pairs, no replicas: ``plain``), timed by a work list with the
+    part (no host link, no overlapped pairs: ``plain``; a replicated placement's passes follow
+    their paths, its gradient syncs come after, from the timeline), timed by a work list with the
     same arithmetic, so to the same times (a pass's start is a function of its input's end and its
     rank's previous pass, whatever the order they are worked out in). ``ok`` is False where the
     passes are not each run once or wait for a pass no rank runs; ``times`` gives None where they
@@ -291,7 +292,7 @@ class Plain:
             for a in order:
                 x = idx[(a.kind, a.stage, a.mb)]
                 cost[x] = setting.pass_cost(a.kind, r, a.stage)
-                d = deps(a, nst)
+                d = deps(a, nst, pl)
                 if not d:
                     continue
                 k, ds, dmb = d[0]
@@ -313,8 +314,8 @@ class Plain:
 
     @staticmethod
     def plain(schedule: Schedule, setting: Setting) -> bool:
-        """Whether ``simulate`` times ``schedule`` (flattened) without host link, pairs or replicas."""
-        return (not schedule.placement.replicated and schedule.meta.get("offload") is None
+        """Whether ``simulate`` times ``schedule`` (flattened) without host link or pairs."""
+        return (schedule.meta.get("offload") is None
                 and not any(a.kind in OFFLOAD_KINDS for o in schedule.orders for a in o)
                 and not (schedule.meta.get("overlap_pairs") and setting.a2a_overlap and any(setting.cost_a2a)))
 

@@ -37,6 +37,7 @@ import dataclasses
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..ir import B, F, W, Action, Placement, Schedule, ScheduleError, Setting
+from ..memo import Memo, copy_schedule, setting_key
 from ..simulate import simulate
 from ..validate import validate
 from . import vblock, vslots
@@ -44,7 +45,6 @@ from .bounds import lower_bound
 from .evaluate import Coder
 from .greedy import best_of, capped_variants
 from .improve import improve
-from .memo import Memo, copy_schedule, setting_key
 from .rounds import round_variants
 from .vrounds import v_round_variants
 

@@ -29,7 +29,7 @@ import math
 from typing import Dict, List, Optional, Tuple
 
 from ..ir import B, F, W, Placement, Setting
-from .memo import Memo, setting_key
+from ..memo import Memo, setting_key
 
 NEG = float("-inf")
 

@@ -35,7 +35,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 from ..ir import B, F, W, Placement, Schedule, ScheduleError, Setting
 from ..simulate import peak_memory
 from .improve import lower_bound
-from .memo import Memo, setting_key
+from ..memo import Memo, setting_key
 from .vpolish import compact, orders_by_time, polish, polish_run, refill_w, score  # noqa: F401 (steps 2-3)
 
 EPS = 1e-9

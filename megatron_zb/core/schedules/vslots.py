@@ -34,7 +34,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 from ..ir import B, F, W, Action, Placement, Schedule, Setting
 from .evaluate import Coder
-from .memo import Memo
+from ..memo import Memo
 
 CH = "FfBbWw"
 FWD = "Ff"

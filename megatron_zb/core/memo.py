@@ -1,7 +1,8 @@
 """Results of the searches remembered within one process, so that one ``megatron-zb plan`` (or a
 compare) does not search the same thing twice: zb-v is v-auto's search at 1F1B's peak, v-auto's
 and zb-auto's ladders search at 1F1B's peak again when plan rebuilds them under the limit they
-need, and the V searches under different limits build the same building blocks.
+need, the V searches under different limits build the same building blocks, and the rows of one
+placement ask for the same balanced layout.
 
 A search is a pure function of its arguments (deterministic, no clocks), so a remembered result
 is the result: a hit hands back what the same call computed, copied where a caller could change
@@ -14,7 +15,7 @@ import dataclasses
 from collections import OrderedDict
 from typing import Callable, Hashable, TypeVar
 
-from ..ir import Schedule, Setting
+from .ir import Schedule, Setting
 
 T = TypeVar("T")
 
