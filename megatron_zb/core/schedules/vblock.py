@@ -230,8 +230,10 @@ def search(setting: Setting, placement: Placement, limit: float, name: str, prob
     floor = lower_bound(short_st, placement, limit) + 1e-9
     scored = []
     states = [[] for _ in starts]  # where the short run is the whole run, the full polish goes on from it
+    acts: Dict[int, dict] = {short: {}, m: {}}  # each pass's Action, made once
     for k, (label, timing) in enumerate(starts):
-        s, res = polish_run(short_st, placement, timing(short), limit, name, 2, states[k] if short == m else None)
+        s, res = polish_run(short_st, placement, timing(short), limit, name, 2, states[k] if short == m else None,
+                            acts[short])
         if s is not None:
             scored.append((score(res), k))
             if scored[-1][0][0] <= floor:  # cannot be beaten
@@ -241,9 +243,9 @@ def search(setting: Setting, placement: Placement, limit: float, name: str, prob
     for _, k in scored[:2 if st.stages * m <= 2048 else 1]:
         label, timing = starts[k]
         if short == m:
-            s, res = polish_run(st, placement, None, limit, name, 1, states[k])
+            s, res = polish_run(st, placement, None, limit, name, 1, states[k], acts[m])
         else:
-            s, res = polish_run(st, placement, timing(m), limit, name, 3)
+            s, res = polish_run(st, placement, timing(m), limit, name, 3, None, acts[m])
         if s is None:
             continue
         if best_res is None or score(res) < score(best_res):

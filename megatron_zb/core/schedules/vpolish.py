@@ -20,11 +20,19 @@ Key = Tuple[str, int, int]  # (kind, stage, microbatch)
 _KIND_ORDER = {F: 0, B: 1, BW: 1, W: 2}
 
 
-def orders_by_time(placement: Placement, times: Dict[Key, float]) -> List[List[Action]]:
+def orders_by_time(placement: Placement, times: Dict[Key, float],
+                   actions: Optional[Dict[Key, Action]] = None) -> List[List[Action]]:
+    """Each rank's passes in time order. ``actions``: the Action of each key, made where missing
+    (one search orders the same passes many times over)."""
     orders: List[List[Action]] = [[] for _ in range(placement.num_ranks)]
+    actions = {} if actions is None else actions
+    rank = placement.stage_to_rank
     # ties (zero-cost passes) in dependency order: F by stage up, B by stage down, W last
     for k in sorted(times, key=lambda k: (times[k], _KIND_ORDER[k[0]], k[1] if k[0] == F else -k[1], k[2])):
-        orders[placement.rank_of(k[1])].append(Action(*k))
+        a = actions.get(k)
+        if a is None:
+            a = actions[k] = Action(*k)
+        orders[rank[k[1]]].append(a)
     return orders
 
 
@@ -133,7 +141,7 @@ def _room(placed: List[Tuple[float, float]], total: float, t: float, dm: float, 
 
 
 def refill_w(setting: Setting, placement: Placement, orders: List[List[Action]], limit: float,
-             eager: bool) -> List[List[Action]]:
+             eager: bool, actions: Optional[Dict[Key, Action]] = None) -> List[List[Action]]:
     """Keep every rank's F/B order and place its W's again: the oldest pending W runs when the
     next F/B has not arrived (``eager``) or will not arrive before the W ends, or when the next
     F needs its memory; the rest at the end."""
@@ -153,7 +161,15 @@ def refill_w(setting: Setting, placement: Placement, orders: List[List[Action]],
         for a in o:
             dep = _dep(a.kind, a.stage, a.mb, nst)
             made = ((a.kind, a.stage, a.mb),) + ((("B*", a.stage, a.mb),) if a.kind in (B, BW) else ())
-            w = (Action(W, a.stage, a.mb), cost[W, a.stage], mem_of[W, a.stage]) if a.kind == B else None
+            w = None
+            if a.kind == B:
+                wk = (W, a.stage, a.mb)
+                wa = actions.get(wk) if actions is not None else None
+                if wa is None:
+                    wa = Action(*wk)
+                    if actions is not None:
+                        actions[wk] = wa
+                w = (wa, cost[W, a.stage], mem_of[W, a.stage])
             row.append((dep, 0.0 if dep is None or rank[dep[1]] == r else comm, cost[a.kind, a.stage],
                         mem_of[a.kind, a.stage], a.kind == F, made, w, nbr[a.stage]))
         info.append(row)
@@ -234,10 +250,12 @@ def polish(setting: Setting, placement: Placement, times: Dict[Key, float], limi
 
 
 def polish_run(setting: Setting, placement: Placement, times: Dict[Key, float], limit: float, name: str,
-            rounds: int, state: Optional[list] = None) -> Tuple[Optional[Schedule], Optional[Run]]:
+               rounds: int, state: Optional[list] = None,
+               actions: Optional[Dict[Key, Action]] = None) -> Tuple[Optional[Schedule], Optional[Run]]:
     """``polish`` and its run. ``state``: a list that holds, after the call, what lets a later call
     go on for more rounds (passed again with ``times`` None: the same as asking for all the
-    rounds at once)."""
+    rounds at once). ``actions``: as ``orders_by_time``'s."""
+    actions = {} if actions is None else actions
     if times is None:
         times, best, best_res, stopped = state
         if stopped:
@@ -248,11 +266,11 @@ def polish_run(setting: Setting, placement: Placement, times: Dict[Key, float], 
     coder = Coder(setting, placement, m)
     stopped = False
     for _ in range(rounds):
-        orders = orders_by_time(placement, compact(setting, placement, times, limit))
+        orders = orders_by_time(placement, compact(setting, placement, times, limit), actions)
         cands = []
         for eager in (False, True):
             try:
-                cands.append(refill_w(setting, placement, orders, limit, eager))
+                cands.append(refill_w(setting, placement, orders, limit, eager, actions))
             except ScheduleError:
                 pass
         cands = cands or [orders]
