@@ -33,10 +33,9 @@ import itertools
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..ir import B, F, W, Placement, Schedule, ScheduleError, Setting
-from ..simulate import peak_memory
-from .improve import lower_bound
 from ..memo import Memo, setting_key
-from .vpolish import compact, orders_by_time, polish, polish_run, refill_w, score  # noqa: F401 (steps 2-3)
+from .improve import lower_bound
+from .vpolish import KIND_ORDER, compact, orders_by_time, polish, polish_run, refill_w, score  # noqa: F401
 
 EPS = 1e-9
 Key = Tuple[str, int, int]  # (kind, stage, microbatch)
@@ -176,8 +175,17 @@ UP = (0.0, 0.5, 1.0)
 def block_peak(setting: Setting, placement: Placement, block, period: float, m: int) -> float:
     """Peak memory of the block repeated m times (memory depends on the order only)."""
     st = dataclasses.replace(setting, chunks=placement.chunks)
-    orders = orders_by_time(placement, unroll(block, period, m))
-    return max(peak_memory(o, r, st) for r, o in enumerate(orders))
+    times = unroll(block, period, m)
+    rank = placement.stage_to_rank
+    mem = {(k, s): st.pass_mem(k, rank[s], s) for k in (F, B, W) for s in range(placement.num_stages)}
+    cur = [0.0] * placement.num_ranks
+    top = [0.0] * placement.num_ranks
+    for k in sorted(times, key=lambda k: (times[k], KIND_ORDER[k[0]], k[1] if k[0] == F else -k[1], k[2])):
+        r = rank[k[1]]  # each rank's running sum in its order (``orders_by_time``), as peak_memory
+        cur[r] += mem[k[0], k[1]]
+        if cur[r] > top[r]:
+            top[r] = cur[r]
+    return max(top)
 
 
 #: the blocks of a setting (``_blocks``), whatever the limit: the V searches of one plan share them

@@ -17,7 +17,8 @@ from .evaluate import Coder, Run
 EPS = 1e-9
 Key = Tuple[str, int, int]  # (kind, stage, microbatch)
 
-_KIND_ORDER = {F: 0, B: 1, BW: 1, W: 2}
+#: ties (zero-cost passes) in dependency order: F by stage up, B by stage down, W last
+KIND_ORDER = {F: 0, B: 1, BW: 1, W: 2}
 
 
 def orders_by_time(placement: Placement, times: Dict[Key, float],
@@ -28,7 +29,7 @@ def orders_by_time(placement: Placement, times: Dict[Key, float],
     actions = {} if actions is None else actions
     rank = placement.stage_to_rank
     # ties (zero-cost passes) in dependency order: F by stage up, B by stage down, W last
-    for k in sorted(times, key=lambda k: (times[k], _KIND_ORDER[k[0]], k[1] if k[0] == F else -k[1], k[2])):
+    for k in sorted(times, key=lambda k: (times[k], KIND_ORDER[k[0]], k[1] if k[0] == F else -k[1], k[2])):
         a = actions.get(k)
         if a is None:
             a = actions[k] = Action(*k)
@@ -70,7 +71,7 @@ def compact(setting: Setting, placement: Placement, times: Dict[Key, float], lim
     last_end = [0.0] * p
     total = [0.0] * p
     new: Dict[Key, float] = {}
-    order = sorted(times, key=lambda k: (times[k], _KIND_ORDER[k[0]], k[1] if k[0] == F else -k[1], k[2]))
+    order = sorted(times, key=lambda k: (times[k], KIND_ORDER[k[0]], k[1] if k[0] == F else -k[1], k[2]))
     for key in order:
         kind, s, mb = key
         r = rank[s]
