@@ -362,8 +362,7 @@ class Setting:
     # a2a_overlap is False. W has none.
     cost_a2a: Sequence[float] = (0.0,)
     a2a_overlap: bool = True
-    # vocabulary parallelism (``core.vocab.VocabSetting``): the vocabulary passes' costs and memory
-    # and how many all-reduce barriers they have; None without it
+    # vocabulary parallelism (``core.vocab.VocabSetting``): its passes' costs, memory, barriers
     vocab: Optional[object] = None
 
     def __post_init__(self):
@@ -388,6 +387,10 @@ class Setting:
             raise ScheduleError(f"cost-sync must be a non-negative number, got {self.cost_sync!r}")
         if self.memory_limit is not None and not (_is_nonneg_number(self.memory_limit)):
             raise ScheduleError(f"memory-limit must be a non-negative number, got {self.memory_limit!r}")
+        # pass_cost / pass_mem by (what, kind, rank, stage), filled as they are asked for: the
+        # searches ask millions of times. A Setting is never changed once made (dataclasses.replace
+        # makes a new one, with a table of its own)
+        self._passes: Dict[tuple, float] = {}
 
     @property
     def per_chunk(self) -> bool:
@@ -406,6 +409,15 @@ class Setting:
     def pass_cost(self, kind: str, rank: int, stage: Optional[int] = None) -> float:
         """Time of one pass of one chunk (stage ``stage`` on ``rank``): its compute and, for
         F/B/BW, its all-to-all."""
+        return self._cached(("c", kind, rank, stage), self._pass_cost)
+
+    def _cached(self, key: tuple, fn) -> float:
+        v = self._passes.get(key)
+        if v is None:
+            v = self._passes[key] = fn(*key[1:])
+        return v
+
+    def _pass_cost(self, kind: str, rank: int, stage: Optional[int]) -> float:
         if kind in VOCAB_KINDS:
             return self.vocab.cost(kind, rank) if self.vocab is not None else 0.0
         a2a = self._at(self.cost_a2a, rank, stage) if kind in (F, B, BW) else 0.0
@@ -425,6 +437,9 @@ class Setting:
 
     def pass_mem(self, kind: str, rank: int, stage: Optional[int] = None) -> float:
         """Change of rank memory caused by one pass of one chunk."""
+        return self._cached(("m", kind, rank, stage), self._pass_mem)
+
+    def _pass_mem(self, kind: str, rank: int, stage: Optional[int]) -> float:
         if kind in VOCAB_KINDS:
             return self.vocab.mem(kind, rank) if self.vocab is not None else 0.0
         if kind == F:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .ir import B, BW, Schedule, ScheduleError, Setting
-from .simulate import SimResult, Timed, simulate
+from .simulate import Plain, SimResult, Timed, simulate
 
 # iterations simulated back to back, and how many of the last ones the period is averaged over
 # (a multiple of 1, 2, 3, 4 and 6 so a periodic steady state of that length averages exactly)
@@ -132,6 +132,9 @@ def _shifted(res: SimResult, dt: float) -> SimResult:
 def iteration_times(schedule: Schedule, setting: Setting, cost_optimizer: float = 0.0) -> IterationResult:
     """Synchronous and post-validated time per training iteration of ``schedule`` (see the module)."""
     cost_optimizer = _check_cost(cost_optimizer)
+    fast = _plain_iterations(schedule, setting, cost_optimizer)
+    if fast is not None:
+        return fast
     sync_runs, _ = simulate_iterations(schedule, setting, 1, cost_optimizer, post_validated=False)
     base = sync_runs[0]
     starts = [tl[0].start for tl in base.timeline if tl]
@@ -144,6 +147,50 @@ def iteration_times(schedule: Schedule, setting: Setting, cost_optimizer: float 
     post = (last_end[k1] - last_end[k0]) / AVERAGE_OVER
     windows = [[_rank_window(tl, 0.0) for tl in res.timeline] for res in runs]
     return IterationResult(schedule.name, cost_optimizer, sync, post, windows, validated)
+
+
+def _plain_iterations(schedule: Schedule, setting: Setting, cost_optimizer: float) -> Optional[IterationResult]:
+    """``iteration_times`` by ``simulate.Plain`` where it applies (the passes coded once, no
+    timeline built: the same times as ``simulate_iterations``'); None where it does not."""
+    if setting.chunks != schedule.placement.chunks:
+        setting = dataclasses.replace(setting, chunks=schedule.placement.chunks)
+    flat = schedule.flat()
+    if flat.placement.num_ranks != setting.stages or not Plain.plain(flat, setting):
+        return None
+    plain = Plain([[a for a in o if a.is_compute] for o in flat.orders], flat.placement, setting)
+    t = plain.times() if plain.ok else None
+    if t is None:
+        return None
+    codes = plain.codes
+
+    def windows(t) -> List[Tuple[float, float]]:
+        return [(t[0][c[0]], t[1][c[-1]]) if c else (0.0, 0.0) for c in codes]
+
+    first = windows(t)
+    starts = [w[0] for w, c in zip(first, codes) if c]
+    ends = [w[1] for w, c in zip(first, codes) if c]
+    sync = (max(ends) - min(starts) if ends else 0.0) + cost_optimizer
+    points = validation_points(schedule)
+    runs, validated = [first], []
+    for k in range(1, ITERATIONS + 1):
+        ends = [w[1] for w in runs[-1]]
+        v = validation_times(ends, setting.cost_comm)
+        validated.append(v)
+        if k == ITERATIONS:
+            break
+        release: Dict[Tuple[int, int], float] = {}
+        for r in range(len(codes)):
+            release[(r, 0)] = ends[r] + cost_optimizer
+            if points[r] is not None:
+                release[(r, points[r])] = max(release.get((r, points[r]), 0.0), v[r])
+        t = plain.times(release)
+        if t is None:
+            return None
+        runs.append(windows(t))
+    last_end = [max(w[1] for w in run) for run in runs]
+    k1 = len(runs) - 1
+    post = (last_end[k1] - last_end[k1 - AVERAGE_OVER]) / AVERAGE_OVER
+    return IterationResult(schedule.name, cost_optimizer, sync, post, runs, validated)
 
 
 def back_to_back(schedule: Schedule, setting: Setting, iterations: int, cost_optimizer: float = 0.0,

@@ -19,6 +19,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 from .ir import Placement, ScheduleError
 from .layout import Layout, from_counts
+from .memo import Memo
 
 __all__ = ["balanced", "even_counts", "rank_loads"]
 
@@ -60,6 +61,10 @@ def _stage_work(counts, pre, first, last) -> List[float]:
     return out
 
 
+#: layouts found in this process (``memo``): plan's rows of one placement ask for the same
+_FOUND = Memo(16)
+
+
 def balanced(layer_work: Sequence[float], placement: Placement, first: float, last: float,
              mtp_layers: int = 0, keep: int = 1, starts: Optional[Sequence[Sequence[int]]] = None) -> List[Layout]:
     """The ``keep`` best layouts (fewest first) for ``placement``'s logical stages: the smallest
@@ -70,6 +75,13 @@ def balanced(layer_work: Sequence[float], placement: Placement, first: float, la
     chunks and rank 0 holding E+1 and 1+L; 487.5 with them in their first chunks). ``layer_work``: F + B + W of each transformer layer;
     ``first``: what the first chunk adds (the embedding), ``last``: what the last one adds (the
     output layer, loss and MTP layers)."""
+    key = (tuple(layer_work), placement, first, last, mtp_layers, keep,
+           None if starts is None else tuple(tuple(c) for c in starts))
+    return list(_FOUND.get(key, lambda: _balanced(layer_work, placement, first, last, mtp_layers, keep, starts)))
+
+
+def _balanced(layer_work, placement: Placement, first: float, last: float, mtp_layers: int, keep: int,
+              starts) -> List[Layout]:
     S = placement.num_logical_stages
     L = len(layer_work)
     if L < max(0, S - 2):

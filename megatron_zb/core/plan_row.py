@@ -5,6 +5,9 @@ The layout: the user's (``--pipeline-model-parallel-layout``), or the best of th
 the balanced one (``core.layout_search``: every rank carrying equal work, the embedding and the
 output layer + loss counted where they sit), by fitting first, then time per iteration. With a
 profile, the costs are what it measured (per rank or per chunk) and the layout is the one it ran.
+A layout that cannot be the one kept is not built: the one with the least busiest-rank work first,
+then another only where its lower bound on the iteration time (``schedules.bounds``) leaves it a
+chance against the rows built so far (the same row as building every layout, sooner).
 """
 from __future__ import annotations
 
@@ -14,13 +17,14 @@ from typing import List, Optional
 
 from .build import OffloadRequest, ScheduleRequest, build
 from .chunk_costs import chunk_costs
-from .ir import OVERLAP, Placement, ScheduleError
+from .ir import OVERLAP, Placement, ScheduleError, Setting
 from .iteration import iteration_times
 from .layout import Layout, from_counts
 from .layout_search import balanced, even_counts
 from .model import ModelSpec, layer_split
 from .schedules import get
 from .schedules.auto import TIE
+from .schedules.bounds import lower_bound
 
 __all__ = ["placement_for", "candidate_layouts", "row", "profile_costs", "load_profile"]
 
@@ -77,16 +81,70 @@ def row(name: str, spec: ModelSpec, p: int, m: int, budget: float, flops_per_s: 
         layouts = candidate_layouts(spec, pl, pad_ends, layout, search and profile is None, vocab is not None)
     except ScheduleError as e:
         return {"schedule": name, "error": str(e)}
+
+    def one(k: int) -> dict:
+        return _one(sp, spec, p, m, v, pl, layouts[k], budget, flops_per_s, profile, cost_optimizer, ranked_by,
+                    offload, exact, a2a, pad_ends and layout is None and k == 0, (vocab, vocab_gbps))
+
+    # A layout whose lower bound (no schedule's iteration is shorter) lies above a fitting row's
+    # time by more than TIE cannot be the one kept below: it is not built (the same row, sooner)
+    bound = _Bounds(spec, layouts, pl, m, flops_per_s) if len(layouts) > 1 and offload[0] is None \
+        and profile is None and not pl.replicated and vocab is None else None
+    done = {}
+    if bound is not None and len(layouts) == 2 and bound.busy(1) < bound.busy(0):
+        # the second looks better: built first, the first only where it could still be kept
+        r = done[1] = one(1)
+        if "error" not in r and r["fits"] and bound.above(0, r[ranked_by] / (1 - TIE)):
+            return r
     best, first_error = None, None
-    for lay in layouts:
-        r = _one(sp, spec, p, m, v, pl, lay, budget, flops_per_s, profile, cost_optimizer, ranked_by, offload,
-                 exact, a2a, pad_ends and layout is None and lay is layouts[0], (vocab, vocab_gbps))
+    for k in range(len(layouts)):
+        if k not in done and best is not None and best["fits"] and bound is not None \
+                and bound.above(k, best[ranked_by] * (1 - TIE)):
+            continue  # it could only replace ``best`` by being faster than its bound allows
+        r = done[k] if k in done else one(k)
         if "error" in r:
             first_error = first_error or r
             continue
         if best is None or (not r["fits"], r[ranked_by]) < (not best["fits"], best[ranked_by] * (1 - TIE)):
             best = r
     return best if best is not None else first_error
+
+
+class _Bounds:
+    """Lower bounds on the iteration time of any schedule of each layout (seconds): the busiest
+    rank's work, and where that is not enough, ``bounds.lower_bound`` (iteration times with or
+    without post-validation are at least the makespan). None where the costs cannot be had, or a
+    layout's all-to-all could hide in overlapped F&B pairs (not bounded by pass costs)."""
+
+    def __init__(self, spec: ModelSpec, layouts: List[Layout], pl: Placement, m: int, flops_per_s: float):
+        self.pl, self.m = pl, m
+        self.settings: List[Optional[Setting]] = []
+        for lay in layouts:
+            try:
+                cc = chunk_costs(spec, lay, pl, flops_per_s, 0.0)
+                st = Setting(pl.num_ranks, m, chunks=pl.chunks, cost_f=cc.cost_f, cost_b=cc.cost_b, cost_w=cc.cost_w)
+            except ScheduleError:
+                st = None
+            self.settings.append(None if st is None or any(spec.layer_a2a_bytes(i) for i in range(spec.num_layers))
+                                 else st)
+        self.full: dict = {}
+
+    def busy(self, k: int) -> float:
+        st = self.settings[k]
+        if st is None:
+            return 0.0
+        work = [sum(x) for x in zip(*(st.rank_values(n, self.pl) for n in ("cost_f", "cost_b", "cost_w")))]
+        return self.m * max(work)
+
+    def above(self, k: int, t: float) -> bool:
+        """Whether every schedule of layout k takes longer than ``t``."""
+        if self.settings[k] is None:
+            return False
+        if self.busy(k) > t * (1 + 1e-9):
+            return True
+        if k not in self.full:
+            self.full[k] = lower_bound(self.settings[k], self.pl, None)
+        return self.full[k] > t * (1 + 1e-9)
 
 
 def _one(sp, spec, p, m, v, pl, lay: Layout, budget, flops_per_s, profile, cost_optimizer, ranked_by, offload,

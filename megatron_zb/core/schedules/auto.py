@@ -37,6 +37,7 @@ import dataclasses
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..ir import B, F, W, Action, Placement, Schedule, ScheduleError, Setting
+from ..memo import Memo, copy_schedule, setting_key
 from ..simulate import simulate
 from ..validate import validate
 from . import vblock, vslots
@@ -54,6 +55,8 @@ from .vrounds import v_round_variants
 TIE = 1e-3
 #: equal up to float noise: the tie of a search without memory as its tie-break (``memory=False``)
 NOISE = 1e-9
+#: the searches done in this process (``memo``): plan asks for some of them more than once
+_DONE = Memo(32)
 
 
 def _cheapest(ranked: List[Tuple[tuple, Schedule]], setting: Setting,
@@ -225,6 +228,14 @@ def _least_memory(fn: Callable[[float], Schedule], setting: Setting, lo: float, 
 
 
 def _zb_auto(setting: Setting, sim: Optional[list] = None, tie: float = TIE) -> Schedule:
+    """zb-auto's search under ``setting.memory_limit`` (remembered: ``memo``)."""
+    if sim is not None:
+        return _zb_auto_search(setting, sim, tie)
+    found = _DONE.get(("zb-auto", setting_key(setting), tie), lambda: _zb_auto_search(setting, None, tie))
+    return copy_schedule(found, found.name)
+
+
+def _zb_auto_search(setting: Setting, sim: Optional[list], tie: float) -> Schedule:
     from .basic import one_f_one_b
     from .zb_handcrafted import zb_h1, zb_h2
     p = setting.stages
@@ -351,6 +362,18 @@ def _timing(schedule: Schedule, setting: Setting) -> Dict:
 
 def _v_search(name: str, setting: Setting, limit: Optional[float] = None, sim: Optional[list] = None,
               tie: float = TIE) -> Schedule:
+    """``_v_searched``, remembered (``memo``): zb-v's search is v-auto's at 1F1B's peak. The
+    search reads its limit from ``limit`` alone, and ``name`` only labels what it builds."""
+    if sim is not None:
+        return _v_searched(name, setting, limit, sim, tie)
+    st = dataclasses.replace(_v_setting(setting), memory_limit=None)
+    found = _DONE.get(("v", setting_key(st), name if limit is None else limit, tie),
+                      lambda: _v_searched(name, st, limit, None, tie))
+    return copy_schedule(found, name)
+
+
+def _v_searched(name: str, setting: Setting, limit: Optional[float], sim: Optional[list],
+                tie: float) -> Schedule:
     """The best V schedule under ``limit``; v-half / v-min (limit None) take the peak memory of
     the paper's block of that name. Candidates, each family only while the best so far is above
     the lower bound: the round heuristic (``vrounds``), the paper's V-Half / V-Min blocks, the

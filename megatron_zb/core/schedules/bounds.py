@@ -29,6 +29,7 @@ import math
 from typing import Dict, List, Optional, Tuple
 
 from ..ir import B, F, W, Placement, Setting
+from ..memo import Memo, setting_key
 
 NEG = float("-inf")
 
@@ -195,14 +196,27 @@ def _rank_bound(ch: _Chain, H, m: int, r: int) -> float:
     return _jackson(jobs) if jobs else 0.0
 
 
+#: bounds asked for in this process (``memo``): the searches ask for the same one several times
+_BOUNDS = Memo(32)
+
+
 def lower_bound(setting: Setting, placement: Placement, limit: Optional[float]) -> float:
+    """The bound on any schedule's makespan for ``placement`` under ``limit`` (None: none); the
+    limit counts with one stage per rank only (the memory-aware warm-up argument)."""
+    if limit is not None and limit == float("inf"):
+        limit = None
+    if placement.chunks != 1:
+        limit = None
+    key = (setting_key(dataclasses.replace(setting, memory_limit=None)), placement, limit)
+    return _BOUNDS.get(key, lambda: _lower_bound(setting, placement, limit))
+
+
+def _lower_bound(setting: Setting, placement: Placement, limit: Optional[float]) -> float:
     st = dataclasses.replace(setting, chunks=placement.chunks)
     m = setting.microbatches
     R = placement.num_ranks
     busy = [sum(m * st.pass_cost(k, r, s) for k in (F, B, W) for s in placement.stages_of(r)) for r in range(R)]
     lb = max(busy)
-    if limit is not None and limit == float("inf"):
-        limit = None
     ch = _Chain(st, placement)
     H = _heads(st, placement, ch, m, limit, None)
     lb = max(lb, _rank_bound(ch, H, m, placement.rank_of(0)))

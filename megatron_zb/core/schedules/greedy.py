@@ -18,14 +18,15 @@ the costs, so callers try a few (``best_of``) and keep the shortest.
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import heapq
 import itertools
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 from ..ir import B, BW, F, W, Action, Placement, Schedule, ScheduleError, Setting
-from ..simulate import simulate
+from .evaluate import Coder, Run
 
 EPS = 1e-9
 
@@ -56,9 +57,15 @@ def greedy(setting: Setting, placement: Placement, limit: float, policy: Policy 
     if max(fmem) > limit + EPS:
         raise ScheduleError(f"memory limit {limit:g} is below one forward's activation ({max(fmem):g})")
 
-    end: Dict[Tuple[str, int, int], float] = {}
-    next_f = {s: 0 for s in range(nst)}
-    next_b = {s: 0 for s in range(nst)}
+    rank_of = pl.stage_to_rank
+    # per stage: the end of each microbatch's F and B, what a pass costs, the hop before its input
+    end_f: List[List[Optional[float]]] = [[None] * m for _ in range(nst)]
+    end_b: List[List[Optional[float]]] = [[None] * m for _ in range(nst)]
+    cost_f, cost_b, cost_w = ([cost[(s, k)] for s in range(nst)] for k in (F, B, W))
+    hop_f = [comm if s > 0 and rank_of[s - 1] != rank_of[s] else 0.0 for s in range(nst)]
+    hop_b = [comm if s < nst - 1 and rank_of[s + 1] != rank_of[s] else 0.0 for s in range(nst)]
+    next_f = [0] * nst
+    next_b = [0] * nst
     pending_w: List[List[Tuple[int, int]]] = [[] for _ in range(p)]  # (stage, mb), B order
     mem = [0.0] * p
     inflight = [0] * p
@@ -67,48 +74,36 @@ def greedy(setting: Setting, placement: Placement, limit: float, policy: Policy 
     done = [0] * p
     total = [len(stages_of[r]) * m * 3 for r in range(p)]
 
-    def arrival(kind, s, mb, r):
-        t = end.get((kind, s, mb))
-        if t is None:
-            return None
-        return t + (comm if pl.rank_of(s) != r else 0.0)
-
-    def ready_time(r, kind, s):
-        """When the next F/B of stage s on rank r can start (None: not yet known)."""
-        if kind == F:
-            mb = next_f[s]
-            if mb >= m:
-                return None
-            return 0.0 if s == 0 else arrival(F, s - 1, mb, r)
-        mb = next_b[s]
-        if mb >= m or mb >= next_f[s]:
-            return None
-        if s == nst - 1:
-            return end[(F, s, mb)]
-        return arrival(B, s + 1, mb, r)
-
     def run(r, kind, s, mb, start):
-        t_end = start + cost[(s, kind)]
-        end[(kind, s, mb)] = t_end
-        clock[r] = t_end
-        orders[r].append(Action(kind, s, mb))
-        done[r] += 1
         if kind == F:
+            t_end = start + cost_f[s]
+            end_f[s][mb] = t_end
             next_f[s] += 1
             mem[r] += fmem[s]
             inflight[r] += 1
         elif kind == B:
+            t_end = start + cost_b[s]
+            end_b[s][mb] = t_end
             next_b[s] += 1
             inflight[r] -= 1
             mem[r] -= bfree[s]
             pending_w[r].append((s, mb))
         else:
+            t_end = start + cost_w[s]
             mem[r] -= wfree[s]
+        clock[r] = t_end
+        orders[r].append(Action(kind, s, mb))
+        done[r] += 1
 
     deepest = [max(stages_of[r]) for r in range(p)]
+    down = [sorted(stages_of[r], reverse=True) for r in range(p)]  # deeper stages first
+    top = limit + EPS
     # a rank waiting for others: its clock is raised to the next candidate time
     heap = [(0.0, r) for r in range(p)]
     heapq.heapify(heap)
+    # the clocks of the ranks with passes left, sorted (the earliest later clock of another rank)
+    active = sorted(clock[r] for r in range(p) if total[r])
+    listed = list(clock)
     idle_rounds = 0
     while heap:
         t, r = heapq.heappop(heap)
@@ -117,34 +112,56 @@ def greedy(setting: Setting, placement: Placement, limit: float, policy: Policy 
         if done[r] == total[r]:
             continue
         t = clock[r]
-        cands = []  # (ready_at, kind, stage)
-        for s in stages_of[r]:
-            for kind in (B, F):
-                rt = ready_time(r, kind, s)
-                if rt is not None:
-                    cands.append((rt, kind, s))
-        now = [c for c in cands if c[0] <= t + EPS]
-        bs = sorted((c for c in now if c[1] == B), key=lambda c: -c[2])
-        fs = []
+        now_t = t + EPS
         capped = policy.cap is not None and inflight[r] >= policy.cap[r]
-        for c in sorted((c for c in now if c[1] == F and not capped), key=lambda c: -c[2]):
-            need = fmem[c[2]] + (fmem[deepest[r]] if policy.reserve and c[2] != deepest[r] else 0.0)
-            if mem[r] + need <= limit + EPS:
-                fs.append(c)
-        f_blocked = any(c[1] == F for c in now) and not fs and not capped
+        b_pick = f_pick = future = None  # the deepest ready B, the deepest ready F that fits
+        f_ready = False
+        for s in down[r]:
+            mb = next_b[s]  # when the next B of stage s can start (None: not yet known)
+            if mb < m and mb < next_f[s]:
+                if s == nst - 1:
+                    rt = end_f[s][mb]
+                else:
+                    rt = end_b[s + 1][mb]
+                    if rt is not None:
+                        rt += hop_b[s]
+                if rt is not None:
+                    if rt <= now_t:
+                        if b_pick is None:
+                            b_pick = s
+                    elif future is None or rt < future:
+                        future = rt
+            mb = next_f[s]
+            if mb < m:
+                if s == 0:
+                    rt = 0.0
+                else:
+                    rt = end_f[s - 1][mb]
+                    if rt is not None:
+                        rt += hop_f[s]
+                if rt is not None:
+                    if rt <= now_t:
+                        f_ready = True
+                        if not capped and f_pick is None:
+                            need = fmem[s] + (fmem[deepest[r]] if policy.reserve and s != deepest[r] else 0.0)
+                            if mem[r] + need <= top:
+                                f_pick = s
+                    elif future is None or rt < future:
+                        future = rt
+        f_blocked = f_ready and f_pick is None and not capped
         pick = None
-        if bs and (policy.b_first or not fs):
-            pick = bs[0]
-        elif fs:
-            pick = fs[0]
+        if b_pick is not None and (policy.b_first or f_pick is None):
+            pick = (B, b_pick)
+        elif f_pick is not None:
+            pick = (F, f_pick)
         if pick is not None:
-            kind, s = pick[1], pick[2]
+            kind, s = pick
             run(r, kind, s, next_f[s] if kind == F else next_b[s], t)
             idle_rounds = 0
         else:
-            future = [c[0] for c in cands if c[0] > t + EPS]
-            others = [clock[q] for q in range(p) if q != r and done[q] < total[q] and clock[q] > t + EPS]
-            horizon = min(future + others) if (future or others) else None
+            i = bisect.bisect_right(active, now_t)  # another rank's clock after now (this one's is now)
+            other = active[i] if i < len(active) else None
+            horizon = future if other is None else (other if future is None else min(future, other))
             wgap_ok = pending_w[r] and (policy.fill == "always" or f_blocked or horizon is None
                                         or horizon - t >= cost[(pending_w[r][0][0], W)] - EPS)
             if wgap_ok:
@@ -161,8 +178,11 @@ def greedy(setting: Setting, placement: Placement, limit: float, policy: Policy 
                     raise ScheduleError(f"greedy schedule stalls under memory limit {limit:g}: "
                                         f"rank {r} cannot proceed at time {t:g}")
                 clock[r] = t + EPS
+        del active[bisect.bisect_left(active, listed[r])]
         if done[r] < total[r]:
             heapq.heappush(heap, (clock[r], r))
+            bisect.insort(active, clock[r])
+            listed[r] = clock[r]
     return Schedule(name, pl, m, orders, {"memory_limit": limit, "policy": policy.__dict__})
 
 
@@ -174,16 +194,17 @@ def best_of(setting: Setting, placement: Placement, limit: float, name: str,
             policies: Sequence[Policy] = tuple(POLICIES)) -> Schedule:
     """Try each policy; keep the valid schedule with the smallest makespan (then peak memory)."""
     best, best_key, errors = None, None, []
+    coder = Coder(setting, placement, setting.microbatches)
     for pol in policies:
         try:
             s = greedy(setting, placement, limit, pol, name)
-            res = simulate(s, setting)
+            res = Run(coder, s, setting)  # the simulator's times, coded
         except ScheduleError as e:
             errors.append(str(e))
             continue
-        if max(res.peak_memory) > limit + 1e-6:
+        if res.peak > limit + 1e-6:
             continue
-        key = (round(res.makespan, 9), round(max(res.peak_memory), 9))
+        key = (round(res.makespan, 9), round(res.peak, 9))
         if best_key is None or key < best_key:
             best, best_key = s, key
     if best is None:

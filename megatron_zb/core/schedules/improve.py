@@ -53,7 +53,8 @@ def critical_chain(coder: Coder, orders: Sequence[Sequence[int]], t: Timing) -> 
 
 
 def _moves(coder: Coder, orders: Sequence[Sequence[int]], t: Timing, reach: int,
-           wide: bool) -> Iterator[Tuple[int, List[int]]]:
+           wide: bool) -> Iterator[Tuple[int, int, int, List[int]]]:
+    """(rank, first and last position that change, the rank's new order) of every move to try."""
     chain = critical_chain(coder, orders, t)
     seen = set()
     on_chain = set(r for r, _ in chain)
@@ -64,12 +65,12 @@ def _moves(coder: Coder, orders: Sequence[Sequence[int]], t: Timing, reach: int,
         seen.add((r, i))
         if abs(t.end[o[i - 1]] - t.start[o[i]]) > EPS:
             continue  # it waited for its input, not for its rank
-        yield r, o[:i - 1] + [o[i], o[i - 1]] + o[i + 1:]  # swap: the earlier pass is delayed
+        yield r, i - 1, i, o[:i - 1] + [o[i], o[i - 1]] + o[i + 1:]  # swap: the earlier pass is delayed
         for k in range(2, reach + 1):
             if i - 1 + k < len(o):  # the earlier pass k places later
-                yield r, o[:i - 1] + o[i:i + k] + [o[i - 1]] + o[i + k:]
+                yield r, i - 1, i - 1 + k, o[:i - 1] + o[i:i + k] + [o[i - 1]] + o[i + k:]
             if i - k >= 0:  # the later pass k places earlier
-                yield r, o[:i - k] + [o[i]] + o[i - k:i] + o[i + 1:]
+                yield r, i - k, i, o[:i - k] + [o[i]] + o[i - k:i] + o[i + 1:]
     for r in sorted(on_chain):  # fill idle gaps on the ranks the chain crosses
         o = orders[r]
         for i in range(1, len(o)):
@@ -77,7 +78,7 @@ def _moves(coder: Coder, orders: Sequence[Sequence[int]], t: Timing, reach: int,
                 continue
             for j in range(i + 1, min(len(o), i + 1 + 2 * reach)):
                 if o[j] // (coder.S * coder.m) in (0, 2):  # an F or a W
-                    yield r, o[:i] + [o[j]] + o[i:j] + o[j + 1:]
+                    yield r, i, j, o[:i] + [o[j]] + o[i:j] + o[j + 1:]
     if not wide:
         return
     for r in sorted(on_chain):  # every pass of those ranks a few places earlier or later
@@ -85,9 +86,9 @@ def _moves(coder: Coder, orders: Sequence[Sequence[int]], t: Timing, reach: int,
         for i in range(len(o)):
             for k in range(1, 2 * reach + 1):
                 if i + k < len(o):
-                    yield r, o[:i] + o[i + 1:i + k + 1] + [o[i]] + o[i + k + 1:]
+                    yield r, i, i + k, o[:i] + o[i + 1:i + k + 1] + [o[i]] + o[i + k + 1:]
                 if i - k >= 0:
-                    yield r, o[:i - k] + [o[i]] + o[i - k:i] + o[i + 1:]
+                    yield r, i - k, i, o[:i - k] + [o[i]] + o[i - k:i] + o[i + 1:]
 
 
 def improve(schedule: Schedule, setting: Setting, limit: Optional[float], max_evals: int = 400,
@@ -107,18 +108,22 @@ def improve(schedule: Schedule, setting: Setting, limit: Optional[float], max_ev
     key = score(t)
     lim = float("inf") if limit is None else limit + 1e-9
     evals = 0
+    # a move whose makespan is sure to be above the current one's by more than the rounding of
+    # ``score`` is not better: its timing stops as soon as that shows (``Coder.retime``)
+    margin = 1e-7 * max(1.0, abs(t.makespan))
     moved = False
     while evals < max_evals:
         better = False
-        for r, new in _moves(coder, orders, t, reach, wide):
+        for r, first, last, new in _moves(coder, orders, t, reach, wide):
             if coder.peak(new) > lim:
                 continue
             trial = list(orders)
             trial[r] = new
             evals += 1
-            tt = coder.time(trial)
+            # coder.time(trial) where it may be better
+            tt = coder.retime(trial, t, r, first, t.makespan + margin, last, orders)
             if tt is not None and score(tt) < key:
-                orders, t, key, better, moved = trial, tt, score(tt), True, True
+                orders, t, key, better, moved = trial, coder.full(tt), score(tt), True, True
                 break
             if evals >= max_evals:
                 break

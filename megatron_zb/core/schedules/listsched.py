@@ -59,89 +59,96 @@ def run(name: str, setting: Setting, placement: Placement, plan: Plan, m: int,
     mem = [0.0] * p
     clock = [0.0] * p
     orders: List[List[Action]] = [[] for _ in range(p)]
-
-    def arrival(kind, s, mb, r):
-        t = end.get((kind, s, mb))
-        if t is None:
-            return None
-        return t + (comm if pl.rank_of(s) != r else 0.0)
+    f_seq, b_seq, cap = plan.f_seq, plan.b_seq, plan.cap
+    n_f = [len(x) for x in f_seq]
+    n_b = [len(x) for x in b_seq]
+    rank_of = pl.stage_to_rank
+    prev_of = [pl.prev_stage(s) for s in range(pl.num_stages)]
+    next_of = [pl.next_stage(s) for s in range(pl.num_stages)]
+    cost_f = [cost[(s, F)] for s in range(pl.num_stages)]
+    cost_bw = [cost[(s, BW)] for s in range(pl.num_stages)]
+    over = [c + EPS for c in cap]
+    finished = [n_f[r] == 0 and n_b[r] == 0 for r in range(p)]
 
     def f_ready(r) -> Optional[float]:
-        s, mb = plan.f_seq[r][fi[r]]
-        prev = pl.prev_stage(s)
-        return 0.0 if prev is None else arrival(0, prev, mb, r)
+        s, mb = f_seq[r][fi[r]]
+        prev = prev_of[s]
+        if prev is None:
+            return 0.0
+        t = end.get((0, prev, mb))
+        return None if t is None else t + (comm if rank_of[prev] != r else 0.0)
 
     def b_ready(r) -> Optional[float]:
-        s, mb = plan.b_seq[r][bi[r]]
-        nxt = pl.next_stage(s)
+        s, mb = b_seq[r][bi[r]]
+        nxt = next_of[s]
         if nxt is None:
             return end.get((0, s, mb))
-        return arrival(1, nxt, mb, r)
-
-    def done(r) -> bool:
-        return fi[r] >= len(plan.f_seq[r]) and bi[r] >= len(plan.b_seq[r])
+        t = end.get((1, nxt, mb))
+        return None if t is None else t + (comm if rank_of[nxt] != r else 0.0)
 
     def can_progress(q) -> bool:
         """Something of rank q's own has a known ready time (else it waits on other ranks)."""
-        if done(q):
+        if finished[q]:
             return False
-        if bi[q] < len(plan.b_seq[q]) and b_ready(q) is not None:
+        if bi[q] < n_b[q] and b_ready(q) is not None:
             return True
-        return (fi[q] < len(plan.f_seq[q]) and mem[q] + fmem[plan.f_seq[q][fi[q]][0]] <= plan.cap[q] + EPS
-                and f_ready(q) is not None)
+        return fi[q] < n_f[q] and mem[q] + fmem[f_seq[q][fi[q]][0]] <= over[q] and f_ready(q) is not None
 
     def stall():
         waits = []
         for q in range(p):
-            if done(q):
+            if finished[q]:
                 continue
-            nb = plan.b_seq[q][bi[q]] if bi[q] < len(plan.b_seq[q]) else None
-            nf = plan.f_seq[q][fi[q]] if fi[q] < len(plan.f_seq[q]) else None
-            waits.append(f"rank {q} waits for BW{nb} / F{nf} (activation {mem[q]:g} of {plan.cap[q]:g})")
+            nb = b_seq[q][bi[q]] if bi[q] < n_b[q] else None
+            nf = f_seq[q][fi[q]] if fi[q] < n_f[q] else None
+            waits.append(f"rank {q} waits for BW{nb} / F{nf} (activation {mem[q]:g} of {cap[q]:g})")
         return ScheduleError(f"{name} stalls: " + "; ".join(waits))
 
     seq = itertools.count()
     heap = [(0.0, next(seq), r) for r in range(p)]
     heapq.heapify(heap)
-    budget = 64 * (sum(len(x) for x in plan.f_seq) + 2 * p) + 1000  # decisions; a safety net
+    budget = 64 * (sum(n_f) + 2 * p) + 1000  # decisions; a safety net
     while heap:
         budget -= 1
         if budget < 0:
             raise stall()
         _, _, r = heapq.heappop(heap)
-        if done(r):
+        if finished[r]:
             continue
         t = clock[r]
-        has_b = bi[r] < len(plan.b_seq[r])
-        has_f = fi[r] < len(plan.f_seq[r])
+        now = t + EPS
+        has_b = bi[r] < n_b[r]
+        has_f = fi[r] < n_f[r]
         brt = b_ready(r) if has_b else None
         frt = f_ready(r) if has_f else None
-        fits = has_f and mem[r] + fmem[plan.f_seq[r][fi[r]][0]] <= plan.cap[r] + EPS
-        if brt is not None and brt <= t + EPS:
-            s, mb = plan.b_seq[r][bi[r]]
+        fits = has_f and mem[r] + fmem[f_seq[r][fi[r]][0]] <= over[r]
+        if brt is not None and brt <= now:
+            s, mb = b_seq[r][bi[r]]
             bi[r] += 1
-            kind, key, dm = BW, 1, bmem[s]
-        elif fits and frt is not None and frt <= t + EPS:
-            s, mb = plan.f_seq[r][fi[r]]
+            kind, key, dm, c = BW, 1, bmem[s], cost_bw[s]
+        elif fits and frt is not None and frt <= now:
+            s, mb = f_seq[r][fi[r]]
             fi[r] += 1
-            kind, key, dm = F, 0, fmem[s]
+            kind, key, dm, c = F, 0, fmem[s], cost_f[s]
         else:
-            known = [x for x in (brt, frt if fits else None) if x is not None and x > t + EPS]
+            known = [x for x in (brt, frt if fits else None) if x is not None and x > now]
             if not known and not any(can_progress(q) for q in range(p)):
                 raise stall()
             # another rank may deliver what this one waits for: not before its clock, and a rank
             # deciding at this very moment not before its shortest pass ends
-            others = [clock[q] + (shortest[q] if clock[q] <= t + EPS else 0.0)
-                      for q in range(p) if q != r and not done(q) and clock[q] >= t - EPS]
+            low = t - EPS
+            others = [clock[q] + (shortest[q] if clock[q] <= now else 0.0)
+                      for q in range(p) if q != r and not finished[q] and clock[q] >= low]
             horizon = min(known + others) if (known or others) else None
-            if horizon is not None and horizon > t + EPS:
+            if horizon is not None and horizon > now:
                 clock[r] = horizon
             heapq.heappush(heap, (clock[r], next(seq), r))
             continue
-        clock[r] = end[(key, s, mb)] = t + cost[(s, kind)]
+        clock[r] = end[(key, s, mb)] = t + c
         mem[r] += dm
         orders[r].append(Action(kind, s, mb))
-        if not done(r):
+        finished[r] = fi[r] >= n_f[r] and bi[r] >= n_b[r]
+        if not finished[r]:
             heapq.heappush(heap, (clock[r], next(seq), r))
     return Schedule(name, pl, m, orders, dict(meta or {}))
 

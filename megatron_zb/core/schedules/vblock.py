@@ -19,7 +19,8 @@ Controllable Memory", Qi et al. 2024), for any placement; used for the V family.
    rank's memory stays under the limit. Passes still to come keep their block times, so every
    move is safe. Then the W's are placed again (``refill_w``): each rank keeps its F/B order and
    runs its oldest pending W when its next F/B is not there yet (or memory needs it), and the
-   result is timed again; a few rounds until the makespan stops falling.
+   result is timed again; a few rounds until the makespan stops falling. Steps 2 and 3 live in
+   ``vpolish`` (``polish``).
 
 ``search`` builds blocks over a small grid of (stretch, down, up), keeps those that fit the
 memory limit, scores the ones that use the most memory (``probe`` per stretch) on a run of 2p+4
@@ -27,15 +28,14 @@ microbatches (warm-up and cool-down are where blocks differ) and finishes the be
 """
 from __future__ import annotations
 
-import bisect
 import dataclasses
-import heapq
 import itertools
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from ..ir import B, BW, F, W, Action, Placement, Schedule, ScheduleError, Setting, deps
-from ..simulate import peak_memory, simulate
+from ..ir import B, F, W, Placement, Schedule, ScheduleError, Setting
+from ..memo import Memo, setting_key
 from .improve import lower_bound
+from .vpolish import KIND_ORDER, compact, orders_by_time, polish, polish_run, refill_w, score  # noqa: F401
 
 EPS = 1e-9
 Key = Tuple[str, int, int]  # (kind, stage, microbatch)
@@ -165,197 +165,6 @@ def unroll(block: Dict[Tuple[str, int], float], period: float, m: int) -> Dict[K
     return {(k, s, j): t + j * period for (k, s), t in block.items() for j in range(m)}
 
 
-# -- 2./3. squeeze, reorder, refill -----------------------------------------------------------------
-
-_KIND_ORDER = {F: 0, B: 1, BW: 1, W: 2}
-
-
-def orders_by_time(placement: Placement, times: Dict[Key, float]) -> List[List[Action]]:
-    orders: List[List[Action]] = [[] for _ in range(placement.num_ranks)]
-    # ties (zero-cost passes) in dependency order: F by stage up, B by stage down, W last
-    for k in sorted(times, key=lambda k: (times[k], _KIND_ORDER[k[0]], k[1] if k[0] == F else -k[1], k[2])):
-        orders[placement.rank_of(k[1])].append(Action(*k))
-    return orders
-
-
-def compact(setting: Setting, placement: Placement, times: Dict[Key, float], limit: float) -> Dict[Key, float]:
-    """Move each pass, in time order, to the earliest idle time of its rank at or after its
-    inputs that ends by its own time, unless an F would lift the rank's memory over ``limit``.
-    ``times`` must be a valid timing of the passes (a block, or a simulated schedule)."""
-    pl = placement
-    st = dataclasses.replace(setting, chunks=pl.chunks)
-    nst = pl.num_stages
-    p = pl.num_ranks
-    placed: List[List[Tuple[float, float]]] = [[] for _ in range(p)]  # (start, mem change), by start
-    gaps: List[List[List[float]]] = [[] for _ in range(p)]  # idle [start, end) between placed passes
-    last_end = [0.0] * p
-    total = [0.0] * p
-    new: Dict[Key, float] = {}
-    order = sorted(times, key=lambda k: (times[k], _KIND_ORDER[k[0]], k[1] if k[0] == F else -k[1], k[2]))
-    for key in order:
-        kind, s, mb = key
-        r = pl.rank_of(s)
-        d = st.pass_cost(kind, r, s)
-        dm = st.pass_mem(kind, r, s)
-        own = times[key]
-        ready = 0.0
-        for dk, ds, dmb in deps(Action(kind, s, mb), nst):
-            dk = B if dk == "B*" else dk
-            t = new.get((dk, ds, dmb))
-            if t is None:
-                dk = BW
-                t = new[(dk, ds, dmb)]
-            t += st.pass_cost(dk, pl.rank_of(ds), ds) + (setting.cost_comm if pl.rank_of(ds) != r else 0.0)
-            ready = max(ready, t)
-        if mb > 0 and (kind, s, mb - 1) in new:  # a stage's passes of one kind stay in microbatch order
-            ready = max(ready, new[(kind, s, mb - 1)])
-        if own > last_end[r] + EPS:  # idle until this pass's own time: nothing else can start there
-            if gaps[r] and abs(gaps[r][-1][1] - last_end[r]) <= EPS:
-                gaps[r][-1][1] = own
-            else:
-                gaps[r].append([last_end[r], own])
-            last_end[r] = own
-        at = None
-        for i, g in enumerate(gaps[r]):
-            t = max(g[0], ready)
-            if t + d > min(g[1], own) + EPS:
-                if g[0] > own:
-                    break
-                continue
-            if dm > 0 and not _room(placed[r], total[r], t, dm, limit):
-                continue
-            at = t
-            pieces = [[g[0], t], [t + d, g[1]]]
-            gaps[r][i:i + 1] = [x for x in pieces if x[1] - x[0] > EPS]
-            break
-        if at is None:
-            at = own
-            last_end[r] = max(last_end[r], at + d)
-        new[key] = at
-        bisect.insort(placed[r], (at, dm))
-        total[r] += dm
-    return new
-
-
-def _room(placed: List[Tuple[float, float]], total: float, t: float, dm: float, limit: float) -> bool:
-    """Would adding ``dm`` at time t keep the running memory (after every pass) under limit?"""
-    cur = total  # running sum after the last placed pass, then walking back
-    i = len(placed) - 1
-    while i >= 0 and placed[i][0] >= t - EPS:
-        if cur + dm > limit + EPS:
-            return False
-        cur -= placed[i][1]
-        i -= 1
-    return cur + dm <= limit + EPS  # the running sum just before t, plus this F
-
-
-def refill_w(setting: Setting, placement: Placement, orders: List[List[Action]], limit: float,
-             eager: bool) -> List[List[Action]]:
-    """Keep every rank's F/B order and place its W's again: the oldest pending W runs when the
-    next F/B has not arrived (``eager``) or will not arrive before the W ends, or when the next
-    F needs its memory; the rest at the end."""
-    pl = placement
-    st = dataclasses.replace(setting, chunks=pl.chunks)
-    p, nst = pl.num_ranks, pl.num_stages
-    fb = [[a for a in o if a.kind != W] for o in orders]
-    out: List[List[Action]] = [[] for _ in range(p)]
-    pend: List[List[Action]] = [[] for _ in range(p)]
-    pos, clock, mem = [0] * p, [0.0] * p, [0.0] * p
-    end: Dict[Tuple[str, int, int], float] = {}
-
-    def ready_at(r: int, a: Action) -> Optional[float]:
-        t = 0.0
-        for dk, ds, dmb in deps(a, nst):
-            e = end.get((dk, ds, dmb))
-            if e is None:
-                return None
-            t = max(t, e + (setting.cost_comm if pl.rank_of(ds) != r else 0.0))
-        return t
-
-    def run(r: int, a: Action, t: float) -> None:
-        e = t + st.pass_cost(a.kind, r, a.stage)
-        clock[r] = e
-        mem[r] += st.pass_mem(a.kind, r, a.stage)
-        end[(a.kind, a.stage, a.mb)] = e
-        if a.kind in (B, BW):
-            end[("B*", a.stage, a.mb)] = e
-        if a.kind == B:
-            pend[r].append(Action(W, a.stage, a.mb))
-        out[r].append(a)
-
-    def candidate(r: int):
-        """(time, rank, what) of rank r's next action, or None while it waits for others."""
-        if pos[r] == len(fb[r]):
-            return (clock[r], r, "W") if pend[r] else None
-        a = fb[r][pos[r]]
-        rt = ready_at(r, a)
-        room = a.kind != F or mem[r] + st.pass_mem(F, r, a.stage) <= limit + EPS
-        if pend[r] and (not room or rt is None or rt > clock[r] + EPS and
-                        (eager or clock[r] + st.pass_cost(W, r, pend[r][0].stage) <= rt + EPS)):
-            return (clock[r], r, "W")
-        if rt is not None and room:
-            return (max(clock[r], rt), r, "FB")
-        return None
-
-    heap = [c + (0,) for c in map(candidate, range(p)) if c is not None]
-    heapq.heapify(heap)
-    version = [0] * p
-    while True:
-        if not heap:
-            if any(pos[r] < len(fb[r]) for r in range(p)):
-                raise ScheduleError("W refill stalls: the F/B order does not fit memory limit "
-                                    f"{limit:g} even with every W run at once")
-            return out
-        t, r, what, ver = heapq.heappop(heap)
-        if ver != version[r]:
-            continue
-        if what == "W":
-            run(r, pend[r].pop(0), t)
-            touched = {r}
-        else:
-            a = fb[r][pos[r]]
-            run(r, a, t)
-            pos[r] += 1
-            touched = {r} | {pl.rank_of(x) for x in (a.stage - 1, a.stage + 1) if 0 <= x < nst}
-        for q in touched:
-            version[q] += 1
-            c = candidate(q)
-            if c is not None:
-                heapq.heappush(heap, c + (version[q],))
-
-
-def _score(res) -> Tuple[float, float]:
-    return (round(res.makespan, 9), round(sum(res.spans), 9))
-
-
-def polish(setting: Setting, placement: Placement, times: Dict[Key, float], limit: float, name: str,
-           rounds: int = 3) -> Optional[Schedule]:
-    """Squeeze, reorder warm-up/cool-down and refill W's until the makespan stops falling."""
-    m = 1 + max(k[2] for k in times)
-    best, best_res = None, None
-    for _ in range(rounds):
-        orders = orders_by_time(placement, compact(setting, placement, times, limit))
-        cands = []
-        for eager in (False, True):
-            try:
-                cands.append(refill_w(setting, placement, orders, limit, eager))
-            except ScheduleError:
-                pass
-        cands = cands or [orders]
-        improved = False
-        for o in cands:
-            s = Schedule(name, placement, m, o)
-            res = simulate(s, setting)
-            if max(res.peak_memory) > limit + 1e-9:
-                continue
-            if best_res is None or _score(res) < _score(best_res):
-                best, best_res, improved = s, res, True
-        if not improved:
-            break
-        times = {(t.action.kind, t.action.stage, t.action.mb): t.start for tl in best_res.timeline for t in tl}
-    return best
-
-
 # -- search -----------------------------------------------------------------------------------
 
 STRETCHES = (1.0, 1.1, 1.2, 1.35, 1.5)
@@ -366,8 +175,43 @@ UP = (0.0, 0.5, 1.0)
 def block_peak(setting: Setting, placement: Placement, block, period: float, m: int) -> float:
     """Peak memory of the block repeated m times (memory depends on the order only)."""
     st = dataclasses.replace(setting, chunks=placement.chunks)
-    orders = orders_by_time(placement, unroll(block, period, m))
-    return max(peak_memory(o, r, st) for r, o in enumerate(orders))
+    times = unroll(block, period, m)
+    rank = placement.stage_to_rank
+    mem = {(k, s): st.pass_mem(k, rank[s], s) for k in (F, B, W) for s in range(placement.num_stages)}
+    cur = [0.0] * placement.num_ranks
+    top = [0.0] * placement.num_ranks
+    for k in sorted(times, key=lambda k: (times[k], KIND_ORDER[k[0]], k[1] if k[0] == F else -k[1], k[2])):
+        r = rank[k[1]]  # each rank's running sum in its order (``orders_by_time``), as peak_memory
+        cur[r] += mem[k[0], k[1]]
+        if cur[r] > top[r]:
+            top[r] = cur[r]
+    return max(top)
+
+
+#: the blocks of a setting (``_blocks``), whatever the limit: the V searches of one plan share them
+_GRIDS = Memo(8)
+
+
+def _blocks(st: Setting, placement: Placement, short: int) -> List[tuple]:
+    """Every distinct block of the grid as (-peak, stretch, down, up, reverse, block, period), the
+    peak counted over ``short`` microbatches at most (remembered: ``memo``)."""
+    def build() -> List[tuple]:
+        unit = period_of(st, placement) / 6
+        out, seen = [], set()
+        for stretch, down, up, reverse in itertools.product(STRETCHES, DOWN, UP, (False, True)):
+            period = period_of(st, placement, stretch)
+            blk = building_block(st, placement, period, down * unit, up * unit, reverse)
+            sig = tuple(sorted((k, round(t % period, 6), int((t + EPS) // period)) for k, t in blk.items()))
+            if sig in seen:
+                continue
+            seen.add(sig)
+            span = max(blk.values()) - min(blk.values())
+            peak = block_peak(st, placement, blk, period, min(short, int(span / period) + 3))
+            out.append((-peak, stretch, down, up, reverse, blk, period))
+        return out
+
+    key = (setting_key(dataclasses.replace(st, memory_limit=None)), placement, short)
+    return _GRIDS.get(key, build)
 
 
 def search(setting: Setting, placement: Placement, limit: float, name: str, probe: int = 2,
@@ -382,19 +226,7 @@ def search(setting: Setting, placement: Placement, limit: float, name: str, prob
     unit = period_of(st, placement) / 6
     if unit <= EPS:  # nothing costs time: any valid order is optimal, leave it to the others
         return None
-    blocks = []
-    seen = set()
-    for stretch, down, up, reverse in itertools.product(STRETCHES, DOWN, UP, (False, True)):
-        period = period_of(st, placement, stretch)
-        blk = building_block(st, placement, period, down * unit, up * unit, reverse)
-        sig = tuple(sorted((k, round(t % period, 6), int((t + EPS) // period)) for k, t in blk.items()))
-        if sig in seen:
-            continue
-        seen.add(sig)
-        span = max(blk.values()) - min(blk.values())
-        peak = block_peak(st, placement, blk, period, min(short, int(span / period) + 3))
-        if peak <= limit + 1e-9:
-            blocks.append((-peak, stretch, down, up, reverse, blk, period))
+    blocks = [c for c in _blocks(st, placement, short) if -c[0] <= limit + 1e-9]
     # per stretch, the blocks that use the most memory (long lifespans fill the warm-up best)
     blocks.sort(key=lambda c: c[:5])
     if placement.num_ranks * short > 1024:  # big pipelines: one block per stretch
@@ -405,21 +237,26 @@ def search(setting: Setting, placement: Placement, limit: float, name: str, prob
     starts += list(extra)
     floor = lower_bound(short_st, placement, limit) + 1e-9
     scored = []
+    states = [[] for _ in starts]  # where the short run is the whole run, the full polish goes on from it
+    acts: Dict[int, dict] = {short: {}, m: {}}  # each pass's Action, made once
     for k, (label, timing) in enumerate(starts):
-        s = polish(short_st, placement, timing(short), limit, name, rounds=2)
+        s, res = polish_run(short_st, placement, timing(short), limit, name, 2, states[k] if short == m else None,
+                            acts[short])
         if s is not None:
-            scored.append((_score(simulate(s, short_st)), k))
+            scored.append((score(res), k))
             if scored[-1][0][0] <= floor:  # cannot be beaten
                 break
     scored.sort()
     best, best_res = None, None
     for _, k in scored[:2 if st.stages * m <= 2048 else 1]:
         label, timing = starts[k]
-        s = polish(st, placement, timing(m), limit, name)
+        if short == m:
+            s, res = polish_run(st, placement, None, limit, name, 1, states[k], acts[m])
+        else:
+            s, res = polish_run(st, placement, timing(m), limit, name, 3, None, acts[m])
         if s is None:
             continue
-        res = simulate(s, st)
-        if best_res is None or _score(res) < _score(best_res):
+        if best_res is None or score(res) < score(best_res):
             best, best_res = s, res
             best.meta = {"start": label}
     return best

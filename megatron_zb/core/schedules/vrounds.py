@@ -8,11 +8,15 @@ turns on the last rank and goes down the first) and W's (one per B, in B order).
 1. **Warm-up.** Microbatch 0's Fa on every rank; then from the last rank back: rank i, while
    its Fz input is not there yet (the forward coming back up), adds one more Fa on ranks 0..i
    per round as long as the memory of 2+2i more chunk activations fits and the Fa ends in time;
-   then its Fz. Then ranks are topped up (from the last down to rank i, alternating chunks)
-   until each holds as many forwards as the rank before it and more second-leg ones.
-2. **Rounds** (2m): one B on every rank -- Ba where its gradient is there (or the rank's Bz's
-   are done), else Bz -- Ba ranks from the last rank down, then Bz ranks from rank 0 up (so
-   inputs are known); then one F per rank -- Fz if its input is there, else Fa. Before each
+   then its Fz. Then ranks are topped up (alternating chunks: first-leg forwards from rank i
+   up, second-leg ones from the last rank down) until each holds as many forwards as the rank
+   before it and more second-leg ones, or a rank has no room left (per-chunk memory differs:
+   a rank with heavier chunks than the one before it takes fewer) or lacks an input.
+2. **Rounds** (2m when every rank runs a B in each): one B on every rank -- Ba where its
+   gradient is there (or the rank's Bz's are done), else Bz -- Ba ranks from the last rank
+   down, then Bz ranks from rank 0 up (so inputs are known); then one F per rank -- Fz if its
+   input is there, else Fa. A rank whose pass lacks its input, or whose F finds no room even
+   after its W's, sits the round out; rounds go on until every B has run. Before each
    pass W's fill the wait for its input when they end in time; a W that would overrun it runs
    anyway when the rank's idle time would exceed the largest (or the allowed) idle time of any
    rank: always before a Ba, before a Bz with ``fill_b``, before an F with ``fill_f``. W's also
@@ -83,6 +87,13 @@ def _try(st: Setting, limit: float, fill_b: bool, fill_f: bool, tol: float, appr
             raise ScheduleError(f"V round heuristic: rank {i}'s {k} of microbatch {j} has no input yet")
         return e, src[1] != i
 
+    def has_input(i: int, k: str) -> bool:
+        try:
+            dep(i, k)
+        except ScheduleError:
+            return False
+        return True
+
     def put(i: int, k: str) -> None:
         if k == "W":
             s, j = pend[i].popleft()
@@ -143,16 +154,25 @@ def _try(st: Setting, limit: float, fill_b: bool, fill_f: bool, tol: float, appr
         put(i, FZ)
     chunk = 0
     for i in range(1, p):
-        while (cnt[FA][i] + cnt[FZ][i] < cnt[FA][i - 1] + cnt[FZ][i - 1]
-               or cnt[FZ][i] <= cnt[FZ][i - 1] < m):
+        full = False
+        while not full and (cnt[FA][i] + cnt[FZ][i] < cnt[FA][i - 1] + cnt[FZ][i - 1]
+                            or cnt[FZ][i] <= cnt[FZ][i - 1] < m):
             k = (FA, FZ)[chunk]
-            for j in range(p - 1, i - 1, -1):
+            # in the order the inputs flow: first-leg forwards up the ranks, second-leg ones down
+            for j in (range(i, p) if k == FA else range(p - 1, i - 1, -1)):
                 if cnt[k][j] < m:
+                    if mem[j] + dm[k][j] > limit + EPS or not has_input(j, k):
+                        # a rank whose chunks hold more than the one before it takes fewer
+                        # warm-up forwards (and the ranks after it in this sweep lack an input)
+                        full = True
+                        break
                     put(j, k)
             chunk = 1 - chunk
 
-    # 2. rounds
-    for _ in range(2 * m):
+    # 2. rounds (2m where every rank runs a B in each; a rank whose pass lacks its input or
+    # memory sits a round out, as after a warm-up that gave a rank with heavier chunks fewer)
+    while any(cnt[BA][i] < m or cnt[BZ][i] < m for i in range(p)):
+        done = sum(cnt[BA]) + sum(cnt[BZ])
         for i in range(p):
             while mem[i] + bmem[i] > limit + EPS:
                 if not pend[i]:
@@ -167,8 +187,12 @@ def _try(st: Setting, limit: float, fill_b: bool, fill_f: bool, tol: float, appr
             else:
                 bz.append(i)
         for i, k in [(i, BA) for i in reversed(ba)] + [(i, BZ) for i in bz]:
+            if cnt[k][i] >= m or not has_input(i, k):
+                continue
             fill(i, k, overrun=(k == BA or fill_b))
             put(i, k)
+        if sum(cnt[BA]) + sum(cnt[BZ]) == done:
+            raise ScheduleError("V round heuristic: no rank can run a backward")
         for i in range(p):
             if cnt[FZ][i] >= m:
                 continue
@@ -179,12 +203,12 @@ def _try(st: Setting, limit: float, fill_b: bool, fill_f: bool, tol: float, appr
                 k = FZ
             elif cnt[FA][i] < m and (i == 0 or end[FA][i - 1][cnt[FA][i]] is not None):
                 k = FA
-            if k is None:
+            if k is None or not has_input(i, k):
                 continue
-            while mem[i] + dm[k][i] > limit + EPS:
-                if not pend[i]:
-                    raise ScheduleError(f"V round heuristic: rank {i} cannot fit memory limit {limit:g}")
+            while mem[i] + dm[k][i] > limit + EPS and pend[i]:
                 put(i, "W")
+            if mem[i] + dm[k][i] > limit + EPS:
+                continue
             fill(i, k, overrun=fill_f)
             put(i, k)
 

@@ -34,6 +34,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 from ..ir import B, F, W, Action, Placement, Schedule, Setting
 from .evaluate import Coder
+from ..memo import Memo
 
 CH = "FfBbWw"
 FWD = "Ff"
@@ -446,6 +447,30 @@ def build(blk: List[List[int]], p: int, m: int, max_mem: int) -> Tuple[Optional[
     return grid, top
 
 
+#: block orders by (p, m, peak in chunk activations): cost-free, shared by nearby limits (``memo``)
+_ORDERS = Memo(8)
+
+
+def _orders(p: int, m: int, max_mem: int) -> List[List[List[Action]]]:
+    """Every block's orders that fit ``max_mem`` chunk activations, in the enumeration order."""
+    def build_all() -> List[List[List[Action]]]:
+        out, tops = [], {}
+        for _, row in blocks(p):
+            for blk in (b for b in row if b is not None):
+                ident = tuple(map(tuple, blk))
+                grid = None  # a block met before (k0 = k1, or len0 = p - 1) ends as it did then
+                if ident not in tops:
+                    grid, tops[ident] = build(blk, p, m, max_mem)
+                if tops[ident] > 2 * p or tops[ident] > max_mem:
+                    break  # later len0 only hold more
+                s = to_schedule(grid, m, "") if grid is not None else None
+                if s is not None:
+                    out.append(s.orders)
+        return out
+
+    return _ORDERS.get((p, m, max_mem), build_all)
+
+
 def search(setting: Setting, limit: float, name: str, keep: int = 2) -> List[Schedule]:
     """The best ``keep`` block schedules under ``limit`` by real-cost makespan."""
     st = dataclasses.replace(setting, chunks=2)
@@ -458,32 +483,17 @@ def search(setting: Setting, limit: float, name: str, keep: int = 2) -> List[Sch
     coder = Coder(st, pl, m)
     found: List[Tuple[tuple, int, Schedule]] = []
     seen = set()
-    tops: Dict[tuple, int] = {}  # a block met before (k0 = k1, or len0 = p - 1) ends as it did then
-    for _, row in blocks(p):
-        for blk in row:
-            if blk is None:
-                continue
-            ident = tuple(map(tuple, blk))
-            met = ident in tops
-            if not met:
-                grid, tops[ident] = build(blk, p, m, max_mem)
-            top = tops[ident]
-            if top > 2 * p or top > max_mem:
-                break  # later len0 only hold more
-            if met or grid is None:
-                continue
-            s = to_schedule(grid, m, name)
-            if s is None:
-                continue
-            orders = coder.encode(s.orders)
-            t = coder.time(orders)
-            if t is None or max(coder.peak(o) for o in orders) > limit + 1e-9:
-                continue
-            key = (round(t.makespan, 9), round(sum(t.spans), 9))
-            if key in seen:
-                continue
-            seen.add(key)
-            found.append((key, len(found), s))
+    for block_orders in _orders(p, m, max_mem):
+        s = Schedule(name, pl, m, [list(o) for o in block_orders])
+        orders = coder.encode(s.orders)
+        t = coder.time(orders)
+        if t is None or max(coder.peak(o) for o in orders) > limit + 1e-9:
+            continue
+        key = (round(t.makespan, 9), round(sum(t.spans), 9))
+        if key in seen:
+            continue
+        seen.add(key)
+        found.append((key, len(found), s))
     found.sort(key=lambda x: x[:2])
     for key, _, s in found[:keep]:
         s.meta = {"start": "unit-slot building block", "timing": key + (0.0,)}
