@@ -365,6 +365,10 @@ class Setting:
     # vocabulary parallelism (``core.vocab.VocabSetting``): the vocabulary passes' costs and memory
     # and how many all-reduce barriers they have; None without it
     vocab: Optional[object] = None
+    # variable-length microbatches (``core.microbatch_costs.MicrobatchCosts``): per microbatch, the
+    # factor on each pass kind's cost and on its memory against the values above (a microbatch of
+    # the reference length has 1); None: every microbatch alike
+    microbatch_costs: Optional[object] = None
 
     def __post_init__(self):
         p = self.stages
@@ -388,6 +392,8 @@ class Setting:
             raise ScheduleError(f"cost-sync must be a non-negative number, got {self.cost_sync!r}")
         if self.memory_limit is not None and not (_is_nonneg_number(self.memory_limit)):
             raise ScheduleError(f"memory-limit must be a non-negative number, got {self.memory_limit!r}")
+        if self.microbatch_costs is not None:
+            self.microbatch_costs.check(self.microbatches)
 
     @property
     def per_chunk(self) -> bool:
@@ -403,38 +409,44 @@ class Setting:
             raise ScheduleError("per-chunk costs need the stage of the pass (internal: pass_cost without stage)")
         return values[stage % len(values)]
 
-    def pass_cost(self, kind: str, rank: int, stage: Optional[int] = None) -> float:
+    def _k(self, what: str, mb: Optional[int]) -> float:
+        """Microbatch ``mb``'s factor on ``what`` (a pass kind, 'tokens' or 'mem'; 1 without one)."""
+        return 1.0 if mb is None or self.microbatch_costs is None else self.microbatch_costs.factor(what, mb)
+
+    def pass_cost(self, kind: str, rank: int, stage: Optional[int] = None, mb: Optional[int] = None) -> float:
         """Time of one pass of one chunk (stage ``stage`` on ``rank``): its compute and, for
-        F/B/BW, its all-to-all."""
+        F/B/BW, its all-to-all. ``mb``: the microbatch, where microbatches differ
+        (``microbatch_costs``; without it, or without ``mb``, every microbatch costs the same)."""
         if kind in VOCAB_KINDS:
             return self.vocab.cost(kind, rank) if self.vocab is not None else 0.0
-        a2a = self._at(self.cost_a2a, rank, stage) if kind in (F, B, BW) else 0.0
-        if kind == F:
-            return self._at(self.cost_f, rank, stage) + a2a
-        if kind == B:
-            return self._at(self.cost_b, rank, stage) + a2a
+        a2a = self.pass_a2a(kind, rank, stage, mb)
+        if kind in (F, B):
+            return self._at(self.cost_f if kind == F else self.cost_b, rank, stage) * self._k(kind, mb) + a2a
         if kind == W:
-            return self._at(self.cost_w, rank, stage)
+            return self._at(self.cost_w, rank, stage) * self._k(W, mb)
         if kind == BW:
-            return self._at(self.cost_b, rank, stage) + self._at(self.cost_w, rank, stage) + a2a
+            return (self._at(self.cost_b, rank, stage) * self._k(B, mb)
+                    + self._at(self.cost_w, rank, stage) * self._k(W, mb) + a2a)
         return 0.0
 
-    def pass_a2a(self, kind: str, rank: int, stage: Optional[int] = None) -> float:
+    def pass_a2a(self, kind: str, rank: int, stage: Optional[int] = None, mb: Optional[int] = None) -> float:
         """The all-to-all part of ``pass_cost`` (0 for W)."""
-        return self._at(self.cost_a2a, rank, stage) if kind in (F, B, BW) else 0.0
+        return self._at(self.cost_a2a, rank, stage) * self._k("tokens", mb) if kind in (F, B, BW) else 0.0
 
-    def pass_mem(self, kind: str, rank: int, stage: Optional[int] = None) -> float:
-        """Change of rank memory caused by one pass of one chunk."""
+    def pass_mem(self, kind: str, rank: int, stage: Optional[int] = None, mb: Optional[int] = None) -> float:
+        """Change of rank memory caused by one pass of one chunk (``mb``: as for ``pass_cost``;
+        activations scale with the microbatch's tokens)."""
         if kind in VOCAB_KINDS:
             return self.vocab.mem(kind, rank) if self.vocab is not None else 0.0
+        k = self._k("mem", mb)
         if kind == F:
-            return self._at(self.mem_f, rank, stage)
+            return self._at(self.mem_f, rank, stage) * k
         if kind == B:
-            return -(self._at(self.mem_f, rank, stage) - self._at(self.mem_w, rank, stage))
+            return -(self._at(self.mem_f, rank, stage) - self._at(self.mem_w, rank, stage)) * k
         if kind == W:
-            return -self._at(self.mem_w, rank, stage)
+            return -self._at(self.mem_w, rank, stage) * k
         if kind == BW:
-            return -self._at(self.mem_f, rank, stage)
+            return -self._at(self.mem_f, rank, stage) * k
         return 0.0
 
     def rank_values(self, name: str, placement: "Placement") -> List[float]:

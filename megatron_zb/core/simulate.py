@@ -225,7 +225,7 @@ def simulate(schedule: Schedule, setting: Setting,
                 elif (r, i - 1) in pairs:  # the B of a pair
                     dur = paired_cost(setting, r, a, timeline[r][-1].action)
                 else:
-                    dur = setting.pass_cost(a.kind, r, a.stage)
+                    dur = setting.pass_cost(a.kind, r, a.stage, a.mb)
                 end = ready + dur
                 timeline[r].append(Timed(a, r, ready, end))
                 clock[r] = end
@@ -294,9 +294,10 @@ def paired_cost(setting: Setting, r: int, a: Action, partner: Action) -> float:
     that the partner's compute does not cover (``setting.chunks`` must be the schedule's). The
     pair takes ``paired_cost(f, b) + paired_cost(b, f)``: the two computes and what is left of the
     all-to-alls, max(0, a2a_f - compute_b) + max(0, a2a_b - compute_f)."""
-    own = setting.pass_a2a(a.kind, r, a.stage)
-    cover = setting.pass_cost(partner.kind, r, partner.stage) - setting.pass_a2a(partner.kind, r, partner.stage)
-    return setting.pass_cost(a.kind, r, a.stage) - own + max(0.0, own - cover)
+    own = setting.pass_a2a(a.kind, r, a.stage, a.mb)
+    cover = (setting.pass_cost(partner.kind, r, partner.stage, partner.mb)
+             - setting.pass_a2a(partner.kind, r, partner.stage, partner.mb))
+    return setting.pass_cost(a.kind, r, a.stage, a.mb) - own + max(0.0, own - cover)
 
 
 def _replica_syncs(timeline: List[List[Timed]], pl, setting: Setting):
@@ -334,7 +335,7 @@ def memory_trace(order: List[Action], rank: int, setting: Setting) -> List[float
     cur, out = 0.0, []
     for a in order:
         if a.is_compute:
-            cur += setting.pass_mem(a.kind, rank, a.stage)
+            cur += setting.pass_mem(a.kind, rank, a.stage, a.mb)
             out.append(cur)
     return out
 
