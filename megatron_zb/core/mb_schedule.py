@@ -8,8 +8,9 @@ free it runs
 
 1. a backward (B, or the fused BW) whose output gradient has arrived, oldest microbatch first;
 2. else a forward whose input has arrived and whose activation fits under the rank's cap (the
-   template's own peak, in the same units, so memory stays the template's), each stage's
-   forwards in microbatch order (Megatron reads its data iterator in order);
+   template's own peak, in the same units, so memory stays the template's; a rank's earlier
+   chunks leave room for one forward of each later chunk, so the oldest microbatch can always go
+   on), each stage's forwards in microbatch order (Megatron reads its data iterator in order);
 3. else a W whose B has run (split backward), oldest first;
 4. else it waits for the next message.
 
@@ -58,6 +59,14 @@ def list_schedule(name: str, placement: Placement, setting: Setting, caps: Seque
     mem = {k: [unit.pass_mem(k, rank_of[s], s) for s in range(nst)] for k in ((F, B, W) if split else (F, BW))}
     comm = st.cost_comm
     stages = [pl.stages_of(r) for r in range(p)]
+    # a rank's earlier chunks leave room for one forward of each later chunk: the oldest microbatch
+    # can always go on to its next chunk, so the caps never stall the pipeline
+    reserve = [0.0] * nst
+    for r in range(p):
+        acc = 0.0
+        for s in reversed(stages[r]):
+            reserve[s] = acc
+            acc += mem[F][s]
     next_f = [0] * nst
     f_in: Dict[Tuple[int, int], float] = {(s, mb): 0.0 for s in range(nst) if s == 0 for mb in range(m)}
     b_wait: List[list] = [[] for _ in range(p)]  # per rank, heap of (arrival, mb, -stage) of output gradients
@@ -89,7 +98,8 @@ def list_schedule(name: str, placement: Placement, setting: Setting, caps: Seque
                 mb = next_f[s]
                 if mb < m:
                     at = f_in.get((s, mb))
-                    if at is not None and at <= t + EPS and (used[r] + mem[F][s] <= caps[r] + EPS or inflight[r] == 0):
+                    if at is not None and at <= t + EPS and (used[r] + mem[F][s] + reserve[s] <= caps[r] + EPS
+                                                             or inflight[r] == 0):
                         cands.append((mb, -s))
             if cands:
                 mb, ns = min(cands)

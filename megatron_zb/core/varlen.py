@@ -137,7 +137,10 @@ class Templates:
         than the reference's (not worth a search per iteration)."""
         if name in SEARCHED and m != self.reference_m and (name, m) not in self.built:
             return None
-        return self.build(name, m)
+        try:
+            return self.build(name, m)
+        except ScheduleError:  # e.g. a count the generator refuses: list scheduling may still place it
+            return None
 
     def caps(self, name: str) -> List[float]:
         sched, st = self.build(name, self.reference_m)
@@ -213,7 +216,7 @@ def plan_replica(name: str, templates: Templates, model: LengthModel, lens_by_mb
             continue
         if best is None or t < best[0] - 1e-9:
             best = (t, how, perm, st)
-    if best is None:  # list scheduling stalls in every order: the generator's own schedule
+    if best is None:  # list scheduling stalls in every order: the generator's own schedule (or its error)
         template, base = templates.build(name, m)
         perm, how = list(range(m)), "given"
         st = _with_costs(base, model, lens_by_mb, packed)
