@@ -99,11 +99,13 @@ def _rows(batch: dict) -> List[dict]:
     for i in range(b):
         row = {}
         for k, v in batch.items():
-            if isinstance(v, torch.Tensor):
+            if isinstance(v, torch.Tensor) and v.dim() == 4 and tuple(v.shape[1:]) == (1, s, s):
+                row[k] = v[i]  # a [1, s, s] attention mask (Megatron's: True = masked)
+            elif isinstance(v, torch.Tensor):
                 if v.dim() < 2 or v.shape[0] != b or v.shape[1] != s:
                     raise ZeroBubbleConfigError(f"--zero-bubble-balance-microbatches: microbatch key {k!r} has shape "
-                                                f"{tuple(v.shape)}, not [batch {b}, sequence {s}, ...]: a full "
-                                                "attention mask cannot be re-padded (leave it None: causal)")
+                                                f"{tuple(v.shape)}, not [batch {b}, sequence {s}, ...] or an attention "
+                                                f"mask [batch {b}, 1, {s}, {s}]")
                 row[k] = v[i]
             elif v is None:
                 row[k] = None
@@ -114,10 +116,24 @@ def _rows(batch: dict) -> List[dict]:
     return out
 
 
+def _length(row: dict) -> int:
+    return int(next(v for v in row.values() if v is not None and v.dim() == 1).shape[0])
+
+
+def _pad_mask(m: torch.Tensor, top: int) -> torch.Tensor:
+    """A [1, s, s] attention mask (True = masked) to [1, top, top]: a real token sees no pad; a pad
+    sees what causal attention lets it (values, never a fully masked row)."""
+    n = int(m.shape[-1])
+    out = torch.triu(torch.ones((top, top), dtype=torch.bool, device=m.device), diagonal=1).unsqueeze(0)
+    out[:, :n, :] = True
+    out[:, :n, :n] = m.bool()
+    return out.to(m.dtype)
+
+
 def _collate(rows: Sequence[dict]) -> dict:
     """Rows padded to the longest: zeros past each sequence's end (loss mask 0 there), positions
-    counted on."""
-    top = max(int(next(v for v in r.values() if v is not None).shape[0]) for r in rows)
+    counted on, attention masks widened (``_pad_mask``)."""
+    top = max(_length(r) for r in rows)
     out = {}
     for k in rows[0]:
         if rows[0][k] is None:
@@ -126,7 +142,10 @@ def _collate(rows: Sequence[dict]) -> dict:
         parts = []
         for r in rows:
             v = r[k]
-            n = int(v.shape[0])
+            n = int(v.shape[0]) if v.dim() != 3 else int(v.shape[-1])
+            if v.dim() == 3:  # [1, s, s] attention mask
+                parts.append(_pad_mask(v, top) if n < top else v)
+                continue
             if n < top:
                 if k in POSITION_KEYS:
                     pad = torch.arange(n, top, dtype=v.dtype, device=v.device)
@@ -146,6 +165,8 @@ class MicrobatchBalancer:
         self.options = options
         self.templates: Optional[Templates] = None
         self.last: Optional[Balanced] = None
+        self.iterations = 0
+        self.plan_seconds = 0.0  # summed over iterations
 
     def __call__(self, iterators: List[Any], num_microbatches: int, p: int, me: int, config, seq_length: int,
                  dp_group, dp_rank: int, dp_size: int) -> Balanced:
@@ -155,8 +176,7 @@ class MicrobatchBalancer:
         if readers:
             pulled = [[next(iterators[i]) for _ in range(num_microbatches)] for i in readers]
             mine = [row for batch in pulled[0] for row in _rows(batch)]
-        lengths_mine = None if mine is None else [int(next(v for v in r.values() if v is not None).shape[0])
-                                                  for r in mine]
+        lengths_mine = None if mine is None else [_length(r) for r in mine]
         gathered: List[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, (dp_rank, lengths_mine))
         per_replica: List[Optional[List[int]]] = [None] * dp_size
@@ -200,4 +220,6 @@ class MicrobatchBalancer:
                                         f"{e}") from None
         self.last = Balanced(new_iters, rp.num_microbatches, built, [r.num_microbatches for r in plan.replicas],
                              time.perf_counter() - t0)
+        self.iterations += 1
+        self.plan_seconds += self.last.plan_seconds
         return self.last
