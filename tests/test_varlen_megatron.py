@@ -14,14 +14,20 @@ pytestmark = [pytest.mark.megatron, pytest.mark.dist]
 
 
 def test_balanced_dp2_pp2_equals_the_reference(mcore_path, mcore_version):
-    cases = [V.make_case(n, 2, num_microbatches=4, iterations=2, data_parallel_size=2, micro_batch_size=1,
-                         variable_seq_lengths=True, balance_microbatches=True) for n in ("1f1b", "zb-h1", "zb-v")]
-    results = V.run_verify_many(cases, timeout=900, mcore_path=mcore_path)
+    kw = dict(num_microbatches=4, data_parallel_size=2, micro_batch_size=1, variable_seq_lengths=True,
+              balance_microbatches=True)
+    cases = [V.make_case(n, 2, iterations=2, **kw) for n in ("1f1b", "zb-h1", "zb-v")]
+    # with activation offload (CPU test mode), and post-validated (bit-identical to the synchronous run)
+    extra = [V.make_case("zb-h1", 2, iterations=2, offload_ratio=0.5, label="offload", **kw),
+             V.make_case("zb-v", 2, iterations=3, post_validation=True, label="post-validation", **kw)]
+    results = V.run_verify_many(cases + extra, timeout=900, mcore_path=mcore_path)
     bad = [f"{r['case']}: {r.get('error') or r.get('problems')} rel={r.get('max_rel_grad_diff')} "
            f"loss={r.get('max_abs_loss_diff')}" for r in results if not r["passed"]]
     assert not bad, "\n".join(bad)
     for r in results:
         assert not mcore_version or r["megatron_core"].startswith(mcore_version)
+    assert results[-1]["bit_identical_to_synchronous"]
+    for r in results[:4]:
         counts = r["microbatches_per_replica"]
         assert len(counts) == 2 and all(sum(c) == 8 for c in counts), counts  # every sequence, once
         assert any(c[0] != c[1] for c in counts), counts  # the replicas ran different microbatch counts

@@ -42,13 +42,15 @@ def _share(flag):
 
 
 def add_varlen_args(ap: argparse.ArgumentParser, simulate: bool = False, model_flags: bool = True) -> None:
+    """The --seq-lengths flags; ``model_flags`` False (plan): the model's own --seq-length,
+    --micro-batch-size and --data-parallel-size serve, costs are seconds."""
     g = ap.add_argument_group("variable-length batches (docs/varlen.md)")
     g.add_argument("--seq-lengths", metavar="FILE", default=None,
                    help="sequence lengths, one per line, a blank line between global batches: each batch is spread "
                         "over --data-parallel-size replicas, as Megatron does (sequential) and balanced")
-    g.add_argument("--data-parallel-size", type=positive_int("--data-parallel-size"), default=1, metavar="D",
-                   help="with --seq-lengths: data-parallel replicas the global batch is spread over (default 1)")
     if model_flags:
+        g.add_argument("--data-parallel-size", type=positive_int("--data-parallel-size"), default=1, metavar="D",
+                       help="with --seq-lengths: data-parallel replicas the global batch is spread over (default 1)")
         g.add_argument("--seq-length", type=positive_int("--seq-length"), default=None, metavar="S",
                        help="with --seq-lengths: the --cost-*/--mem-* values are one microbatch of one sequence of S "
                             "tokens (default: the file's longest sequence)")
@@ -73,14 +75,15 @@ def add_varlen_args(ap: argparse.ArgumentParser, simulate: bool = False, model_f
         g.add_argument("--balance-microbatches", action="store_true",
                        help="with --seq-lengths: the balancer and per-microbatch schedules (training's "
                             "--zero-bubble-balance-microbatches); default Megatron's sequential microbatches")
-    g.add_argument("--time-unit", choices=sorted(UNITS), default="ms", dest="varlen_time_unit",
-                   help="with --seq-lengths: unit of the --cost-* values, for iteration_time_s (default ms)")
+    if model_flags:
+        g.add_argument("--time-unit", choices=sorted(UNITS), default="ms", dest="varlen_time_unit",
+                       help="with --seq-lengths: unit of the --cost-* values, for iteration_time_s (default ms)")
 
 
 def check_varlen_args(args, command: str) -> None:
     """Flags that need --seq-lengths, and the ones it cannot be combined with (one line each)."""
     if not getattr(args, "seq_lengths", None):
-        given = [f for f, v in (("--data-parallel-size", getattr(args, "data_parallel_size", 1) != 1),
+        given = [f for f, v in (("--data-parallel-size", command != "plan" and getattr(args, "data_parallel_size", 1) != 1),
                                 ("--attention-share", getattr(args, "attention_share", None) is not None),
                                 ("--pass-overhead", bool(getattr(args, "pass_overhead", 0.0))),
                                 ("--pack-sequences", getattr(args, "pack_sequences", False)),

@@ -242,21 +242,22 @@ def plain(schedule: Schedule) -> bool:
 
 def per_microbatch(setting: Setting, caps: Sequence[float], template: Optional[Schedule] = None,
                    placement: Optional[Placement] = None, split: bool = True, name: str = "",
-                   meta: Optional[dict] = None) -> Tuple[Schedule, float]:
+                   meta: Optional[dict] = None, known: Optional[Tuple[Schedule, float]] = None) -> Tuple[Schedule, float]:
     """The shortest, with ``setting``'s per-microbatch costs, of ``template`` (a schedule for these
     microbatches built for equal ones; None: none at hand) and the list schedules under ``caps``
     (per rank, and the largest for every rank); with its end time. Without a template, on
     ``placement`` (``split``: B/W apart). Raises ``ScheduleError`` when there is no template and
-    list scheduling stalls."""
-    best = None
+    list scheduling stalls. ``known``: the list schedule under ``caps`` already built for this
+    setting, with its end (not built again)."""
+    best = None if known is None else (known[1], known[0])
     if template is not None:
         best = (end_time(template, setting), template)
-        placement, name, meta = template.placement, template.name, template.meta
+        placement, name = template.placement, template.name
         split = template.uses_split_backward()
         if not plain(template):
             return best[1], best[0]
     stall = None
-    for cap in (list(caps), [max(caps)] * len(caps)):
+    for cap in ([] if known is not None else [list(caps)]) + [[max(caps)] * len(caps)]:
         try:
             cand, t = list_schedule(name, placement, setting, cap, split, meta)
         except ScheduleError as e:

@@ -123,6 +123,7 @@ class Templates:
     stages: int
     reference_m: int
     built: Dict[Tuple[str, int], Tuple[Schedule, Setting]] = field(default_factory=dict)
+    cap_cache: Dict[str, List[float]] = field(default_factory=dict)
 
     def build(self, name: str, m: int) -> Tuple[Schedule, Setting]:
         key = (name, m)
@@ -143,8 +144,10 @@ class Templates:
             return None
 
     def caps(self, name: str) -> List[float]:
-        sched, st = self.build(name, self.reference_m)
-        return template_caps(sched, st)
+        if name not in self.cap_cache:
+            sched, st = self.build(name, self.reference_m)
+            self.cap_cache[name] = template_caps(sched, st)
+        return self.cap_cache[name]
 
 
 def _stage_weights(setting: Setting, template: Schedule) -> Dict[str, float]:
@@ -199,10 +202,11 @@ def plan_replica(name: str, templates: Templates, model: LengthModel, lens_by_mb
     if template is None and not usable:  # overlapped pairs, replicated stages: only the generator's own
         template, base = templates.build(name, m)
 
-    def timed(st):
+    def timed(st):  # (end, the list schedule behind it or None)
         if template is not None:
-            return end_time(template, st)
-        return list_schedule(name, ref.placement, st, caps, split)[1]
+            return end_time(template, st), None
+        sched, end = list_schedule(name, ref.placement, st, caps, split)
+        return end, sched
 
     w = _stage_weights(base, ref)
     mb_cost = [sum(w[k] * model.factor(k, *microbatch_shape(ls, packed)) for k in w) for ls in lens_by_mb]
@@ -211,18 +215,21 @@ def plan_replica(name: str, templates: Templates, model: LengthModel, lens_by_mb
         perm = _ordered(lens_by_mb, mb_cost, how)
         st = _with_costs(base, model, [lens_by_mb[i] for i in perm], packed)
         try:
-            t = timed(st)
+            t, found = timed(st)
         except ScheduleError:  # the caps stall this order
             continue
         if best is None or t < best[0] - 1e-9:
-            best = (t, how, perm, st)
+            best = (t, how, perm, st, found)
+    known = None
     if best is None:  # list scheduling stalls in every order: the generator's own schedule (or its error)
         template, base = templates.build(name, m)
         perm, how = list(range(m)), "given"
         st = _with_costs(base, model, lens_by_mb, packed)
     else:
-        _, how, perm, st = best
-    sched, end = per_microbatch(st, caps, template=template, placement=ref.placement, split=split, name=name)
+        t, how, perm, st, found = best
+        known = (found, t) if found is not None else None
+    sched, end = per_microbatch(st, caps, template=template, placement=ref.placement, split=split, name=name,
+                                known=known)
     return ReplicaPlan([seq_by_mb[i] for i in perm], [lens_by_mb[i] for i in perm], sched, st, end, how)
 
 
