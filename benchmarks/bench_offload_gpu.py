@@ -13,7 +13,8 @@ the time per microbatch is the rank's compute plus whatever the copies add, a pe
 for offload (no pipeline gaps to hide the reloads in).
 
 Reported per run: ``torch.cuda.max_memory_allocated`` above the model's own memory, the peak of
-resident activation bytes the manager counts, time per microbatch (median of ``--repeats``), and,
+resident activation bytes the manager counts, time per microbatch (median of ``--repeats``), each
+pass kind's median time (``pass_s``: CUDA events on the compute stream, waits for reloads included), and,
 for the offload run, the measured K (one-way copy time of one microbatch's stage activation over
 its F + B time, from the manager's byte count and the measured host-link bandwidth) next to the
 estimate ``--auto-offload-time`` would use. Writes JSON to benchmarks/results/.
@@ -30,7 +31,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _setup(device):
+def setup_process(device):
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
@@ -94,14 +95,17 @@ def run(a, offload: bool):
     grads = torch.randn(shape, device=device, dtype=dtype)
     base_mem = torch.cuda.memory_allocated() if cuda else 0
     times, peaks, stats = [], [], []
+    pass_s = {}  # F/B/BW/W -> every measured pass's time (CUDA events on the compute stream, or the clock)
     for it in range(a.repeats + 1):
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        saved = {}
+        saved, marks = {}, []
         for x in actions:
             key = (x.stage, x.mb)
+            if x.is_compute:
+                marks.append((x.kind, _mark(cuda)))
             if x.kind == F:
                 inp = torch.randn(shape, device=device, dtype=dtype, requires_grad=True)
                 if mgr is not None:
@@ -133,8 +137,13 @@ def run(a, offload: bool):
                 mgr.offload_w(*key)
             elif x.kind == RELOAD_W:
                 mgr.reload_w(*key)
+            if x.is_compute:
+                marks[-1] += (_mark(cuda),)
         if cuda:
             torch.cuda.synchronize()
+        if it > 0:
+            for kind, t_start, t_end in marks:
+                pass_s.setdefault(kind, []).append(_elapsed(t_start, t_end))
         if it > 0:  # the first iteration warms up (and allocates the host buffers)
             times.append((time.perf_counter() - t0) / a.microbatches)
             peaks.append((torch.cuda.max_memory_allocated() - base_mem) if cuda else 0)
@@ -145,10 +154,28 @@ def run(a, offload: bool):
         for c in chunks.values():
             c.zero_grad(set_to_none=True)
     out = {"offload": offload, "time_per_microbatch_s": statistics.median(times),
+           "pass_s": {k: statistics.median(v) for k, v in pass_s.items()},
            "max_memory_allocated_above_model_bytes": max(peaks), "actions": len(actions)}
     if stats:
         out["manager"] = stats[-1]
     return out
+
+
+def _mark(cuda):
+    """A point in time: a CUDA event recorded on the current stream, or the clock."""
+    import torch
+    if not cuda:
+        return time.perf_counter()
+    ev = torch.cuda.Event(enable_timing=True)
+    ev.record()
+    return ev
+
+
+def _elapsed(t_start, t_end) -> float:
+    """Seconds between two marks (the events' stream work, once synchronized)."""
+    if isinstance(t_start, float):
+        return t_end - t_start
+    return t_start.elapsed_time(t_end) / 1e3
 
 
 def measured_k(a, res_off):
@@ -183,8 +210,10 @@ def measured_k(a, res_off):
                                                                            ("transfer_s", "compute_s", "matmul")}}
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(argv=None, parser=None):
+    """The benchmark's settings (``--tiny``: its tiny dimensions filled in); ``parser``: an
+    ``argparse.ArgumentParser`` (sub)class to use, e.g. one that fails in one line."""
+    ap = (parser or argparse.ArgumentParser)(description=__doc__.splitlines()[0])
     ap.add_argument("--schedule", default="1f1b")
     ap.add_argument("--stages", type=int, default=8)
     ap.add_argument("--microbatches", type=int, default=16)
@@ -204,6 +233,11 @@ def main(argv=None):
     a = ap.parse_args(argv)
     if a.tiny:
         a.hidden, a.heads, a.seq, a.layers, a.dtype, a.repeats = 64, 4, 32, 1, "fp32", 1
+    return a
+
+
+def main(argv=None):
+    a = parse_args(argv)
     if a.device == "cpu":
         from megatron_zb.megatron import cpu_shims
         cpu_shims.apply()
@@ -211,7 +245,7 @@ def main(argv=None):
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         sys.exit("bench_offload_gpu: no CUDA device here; run it on a GPU machine (or --device cpu --tiny to check "
                  "the code path)")
-    _setup(torch.device(a.device))
+    setup_process(torch.device(a.device))
     base = run(a, offload=False)
     off = run(a, offload=True)
     k = measured_k(a, off)

@@ -26,12 +26,10 @@ import time
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from megatron_zb.megatron import cpu_shims  # noqa: E402
-
-# On a CUDA host, --device cpu still needs the shims (megatron would put its buffers on the GPU).
-cpu_shims.apply(force="--device=cuda" not in sys.argv and "cuda" not in sys.argv)
-
 import torch  # noqa: E402
+
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def build(args):
@@ -51,15 +49,17 @@ def build(args):
     cfg = TransformerConfig(
         num_layers=1, hidden_size=args.hidden, num_attention_heads=args.heads,
         ffn_hidden_size=args.ffn or 4 * args.hidden, use_cpu_initialization=True,
-        hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float32,
+        hidden_dropout=0.0, attention_dropout=0.0, params_dtype=DTYPES[args.dtype],
+        pipeline_dtype=DTYPES[args.dtype], bf16=args.dtype == "bf16",
         bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, persist_layer_norm=False,
         gradient_accumulation_fusion=args.gaf)
     return build_module(get_gpt_layer_local_spec(), config=cfg, layer_number=1)
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parse_args(argv=None, parser=None):
+    """The benchmark's settings; ``parser``: an ``argparse.ArgumentParser`` (sub)class to use."""
+    ap = (parser or argparse.ArgumentParser)(description=__doc__.split("\n")[0])
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--ffn", type=int, default=0, help="default 4*hidden")
@@ -69,8 +69,17 @@ def main():
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--gaf", action="store_true", help="gradient_accumulation_fusion on")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="parameters and activations")
     ap.add_argument("--out", default="benchmarks/results/split_overhead.json")
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    from megatron_zb.megatron import cpu_shims
+    # before megatron is imported; on a CUDA host --device cpu still needs them (megatron would put
+    # its buffers on the GPU)
+    cpu_shims.apply(force=args.device != "cuda")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
     import megatron.core
@@ -83,8 +92,8 @@ def main():
         for p in layer.parameters():
             p.main_grad = torch.zeros_like(p)
     g = torch.Generator().manual_seed(0)
-    x0 = torch.randn(args.seq, args.batch, args.hidden, generator=g).to(dev)
-    dy = torch.randn(args.seq, args.batch, args.hidden, generator=g).to(dev)
+    x0 = torch.randn(args.seq, args.batch, args.hidden, generator=g).to(dev, DTYPES[args.dtype])
+    dy = torch.randn(args.seq, args.batch, args.hidden, generator=g).to(dev, DTYPES[args.dtype])
     mask = torch.triu(torch.ones(1, 1, args.seq, args.seq, dtype=torch.bool), diagonal=1).to(dev)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     queue = WQueue("bench")
@@ -169,7 +178,7 @@ def main():
     print(f"megatron-core {megatron.core.__version__}, torch {torch.__version__}, {args.device}, "
           f"{torch.get_num_threads()} thread(s); TransformerLayer hidden={args.hidden} "
           f"ffn={args.ffn or 4 * args.hidden} heads={args.heads} seq={args.seq} "
-          f"batch={args.batch} gaf={args.gaf}; median of {args.reps}")
+          f"batch={args.batch} gaf={args.gaf} {args.dtype}; median of {args.reps}")
     print(f"{'variant':<28} {'median s':>10} {'min s':>10} {'vs fused':>9}")
     rows = [("forward", "f"), ("fused backward (megatron)", "fused"), ("BW (queue attached)", "bw"),
             ("B (defer)", "b"), ("W (run)", "w"), ("B + W", "b+w")]
@@ -182,7 +191,7 @@ def main():
         "megatron_core": megatron.core.__version__, "torch": torch.__version__,
         "threads": torch.get_num_threads(), "machine": platform.machine(), "device": args.device,
         "config": {"hidden": args.hidden, "ffn": args.ffn or 4 * args.hidden,
-                   "heads": args.heads, "seq": args.seq, "batch": args.batch,
+                   "heads": args.heads, "seq": args.seq, "batch": args.batch, "dtype": args.dtype,
                    "gradient_accumulation_fusion": args.gaf, "reps": args.reps,
                    "warmup": args.warmup},
         "median_s": med, "samples_s": times,

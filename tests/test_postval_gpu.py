@@ -12,7 +12,7 @@ import statistics
 import pytest
 import torch
 
-from tests import _postval_fns as F
+from megatron_zb.verify.step_timing import gpu_step_timing
 
 pytestmark = [pytest.mark.megatron, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.megatron, pytest.mark.skipif(not torch.cuda.is_availab
 def test_eager_step_and_rollback_cost_on_one_gpu(rank_pool):
     # clip 0: every step stands (the eager path); clip 1e-3: every step is clipped (the rollback path)
     cases = [{"layers": 4, "hidden": 2048, "seq": 2048, "clip": c, "iterations": 8} for c in (0.0, 1e-3)]
-    eager, rollback = [r[0] for r in rank_pool(F.gpu_step_timing, cases, 1, timeout=900, backend="nccl",
+    eager, rollback = [r[0] for r in rank_pool(gpu_step_timing, cases, 1, timeout=900, backend="nccl",
                                                cpu_shims=False)]
     for res in (eager, rollback):
         meg, pv = res["megatron"], res["post-validated"]

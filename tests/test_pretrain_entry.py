@@ -99,6 +99,11 @@ RUNS = {
     # same runtime without the flag is verify's, tests/test_moe_recompute.py)
     "zb-v/moe-overlap": dict(SCHEDULE="zb-v", NPROC=4, EXTRA_ARGS=MOE_ARGS + " --overlap-moe-expert-parallel-comm"),
     "1f1b/moe": dict(SCHEDULE="1f1b", NPROC=4, EXTRA_ARGS=MOE_ARGS),
+    # vocabulary parallelism (issue 33): zb-v from the same weights as 1f1b; the VocabularyParallelism
+    # fork's flags alone (its 1F1B, two barriers) from Megatron's own random init, with evaluation
+    "zb-v/vocab/det": dict(SCHEDULE="zb-v", EXTRA_ARGS="--zero-bubble-deterministic-init --enable-vocab-parallel"),
+    "fork/vocab": dict(SCHEDULE="megatron", EVAL_INTERVAL=4, EVAL_ITERS=2,
+                       EXTRA_ARGS="--enable-vocab-parallel --disable-backward-fusion"),
 }
 
 
@@ -124,7 +129,7 @@ def _check_ok(trainings, name):
 @pytest.mark.parametrize("name", list(RUNS))
 def test_trains_with_megatron_style_logs_and_falling_loss(trainings, name):
     text, rows = _check_ok(trainings, name)
-    sched = RUNS[name]["SCHEDULE"]
+    sched = {"megatron": "1f1b"}.get(RUNS[name]["SCHEDULE"], RUNS[name]["SCHEDULE"])
     assert f"megatron-zb: schedule {sched} installed" in text
     losses = [r[3] for r in rows]
     assert losses[-1] < losses[0] - 0.3, f"{name}: loss did not fall: {losses}"
@@ -205,6 +210,25 @@ def test_field_schedules_equal_1f1b_from_the_same_weights(trainings, name):
         assert re.search(r"pipeline rank 1 chunk 3: stage 3 of 4 \(path 1\), layers 3-3, loss", text)
     for (i, _, _, la), (_, _, _, lb) in zip(ref, rows):
         assert lb == pytest.approx(la, rel=2e-6), f"iteration {i}: 1f1b {la} vs {name} {lb}"
+
+
+@pytest.mark.megatron
+@pytest.mark.dist
+@needs_training
+def test_vocabulary_parallelism_trains_like_1f1b(trainings):
+    """The output layer spread over both ranks: zb-v (one barrier) from the same weights as 1f1b; the
+    fork's flags alone (1F1B, two barriers) from Megatron's own initialisation, the tied shards
+    scattered from the embedding; Megatron's evaluation through the vocabulary passes."""
+    for name, ref_name in (("zb-v/vocab/det", "1f1b/det"), ("fork/vocab", "1f1b")):
+        text, rows = _check_ok(trainings, name)
+        _, ref = _check_ok(trainings, ref_name)
+        assert "vocabulary parallelism with" in text, name
+        for (i, _, _, la), (_, _, _, lb) in zip(ref, rows):
+            assert lb == pytest.approx(la, rel=2e-6), f"iteration {i}: {ref_name} {la} vs {name} {lb}"
+    text, _ = _check_ok(trainings, "fork/vocab")
+    assert "2 barrier(s)" in text
+    evals = [float(v) for v in re.findall(r"validation loss at iteration \d+.*?lm loss value: ([0-9.E+-]+)", text)]
+    assert len(evals) >= 2 and all(0 < v < 10 for v in evals), evals
 
 
 @pytest.mark.megatron

@@ -303,6 +303,19 @@ def add_zero_bubble_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     f.add_argument("--profile-memory-iter", type=int, default=None, help="Not available yet in megatron-zb.")
     f.add_argument("--zero-bubble-adaptive-memory-limit-percentile", type=int, default=None,
                    help="Not available yet in megatron-zb (no adaptive memory limit).")
+
+    vp = parser.add_argument_group("megatron-zb: vocabulary parallelism (the VocabularyParallelism fork's flags)",
+                                   "the output layer and loss spread over every pipeline rank (docs/vocab_parallel.md)")
+    vp.add_argument("--enable-vocab-parallel", action="store_true", default=False,
+                    help="Split the output layer (or the tied embedding's weight) along the vocabulary over all "
+                         "pipeline ranks; its passes are placed by the schedule with all-reduce barriers beside the "
+                         "compute. Alone it runs the fork's 1F1B; with --zero-bubble-schedule any family but bitpipe.")
+    vp.add_argument("--disable-backward-fusion", action="store_true", default=False,
+                    help="With --enable-vocab-parallel: the input gradient in its own pass after a second barrier "
+                         "(the paper's Algorithm 1) instead of fused into the first (Algorithm 2).")
+    vp.add_argument("--use-interlaced-schedule", action="store_true", default=False,
+                    help="The fork's interlaced baseline: not available in megatron-zb (its schedules place the "
+                         "vocabulary passes themselves).")
     return parser
 
 

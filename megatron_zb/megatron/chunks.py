@@ -37,9 +37,16 @@ class ChunkPlan:
             self.placement = placement_of(self.args)
 
     @property
+    def vocab_parallel(self) -> bool:
+        """``--enable-vocab-parallel`` under a megatron-zb schedule: every rank holds an output-layer shard."""
+        return bool(getattr(self.args, "enable_vocab_parallel", False)) and \
+            getattr(self.args, "zero_bubble_resolved_schedule", None) is not None
+
+    @property
     def reshapes(self) -> bool:
-        """Whether the placement differs from Megatron's own layout (V, BitPipe)."""
-        return self.placement.style in ("v", "bitpipe")
+        """Whether the model differs from Megatron's own layout (V, BitPipe; the output layer spread over
+        every rank by vocabulary parallelism, with its embedding group of the embedding's rank alone)."""
+        return self.placement.style in ("v", "bitpipe") or self.vocab_parallel
 
     def info(self, vp_stage, pp_rank=None):
         from megatron.core import parallel_state
@@ -80,11 +87,19 @@ class ChunkPlan:
         zb_placement.name_params(model, info, tied)  # experts by their global index under EP
         model.mzb_chunk_info = info
         mark_replica_copies([model], self.placement)  # clipping counts each replicated weight once
-        if getattr(self.args, "zero_bubble_deterministic_init", False):
+        deterministic = bool(getattr(self.args, "zero_bubble_deterministic_init", False))
+        if self.vocab_parallel:  # the loss chunk without its output layer; the rank's shard on its first chunk
+            from .vocab_parallel import adopt_chunk
+            adopt_chunk(model, info, self.placement, self.args)
+        if deterministic:
             zb_placement.deterministic_init_([model], seed=self.args.seed, std=self.args.init_method_std)
-        elif self.placement.style == "v" and info.post_process and tied:
+        elif self.placement.style == "v" and info.post_process and tied and not self.vocab_parallel:
             self._copy_tied_embedding(model)
         self.built.append(model)
+        if self.vocab_parallel and not deterministic and \
+                info.vp_stage in (None, len(self.placement.stages_of(info.rank)) - 1):  # the rank's last chunk
+            from .vocab_parallel import init_shard
+            init_shard(self.built, self.placement, seed=self.args.seed, std=self.args.init_method_std)
 
     def _copy_tied_embedding(self, model) -> None:
         import torch

@@ -192,7 +192,7 @@ class DropIn:
         plan = self.plan
         self._patch(ps.is_pipeline_first_stage, self._stage_predicate(ps.is_pipeline_first_stage, "pre_process"))
         self._patch(ps.is_pipeline_last_stage, self._stage_predicate(ps.is_pipeline_last_stage, "post_process"))
-        get_embedding_ranks = embedding_ranks(plan.placement)
+        get_embedding_ranks = embedding_ranks(plan.placement, plan.vocab_parallel)
         orig_init = ps.initialize_model_parallel
 
         def initialize_model_parallel(*a, **k):

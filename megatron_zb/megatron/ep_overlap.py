@@ -25,7 +25,9 @@ from typing import Dict, Tuple
 
 import torch
 
-__all__ = ["PlanPasses"]
+__all__ = ["PlanPasses", "PAIR_LABEL"]
+
+PAIR_LABEL = "megatron-zb overlapped F&B pair"
 
 
 class PlanPasses:
@@ -60,7 +62,8 @@ class PlanPasses:
         (f_stage, f_mb, f_inp), (b_stage, b_mb, b_inp, b_out, b_grad, split) = f, b
         f_plan, loss_func, model, held = self._start_forward(f_stage, f_mb, f_inp)
         b_plan, b_grad = self._start_backward(b_stage, b_mb, b_out, b_grad)
-        with self._deferring(b_stage, b_mb, split), self._around_run():
+        with self._deferring(b_stage, b_mb, split), self._around_run(), \
+                torch.profiler.record_function(PAIR_LABEL):  # the pair's window in a profiler trace
             output = type(f_plan).run(f_plan, b_plan, b_grad=b_grad)
         out = self._finish_forward(f_stage, f_mb, f_plan, loss_func, model, held, output)
         self.pairs_run += 1

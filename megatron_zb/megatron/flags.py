@@ -21,6 +21,7 @@ from .args import DEFAULT_TIMEOUT_S, FORK_TIMERS_DEFAULT, NOT_AVAILABLE_FLAGS, W
 from .balance_args import BALANCE_FLAGS, balance_kwargs
 from .errors import ZeroBubbleArgumentError
 from .layout_args import apply_layout, chunk_cost_kwargs, given_layout_flags, layout_from_args
+from .vocab_args import check_vocab_args, vocab_cost_kwargs
 
 __all__ = ["validate_zero_bubble_args", "memory_limit_in_microbatches", "mem_w_ratio", "ZeroBubbleArgumentError"]
 
@@ -49,6 +50,8 @@ def _resolve_schedule(args) -> Optional[str]:
         raise ZeroBubbleArgumentError(
             f"--zero-bubble-schedule {ours} conflicts with the fork's flags, which select {fork}; give one of them")
     name = ours or fork
+    if name is None and getattr(args, "enable_vocab_parallel", False):
+        name = "1f1b"  # the VocabularyParallelism fork's schedule: its flag alone selects it
     if name is not None:
         try:
             core_schedules.get(name)
@@ -182,6 +185,7 @@ def validate_zero_bubble_args(args, *, before_megatron_validation: Optional[bool
                           "(or the fork's --enable-zero-bubble / --zero-bubble-v-schedule)")
         _offload_kwargs(args, name=None, chunks=1, limit=None)  # stray offload flags get their message
         balance_kwargs(args, None)  # --zero-bubble-mock-seq-lengths works with Megatron's own schedules too
+        check_vocab_args(args, name=None, style=None, p=int(getattr(args, "pipeline_model_parallel_size", 1) or 1))
         args.zero_bubble_resolved_schedule = None
         args.zero_bubble_placement = None
         _megatrons_own_layout(args)
@@ -204,6 +208,7 @@ def validate_zero_bubble_args(args, *, before_megatron_validation: Optional[bool
     nvspr = getattr(args, "num_virtual_stages_per_pipeline_rank", None)
     vpp = getattr(args, "virtual_pipeline_model_parallel_size", None)
     layout = getattr(args, "pipeline_model_parallel_layout", None)
+    barriers = check_vocab_args(args, name=name, style=style, p=p)  # vocabulary parallelism (None: off)
 
     # -- Megatron options our runtime cannot honour --------------------------------------------
     conflicts = [
@@ -302,8 +307,12 @@ def validate_zero_bubble_args(args, *, before_megatron_validation: Optional[bool
         apply_layout(args, laid, placement, before_megatron_validation)
         args.zero_bubble_layout_taken = style in ("v", "bitpipe") and laid is not None
         # the schedule sees each chunk's share of the work and memory (what it holds), unless costs are given
-        args.zero_bubble_chunk_costs = (chunk_cost_kwargs(_activation_spec(args), laid, placement)
-                                        if laid is not None and _has_model(args) else None)
+        if barriers is not None:  # the output layer leaves the loss's chunk for every rank's vocabulary passes
+            args.zero_bubble_chunk_costs = (vocab_cost_kwargs(_activation_spec(args), laid, placement, barriers)
+                                            if _has_model(args) else None)
+        else:
+            args.zero_bubble_chunk_costs = (chunk_cost_kwargs(_activation_spec(args), laid, placement)
+                                            if laid is not None and _has_model(args) else None)
 
     if style == "v" and p == 2 and getattr(args, "overlap_p2p_comm", True) is False:
         raise err("--no-overlap-p2p-communication: Megatron refuses a virtual pipeline at PP=2 without p2p overlap; "
@@ -353,7 +362,11 @@ def validate_zero_bubble_args(args, *, before_megatron_validation: Optional[bool
     laid_out = getattr(args, "zero_bubble_chunk_costs", None)
     given = {opt: getattr(args, f"zero_bubble_{opt}", None) for opt in ("cost_f", "cost_b", "cost_w", "mem_w")}
     if laid_out and all(v is None for v in given.values()):
-        kwargs.update({k: v for k, v in laid_out.items() if k != "unit_bytes"})
+        kwargs.update({k: v for k, v in laid_out.items() if k not in ("unit_bytes", "vocab_costs")})
+    if barriers is not None:
+        kwargs["vocab_parallel"] = barriers
+        if laid_out and laid_out.get("vocab_costs"):
+            kwargs["vocab_costs"] = laid_out["vocab_costs"]
     for opt in ("cost_f", "cost_b", "cost_w", "cost_comm", "cost_a2a", "mem_w"):
         v = getattr(args, f"zero_bubble_{opt}", None)
         if v is not None:

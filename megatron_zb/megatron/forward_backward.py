@@ -122,6 +122,10 @@ class ZeroBubbleForwardBackward:
             ratios = sorted(w / f for f, w in zip(kw["mem_f"], kw["mem_w"]) if f > 0)
             if ratios:
                 upd["mem_w"] = ratios[len(ratios) // 2]  # above 1 with full recompute
+        if self.options.vocab_parallel is not None and "vocab_cost_s" in kw:  # the vocabulary passes, measured
+            # (their barriers' communication stays the model's estimate, in units of a stage's F)
+            upd["vocab_costs"] = dict(self.options.vocab_costs or {}, cost_s=kw["vocab_cost_s"],
+                                      cost_t=kw["vocab_cost_t"], cost_w=kw["vocab_cost_w"])
         self._replace_options(**upd)
 
     def _replace_options(self, **changes) -> None:
@@ -214,9 +218,10 @@ class ZeroBubbleForwardBackward:
                 decoder_seq_length=decoder_seq_length, forward_only=forward_only,
                 collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step)
         _check_config(config, self.options.schedule)
-        if forward_only and self.options.vocab_parallel is not None:
-            raise ZeroBubbleConfigError("evaluation (a forward-only call) with --enable-vocab-parallel is not supported "
-                                        "yet: train with --eval-iters 0")
+        if collect_non_loss_data and self.options.vocab_parallel is not None:
+            raise ZeroBubbleConfigError("--enable-vocab-parallel: collect_non_loss_data (a forward step that returns "
+                                        "the logits, e.g. Megatron's non-loss evaluation data) cannot run: no rank holds "
+                                        "the whole output layer's logits; drop it or the flag")
         if getattr(config, "overlap_moe_expert_parallel_comm", False) and not self.options.ep_overlap:
             self._replace_options(ep_overlap=True)  # Megatron's flag in the model config: the same option
         o = self.options
@@ -359,9 +364,10 @@ class ZeroBubbleForwardBackward:
                                 first_val_step=call.first_val_step,
                                 ep_overlap=self.options.ep_overlap)
         sync = None
-        if self.options.vocab_parallel is not None and not call.forward_only:  # every rank's vocabulary shard
+        if self.options.vocab_parallel is not None:  # every rank's vocabulary shard (evaluating too)
             from .vocab_parallel import setup_passes
-            self.vocab = setup_passes(self.vocab, self.options, pl, call.models, call.config, passes, device())
+            self.vocab = setup_passes(self.vocab, self.options, pl, call.models, call.config, passes, device(),
+                                      call.forward_only)
         if not call.forward_only:
             replicas = (ReplicaGradSync(self.replica_groups(call.pp_ranks, pl), timeout_s=self.options.timeout_s)
                         if pl.replicated else None)

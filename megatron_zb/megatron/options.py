@@ -175,7 +175,8 @@ def preview(options: ScheduleOptions, pipeline_size: int, num_microbatches: int)
     try:  # per-chunk values as each rank's whole stage
         st, pl = built.setting, built.schedule.placement
         whole = {k: st.rank_values(k, pl) for k in ("cost_f", "cost_b", "cost_w", "cost_a2a", "mem_f", "mem_w")}
-        baseline = build(ScheduleRequest("1f1b", cost_comm=req.cost_comm, a2a_overlap=False, **whole), p, m).result
+        baseline = build(ScheduleRequest("1f1b", cost_comm=req.cost_comm, a2a_overlap=False, vocab=req.vocab, **whole),
+                         p, m).result
     except ScheduleError:
         pass
     return built, baseline

@@ -107,6 +107,12 @@ class MegatronPasses:
         user's loss function and Megatron's scaling (``forward_step_calc_loss``; the loss dict and the
         token count recorded as a last stage's forward would); returns each token's gradient scale."""
         c = self.chunk_of[self.placement.num_stages - 1]
+        if self.forward_only:  # evaluation: the loss dict, no gradient
+            _, num_tokens = self.S.forward_step_calc_loss(
+                self.models[c], losses.detach(), self.vocab.loss_funcs.pop(mb), self.config, None,
+                self.collect_non_loss_data, self.m, self.forward_data_store, self.cp_size, True)
+            self.record_forward(mb, num_tokens)
+            return None
         leaf = losses.detach().requires_grad_(True)
         with torch.enable_grad():
             out, num_tokens = self.S.forward_step_calc_loss(

@@ -49,11 +49,6 @@ from .startup import layer_kw, placement_of, prepare_args, prepare_megatron  # n
 __all__ = ["main", "model_provider", "forward_step", "train_valid_test_datasets_provider"]
 
 
-def get_embedding_ranks(pp_ranks, *_a, **_k):
-    """V placement: the embedding and the tied output layer both live on pipeline rank 0."""
-    return [pp_ranks[0]]
-
-
 # --------------------------------------------------------------------------------------------
 # model
 # --------------------------------------------------------------------------------------------
@@ -259,7 +254,10 @@ def main(argv: Optional[Sequence[str]] = None, extra_args_provider: Optional[Cal
     if notes:
         print0("megatron-zb: adjusted for this machine: " + ", ".join(notes))
     session = TrainingSession(args, zb, get_num_microbatches(), route="megatron-zb's pretrain_gpt").start()
-    get_emb = get_embedding_ranks if session.placement.style in ("v", "bitpipe") and zb is not None else None
+    get_emb = None
+    if zb is not None:  # the embedding group: the embedding's rank alone where the output layer is not on another
+        from .placement import embedding_ranks
+        get_emb = embedding_ranks(session.placement, bool(zb.get("vocab_parallel")))
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r"(?s).*recommended to use a ModelConfig")
         cfg = pretrain_cfg_container_from_args(args)

@@ -96,10 +96,16 @@ class TrainingSession:
         limit = zb.get("memory_limit")
         given = any(getattr(self.args, f"zero_bubble_{k}", None) is not None for k in ("cost_f", "cost_b", "cost_w"))
         layout = getattr(self.args, "zero_bubble_layout", None)
+        vocab = zb.get("vocab_parallel")
         costs = ("given costs (--zero-bubble-cost-f/-b/-w)" if given else
-                 f"each chunk's share of the model's FLOPs and activations for the layout {layout}"
-                 if layout and getattr(self.args, "zero_bubble_chunk_costs", None) else
+                 f"each chunk's share of the model's FLOPs and activations for the layout {layout or 'split evenly'}"
+                 if getattr(self.args, "zero_bubble_chunk_costs", None) else
                  "unit costs F=B=W=1, not measured ones (--zero-bubble-cost-f/-b/-w give yours)")
+        if vocab:
+            from .vocab_args import ASSUMED_LINK_GBPS, ASSUMED_TFLOPS
+            costs += (f"; vocabulary parallelism with {vocab} barrier(s): every rank's output-layer shard in VS/VT/VW "
+                      f"passes, the barriers at {ASSUMED_LINK_GBPS:g} GB/s against {ASSUMED_TFLOPS:g} TFLOPS of "
+                      "compute (1f1b: the same passes)")
         print0(f"megatron-zb: schedule {zb['schedule']} installed ({pl.style} placement, {pl.models_per_rank} "
                f"chunk(s) per rank, pipeline size {pl.num_ranks}, {self.m} microbatches"
                + (f", memory limit {limit:.3g} microbatches" if limit else "") + f"; {self.route})"

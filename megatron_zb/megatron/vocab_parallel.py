@@ -31,7 +31,7 @@ from ..runtime.vocab import VocabGroups, VocabRuntime
 from .errors import ZeroBubbleConfigError
 
 __all__ = ["VocabShard", "shard_rows", "prepare_loss_chunk", "attach_shard", "find_shard", "VocabParallel",
-           "sync_tied_gradients", "SHARD_ATTR"]
+           "sync_tied_gradients", "adopt_chunk", "init_shard", "SHARD_ATTR"]
 
 SHARD_ATTR = "mzb_vocab_shard"
 
@@ -102,7 +102,56 @@ def attach_shard(chunk, *, vocab_size: int, hidden: int, p: int, tp: int, pp_ran
     w.tensor_model_parallel = True  # every TP rank holds different rows: clipping counts each
     w.partition_dim, w.partition_stride = 0, 1
     w.allreduce = True
+    if tied:  # a copy of the first stage's embedding rows: Megatron's gradient norm counts that once
+        w.shared = True
     return shard
+
+
+def adopt_chunk(model, info, placement: Placement, args) -> None:
+    """Training (``megatron.chunks.ChunkPlan``): a chunk Megatron just built, named globally. The
+    loss chunk loses its output layer; the rank's first chunk gets the rank's shard (its values:
+    ``init_shard`` once the rank's chunks are built, or the deterministic init)."""
+    from megatron.core import parallel_state as ps
+    tied = not bool(getattr(args, "untie_embeddings_and_output_weights", False))
+    if info.post_process:
+        prepare_loss_chunk(model)
+    if info.vp_stage != 0:
+        return
+    vocab = int(getattr(args, "padded_vocab_size", None) or model.vocab_size)
+    param = next(model.parameters())
+    attach_shard(model, vocab_size=vocab, hidden=int(args.hidden_size), p=placement.num_ranks,
+                 tp=ps.get_tensor_model_parallel_world_size(), pp_rank=info.rank,
+                 tp_rank=ps.get_tensor_model_parallel_rank(), tied=tied, dtype=param.dtype, device=param.device)
+
+
+def init_shard(chunks: Sequence[torch.nn.Module], placement: Placement, *, seed: int, std: float) -> None:
+    """The rank's shard, once all its chunks are built (every pipeline rank calls it at its last
+    chunk). Tied: the embedding's rows, scattered over the pipeline group from the rank that holds
+    the embedding (its tensor-parallel slice), so the copies start equal. Untied: drawn like
+    Megatron's output layer (normal, ``std``) from a generator seeded by ``seed`` and the shard's
+    first row, so every shard differs and a rerun draws the same."""
+    from megatron.core import parallel_state as ps
+    shard = find_shard(chunks)
+    if shard is None:
+        raise ZeroBubbleConfigError("--enable-vocab-parallel: the rank's first model chunk got no vocabulary shard")
+    v0, _, _ = shard.mzb_vocab_rows
+    if shard.mzb_global_name == "output_layer.weight":
+        gen = torch.Generator().manual_seed(int(seed) * 1_000_003 + int(v0))
+        with torch.no_grad():
+            shard.copy_(torch.empty(shard.shape, dtype=torch.float32).normal_(0.0, float(std), generator=gen))
+        return
+    group = ps.get_pipeline_model_parallel_group()
+    ranks = dist.get_process_group_ranks(group)
+    src = ranks[placement.rank_of(0)]
+    pieces = None
+    if dist.get_rank() == src:
+        emb = next(p for c in chunks for _, p in c.named_parameters()
+                   if p is not shard and getattr(p, "mzb_global_name", "") == "embedding.word_embeddings.weight")
+        pieces = [t.contiguous() for t in emb.detach().chunk(len(ranks), dim=0)]
+    out = torch.empty_like(shard.detach())
+    dist.scatter(out, pieces, src=src, group=group)
+    with torch.no_grad():
+        shard.copy_(out)
 
 
 def find_shard(chunks: Sequence[torch.nn.Module]) -> Optional[torch.nn.Parameter]:
@@ -243,7 +292,7 @@ def deliver_grad(weight: torch.nn.Parameter, grad: torch.Tensor) -> None:
 
 
 def setup_passes(state: Optional["VocabParallel"], options, placement: Placement, models, config, passes,
-                 dev) -> "VocabParallel":
+                 dev, forward_only: bool = False) -> "VocabParallel":
     """The run's ``VocabParallel`` (made at the first training call, by every rank), bound to this
     rank's shard and to this attempt's passes (``passes.vocab``, the loss step)."""
     if state is None:
@@ -254,6 +303,8 @@ def setup_passes(state: Optional["VocabParallel"], options, placement: Placement
                                     "them through megatron-zb (its entry point, megatron_zb.run, or "
                                     "megatron_zb.megatron.vocab_parallel.attach_shard)")
     state.bind(weight, deliver_grad, config.hidden_size, config.pipeline_dtype, dev, passes.loss_step)
+    state.runtime.forward_only = bool(forward_only)
+    state.runtime.mb.clear()  # (an interrupted call leaves nothing behind)
     state.labels = _loss_chunk_labels(models) if state.is_loss_rank else LabelStore()
     state.labels.labels.clear()
     state.loss_funcs.clear()

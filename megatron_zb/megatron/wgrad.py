@@ -465,7 +465,8 @@ def fused_weights(model_chunk) -> List[str]:
     deferred = {id(p) for p in wgrad_parameters(model_chunk)}
     counts: dict = {}
     for name, p in model_chunk.named_parameters():
-        if not p.requires_grad or p.dim() < 2 or id(p) in deferred or "embedding" in name:
+        if not p.requires_grad or p.dim() < 2 or id(p) in deferred or "embedding" in name or \
+                getattr(p, "mzb_vocab_rows", None) is not None:  # a vocabulary shard: its own VW pass
             continue
         key = re.sub(r"\.(\d+)\.", ".*.", name.replace("module.", ""))
         counts[key] = counts.get(key, 0) + 1

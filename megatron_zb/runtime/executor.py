@@ -254,8 +254,10 @@ def _f_output(a: Action, key: Key, rank: int, pl: Placement, ps: StagePasses, st
     if not forward_only:
         st.saved[key] = (inp, out)
     nxt = pl.next_stage(a.stage)
-    if nxt is None and ps.vocab is not None and not forward_only:  # the output layer is every rank's shards'
+    if nxt is None and ps.vocab is not None:  # the output layer is every rank's shards' (evaluating too)
         ps.vocab.loss_output(a.mb, out)
+        if ps.release_output is not None and not forward_only:
+            ps.release_output(out)  # like a sent output (the broadcast holds the data)
     elif nxt is not None and pl.rank_of(nxt) == rank:  # local hand-over (V turn)
         st.local_inputs[(nxt, a.mb)] = out.detach().requires_grad_(not forward_only)
         if ps.release_output is not None and not forward_only:

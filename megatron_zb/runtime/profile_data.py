@@ -13,7 +13,7 @@ import os
 import statistics
 from typing import Dict, Optional, Sequence, Tuple
 
-from ..core.ir import DEFAULT_MEM_W_RATIO, B, BW, F, W, Placement
+from ..core.ir import DEFAULT_MEM_W_RATIO, VS, VT, VW, B, BW, F, W, Placement
 
 __all__ = ["ProfileError", "build_profile", "load_profile", "save_profile", "check_profile",
            "profile_to_setting_kwargs", "PROFILE_FORMAT", "PROFILE_VERSION", "AUTO_REPLAN_PREFIXES",
@@ -162,7 +162,18 @@ def build_profile(rank_stats: Sequence[dict], *, schedule: Optional[str], placem
         "chunk_mem_f": chunk["mem_f"], "chunk_mem_w": chunk["mem_w"],
         **_offload_section(by_rank, p),
         **_memory_section(by_rank, p),
+        **_vocab_section(by_rank, p),
     }
+
+
+def _vocab_section(by_rank: Dict[int, dict], p: int) -> dict:
+    """Vocabulary parallelism: each rank's median VS, VT and VW (seconds), where they ran."""
+    out = {}
+    for kind, key in ((VS, "vocab_cost_s"), (VT, "vocab_cost_t"), (VW, "vocab_cost_w")):
+        meds = [median(by_rank[r].get("times", {}).get(kind, {}).get(str(r), [])) for r in range(p)]
+        if any(x is not None for x in meds):
+            out[key] = [x or 0.0 for x in meds]
+    return out
 
 
 def _memory_section(by_rank: Dict[int, dict], p: int) -> dict:
@@ -241,6 +252,9 @@ def check_profile(prof, where="profile"):
         raise ProfileError(f"{where}: per-stage lists have different lengths {sorted(lens)}")
 
 
+VOCAB_COST_KEYS = ("vocab_cost_s", "vocab_cost_t", "vocab_cost_w")
+
+
 def profile_to_setting_kwargs(profile: dict, normalize: bool = False, per_chunk: bool = False) -> dict:
     """``cost_f/cost_b/cost_w`` (lists per stage), ``cost_comm``, ``mem_f``, ``mem_w`` for
     ``core.ir.Setting(stages, microbatches, **kwargs)``.
@@ -263,6 +277,7 @@ def profile_to_setting_kwargs(profile: dict, normalize: bool = False, per_chunk:
                    "cost_b": [x / unit for x in as_list(profile["chunk_cost_b"])],
                    "cost_w": [x / unit for x in as_list(profile["chunk_cost_w"])],
                    "cost_comm": out["cost_comm"] / unit}
+        chunked.update({k: [x / unit for x in as_list(profile[k])] for k in VOCAB_COST_KEYS if profile.get(k)})
         if "mem_f" in out:
             chunked["mem_f"] = [x / mu for x in as_list(profile["chunk_mem_f"])]
             chunked["mem_w"] = [x / mu for x in as_list(profile["chunk_mem_w"])]
@@ -283,6 +298,7 @@ def profile_to_setting_kwargs(profile: dict, normalize: bool = False, per_chunk:
         for k in ("cost_f", "cost_b", "cost_w"):
             out[k] = [x / unit for x in out[k]]
         out["cost_comm"] = comm / unit
+        out.update({k: [x / unit for x in as_list(profile[k])] for k in VOCAB_COST_KEYS if profile.get(k)})
         if "mem_f" in out:
             mu = max(out["mem_f"])
             out["mem_f"] = [x / mu for x in out["mem_f"]]

@@ -57,7 +57,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from ..core.ir import B, BW, F, W, Placement
+from ..core.ir import B, BW, F, VOCAB_KINDS, W, Placement
 from .hooks import Hook
 from .memory import ActivationMeter
 from .profile_data import ProfileError, build_profile, save_profile
@@ -211,7 +211,8 @@ class PassProfiler:
             "stages": placement.stages_of(rank),
             "device": self.device_type,
             "mem_method": self.mem_method,
-            "times": {k: {str(s): v for (s, kk), v in self.times.items() if kk == k} for k in (F, B, W, BW)},
+            "times": {k: {str(s): v for (s, kk), v in self.times.items() if kk == k}
+                      for k in (F, B, W, BW) + VOCAB_KINDS},  # a vocabulary pass's "stage" is its rank
             "mem_f": {str(s): v for s, v in self.mem_f.items()},
             "mem_w": {str(s): v for s, v in self.mem_w.items()},
             "recv_wait": {k: {str(s): v for (s, kk), v in self.recv_wait.items() if kk == k} for k in (F, B)},

@@ -22,6 +22,9 @@ Per microbatch j (T tokens, hidden h, shard rows [v0, v1) of the vocabulary on t
   dX = g * (the sum) as its output gradient (``loss_grad``);
 * **VW**: the shard's weight gradient (g d_r)^T X, given to the weight (``deliver``).
 
+Evaluation (``forward_only``): VS computes the statistics alone, VT the loss (the loss stage's
+rank runs the loss step on it); no gradient, no VW.
+
 Tensor parallelism: the shards are V / (P x TP) rows each, ordered by global rank; the statistics
 and the two-barrier gradient sum run over all P x TP shards; with one barrier each tensor-parallel
 slice gathers its pipeline ranks' parts and the loss stage sums them over its tensor-parallel group.
@@ -87,6 +90,7 @@ class VocabRuntime:
         self.h, self.dtype, self.device = int(hidden_size), dtype, device
         self.wait = wait or (lambda handle, what: handle.wait())
         self.mb: Dict[int, _Micro] = {}
+        self.forward_only = False  # this call evaluates: statistics and losses only
 
     @property
     def v1(self) -> int:
@@ -157,6 +161,8 @@ class VocabRuntime:
         st.gathered = torch.empty((g.num_shards,) + tuple(stats.shape), dtype=stats.dtype, device=stats.device)
         st.keep.append(stats)
         st.handles["stats"] = dist.all_gather(list(st.gathered.unbind(0)), stats, group=g.stats, async_op=True)
+        if self.forward_only:  # the loss needs the statistics alone
+            return
         st.logits = logits
         if self.barriers == 1:  # the input gradient's part, relative to this shard's maximum
             a = torch.matmul(e.to(w.dtype), w).float()
@@ -177,6 +183,9 @@ class VocabRuntime:
         gm, gs, gt = st.gathered[:, 0], st.gathered[:, 1], st.gathered[:, 2]
         M = gm.max(dim=0).values
         S = (gs * torch.exp(gm - M.unsqueeze(0))).sum(dim=0)
+        if self.forward_only:
+            self._evaluated(mb, st, (torch.log(S) + M - gt.sum(dim=0)))
+            return
         inside, idx = self._target(st)
         d = torch.exp(st.logits - M.unsqueeze(1)) / S.unsqueeze(1)
         rows = torch.arange(d.shape[0], device=d.device)[inside]
@@ -204,6 +213,16 @@ class VocabRuntime:
                 dist.all_reduce(dx, group=g.tp)
             st.dx = dx
         st.parts = None
+
+    def _evaluated(self, mb: int, st: _Micro, losses: torch.Tensor) -> None:
+        """Evaluation: the loss stage's rank runs the loss step on the per-token losses; the
+        microbatch is done on every rank."""
+        if self.is_loss_rank:
+            s, b = st.shape[0], st.shape[1]
+            self.loss_step(mb, losses.reshape(s, b).t().contiguous())
+            for h in st.handles.pop("send", []):
+                h.wait()
+        self.mb.pop(mb, None)
 
     def _vw(self, mb: int) -> None:
         st = self.mb[mb]

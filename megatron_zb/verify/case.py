@@ -112,6 +112,8 @@ class VerifyCase:
     # layer as every pipeline rank's shard; the reference keeps its whole output layer
     vocab_parallel: Optional[int] = None
     balance_microbatches: bool = False  # skewed lengths balanced over replicas and microbatches (feature_checks)
+    device: str = "cpu"  # "cuda": every rank and the reference on a GPU, which ranks may share (verify.cuda_gloo)
+    profile_dir: Optional[str] = None  # torch profiler's Chrome trace of the last pipelined iteration, per rank
 
     def model_overrides(self) -> Dict[str, Any]:
         """TransformerConfig keywords of the model's math (the reference's too)."""
@@ -307,8 +309,6 @@ def make_case(schedule: str, pipeline_parallel_size: int, tensor_parallel_size: 
         raise VerifyUsageError("use_distributed_optimizer needs ddp (megatron's DistributedOptimizer shards its buffers)")
     if case.use_distributed_optimizer and case.forward_only:
         raise VerifyUsageError("use_distributed_optimizer has no step to check with forward_only")
-    if case.iterations < 1:
-        raise VerifyUsageError("iterations must be >= 1")
     if case.offload_ratio is not None:
         r = case.offload_ratio
         if r != "auto" and not (isinstance(r, (int, float)) and not isinstance(r, bool) and 0 <= r <= 1):
@@ -458,8 +458,7 @@ def _check_vocab(case: VerifyCase) -> None:
         raise VerifyUsageError(f"vocab_parallel is 1 or 2 barriers, got {case.vocab_parallel!r}")
     blockers = [(case.placement == "bitpipe", "replicated stages (bitpipe)"),
                 (case.schedule in PSEUDO_SCHEDULES, f"the pseudo-schedule {case.schedule}"),
-                (case.offload_ratio is not None, "activation offload"), (case.optimizer is not None, "--optimizer"),
-                (case.forward_only, "--forward-only"), (bool(case.mtp_num_layers), "--mtp-num-layers"),
+                (case.offload_ratio is not None, "activation offload"), (bool(case.mtp_num_layers), "--mtp-num-layers"),
                 (case.sequence_parallel, "--sequence-parallel"), (case.overlap_grad_reduce, "--overlap-grad-reduce"),
                 (case.ep_overlap, "--overlap-moe-expert-parallel-comm")]
     for on, what in blockers:

@@ -64,6 +64,7 @@ def run_verify_many(cases: Sequence[VerifyCase], *, timeout: float = 600.0, mcor
     ws = {c.world_size for c in cases}
     if len(ws) != 1:
         raise VerifyUsageError(f"cases in one launch need the same P x T x DP, got world sizes {sorted(ws)}")
+    cuda = _check_devices(cases)
     t0 = time.time()
     if any(c.schedule not in PSEUDO_SCHEDULES for c in cases) and not _install_importable():
         err = RuntimeError("megatron-zb schedules are run through megatron_zb.megatron.install, which is not "
@@ -74,8 +75,9 @@ def run_verify_many(cases: Sequence[VerifyCase], *, timeout: float = 600.0, mcor
         return [_error_result(c, err, 0.0) for c in cases]
     try:
         references = _optimizer_references(cases, timeout, mcore_path)
+        # CUDA ranks: nothing touches megatron (or CUDA) before the launch forks them, no CPU shims
         per_case = L.run_cases(rank_case, cases, ws.pop(), timeout=timeout, mcore_path=mcore_path,
-                               precheck=check_megatron_configs)
+                               precheck=None if cuda else check_megatron_configs, cpu_shims=not cuda)
     except L.LaunchError as e:
         if raise_errors:
             raise
@@ -93,6 +95,16 @@ def run_verify_many(cases: Sequence[VerifyCase], *, timeout: float = 600.0, mcor
         r["timing"]["launch_wall_s"] = round(wall, 3)
         out.append(r)
     return out
+
+
+def _check_devices(cases: Sequence[VerifyCase]) -> bool:
+    """True when the launch's ranks run on CUDA; one device per launch, optimizer cases on CPU only."""
+    devices = {c.device for c in cases}
+    if not devices <= {"cpu", "cuda"} or len(devices) != 1:
+        raise VerifyUsageError(f"a launch's cases need one device, cpu or cuda, got {sorted(map(str, devices))}")
+    if "cuda" in devices and any(c.optimizer is not None for c in cases):
+        raise VerifyUsageError("Megatron's optimizer cases (--optimizer, post-validation) are verified on CPU here")
+    return "cuda" in devices
 
 
 def _optimizer_references(cases, timeout, mcore_path) -> Dict[tuple, dict]:

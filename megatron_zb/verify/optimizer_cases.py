@@ -62,6 +62,7 @@ def build(case, placement, overrides: dict):
     chunks = M.build_model_chunks(cfg, placement, layers_per_stage=case.layers_per_stage,
                                   allow_padding_num_layers=case.allow_padding_num_layers,
                                   sequence_parallel=case.sequence_parallel,
+                                  vocab_parallel=bool(case.vocab_parallel) and placement.num_ranks > 1,
                                   gradient_accumulation_fusion=case.gradient_accumulation_fusion,
                                   **_dtype_kw(case), **overrides)
     config = chunks[0].config
@@ -170,7 +171,8 @@ def rank_runs(case, placement, install_fn, fb_fn) -> Dict[str, dict]:
     out = {}
     modes = ["synchronous"] + (["post-validated"] if case.post_validation else [])
     for mode in modes:
-        M.init_parallel_state(case.tensor_parallel_size, case.pipeline_parallel_size, placement, seed=case.seed)
+        M.init_parallel_state(case.tensor_parallel_size, case.pipeline_parallel_size, placement, seed=case.seed,
+                              vocab_parallel=bool(case.vocab_parallel))
         handle = install_fn(case, post_validation=(mode == "post-validated"))
         try:
             chunks, opt, _ = build(case, placement, dict(case.config_overrides))

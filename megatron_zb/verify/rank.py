@@ -3,7 +3,9 @@ through ``megatron_zb.megatron.install`` (every rank), with identical weights an
 rank returns for the parent's comparison (``verify.harness``)."""
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import time
 from typing import Dict
 
@@ -31,7 +33,10 @@ def _run_reference(case: VerifyCase) -> dict:
     from . import tinygpt as M
     from .rankio import set_status
     cfg = case.model_config()
+    dev = _device(case)
     ref = M.build_reference_model(cfg, **reference_overrides(case))
+    if dev is not None:
+        ref = ref.to(dev)
     ref.config.finalize_model_grads_func = _reference_finalize
     losses, grads, params, times, aux = [], [], [], [], []
     m = case.num_microbatches * case.data_parallel_size  # every data-parallel replica's microbatches
@@ -39,7 +44,7 @@ def _run_reference(case: VerifyCase) -> dict:
     for it in range(case.iterations):
         set_status(f"reference: iteration {it}")
         M.zero_grads_([ref])
-        batches = M.make_batches(cfg, m, it)
+        batches = _on(M.make_batches(cfg, m, it), dev)
         t0 = time.perf_counter()
         out = forward_backward_no_pipelining(
             forward_step_func=M.forward_step_func, data_iterator=iter(batches), model=ref,
@@ -63,6 +68,42 @@ def _run_reference(case: VerifyCase) -> dict:
     return {"losses": losses, "grads": grads, "times": times, "aux_losses": aux}
 
 
+def _device(case: VerifyCase):
+    """None on CPU; with ``device="cuda"`` this rank's GPU (``verify.cuda_gloo``: ranks may share it,
+    their messages staged through the host over gloo). ``MZB_VERIFY_STAGE_P2P=1`` stages them on CPU too."""
+    from . import cuda_gloo
+    if case.device == "cuda":
+        return cuda_gloo.use_cuda()
+    if os.environ.get(cuda_gloo.STAGE_ENV) == "1":
+        cuda_gloo.apply(stage_host=True)
+    return None
+
+
+def _on(batches, dev):
+    """The microbatches on ``dev`` (unchanged for None)."""
+    if dev is None:
+        return batches
+    return [{k: (v.to(dev) if hasattr(v, "to") else v) for k, v in b.items()} for b in batches]
+
+
+@contextlib.contextmanager
+def _profiled(case: VerifyCase, rank: int, on: bool):
+    """With ``case.profile_dir``: torch's profiler around the block (CUDA kernels too on a GPU), its
+    Chrome trace written to ``<profile_dir>/rank<r>.json``."""
+    if not (on and case.profile_dir):
+        yield
+        return
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    cuda = case.device == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        yield
+        if cuda:
+            torch.cuda.synchronize()
+    os.makedirs(case.profile_dir, exist_ok=True)
+    prof.export_chrome_trace(os.path.join(case.profile_dir, f"rank{rank}.json"))
+
+
 def rank_case(case: VerifyCase) -> dict:
     import torch
     import torch.distributed as dist
@@ -82,6 +123,7 @@ def rank_case(case: VerifyCase) -> dict:
     if case.optimizer is not None:
         return _rank_optimizer_case(case, t_start)
     set_status(f"[{tag}] reference: setting up")
+    dev = _device(case)  # before megatron seeds its CUDA generators
     M.init_parallel_state(1, 1, seed=case.seed)
     reference = None
     if rank == 0:
@@ -115,6 +157,8 @@ def rank_case(case: VerifyCase) -> dict:
                                       sequence_parallel=case.sequence_parallel,
                                       gradient_accumulation_fusion=case.gradient_accumulation_fusion, **overrides)
         config = chunks[0].config
+        if dev is not None:
+            chunks = [c.to(dev) for c in chunks]
         if case.ddp:
             chunks = M.wrap_ddp(chunks, overlap_grad_reduce=case.overlap_grad_reduce,
                                 use_distributed_optimizer=case.use_distributed_optimizer)
@@ -138,13 +182,16 @@ def rank_case(case: VerifyCase) -> dict:
             if optimizer is not None:
                 optimizer.zero_grad()
             batches = M.make_batches(cfg, m * case.data_parallel_size, it)[dp_rank * m:(dp_rank + 1) * m]
-            iters = M.batch_iterators(batches, len(chunks))
+            iters = M.batch_iterators(_on(batches, dev), len(chunks))
             dist.barrier()  # time the schedule, not the ranks' skew
             t0 = time.perf_counter()
-            out = fb(forward_step_func=M.forward_step_func, data_iterator=iters, model=list(chunks),
-                     num_microbatches=case.num_microbatches, seq_length=cfg.seq_length,
-                     micro_batch_size=cfg.micro_batch_size, decoder_seq_length=cfg.seq_length,
-                     forward_only=case.forward_only)
+            with _profiled(case, rank, it == case.iterations - 1):
+                out = fb(forward_step_func=M.forward_step_func, data_iterator=iters, model=list(chunks),
+                         num_microbatches=case.num_microbatches, seq_length=cfg.seq_length,
+                         micro_batch_size=cfg.micro_batch_size, decoder_seq_length=cfg.seq_length,
+                         forward_only=case.forward_only)
+                if dev is not None:
+                    torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
             aux.append(M.take_aux_losses())  # summed over every rank (TP ranks hold shares under SP)
             fbo = getattr(handle, "forward_backward", None)
@@ -229,9 +276,9 @@ def install_case(case: VerifyCase, **extra):
                            f"available ({e}); the pseudo-schedules {', '.join(PSEUDO_SCHEDULES)} work without it")
     kw = dict(case.schedule_options)
     kw.setdefault("measure_memory", True)  # runtime.memory: verify reports measured vs predicted peaks
-    if case.offload_ratio is not None:
+    if case.offload_ratio is not None:  # on a GPU: CUDA copy streams; else the synchronous CPU test mode
         kw.update(offload_ratio=case.offload_ratio, offload_time=case.offload_time,
-                  offload_overlap=not case.offload_half_duplex, offload_cpu_test=True)
+                  offload_overlap=not case.offload_half_duplex, offload_cpu_test=case.device != "cuda")
     if case.ep_overlap:
         kw["ep_overlap"] = True
     if case.vocab_parallel:

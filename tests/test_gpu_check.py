@@ -1,0 +1,174 @@
+"""The GPU check (``scripts/gpu_check.sh``, ``benchmarks/gpu_check.py``; issue 36) cannot break
+unseen: its dry run goes through the script on this CPU (wheels, every section's command lines and
+cases, output paths) and writes the JSON and the markdown table; bad input is one line and exit
+code 2; a section that fails or hangs is recorded while the others go on; the pieces it measures
+with (the profiler trace's stream overlap, the wheel check, point-to-point staging through host
+copies for ranks that share a GPU) are checked on their own."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "benchmarks")
+SCRIPT = os.path.join(ROOT, "scripts", "gpu_check.sh")
+SECTIONS = ("env", "offload", "postval", "memory", "pipeline", "ep_overlap", "fbw")
+
+
+def _bench_path():
+    if BENCH not in sys.path:
+        sys.path.insert(0, BENCH)
+
+
+def _env(**extra):
+    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1")
+    env.update(extra)
+    return env
+
+
+def _run(args, timeout=300, **env):
+    return subprocess.run(["bash", SCRIPT] + args, cwd=ROOT, env=_env(**env), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.megatron
+def test_dry_run_writes_every_section_json_and_markdown(tmp_path):
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    _fake_wheel(wheels, "megatron_core-0.19.2-cp312-cp312-manylinux_2_28_x86_64.whl")
+    out = tmp_path / "out"
+    p = _run(["--dry-run", str(out)], MZB_WHEELS=str(wheels))
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "Traceback" not in p.stderr
+    rep = json.loads((out / "gpu_check.json").read_text())
+    assert rep["dry_run"] and rep["ok"] and list(rep["sections"]) == list(SECTIONS)
+    assert rep["wall_s"] < rep["budget_s"] <= 480
+    for name, sec in rep["sections"].items():
+        assert sec["status"] == "dry-run", (name, sec)
+        assert sec["plan"] and sec["rows"], name
+        assert sec["wall_s"] <= sec["budget_s"], name
+    assert sum(s["budget_s"] for s in rep["sections"].values()) <= 450
+    env = rep["sections"]["env"]["figures"]
+    assert env["megatron_core"] and env["wheels"]["ok"], env
+    assert env["wheels"]["wheels"] == ["megatron_core-0.19.2-cp312-cp312-manylinux_2_28_x86_64.whl"]
+    # what the GPU run would run, at the GPU's sizes
+    plans = {n: s["plan"] for n, s in rep["sections"].items()}
+    assert "--hidden 4096 --heads 32 --seq 4096 --dtype bf16" in plans["offload"]["command"]
+    assert [len(v) for v in plans["pipeline"]["launches"].values()] == [16, 16]
+    assert len(plans["memory"]["cases"]) == 9 and "ep-overlap" in plans["ep_overlap"]["case"]
+    assert len(plans["fbw"]["commands"]) == 2 and all("--device cuda" in c for c in plans["fbw"]["commands"])
+    off = rep["sections"]["offload"]["figures"]
+    assert off["dry_prediction_ratio_1"]["peak_mem_f"] < off["dry_prediction_ratio_1"]["peak_mem_f_no_offload"]
+    md = (out / "gpu_check.md").read_text()
+    assert md.startswith("# GPU check: dry run")
+    for name in SECTIONS:
+        assert f"| {name} | dry-run |" in md, name
+    assert (out / "gpu_check.log").stat().st_size > 0
+    assert sorted(os.listdir(out)) == ["gpu_check.json", "gpu_check.log", "gpu_check.md"]
+
+
+def test_bad_input_is_one_line_and_exit_2(tmp_path):
+    afile = tmp_path / "a_file"
+    afile.write_text("x")
+    for args in ([], ["--sections", "nope", str(tmp_path)], [str(afile)], ["--budgets", "offload=-1", str(tmp_path)],
+                 ["--budget-s", "0", str(tmp_path)], ["--mcore-path", str(tmp_path), str(tmp_path)],
+                 ["--fetch-wheels", "extra"]):
+        p = _run(args, timeout=60)
+        assert p.returncode == 2, (args, p.stdout, p.stderr)
+        lines = p.stderr.strip().splitlines()
+        assert len(lines) == 1 and "Traceback" not in p.stderr, (args, p.stderr)
+
+
+@pytest.mark.megatron
+def test_failing_and_hanging_sections_are_recorded_and_the_rest_go_on(tmp_path):
+    out = tmp_path / "out"
+    p = _run(["--dry-run", "--sections", "offload,postval,pipeline", "--budgets", "postval=12", str(out)],
+             MZB_GPU_CHECK_FAULT="offload:raise,postval:hang")
+    assert p.returncode == 1, p.stdout + p.stderr
+    rep = json.loads((out / "gpu_check.json").read_text())
+    sec = rep["sections"]
+    assert sec["offload"]["status"] == "error" and "fault injected" in sec["offload"]["error"]
+    assert sec["postval"]["status"] == "timeout" and sec["postval"]["wall_s"] < 12 + 15, sec["postval"]
+    assert sec["pipeline"]["status"] == "dry-run" and not rep["ok"]
+    md = (out / "gpu_check.md").read_text()
+    assert "| offload | ERROR |" in md and "| postval | TIMEOUT |" in md and "NOT every section passed" in md
+
+
+def test_stream_overlap_from_a_trace():
+    _bench_path()
+    from gpu_check_verify import stream_overlap
+    label = "pair"
+    ev = [  # compute stream 7: 0-100, 150-250; comm stream 20: 50-200 (a kernel and a copy); pair window 0-120
+        {"ph": "X", "cat": "kernel", "ts": 0, "dur": 100, "args": {"stream": 7}},
+        {"ph": "X", "cat": "kernel", "ts": 150, "dur": 100, "args": {"stream": 7}},
+        {"ph": "X", "cat": "kernel", "ts": 50, "dur": 50, "args": {"stream": 20}},
+        {"ph": "X", "cat": "gpu_memcpy", "ts": 90, "dur": 110, "args": {"stream": 20}},
+        {"ph": "X", "cat": "gpu_user_annotation", "name": label, "ts": 0, "dur": 120, "args": {"stream": 7}},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 500},
+    ]
+    o = stream_overlap(ev, label)
+    assert o["compute_stream"] == "7" and o["gpu_events"] == 4 and o["pairs"] == 1
+    assert o["whole"] == {"compute_busy_us": 200.0, "other_busy_us": 150.0, "overlap_us": 100.0,
+                          "overlap_share": pytest.approx(2 / 3)}
+    assert o["in_pairs"]["overlap_us"] == 50.0 and o["in_pairs"]["other_busy_us"] == 70.0
+    assert stream_overlap([{"ph": "X", "cat": "cpu_op", "ts": 0, "dur": 5}]) == {"gpu_events": 0}
+
+
+def _fake_wheel(folder, name, requires_python=">=3.12", requires=("torch>=2.6.0", "packaging>=24.2")):
+    with zipfile.ZipFile(os.path.join(folder, name), "w") as z:
+        dist = "-".join(name.split("-")[:2])
+        z.writestr(f"{dist}.dist-info/METADATA", f"Name: {name.split('-')[0]}\nRequires-Python: {requires_python}\n"
+                   + "".join(f"Requires-Dist: {r}\n" for r in requires) + "Requires-Dist: pytest; extra == 'test'\n")
+
+
+def test_wheel_check(tmp_path):
+    _bench_path()
+    from gpu_check_sections import check_wheels
+    assert "no megatron-core wheel" in check_wheels(str(tmp_path), "3.12")["problems"][0]
+    _fake_wheel(tmp_path, "megatron_core-0.19.2-cp312-cp312-manylinux_2_28_x86_64.whl")
+    w = check_wheels(str(tmp_path), "3.12")
+    assert w["ok"] and w["requires"] == ["torch>=2.6.0", "packaging>=24.2"]
+    assert any("not built for Python 3.11" in p for p in check_wheels(str(tmp_path), "3.11")["problems"])
+    _fake_wheel(tmp_path, "megatron_core-0.16.1-cp312-cp312-manylinux_2_28_x86_64.whl", requires_python=">=3.13")
+    problems = check_wheels(str(tmp_path), "3.12")["problems"]
+    assert any("several megatron-core versions" in p for p in problems)
+    assert any("requires Python >=3.13" in p for p in problems)
+    (tmp_path / "megatron_core-0.16.1-cp312-cp312-manylinux_2_28_x86_64.whl").unlink()
+    _fake_wheel(tmp_path, "megatron_core-0.19.2-cp312-cp312-manylinux_2_28_x86_64.whl",
+                requires=("torch>=2.12", "einops", "numpy"))
+    problems = check_wheels(str(tmp_path), "3.12")["problems"]
+    assert any("needs torch>=2.12, the GPU machine has torch 2.11.0" in p for p in problems)
+    assert any("needs einops, which the GPU machine lacks" in p for p in problems) and len(problems) == 2
+    _fake_wheel(tmp_path, "einops-0.8.0-py3-none-any.whl")
+    assert len(check_wheels(str(tmp_path), "3.12")["problems"]) == 1
+
+
+def staged_exchange(_case):
+    """Rank code: isend/irecv and send/recv through ``verify.cuda_gloo``'s host staging."""
+    import torch
+    import torch.distributed as dist
+    from megatron_zb.verify import cuda_gloo
+    cuda_gloo.apply(stage_host=True)
+    if dist.get_rank() == 0:
+        w = dist.isend(torch.arange(6.0).reshape(2, 3), 1)
+        w.wait()
+        dist.send(torch.full((2,), 7.0), 1)
+        return type(w).__name__
+    buf, two = torch.zeros(2, 3), torch.zeros(2)
+    w = dist.irecv(buf, 0)
+    w.wait()
+    dist.recv(two, 0)
+    return type(w).__name__, buf.tolist(), two.tolist(), w.is_completed()
+
+
+@pytest.mark.dist
+def test_point_to_point_staged_through_host_copies():
+    from megatron_zb.verify.launch import run_cases
+    sent, got = run_cases(staged_exchange, [None], 2, cpu_shims=False, timeout=120)[0]
+    assert sent == "_HostSend"
+    assert got == ("_HostRecv", [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]], [7.0, 7.0], True)
