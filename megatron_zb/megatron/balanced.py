@@ -35,7 +35,7 @@ from ..core.microbatch_costs import LengthModel
 from ..core.varlen import Templates, VarlenConfig, plan_batch
 from .errors import ZeroBubbleConfigError
 
-__all__ = ["MicrobatchBalancer", "Balanced", "attention_share_of", "check_balance_config"]
+__all__ = ["MicrobatchBalancer", "Balanced", "attention_share_of", "check_balance_config", "split_rows", "collate"]
 
 #: keys of a microbatch whose rows are padded with 0 past a sequence's end (the rest: arange)
 POSITION_KEYS = ("position_ids",)
@@ -86,7 +86,7 @@ class Balanced:
     plan_seconds: float
 
 
-def _rows(batch: dict) -> List[dict]:
+def split_rows(batch: dict) -> List[dict]:
     """A microbatch's rows as sequences (each a dict of its own [s, ...] tensors; None kept)."""
     ref = batch.get("tokens")
     if ref is None:
@@ -130,7 +130,7 @@ def _pad_mask(m: torch.Tensor, top: int) -> torch.Tensor:
     return out.to(m.dtype)
 
 
-def _collate(rows: Sequence[dict]) -> dict:
+def collate(rows: Sequence[dict]) -> dict:
     """Rows padded to the longest: zeros past each sequence's end (loss mask 0 there), positions
     counted on, attention masks widened (``_pad_mask``)."""
     top = max(_length(r) for r in rows)
@@ -175,7 +175,7 @@ class MicrobatchBalancer:
         mine = None
         if readers:
             pulled = [[next(iterators[i]) for _ in range(num_microbatches)] for i in readers]
-            mine = [row for batch in pulled[0] for row in _rows(batch)]
+            mine = [row for batch in pulled[0] for row in split_rows(batch)]
         lengths_mine = None if mine is None else [_length(r) for r in mine]
         gathered: List[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, (dp_rank, lengths_mine))
@@ -210,7 +210,7 @@ class MicrobatchBalancer:
             everyone: List[Any] = [None] * dist.get_world_size(dp_group)
             dist.all_gather_object(everyone, mine, group=dp_group)
             rows = [row for part in everyone for row in part]
-            batches = [_collate([rows[i] for i in mb]) for mb in rp.microbatches]
+            batches = [collate([rows[i] for i in mb]) for mb in rp.microbatches]
             for i in readers:
                 new_iters[i] = iter(list(batches))
         try:
