@@ -27,6 +27,10 @@ slowest replica), the speed-up over Megatron's 1F1B and over the same schedule u
 what planning costs: the balancer alone, one replica's microbatch order and schedule (what a
 training rank computes for itself), one replica's build and lowering, against the iteration.
 
+The batches go to ``results/varlen_lengths_<distribution>_<n>.txt`` too, for ``megatron-zb compare -p 8
+--data-parallel-size 4 --seq-lengths ... --seq-length 4096 --cost-f 175.2 --cost-b 236.8 --cost-w 128
+--attention-share 0.133,0.235`` gives the simulated rows.
+
 Emulated (``--emulate-batches``): the rows that matter for the issue -- Megatron's 1F1B, the best
 balanced row and the same schedule unbalanced -- run on P real processes (gloo p2p through
 megatron-zb's runtime, every pass a wait of its cost x ``--unit`` ms), each replica's schedule in
@@ -52,6 +56,7 @@ from megatron_zb.core.build import ScheduleRequest, build  # noqa: E402
 from megatron_zb.core.ir import B, F  # noqa: E402
 from megatron_zb.core.mb_schedule import end_time  # noqa: E402
 from megatron_zb.core.microbatch_costs import LengthModel  # noqa: E402
+from megatron_zb.core.seqlens import format_seq_lengths  # noqa: E402
 from megatron_zb.core.varlen import Templates, VarlenConfig, assign, plan_batch, plan_replica  # noqa: E402
 
 LAYER = {"F": 43.8, "B": 59.2, "W": 32.0}  # ms, one H100 transformer layer at h4096 s4096
@@ -137,21 +142,28 @@ def planning_costs(p: int, d: int, data, name: str):
     weights = {k: max(base.rank_values(n, sched.placement)) for k, n in (("F", "cost_f"), ("B", "cost_b"),
                                                                           ("W", "cost_w"))}
     out = {"balancer": [], "replica_schedule": [], "build_and_lower": []}
-    for lengths in data:
-        t0 = time.perf_counter()
+    wall = {k: [] for k in out}
+    for lengths in data:  # CPU time of this process (the box may be shared), and wall time
+        t = [(time.process_time(), time.perf_counter())]
         groups = assign(lengths, cfg, weights, p, True)
-        t1 = time.perf_counter()
-        worst = max(range(d), key=lambda i: len(groups[i]))
-        lens = [[lengths[i] for i in mb] for mb in groups[worst]]
-        rp = plan_replica(name, templates, cfg.model, lens, groups[worst], cfg.packed, True)
-        t2 = time.perf_counter()
-        built = build(req, p, rp.num_microbatches, base=rp.schedule)
-        built.lowered()
-        t3 = time.perf_counter()
-        out["balancer"].append(1e3 * (t1 - t0))
-        out["replica_schedule"].append(1e3 * (t2 - t1))
-        out["build_and_lower"].append(1e3 * (t3 - t2))
-    return {k: {"mean": statistics.mean(v), "max": max(v)} for k, v in out.items()}
+        t.append((time.process_time(), time.perf_counter()))
+        for r in range(d):  # every replica's (a rank plans its own; the dearest counts)
+            lens = [[lengths[i] for i in mb] for mb in groups[r]]
+            t0 = (time.process_time(), time.perf_counter())
+            rp = plan_replica(name, templates, cfg.model, lens, groups[r], cfg.packed, True)
+            t1 = (time.process_time(), time.perf_counter())
+            built = build(req, p, rp.num_microbatches, base=rp.schedule)
+            built.lowered()
+            t2 = (time.process_time(), time.perf_counter())
+            if r == 0 or t1[0] - t0[0] + t2[0] - t1[0] > worst:
+                worst, parts = t1[0] - t0[0] + t2[0] - t1[0], (t0, t1, t2)
+        t0, t1, t2 = parts
+        for k, (a, b) in (("balancer", (t[0], t[1])), ("replica_schedule", (t0, t1)), ("build_and_lower", (t1, t2))):
+            out[k].append(1e3 * (b[0] - a[0]))
+            wall[k].append(1e3 * (b[1] - a[1]))
+    res = {k: {"mean": statistics.mean(v), "max": max(v)} for k, v in out.items()}
+    res["wall"] = {k: {"mean": statistics.mean(v), "max": max(v)} for k, v in wall.items()}
+    return res
 
 
 def emulate_rows(p: int, plans, picks, batches: int, unit: float, iterations: int):
@@ -201,6 +213,10 @@ def main(argv=None) -> int:
         for dist in ("lognormal", "sharegpt"):
             data, rows, plans = simulate_setting(p, d, n, dist, a.batches, a.schedules)
             lens = [s for b in data for s in b]
+            lengths_file = os.path.join(os.path.dirname(a.out), f"varlen_lengths_{dist}_{n}.txt")
+            with open(lengths_file, "w") as f:  # the same batches for `megatron-zb compare --seq-lengths`
+                f.write(f"# bench_varlen.py: {a.batches} global batches of {n} {dist} sequence lengths\n")
+                f.write(format_seq_lengths(data))
             print(f"\n== P={p} D={d}, {n} sequences per global batch, {dist} lengths (median "
                   f"{statistics.median(lens):.0f}, mean {statistics.mean(lens):.0f}, max {max(lens)}), "
                   f"{a.batches} batches, simulated ==")
@@ -213,12 +229,16 @@ def main(argv=None) -> int:
             best = min((r for r in rows if r["balanced"]), key=lambda r: r["iteration_ms"])
             cost = planning_costs(p, d, data, best["schedule"])
             it = best["iteration_ms"]
-            print(f"re-planning one iteration for {best['schedule']} (one rank: its replica), ms mean/max: balancer "
+            cpu = sum(cost[k]["mean"] for k in ("balancer", "replica_schedule", "build_and_lower"))
+            print(f"re-planning one iteration for {best['schedule']} (a rank: the balancer, then its replica's order, "
+                  f"schedule, build and lowering; the dearest replica), CPU ms mean/max: balancer "
                   f"{cost['balancer']['mean']:.1f}/{cost['balancer']['max']:.1f}, replica order + schedule "
                   f"{cost['replica_schedule']['mean']:.1f}/{cost['replica_schedule']['max']:.1f}, build + lowering "
-                  f"{cost['build_and_lower']['mean']:.1f}/{cost['build_and_lower']['max']:.1f}; in all "
-                  f"{100 * sum(c['mean'] for c in cost.values()) / it:.2f}% of its {it:.0f} ms iteration")
+                  f"{cost['build_and_lower']['mean']:.1f}/{cost['build_and_lower']['max']:.1f}; in all {cpu:.1f} ms = "
+                  f"{100 * cpu / it:.2f}% of its {it:.0f} ms iteration (wall on this box: "
+                  f"{sum(v['mean'] for v in cost['wall'].values()):.1f} ms)")
             entry = {"stages": p, "data_parallel_size": d, "sequences": n, "distribution": dist, "rows": rows,
+                     "lengths_file": os.path.relpath(lengths_file, os.path.dirname(os.path.dirname(a.out))),
                      "planning_ms": cost, "best_balanced": best["schedule"]}
             if not a.no_emulate and a.emulate_batches > 0 and (p, d) == SETTINGS[0][:2]:
                 picks = [("1f1b", False), (best["schedule"], False), (best["schedule"], True)]

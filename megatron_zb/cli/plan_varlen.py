@@ -37,7 +37,7 @@ def rows_for(args, spec, flops_per_s: float, budget: float) -> List[dict]:
     batches = batches_of(args)
     att = _attention(spec)
     if args.attention_share is not None:
-        att = {F: args.attention_share, B: args.attention_share}
+        att = {F: args.attention_share[0], B: args.attention_share[1]}
     model = LengthModel(spec.seq_length, att, {k: args.pass_overhead for k in ("F", "B", "W")})
     cfg = VarlenConfig(d, model, micro_batch_size=spec.micro_batch_size, packed=args.pack_sequences,
                        max_tokens=args.max_tokens)

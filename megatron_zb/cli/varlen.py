@@ -29,15 +29,17 @@ DEFAULT_SCHEDULES = ("1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v")
 UNITS = {"ms": 1e-3, "s": 1.0, "us": 1e-6}
 
 
-def _share(flag):
+def _share(flag, pair: bool = False):
+    """A share 0..1 (``pair``: or two, 'F,B')."""
     def parse(text):
         try:
-            v = float(text)
+            v = [float(x) for x in str(text).split(",")]
         except ValueError:
-            v = None
-        if v is None or not 0.0 <= v <= 1.0:
-            raise argparse.ArgumentTypeError(f"{flag} must be a share between 0 and 1, got {text!r}")
-        return v
+            v = []
+        if len(v) not in ((1, 2) if pair else (1,)) or not all(0.0 <= x <= 1.0 for x in v):
+            what = "a share between 0 and 1" + (", or two (F,B)" if pair else "")
+            raise argparse.ArgumentTypeError(f"{flag} must be {what}, got {text!r}")
+        return (v if len(v) == 2 else [v[0], v[0]]) if pair else v[0]
     return parse
 
 
@@ -57,9 +59,9 @@ def add_varlen_args(ap: argparse.ArgumentParser, simulate: bool = False, model_f
         g.add_argument("--micro-batch-size", type=positive_int("--micro-batch-size"), default=1, metavar="B",
                        help="with --seq-lengths: sequences per microbatch in Megatron's order (and per padded balanced "
                             "microbatch; default 1)")
-    g.add_argument("--attention-share", type=_share("--attention-share"), default=None, metavar="A",
+    g.add_argument("--attention-share", type=_share("--attention-share", pair=True), default=None, metavar="A[,A_B]",
                    help="with --seq-lengths: share of F and B at --seq-length spent in attention, which grows with the "
-                        "square of a sequence's length (default 0" + ("; plan: from the model" if not model_flags else "")
+                        "square of a sequence's length; two values: F's and B's (default 0" + ("; plan: from the model" if not model_flags else "")
                         + ")")
     g.add_argument("--pass-overhead", type=_share("--pass-overhead"), default=0.0, metavar="O",
                    help="with --seq-lengths: share of a pass at --seq-length that does not shrink with fewer tokens "
@@ -120,11 +122,11 @@ def batches_of(args) -> List[List[int]]:
 def config_of(args, batches: List[List[int]], seq_length: Optional[int] = None,
               attention: Optional[float] = None) -> VarlenConfig:
     s = seq_length or getattr(args, "seq_length", None) or max(max(b) for b in batches)
-    a = args.attention_share if args.attention_share is not None else (attention or 0.0)
-    if a + args.pass_overhead > 1.0:
-        raise UsageError(f"--attention-share {a:g} and --pass-overhead {args.pass_overhead:g} add up to more than the "
-                         "whole pass")
-    model = LengthModel.simple(s, attention=a, overhead=args.pass_overhead)
+    a = args.attention_share if args.attention_share is not None else [attention or 0.0] * 2
+    if max(a) + args.pass_overhead > 1.0:
+        raise UsageError(f"--attention-share {max(a):g} and --pass-overhead {args.pass_overhead:g} add up to more than "
+                         "the whole pass")
+    model = LengthModel(s, {"F": a[0], "B": a[1]}, {k: args.pass_overhead for k in ("F", "B", "W")})
     return VarlenConfig(args.data_parallel_size, model, micro_batch_size=getattr(args, "micro_batch_size", 1),
                         packed=args.pack_sequences, max_tokens=args.max_tokens)
 
@@ -211,7 +213,8 @@ def describe(config: VarlenConfig, batches: List[List[int]], p: int) -> str:
     m = config.model
     return (f"P={p} D={config.replicas}: {len(batches)} global batch(es) of {min(n)}-{max(n)} sequences, lengths "
             f"{min(lens)}-{max(lens)} (median {sorted(lens)[len(lens) // 2]}); costs are one microbatch of one "
-            f"{m.seq_length}-token sequence, attention {m.attention.get('F', 0.0):g} of F and B, fixed "
+            f"{m.seq_length}-token sequence, attention {m.attention.get('F', 0.0):g} of F, {m.attention.get('B', 0.0):g} "
+            f"of B, fixed "
             f"{m.overhead.get('F', 0.0):g}; {'packed' if config.packed else 'padded'} microbatches, "
             f"micro-batch size {config.micro_batch_size}")
 
