@@ -11,6 +11,7 @@ from typing import List, Optional
 from ..argtypes import nonneg, positive_float, positive_int, share_or_auto
 from ..core.models import names as model_names
 from .common import UsageError, add_exact_args, add_post_validation_arg, check_size
+from .varlen import DEFAULT_SCHEDULES, add_varlen_args, check_varlen_args
 
 
 def _efficiency(text):
@@ -102,8 +103,9 @@ def add_parser(sub) -> None:
                     help="no dropout (--hidden-dropout 0 --attention-dropout 0): no masks, no dropout outputs kept")
     pn.add_argument("--pipeline-parallel-size", type=positive_int("--pipeline-parallel-size"), required=True,
                     help="pipeline ranks P (>= 2)")
-    pn.add_argument("--num-microbatches", type=positive_int("--num-microbatches"), required=True,
-                    help="microbatches per iteration M (global batch / (micro-batch x data-parallel size))")
+    pn.add_argument("--num-microbatches", type=positive_int("--num-microbatches"), default=None,
+                    help="microbatches per iteration M (global batch / (micro-batch x data-parallel size)); required "
+                         "without --seq-lengths")
     pn.add_argument("--gpu-memory-gb", type=positive_float("--gpu-memory-gb"), default=80.0,
                     help="memory budget per GPU in GiB (default 80); zb-auto and v-auto search under it")
     pn.add_argument("--gpu", choices=["h100", "h200", "a100", "b200", "mi300x"], default="h100",
@@ -150,6 +152,9 @@ def add_parser(sub) -> None:
                     help="generate the schedules in N processes at once (default: the CPUs this process may "
                          "use, at most 8; 1: in this process). The rows are the same whatever N")
     add_exact_args(pn)
+    add_varlen_args(pn, model_flags=False)
+    pn.add_argument("--schedules", nargs="+", metavar="NAME", default=None,
+                    help="with --seq-lengths: the schedules to rank (default " + ", ".join(DEFAULT_SCHEDULES) + ")")
     pn.set_defaults(func=cmd_plan)
 
 
@@ -162,6 +167,12 @@ def cmd_plan(args) -> int:
         raise UsageError("--offload-time / --host-link-gbps need --offload-ratio R (0..1) or auto")
     if args.offload_time is not None and args.host_link_gbps is not None:
         raise UsageError("give --offload-time K or --host-link-gbps B, not both")
+    check_varlen_args(args, "plan")
+    if args.seq_lengths:  # variable-length batches: sequential vs balanced rows (cli.plan_varlen)
+        from .plan_varlen import cmd_plan_varlen
+        return cmd_plan_varlen(args, spec, tflops * 1e12 * args.efficiency)
+    if args.num_microbatches is None:
+        raise UsageError("--num-microbatches is required (or --seq-lengths FILE)")
     check_size(args.pipeline_parallel_size, args.num_microbatches, 2,
                flags=("--pipeline-parallel-size", "--num-microbatches"))
     rows = P.plan(spec, args.pipeline_parallel_size, args.num_microbatches, args.gpu_memory_gb, tflops=tflops,

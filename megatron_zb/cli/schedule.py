@@ -14,6 +14,7 @@ from ..core.build import Built, ScheduleRequest, build
 from ..core.ir import OVERLAP, Schedule, ScheduleError
 from ..core.iteration import back_to_back, iteration_times
 from ..core.plan import by_memory_among_ties
+from . import varlen
 from .common import (UsageError, add_exact_args, add_post_validation_arg, add_setting_args, build_from_args, fmt,
                      request, sizes, writable)
 
@@ -24,11 +25,16 @@ def add_parsers(sub) -> None:
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.add_argument("--save", metavar="FILE", help="also write the schedule (.json or torch .csv)")
     add_exact_args(s)
+    varlen.add_varlen_args(s, simulate=True)
     s.set_defaults(func=cmd_simulate)
     c = sub.add_parser("compare", help="every schedule for one setting in one table")
     add_setting_args(c, schedule_required=False)
     c.add_argument("--json", action="store_true")
     add_post_validation_arg(c, "rank by the time per iteration")
+    c.add_argument("--schedules", nargs="+", metavar="NAME", default=None,
+                   help="the rows to compare (default: every schedule; with --seq-lengths: "
+                        + ", ".join(varlen.DEFAULT_SCHEDULES) + ")")
+    varlen.add_varlen_args(c)
     c.set_defaults(func=cmd_compare)
     pl = sub.add_parser("plot", help="timeline picture (.png/.svg) or Chrome trace (.json)")
     add_setting_args(pl)
@@ -95,7 +101,18 @@ def _pair_count(sched: Schedule) -> int:
     return sum(1 for o in sched.orders for a in o if a.kind == OVERLAP)
 
 
+def _row_request(args):
+    """compare's request of one row (its chunks: --chunks for the schedules that take them)."""
+    def of(name):
+        spec = schedules.get(name)
+        return request(args, name=name, chunks=args.chunks if spec.chunks is None else None, p=args.stages)
+    return of
+
+
 def cmd_simulate(args) -> int:
+    varlen.check_varlen_args(args, "simulate")
+    if args.seq_lengths:
+        return varlen.cmd_simulate_varlen(args, _row_request(args))
     if args.save:
         writable("--save", args.save)
     built = build_from_args(args)
@@ -197,6 +214,9 @@ def without_layout(args):
 
 
 def cmd_compare(args) -> int:
+    varlen.check_varlen_args(args, "compare")
+    if args.seq_lengths:
+        return varlen.cmd_compare_varlen(args, _row_request(args))
     p, m = sizes(args)
     layout = getattr(args, "layout", None)
     req = request(args, name="1f1b") if layout is None else request(without_layout(args), name="1f1b")
@@ -205,8 +225,8 @@ def cmd_compare(args) -> int:
     def for_name(name):  # with --layout: each row's chunks cost what they hold
         spec = schedules.get(name)
         return request(args, name=name, chunks=args.chunks if spec.chunks is None else None, p=p)
-    rows = compare_rows(req, p, m, cost_optimizer=args.cost_optimizer, post_validation=args.optimizer_post_validation,
-                        for_name=for_name if layout is not None else None)
+    rows = compare_rows(req, p, m, names=args.schedules, cost_optimizer=args.cost_optimizer,
+                        post_validation=args.optimizer_post_validation, for_name=for_name if layout is not None else None)
     ok = [r for r in rows if "error" not in r]
     if setting.memory_limit is not None and not any(r["fits"] for r in ok):
         least = min(max(r["peak_memory"]) for r in ok)

@@ -245,17 +245,6 @@ class Placement:
                    None if paths is None else tuple(tuple(int(s) for s in p) for p in paths))
 
 
-def routes(schedule: "Schedule") -> Dict[int, int]:
-    """microbatch -> index of the path it runs along (read off the schedule's forwards)."""
-    pl = schedule.placement
-    out: Dict[int, int] = {}
-    for o in schedule.flat().orders:
-        for a in o:
-            if a.kind == F and 0 <= a.stage < pl.num_stages:
-                out.setdefault(a.mb, pl.path_of(a.stage))
-    return out
-
-
 @dataclass
 class Schedule:
     name: str
@@ -364,6 +353,10 @@ class Setting:
     a2a_overlap: bool = True
     # vocabulary parallelism (``core.vocab.VocabSetting``): its passes' costs, memory, barriers
     vocab: Optional[object] = None
+    # variable-length microbatches (``core.microbatch_costs.MicrobatchCosts``): per microbatch, the
+    # factor on each pass kind's cost and on its memory against the values above (a microbatch of
+    # the reference length has 1); None: every microbatch alike
+    microbatch_costs: Optional[object] = None
 
     def __post_init__(self):
         p = self.stages
@@ -387,9 +380,10 @@ class Setting:
             raise ScheduleError(f"cost-sync must be a non-negative number, got {self.cost_sync!r}")
         if self.memory_limit is not None and not (_is_nonneg_number(self.memory_limit)):
             raise ScheduleError(f"memory-limit must be a non-negative number, got {self.memory_limit!r}")
-        # pass_cost / pass_mem by (what, kind, rank, stage), filled as they are asked for: the
-        # searches ask millions of times. A Setting is never changed once made (dataclasses.replace
-        # makes a new one, with a table of its own)
+        if self.microbatch_costs is not None:
+            self.microbatch_costs.check(self.microbatches)
+        # pass_cost / pass_mem by (what, kind, rank, stage, mb), filled as they are asked for: the
+        # searches ask millions of times. A Setting is never changed once made
         self._passes: Dict[tuple, float] = {}
 
     @property
@@ -406,10 +400,15 @@ class Setting:
             raise ScheduleError("per-chunk costs need the stage of the pass (internal: pass_cost without stage)")
         return values[stage % len(values)]
 
-    def pass_cost(self, kind: str, rank: int, stage: Optional[int] = None) -> float:
+    def _k(self, what: str, mb: Optional[int]) -> float:
+        """Microbatch ``mb``'s factor on ``what`` (a pass kind, 'tokens' or 'mem'; 1 without one)."""
+        return 1.0 if mb is None or self.microbatch_costs is None else self.microbatch_costs.factor(what, mb)
+
+    def pass_cost(self, kind: str, rank: int, stage: Optional[int] = None, mb: Optional[int] = None) -> float:
         """Time of one pass of one chunk (stage ``stage`` on ``rank``): its compute and, for
-        F/B/BW, its all-to-all."""
-        return self._cached(("c", kind, rank, stage), self._pass_cost)
+        F/B/BW, its all-to-all. ``mb``: the microbatch, where microbatches differ
+        (``microbatch_costs``; without it, or without ``mb``, every microbatch costs the same)."""
+        return self._cached(("c", kind, rank, stage, mb), self._pass_cost)
 
     def _cached(self, key: tuple, fn) -> float:
         v = self._passes.get(key)
@@ -417,39 +416,40 @@ class Setting:
             v = self._passes[key] = fn(*key[1:])
         return v
 
-    def _pass_cost(self, kind: str, rank: int, stage: Optional[int]) -> float:
+    def _pass_cost(self, kind: str, rank: int, stage: Optional[int], mb: Optional[int]) -> float:
         if kind in VOCAB_KINDS:
             return self.vocab.cost(kind, rank) if self.vocab is not None else 0.0
-        a2a = self._at(self.cost_a2a, rank, stage) if kind in (F, B, BW) else 0.0
-        if kind == F:
-            return self._at(self.cost_f, rank, stage) + a2a
-        if kind == B:
-            return self._at(self.cost_b, rank, stage) + a2a
+        a2a = self.pass_a2a(kind, rank, stage, mb)
+        if kind in (F, B):
+            return self._at(self.cost_f if kind == F else self.cost_b, rank, stage) * self._k(kind, mb) + a2a
         if kind == W:
-            return self._at(self.cost_w, rank, stage)
+            return self._at(self.cost_w, rank, stage) * self._k(W, mb)
         if kind == BW:
-            return self._at(self.cost_b, rank, stage) + self._at(self.cost_w, rank, stage) + a2a
+            return (self._at(self.cost_b, rank, stage) * self._k(B, mb)
+                    + self._at(self.cost_w, rank, stage) * self._k(W, mb) + a2a)
         return 0.0
 
-    def pass_a2a(self, kind: str, rank: int, stage: Optional[int] = None) -> float:
+    def pass_a2a(self, kind: str, rank: int, stage: Optional[int] = None, mb: Optional[int] = None) -> float:
         """The all-to-all part of ``pass_cost`` (0 for W)."""
-        return self._at(self.cost_a2a, rank, stage) if kind in (F, B, BW) else 0.0
+        return self._at(self.cost_a2a, rank, stage) * self._k("tokens", mb) if kind in (F, B, BW) else 0.0
 
-    def pass_mem(self, kind: str, rank: int, stage: Optional[int] = None) -> float:
-        """Change of rank memory caused by one pass of one chunk."""
-        return self._cached(("m", kind, rank, stage), self._pass_mem)
+    def pass_mem(self, kind: str, rank: int, stage: Optional[int] = None, mb: Optional[int] = None) -> float:
+        """Change of rank memory caused by one pass of one chunk (``mb``: as for ``pass_cost``;
+        activations scale with the microbatch's tokens)."""
+        return self._cached(("m", kind, rank, stage, mb), self._pass_mem)
 
-    def _pass_mem(self, kind: str, rank: int, stage: Optional[int]) -> float:
+    def _pass_mem(self, kind: str, rank: int, stage: Optional[int], mb: Optional[int]) -> float:
         if kind in VOCAB_KINDS:
             return self.vocab.mem(kind, rank) if self.vocab is not None else 0.0
+        k = self._k("mem", mb)
         if kind == F:
-            return self._at(self.mem_f, rank, stage)
+            return self._at(self.mem_f, rank, stage) * k
         if kind == B:
-            return -(self._at(self.mem_f, rank, stage) - self._at(self.mem_w, rank, stage))
+            return -(self._at(self.mem_f, rank, stage) - self._at(self.mem_w, rank, stage)) * k
         if kind == W:
-            return -self._at(self.mem_w, rank, stage)
+            return -self._at(self.mem_w, rank, stage) * k
         if kind == BW:
-            return -self._at(self.mem_f, rank, stage)
+            return -self._at(self.mem_f, rank, stage) * k
         return 0.0
 
     def rank_values(self, name: str, placement: "Placement") -> List[float]:

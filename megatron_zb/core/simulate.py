@@ -230,7 +230,7 @@ def simulate(schedule: Schedule, setting: Setting,
                 elif (r, i - 1) in pairs:  # the B of a pair
                     dur = paired_cost(setting, r, a, timeline[r][-1].action)
                 else:
-                    dur = setting.pass_cost(a.kind, r, a.stage)
+                    dur = setting.pass_cost(a.kind, r, a.stage, a.mb)
                 end = ready + dur
                 timeline[r].append(Timed(a, r, ready, end))
                 clock[r] = end
@@ -292,6 +292,7 @@ class Plain:
     def __init__(self, orders: List[List[Action]], pl, setting: Setting):
         self.orders, self.ok = orders, False
         nst, rank_of, comm = pl.num_stages, pl.stage_to_rank, setting.cost_comm
+        per_mb = setting.microbatch_costs is not None
         idx: Dict[Tuple[str, int, int], int] = {}
         for order in orders:
             for a in order:
@@ -304,7 +305,7 @@ class Plain:
         for r, order in enumerate(orders):
             for a in order:
                 x = idx[(a.kind, a.stage, a.mb)]
-                cost[x] = setting.pass_cost(a.kind, r, a.stage)
+                cost[x] = setting.pass_cost(a.kind, r, a.stage, a.mb if per_mb else None)
                 d = deps(a, nst, pl)
                 if not d:
                     continue
@@ -397,9 +398,10 @@ def paired_cost(setting: Setting, r: int, a: Action, partner: Action) -> float:
     that the partner's compute does not cover (``setting.chunks`` must be the schedule's). The
     pair takes ``paired_cost(f, b) + paired_cost(b, f)``: the two computes and what is left of the
     all-to-alls, max(0, a2a_f - compute_b) + max(0, a2a_b - compute_f)."""
-    own = setting.pass_a2a(a.kind, r, a.stage)
-    cover = setting.pass_cost(partner.kind, r, partner.stage) - setting.pass_a2a(partner.kind, r, partner.stage)
-    return setting.pass_cost(a.kind, r, a.stage) - own + max(0.0, own - cover)
+    own = setting.pass_a2a(a.kind, r, a.stage, a.mb)
+    cover = (setting.pass_cost(partner.kind, r, partner.stage, partner.mb)
+             - setting.pass_a2a(partner.kind, r, partner.stage, partner.mb))
+    return setting.pass_cost(a.kind, r, a.stage, a.mb) - own + max(0.0, own - cover)
 
 
 def _replica_syncs(timeline: List[List[Timed]], pl, setting: Setting):
@@ -437,7 +439,7 @@ def memory_trace(order: List[Action], rank: int, setting: Setting) -> List[float
     cur, out = 0.0, []
     for a in order:
         if a.is_compute:
-            cur += setting.pass_mem(a.kind, rank, a.stage)
+            cur += setting.pass_mem(a.kind, rank, a.stage, a.mb)
             out.append(cur)
     return out
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from typing import Optional
+from typing import Dict, Optional
 
 from .ir import B, BW, COMPUTE_KINDS, F, OFFLOAD_KINDS, VOCAB_KINDS, W, Schedule, ScheduleError, Setting
 from .hostlink import check_offload
@@ -117,3 +117,14 @@ def validate(schedule: Schedule, setting: Optional[Setting] = None,
                 raise ScheduleError(f"rank {r} position {i}: {a} raises activation memory to "
                                     f"{cur:g}, over the limit {limit:g}")
     return result
+
+
+def routes(schedule: "Schedule") -> Dict[int, int]:
+    """microbatch -> index of the path it runs along (read off the schedule's forwards)."""
+    pl = schedule.placement
+    out: Dict[int, int] = {}
+    for o in schedule.flat().orders:
+        for a in o:
+            if a.kind == F and 0 <= a.stage < pl.num_stages:
+                out.setdefault(a.mb, pl.path_of(a.stage))
+    return out

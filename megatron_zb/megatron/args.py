@@ -46,6 +46,7 @@ from typing import Callable, Dict, Optional
 
 from ..core import schedules as core_schedules
 from ..core.ir import ScheduleError
+from .balance_args import add_balance_args
 
 __all__ = ["add_zero_bubble_args", "chain_providers", "has_flag", "zero_bubble_requested", "NOT_AVAILABLE_FLAGS", "WHAT_INSTEAD",
            "DEFAULT_TIMEOUT_S", "FORK_TIMERS_DEFAULT"]
@@ -226,6 +227,7 @@ def add_zero_bubble_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     g.add_argument("--zero-bubble-offload-cpu-test", action="store_true", default=False,
                    help="Allow activation offload without CUDA: synchronous copies between CPU tensors, to check "
                         "correctness (not speed) on a CPU machine.")
+    add_balance_args(g)  # variable-length batches (megatron.balance_args)
     g.add_argument("--allow-padding-num-layers", action="store_true", default=False,
                    help="Allow a layer count that does not split evenly: the first and the last stage (which "
                         "also hold the embedding and the loss) get one layer less, i.e. --num-layers = k x "

@@ -42,6 +42,7 @@ from functools import partial
 from typing import Callable, List, Optional
 
 from .args import add_zero_bubble_args
+from .balance_args import after_megatron_validation
 from .chunks import ChunkPlan
 from .errors import ZeroBubbleArgumentError
 from .flags import validate_zero_bubble_args
@@ -150,6 +151,7 @@ class DropIn:
                 out = orig(args, *a, **k)
             except (AssertionError, ValueError, TypeError) as e:  # Megatron's own argument checks
                 raise ZeroBubbleArgumentError(megatron_check_message(e)) from None
+            after_megatron_validation(args)  # variable-length batches: Megatron's variable_seq_lengths
             if notes:
                 print0("megatron-zb: adjusted for this machine: " + ", ".join(notes))
             if session is not None:

@@ -18,6 +18,7 @@ from ..core import schedules as core_schedules
 from ..core.ir import Placement, ScheduleError
 from ..core.layout import parse as parse_layout
 from .args import DEFAULT_TIMEOUT_S, FORK_TIMERS_DEFAULT, NOT_AVAILABLE_FLAGS, WHAT_INSTEAD
+from .balance_args import BALANCE_FLAGS, balance_kwargs
 from .errors import ZeroBubbleArgumentError
 from .layout_args import apply_layout, chunk_cost_kwargs, given_layout_flags, layout_from_args
 from .vocab_args import check_vocab_args, vocab_cost_kwargs
@@ -178,11 +179,12 @@ def validate_zero_bubble_args(args, *, before_megatron_validation: Optional[bool
                            ("--zero-bubble-pipeline-timers-start-iter", "zero_bubble_pipeline_timers_start_iter"),
                            ("--zero-bubble-pipeline-timers-end-iter", "zero_bubble_pipeline_timers_end_iter"),
                            ("--cpu-offload", "cpu_offload"),
-                           ("--zero-bubble-offload-ratio", "zero_bubble_offload_ratio")):
+                           ("--zero-bubble-offload-ratio", "zero_bubble_offload_ratio")) + BALANCE_FLAGS:
             if _given(args, dest):
                 raise err(f"{flag} needs a megatron-zb schedule: add --zero-bubble-schedule NAME "
                           "(or the fork's --enable-zero-bubble / --zero-bubble-v-schedule)")
         _offload_kwargs(args, name=None, chunks=1, limit=None)  # stray offload flags get their message
+        balance_kwargs(args, None)  # --zero-bubble-mock-seq-lengths works with Megatron's own schedules too
         check_vocab_args(args, name=None, style=None, p=int(getattr(args, "pipeline_model_parallel_size", 1) or 1))
         args.zero_bubble_resolved_schedule = None
         args.zero_bubble_placement = None
@@ -396,6 +398,7 @@ def validate_zero_bubble_args(args, *, before_megatron_validation: Optional[bool
     elif _given(args, "zero_bubble_post_validation_min_clean_steps"):
         raise err("--zero-bubble-post-validation-min-clean-steps needs --enable-optimizer-post-validation")
     kwargs.update(_offload_kwargs(args, name=name, chunks=chunks, limit=limit))
+    kwargs.update(balance_kwargs(args, name))
 
     args.zero_bubble_resolved_schedule = name
     args.zero_bubble_placement = style

@@ -102,6 +102,7 @@ class ZeroBubbleForwardBackward:
         self.overlapped_pairs = 0  # --overlap-moe-expert-parallel-comm: pairs run as one pass, last iteration
         self.offload_time_measured: Optional[dict] = None  # --auto-offload-time's measurement
         self.vocab = None  # vocabulary parallelism: megatron.vocab_parallel.VocabParallel, made at the first call
+        self.balancer = None  # --zero-bubble-balance-microbatches: megatron.balanced.MicrobatchBalancer
         self.profiler = None
         if options.profile_window is not None:
             try:
@@ -228,10 +229,14 @@ class ZeroBubbleForwardBackward:
             from .offload import measure_offload_time  # --auto-offload-time: measured once, here
             self.offload_time_measured = measure_offload_time(config, seq_length, micro_batch_size, tp_group, cp_group)
             self._replace_options(offload_time=self.offload_time_measured["offload_time"])
+        balanced = None
+        if o.balance_microbatches and not forward_only:  # this iteration's batch over replicas and microbatches
+            balanced = self._balance(data_iterator, models, num_microbatches, config, p, me, seq_length)
+            data_iterator, num_microbatches = balanced.iterators, balanced.num_microbatches
         call = self._call(forward_step_func, data_iterator, models, num_microbatches, forward_only,
                           collect_non_loss_data, first_val_step, config, p, me, pp_group, cp_group,
                           self._shape(config, seq_length, decoder_seq_length, micro_batch_size, tp_group, cp_group,
-                                      adjust_tensor_shapes_fn))
+                                      adjust_tensor_shapes_fn), built=balanced.built if balanced else None)
         pv = self.post_validation
         if pv is not None and forward_only:
             pv.finish()  # evaluation sees validated weights
@@ -272,9 +277,27 @@ class ZeroBubbleForwardBackward:
             shape = list(recv_shapes[0])
         return shape
 
+    def _balance(self, data_iterator, models, m, config, p, me, seq_length):
+        from megatron.core import parallel_state as ps
+
+        from .balanced import MicrobatchBalancer, check_balance_config
+        if self.balancer is None:
+            check_balance_config(config, self.options, self.built_for(p, m, len(models), False).schedule.placement)
+            self.balancer = MicrobatchBalancer(self.options)
+        if not isinstance(data_iterator, list) and len(models) > 1 and data_iterator is not None:
+            raise ZeroBubbleConfigError("--zero-bubble-balance-microbatches with several model chunks per rank needs one "
+                                        "data iterator per chunk (a list, as Megatron passes for virtual pipelines)")
+        iters = data_iterator if isinstance(data_iterator, list) else [data_iterator]
+        out = self.balancer(iters, m, p, me, config, seq_length, ps.get_data_parallel_group(),
+                            ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
+        _check_forward_order(out.built.schedule)
+        if not isinstance(data_iterator, list):
+            out.iterators = out.iterators[0]
+        return out
+
     def _call(self, forward_step_func, data_iterator, models, m, forward_only, collect_non_loss_data,
-              first_val_step, config, p, me, pp_group, cp_group, shape) -> _Call:
-        sched = self.schedule_for(p, m, len(models), forward_only)
+              first_val_step, config, p, me, pp_group, cp_group, shape, built: Optional[Built] = None) -> _Call:
+        sched = built.lowered() if built is not None else self.schedule_for(p, m, len(models), forward_only)
         self.last_schedule = sched
         if not forward_only:
             self.last_training_schedule = sched

@@ -85,6 +85,11 @@ class ScheduleOptions:
     # None off; ``vocab_costs``: the VS/VT/VW costs and memory (core.vocab.VocabSetting's fields)
     vocab_parallel: Optional[int] = None
     vocab_costs: Optional[dict] = None
+    # variable-length batches (megatron.balanced): every iteration's global batch balanced over the
+    # data-parallel replicas and microbatches, with its per-microbatch schedule; the share of F and B
+    # at --seq-length spent in attention (None: from the model config)
+    balance_microbatches: bool = False
+    balance_attention_share: Optional[float] = None
 
     @property
     def spec(self) -> core_schedules.ScheduleSpec:

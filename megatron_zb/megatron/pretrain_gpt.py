@@ -223,6 +223,10 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
     train_ds, valid_ds, test_ds = BlendedMegatronDatasetBuilder(
         dataset_type, train_val_test_num_samples, partial(_dataset_needed_on, vp_stage), config).build()
     print_rank_0("> finished creating GPT datasets ...")
+    if getattr(args, "zero_bubble_mock_seq_lengths", None) and train_ds is not None:  # variable-length samples
+        from ..core.seqlens import length_sampler
+        from .varlen_data import VariableLengthDataset
+        train_ds = VariableLengthDataset(train_ds, length_sampler(args.zero_bubble_mock_seq_lengths), args.seq_length)
     return train_ds, valid_ds, test_ds
 
 

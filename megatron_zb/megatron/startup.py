@@ -11,6 +11,7 @@ import sys
 from typing import Callable, List, Optional, Sequence
 
 from .args import add_zero_bubble_args, chain_providers, has_flag
+from .balance_args import after_megatron_validation
 from .errors import ZeroBubbleArgumentError
 from .flags import validate_zero_bubble_args
 
@@ -147,6 +148,9 @@ def prepare_args(extra_args_provider: Optional[Callable] = None, args_defaults: 
         load_args_from_checkpoint(args)
     zb = validate_zero_bubble_args(args, before_megatron_validation=True)
     notes = machine_adjustments(args)
+    if getattr(args, "zero_bubble_set_per_token_loss", False):
+        notes.append("--calculate-per-token-loss (--zero-bubble-balance-microbatches normalises the loss over the "
+                     "global token count)")
     data_flags = ("data_path", "train_data_path", "valid_data_path", "test_data_path", "data_args_path",
                   "per_split_data_args_path")
     if not any(getattr(args, f, None) for f in data_flags) and not getattr(args, "mock_data", False):
@@ -158,6 +162,7 @@ def prepare_args(extra_args_provider: Optional[Callable] = None, args_defaults: 
         validate_args(args, defaults)
     except (AssertionError, ValueError, TypeError) as e:  # Megatron's own argument checks
         raise ZeroBubbleArgumentError(megatron_check_message(e)) from None
+    after_megatron_validation(args)  # variable-length batches: Megatron's variable_seq_lengths
     if set_globals:
         set_global_variables(args)
     return args, zb, notes

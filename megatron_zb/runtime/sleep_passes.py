@@ -82,7 +82,8 @@ class SleepPasses(StagePasses):
 def sleep_passes(setting: Setting, rank: int, placement: Placement, shape: Sequence[int] = (4,),
                  unit: float = 0.01, dtype: torch.dtype = torch.float32, device="cpu",
                  pairs_as_one: bool = False) -> SleepPasses:
-    """StagePasses for ``rank`` whose F/B/W/BW of stage s sleep ``setting.pass_cost(kind, rank, s) * unit`` s.
+    """StagePasses for ``rank`` whose F/B/W/BW of stage s sleep ``setting.pass_cost(kind, rank, s) * unit`` s
+    (with per-microbatch costs, ``setting.microbatch_costs``: microbatch mb's own ``pass_cost(kind, rank, s, mb)``).
 
     ``setting.chunks`` is taken from the placement (each chunk's pass costs the rank's value / V,
     or its own where the setting gives costs per chunk).
@@ -98,6 +99,12 @@ def sleep_passes(setting: Setting, rank: int, placement: Placement, shape: Seque
     shape = tuple(int(x) for x in shape)
     dur = {(k, s): setting.pass_cost(k, rank, s) * unit for k in (F, B, W, BW) for s in range(placement.num_stages)}
     first = placement.stages_of(rank)[0]
+    if setting.microbatch_costs is not None:  # variable-length microbatches: each its own duration
+        per_mb = {(k, s, mb): setting.pass_cost(k, rank, s, mb) * unit for k in (F, B, W, BW)
+                  for s in placement.stages_of(rank) for mb in range(setting.microbatches)}
+        seconds = lambda k, s, mb: per_mb[(k, s, mb)]  # noqa: E731
+    else:
+        seconds = lambda k, s, mb: dur[(k, s)]  # noqa: E731
 
     def output(stage, mb):
         return torch.full(shape, float(stage * 1000 + mb), dtype=dtype, device=device)
@@ -106,19 +113,19 @@ def sleep_passes(setting: Setting, rank: int, placement: Placement, shape: Seque
         return None if placement.is_first(stage) else torch.full(shape, float(mb), dtype=dtype, device=device)
 
     def forward(stage, mb, inp):  # the (tiny) real work first, inside the pass's duration
-        t_end = time.perf_counter() + dur[(F, stage)]
+        t_end = time.perf_counter() + seconds(F, stage, mb)
         out = output(stage, mb)
         precise_sleep(t_end - time.perf_counter())
         return out
 
     def backward(stage, mb, inp, out, grad, split):
-        t_end = time.perf_counter() + dur[(B if split else BW, stage)]
+        t_end = time.perf_counter() + seconds(B if split else BW, stage, mb)
         g = in_grad(stage, mb)
         precise_sleep(t_end - time.perf_counter())
         return g
 
     def weight(stage, mb):
-        precise_sleep(dur[(W, stage)])
+        precise_sleep(seconds(W, stage, mb))
 
     def overlap(f, b):  # f = (stage, mb, input), b = (stage, mb, input, output, grad, split)
         t_end = time.perf_counter() + passes.pair_seconds(f[0], b[0], bool(b[5]))

@@ -8,6 +8,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+from .feature_checks import balance_problem, check_ep_overlap
+
 __all__ = ["VerifyCase", "VerifyUsageError", "make_case", "schedule_placement", "reference_overrides",
            "reference_key", "PSEUDO_SCHEDULES", "DEFAULT_GRAD_RTOL", "DEFAULT_LOSS_ATOL", "DEFAULT_PARAM_RTOL",
            "HALF_PARAM_RTOL", "HALF_LOSS_ATOL"]
@@ -109,6 +111,7 @@ class VerifyCase:
     # vocabulary parallelism (--enable-vocab-parallel; 2 with --disable-backward-fusion): the output
     # layer as every pipeline rank's shard; the reference keeps its whole output layer
     vocab_parallel: Optional[int] = None
+    balance_microbatches: bool = False  # skewed lengths balanced over replicas and microbatches (feature_checks)
     device: str = "cpu"  # "cuda": every rank and the reference on a GPU, which ranks may share (verify.cuda_gloo)
     profile_dir: Optional[str] = None  # torch profiler's Chrome trace of the last pipelined iteration, per rank
 
@@ -154,7 +157,7 @@ class VerifyCase:
                              num_attention_heads=self.num_attention_heads, vocab_size=self.vocab_size,
                              seq_length=self.seq_length, micro_batch_size=self.micro_batch_size,
                              tie_embeddings=self.tie_embeddings, seed=self.seed,
-                             variable_seq_lengths=self.variable_seq_lengths)
+                             variable_seq_lengths=self.variable_seq_lengths, skewed_lengths=self.balance_microbatches)
 
     def describe(self) -> str:
         bits = [self.schedule, f"PP={self.pipeline_parallel_size}", f"TP={self.tensor_parallel_size}",
@@ -164,7 +167,7 @@ class VerifyCase:
         if self.use_distributed_optimizer:
             bits.append("distributed-optimizer")
         for k in ("sequence_parallel", "overlap_grad_reduce", "gradient_accumulation_fusion", "forward_only",
-                  "variable_seq_lengths"):
+                  "variable_seq_lengths", "balance_microbatches"):
             if getattr(self, k):
                 bits.append(k)
         if self.offload_ratio is not None:
@@ -293,6 +296,8 @@ def make_case(schedule: str, pipeline_parallel_size: int, tensor_parallel_size: 
         raise VerifyUsageError("seq_length must be divisible by the TP size with sequence parallelism")
     if case.vocab_parallel is not None:
         _check_vocab(case)
+    if case.balance_microbatches:  # refused in one line, or the per-token loss and the install option set
+        balance_problem(case, PSEUDO_SCHEDULES, VerifyUsageError)
     if case.overlap_grad_reduce and not case.ddp:
         raise VerifyUsageError("overlap_grad_reduce needs ddp")
     if case.gradient_accumulation_fusion and not case.ddp:
@@ -361,7 +366,7 @@ def _check_model_features(case: VerifyCase) -> None:
         if case.tensor_parallel_size > 1 and not case.sequence_parallel:
             raise VerifyUsageError("MoE with --tensor-parallel-size > 1 needs --sequence-parallel (Megatron's rule)")
     if case.ep_overlap:
-        _check_ep_overlap(case)
+        check_ep_overlap(case, PSEUDO_SCHEDULES, VerifyUsageError)
     g = case.recompute_granularity
     if g is not None and g not in ("full", "selective"):
         raise VerifyUsageError(f"--recompute-granularity must be full or selective, got {g!r}")
@@ -425,38 +430,6 @@ def _check_optimizer_options(case: VerifyCase) -> None:
                                        "would enter the weights): inject a non-finite gradient with --fp16, "
                                        "or with --bf16 / --use-distributed-optimizer and a loss scale")
             case.loss_scale = 1.0  # a constant scaler of 1: Megatron then checks and skips, numerics unchanged
-
-
-def _check_ep_overlap(case: VerifyCase) -> None:
-    """Megatron's own rules for --overlap-moe-expert-parallel-comm, and a schedule with pairs."""
-    flag = "--overlap-moe-expert-parallel-comm"
-    if case.schedule in PSEUDO_SCHEDULES:
-        raise VerifyUsageError(f"{flag} runs through megatron-zb's runtime: give a megatron-zb schedule, not "
-                               f"{case.schedule}")
-    if case.num_experts is None or case.expert_model_parallel_size < 2:
-        raise VerifyUsageError(f"{flag} overlaps the expert-parallel all-to-all: it needs --num-experts and "
-                               "--expert-model-parallel-size >= 2 (Megatron's rule)")
-    if case.moe_token_dispatcher_type != "alltoall":
-        raise VerifyUsageError(f"{flag} needs --moe-token-dispatcher-type alltoall (Megatron's rule)")
-    if case.recompute_granularity is not None:
-        raise VerifyUsageError(f"{flag} cannot be combined with --recompute-granularity (Megatron's rule for "
-                               "full recompute; selective is not covered here)")
-    if case.mtp_num_layers:
-        raise VerifyUsageError(f"{flag} with --mtp-num-layers is not covered by verify")
-    if case.forward_only:
-        raise VerifyUsageError(f"{flag} changes training passes only; drop --forward-only")
-    from ..core.build import build
-    from ..core.ir import ScheduleError
-    from ..megatron.errors import ZeroBubbleConfigError
-    from ..megatron.options import ScheduleOptions, check_ep_overlap
-    opts = ScheduleOptions(case.schedule, chunks=case.chunks, memory_limit=case.memory_limit, ep_overlap=True,
-                           **dict(case.schedule_options))
-    try:  # the schedule the ranks will build must have pairs
-        check_ep_overlap(build(opts.request(), case.pipeline_parallel_size, case.num_microbatches))
-    except ZeroBubbleConfigError as e:
-        raise VerifyUsageError(str(e)) from None
-    except ScheduleError:
-        pass  # a schedule that cannot be built says so where it is built
 
 
 # config overrides that only change how the pipeline runs (not the math) stay off the reference

@@ -51,6 +51,13 @@ def _build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--overlap-grad-reduce", action="store_true")
     ap.add_argument("--gradient-accumulation-fusion", action="store_true")
     ap.add_argument("--variable-seq-lengths", action="store_true")
+    ap.add_argument("--micro-batch-size", type=positive_int("--micro-batch-size"), default=2,
+                    help="sequences per microbatch (default 2; with --variable-seq-lengths a microbatch's rows share "
+                         "its length)")
+    ap.add_argument("--zero-bubble-balance-microbatches", action="store_true",
+                    help="with --variable-seq-lengths: each iteration's global batch (skewed lengths) balanced over the "
+                         "data-parallel replicas and microbatches, replicas running different microbatch counts, the "
+                         "loss normalised over the global token count (the reference's too)")
     ap.add_argument("--untied", action="store_true", help="untie embedding and output weights")
     ap.add_argument("--forward-only", action="store_true")
     ap.add_argument("--memory-limit", type=nonneg("--memory-limit"), default=None,
@@ -244,7 +251,8 @@ def main_verify(argv: Optional[Sequence[str]] = None) -> int:
                     moe_shared_expert_intermediate_size=a.moe_shared_expert_intermediate_size,
                     recompute_granularity=a.recompute_granularity,
                     recompute_method=a.recompute_method, recompute_num_layers=a.recompute_num_layers,
-                    mtp_num_layers=a.mtp_num_layers, ep_overlap=a.overlap_moe_expert_parallel_comm)
+                    mtp_num_layers=a.mtp_num_layers, ep_overlap=a.overlap_moe_expert_parallel_comm,
+                    balance_microbatches=a.zero_bubble_balance_microbatches, micro_batch_size=a.micro_batch_size)
         case = make_case(a.schedule, a.pipeline_parallel_size, a.tensor_parallel_size, a.num_microbatches,
                          a.iterations, **opts)
     except VerifyUsageError as e:
@@ -287,6 +295,9 @@ def main_verify(argv: Optional[Sequence[str]] = None) -> int:
         if case.ep_overlap:
             print(f"EP overlap: {res.get('overlapped_pairs')} overlapped F&B pair(s) per iteration ran as one pass "
                   "through megatron-core's schedule plans")
+        for it, counts in enumerate(res.get("microbatches_per_replica", [])):
+            print(f"balanced: iteration {it}: microbatches per replica {counts}, planned in "
+                  f"{res['balance_plan_ms'][it]:.1f} ms")
         for o in res.get("offload", []):
             last = o["iterations"][-1] if o["iterations"] else {}
             print(f"offload rank {o['rank']}: peak resident activation {last.get('peak_resident_bytes', 0)} B, "

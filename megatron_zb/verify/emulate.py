@@ -46,7 +46,7 @@ from ..core.schedules.interleaved import combined_1f1b
 from ..core.simulate import SimResult, Timed
 from ..runtime.hooks import Hook
 
-__all__ = ["Entry", "COMBINED_1F1B", "emulate", "predicted_iteration", "schedule_for"]
+__all__ = ["Entry", "COMBINED_1F1B", "emulate", "emulate_schedules", "predicted_iteration", "schedule_for"]
 
 Costs = Union[float, Sequence[float]]
 
@@ -244,3 +244,60 @@ def _timeline(entry: Entry, st: Setting, ranks: List[dict], unit_s: float) -> Si
     return SimResult(entry.name, st.stages, st.microbatches, sched.placement.chunks, makespan,
                      1.0 - sum(busy) / (st.stages * makespan) if makespan else 0.0, [0.0] * st.stages,
                      spans, busy, tl)
+
+
+def _schedules_rank_main(job: dict) -> list:
+    """Runs on every rank: each given (schedule, setting) pair's timed iterations (``emulate_schedules``)."""
+    import torch.distributed as dist
+
+    from ..core.lower import lower
+    from ..runtime.executor import execute
+    from ..runtime.p2p import P2P, PairGroups
+    from ..runtime.sleep_passes import sleep_passes
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    groups = PairGroups(list(range(world)), {(a, b) for a in range(world) for b in range(a + 1, world)})
+    p2p = P2P(groups, rank, timeout_s=job["timeout"])
+    out = []
+    try:
+        hops = [None] * world
+        dist.all_gather_object(hops, _ping_pong(groups, rank, world))
+        out.append(statistics.median([x for xs in hops for x in xs]) if world > 1 else 0.0)
+        for sched, st in job["pairs"]:
+            low = lower(sched, st)
+            passes = sleep_passes(st, rank, low.placement, unit=job["unit_s"])
+            starts, ends = [], []
+            dist.barrier()
+            for _ in range(job["warmup"] + job["iterations"]):
+                dist.barrier()
+                starts.append(time.perf_counter())
+                execute(low.orders[rank], rank, low.placement, passes, p2p)
+                ends.append(time.perf_counter())
+            dist.barrier()
+            out.append({"starts": starts, "ends": ends})
+    finally:
+        groups.destroy()
+    return out
+
+
+def emulate_schedules(pairs: Sequence[Tuple[Schedule, Setting]], unit_s: float = 1e-3, iterations: int = 3,
+                      warmup: int = 1, timeout: float = 600.0) -> Tuple[float, List[List[float]]]:
+    """Run each (schedule, setting) -- any costs, per-microbatch ones included -- on its ranks' real
+    processes (one launch for all; every schedule the same pipeline size), each pass a wait of its
+    cost (``runtime.sleep_passes``), a barrier before every iteration (Megatron's synchronous step).
+    Returns the measured one-way hop of a small message (in the costs' unit) and, per pair, each
+    timed iteration's time: the slowest rank's end from the barrier exit, in the costs' unit."""
+    from .launch import run_cases
+
+    pairs = list(pairs)
+    ranks = {s.num_ranks for s, _ in pairs}
+    if len(ranks) != 1:
+        raise ValueError(f"one launch runs one pipeline size, got {sorted(ranks)}")
+    job = {"pairs": pairs, "unit_s": unit_s, "iterations": iterations, "warmup": warmup, "timeout": timeout}
+    per_rank = run_cases(_schedules_rank_main, [job], ranks.pop(), timeout=timeout, cpu_shims=False)[0]
+    times = []
+    for k in range(len(pairs)):
+        rs = [r[k + 1] for r in per_rank]
+        times.append([(max(r["ends"][i] for r in rs) - min(r["starts"][i] for r in rs)) / unit_s
+                      for i in range(warmup, warmup + iterations)])
+    return per_rank[0][0] / unit_s, times

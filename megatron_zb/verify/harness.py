@@ -270,6 +270,7 @@ def compare(case: VerifyCase, ranks: List[dict]) -> dict:
         "problems": problems,
         **aux,
         "overlapped_pairs": pairs,  # run as one pass through megatron's schedule plans, per iteration
+        **_balance_report(ranks),
         **_memory_report(ranks),
         **_offload_report(ranks),
         "megatron_core": ranks[0].get("megatron_version"),
@@ -337,6 +338,16 @@ def _replica_mismatches(ranks: List[dict], case: "VerifyCase") -> List[tuple]:
 def _equal(a, b) -> bool:
     import torch
     return a.shape == b.shape and bool(torch.equal(a, b))
+
+
+def _balance_report(ranks: List[dict]) -> dict:
+    """--zero-bubble-balance-microbatches: each iteration's microbatch count per replica and the
+    slowest rank's planning time (balancer + schedule)."""
+    rows = [r["balanced"] for r in ranks if r.get("balanced")]
+    if not rows:
+        return {}
+    return {"microbatches_per_replica": [it["microbatches_per_replica"] for it in rows[0]],
+            "balance_plan_ms": [round(max(r[i]["plan_seconds"] for r in rows) * 1e3, 3) for i in range(len(rows[0]))]}
 
 
 def _memory_report(ranks: List[dict]) -> dict:

@@ -173,6 +173,7 @@ def rank_case(case: VerifyCase) -> dict:
         losses, loss_parts, grads, params, times, offload, aux = [], [], [], [], [], [], []
         memory = None  # the last iteration's measured and predicted activation peak
         pairs = 0  # overlapped F&B pairs run as one pass (megatron's schedule plans), last iteration
+        balanced = []  # --zero-bubble-balance-microbatches: per iteration, each replica's microbatch count
         M.take_aux_losses()  # the reference's, or an earlier case's, are not this run's
         m = case.num_microbatches
         for it in range(case.iterations):
@@ -197,6 +198,9 @@ def rank_case(case: VerifyCase) -> dict:
             if getattr(fbo, "memory", None) is not None:
                 memory = fbo.memory
             pairs = getattr(fbo, "overlapped_pairs", 0)
+            if getattr(fbo, "balancer", None) is not None and fbo.balancer.last is not None:
+                balanced.append({"microbatches_per_replica": fbo.balancer.last.microbatches_per_replica,
+                                 "plan_seconds": fbo.balancer.last.plan_seconds})
             stats = getattr(fbo, "offload_stats", None)
             if stats is not None:
                 offload.append(dict(stats))
@@ -226,7 +230,7 @@ def rank_case(case: VerifyCase) -> dict:
     return {"rank": rank, "pp_rank": pp_rank, "tp_rank": tp_rank, "dp_rank": dp_rank, "reference": reference,
             "losses": losses if reports else None, "loss_parts": loss_parts if reports else None,
             "grads": grads, "params": params, "times": times, "aux_losses": aux, "memory": memory,
-            "overlapped_pairs": pairs,
+            "overlapped_pairs": pairs, "balanced": balanced,
             "wall_s": time.perf_counter() - t_start, "megatron_version": M.megatron_version(), "offload": offload,
             "stages": [i.stage for i in infos], "layers": [list(i.layers) for i in infos]}
 

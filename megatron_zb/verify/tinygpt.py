@@ -47,6 +47,7 @@ class TinyGPTConfig:
     init_std: float = 0.05
     # data
     variable_seq_lengths: bool = False  # each microbatch gets its own length (multiple of 4)
+    skewed_lengths: bool = False  # with variable_seq_lengths: 4..seq_length, most of them short (a long tail)
     loss_mask_prob: float = 0.1  # fraction of label positions masked out of the loss
 
     def to_dict(self) -> dict:
@@ -347,6 +348,9 @@ def _mb_lengths(cfg: TinyGPTConfig, num_microbatches: int, iteration: int) -> Li
     if not cfg.variable_seq_lengths:
         return [cfg.seq_length] * num_microbatches
     g = torch.Generator().manual_seed(name_seed(f"lengths/{iteration}", cfg.seed))
+    if cfg.skewed_lengths:  # u^3 of a uniform u: a few long microbatches among many short ones
+        u = torch.rand((num_microbatches,), generator=g) ** 3
+        return [4 + 4 * int(round(float(x) * (cfg.seq_length - 4) / 4)) for x in u]
     lo = max(4, (cfg.seq_length // 2) // 4 * 4)
     choices = list(range(lo, cfg.seq_length + 1, 4)) or [cfg.seq_length]
     return [choices[int(i)] for i in torch.randint(len(choices), (num_microbatches,), generator=g)]
