@@ -30,13 +30,13 @@ def _case(label, schedule, pp, placement, tp=1, chunks=None, ddp=False, optimize
             "lr": 0.1, "adam_lr": 1e-2}
 
 
-def _run(rank_pool, cases, world_size, mcore_version):
+def _run(rank_pool, cases, world_size):
+    """[(case, results per rank)] of one launch."""
     with tempfile.TemporaryDirectory(prefix="mzb-ckpt-") as tmp:
         for i, c in enumerate(cases):
             c["ckpt_dir"] = os.path.join(tmp, f"case{i}")
-        results = rank_pool(_ckpt_fns.resume_case, cases, world_size, timeout=150)
-    for case, ranks in zip(cases, results):
-        _check(case, ranks, mcore_version)
+        results = rank_pool(_ckpt_fns.resume_case, cases, world_size, timeout=600)
+    return list(zip(cases, results))
 
 
 def _check(case, ranks, mcore_version):
@@ -80,34 +80,46 @@ def _check(case, ranks, mcore_version):
                                                                      for i in range(4)}, tag
 
 
-def test_resume_from_megatron_checkpoint_pp2(rank_pool, mcore_version):
-    cases = [
-        _case("zb-h1 pp2", "zb-h1", 2, "single"),
-        _case("zb-v pp2", "zb-v", 2, "v", chunks=2),
-        # DDP's buffers in the checkpoint, and megatron's optimizer state on top (this case asserts
-        # everything a DDP case without the optimizer did: it replaced one, a checkpoint save and
-        # load per rank less)
-        _case("zb-v pp2 ddp + megatron adam", "zb-v", 2, "v", chunks=2, ddp=True, optimizer=True),
-    ]
-    _run(rank_pool, cases, 2, mcore_version)
+def _vp(label, vocab, resume_vocab, untied=True, **kw):
+    c = _case(label, "zb-v", 2, "v", chunks=2, **kw)
+    c.update(vocab=vocab, resume_vocab=resume_vocab, untied=untied)
+    return c
 
 
-def test_resume_across_vocabulary_parallelism(rank_pool, mcore_version):
-    """--enable-vocab-parallel (issue 33): saved with it, resumed with it (tied, Adam); saved with it,
-    resumed without it and the other way round (untied: the shards are the output layer's rows, torch_dist
-    reshards them)."""
-    def vp(label, vocab, resume_vocab, untied=True, **kw):
-        c = _case(label, "zb-v", 2, "v", chunks=2, **kw)
-        c.update(vocab=vocab, resume_vocab=resume_vocab, untied=untied)
-        return c
-    cases = [vp("zb-v pp2 vocab-parallel tied + adam", 1, 1, untied=False, ddp=True, optimizer=True),
-             vp("zb-v pp2 vocab-parallel -> without, tied", 2, None, untied=False),
-             vp("zb-v pp2 without -> vocab-parallel, untied + adam", None, 1, ddp=True, optimizer=True)]
-    # the resumed half computes the output layer as shards: Adam magnifies its rounding differences (the
-    # loaded weights are equal exactly; every loss within LOSS_ATOL)
-    cases[2]["param_atol"] = 1e-4
-    _run(rank_pool, cases, 2, mcore_version)
+PP2 = [
+    _case("zb-h1 pp2", "zb-h1", 2, "single"),
+    _case("zb-v pp2", "zb-v", 2, "v", chunks=2),
+    # DDP's buffers in the checkpoint, and megatron's optimizer state on top (this case asserts
+    # everything a DDP case without the optimizer did: it replaced one, a checkpoint save and
+    # load per rank less)
+    _case("zb-v pp2 ddp + megatron adam", "zb-v", 2, "v", chunks=2, ddp=True, optimizer=True),
+]
+# --enable-vocab-parallel (issue 33): saved with it, resumed with it (tied, Adam); saved with it, resumed
+# without it and the other way round (untied: the shards are the output layer's rows, torch_dist reshards them)
+VOCAB = [_vp("zb-v pp2 vocab-parallel tied + adam", 1, 1, untied=False, ddp=True, optimizer=True),
+         _vp("zb-v pp2 vocab-parallel -> without, tied", 2, None, untied=False),
+         # the resumed half computes the output layer as shards: Adam magnifies its rounding differences
+         # (the loaded weights are equal exactly; every loss within LOSS_ATOL)
+         dict(_vp("zb-v pp2 without -> vocab-parallel, untied + adam", None, 1, ddp=True, optimizer=True),
+              param_atol=1e-4)]
+
+
+@pytest.fixture(scope="module")
+def pp2_runs(rank_pool):
+    """Every PP=2 case (world size 2) in one launch: {label: results per rank}."""
+    return {c["label"]: ranks for c, ranks in _run(rank_pool, [dict(c) for c in PP2 + VOCAB], 2)}
+
+
+@pytest.mark.parametrize("case", PP2, ids=lambda c: c["label"])
+def test_resume_from_megatron_checkpoint_pp2(pp2_runs, case, mcore_version):
+    _check(case, pp2_runs[case["label"]], mcore_version)
+
+
+@pytest.mark.parametrize("case", VOCAB, ids=lambda c: c["label"])
+def test_resume_across_vocabulary_parallelism(pp2_runs, case, mcore_version):
+    _check(case, pp2_runs[case["label"]], mcore_version)
 
 
 def test_resume_from_megatron_checkpoint_tp2_pp2(rank_pool, mcore_version):
-    _run(rank_pool, [_case("zb-h1 tp2 pp2", "zb-h1", 2, "single", tp=2)], 4, mcore_version)
+    for case, ranks in _run(rank_pool, [_case("zb-h1 tp2 pp2", "zb-h1", 2, "single", tp=2)], 4):
+        _check(case, ranks, mcore_version)

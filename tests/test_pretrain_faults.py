@@ -60,7 +60,7 @@ def torch_runs(tmp_path_factory):
     run("1f1b from zb-v torch", SCHEDULE="1f1b", PP=2, ITERS=ITERS, LOAD=tmp / "torch", EXTRA_ARGS="--ckpt-format torch")
     conv = subprocess.run([sys.executable, "-m", "megatron_zb.megatron.convert_checkpoint", "--load", str(tmp / "torch"),
                            "--save", str(tmp / "torch-1f1b"), "--to-schedule", "1f1b", "--iteration", "2"],
-                          env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
+                          env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
     runs["convert"] = (conv.returncode, conv.stdout)
     run("1f1b from converted", SCHEDULE="1f1b", PP=2, ITERS=ITERS, LOAD=tmp / "torch-1f1b",
         EXTRA_ARGS="--ckpt-format torch --no-load-optim --exit-interval 3")
@@ -180,7 +180,7 @@ def test_preflight_names_the_bad_input(argv, world, message, monkeypatch):
 def test_the_launch_script_says_one_line_and_exits_2_before_torchrun(env, message):
     t0 = time.monotonic()
     proc = subprocess.run(["bash", SCRIPT], env=_env(MASTER_PORT=free_port(), PP=4, **env), cwd=ROOT,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=120)
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=600)
     secs = time.monotonic() - t0
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
@@ -231,7 +231,7 @@ class _Job:
     def text(self):
         return self.log_path.read_text()
 
-    def wait_for(self, pattern, timeout=300):
+    def wait_for(self, pattern, timeout=900):
         deadline = time.monotonic() + timeout
         while not re.search(pattern, self.text()):
             assert self.proc.poll() is None, f"the job ended (rc {self.proc.returncode}):\n{self.text()[-3000:]}"
@@ -267,7 +267,7 @@ def test_a_stopped_rank_is_named_by_every_rank_and_the_job_ends(tmp_path):
         assert sorted(job.ranks) == [0, 1, 2, 3], job.ranks
         t0 = time.monotonic()
         os.kill(job.ranks[2], signal.SIGSTOP)
-        rc = job.proc.wait(timeout=120)
+        rc = job.proc.wait(timeout=600)
         secs = time.monotonic() - t0
         text = job.text()
         errors = [line for line in text.splitlines() if line.startswith("megatron-zb: error:")]
@@ -319,7 +319,7 @@ def test_nothing_outlives_a_sigkilled_rank(tmp_path):
         helpers = _descendants(job.ranks[1])
         assert helpers, "a save started no helper process here: nothing to check"
         os.kill(job.ranks[1], signal.SIGKILL)
-        rc = job.proc.wait(timeout=120)
+        rc = job.proc.wait(timeout=600)
         assert rc != 0
         deadline = time.monotonic() + 15
         while any(_alive(p) for p in helpers) and time.monotonic() < deadline:
