@@ -296,6 +296,37 @@ def test_offload_without_cuda_needs_the_cpu_test_mode():
     assert "this machine has no CUDA device" in proc.stderr and "--zero-bubble-offload-cpu-test" in proc.stderr
 
 
+_WARMUP_CHECK = """
+import types
+from megatron_zb.megatron import cpu_shims
+cpu_shims.python_compat(); cpu_shims.apply()
+import megatron.training.initialize as init
+from megatron.training import global_vars
+calls = []
+init._warmup_jit_function = lambda *a, **k: calls.append(1)
+cpu_shims.apply_training(force=True)
+global_vars._GLOBAL_ARGS = types.SimpleNamespace(bias_gelu_fusion=False, bias_swiglu_fusion=False,
+                                                 bias_dropout_fusion=False)
+init._warmup_jit_function()
+assert calls == [], calls
+global_vars._GLOBAL_ARGS.bias_dropout_fusion = True
+init._warmup_jit_function()
+assert calls == [1], calls
+print("ok")
+"""
+
+
+@pytest.mark.megatron
+@needs_training
+def test_cpu_start_up_warms_up_no_fusion_that_is_off():
+    """Megatron's start-up torch.compiles the fused bias+activation and bias+dropout+add to warm them
+    up (a third of a tiny CPU run's start-up); on a CPU the fusions are off, so the shims skip it, and
+    run it when one is on."""
+    proc = subprocess.run([sys.executable, "-c", _WARMUP_CHECK], env=_env(), cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout[-2000:] + proc.stderr[-2000:]
+
+
 @pytest.mark.megatron
 @pytest.mark.skipif(_has_megatron_training(), reason="this megatron-core has megatron.training")
 def test_entry_point_says_what_it_needs_without_megatron_training():

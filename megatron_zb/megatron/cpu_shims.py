@@ -7,9 +7,9 @@ Used by the tests, ``megatron-zb verify`` and the CPU quickstart. Call it before
 
 Things it does NOT fix (use a supported configuration instead):
 * PP=2 with interleaving and ``batch_p2p_comm=True`` silently corrupts gradients in megatron's own
-  schedules (a tag-less batched send to the same peer in both directions). Our executor does not
-  use that path; for megatron's interleaved schedule set ``overlap_p2p_comm=True,
-  batch_p2p_comm=False`` (``megatron_zb.megatron.config_checks`` refuses the bad combination).
+  schedules (a tag-less batched send to the same peer in both directions). Our executor does not use
+  that path; megatron's interleaved schedule needs ``overlap_p2p_comm=True, batch_p2p_comm=False``
+  (``megatron_zb.megatron.config_checks`` refuses the bad combination).
 """
 from __future__ import annotations
 
@@ -326,8 +326,9 @@ def apply_training(force: bool = False) -> bool:
       inside are the ones ``apply()`` already made no-ops; the process group uses
       ``args.distributed_backend``, which must be ``gloo``).
 
-    * megatron-core <= 0.17 compiles its legacy fused CUDA kernels at start-up (with nvcc): not on a
-      CPU (the fusions are off there).
+    * megatron-core <= 0.17 compiles its legacy fused CUDA kernels at start-up (with nvcc), 0.18+
+      warms the fused bias+activation and bias+dropout+add up (``torch.compile``, a third of a tiny
+      run's start-up): neither on a CPU, where the fusions are off (``startup.machine_adjustments``).
     * ``validate_args`` asks for the GPU architecture (``get_device_arch_version``) with tensor or
       context parallelism: it answers 0 (no GPU), and ``CUDA_DEVICE_MAX_CONNECTIONS`` defaults to 1
       (Megatron's requirement for TP before Blackwell; meaningless on CPU).
@@ -343,7 +344,6 @@ def apply_training(force: bool = False) -> bool:
     import importlib
     init_mod = importlib.import_module("megatron.training.initialize")
     train_mod = importlib.import_module("megatron.training.training")
-
     orig_init = init_mod.initialize_megatron
 
     @functools.wraps(orig_init)
@@ -375,6 +375,14 @@ def apply_training(force: bool = False) -> bool:
         fused.load = lambda *a, **k: None
     except ImportError:
         pass
+    warmup = getattr(init_mod, "_warmup_jit_function", None)  # torch.compiles the fused bias+gelu/swiglu and
+    if warmup is not None and not getattr(warmup, "_mzb_shim", False):  # bias+dropout+add: only if they run
+        def warmup_if_fused(*a, **k):
+            args = importlib.import_module("megatron.training.global_vars").get_args()
+            if any(getattr(args, f, False) for f in ("bias_gelu_fusion", "bias_swiglu_fusion", "bias_dropout_fusion")):
+                return warmup(*a, **k)
+        warmup_if_fused._mzb_shim = True
+        init_mod._warmup_jit_function = warmup_if_fused
     args_mod = importlib.import_module("megatron.training.arguments")
     if hasattr(args_mod, "get_device_arch_version"):
         args_mod.get_device_arch_version = lambda: 0
