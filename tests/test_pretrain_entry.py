@@ -298,7 +298,7 @@ def test_offload_without_cuda_needs_the_cpu_test_mode():
 
 _WARMUP_CHECK = """
 import types
-from megatron_zb.megatron import cpu_shims
+from megatron_zb.megatron.cpu import cpu_shims
 cpu_shims.python_compat(); cpu_shims.apply()
 import megatron.training.initialize as init
 from megatron.training import global_vars

@@ -328,7 +328,7 @@ def apply_training(force: bool = False) -> bool:
 
     * megatron-core <= 0.17 compiles its legacy fused CUDA kernels at start-up (with nvcc), 0.18+
       warms the fused bias+activation and bias+dropout+add up (``torch.compile``, a third of a tiny
-      run's start-up): neither on a CPU, where the fusions are off (``startup.machine_adjustments``).
+      run's start-up): neither on a CPU, where the fusions are off (``launch.startup.machine_adjustments``).
     * ``validate_args`` asks for the GPU architecture (``get_device_arch_version``) with tensor or
       context parallelism: it answers 0 (no GPU), and ``CUDA_DEVICE_MAX_CONNECTIONS`` defaults to 1
       (Megatron's requirement for TP before Blackwell; meaningless on CPU).
