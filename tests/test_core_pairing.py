@@ -193,7 +193,8 @@ def test_emulated_pairs_run_as_one_pass_in_the_schedules_order():
     from megatron_zb.verify.emulate import Entry, emulate, predicted_iteration, schedule_for
     unit = 2e-3
     entries = [Entry("dualpipe-v"), Entry("zb-v")]
-    rows = emulate(entries, 4, 8, 10.0, 10.0, 6.0, unit_s=unit, iterations=2, warmup=1, timeout=900, cost_a2a=6.0)  # hang guard
+    # timeout: a hang guard (the 4 ranks start in seconds on a quiet host, minutes at a load of 50)
+    rows = emulate(entries, 4, 8, 10.0, 10.0, 6.0, unit_s=unit, iterations=2, warmup=1, timeout=900, cost_a2a=6.0)
     by = {r["label"]: r for r in rows}
     for name in ("dualpipe-v", "zb-v"):
         r = by[name]
