@@ -136,7 +136,8 @@ def main(argv=None):
             ours = {}
             for name, sched, layout, vp in methods(spec, vocab, args.quick):
                 r = best_vocab(spec, args) if sched is None else one(spec, sched, layout, vp, args)
-                ours[name] = {"schedule": r["schedule"], "layout": r["layout"], "vocab_parallel": r.get("vocab_parallel"),
+                ours[name] = {"schedule": r["schedule"], "layout": r["layout"],
+                              "vocab_parallel": r.get("vocab_parallel"),
                               "iteration_s": r["iteration_time_s"], "bubble": r["bubble_rate"],
                               "peak_gb": max(r["peak_bytes"]) / 1e9,
                               "activation_gb": [x / 1e9 for x in r["activation_bytes"]], "flags": r["flags"]}
@@ -165,7 +166,8 @@ def main(argv=None):
             print(f"{res['seq']:>5} {res['vocab'] // 1000:>5}k {name:<22}{tg}{o['gain_vs_baseline']:>7.3f}x{tr}"
                   f"{o['gain_vs_redis']:>10.3f}x{tm}{o['peak_gb']:>8.1f}  {o['schedule']} {o['layout']}")
         print()
-    vs = [r["theirs"]["vocab-1"]["vs_redis"] for r in results] + [r["theirs"]["vocab-1"]["vs_baseline"] for r in results]
+    vs = [r["theirs"]["vocab-1"]["vs_redis"] for r in results] + \
+        [r["theirs"]["vocab-1"]["vs_baseline"] for r in results]
     os_ = [r["ours"]["vocab-1"]["gain_vs_redis"] for r in results] + \
         [r["ours"]["vocab-1"]["gain_vs_baseline"] for r in results]
     print(f"vocab-1 over the naive layouts (baseline and redis): theirs {min(vs):.2f}-{max(vs):.2f}x, ours "

@@ -161,7 +161,8 @@ def vocab_speed(out):
     rows = d["rows"]
     print(f"Vocabulary parallelism with EMULATED compute: a GPT of {VOCAB_MODEL[0]}'s shape (vocabulary "
           f"{d['vocab_size']}, hidden {d['hidden_size']},\n{d['num_layers']} layers, sequence {d['seq_length']}: "
-          f"its output layer + loss {100 * d['output_share']:.1f}% of the FLOPs, {d['output_layers']:.2f} layers' worth) "
+          f"its output layer + loss {100 * d['output_share']:.1f}% of the FLOPs, "
+          f"{d['output_layers']:.2f} layers' worth) "
           f"on {d['pp']} real\nprocesses, {d['microbatches']} microbatches: Megatron's 1F1B with the best layout "
           "`megatron-zb plan` finds for it\nagainst plan's best schedule with vocabulary parallelism (its VS/VT/VW "
           "passes on every rank, barriers real\ngloo all-reduces). F/B/W from FLOPs at an H100's peak x 0.5; each "

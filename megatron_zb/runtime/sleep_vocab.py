@@ -5,11 +5,12 @@ collectives over the pipeline ranks, as the real runtime (``runtime.vocab``) mov
 
 * the loss stage's forward of microbatch j sends a small tensor to every other rank (group
   ``bcast``, tag j: the hidden states); a VS(j) on another rank waits for it;
-* **C0**: in VS(j) every rank joins an all-reduce (MAX, group ``c0``) of the time its VS ends
-  (issued as the pass begins: issuing a gloo collective takes a CPU rank a fraction of a
-  millisecond, an accelerator's stream next to nothing); VT(j) waits for it, then until that time plus the barrier's modelled transfer time
-  (``cost_comm``: the collective carries a few bytes here, the real one the statistics and the
-  input gradient's parts), as the simulator has it (``core.vocab.Barriers``);
+* **C0**: in VS(j) every rank joins an all-reduce (MAX, group ``c0``) of the time its VS is due
+  to end (issued as the pass begins: issuing a gloo collective takes a CPU rank a fraction of a
+  millisecond, an accelerator's stream next to nothing); VT(j) waits for it, then until that time
+  plus the barrier's modelled transfer time (``cost_comm``: the collective carries a few bytes
+  here, the real one the statistics and the input gradient's parts), as the simulator has it
+  (``core.vocab.Barriers``);
 * **C1** (two barriers): the same for VT(j) (group ``c1``); the loss stage's backward
   of j waits for it (with one barrier, for C0);
 * the loss stage's rank sends the loss scale at the end of its VT(j) (group ``scale``, tag j);
@@ -18,8 +19,8 @@ collectives over the pipeline ranks, as the real runtime (``runtime.vocab``) mov
 The two hand-overs from the loss stage's rank are point-to-point messages (``isend``, one per
 rank): a gloo broadcast would hold one of its group's two worker threads until the last rank
 joins, so a late rank would hold up the next microbatches' hand-overs to every rank (the
-simulator charges each a hop). Every barrier's all-reduce runs in microbatch order on every rank. The
-clocks are ``time.perf_counter`` (CLOCK_MONOTONIC: one clock for every process of a machine).
+simulator charges each a hop). Every barrier's all-reduce runs in microbatch order on every
+rank. The clocks are ``time.perf_counter`` (CLOCK_MONOTONIC: one clock for every process of a machine).
 
     vocab = SleepVocab(setting.vocab, rank, placement, unit=1e-3, groups=SleepVocab.groups(world))
     passes.vocab = vocab            # StagePasses of runtime.sleep_passes
@@ -72,10 +73,6 @@ class SleepVocab:
         """The four gloo groups over ranks 0..world-1 (every rank calls this, in the same order)."""
         ranks = list(range(world))
         return {name: dist.new_group(ranks, backend="gloo") for name in _GROUPS}
-
-    def destroy_groups(self) -> None:
-        for g in self.groups.values():
-            dist.destroy_process_group(g)
 
     def _seconds(self, kind: str) -> float:
         return self.vocab.cost(kind, self.rank) * self.unit
@@ -154,7 +151,8 @@ class SleepVocab:
         self.barrier_end.clear()
 
 
-def sleep_vocab(setting, rank: int, placement: Placement, unit: float, groups: Dict[str, object]) -> Optional[SleepVocab]:
+def sleep_vocab(setting, rank: int, placement: Placement, unit: float,
+                groups: Dict[str, object]) -> Optional[SleepVocab]:
     """A ``SleepVocab`` where ``setting`` has vocabulary passes (``setting.vocab``), else None."""
     if setting.vocab is None:
         return None
