@@ -49,9 +49,9 @@ LAYERS_PER_RANK = 2  # the tiny GPT has 2 x PP layers (one per V chunk)
 
 # Vocabulary parallelism, emulated: Llama-3.2-1B's shape (vocabulary 128256, hidden 2048, 16
 # layers, tied embeddings) at sequence 4096, costs from FLOPs at an H100's peak x 0.5 (plan's), each
-# pass sleeping VOCAB_SLOW_DOWN x its cost (the runtime's overheads then weigh a quarter as much)
+# pass sleeping VOCAB_SLOW_DOWN x its cost (the runtime's overheads then weigh an eighth as much)
 VOCAB_MODEL = ("llama-3.2-1b", 4096)
-VOCAB_SLOW_DOWN = 4.0
+VOCAB_SLOW_DOWN = 8.0
 VOCAB_ITERATIONS = 8
 
 LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ .*elapsed time per iteration \(ms\): ([\d.]+).*lm loss: ([\d.E+-]+)")
