@@ -24,9 +24,9 @@ ratios). Their headline: 5% to 51% more throughput than the naive approaches (RE
 
 Ours, simulated with the same shape: ``1f1b`` with their baseline and redis layouts, 1F1B + VP
 with one and two barriers, V-Half + VP (their V-Half branch: ``v-half`` here, 2 chunks per rank in a
-V, 2 layers per chunk), and plan's best schedule with VP (``--quick``, ``--no-best``: left out). F/B/W from
-FLOPs at an A100's 312 TFLOPS x ``--efficiency`` (0.6: their 1F1B + VP reaches 52-58% MFU at 5%
-bubble), the barriers' collectives at ``--vocab-gbps`` GB/s (NVLink within the host), memory by
+V, 2 layers per chunk), ZB-V + VP (the same placement, 1F1B's memory), and plan's best schedule with
+VP (``--quick``, ``--no-best``: left out). F/B/W from FLOPs at an A100's 312 TFLOPS x
+``--efficiency`` (0.6: their 1F1B + VP reaches 52-58% MFU at 5% bubble), the barriers' collectives at ``--vocab-gbps`` GB/s (NVLink within the host), memory by
 Megatron's per-layer formula plus model states at 18 bytes per parameter (fp16 with fp32 master
 weights and Adam; they use the distributed optimizer with DP=1, the same). Throughput gains are
 iteration-time ratios (the same FLOPs per iteration in every method of a setting).
@@ -104,7 +104,8 @@ def one(spec, schedule, layout, vocab, args):
 def methods(spec, vocab, quick):
     even = from_counts([LAYERS // P] * P)
     out = [("baseline", "1f1b", even, None), ("redis", "1f1b", from_counts(redis_counts(REDIS_LAST[vocab])), None),
-           ("vocab-1", "1f1b", None, 1), ("vocab-2", "1f1b", None, 2), ("v-half + vocab-1", "v-half", None, 1)]
+           ("vocab-1", "1f1b", None, 1), ("vocab-2", "1f1b", None, 2), ("v-half + vocab-1", "v-half", None, 1),
+           ("zb-v + vocab-1", "zb-v", None, 1)]
     if not quick:
         out.append(("plan's best + vocab-1", None, None, 1))
     return out
