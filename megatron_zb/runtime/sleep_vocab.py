@@ -39,6 +39,8 @@ from .sleep_passes import precise_sleep
 
 __all__ = ["SleepVocab", "sleep_vocab"]
 
+_GROUPS = ("bcast", "c0", "c1", "scale")
+
 
 class _All:
     """Several requests waited for as one."""
@@ -49,8 +51,6 @@ class _All:
     def wait(self):
         for w in self.works:
             w.wait()
-
-_GROUPS = ("bcast", "c0", "c1", "scale")
 
 
 class SleepVocab:
@@ -99,7 +99,6 @@ class SleepVocab:
         t = torch.tensor([end], dtype=torch.float64)
         self._async(which, mb, dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.groups[which], async_op=True), t)
 
-    # -- what the executor calls ----------------------------------------------------------------
     def _send(self, what: str, mb: int, shape) -> None:
         """The loss stage's rank: a small tensor to every other rank (tag ``mb``)."""
         t = torch.full(shape, float(mb))
@@ -110,6 +109,7 @@ class SleepVocab:
         t = torch.empty(shape)
         dist.irecv(t, self.loss_rank, group=self.groups[what], tag=mb).wait()
 
+    # -- what the executor calls ----------------------------------------------------------------
     def loss_output(self, mb: int, out) -> None:
         """The loss stage's forward of ``mb`` ended: its hidden states to every rank."""
         self._send("bcast", mb, self.shape)
@@ -127,7 +127,7 @@ class SleepVocab:
         if not self.is_loss_rank:  # the hidden states from the loss stage's rank
             self._recv("bcast", mb, self.shape)
         end = time.perf_counter() + self._seconds(VS)
-        self._join_barrier("c0", mb, end)  # issued inside the pass: the issue itself takes a gloo rank ~0.2 ms
+        self._join_barrier("c0", mb, end)  # issued as the pass begins: issuing takes a gloo rank ~0.2 ms
         precise_sleep(end - time.perf_counter())
 
     def _vt(self, mb: int) -> None:
