@@ -1,0 +1,121 @@
+"""Megatron's optimizer CPU offload (``--optimizer-cpu-offload --optimizer-offload-fraction F``,
+``megatron.core.optimizer.cpu_offloading.HybridDeviceOptimizer``) with megatron-zb.
+
+Megatron splits each rank's optimizer parameters (its main parameters, or the distributed
+optimizer's shards) in order: the first ``F`` of the elements on the GPU go to the host, where a
+CPU copy of each parameter, its gradient's host copy and its Adam state live and a torch CPU
+optimizer updates them; the rest stay with the GPU optimizer. After each CPU step the updated copy
+goes back to the GPU parameter. megatron-zb's schedules leave all of this to Megatron; what this
+module adds:
+
+* ``use_cpu_as_device()``: on a CPU-only torch every tensor is a host tensor, so Megatron's split
+  (``param.is_cuda``) would offload nothing. Here the parameters handed to a
+  ``HybridDeviceOptimizer`` count as device parameters while it splits them, so the fraction, the
+  CPU copies, the gradient copies, the per-parameter CPU optimizers and the copy back all run as on
+  a GPU (host and "device" are the same memory; page-locking is skipped without a GPU). On a
+  machine with CUDA it does nothing.
+* ``offload_tensors(optimizer)``: what a post-validated step changes besides the main parameters
+  and ``optimizer.state``: the CPU copies (and fp32 copies) of the parameters and the state of each
+  sub-optimizer (keyed by those copies). ``megatron.optimizer`` saves and restores them so a
+  rolled-back eager step leaves no trace on the host either.
+* ``per_rank_fraction(...)``: ``--zero-bubble-optimizer-offload auto``'s share for this rank (the
+  core's ``optimizer_offload.auto_fractions``) as Megatron's ``optimizer_offload_fraction``.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, List, Tuple
+
+import torch
+
+__all__ = ["use_cpu_as_device", "is_hybrid", "offload_tensors", "sub_optimizers", "offloaded_numel"]
+
+_PATCHED = False
+
+
+def use_cpu_as_device() -> bool:
+    """On a CPU-only torch, make ``HybridDeviceOptimizer`` split its parameters by the fraction as
+    if they were on a GPU. Returns True if the adjustment is active (idempotent)."""
+    global _PATCHED
+    if torch.cuda.is_available():
+        return False
+    if _PATCHED:
+        return True
+    from megatron.core.optimizer.cpu_offloading import hybrid_optimizer as H
+    cls = H.HybridDeviceOptimizer
+    orig = cls._get_sub_optimizer_param_groups
+
+    def split(self, offload_fraction):
+        with _cpu_as_device():
+            return orig(self, offload_fraction)
+    split.__wrapped__ = orig
+    cls._get_sub_optimizer_param_groups = split
+    init = cls.__init__
+
+    def unpinned(self, *a, **k):  # no page-locked memory without a GPU
+        k["pin_cpu_grads"] = k["pin_cpu_params"] = False
+        init(self, *a, **k)
+    unpinned.__wrapped__ = init
+    cls.__init__ = unpinned
+    from megatron.core.optimizer import optimizer_config as C
+    te_min = C.is_te_min_version
+
+    def is_te_min_version(*a, **k):  # the precision-aware config asks; no TE is no version
+        from megatron.core.utils import get_te_version
+        return False if get_te_version() is None else te_min(*a, **k)
+    C.is_te_min_version = is_te_min_version
+    _PATCHED = True
+    return True
+
+
+@contextlib.contextmanager
+def _cpu_as_device() -> Iterator[None]:
+    """While Megatron splits: every tensor reports ``is_cuda`` (the CPU is the device here) except
+    the host copies ``.cpu()`` makes, and ``pin_memory()`` keeps the tensor (no GPU to page-lock
+    for)."""
+    host = {}
+    orig_cpu = torch._C.TensorBase.cpu
+
+    def cpu(t, *a, **k):
+        out = orig_cpu(t, *a, **k)
+        if out is t:  # already in host memory: a host copy is its own tensor
+            out = t.detach().clone()
+        host[id(out)] = out
+        return out
+    torch.Tensor.is_cuda = property(lambda t: id(t) not in host)
+    torch.Tensor.cpu = cpu
+    torch.Tensor.pin_memory = lambda t, *a, **k: t
+    try:
+        yield
+    finally:
+        del torch.Tensor.is_cuda, torch.Tensor.pin_memory, torch.Tensor.cpu
+
+
+def is_hybrid(opt) -> bool:
+    try:
+        from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+    except ImportError:  # pragma: no cover - every supported megatron-core has it
+        return False
+    return isinstance(opt, HybridDeviceOptimizer)
+
+
+def sub_optimizers(opt) -> List:
+    """The torch optimizers that hold state: a ``HybridDeviceOptimizer``'s CPU and GPU ones, or
+    the optimizer itself."""
+    return list(opt.sub_optimizers) if is_hybrid(opt) else [opt]
+
+
+def offload_tensors(opt) -> List[torch.Tensor]:
+    """The parameter copies a ``HybridDeviceOptimizer`` steps besides its own parameters: the
+    host copies of the offloaded ones and the fp32 copies (empty for another optimizer)."""
+    if not is_hybrid(opt):
+        return []
+    return list(opt.gpu_params_map_cpu_copy.values()) + list(opt.param_to_fp32_param.values())
+
+
+def offloaded_numel(opt) -> Tuple[int, int]:
+    """(elements whose optimizer state lives on the host, all elements) of one optimizer."""
+    total = sum(p.numel() for g in opt.param_groups for p in g["params"])
+    if not is_hybrid(opt):
+        return 0, total
+    return sum(p.numel() for p in opt.gpu_params_map_cpu_copy), total
