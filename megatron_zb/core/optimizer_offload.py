@@ -102,7 +102,7 @@ def memory_curve(timeline, rank: int, setting, unit: float = 1.0) -> List[Tuple[
         a = t.action
         d = setting.pass_mem(a.kind, rank, a.stage, a.mb) * unit
         events.append((t.start if d > 0 else t.end, d))
-    events.sort(key=lambda e: (e[0], -e[1]))
+    events.sort(key=lambda e: (e[0], e[1]))  # at one instant, what ends frees before what starts
     cur, out = 0.0, [(0.0, 0.0)]
     for when, d in events:
         cur += d
