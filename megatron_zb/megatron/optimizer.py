@@ -198,11 +198,9 @@ class PostValidator:
                 if self.optimizer.config.log_num_zeros_in_grad:
                     zeros = float(sum(p.count_zeros() for p in self.parts))
         # the step's gradients: .grad, or .decoupled_grad (the precision-aware path, Megatron's CPU offload)
-        eager.grads = [(prm, prm.grad.clone()) for part in self.parts if part.optimizer is not None
-                       for g in part.optimizer.param_groups for prm in g["params"] if prm.grad is not None] + \
-            [(prm, ("decoupled_grad", prm.decoupled_grad.clone())) for part in self.parts
-             if part.optimizer is not None for g in part.optimizer.param_groups for prm in g["params"]
-             if getattr(prm, "decoupled_grad", None) is not None]
+        eager.grads = [(prm, g.clone() if k == "grad" else (k, g.clone())) for part in self.parts
+                       if part.optimizer is not None for grp in part.optimizer.param_groups for prm in grp["params"]
+                       for k in ("grad", "decoupled_grad") for g in [getattr(prm, k, None)] if g is not None]
         local_norm = math.sqrt(sumsq)
         certain = any(eager.found) or any(c > 0 and c / (local_norm + 1.0e-6) < 1.0 - MARGIN for c in self._clips()) \
             or local_norm > self._skip_threshold() * (1.0 + MARGIN)
@@ -263,10 +261,7 @@ class PostValidator:
                 if _has_scaler(part):
                     part.grad_scaler.update(False)
             for prm, g in eager.grads:
-                if isinstance(g, tuple):
-                    setattr(prm, g[0], g[1])
-                else:
-                    prm.grad = g
+                setattr(prm, *(g if isinstance(g, tuple) else ("grad", g)))
             self.optimizer.prepare_grads = lambda: False  # the gradients are prepared already
             try:
                 ok, norm, zeros = self._megatron_step()  # Megatron's own norm, clipping, zero count, step

@@ -426,8 +426,8 @@ def _check_optimizer_options(case: VerifyCase) -> None:
         case.loss_atol = HALF_LOSS_ATOL
     if case.clip_grad < 0 or not math.isfinite(case.clip_grad):
         raise VerifyUsageError(f"--clip-grad must be a number >= 0, got {case.clip_grad}")
-    from .optimizer_cases import check_offload
-    check_offload(case)
+    from .offload_auto import check_offload
+    check_offload(case, VerifyUsageError)
     if case.inject_nonfinite_at is not None:
         if not 0 <= case.inject_nonfinite_at < case.iterations:
             raise VerifyUsageError(f"--inject-nonfinite-at must be an iteration 0..{case.iterations - 1}, "

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import List
 
-__all__ = ["rank_needs", "verify_auto_fractions"]
+__all__ = ["check_offload", "rank_needs", "verify_auto_fractions"]
 
 
 def rank_needs(case):
@@ -50,3 +50,23 @@ def verify_auto_fractions(case) -> List[float]:
         budget = states[r] * 0.5 + fixed[r] + act[r]
     out = auto_fractions(states, fixed, act, budget)
     return [1.0 if f is None else f for f in out]
+
+
+def check_offload(case, error) -> None:
+    """``optimizer_offload``: None, a fraction 0..1 or 'auto' (``error``: the usage error to raise)."""
+    f = case.optimizer_offload
+    if f is None:
+        return
+    if case.pipeline_parallel_size < 2:
+        raise error("--optimizer-offload needs --pipeline-parallel-size >= 2 (the reference trains without)")
+    if case.use_distributed_optimizer and not (case.bf16 or case.fp16):
+        raise error("--optimizer-offload with --use-distributed-optimizer needs --bf16 (megatron-core's CPU "
+                               "offload cannot take the distributed optimizer's fp32 shards: a non-leaf tensor)")
+    if (case.bf16 or case.fp16) and not case.use_distributed_optimizer:
+        raise error("--optimizer-offload with --bf16/--fp16 needs --use-distributed-optimizer (Megatron's "
+                               "CPU offload runs with the distributed optimizer's precision-aware path)")
+    if f == "auto":
+        return
+    if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f <= 1.0:
+        raise error(f"--optimizer-offload must be a fraction 0..1 or 'auto', got {f!r}")
+    case.optimizer_offload = float(f)

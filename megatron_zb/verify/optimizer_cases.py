@@ -91,27 +91,6 @@ def build(case, placement, overrides: dict):
     return chunks, opt, config
 
 
-def check_offload(case) -> None:
-    """``optimizer_offload``: None, a fraction 0..1 or 'auto'."""
-    from .case import VerifyUsageError
-    f = case.optimizer_offload
-    if f is None:
-        return
-    if case.pipeline_parallel_size < 2:
-        raise VerifyUsageError("--optimizer-offload needs --pipeline-parallel-size >= 2 (the reference trains without)")
-    if case.use_distributed_optimizer and not (case.bf16 or case.fp16):
-        raise VerifyUsageError("--optimizer-offload with --use-distributed-optimizer needs --bf16 (megatron-core's CPU "
-                               "offload cannot take the distributed optimizer's fp32 shards: a non-leaf tensor)")
-    if (case.bf16 or case.fp16) and not case.use_distributed_optimizer:
-        raise VerifyUsageError("--optimizer-offload with --bf16/--fp16 needs --use-distributed-optimizer (Megatron's "
-                               "CPU offload runs with the distributed optimizer's precision-aware path)")
-    if f == "auto":
-        return
-    if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f <= 1.0:
-        raise VerifyUsageError(f"--optimizer-offload must be a fraction 0..1 or 'auto', got {f!r}")
-    case.optimizer_offload = float(f)
-
-
 def rank_offload_fraction(case, placement):
     """This rank's share of optimizer state on the host (Megatron's optimizer_offload_fraction),
     or None without offload. The reference (one rank, ``placement.num_ranks == 1``) trains with
