@@ -111,7 +111,7 @@ def test_plan_rows_fit_with_the_offloaded_states():
     o = rows["zb-h2"]["optimizer_offload"]
     assert rows["zb-h2"]["fits"] and max(o["peak_bytes_with"]) <= 40.0 * 2 ** 30
     assert o["peak_bytes_without"] == plain["zb-h2"]["peak_bytes"]
-    assert any(f > 0 for f in o["fractions"]) and "--optimizer-cpu-offload" in rows["zb-h2"]["flags"]
+    assert any(f > 0 for f in o["fractions"]) and "--zero-bubble-optimizer-offload" in rows["zb-h2"]["flags"]
     # a row that fits keeps its states, but its optimizer step is counted as well
     assert "optimizer_offload" not in rows["1f1b"] and rows["1f1b"]["iteration_time_s"] > plain["1f1b"]["iteration_time_s"]
     static = {r["schedule"]: r for r in plan(spec, 4, 16, 40.0, optimizer_offload="auto", **kw)}

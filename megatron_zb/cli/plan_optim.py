@@ -13,10 +13,11 @@ GIB = 2.0 ** 30
 
 def add_optimizer_offload_args(pn) -> None:
     g = pn.add_argument_group("optimizer states in host memory (docs/optimizer_offload.md)")
-    g.add_argument("--optimizer-offload", choices=("auto", "trough"), default=None,
-                   help="count every rank's optimizer step; a row that does not fit puts each rank's own share of "
-                        "its Adam states on the host, updated on the CPU (auto, Megatron's CPU offload per rank) "
-                        "or visiting the GPU in the pipeline's troughs (trough)")
+    g.add_argument("--optimizer-offload", choices=("static", "auto", "trough"), default=None,
+                   help="count every rank's optimizer step; a row that does not fit puts Adam states on the host: "
+                        "one share for all ranks updated on the CPU (static, Megatron's --optimizer-offload-fraction), "
+                        "each rank its own share (auto) or its own share visiting the GPU in the pipeline's troughs "
+                        "(trough)")
     g.add_argument("--cpu-adam-gbps", type=positive_float("--cpu-adam-gbps"), default=None, metavar="GB/s",
                    help="memory traffic rate of a CPU Adam update per GPU (default 25: one GPU's share of the host)")
     g.add_argument("--gpu-adam-gbps", type=positive_float("--gpu-adam-gbps"), default=None, metavar="GB/s",

@@ -6,6 +6,7 @@ Every row with this option counts its optimizer step per rank (the row's ``cost_
 the modelled update), so rows with and without offload compare on the same footing:
 
 * ``none``: every state on the GPU, step = the fused GPU update of the rank's parameters;
+* ``static``: Megatron's one fraction for every rank (the largest rank's need), CPU updates;
 * ``auto``: each rank's share from its own need (``auto_fractions``), updated on the CPU
   (Megatron's ``HybridDeviceOptimizer`` with that rank's fraction);
 * ``trough``: the same shares, visiting the GPU in the trough where that is faster.
@@ -21,7 +22,7 @@ from .optimizer_offload import ADAM_STATE_BYTES, HostCosts, auto_fractions, devi
 
 __all__ = ["MODES", "apply"]
 
-MODES = ("auto", "trough")
+MODES = ("static", "auto", "trough")
 
 
 def _busy(res, r: int):
@@ -52,6 +53,8 @@ def apply(out: dict, built, spec, params: List[float], unit: float, budget: floa
     if out["fits"]:
         return out
     fractions = auto_fractions(offloadable, fixed, act, budget)
+    if mode == "static" and all(f is not None for f in fractions):
+        fractions = [max(fractions)] * p
     info = {"mode": mode, "fractions": fractions, "peak_bytes_without": list(out["peak_bytes"]),
             "iteration_time_without_s": it0.iteration_time,
             "iteration_time_post_validated_without_s": it0.iteration_time_post_validated}
@@ -81,7 +84,9 @@ def apply(out: dict, built, spec, params: List[float], unit: float, budget: floa
     out.update(peak_bytes=with_, fits=max(with_) <= budget, step_time_s=steps, iteration_time_s=it.iteration_time,
                iteration_time_post_validated_s=it.iteration_time_post_validated)
     shares = ",".join(f"{f:g}" for f in fractions)
-    out["flags"] += (" --optimizer-cpu-offload --use-precision-aware-optimizer --use-distributed-optimizer"
-                     f" --zero-bubble-optimizer-offload {'trough' if mode == 'trough' else 'auto'}"
-                     f"  # per-rank shares {shares}")
+    out["flags"] += " --optimizer-cpu-offload --use-precision-aware-optimizer --use-distributed-optimizer"
+    if mode == "static":
+        out["flags"] += f" --optimizer-offload-fraction {fractions[0]:g}"
+    else:  # each rank its own share (the trough schedule itself is the plan's model: docs/optimizer_offload.md)
+        out["flags"] += f" --zero-bubble-optimizer-offload {shares}"
     return out
