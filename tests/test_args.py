@@ -535,3 +535,29 @@ def test_the_readme_schedule_table_is_the_registry():
         style = core_schedules.get(name).placement
         word = {"single": "1 stage/rank", "looped": "looped", "v": "V", "bitpipe": "two V"}[style]
         assert word in row.split("|")[2], (name, row)
+
+
+def test_optimizer_offload_shares_per_rank():
+    def parser_with_offload():
+        parser = argparse.ArgumentParser(allow_abbrev=False)
+        chain_providers(_megatron_like, add_zero_bubble_args)(parser)
+        parser.add_argument("--optimizer-cpu-offload", action="store_true")
+        parser.add_argument("--use-precision-aware-optimizer", action="store_true")
+        return parser
+    p = int(BASE.split("--pipeline-model-parallel-size")[1].split()[0])
+    shares = ",".join(["0.5"] + ["0"] * (p - 1))
+    args = parser_with_offload().parse_args((BASE + f" --zero-bubble-schedule zb-h1 --optimizer-cpu-offload "
+                                             f"--use-precision-aware-optimizer --enable-optimizer-post-validation "
+                                             f"--zero-bubble-optimizer-offload {shares}").split())
+    kw = validate_zero_bubble_args(args, before_megatron_validation=True)
+    assert kw["post_validation"] is True and args.zero_bubble_optimizer_offload == [0.5] + [0.0] * (p - 1)
+    args = parser_with_offload().parse_args((BASE + f" --zero-bubble-schedule zb-h1 "
+                                             f"--zero-bubble-optimizer-offload {shares}").split())
+    with pytest.raises(ZeroBubbleArgumentError, match="add --optimizer-cpu-offload"):
+        validate_zero_bubble_args(args, before_megatron_validation=True)
+    args = parser_with_offload().parse_args((BASE + " --zero-bubble-schedule zb-h1 --optimizer-cpu-offload "
+                                             "--zero-bubble-optimizer-offload 0.5").split())
+    with pytest.raises(ZeroBubbleArgumentError, match="one share per pipeline rank"):
+        validate_zero_bubble_args(args, before_megatron_validation=True)
+    with pytest.raises(SystemExit):
+        parser_with_offload().parse_args((BASE + " --zero-bubble-optimizer-offload 1.5").split())

@@ -18,8 +18,9 @@ module adds:
   and ``optimizer.state``: the CPU copies (and fp32 copies) of the parameters and the state of each
   sub-optimizer (keyed by those copies). ``megatron.optimizer`` saves and restores them so a
   rolled-back eager step leaves no trace on the host either.
-* ``per_rank_fraction(...)``: ``--zero-bubble-optimizer-offload auto``'s share for this rank (the
-  core's ``optimizer_offload.auto_fractions``) as Megatron's ``optimizer_offload_fraction``.
+* ``use_rank_shares(shares)``: ``--zero-bubble-optimizer-offload S0,S1,...`` (what ``megatron-zb
+  plan --optimizer-offload`` prints; the core's ``optimizer_offload.auto_fractions``): each
+  pipeline rank's ``HybridDeviceOptimizer`` takes its own share as ``offload_fraction``.
 """
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ from typing import Iterator, List, Tuple
 
 import torch
 
-__all__ = ["use_cpu_as_device", "is_hybrid", "offload_tensors", "sub_optimizers", "offloaded_numel"]
+__all__ = ["use_cpu_as_device", "is_hybrid", "offload_tensors", "sub_optimizers", "offloaded_numel", "parse_shares",
+           "use_rank_shares"]
 
 _PATCHED = False
 
@@ -119,3 +121,41 @@ def offloaded_numel(opt) -> Tuple[int, int]:
     if not is_hybrid(opt):
         return 0, total
     return sum(p.numel() for p in opt.gpu_params_map_cpu_copy), total
+
+
+def parse_shares(text: str):
+    """``--zero-bubble-optimizer-offload``: 'auto' or one share 0..1 per pipeline rank, comma-separated."""
+    t = str(text).strip().lower()
+    if t == "auto":
+        return t
+    try:
+        out = [float(x) for x in t.split(",")]
+    except ValueError:
+        out = []
+    if not out or not all(0.0 <= x <= 1.0 for x in out):
+        raise ValueError(f"--zero-bubble-optimizer-offload takes 'auto' or one share 0..1 per pipeline rank "
+                         f"(comma-separated), got {text!r}")
+    return out
+
+
+def use_rank_shares(shares: List[float]):
+    """Every ``HybridDeviceOptimizer`` built from now on takes this pipeline rank's share as its
+    ``offload_fraction`` (Megatron's ``--optimizer-offload-fraction``, one value for all ranks,
+    is what it replaces). Returns a function that undoes it."""
+    from megatron.core import parallel_state
+    from megatron.core.optimizer.cpu_offloading import hybrid_optimizer as H
+    cls = H.HybridDeviceOptimizer
+    init = cls.__init__
+
+    def per_rank(self, *a, **k):
+        k["offload_fraction"] = float(shares[parallel_state.get_pipeline_model_parallel_rank()])
+        if len(a) > 1:  # (params, offload_fraction, ...) given by position
+            a = (a[0],) + a[2:]
+        init(self, *a, **k)
+    per_rank.__wrapped__ = init
+    cls.__init__ = per_rank
+
+    def undo():
+        if cls.__init__ is per_rank:
+            cls.__init__ = init
+    return undo

@@ -71,6 +71,15 @@ class TrainingSession:
             if pl.style in ("v", "bitpipe"):
                 from .routing import route_losses_to_last_rank
                 self._undos.append(route_losses_to_last_rank(pl.loss_rank))
+            shares = getattr(args, "zero_bubble_optimizer_offload", None)
+            if getattr(args, "optimizer_cpu_offload", False):
+                from .optimizer_offload import use_cpu_as_device
+                use_cpu_as_device()  # on a CPU-only torch: the CPU stands in for the GPU (nothing with CUDA)
+            if shares is not None:  # each pipeline rank's own share of Megatron's CPU offload
+                from .optimizer_offload import use_rank_shares
+                self._undos.append(use_rank_shares(shares))
+                print0("megatron-zb: optimizer states on the host per pipeline rank: "
+                       + ", ".join(f"{x:g}" for x in shares))
             if zb.get("post_validation"):
                 from .optimizer import FORK_MIN_CLEAN_STEPS, patch_megatron_training
                 n = getattr(args, "zero_bubble_post_validation_min_clean_steps", None)

@@ -76,9 +76,13 @@ def build(case, placement, overrides: dict):
     if case.fp16:
         kw["initial_loss_scale"] = case.initial_loss_scale
     fraction = rank_offload_fraction(case, placement)
+    undo = None
     if fraction is not None:
-        from ..megatron.optimizer_offload import use_cpu_as_device
+        from ..megatron.optimizer_offload import use_cpu_as_device, use_rank_shares
         use_cpu_as_device()
+        if isinstance(fraction, list):
+            undo = use_rank_shares(fraction)
+            fraction = 0.0  # replaced by this rank's share
         kw.update(optimizer_cpu_offload=True, optimizer_offload_fraction=fraction)
         if case.use_distributed_optimizer:  # Megatron's training arguments require it with the offload
             kw["use_precision_aware_optimizer"] = True
@@ -86,7 +90,11 @@ def build(case, placement, overrides: dict):
                            clip_grad=case.clip_grad, bf16=case.bf16, fp16=case.fp16, params_dtype=_dtype(case),
                            use_distributed_optimizer=case.use_distributed_optimizer, loss_scale=case.loss_scale,
                            log_num_zeros_in_grad=True, **kw)
-    opt = get_megatron_optimizer(ocfg, list(chunks), use_gloo_process_groups=False)
+    try:
+        opt = get_megatron_optimizer(ocfg, list(chunks), use_gloo_process_groups=False)
+    finally:
+        if undo is not None:
+            undo()
     config.grad_scale_func = opt.scale_loss
     return chunks, opt, config
 
@@ -102,10 +110,9 @@ def rank_offload_fraction(case, placement):
         return None
     if placement.num_ranks == 1:
         return 0.5 if f == "auto" else float(f)
-    if f == "auto":
+    if f == "auto":  # each rank its share, set as training sets it (--zero-bubble-optimizer-offload S0,S1,..)
         from .offload_auto import verify_auto_fractions
-        from megatron.core import parallel_state
-        return verify_auto_fractions(case)[parallel_state.get_pipeline_model_parallel_rank()]
+        return verify_auto_fractions(case)
     return float(f)
 
 
