@@ -1,6 +1,6 @@
 """Megatron's optimizer CPU offload (``--optimizer-cpu-offload``, ``HybridDeviceOptimizer``) under
 megatron-zb's schedules with optimizer post-validation, on real megatron-core (gloo processes;
-the CPU stands in for the GPU, ``megatron.optimizer_offload.use_cpu_as_device``): a static
+the CPU stands in for the GPU, ``megatron.features.optimizer_offload.use_cpu_as_device``): a static
 fraction and per-rank shares ('auto'), fp32 and bf16 with the distributed optimizer (Megatron's
 precision-aware path), clipping (rollbacks), an injected non-finite gradient (a skipped step),
 activation offload on top. Each run must be bit-identical to the synchronous pipelined run and

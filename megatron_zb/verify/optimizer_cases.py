@@ -55,8 +55,8 @@ def build(case, placement, overrides: dict):
     """(DDP-wrapped chunks, Megatron optimizer, transformer config) for this process's stages."""
     import torch
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from ..megatron import placement as _pl
-    from ..megatron.finalize import configure_grad_sync
+    from ..megatron.layout import placement as _pl
+    from ..megatron.execution.finalize import configure_grad_sync
     from . import tinygpt as M
     cfg = case.model_config()
     chunks = M.build_model_chunks(cfg, placement, layers_per_stage=case.layers_per_stage,
@@ -78,7 +78,7 @@ def build(case, placement, overrides: dict):
     fraction = rank_offload_fraction(case, placement)
     undo = None
     if fraction is not None:
-        from ..megatron.optimizer_offload import use_cpu_as_device, use_rank_shares
+        from ..megatron.features.optimizer_offload import use_cpu_as_device, use_rank_shares
         use_cpu_as_device()
         if isinstance(fraction, list):
             undo = use_rank_shares(fraction)
@@ -118,8 +118,8 @@ def rank_offload_fraction(case, placement):
 
 def inject_nonfinite(chunks) -> int:
     """Set the first element of NONFINITE_PARAM's gradient to inf on every copy this rank holds."""
-    from ..megatron.finalize import grad_of
-    from ..megatron.placement import unwrap
+    from ..megatron.execution.finalize import grad_of
+    from ..megatron.layout.placement import unwrap
     n = 0
     for c in chunks:
         for _, p in unwrap(c).named_parameters():
@@ -177,7 +177,7 @@ def train(case, chunks, opt, fb, holds_loss: bool, tag: str, validator=None, rep
 
 def _offloaded(opt) -> list:
     """[elements with host-resident optimizer state, all elements] of this rank's optimizer."""
-    from ..megatron.optimizer_offload import offloaded_numel
+    from ..megatron.features.optimizer_offload import offloaded_numel
     parts = list(getattr(opt, "chained_optimizers", None) or [opt])
     out = [0, 0]
     for part in parts:
@@ -210,7 +210,7 @@ def rank_runs(case, placement, install_fn, fb_fn) -> Dict[str, dict]:
     post-validated one (each from freshly initialised parallel state, model and optimizer)."""
     from megatron.core import parallel_state
 
-    from ..megatron import placement as _pl
+    from ..megatron.layout import placement as _pl
     from . import tinygpt as M
     out = {}
     modes = ["synchronous"] + (["post-validated"] if case.post_validation else [])

@@ -16,7 +16,7 @@ module adds:
   machine with CUDA it does nothing.
 * ``offload_tensors(optimizer)``: what a post-validated step changes besides the main parameters
   and ``optimizer.state``: the CPU copies (and fp32 copies) of the parameters and the state of each
-  sub-optimizer (keyed by those copies). ``megatron.optimizer`` saves and restores them so a
+  sub-optimizer (keyed by those copies). ``features.optimizer`` saves and restores them so a
   rolled-back eager step leaves no trace on the host either.
 * ``use_rank_shares(shares)``: ``--zero-bubble-optimizer-offload S0,S1,...`` (what ``megatron-zb
   plan --optimizer-offload`` prints; the core's ``optimizer_offload.auto_fractions``): each
