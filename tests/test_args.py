@@ -561,3 +561,26 @@ def test_optimizer_offload_shares_per_rank():
         validate_zero_bubble_args(args, before_megatron_validation=True)
     with pytest.raises(SystemExit):
         parser_with_offload().parse_args((BASE + " --zero-bubble-optimizer-offload 1.5").split())
+
+
+def test_optimizer_offload_auto_shares_from_each_ranks_need():
+    from megatron_zb.core.ir import Placement
+    from megatron_zb.megatron.features.optimizer_offload import auto_shares
+    args = parse(BASE + " --zero-bubble-schedule zb-h1 --bf16")
+    args.padded_vocab_size = 32000
+    pl = Placement.single(4)
+    peaks = [4.0, 3.0, 2.0, 1.0]  # 1F1B-like: rank 0 holds the most
+    found = []
+    for k in range(40):
+        budget = 1e9 * 1.15 ** k
+        try:
+            found.append((budget, auto_shares(args, peaks, pl, budget_bytes=budget)))
+        except ValueError as e:
+            assert "do not fit" in str(e)
+    assert found and found[-1][1] == [0.0] * 4  # room for everything: nothing on the host
+    mixed = [s for _, s in found if len(set(s)) > 1]
+    assert mixed  # somewhere each rank gets its own share
+    for s in mixed:
+        assert s[0] >= s[1] >= s[2] >= s[3]  # the rank with the most activations offloads most
+    for (_, a), (_, b) in zip(found, found[1:]):
+        assert all(x >= y for x, y in zip(a, b))  # more memory, smaller shares

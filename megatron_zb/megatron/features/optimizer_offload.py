@@ -159,3 +159,29 @@ def use_rank_shares(shares: List[float]):
         if cls.__init__ is per_rank:
             cls.__init__ = init
     return undo
+
+
+def auto_shares(args, peaks: List[float], placement, budget_bytes: float) -> List[float]:
+    """``--zero-bubble-optimizer-offload auto``: each pipeline rank's share from its own need
+    (``core.optimizer_offload.auto_fractions``): its parameters (plan's model of the run: the layers
+    split evenly, the embedding and the output layer where they sit) at 6 bytes that stay and 12
+    (over the data-parallel ranks with the distributed optimizer) that may go, and the schedule's
+    activation peak on the rank (``peaks``, in microbatch activations of the fullest rank).
+    Raises ValueError where a rank does not fit even with every state on the host."""
+    from ...core.optimizer_offload import ADAM_STATE_BYTES, RESIDENT_BYTES, auto_fractions
+    from ..launch.flags import memory_limit_in_microbatches, model_spec
+    spec = model_spec(args)
+    p = placement.num_ranks
+    layers = sum(spec.params_per_layer(i) for i in range(spec.num_layers)) / p
+    params = [layers] * p
+    params[placement.rank_of(0)] += spec.embedding_params()
+    params[placement.loss_rank] += spec.output_params()
+    dp = int(getattr(args, "data_parallel_size", 1) or 1) if getattr(args, "use_distributed_optimizer", False) else 1
+    unit = 1e9 / memory_limit_in_microbatches(1.0, args)  # bytes of one microbatch's activation
+    shares = auto_fractions([n * ADAM_STATE_BYTES / dp for n in params], [n * RESIDENT_BYTES for n in params],
+                            [x * unit for x in peaks], budget_bytes)
+    if any(s is None for s in shares):
+        bad = [r for r, s in enumerate(shares) if s is None]
+        raise ValueError(f"--zero-bubble-optimizer-offload auto: pipeline rank(s) {bad} do not fit "
+                         f"{budget_bytes / 2 ** 30:.1f} GiB even with every optimizer state on the host")
+    return [float(s) for s in shares]

@@ -96,6 +96,11 @@ def _activation_spec(args):
                      if getattr(args, "recompute_method", None) == "uniform" else 1)
 
 
+def model_spec(args):
+    """plan's model of the run (``core.model.ModelSpec``) from Megatron's arguments."""
+    return _activation_spec(args)
+
+
 def memory_limit_in_microbatches(gigabytes: float, args, *, gib: bool = False) -> float:
     """Convert a per-rank activation budget in GB into microbatches of one stage's activation.
 
@@ -390,8 +395,8 @@ def validate_zero_bubble_args(args, *, before_megatron_validation: Optional[bool
         if not _given(args, "optimizer_cpu_offload"):
             raise err("--zero-bubble-optimizer-offload sets each rank's share of Megatron's CPU offload: add "
                       "--optimizer-cpu-offload (and --use-precision-aware-optimizer, as Megatron requires)")
-        if shares == "auto" or len(shares) != p:
-            raise err(f"--zero-bubble-optimizer-offload takes one share per pipeline rank ({p}), as "
+        if shares != "auto" and len(shares) != p:
+            raise err(f"--zero-bubble-optimizer-offload takes 'auto' or one share per pipeline rank ({p}), as "
                       f"`megatron-zb plan --optimizer-offload auto` prints them")
     if getattr(args, "enable_optimizer_post_validation", False):
         offload = _given(args, "optimizer_cpu_offload")  # Megatron's CPU offload: the host copies roll back too
