@@ -3,6 +3,7 @@ the trough cost model (what visits the GPU, what is updated on the CPU, what the
 iteration model with one step time per rank, and plan's rows with --optimizer-offload."""
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -117,3 +118,21 @@ def test_plan_rows_fit_with_the_offloaded_states():
     static = {r["schedule"]: r for r in plan(spec, 4, 16, 40.0, optimizer_offload="auto", **kw)}
     assert static["zb-h2"]["iteration_time_s"] >= rows["zb-h2"]["iteration_time_s"] - 1e-12
     assert math.isclose(max(static["zb-h2"]["peak_bytes"]), max(rows["zb-h2"]["peak_bytes"]))
+
+
+def test_plan_cli_prints_the_shares_and_the_flags(capsys):
+    from megatron_zb.cli import main
+    argv = ["plan", "--num-layers", "16", "--hidden-size", "4096", "--num-attention-heads", "32", "--seq-length",
+            "8192", "--pipeline-parallel-size", "4", "--num-microbatches", "16", "--gpu-memory-gb", "40",
+            "--no-layout-search", "--no-vocab-parallel", "--jobs", "1"]
+    assert main(argv + ["--optimizer-offload", "trough", "--host-link-gbps", "20"]) == 0
+    out = capsys.readouterr().out
+    assert "optimizer states (trough)" in out and "host link 20 GB/s" in out
+    assert "--zero-bubble-optimizer-offload" in out and "shares on the host per rank" in out
+    assert main(argv + ["--optimizer-offload", "static", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    flagged = [r for r in rows if r.get("optimizer_offload") and "error" not in r["optimizer_offload"]]
+    assert flagged and all("--optimizer-offload-fraction" in r["flags"] for r in flagged)
+    assert all(len(set(r["optimizer_offload"]["fractions"])) == 1 for r in flagged)  # one for all ranks
+    assert main(argv + ["--optimizer-offload", "sometimes"]) == 2
+    assert "invalid choice" in capsys.readouterr().err
