@@ -190,7 +190,8 @@ def cmd_plan(args) -> int:
               layout_search=not args.no_layout_search,
               vocab_parallel="on" if args.enable_vocab_parallel else "off" if args.no_vocab_parallel else "both",
               vocab_barriers=2 if args.disable_backward_fusion else 1,
-              vocab_gbps=args.vocab_comm_gbps if args.vocab_comm_gbps is not None else P.EP_BANDWIDTH_GBPS)
+              vocab_gbps=args.vocab_comm_gbps if args.vocab_comm_gbps is not None else P.EP_BANDWIDTH_GBPS,
+              optimizer_offload=args.optimizer_offload, host_costs=host_costs(args))
     rows = P.plan(spec, args.pipeline_parallel_size, args.num_microbatches, args.gpu_memory_gb, **kw)
     within = P.within_1f1b_memory(rows, lambda gib, names: P.plan(spec, args.pipeline_parallel_size,
                                                                    args.num_microbatches, gib, schedules=names, **kw))

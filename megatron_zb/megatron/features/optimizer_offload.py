@@ -29,8 +29,8 @@ from typing import Iterator, List, Tuple
 
 import torch
 
-__all__ = ["use_cpu_as_device", "is_hybrid", "offload_tensors", "sub_optimizers", "offloaded_numel", "parse_shares",
-           "use_rank_shares"]
+__all__ = ["use_cpu_as_device", "is_hybrid", "offload_tensors", "sub_optimizers", "offloaded_numel", "use_rank_shares",
+           "auto_shares"]
 
 _PATCHED = False
 
@@ -121,21 +121,6 @@ def offloaded_numel(opt) -> Tuple[int, int]:
     if not is_hybrid(opt):
         return 0, total
     return sum(p.numel() for p in opt.gpu_params_map_cpu_copy), total
-
-
-def parse_shares(text: str):
-    """``--zero-bubble-optimizer-offload``: 'auto' or one share 0..1 per pipeline rank, comma-separated."""
-    t = str(text).strip().lower()
-    if t == "auto":
-        return t
-    try:
-        out = [float(x) for x in t.split(",")]
-    except ValueError:
-        out = []
-    if not out or not all(0.0 <= x <= 1.0 for x in out):
-        raise ValueError(f"--zero-bubble-optimizer-offload takes 'auto' or one share 0..1 per pipeline rank "
-                         f"(comma-separated), got {text!r}")
-    return out
 
 
 def use_rank_shares(shares: List[float]):

@@ -132,8 +132,22 @@ def _share_or_auto(flag):
     return share_or_auto(flag)
 
 
+def parse_shares(text: str):
+    """``--zero-bubble-optimizer-offload``: 'auto' or one share 0..1 per pipeline rank, comma-separated."""
+    t = str(text).strip().lower()
+    if t == "auto":
+        return t
+    try:
+        out = [float(x) for x in t.split(",")]
+    except ValueError:
+        out = []
+    if not out or not all(0.0 <= x <= 1.0 for x in out):
+        raise ValueError(f"--zero-bubble-optimizer-offload takes 'auto' or one share 0..1 per pipeline rank "
+                         f"(comma-separated), got {text!r}")
+    return out
+
+
 def _optimizer_shares(text):
-    from ..features.optimizer_offload import parse_shares
     try:
         return parse_shares(text)
     except ValueError as e:
