@@ -55,7 +55,7 @@ class MegatronPasses:
     def stage_passes(self, shape) -> StagePasses:
         return StagePasses(forward=self.forward, backward=self.backward, weight=self.weight,
                            recv_shape=lambda s, mb: shape, dtype=self.config.pipeline_dtype, device=device(),
-                           release_output=self.release, overlap=self.plans.pair if self.plans else None,
+                           release_output=self.release, release_handed_over=self.release_handed_over, overlap=self.plans.pair if self.plans else None,
                            vocab=self.vocab)
 
     def iterator(self, chunk: int, mb: int):
@@ -136,6 +136,18 @@ class MegatronPasses:
 
     def release(self, out) -> None:
         self.S.deallocate_output_tensor(out, self.config.deallocate_pipeline_outputs)
+
+    def release_handed_over(self, out) -> None:
+        """An output handed over to the next stage on this rank (the V's turn): that stage's input
+        is a detached alias of its storage, so the output itself is needed only as the root of its
+        B's graph. Released whatever ``deallocate_pipeline_outputs`` says (otherwise the storage
+        outlives the input's offload and its B): with it, Megatron's pseudo-free (its backward then
+        runs ``custom_backward``); without it, a one-element placeholder of the same shape (zero
+        strides), all ``torch.autograd.backward`` checks of the output."""
+        if self.config.deallocate_pipeline_outputs:
+            self.release(out)
+        elif isinstance(out, torch.Tensor) and out._base is None and out.numel() > 1:
+            out.data = torch.empty((1,), dtype=out.dtype, device=out.device).expand(out.shape)
 
     def drain_iterators(self) -> None:
         """Replicated stages: every chunk that read data consumes exactly M items per call."""
