@@ -30,8 +30,8 @@ class MegatronPasses:
                  chunk_of: Dict[int, int], placement: Placement, num_microbatches: int, config, cp_size: int,
                  forward_only: bool, collect_non_loss_data: bool, first_val_step, ep_overlap: bool = False):
         from megatron.core.pipeline_parallel import schedules as S
-        from megatron.core.utils import get_model_type
-        self.S = S
+        from megatron.core.utils import get_attr_wrapped_model, get_model_type
+        self.S, self._wrapped = S, get_attr_wrapped_model
         self.forward_step_func, self.models, self.queues = forward_step_func, models, queues
         self.chunk_of, self.placement, self.m, self.config = chunk_of, placement, num_microbatches, config
         self.cp_size, self.forward_only = cp_size, forward_only
@@ -93,6 +93,10 @@ class MegatronPasses:
             is_first_microbatch=S.check_first_val_step(self.first_val_step, self.forward_only, first),
             current_microbatch=mb, vp_stage=None, is_last_stage=last)
         self.record_forward(mb, num_tokens)
+        if inp is not None:  # the model chunk lets go of its input (the executor keeps it for the B):
+            # megatron's set_input_tensor would hold it until the chunk's next F, past the B and
+            # the W, through the optimizer step into the next iteration
+            self._wrapped(self.models[c], "set_input_tensor")([None])
         return out
 
     def _keeping_loss_func(self, mb: int):
