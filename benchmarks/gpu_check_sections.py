@@ -180,7 +180,7 @@ def env(ctx: Context) -> None:
         except Exception:  # noqa: BLE001
             pass
     try:
-        from megatron_zb.megatron import cpu_shims
+        from megatron_zb.megatron.cpu import cpu_shims
         cpu_shims.python_compat()
         cpu_shims.apply()  # without CUDA only (megatron-core >= 0.19 imports triton): as every CPU run here
         import megatron.core
@@ -258,7 +258,7 @@ def offload(ctx: Context) -> None:
         return
     ctx.need_cuda()
     if ctx.device == "cpu":
-        from megatron_zb.megatron import cpu_shims
+        from megatron_zb.megatron.cpu import cpu_shims
         cpu_shims.apply()
     import torch
     os.environ["MASTER_PORT"] = free_port()
