@@ -13,7 +13,7 @@ from megatron_zb.core.balance import karmarkar_karp, microbatches, refine, seque
 from megatron_zb.core.build import ScheduleRequest, build
 from megatron_zb.core.ir import B, BW, F, W, ScheduleError, Setting
 from megatron_zb.core.mb_schedule import end_time, list_schedule, per_microbatch, template_caps
-from megatron_zb.core.microbatch_costs import LengthModel, MicrobatchCosts, fit, microbatch_shape
+from megatron_zb.core.microbatch_costs import LengthModel, MicrobatchCosts, fit, fit_stages, microbatch_shape
 from megatron_zb.core.seqlens import format_seq_lengths, parse_seq_lengths
 from megatron_zb.core.simulate import simulate
 from megatron_zb.core.validate import validate
@@ -85,6 +85,24 @@ def test_fit_recovers_the_linear_and_attention_terms():
         assert model.overhead.get(k, 0.0) == pytest.approx(c0 / t, abs=1e-9)
         for s in (300, 5000):  # the model predicts other lengths
             assert ref[k] * model.factor(k, s, s * s) == pytest.approx(c0 + c1 * s + c2 * s * s, rel=1e-9)
+
+
+def test_fit_stages_takes_a_whole_pipeline_and_needs_several_lengths():
+    """Per stage the reference times of its own fit; the shares those of the stages' sum (a profile
+    window's passes of padded microbatches, rows x longest); one length only: no fit."""
+    c = {F: (1e-3, 1e-5, 2e-9), B: (2e-3, 2e-5, 5e-9), W: (5e-4, 1e-5, 0.0)}
+    scale = (1.0, 1.5)  # stage 1 is half as dear again
+    shapes = [microbatch_shape([s] * n, packed=False) for s, n in ((64, 1), (256, 2), (1024, 1), (700, 3), (2048, 1))]
+    samples = {k: {st: [(t, q, x * (c0 + c1 * t + c2 * q)) for t, q in shapes] for st, x in enumerate(scale)}
+               for k, (c0, c1, c2) in c.items()}
+    model, ref = fit_stages(samples, 1024)
+    for k, (c0, c1, c2) in c.items():
+        t = c0 + c1 * 1024 + c2 * 1024 ** 2
+        assert ref[k] == pytest.approx([t * x for x in scale], rel=1e-9)
+        assert model.attention.get(k, 0.0) == pytest.approx(c2 * 1024 ** 2 / t, abs=1e-9)
+        assert model.overhead.get(k, 0.0) == pytest.approx(c0 / t, abs=1e-9)
+    one = {k: {0: [(512, 512 ** 2, 1.0)] * 4} for k in (F, B, W)}
+    assert fit_stages(one, 1024) is None
 
 
 # -- the balancer -------------------------------------------------------------------------------

@@ -180,7 +180,8 @@ def calibration_of(profile: dict, seq_length: int) -> Optional[dict]:
     model, ref = got
     n = len(ref[F])
     unit = sum(ref[F]) / n if n and sum(ref[F]) > 0 else 1.0
-    costs = {k: [x / unit for x in ref.get(k, [0.0] * n)] for k in (F, B, W)}
+    floor = 1e-6  # a stage's fit at or below zero (noise, a short window): a token cost, the schedule stays valid
+    costs = {k: [max(x / unit, floor if k != W else 0.0) for x in ref.get(k, [0.0] * n)] for k in (F, B, W)}
     return {"attention": dict(model.attention), "overhead": dict(model.overhead),
             "cost_f": costs[F], "cost_b": costs[B], "cost_w": costs[W],
             "cost_comm": float(profile.get("cost_comm") or 0.0) / unit, "samples": sum(len(v) for v in samples[F].values())}
