@@ -9,19 +9,20 @@ sequences, each token once). Needs megatron.training (0.18+: ``MZB_MCORE=0.19.2`
 from __future__ import annotations
 
 import os
-import random
 import re
+import subprocess
+import sys
 
 import pytest
 
-from tests.test_pretrain_entry import needs_training, parse_log, run_script
+from tests.test_pretrain_entry import ROOT, _env, needs_training, parse_log, run_script
 
 pytestmark = [pytest.mark.megatron, pytest.mark.dist, needs_training]
 
 ITERS = 4
 VOCAB = 128  # NullTokenizer: end of document = VOCAB - 1
 COMMON = "--zero-bubble-deterministic-init --calculate-per-token-loss"
-GPT = "--zero-bubble-seq-lengths eod " + COMMON
+GPT = f"--zero-bubble-seq-lengths eod --vocab-size {VOCAB} " + COMMON
 MOCK = "--zero-bubble-seq-lengths lognormal:10:0.8 " + COMMON
 BAL = " --zero-bubble-balance-microbatches"
 RUNS = {
@@ -37,18 +38,30 @@ RUNS = {
 }
 
 
-def _write_corpus(prefix: str, documents: int = 400, seed: int = 0) -> None:
-    """A Megatron indexed dataset (.bin/.idx) of documents 2..30 tokens long, each ending with EOD."""
-    import numpy as np
-    import torch
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-    rng = random.Random(seed)
-    b = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
-    for _ in range(documents):
-        n = rng.randint(2, 30)
-        doc = [rng.randrange(VOCAB - 2) for _ in range(n - 1)] + [VOCAB - 1]
-        b.add_document(torch.tensor(doc), [n])
-    b.finalize(prefix + ".idx")
+_CORPUS = """
+import random, sys
+import numpy as np, torch
+from megatron_zb.megatron.cpu import cpu_shims
+cpu_shims.apply()  # megatron-core 0.19 imports triton without CUDA otherwise
+from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+prefix, vocab, documents = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+rng = random.Random(0)
+b = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
+for _ in range(documents):
+    n = rng.randint(2, 30)
+    b.add_document(torch.tensor([rng.randrange(vocab - 2) for _ in range(n - 1)] + [vocab - 1]), [n])
+b.finalize(prefix + ".idx")
+"""
+
+
+def _write_corpus(prefix: str, documents: int = 400) -> None:
+    """A Megatron indexed dataset (.bin/.idx) of documents 2..30 tokens long, each ending with EOD
+    (written by megatron-core's IndexedDatasetBuilder in a process of its own)."""
+    env = _env()
+    env["PYTHONPATH"] = os.pathsep.join(x for x in (env.get("MZB_MCORE_PATH"), ROOT, env.get("PYTHONPATH")) if x)
+    proc = subprocess.run([sys.executable, "-c", _CORPUS, prefix, str(VOCAB), str(documents)], env=env, cwd=ROOT,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:]
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +73,7 @@ def runs(tmp_path_factory):
     for name, spec in RUNS.items():
         env = {k: v for k, v in spec.items() if k != "data"}
         if spec.get("data"):
-            env["DATA_PATH"] = prefix
+            env.update(DATA_PATH=prefix, TOKENIZER_TYPE="NullTokenizer")
         rc, text = run_script(timeout=600, ITERS=ITERS, PP=2, NPROC=4, MBS=1, GBS=16, VOCAB=VOCAB, PREFLIGHT=0, **env)
         out[name] = (rc, text, parse_log(text))
     return out

@@ -150,3 +150,25 @@ def test_samples_cut_to_a_distribution_or_at_their_first_end_of_document():
     assert ds[1]["labels"].shape == (s,)  # no end of document: the whole sample
     drawn = VariableLengthDataset([sample(1)], lambda i, smp: 5, s)
     assert drawn[0]["tokens"].shape == (5,) and len(drawn) == 1
+
+
+def test_causal_masks_travel_as_their_size():
+    """Between the replicas a row's causal attention mask goes as its size (an n x n tensor per row
+    would dwarf the tokens); any other mask as it is."""
+    import pickle
+
+    import torch
+
+    from megatron_zb.megatron.features.balanced import CausalMask, pack_masks, unpack_masks
+    n = 64
+    causal = (torch.tril(torch.ones(n, n)).unsqueeze(0) < 0.5)
+    other = causal.clone()
+    other[0, 5, 2] = True  # e.g. a document boundary (--reset-attention-mask)
+    row = {"tokens": torch.arange(n), "attention_mask": causal}
+    packed = pack_masks(row)
+    assert isinstance(packed["attention_mask"], CausalMask)
+    assert len(pickle.dumps(packed)) < len(pickle.dumps(row)) / 4
+    assert torch.equal(unpack_masks(packed)["attention_mask"], causal)
+    assert unpack_masks(packed)["attention_mask"].dtype == torch.bool
+    kept = pack_masks({"tokens": torch.arange(n), "attention_mask": other})
+    assert kept["attention_mask"] is other

@@ -200,7 +200,10 @@ def plan_replica(name: str, templates: Templates, model: LengthModel, lens_by_mb
         return ReplicaPlan(seq_by_mb, lens_by_mb, template, st, end_time(template, st))
     got = templates.get(name, m)
     template = got[0] if got is not None else None
-    caps = templates.caps(name)
+    # the template's activation peak with every microbatch the reference one -- or, where this replica holds
+    # longer ones, as long as its longest (what Megatron's order needs for them): the list schedules' caps
+    scale = max([1.0] + [microbatch_shape(ls, packed)[0] / model.seq_length for ls in lens_by_mb])
+    caps = [c * scale for c in templates.caps(name)]
     split = ref.uses_split_backward()
     usable = plain(ref)
     if template is None and not usable:  # overlapped pairs, replicated stages: only the generator's own

@@ -86,6 +86,7 @@ class Balanced:
     microbatches_per_replica: List[int]
     plan_seconds: float
     lengths: Optional[List[List[int]]] = None  # this replica's microbatches' sequence lengths, in run order
+    core_seconds: float = 0.0  # of plan_seconds: the schedule core's (balancer, schedule, build, lowering)
 
     def shapes(self) -> dict:
         """mb -> (tokens, sum of s^2) as the passes see them (rows padded to the longest)."""
@@ -120,6 +121,35 @@ def split_rows(batch: dict) -> List[dict]:
                                             f"{type(v).__name__}, not a tensor")
         out.append(row)
     return out
+
+
+@dataclass(frozen=True)
+class CausalMask:
+    """A row's [1, n, n] causal attention mask (True above the diagonal) as it travels between the
+    replicas: its size, not its n^2 values (``pack_masks`` / ``unpack_masks``)."""
+
+    n: int
+    dtype: Any
+    device: str
+
+    def tensor(self) -> torch.Tensor:
+        m = torch.triu(torch.ones((self.n, self.n), dtype=torch.bool, device=self.device), diagonal=1)
+        return m.unsqueeze(0).to(self.dtype)
+
+
+def pack_masks(row: dict) -> dict:
+    """``row`` with each causal [1, n, n] attention mask as a ``CausalMask`` (others as they are)."""
+    out = dict(row)
+    for k, v in row.items():
+        if isinstance(v, torch.Tensor) and v.dim() == 3 and v.shape[0] == 1 and v.shape[1] == v.shape[2]:
+            c = CausalMask(int(v.shape[-1]), v.dtype, str(v.device))
+            if torch.equal(v.bool(), c.tensor().bool()):
+                out[k] = c
+    return out
+
+
+def unpack_masks(row: dict) -> dict:
+    return {k: v.tensor() if isinstance(v, CausalMask) else v for k, v in row.items()}
 
 
 def _length(row: dict) -> int:
@@ -214,7 +244,9 @@ class MicrobatchBalancer:
         self.templates: Optional[Templates] = None
         self.last: Optional[Balanced] = None
         self.iterations = 0
-        self.plan_seconds = 0.0  # summed over iterations
+        self.plan_seconds = 0.0  # summed over iterations (the all-gathers and row exchange included)
+        self.core_seconds = 0.0  # of which the schedule core's: balancer, schedule, build and lowering
+        self.first_seconds = 0.0  # the first iteration's (the reference template built)
         self.pending: Optional[dict] = None  # this pipeline's fit, until every pipeline has agreed on one
         self.calibrated: Optional[dict] = None  # the agreed fit planning uses (None: not calibrated yet)
         self.calibration_note: Optional[str] = None
@@ -241,6 +273,14 @@ class MicrobatchBalancer:
         if c is not None:
             req = req.replace(cost_f=c["cost_f"], cost_b=c["cost_b"], cost_w=c["cost_w"], cost_comm=c["cost_comm"])
         return req
+
+    def summary(self) -> str:
+        """Planning time per iteration, for the session's last line."""
+        n = self.iterations
+        rest = (self.plan_seconds - self.first_seconds) / (n - 1) if n > 1 else self.plan_seconds
+        return (f"planning {1e3 * self.first_seconds:.1f} ms the first iteration (templates built), then "
+                f"{1e3 * rest:.1f} ms per iteration; the schedule core {1e3 * self.core_seconds / n:.1f} ms of it on "
+                "average" + (", the length cost model calibrated" if self.calibrated is not None else ""))
 
     def model(self, config, seq_length: int) -> LengthModel:
         c = self.calibrated
@@ -286,23 +326,35 @@ class MicrobatchBalancer:
         if self.templates is None:
             self.templates = Templates(req, p, num_microbatches)
         cfg = VarlenConfig(dp_size, self.model(config, seq_length), micro_batch_size=rows_per_mb)
-        plan = plan_batch(lengths, req, p, cfg, True, self.templates, replica=dp_rank)
+        t1 = time.perf_counter()
+        try:
+            plan = plan_batch(lengths, req, p, cfg, True, self.templates, replica=dp_rank)
+        except Exception as e:  # a core error: one line
+            raise ZeroBubbleConfigError(f"{o.schedule}: balancing {len(lengths)} sequences over {dp_size} data-parallel "
+                                        f"replica(s): {e}") from None
         rp = plan.replicas[dp_rank]
+        core = time.perf_counter() - t1
         new_iters: List[Any] = [None] * len(iterators)
         if mine is not None:
             everyone: List[Any] = [None] * dist.get_world_size(dp_group)
-            dist.all_gather_object(everyone, mine, group=dp_group)
-            rows = [row for part in everyone for row in part]
+            dist.all_gather_object(everyone, [pack_masks(r) for r in mine], group=dp_group)  # causal masks: sizes
+            rows = [unpack_masks(row) for part in everyone for row in part]
             batches = [collate([rows[i] for i in mb]) for mb in rp.microbatches]
             for i in readers:
                 new_iters[i] = iter(list(batches))
         try:
+            t1 = time.perf_counter()
             built = build(o.request(), p, rp.num_microbatches, base=rp.schedule)
+            built.lowered()
+            core += time.perf_counter() - t1
         except Exception as e:  # a core error: one line, naming the iteration's microbatch count
             raise ZeroBubbleConfigError(f"{o.schedule}: the balanced schedule for {rp.num_microbatches} microbatches: "
                                         f"{e}") from None
         self.last = Balanced(new_iters, rp.num_microbatches, built, [r.num_microbatches for r in plan.replicas],
-                             time.perf_counter() - t0, rp.lengths)
+                             time.perf_counter() - t0, rp.lengths, core)
+        if not self.iterations:
+            self.first_seconds = self.last.plan_seconds
         self.iterations += 1
         self.plan_seconds += self.last.plan_seconds
+        self.core_seconds += core
         return self.last
