@@ -12,7 +12,7 @@ import pytest
 from megatron_zb.core.balance import karmarkar_karp, microbatches, refine, sequential, split_replicas
 from megatron_zb.core.build import ScheduleRequest, build
 from megatron_zb.core.ir import B, BW, F, W, ScheduleError, Setting
-from megatron_zb.core.mb_schedule import end_time, list_schedule, per_microbatch, template_caps
+from megatron_zb.core.mb_schedule import end_time, list_schedule, per_microbatch, template_caps, within
 from megatron_zb.core.microbatch_costs import LengthModel, MicrobatchCosts, fit, fit_stages, microbatch_shape
 from megatron_zb.core.seqlens import format_seq_lengths, parse_seq_lengths
 from megatron_zb.core.simulate import simulate
@@ -176,7 +176,23 @@ def test_list_schedule_is_valid_in_order_and_within_the_templates_memory(name):
         for s in b.schedule.placement.stages_of(r):  # each stage's forwards in microbatch order (data iterators)
             assert [a.mb for a in o if a.kind == F and a.stage == s] == list(range(m))
     best, t = per_microbatch(st, caps, template=b.schedule)
-    assert t <= min(end, end_time(b.schedule, st)) + 1e-9
+    kept = [end] + ([end_time(b.schedule, st)] if within(b.schedule, st, caps) else [])
+    assert t <= min(kept) + 1e-9  # the template only where it keeps within the caps
+
+
+def test_balanced_replicas_keep_within_an_activation_limit():
+    """VarlenConfig.activation_limit (plan: the GPU's memory less the model states) bounds every
+    balanced replica's activations, pending W's included, but where one microbatch alone is more."""
+    lengths = _lengths(64, seed=3, median=1500)
+    req = ScheduleRequest("zb-h1", **H100)
+    limit = (3.0, 2.5, 2.0, 1.5)
+    cfg = VarlenConfig(replicas=2, model=LengthModel.simple(4096, attention=0.15), activation_limit=limit)
+    plan = plan_batch(lengths, req, 4, cfg, True)
+    for rp in plan.replicas:
+        top = max(rp.setting.microbatch_costs.factors["mem"])
+        for r, o in enumerate(rp.schedule.orders):
+            from megatron_zb.core.simulate import peak_memory
+            assert peak_memory([a for a in o if a.is_compute], r, rp.setting) <= max(limit[r], top) + 1e-9
 
 
 def test_list_schedule_matches_the_templates_at_equal_costs():

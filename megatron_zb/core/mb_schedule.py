@@ -17,8 +17,8 @@ free it runs
 3. else a W whose B has run (split backward), oldest first;
 4. else it waits for the next message.
 
-``per_microbatch`` keeps whichever of the template and the list schedules is shortest with the
-real costs. A few milliseconds at P=8, M=32: cheap enough to run for every iteration's lengths.
+``per_microbatch`` keeps the shorter, with the real costs, of the template (where its activations,
+each microbatch its own size, stay within the caps) and the list schedule. A few milliseconds at P=8, M=32: cheap enough to run for every iteration's lengths.
 Deterministic (no clocks): every rank builds the same. Pure Python.
 """
 from __future__ import annotations
@@ -105,7 +105,7 @@ def list_schedule(name: str, placement: Placement, setting: Setting, caps: Seque
                     at = f_in.get((s, mb))
                     big = max(size[mb], max(held[r].values(), default=0.0))
                     if at is not None and at <= t + EPS and (used[r] + (mem[F][s] * size[mb] + reserve[s] * big)
-                                                             <= caps[r] + EPS or inflight[r] == 0):
+                                                             <= caps[r] + EPS or (inflight[r] == 0 and not w_todo[r])):
                         cands.append((mb, -s))
             if cands:
                 mb, ns = min(cands)
