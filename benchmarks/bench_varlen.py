@@ -232,13 +232,18 @@ def main(argv=None) -> int:
                     help="write timelines (PNG) of batch 0's slowest replica at P=8 D=4: Megatron's 1F1B, the best "
                          "schedule unbalanced and balanced")
     ap.add_argument("--schedules", nargs="+", default=SCHEDULES)
+    ap.add_argument("--distributions", nargs="+", default=["lognormal", "sharegpt"], choices=["lognormal", "sharegpt"])
+    ap.add_argument("--settings", nargs="+", default=[f"{p}x{d}" for p, d, _ in SETTINGS],
+                    choices=[f"{p}x{d}" for p, d, _ in SETTINGS], help="PxD settings to run")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "varlen.json"))
     a = ap.parse_args(argv)
     report = {"host": platform.node(), "python": platform.python_version(), "layer_ms": LAYER, "layers": LAYERS,
               "reference_tokens": REF_TOKENS, "max_tokens": MAX_TOKENS, "attention_share": ATTENTION,
-              "sharegpt_histogram": SHAREGPT_HISTOGRAM, "settings": []}
-    for p, d, n in SETTINGS:
-        for dist in ("lognormal", "sharegpt"):
+              "sharegpt_histogram": SHAREGPT_HISTOGRAM, "settings": [],
+              "emulation": {"unit_wall_ms_per_cost_ms": a.unit, "iterations": a.iterations,
+                            "batches": a.emulate_batches, "load_average_at_start": os.getloadavg()}}
+    for p, d, n in [x for x in SETTINGS if f"{x[0]}x{x[1]}" in a.settings]:
+        for dist in a.distributions:
             data, rows, plans = simulate_setting(p, d, n, dist, a.batches, a.schedules)
             lens = [s for b in data for s in b]
             lengths_file = os.path.join(os.path.dirname(a.out), f"varlen_lengths_{dist}_{n}.txt")

@@ -23,6 +23,7 @@ counted once. Megatron's ``--variable-seq-lengths`` sends each activation's shap
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence
@@ -345,6 +346,9 @@ class MicrobatchBalancer:
         try:
             t1 = time.perf_counter()
             built = build(o.request(), p, rp.num_microbatches, base=rp.schedule)
+            # timed with each microbatch's own costs: the messages are ordered for the lengths that run
+            built = dataclasses.replace(built, setting=dataclasses.replace(
+                built.setting, microbatch_costs=rp.setting.microbatch_costs), _result=None, _lowered={})
             built.lowered()
             core += time.perf_counter() - t1
         except Exception as e:  # a core error: one line, naming the iteration's microbatch count
