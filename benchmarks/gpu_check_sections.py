@@ -9,6 +9,7 @@ and ``fail(problem)`` (it ran, a check did not pass). In a dry run it plans and 
 benchmark or verify code that already measures its figure."""
 from __future__ import annotations
 
+import argparse
 import glob
 import importlib
 import os
@@ -21,6 +22,16 @@ import time
 import zipfile
 
 import gpu_check_report as R
+
+
+class UsageError(Exception):
+    """Bad input: one line, exit code 2."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message):
+        raise UsageError(f"{self.prog}: {message}")
+
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -239,7 +250,6 @@ def offload_prediction(a, f, b, w, k, ratio):
 
 
 def offload(ctx: Context) -> None:
-    from gpu_check import OneLineParser
     B = bench("bench_offload_gpu")
     argv = OFFLOAD_TINY_ARGV if ctx.device == "cpu" else OFFLOAD_ARGV
     a = B.parse_args(argv, parser=OneLineParser)
@@ -359,7 +369,6 @@ def plan_layer_costs(h, heads, s, dtype_bytes=2):
 
 
 def fbw(ctx: Context) -> None:
-    from gpu_check import OneLineParser
     gpu = ctx.device == "cuda"
     sizes = FBW_SIZES if gpu else FBW_TINY
     runs = []
