@@ -248,6 +248,7 @@ class MicrobatchBalancer:
         self.plan_seconds = 0.0  # summed over iterations (the all-gathers and row exchange included)
         self.core_seconds = 0.0  # of which the schedule core's: balancer, schedule, build and lowering
         self.first_seconds = 0.0  # the first iteration's (the reference template built)
+        self.read_seconds = 0.0  # of plan_seconds: reading the microbatches from Megatron's data iterators
         self.pending: Optional[dict] = None  # this pipeline's fit, until every pipeline has agreed on one
         self.calibrated: Optional[dict] = None  # the agreed fit planning uses (None: not calibrated yet)
         self.calibration_note: Optional[str] = None
@@ -280,8 +281,9 @@ class MicrobatchBalancer:
         n = self.iterations
         rest = (self.plan_seconds - self.first_seconds) / (n - 1) if n > 1 else self.plan_seconds
         return (f"planning {1e3 * self.first_seconds:.1f} ms the first iteration (templates built), then "
-                f"{1e3 * rest:.1f} ms per iteration; the schedule core {1e3 * self.core_seconds / n:.1f} ms of it on "
-                "average" + (", the length cost model calibrated" if self.calibrated is not None else ""))
+                f"{1e3 * rest:.1f} ms per iteration; of it on average the data read {1e3 * self.read_seconds / n:.1f} ms, "
+                f"the schedule core {1e3 * self.core_seconds / n:.1f} ms, the rest the all-gathers"
+                + (", the length cost model calibrated" if self.calibrated is not None else ""))
 
     def model(self, config, seq_length: int) -> LengthModel:
         c = self.calibrated
@@ -298,6 +300,7 @@ class MicrobatchBalancer:
         if readers:
             pulled = [[next(iterators[i]) for _ in range(num_microbatches)] for i in readers]
             mine = [row for batch in pulled[0] for row in split_rows(batch)]
+        self.read_seconds += time.perf_counter() - t0  # Megatron's data loading, done here rather than in its steps
         lengths_mine = None if mine is None else [_length(r) for r in mine]
         gathered: List[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, (dp_rank, lengths_mine, self.pending))
