@@ -72,6 +72,8 @@ def runs(tmp_path_factory):
     out = {}
     for name, spec in RUNS.items():
         env = {k: v for k, v in spec.items() if k != "data"}
+        if "PROFILE_WINDOW" in env:  # the profile JSON into the test's folder, not the repository
+            env["EXTRA_ARGS"] += f" --zero-bubble-profile-path {os.path.join(str(d), 'profile.json')}"
         if spec.get("data"):
             env.update(DATA_PATH=prefix, TOKENIZER_TYPE="NullTokenizer")
         rc, text = run_script(timeout=600, ITERS=ITERS, PP=2, NPROC=4, MBS=1, GBS=16, VOCAB=VOCAB, PREFLIGHT=0, **env)
