@@ -154,8 +154,7 @@ class TrainingSession:
         bal = getattr(fb, "balancer", None)
         if bal is not None and bal.iterations:
             line += (f"; balanced microbatches in {bal.iterations} (per replica in the last: "
-                     f"{bal.last.microbatches_per_replica}; {1e3 * bal.plan_seconds / bal.iterations:.1f} ms of "
-                     "planning per iteration)")
+                     f"{bal.last.microbatches_per_replica}; {bal.summary()})")
         prof, sched = fb.profile, fb.last_training_schedule
         if prof is not None and prof.get("iteration_s") and sched is not None:
             from ...core.ir import Setting
