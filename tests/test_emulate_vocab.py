@@ -41,7 +41,7 @@ def test_emulated_vocab_passes_run_the_schedule_and_wait_for_their_barriers():
     from megatron_zb.verify.emulate import emulate_schedules
 
     pairs = [_built("1f1b", 4, 4, 1), _built("zb-h1", 4, 4, 2)]
-    hop, times, tls = emulate_schedules(pairs, unit_s=1e-3, iterations=1, warmup=1, timeout=180, timelines=True,
+    hop, times, tls = emulate_schedules(pairs, unit_s=1e-3, iterations=1, warmup=1, timeout=900, timelines=True,
                                         interleave=True)
     assert hop >= 0 and len(times) == 2 and all(len(t) == 1 for t in times)
     for (sched, st), tl, t in zip(pairs, tls, times):

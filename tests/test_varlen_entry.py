@@ -60,7 +60,7 @@ def _write_corpus(prefix: str, documents: int = 400) -> None:
     env = _env()
     env["PYTHONPATH"] = os.pathsep.join(x for x in (env.get("MZB_MCORE_PATH"), ROOT, env.get("PYTHONPATH")) if x)
     proc = subprocess.run([sys.executable, "-c", _CORPUS, prefix, str(VOCAB), str(documents)], env=env, cwd=ROOT,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:]
 
 
@@ -76,7 +76,7 @@ def runs(tmp_path_factory):
             env["EXTRA_ARGS"] += f" --zero-bubble-profile-path {os.path.join(str(d), 'profile.json')}"
         if spec.get("data"):
             env.update(DATA_PATH=prefix, TOKENIZER_TYPE="NullTokenizer")
-        rc, text = run_script(timeout=600, ITERS=ITERS, PP=2, NPROC=4, MBS=1, GBS=16, VOCAB=VOCAB, PREFLIGHT=0, **env)
+        rc, text = run_script(timeout=900, ITERS=ITERS, PP=2, NPROC=4, MBS=1, GBS=16, VOCAB=VOCAB, PREFLIGHT=0, **env)
         out[name] = (rc, text, parse_log(text))
     return out
 
