@@ -118,3 +118,38 @@ def test_plan_builds_only_the_layouts_that_can_win(name, monkeypatch):
     monkeypatch.setattr(plan_row._Bounds, "busy", lambda self, k: 0.0)  # every layout built, in order
     monkeypatch.setattr(plan_row._Bounds, "above", lambda self, k, t: False)
     assert plan_row.row(name, **kw) == pruned
+
+
+def _fast_and_slow(schedule, setting, monkeypatch):
+    fast = (sim.simulate(schedule, setting), iteration_times(schedule, setting, 0.3))
+    with monkeypatch.context() as mp:
+        mp.setattr(sim.Plain, "timeline", lambda self, release=None: None)
+        mp.setattr(iteration, "_plain_iterations", lambda *a: None)
+        slow = (sim.simulate(schedule, setting), iteration_times(schedule, setting, 0.3))
+    return fast, slow
+
+
+def _same_times(fast, slow):
+    (f, fi), (s, si) = fast, slow
+    assert [[(t.action, t.start, t.end) for t in tl] for tl in f.timeline] == \
+        [[(t.action, t.start, t.end) for t in tl] for tl in s.timeline]
+    assert (f.makespan, f.spans, f.peak_memory) == (s.makespan, s.spans, s.peak_memory)
+    assert (fi.iteration_time, fi.iteration_time_post_validated, fi.windows) == \
+        (si.iteration_time, si.iteration_time_post_validated, si.windows)
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zb-v", "v-half", "interleaved-1f1b", "gpipe", "dualpipe-v"])
+@pytest.mark.parametrize("barriers", [1, 2])
+def test_coded_simulation_of_vocabulary_passes_is_the_simulators(name, barriers, monkeypatch):
+    from megatron_zb.core.vocab import VocabSetting
+    rr = random.Random(hash((name, barriers)) % 1000)
+    for p, m in ((2, 3), (4, 8)):
+        vs = VocabSetting(barriers=barriers, cost_s=[rr.choice([0.1, 0.3]) for _ in range(p)], cost_t=0.2,
+                          cost_w=[rr.choice([0.0, 0.2, 0.5]) for _ in range(p)], cost_comm=rr.choice([0.0, 0.15]),
+                          mem_s=0.5, mem_w=0.25)
+        req = ScheduleRequest(name, cost_f=[1.0 + 0.25 * r for r in range(p)], cost_b=[1.5], cost_comm=0.1, vocab=vs)
+        b = build(req, p, m)
+        flat = b.schedule.flat()
+        coded = sim.Plain([[a for a in o if a.is_compute] for o in flat.orders], flat.placement, b.setting)
+        assert coded.ok == (barriers == 1)  # two barriers: simulate's own loop (the link's order)
+        _same_times(*_fast_and_slow(b.schedule, b.setting, monkeypatch))
