@@ -186,51 +186,29 @@ def add_vocab(schedule: Schedule, setting: Setting, w_cap: int = 1) -> Schedule:
     orders: List[List[Action]] = [[] for _ in range(p)]
     comm = setting.cost_comm
     st = setting
+    # each base pass coded once: its inputs (key, whether it crosses ranks: + cost_comm) and its cost
+    feeds = barrier_of(VT, vocab.barriers)
+    info = [deque(([(key, key_rank(key, pl) not in (None, r)) for key in vocab_deps(a, pl, vocab.barriers)],
+                   st.pass_cost(a.kind, r, a.stage)) for a in o) for r, o in enumerate(base)]
+    cost_s, cost_t, cost_w = ([st.pass_cost(k, r, None) for r in range(p)] for k in (VS, VT, VW))
+    loss_rank = pl.rank_of(last)
 
-    def ready_at(r: int, a: Action) -> Optional[float]:
-        t = 0.0
-        for key in vocab_deps(a, pl, vocab.barriers):
-            e = done.get(key)
-            if e is None:
-                return None
-            if key_rank(key, pl) not in (None, r):
-                e += comm
-            t = max(t, e)
-        return t
-
-    def run(r: int, a: Action, start: float) -> None:
-        end = start + st.pass_cost(a.kind, r, a.stage if not a.is_vocab else None)
+    def run(r: int, a: Action, start: float, cost: float) -> None:
+        end = start + cost
         clock[r] = end
         orders[r].append(a)
-        done[(a.kind, a.stage, a.mb)] = end
-        if a.kind in (B, BW):
+        kind = a.kind
+        done[(kind, a.stage, a.mb)] = end
+        if kind in (B, BW):
             done[("B*", a.stage, a.mb)] = end
-        if a.kind == VS:
+        elif kind == VS:
             nxt_s[r] += 1
-        elif a.kind == VT:
+            barriers.passed(a, end)
+        elif kind == VT:
             nxt_t[r] += 1
             pending_w[r].append(a.mb)
-        barriers.passed(a, end)
-
-    def candidates(r: int):
-        """(ready time, priority, action) of rank r's next passes whose inputs are known."""
-        out = []
-        if nxt_t[r] < nxt_s[r]:
-            a = Action(VT, r, nxt_t[r])
-            t = ready_at(r, a)
-            if t is not None:
-                out.append((t, 0, a))
-        if nxt_s[r] < m:
-            a = Action(VS, r, nxt_s[r])
-            t = ready_at(r, a)
-            if t is not None:
-                out.append((t, 1, a))
-        if base[r]:
-            a = base[r][0]
-            t = ready_at(r, a)
-            if t is not None:
-                out.append((t, 2, a))
-        return out
+            if feeds is not None:
+                barriers.passed(a, end)
 
     def finished(r: int) -> bool:
         return not base[r] and nxt_s[r] == m and nxt_t[r] == m and not pending_w[r]
@@ -245,22 +223,46 @@ def add_vocab(schedule: Schedule, setting: Setting, w_cap: int = 1) -> Schedule:
                 heapq.heappush(heap, (clock[r], r))
             continue
         t = clock[r]
-        cands = candidates(r)
-        now = sorted((c for c in cands if c[0] <= t + EPS), key=lambda c: (c[1], c[2].mb))
-        must_w = len(pending_w[r]) >= w_cap and any(c[2].kind == VT for c in now)  # gradients held: at most w_cap
-        if now and not must_w:
-            _, _, a = now[0]
-            if base[r] and a is base[r][0]:
-                base[r].popleft()
-            run(r, a, t)
+        lim = t + EPS
+        # rank r's next passes whose inputs are known, and when they are ready: VT, VS, its own
+        rt = rs = rb = None
+        if nxt_t[r] < nxt_s[r]:
+            e = done.get((C0, -1, nxt_t[r]))
+            if e is not None:
+                rt = max(0.0, e)
+        if nxt_s[r] < m:
+            e = done.get((F, last, nxt_s[r]))
+            if e is not None:
+                if loss_rank != r:
+                    e += comm
+                rs = max(0.0, e)
+        if base[r]:
+            rb = 0.0
+            for key, cross in info[r][0][0]:
+                e = done.get(key)
+                if e is None:
+                    rb = None
+                    break
+                if cross:
+                    e += comm
+                rb = max(rb, e)
+        must_w = rt is not None and rt <= lim and len(pending_w[r]) >= w_cap  # gradients held: at most w_cap
+        if not must_w and rt is not None and rt <= lim:
+            run(r, Action(VT, r, nxt_t[r]), t, cost_t[r])
+            stalls = 0
+        elif not must_w and rs is not None and rs <= lim:
+            run(r, Action(VS, r, nxt_s[r]), t, cost_s[r])
+            stalls = 0
+        elif not must_w and rb is not None and rb <= lim:
+            run(r, base[r].popleft(), t, info[r].popleft()[1])
             stalls = 0
         else:
-            future = [c[0] for c in cands if c[0] > t + EPS]
-            others = [clock[q] for q in range(p) if q != r and not finished(q) and clock[q] > t + EPS]
+            future = [x for x in (rt, rs, rb) if x is not None and x > lim]
+            others = [clock[q] for q in range(p) if q != r and not finished(q) and clock[q] > lim]
             horizon = min(future + others) if (future or others) else None
             if pending_w[r] and (must_w or horizon is None or
-                                 horizon - t >= st.pass_cost(VW, r) - EPS or not base[r] and nxt_s[r] == m):
-                run(r, Action(VW, r, pending_w[r].popleft()), t)
+                                 horizon - t >= cost_w[r] - EPS or not base[r] and nxt_s[r] == m):
+                run(r, Action(VW, r, pending_w[r].popleft()), t, cost_w[r])
                 stalls = 0
             elif horizon is not None:
                 clock[r] = horizon
