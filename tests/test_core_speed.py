@@ -153,3 +153,43 @@ def test_coded_simulation_of_vocabulary_passes_is_the_simulators(name, barriers,
         coded = sim.Plain([[a for a in o if a.is_compute] for o in flat.orders], flat.placement, b.setting)
         assert coded.ok == (barriers == 1)  # two barriers: simulate's own loop (the link's order)
         _same_times(*_fast_and_slow(b.schedule, b.setting, monkeypatch))
+
+
+def _every_variant(schedule, setting, memory_limit):
+    """place_vocab as it was: every variant placed and simulated."""
+    from megatron_zb.core.vocab import add_vocab, delay_backwards
+    from megatron_zb.core.vocab_place import VARIANTS
+    best, best_key = None, None
+    for k, cap in VARIANTS:
+        try:
+            s = add_vocab(delay_backwards(schedule, abs(k), only_loss=k < 0), setting, w_cap=cap)
+            res = sim.simulate(s, setting)
+        except Exception:  # noqa: BLE001 - a variant that cannot be placed
+            continue
+        peak = max(res.peak_memory)
+        key = (memory_limit is not None and peak > memory_limit + 1e-9, round(res.makespan, 9), round(peak, 9), k, cap)
+        if best_key is None or key < best_key:
+            best, best_key = s, key
+    best.meta = dict(best.meta, vocab_variant={"delay": best_key[3], "w_cap": best_key[4]})
+    return best
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zb-v", "interleaved-1f1b", "gpipe"])
+def test_vocabulary_placement_tries_each_distinct_variant_once(name):
+    from megatron_zb.core.vocab import VocabSetting
+    from megatron_zb.core.vocab_place import place_vocab
+    rr = random.Random(len(name))
+    for p, m in ((2, 3), (4, 8)):
+        for barriers in (1, 2):
+            b = build(ScheduleRequest(name, cost_f=[1.0 + 0.25 * r for r in range(p)], cost_b=[1.5], cost_comm=0.1),
+                      p, m)
+            vs = VocabSetting(barriers=barriers, cost_s=[rr.choice([0.1, 0.3]) for _ in range(p)], cost_t=0.2,
+                              cost_w=[rr.choice([0.0, 0.2, 0.5]) for _ in range(p)], cost_comm=rr.choice([0.0, 0.15]),
+                              mem_s=0.5, mem_w=0.25)
+            st = dataclasses.replace(b.setting, vocab=vs)
+            for limit in (None, 2.5, 100.0):
+                want = _every_variant(b.schedule, st, limit)
+                for _ in range(2):  # computed, then remembered
+                    got = place_vocab(b.schedule, st, limit)
+                    assert (got.name, got.placement, got.num_microbatches, got.orders, got.meta) == \
+                        (want.name, want.placement, want.num_microbatches, want.orders, want.meta)

@@ -33,8 +33,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from .ir import B, BW, F, VOCAB_KINDS, VS, VT, VW, W, Action, Placement, Schedule, ScheduleError, Setting, deps
 
-__all__ = ["VocabSetting", "BARRIER_KINDS", "Barriers", "vocab_deps", "key_rank", "add_vocab", "barrier_of",
-           "delay_backwards"]
+__all__ = ["VocabSetting", "BARRIER_KINDS", "Barriers", "vocab_deps", "key_rank", "add_vocab", "placed",
+           "barrier_of", "delay_backwards"]
 
 C0, C1 = "C0", "C1"
 BARRIER_KINDS = (C0, C1)
@@ -163,6 +163,12 @@ def add_vocab(schedule: Schedule, setting: Setting, w_cap: int = 1) -> Schedule:
     """``schedule`` (without vocabulary passes; one path) with every rank's VS, VT and VW placed
     (see the module docstring); ``setting.vocab`` gives their costs. ``w_cap``: the most VW a rank
     may leave pending (their logits gradients held) before its next VT."""
+    return placed(schedule, setting, w_cap)[0]
+
+
+def placed(schedule: Schedule, setting: Setting, w_cap: int = 1) -> Tuple[Schedule, bool]:
+    """``add_vocab``, and whether ``w_cap`` ever decided (a rank held that many VW when its VT was
+    ready): where it never did, every larger cap places the passes the same way."""
     vocab = setting.vocab
     if vocab is None:
         raise ScheduleError("vocabulary passes need a vocabulary setting")
@@ -215,7 +221,7 @@ def add_vocab(schedule: Schedule, setting: Setting, w_cap: int = 1) -> Schedule:
 
     heap = [(0.0, r) for r in range(p)]
     heapq.heapify(heap)
-    stalls = 0
+    stalls, capped = 0, False
     while heap:
         t0, r = heapq.heappop(heap)
         if finished(r) or t0 < clock[r] - EPS:
@@ -247,6 +253,7 @@ def add_vocab(schedule: Schedule, setting: Setting, w_cap: int = 1) -> Schedule:
                     e += comm
                 rb = max(rb, e)
         must_w = rt is not None and rt <= lim and len(pending_w[r]) >= w_cap  # gradients held: at most w_cap
+        capped = capped or must_w
         if not must_w and rt is not None and rt <= lim:
             run(r, Action(VT, r, nxt_t[r]), t, cost_t[r])
             stalls = 0
@@ -275,7 +282,7 @@ def add_vocab(schedule: Schedule, setting: Setting, w_cap: int = 1) -> Schedule:
         if not finished(r):
             heapq.heappush(heap, (clock[r], r))
     meta = dict(schedule.meta, vocab=vocab.to_dict())
-    return Schedule(schedule.name, pl, m, orders, meta)
+    return Schedule(schedule.name, pl, m, orders, meta), capped
 
 
 def delay_backwards(schedule: Schedule, k: int, only_loss: bool = False) -> Schedule:
