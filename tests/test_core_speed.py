@@ -107,13 +107,14 @@ def test_remembered_searches_are_the_searches_and_copies():
     assert generate("zb-v", st).orders == zbv.orders
 
 
+@pytest.mark.parametrize("vocab", [None, 1])
 @pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zb-auto", "v-half", "interleaved-1f1b"])
-def test_plan_builds_only_the_layouts_that_can_win(name, monkeypatch):
+def test_plan_builds_only_the_layouts_that_can_win(name, vocab, monkeypatch):
     spec = ModelSpec(num_layers=16, hidden_size=1024, num_attention_heads=16, seq_length=2048, vocab_size=128256,
                      ffn_hidden_size=4096)
     kw = dict(spec=spec, p=4, m=8, budget=80 * 1024 ** 3, flops_per_s=989e12 * 0.5, profile=None, pad_ends=False,
               interleave_chunks=2, cost_optimizer=0.0, ranked_by="iteration_time_s", offload=(None, None, None, True),
-              exact=None, a2a=(50.0, True))
+              exact=None, a2a=(50.0, True), vocab=vocab)
     pruned = plan_row.row(name, **kw)
     monkeypatch.setattr(plan_row._Bounds, "busy", lambda self, k: 0.0)  # every layout built, in order
     monkeypatch.setattr(plan_row._Bounds, "above", lambda self, k, t: False)
