@@ -51,7 +51,7 @@ def formula_stage_mem(case) -> dict:
 
 
 def orders(case):
-    from megatron_zb.megatron.options import ScheduleOptions
+    from megatron_zb.megatron.execution.options import ScheduleOptions
     kw = dict(case.schedule_options)
     if case.offload_ratio is not None:
         kw.update(offload_ratio=case.offload_ratio, offload_time=case.offload_time)

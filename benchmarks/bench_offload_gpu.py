@@ -47,7 +47,7 @@ def setup_process(device):
 def _chunk(a, device, dtype):
     from megatron.core.transformer.transformer_block import TransformerBlock
     from megatron.core.transformer.transformer_config import TransformerConfig
-    from megatron_zb.megatron.local_spec import layer_spec
+    from megatron_zb.megatron.cpu.local_spec import layer_spec
     cfg = TransformerConfig(num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads,
                             ffn_hidden_size=4 * a.hidden, params_dtype=dtype, pipeline_dtype=dtype,
                             bf16=dtype.is_floating_point and str(dtype) == "torch.bfloat16",
@@ -65,7 +65,7 @@ def run(a, offload: bool):
     from megatron_zb.core.hostlink import OffloadOptions
     from megatron_zb.core.offload import add_offload
     from megatron_zb.core.schedules import generate, get
-    from megatron_zb.megatron.wgrad import attach_wgrad_queue
+    from megatron_zb.megatron.execution.wgrad import attach_wgrad_queue
     from megatron_zb.runtime.offload import OffloadManager
     from megatron_zb.runtime.wqueue import WQueue
 
@@ -181,7 +181,7 @@ def _elapsed(t_start, t_end) -> float:
 def measured_k(a, res_off):
     """K from this GPU: one microbatch's captured bytes over the measured link, over F + B."""
     import torch
-    from megatron_zb.megatron.offload import estimate_offload_time
+    from megatron_zb.megatron.features.offload import estimate_offload_time
     from megatron_zb.runtime.measure import measure_host_link
     device = torch.device(a.device)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[a.dtype]
@@ -239,7 +239,7 @@ def parse_args(argv=None, parser=None):
 def main(argv=None):
     a = parse_args(argv)
     if a.device == "cpu":
-        from megatron_zb.megatron import cpu_shims
+        from megatron_zb.megatron.cpu import cpu_shims
         cpu_shims.apply()
     import torch
     if a.device.startswith("cuda") and not torch.cuda.is_available():

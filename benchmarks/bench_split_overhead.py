@@ -76,14 +76,14 @@ def parse_args(argv=None, parser=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    from megatron_zb.megatron import cpu_shims
+    from megatron_zb.megatron.cpu import cpu_shims
     # before megatron is imported; on a CUDA host --device cpu still needs them (megatron would put
     # its buffers on the GPU)
     cpu_shims.apply(force=args.device != "cuda")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
     import megatron.core
-    from megatron_zb.megatron.wgrad import attach_wgrad_queue, detach_wgrad_queue
+    from megatron_zb.megatron.execution.wgrad import attach_wgrad_queue, detach_wgrad_queue
     from megatron_zb.runtime.wqueue import WQueue
 
     dev = torch.device(args.device)

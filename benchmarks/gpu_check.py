@@ -51,6 +51,7 @@ for _p in (ROOT, HERE):
         sys.path.insert(0, _p)
 
 import gpu_check_report as R  # noqa: E402
+from gpu_check_sections import OneLineParser, UsageError  # noqa: E402
 
 # name -> (module, function, budget in seconds on one H100); the budgets add up to 450 s of the 480
 SECTIONS = {
@@ -66,15 +67,6 @@ DEFAULT_BUDGET_S = 450.0  # the whole run; the issue allows 8 minutes
 CHILD_MARGIN_S = 5.0  # a section's own deadline comes this much before it is stopped
 STOP_GRACE_S = 8.0  # after SIGTERM, before SIGKILL
 FAULT_ENV = "MZB_GPU_CHECK_FAULT"  # tests: "<section>:raise" or "<section>:hang", comma-separated
-
-
-class UsageError(Exception):
-    """Bad input: one line, exit code 2."""
-
-
-class OneLineParser(argparse.ArgumentParser):
-    def error(self, message):
-        raise UsageError(f"{self.prog}: {message}")
 
 
 def _sections(text: str):

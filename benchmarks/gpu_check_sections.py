@@ -9,6 +9,7 @@ and ``fail(problem)`` (it ran, a check did not pass). In a dry run it plans and 
 benchmark or verify code that already measures its figure."""
 from __future__ import annotations
 
+import argparse
 import glob
 import importlib
 import os
@@ -21,6 +22,16 @@ import time
 import zipfile
 
 import gpu_check_report as R
+
+
+class UsageError(Exception):
+    """Bad input: one line, exit code 2."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message):
+        raise UsageError(f"{self.prog}: {message}")
+
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -180,7 +191,7 @@ def env(ctx: Context) -> None:
         except Exception:  # noqa: BLE001
             pass
     try:
-        from megatron_zb.megatron import cpu_shims
+        from megatron_zb.megatron.cpu import cpu_shims
         cpu_shims.python_compat()
         cpu_shims.apply()  # without CUDA only (megatron-core >= 0.19 imports triton): as every CPU run here
         import megatron.core
@@ -239,7 +250,6 @@ def offload_prediction(a, f, b, w, k, ratio):
 
 
 def offload(ctx: Context) -> None:
-    from gpu_check import OneLineParser
     B = bench("bench_offload_gpu")
     argv = OFFLOAD_TINY_ARGV if ctx.device == "cpu" else OFFLOAD_ARGV
     a = B.parse_args(argv, parser=OneLineParser)
@@ -258,7 +268,7 @@ def offload(ctx: Context) -> None:
         return
     ctx.need_cuda()
     if ctx.device == "cpu":
-        from megatron_zb.megatron import cpu_shims
+        from megatron_zb.megatron.cpu import cpu_shims
         cpu_shims.apply()
     import torch
     os.environ["MASTER_PORT"] = free_port()
@@ -359,7 +369,6 @@ def plan_layer_costs(h, heads, s, dtype_bytes=2):
 
 
 def fbw(ctx: Context) -> None:
-    from gpu_check import OneLineParser
     gpu = ctx.device == "cuda"
     sizes = FBW_SIZES if gpu else FBW_TINY
     runs = []

@@ -194,7 +194,7 @@ def stream_overlap(events, label=None) -> dict:
 
 def ep_overlap(ctx: Context) -> None:
     from megatron_zb import verify as V
-    from megatron_zb.megatron.ep_overlap import PAIR_LABEL
+    from megatron_zb.megatron.features.ep_overlap import PAIR_LABEL
     gpu = ctx.device == "cuda"
     traces = os.path.join(ctx.scratch, "ep_overlap_traces")
     case = V.make_case("dualpipe-v", 2, num_microbatches=8 if gpu else 4, iterations=2, device=ctx.device,

@@ -6,7 +6,7 @@ Run under torchrun with a pipeline-parallel megatron setup, e.g.
 
     torchrun --nproc-per-node 2 examples/megatron_training_loop.py
 
-On a CPU-only machine it uses gloo and megatron_zb.megatron.cpu_shims; it trains the tiny GPT that
+On a CPU-only machine it uses gloo and megatron_zb.megatron.cpu.cpu_shims; it trains the tiny GPT that
 ``megatron-zb verify`` uses, for a few iterations, and prints the loss.
 """
 import os
@@ -14,14 +14,14 @@ import os
 import torch
 import torch.distributed as dist
 
-from megatron_zb.megatron import cpu_shims
+from megatron_zb.megatron.cpu import cpu_shims
 
 cpu_shims.apply()  # no-op when CUDA is present
 
 import megatron.core.pipeline_parallel as mpp  # noqa: E402
 
-from megatron_zb.megatron import finalize  # noqa: E402
-from megatron_zb.megatron import placement as P  # noqa: E402
+from megatron_zb.megatron.execution import finalize  # noqa: E402
+from megatron_zb.megatron.layout import placement as P  # noqa: E402
 from megatron_zb.verify import tinygpt as M  # noqa: E402
 from megatron_zb.megatron.install import install  # noqa: E402
 

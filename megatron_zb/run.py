@@ -31,7 +31,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     sys.argv = [script] + argv[1:]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     from .megatron import dropin
-    from .megatron.session import run_reporting, supervise
+    from .megatron.launch.session import run_reporting, supervise
     supervise()
 
     def run():

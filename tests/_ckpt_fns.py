@@ -41,8 +41,8 @@ def _allow_save_without_psutil():
 
 def _setup(case, M, vocab=None):
     """(Re)initialise parallel state, build (optionally DDP-wrapped) chunks and the optimizer."""
-    from megatron_zb.megatron import finalize as F
-    from megatron_zb.megatron import placement as P
+    from megatron_zb.megatron.execution import finalize as F
+    from megatron_zb.megatron.layout import placement as P
     import torch
     from megatron.core import parallel_state
 
@@ -121,8 +121,8 @@ def _params(M, chunks):
 
 def _optimizer_state(M, state):
     """{global name/state key: [tensor of each copy]} of megatron's optimizer (empty without one)."""
-    from megatron_zb.megatron import finalize as F
-    from megatron_zb.megatron import placement as P
+    from megatron_zb.megatron.execution import finalize as F
+    from megatron_zb.megatron.layout import placement as P
     opt = state["opt"]
     if opt is None:
         return {}
@@ -179,11 +179,11 @@ def resume_case(case):
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
     from megatron.core.utils import unwrap_model
-    from megatron_zb.megatron import finalize as F
-    from megatron_zb.megatron import placement as P
+    from megatron_zb.megatron.execution import finalize as F
+    from megatron_zb.megatron.layout import placement as P
     from megatron_zb.verify import tinygpt as M
     from megatron_zb.megatron.install import install
-    from megatron_zb.megatron.shutdown import stop_checkpoint_writer
+    from megatron_zb.megatron.launch.shutdown import stop_checkpoint_writer
     from megatron_zb.verify.launch import set_status
 
     _allow_save_without_psutil()

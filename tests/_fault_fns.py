@@ -21,8 +21,8 @@ def stop_one_rank(case):
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    import megatron_zb.megatron.finalize as F
-    import megatron_zb.megatron.placement as P
+    import megatron_zb.megatron.execution.finalize as F
+    import megatron_zb.megatron.layout.placement as P
     import megatron_zb.verify.tinygpt as M
     from megatron_zb.megatron.install import install
 
@@ -79,8 +79,8 @@ def stop_outside_schedule(case):
     import torch
     import torch.distributed as dist
 
-    import megatron_zb.megatron.finalize as F
-    import megatron_zb.megatron.placement as P
+    import megatron_zb.megatron.execution.finalize as F
+    import megatron_zb.megatron.layout.placement as P
     import megatron_zb.verify.tinygpt as M
     from megatron_zb.megatron.install import install
     from megatron_zb.runtime import progress
@@ -119,8 +119,8 @@ def slow_forward_on_one_rank(case):
     sleep ``case['sleep']`` seconds each (a rank that responds but does not progress)."""
     import torch.distributed as dist
 
-    import megatron_zb.megatron.finalize as F
-    import megatron_zb.megatron.placement as P
+    import megatron_zb.megatron.execution.finalize as F
+    import megatron_zb.megatron.layout.placement as P
     import megatron_zb.verify.tinygpt as M
     from megatron_zb.megatron.install import install
 
@@ -155,8 +155,8 @@ def stop_while_saving(case):
     import torch
     import torch.distributed as dist
 
-    import megatron_zb.megatron.finalize as F
-    import megatron_zb.megatron.placement as P
+    import megatron_zb.megatron.execution.finalize as F
+    import megatron_zb.megatron.layout.placement as P
     import megatron_zb.verify.tinygpt as M
     from megatron_zb.megatron.install import install
     from megatron_zb.runtime import progress

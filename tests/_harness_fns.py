@@ -75,8 +75,8 @@ def placement_report(case):
     reference: layer assignment, megatron layer numbers, initial weights, gradients."""
     import torch
     from megatron.core import parallel_state
-    from megatron_zb.megatron import finalize as F
-    from megatron_zb.megatron import placement as P
+    from megatron_zb.megatron.execution import finalize as F
+    from megatron_zb.megatron.layout import placement as P
     from megatron_zb.verify import tinygpt as M
 
     out = {"megatron_version": M.megatron_version(), "placements": []}
@@ -178,8 +178,8 @@ def _stub_install(schedule, *, chunks=None, memory_limit=None, **options):
     from megatron.core import parallel_state
     from megatron_zb.verify.case import schedule_placement
     from megatron_zb.verify.sequential import SequentialForwardBackward
-    from megatron_zb.megatron import finalize as F
-    from megatron_zb.megatron import placement as P
+    from megatron_zb.megatron.execution import finalize as F
+    from megatron_zb.megatron.layout import placement as P
     from megatron_zb.verify import tinygpt as M
 
     p = parallel_state.get_pipeline_model_parallel_world_size()
@@ -218,7 +218,7 @@ def replica_sync_and_check(case):
     import torch.distributed as dist
     from megatron_zb.core.ir import Placement
     from megatron_zb.megatron.errors import ZeroBubbleConfigError
-    from megatron_zb.megatron.routing import check_replicas_equal
+    from megatron_zb.megatron.layout.routing import check_replicas_equal
     from megatron_zb.runtime.replica import ReplicaGradSync, ReplicaGroups
     me = dist.get_rank()
     pl = Placement.bitpipe(2)

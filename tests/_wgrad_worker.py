@@ -25,7 +25,7 @@ import traceback
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from megatron_zb.megatron import cpu_shims  # noqa: E402
+from megatron_zb.megatron.cpu import cpu_shims  # noqa: E402
 
 cpu_shims.apply()
 
@@ -46,7 +46,7 @@ from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
-from megatron_zb.megatron.wgrad import (  # noqa: E402
+from megatron_zb.megatron.execution.wgrad import (  # noqa: E402
     attach_wgrad_queue, detach_wgrad_queue, wgrad_parameters)
 from megatron_zb.runtime.wqueue import WQueue, WQueueError  # noqa: E402
 

@@ -5,6 +5,8 @@
   ``<repo>/.venv/mcore-0.19.2``; or a directory holding ``megatron/core``. The chosen directory is
   put first on ``sys.path`` in this process and on ``PYTHONPATH`` for every subprocess, and
   ``megatron_zb.verify.launch`` puts it first in every rank it starts.
+* This checkout's own package comes first on ``sys.path`` and ``PYTHONPATH`` (a shared venv's
+  editable install may point at another checkout).
 * Multi-process tests are marked ``dist`` (``pytest -m dist``), tests that import megatron
   ``megatron`` (``scripts/run_tests.sh`` reruns ``-m megatron`` on megatron-core 0.19.2).
 * Fixtures: ``mcore_path`` (the directory or None), ``mcore_version`` (the version string the
@@ -44,6 +46,14 @@ def _resolve_mcore():
     version = None if os.path.isdir(want) else want
     return path, version
 
+
+# This checkout's package first, here and in every subprocess (console scripts, ranks, shell
+# scripts): a venv's editable install may point at another checkout of the project
+if ROOT in sys.path:
+    sys.path.remove(ROOT)
+sys.path.insert(0, ROOT)
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != ROOT])
 
 MCORE_PATH, MCORE_VERSION = _resolve_mcore()
 _MCORE_ERROR = None

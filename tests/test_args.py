@@ -9,10 +9,10 @@ import re
 import pytest
 
 from megatron_zb.core import schedules as core_schedules
-from megatron_zb.megatron.args import NOT_AVAILABLE_FLAGS, add_zero_bubble_args, chain_providers
+from megatron_zb.megatron.launch.args import NOT_AVAILABLE_FLAGS, add_zero_bubble_args, chain_providers
 from megatron_zb.megatron.errors import ZeroBubbleArgumentError
-from megatron_zb.megatron.flags import memory_limit_in_microbatches, validate_zero_bubble_args
-from megatron_zb.megatron.options import ScheduleOptions, preview
+from megatron_zb.megatron.launch.flags import memory_limit_in_microbatches, validate_zero_bubble_args
+from megatron_zb.megatron.execution.options import ScheduleOptions, preview
 
 
 def preview_schedule(kwargs, p, m):
@@ -109,7 +109,7 @@ def test_unknown_schedule_fails_at_parse_with_the_known_list(capsys):
 
 
 def test_memory_limit_microbatches_and_gb(monkeypatch):
-    import megatron_zb.megatron.flags as flags
+    import megatron_zb.megatron.launch.flags as flags
     monkeypatch.setattr(flags, "_fused_attention", lambda args: True)  # as where TE is installed
     _, kw = validate(BASE + " --zero-bubble-schedule zb-auto --zero-bubble-memory-limit 6")
     assert kw["memory_limit"] == 6 and "mem_w" not in kw
@@ -363,7 +363,7 @@ def test_preview_simulates_and_refuses_an_impossible_memory_limit():
 
 @pytest.fixture()
 def megatron_parser():
-    from megatron_zb.megatron import cpu_shims
+    from megatron_zb.megatron.cpu import cpu_shims
     cpu_shims.apply()
     try:
         from megatron.training.arguments import add_megatron_arguments
@@ -394,7 +394,7 @@ def test_megatron_defaults_pass_validation(megatron_parser):
 
 @pytest.mark.megatron
 def test_install_from_args_after_megatron_validation(megatron_parser):
-    from megatron_zb.megatron.from_args import install_from_args
+    from megatron_zb.megatron.launch.from_args import install_from_args
     parser = chain_providers(add_zero_bubble_args)(megatron_parser)
     args = parser.parse_args((BASE + " --micro-batch-size 1 --zero-bubble-schedule zb-h1").split())
     args.virtual_pipeline_model_parallel_size = None  # as after Megatron's validate_args
@@ -414,7 +414,7 @@ def test_install_from_args_after_megatron_validation(megatron_parser):
 
 @pytest.mark.megatron
 def test_install_on_first_use_reads_megatrons_global_args(megatron_parser, monkeypatch):
-    from megatron_zb.megatron.from_args import install_on_first_use
+    from megatron_zb.megatron.launch.from_args import install_on_first_use
     import megatron.training
     import megatron.training.training as T
     parser = chain_providers(add_zero_bubble_args)(megatron_parser)

@@ -6,9 +6,9 @@ from argparse import Namespace
 
 import pytest
 
-from megatron_zb.megatron import checkpoint_placement as CP
+from megatron_zb.megatron.layout import checkpoint_placement as CP
 from megatron_zb.megatron.convert_checkpoint import ConvertError, convert
-from megatron_zb.megatron.placement import make_placement
+from megatron_zb.megatron.layout.placement import make_placement
 
 
 def _rec(style, p=2, chunks=None, layers=4, schedule="x"):

@@ -9,7 +9,7 @@ import pytest
 
 from megatron_zb import verify as V
 from megatron_zb.core.build import build
-from megatron_zb.megatron.options import ScheduleOptions
+from megatron_zb.megatron.execution.options import ScheduleOptions
 
 MOE = dict(num_experts=4, expert_model_parallel_size=2, data_parallel_size=2, moe_router_topk=2,
            moe_aux_loss_coeff=0.01, ep_overlap=True)
@@ -59,7 +59,7 @@ def test_ep_overlap_flag_with_training_flags():
     """Megatron's flag is taken where the built schedule has overlapped pairs (dualpipe-v's own, those the
     core forms in zb-v with the all-to-all) and refused in one line, at start-up, where it has none."""
     from megatron_zb.megatron.errors import ZeroBubbleArgumentError, ZeroBubbleConfigError
-    from megatron_zb.megatron.options import ScheduleOptions, check_ep_overlap, preview
+    from megatron_zb.megatron.execution.options import ScheduleOptions, check_ep_overlap, preview
     from tests.test_args import BASE, validate
     _, kw = validate(BASE + " --zero-bubble-schedule zb-v --overlap-moe-expert-parallel-comm --zero-bubble-cost-a2a 0.4")
     assert kw["ep_overlap"] and kw["cost_a2a"] == 0.4

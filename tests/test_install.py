@@ -6,7 +6,7 @@ pytestmark = pytest.mark.megatron
 
 @pytest.fixture()
 def megatron():
-    from megatron_zb.megatron import cpu_shims
+    from megatron_zb.megatron.cpu import cpu_shims
     cpu_shims.apply()
     import megatron.core.pipeline_parallel as mpp
     return mpp
@@ -14,7 +14,7 @@ def megatron():
 
 def test_install_patches_and_uninstall_restores(megatron):
     from megatron.core.pipeline_parallel import schedules as S
-    from megatron_zb.megatron.forward_backward import ZeroBubbleForwardBackward
+    from megatron_zb.megatron.execution.forward_backward import ZeroBubbleForwardBackward
     from megatron_zb.megatron.install import install
     before = (megatron.get_forward_backward_func, S.get_forward_backward_func)
     h = install("zb-h1")

@@ -45,7 +45,7 @@ def test_measured_peaks_match_the_simulator_and_plan(mcore_path, mcore_version):
     mem-f/mem-w) and within 25% of plan's formula (benchmarks/bench_memory.py has the whole table)."""
     from megatron_zb import verify as V
     from megatron_zb.core.build import build
-    from megatron_zb.megatron.options import ScheduleOptions
+    from megatron_zb.megatron.execution.options import ScheduleOptions
     runs = [("1f1b", {}), ("zb-h1", {}), ("zb-v", {}), ("v-half", {}), ("interleaved-1f1b", {}),
             ("dualpipe-v", {}), ("zb-v", {"offload_ratio": 1.0})]
     cases = [V.make_case(n, 4, num_microbatches=8, iterations=2, config_overrides={"deallocate_pipeline_outputs": True},

@@ -209,14 +209,14 @@ def test_install_refuses_offload_without_cuda_outside_the_test_mode():
 ])
 def test_install_offload_options_checked(kw, msg):
     from megatron_zb.megatron.errors import ZeroBubbleConfigError
-    from megatron_zb.megatron.forward_backward import ZeroBubbleForwardBackward
-    from megatron_zb.megatron.options import ScheduleOptions
+    from megatron_zb.megatron.execution.forward_backward import ZeroBubbleForwardBackward
+    from megatron_zb.megatron.execution.options import ScheduleOptions
     with pytest.raises(ZeroBubbleConfigError, match=msg):
         ZeroBubbleForwardBackward(ScheduleOptions("zb-h1", offload_cpu_test=True, **kw))
 
 
 def test_auto_offload_time_estimate_on_cpu_is_labelled():
-    from megatron_zb.megatron.offload import estimate_offload_time
+    from megatron_zb.megatron.features.offload import estimate_offload_time
     est = estimate_offload_time(hidden_size=256, num_attention_heads=4, seq_length=128, micro_batch_size=1,
                                 device="cpu")
     assert est["offload_time"] > 0 and est["transfer_s"] > 0 and est["compute_s"] > 0

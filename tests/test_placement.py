@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_zb.core.ir import Placement, ScheduleError
-from megatron_zb.megatron import placement as P
+from megatron_zb.megatron.layout import placement as P
 from megatron_zb.verify import tinygpt as M
 
 

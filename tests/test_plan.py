@@ -32,9 +32,17 @@ def test_plan_table_and_json(capsys):
     # one ready-to-paste line for the best schedule that fits, then the others aligned
     i = next(i for i, l in enumerate(lines) if l.startswith("suggested flags ("))
     assert lines[i + 1].strip().startswith("--pipeline-model-parallel-size 4 --zero-bubble-schedule ")
-    assert len({l.index("--pipeline") for l in lines[i + 3:] if "--pipeline" in l}) == 1, lines[i:]
+    j = next((k for k, l in enumerate(lines) if l.startswith("within Megatron 1F1B's memory")), len(lines))
+    assert len({l.index("--pipeline") for l in lines[i + 3:j] if "--pipeline" in l}) == 1, lines[i:j]
+    if j < len(lines):  # the fastest that fits needs more than 1F1B: the fastest that needs no more, and its flags
+        assert lines[j + 1].strip().startswith("--pipeline-model-parallel-size 4 --zero-bubble-schedule ")
     assert main(ARGS + ["--gpu-memory-gb", "80", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
+    w = d["within_1f1b_memory"]
+    assert (w is None) == (j == len(lines))
+    if w is not None:
+        base = next(r for r in d["rows"] if r["schedule"] == "1f1b" and not r.get("vocab_parallel"))
+        assert max(w["peak_bytes"]) <= max(base["peak_bytes"]) and w["throughput_vs_1f1b"] >= 1.0
     for r in (r for r in d["rows"] if r.get("memory_limit_microbatches")):  # the limit's unit is said
         assert f"--zero-bubble-memory-limit {r['memory_limit_microbatches']:g}" in r["flags"]
         assert f"{r['memory_limit_microbatches']:g} x {r['activation_unit_bytes'] / 1024 ** 3:.2f} GiB" in out
@@ -144,7 +152,8 @@ def test_moe_and_recompute_in_the_model():
 
 
 def test_plan_takes_moe_and_recompute_flags(capsys):
-    even = ["--no-layout-search"]  # the model's flags, not the layout, are what this compares (half the CPU)
+    # the model's flags, not the layout or vocabulary parallelism, are what this compares (a quarter of the CPU)
+    even = ["--no-layout-search", "--no-vocab-parallel"]
     assert main(ARGS + even + ["--num-experts", "8", "--moe-router-topk", "2", "--expert-model-parallel-size", "2",
                                "--moe-ffn-hidden-size", "1024", "--json"]) == 0
     moe = {r["schedule"]: r for r in json.loads(capsys.readouterr().out)["rows"] if "error" not in r}
@@ -179,3 +188,26 @@ def test_readme_example_suggests_the_least_memory_of_the_equally_fast(capsys):
     need = max(va["activation_bytes"]) / va["activation_unit_bytes"]
     assert va["memory_limit_microbatches"] == pytest.approx(need, abs=0.011)
     assert f"--zero-bubble-memory-limit {va['memory_limit_microbatches']:g}" in va["flags"]
+
+
+def test_within_1f1b_memory_picks_the_fastest_row_no_larger_than_1f1b():
+    G = 1024 ** 3
+
+    def r(name, t, peak, vocab=None, fits=True):
+        return {"schedule": name, "iteration_time_s": t, "ranked_by": "iteration_time_s", "peak_bytes": [peak * G, 1.0],
+                "fits": fits, "vocab_parallel": vocab, "flags": f"--zero-bubble-schedule {name}", "bubble_rate": 0.1}
+    rows = [r("zb-v", 1.0, 40, vocab=1), r("v-auto", 1.1, 39), r("zb-h1", 1.3, 37), r("1f1b", 1.5, 37.4),
+            r("1f1b", 1.4, 36, vocab=1), r("gpipe", 0.9, 30, fits=False)]
+    asked = []
+
+    def replan(gib, names):
+        asked.append((round(gib, 3), names))
+        return [r("v-auto", 1.2, 37.4), r("zb-auto", 1.25, 36.0), {"schedule": "zb-auto", "error": "x"}]
+    w = P.within_1f1b_memory(rows, replan)
+    assert asked == [(37.4, ["v-auto"])]  # the searched schedules again, with 1F1B's peak as the budget
+    assert w["schedule"] == "v-auto" and w["iteration_time_s"] == 1.2 and w["budget_gib"] == pytest.approx(37.4)
+    assert w["throughput_vs_1f1b"] == pytest.approx(1.5 / 1.2, abs=1e-4)
+    # the fastest fitting row already needs no more than 1F1B: nothing to add, no search
+    assert P.within_1f1b_memory([r("zb-h1", 1.3, 37), r("1f1b", 1.5, 37.4)], replan) is None
+    assert P.within_1f1b_memory([r("zb-v", 1.0, 40)], replan) is None  # no 1F1B row: nothing to compare with
+    assert len(asked) == 1

@@ -337,7 +337,7 @@ def _reference_sample_idx(sizes, document_idx, seq_length, num_epochs, tokens_pe
 @pytest.mark.parametrize("drop_last", [True, False])
 @pytest.mark.parametrize("add_extra", [1, 0])
 def test_numpy_sample_index_matches_the_cpp_loop(seed, drop_last, add_extra):
-    from megatron_zb.megatron.cpu_shims import _numpy_dataset_helpers
+    from megatron_zb.megatron.cpu.cpu_shims import _numpy_dataset_helpers
     helpers = _numpy_dataset_helpers("helpers_cpp_test")
     rng = np.random.default_rng(seed)
     sizes = rng.integers(1, 40, size=50).astype(np.int32)
@@ -352,7 +352,7 @@ def test_numpy_sample_index_matches_the_cpp_loop(seed, drop_last, add_extra):
 
 
 def test_numpy_blending_indices_match_the_cpp_loops():
-    from megatron_zb.megatron.cpu_shims import _numpy_dataset_helpers
+    from megatron_zb.megatron.cpu.cpu_shims import _numpy_dataset_helpers
     helpers = _numpy_dataset_helpers("helpers_cpp_test")
     weights = np.array([0.5, 0.3, 0.2])
     di, dsi = np.zeros(100, np.int16), np.zeros(100, np.int64)

@@ -333,7 +333,8 @@ def test_nothing_outlives_a_sigkilled_rank(tmp_path):
 def test_load_without_a_checkpoint_is_refused_unless_starting_fresh(tmp_path, monkeypatch):
     """An empty --load folder: refused (Megatron would start from random weights), accepted with
     --zero-bubble-start-fresh; a tracker behind a newer, unfinished save gives a note."""
-    from megatron_zb.megatron import preflight, startup
+    from megatron_zb.megatron import preflight
+    from megatron_zb.megatron.launch import startup
     from megatron_zb.megatron.errors import ZeroBubbleArgumentError
     for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
         monkeypatch.setenv(var, os.environ.get(var, "0"))

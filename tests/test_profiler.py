@@ -432,7 +432,7 @@ def test_profiles_on_gloo_pipeline():
 
 @pytest.mark.megatron
 def test_install_profile_options_and_replan(monkeypatch):
-    from megatron_zb.megatron import cpu_shims
+    from megatron_zb.megatron.cpu import cpu_shims
     cpu_shims.apply()
     from megatron_zb.megatron.install import ZeroBubbleConfigError, install
     with pytest.raises(ZeroBubbleConfigError, match="profile window"):

@@ -50,7 +50,7 @@ def test_balance_refusals(opts, match):
 def test_training_flags():
     """--zero-bubble-balance-microbatches in the flags: Megatron's variable_seq_lengths and the
     per-token loss turned on, the install option given; what it cannot run with refused in one line."""
-    from megatron_zb.megatron.balance_args import after_megatron_validation
+    from megatron_zb.megatron.features.balance_args import after_megatron_validation
     from megatron_zb.megatron.errors import ZeroBubbleArgumentError
     from tests.test_args import BASE, validate
     args, kw = validate(BASE + " --zero-bubble-schedule zb-v --zero-bubble-balance-microbatches "
@@ -75,7 +75,7 @@ def test_training_flags():
 def test_rows_are_padded_so_no_real_token_sees_a_pad():
     import torch
 
-    from megatron_zb.megatron.balanced import collate, split_rows
+    from megatron_zb.megatron.features.balanced import collate, split_rows
 
     def batch(s, b=2):
         return {"tokens": torch.arange(b * s).view(b, s), "labels": torch.arange(b * s).view(b, s),

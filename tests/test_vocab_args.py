@@ -3,8 +3,8 @@ what they install (barriers, every chunk's costs without the output layer, the v
 costs from the model) and what they refuse, in one line each. No torch, no megatron."""
 import pytest
 
-from megatron_zb.megatron.flags import ZeroBubbleArgumentError
-from megatron_zb.megatron.options import ScheduleOptions, preview
+from megatron_zb.megatron.launch.flags import ZeroBubbleArgumentError
+from megatron_zb.megatron.execution.options import ScheduleOptions, preview
 from tests.test_args import BASE, validate
 
 LLAMA = ("--pipeline-model-parallel-size 4 --num-layers 16 --hidden-size 2048 --num-attention-heads 32 "

@@ -130,7 +130,7 @@ class _DelayedLinear(torch.nn.Module):
 
 
 def test_delayed_wgrad_protocol_modules_run_backward_dw_at_w_or_end_of_bw():
-    from megatron_zb.megatron.wgrad import attach_wgrad_queue, detach_wgrad_queue
+    from megatron_zb.megatron.execution.wgrad import attach_wgrad_queue, detach_wgrad_queue
 
     chunk = torch.nn.Sequential(_DelayedLinear(4, 1), torch.nn.Tanh(), _DelayedLinear(4, 2))
     q = WQueue("te-chunk")
@@ -245,7 +245,7 @@ def test_megatron_b_then_shuffled_w_equals_fused_backward(megatron_results, case
 def test_transformer_engine_delayed_wgrad_runs_at_w():
     te = pytest.importorskip("transformer_engine.pytorch",
                              reason="transformer_engine is not installed")
-    from megatron_zb.megatron.wgrad import attach_wgrad_queue
+    from megatron_zb.megatron.execution.wgrad import attach_wgrad_queue
 
     torch.manual_seed(0)
     n = 64
@@ -293,7 +293,7 @@ def test_transformer_engine_grouped_linear_experts_defer_to_w():
     """MoE's TE experts (TEGroupedMLP's GroupedLinear, one GEMM per local expert) follow the same
     delayed-wgrad protocol: B leaves every expert's weight gradient to W."""
     te = pytest.importorskip("transformer_engine.pytorch", reason="transformer_engine is not installed")
-    from megatron_zb.megatron.wgrad import attach_wgrad_queue
+    from megatron_zb.megatron.execution.wgrad import attach_wgrad_queue
 
     n, experts = 64, 4
     splits = [5, 0, 7, 4]  # tokens per expert (an expert may get none)

@@ -175,19 +175,22 @@ def cmd_plan(args) -> int:
         raise UsageError("--num-microbatches is required (or --seq-lengths FILE)")
     check_size(args.pipeline_parallel_size, args.num_microbatches, 2,
                flags=("--pipeline-parallel-size", "--num-microbatches"))
-    rows = P.plan(spec, args.pipeline_parallel_size, args.num_microbatches, args.gpu_memory_gb, tflops=tflops,
-                  efficiency=args.efficiency, profile=profile, pad_ends=args.allow_padding_num_layers,
-                  cost_optimizer=args.cost_optimizer, post_validation=args.optimizer_post_validation,
-                  offload_ratio=args.offload_ratio, offload_time=args.offload_time,
-                  host_link_gbps=args.host_link_gbps, offload_overlap=not args.offload_half_duplex,
-                  exact=(args.exact_nodes, args.exact_seconds) if args.exact else None,
-                  jobs=args.jobs if args.jobs is not None else min(8, _usable_cpus()),
-                  ep_bandwidth_gbps=args.ep_bandwidth_gbps if args.ep_bandwidth_gbps is not None else P.EP_BANDWIDTH_GBPS,
-                  a2a_overlap=not args.no_overlap, layout=args.pipeline_model_parallel_layout,
-                  layout_search=not args.no_layout_search,
-                  vocab_parallel="on" if args.enable_vocab_parallel else "off" if args.no_vocab_parallel else "both",
-                  vocab_barriers=2 if args.disable_backward_fusion else 1,
-                  vocab_gbps=args.vocab_comm_gbps if args.vocab_comm_gbps is not None else P.EP_BANDWIDTH_GBPS)
+    kw = dict(tflops=tflops,
+              efficiency=args.efficiency, profile=profile, pad_ends=args.allow_padding_num_layers,
+              cost_optimizer=args.cost_optimizer, post_validation=args.optimizer_post_validation,
+              offload_ratio=args.offload_ratio, offload_time=args.offload_time,
+              host_link_gbps=args.host_link_gbps, offload_overlap=not args.offload_half_duplex,
+              exact=(args.exact_nodes, args.exact_seconds) if args.exact else None,
+              jobs=args.jobs if args.jobs is not None else min(8, _usable_cpus()),
+              ep_bandwidth_gbps=args.ep_bandwidth_gbps if args.ep_bandwidth_gbps is not None else P.EP_BANDWIDTH_GBPS,
+              a2a_overlap=not args.no_overlap, layout=args.pipeline_model_parallel_layout,
+              layout_search=not args.no_layout_search,
+              vocab_parallel="on" if args.enable_vocab_parallel else "off" if args.no_vocab_parallel else "both",
+              vocab_barriers=2 if args.disable_backward_fusion else 1,
+              vocab_gbps=args.vocab_comm_gbps if args.vocab_comm_gbps is not None else P.EP_BANDWIDTH_GBPS)
+    rows = P.plan(spec, args.pipeline_parallel_size, args.num_microbatches, args.gpu_memory_gb, **kw)
+    within = P.within_1f1b_memory(rows, lambda gib, names: P.plan(spec, args.pipeline_parallel_size,
+                                                                   args.num_microbatches, gib, schedules=names, **kw))
     advice = post_validation_advice(rows, args.optimizer_post_validation)
     if args.json:
         print(json.dumps({"model": dataclasses.asdict(spec), "pipeline_parallel_size": args.pipeline_parallel_size,
@@ -195,9 +198,9 @@ def cmd_plan(args) -> int:
                           "costs_from": "profile" if profile else f"FLOPs at {tflops:g} TFLOPS x {args.efficiency:g}",
                           "cost_optimizer_s": args.cost_optimizer,
                           "optimizer_post_validation": args.optimizer_post_validation,
-                          "post_validation_advice": advice, "rows": rows}))
+                          "post_validation_advice": advice, "within_1f1b_memory": within, "rows": rows}))
         return 0
-    _print_plan(args, spec, rows, profile, tflops, advice)
+    _print_plan(args, spec, rows, profile, tflops, advice, within)
     return 0
 
 
@@ -285,10 +288,12 @@ Below the table: the flags of the first schedule that fits (the fastest; among e
 ones the cheapest in memory), ready to paste into a Megatron command, then those of the others
 that fit (--zero-bubble-memory-limit counts microbatches: one is the activation memory of one
 microbatch on the fullest rank, given in GiB below them; it is what the schedule needs, its peak,
-not the room left on the GPU)."""
+not the room left on the GPU). Where the fastest that fits needs more memory on some rank than
+Megatron's 1F1B, "within Megatron 1F1B's memory" names the fastest schedule that needs no more
+(v-auto and zb-auto planned again with 1F1B's peak as their budget) and its flags."""
 
 
-def _print_plan(args, spec, rows, profile, tflops, advice) -> None:
+def _print_plan(args, spec, rows, profile, tflops, advice, within=None) -> None:
     gib = 1024 ** 3
     p, m = args.pipeline_parallel_size, args.num_microbatches
     extras = [f"TP={spec.tensor_parallel_size}" + (" (sequence parallel)" if spec.sequence_parallel else ""),
@@ -371,6 +376,11 @@ def _print_plan(args, spec, rows, profile, tflops, advice) -> None:
             unit = r["activation_unit_bytes"] / gib
             print(f"{r['schedule']}: --zero-bubble-memory-limit counts microbatches: {lim:g} x {unit:.2f} GiB "
                   f"(one microbatch's activations on the fullest rank) = {lim * unit:.1f} GiB, what it needs")
+    if within is not None:
+        print(f"within Megatron 1F1B's memory ({within['budget_gib']:.1f} GiB on its fullest rank): {_label(within)}, "
+              f"{100 * within['bubble_rate']:.1f}% bubble, {within['throughput_vs_1f1b']:.3f}x 1f1b, peak "
+              f"{max(within['peak_bytes']) / gib:.1f} GiB:")
+        print(f"  {within['flags']}{pv}")
     if advice:
         print(advice)
 

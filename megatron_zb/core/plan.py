@@ -139,3 +139,30 @@ def by_memory_among_ties(rows: List[dict], time, peak, tie: float = TIE) -> List
         rest = [r for r in rest if time(r) > top]
         out += sorted(group, key=lambda r: (round(peak(r), 6), time(r)))
     return out
+
+
+def within_1f1b_memory(rows: List[dict], replan) -> Optional[dict]:
+    """The fastest row that needs no more memory on any rank than Megatron's 1F1B (its row without
+    vocabulary parallelism, fitting the budget), where the fastest fitting row needs more: the rows
+    already made, and the searched schedules (v-auto, zb-auto, with their rows' vocabulary setting)
+    planned again by ``replan(gib, names)`` with 1F1B's peak as the budget, so that their memory
+    limit is the room under it. None where the fastest fitting row already needs no more, or
+    without a 1F1B row. The row carries ``budget_gib`` and its speed over that 1F1B row."""
+    ok = [r for r in rows if "error" not in r and r["fits"]]
+    base = next((r for r in ok if r["schedule"] == "1f1b" and not r.get("vocab_parallel")), None)
+    if base is None or not ok:
+        return None
+    key, cap = base["ranked_by"], max(base["peak_bytes"]) * (1 + 1e-9)
+    if max(ok[0]["peak_bytes"]) <= cap:
+        return None
+    names = sorted({r["schedule"] for r in ok if r["schedule"] in ("v-auto", "zb-auto")})
+    again = [r for r in replan(max(base["peak_bytes"]) / 1024 ** 3, names) if "error" not in r and r["fits"]] \
+        if names else []
+    cands = [r for r in ok + again if max(r["peak_bytes"]) <= cap]
+    if not cands:
+        return None
+    best = dict(min(cands, key=lambda r: (r[key], max(r["peak_bytes"]))))
+    best["budget_gib"] = max(base["peak_bytes"]) / 1024 ** 3
+    best["throughput_vs_1f1b"] = round(base[key] / best[key], 4) if best[key] else None
+    return best
+

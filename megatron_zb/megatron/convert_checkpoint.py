@@ -27,7 +27,7 @@ import sys
 from collections import OrderedDict
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from . import checkpoint_placement as CP
+from .layout import checkpoint_placement as CP
 
 __all__ = ["convert", "main"]
 
@@ -87,7 +87,7 @@ def _target_record(source: dict, schedule: str, chunks: Optional[int], allow_pad
                    layout: Optional[str] = None) -> dict:
     from ..core import schedules
     from ..core.ir import ScheduleError
-    from .placement import make_placement
+    from .layout.placement import make_placement
     try:
         style = schedules.get(schedule).placement
     except ScheduleError as e:
@@ -206,7 +206,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     help="the loading run's --pipeline-model-parallel-layout (pipeline order; default: an even split)")
     a = ap.parse_args(argv)
     try:
-        from . import cpu_shims
+        from .cpu import cpu_shims
         cpu_shims.python_compat()
         if not cpu_shims.cuda_available():
             cpu_shims.apply()  # unpickling the saved arguments imports megatron

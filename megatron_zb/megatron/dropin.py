@@ -12,11 +12,11 @@ runs megatron-zb:
 
 1. **Flags.** ``megatron.training.arguments.add_megatron_arguments`` also adds megatron-zb's flags
    (ours, the ZB authors' fork's, ``--zero-bubble-deterministic-init``); a parse error is one line.
-2. **Validation.** Megatron's ``validate_args`` first validates ours (``megatron.flags``; before
+2. **Validation.** Megatron's ``validate_args`` first validates ours (``megatron.launch.flags``; before
    Megatron's own, so a V schedule gets two virtual stages per rank), applies this machine's
    adjustments without CUDA (said in one line: gloo, the local transformer, no fused kernels,
    fp32), then runs Megatron's checks; a failed check is one line, before Megatron's argument dump.
-3. **Training.** After validation a ``TrainingSession`` starts (``megatron.session``): the schedule
+3. **Training.** After validation a ``TrainingSession`` starts (``megatron.launch.session``): the schedule
    installed and announced, losses handed to the rank Megatron logs them on, post-validation,
    the placement recorded in checkpoints, the stall watch.
 4. **Placements Megatron does not have** (V schedules, BitPipe), built through Megatron's own model
@@ -29,7 +29,7 @@ runs megatron-zb:
    holding both the embedding and the tied output layer; ``finalize_model_grads`` sums those
    two copies.
 
-Without CUDA Megatron's CUDA-only spots are shimmed first (``megatron.cpu_shims``), as in
+Without CUDA Megatron's CUDA-only spots are shimmed first (``megatron.cpu.cpu_shims``), as in
 megatron-zb's own entry point.
 """
 from __future__ import annotations
@@ -41,13 +41,13 @@ import sys
 from functools import partial
 from typing import Callable, List, Optional
 
-from .args import add_zero_bubble_args
-from .balance_args import after_megatron_validation
-from .chunks import ChunkPlan
+from .launch.args import add_zero_bubble_args
+from .features.balance_args import after_megatron_validation
+from .launch.chunks import ChunkPlan
 from .errors import ZeroBubbleArgumentError
-from .flags import validate_zero_bubble_args
-from .session import TrainingSession, print0
-from .startup import (MegatronTrainingMissing, add_entry_args, check_load, check_sizes, cuda, machine_adjustments,
+from .launch.flags import validate_zero_bubble_args
+from .launch.session import TrainingSession, print0
+from .launch.startup import (MegatronTrainingMissing, add_entry_args, check_load, check_sizes, cuda, machine_adjustments,
                       megatron_check_message, microbatches)
 
 __all__ = ["DropIn", "enable"]
@@ -85,7 +85,7 @@ class DropIn:
 
     # -- 1 and 2: flags and validation ------------------------------------------------------------
     def enable(self) -> "DropIn":
-        from . import cpu_shims
+        from .cpu import cpu_shims
         cpu_shims.python_compat()
         if not cuda():
             cpu_shims.apply()
@@ -186,8 +186,8 @@ class DropIn:
         import megatron.core.parallel_state as ps
         import megatron.training.training as T
 
-        from .finalize import finalize_model_grads_for
-        from .placement import embedding_ranks
+        from .execution.finalize import finalize_model_grads_for
+        from .layout.placement import embedding_ranks
 
         plan = self.plan
         self._patch(ps.is_pipeline_first_stage, self._stage_predicate(ps.is_pipeline_first_stage, "pre_process"))

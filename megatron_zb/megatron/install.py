@@ -14,7 +14,7 @@ returned.
 Our forward-backward keeps megatron-core's keyword signature and reuses megatron's own
 ``forward_step`` / ``backward_step`` (loss scaling, token counts, aux losses); the pipeline order
 comes from the schedule core, lowered to SEND/RECV and run by ``runtime.executor``
-(``megatron.forward_backward``; the options: ``megatron.options``).
+(``megatron.execution.forward_backward``; the options: ``megatron.execution.options``).
 """
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ import sys
 from typing import List, Optional
 
 from .errors import ZeroBubbleConfigError
-from .forward_backward import ZeroBubbleForwardBackward
-from .options import ScheduleOptions
+from .execution.forward_backward import ZeroBubbleForwardBackward
+from .execution.options import ScheduleOptions
 
 __all__ = ["install", "InstallHandle", "ZeroBubbleConfigError"]
 
@@ -43,11 +43,11 @@ class InstallHandle:
         return self.forward_backward.post_validation
 
     def post_validated_optimizer(self, optimizer, model_chunks, **kw):
-        """Attach optimizer post-validation to Megatron's ``optimizer`` (``megatron.optimizer``;
+        """Attach optimizer post-validation to Megatron's ``optimizer`` (``megatron.features.optimizer``;
         ``kw``: min_clean_steps, log, pp_group). Returns the ``PostValidator``."""
         if self.post_validation is None:
             raise ZeroBubbleConfigError("post_validated_optimizer() needs install(..., post_validation=True)")
-        from .optimizer import PostValidationError, post_validated
+        from .features.optimizer import PostValidationError, post_validated
         try:
             return post_validated(optimizer, model_chunks, self.post_validation, **kw)
         except PostValidationError as e:

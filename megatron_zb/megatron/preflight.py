@@ -30,8 +30,8 @@ import warnings
 from typing import List, Optional, Sequence
 
 from .errors import ZeroBubbleArgumentError
-from .options import ScheduleOptions, preview
-from .startup import (MegatronTrainingMissing, megatron_check_message, microbatches, placement_of, prepare_args,
+from .execution.options import ScheduleOptions, preview
+from .launch.startup import (MegatronTrainingMissing, megatron_check_message, microbatches, placement_of, prepare_args,
                       prepare_megatron)
 
 __all__ = ["check", "main"]

@@ -7,7 +7,7 @@
         --train-iters 100 --lr 3e-4 --tokenizer-type NullTokenizer --vocab-size 32000 ...
 
 Every Megatron flag works as in Megatron-LM's script, plus megatron-zb's flags and the ZB authors'
-fork's (``megatron_zb.megatron.args``). What this module adds to Megatron's flow:
+fork's (``megatron_zb.megatron.launch.args``). What this module adds to Megatron's flow:
 
 * the flags: Megatron's parser gets ``add_zero_bubble_args`` (chained with any other
   ``extra_args_provider``); they are validated (``validate_zero_bubble_args``) **before** Megatron's
@@ -16,7 +16,7 @@ fork's (``megatron_zb.megatron.args``). What this module adds to Megatron's flow
 * ``install()``: Megatron's ``get_forward_backward_func`` returns the megatron-zb schedule;
 * V placement (zb-v, v-half, v-min, v-auto, dualpipe-v, gpipe-v): rank r builds stages r and
   2P-1-r, so the embedding and the loss both live on pipeline rank 0. The layer numbering uses
-  ``megatron_zb.megatron.placement``'s layer-table hooks, the embedding group is rank 0 alone, the
+  ``megatron_zb.megatron.layout.placement``'s layer-table hooks, the embedding group is rank 0 alone, the
   tied output weight is summed locally (``finalize_model_grads_for``), and the losses are handed to
   the last pipeline rank, where Megatron's training loop reads and logs them;
 * BitPipe (bitpipe): four chunks per rank (``Placement.bitpipe``: two V pipelines in opposite
@@ -42,9 +42,9 @@ import warnings  # noqa: E402
 from functools import partial  # noqa: E402
 from typing import Callable, Optional, Sequence  # noqa: E402
 
-from .chunks import ChunkPlan  # noqa: E402
-from .session import TrainingSession, print0, run_reporting, supervise  # noqa: E402
-from .startup import layer_kw, placement_of, prepare_args, prepare_megatron  # noqa: E402
+from .launch.chunks import ChunkPlan  # noqa: E402
+from .launch.session import TrainingSession, print0, run_reporting, supervise  # noqa: E402
+from .launch.startup import layer_kw, placement_of, prepare_args, prepare_megatron  # noqa: E402
 
 __all__ = ["main", "model_provider", "forward_step", "train_valid_test_datasets_provider"]
 
@@ -58,7 +58,7 @@ class _ModelProvider:
 
     Builds each chunk with Megatron's own ``GPTModelBuilder`` (TE spec when Transformer Engine is
     present, the local spec otherwise, MoE etc. from the flags). For a V schedule the chunk's stage,
-    pre/post-process and layers come from the V placement (``megatron.chunks``) and megatron's
+    pre/post-process and layers come from the V placement (``megatron.launch.chunks``) and megatron's
     layer count/offset functions answer from the placement's layer table.
     """
 
@@ -72,7 +72,7 @@ class _ModelProvider:
         from megatron.training.argument_utils import gpt_config_from_args
         from megatron.training.models.gpt import GPTModelBuilder
 
-        from .local_spec import layer_spec
+        from .cpu.local_spec import layer_spec
 
         args = get_args()
         if self.plan is None:
@@ -192,7 +192,7 @@ def _dataset_needed_on(vp_stage) -> bool:
     from megatron.core import parallel_state as ps
     from megatron.training import get_args
 
-    from . import placement as zb_placement
+    from .layout import placement as zb_placement
     if ps.get_tensor_model_parallel_rank() != 0:
         return False
     args = get_args()
@@ -225,7 +225,7 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
     print_rank_0("> finished creating GPT datasets ...")
     if getattr(args, "zero_bubble_mock_seq_lengths", None) and train_ds is not None:  # variable-length samples
         from ..core.seqlens import length_sampler
-        from .varlen_data import VariableLengthDataset
+        from .features.varlen_data import VariableLengthDataset
         train_ds = VariableLengthDataset(train_ds, length_sampler(args.zero_bubble_mock_seq_lengths), args.seq_length)
     return train_ds, valid_ds, test_ds
 
@@ -256,7 +256,7 @@ def main(argv: Optional[Sequence[str]] = None, extra_args_provider: Optional[Cal
     session = TrainingSession(args, zb, get_num_microbatches(), route="megatron-zb's pretrain_gpt").start()
     get_emb = None
     if zb is not None:  # the embedding group: the embedding's rank alone where the output layer is not on another
-        from .placement import embedding_ranks
+        from .layout.placement import embedding_ranks
         get_emb = embedding_ranks(session.placement, bool(zb.get("vocab_parallel")))
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r"(?s).*recommended to use a ModelConfig")

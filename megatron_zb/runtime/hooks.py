@@ -25,7 +25,7 @@ Features that use them: progress (``runtime.progress``: begin/end), activation o
 (``runtime.offload.OffloadHook``: prepare/compute/transfer/finish), optimizer post-validation
 (``runtime.postval.ValidationPoint``: validate), the profiler (``runtime.profiler``: wait/compute),
 pass timing (``PassTimes`` below) and gradient synchronisation (Megatron's DDP and replicated stages,
-``megatron.gradsync``: before/after_last_backward).
+``megatron.execution.gradsync``: before/after_last_backward).
 """
 from __future__ import annotations
 

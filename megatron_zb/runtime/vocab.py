@@ -1,7 +1,7 @@
 """Vocabulary parallelism at run time: every pipeline rank's shard of the output layer and its
 passes VS, VT, VW (the schedule core places them: ``core.vocab``). No Megatron here: the shard's
 weight, the groups and what Megatron's loss step does come from the caller
-(``megatron.vocab_parallel``).
+(``megatron.features.vocab_parallel``).
 
 Per microbatch j (T tokens, hidden h, shard rows [v0, v1) of the vocabulary on this rank):
 

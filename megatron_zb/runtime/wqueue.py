@@ -14,7 +14,7 @@ gradient split, and it is scoped to that chunk, never global). The executor uses
     queue.assert_empty()
 
 While ``defer(mb)`` is active, the layers the queue is attached to (see
-``megatron_zb.megatron.wgrad.attach_wgrad_queue``) compute only their input gradient and
+``megatron_zb.megatron.execution.wgrad.attach_wgrad_queue``) compute only their input gradient and
 :meth:`put` a closure that computes and accumulates their weight gradient. Outside ``defer`` a
 backward is the ordinary fused one (a BW pass). Plain torch, no Megatron import.
 
@@ -56,7 +56,7 @@ class WQueue:
         self._current: Optional[int] = None
         self._session = 0
         #: per-B-pass scratch space for the layer adapters (emptied when a ``defer`` starts);
-        #: e.g. megatron_zb.megatron.wgrad keeps there what the B pass's closures share at W.
+        #: e.g. megatron_zb.megatron.execution.wgrad keeps there what the B pass's closures share at W.
         self.scratch: Dict[str, object] = {}
         self.closures_put = 0
         self.closures_run = 0

@@ -280,7 +280,7 @@ def make_case(schedule: str, pipeline_parallel_size: int, tensor_parallel_size: 
     case = VerifyCase(schedule=schedule, pipeline_parallel_size=p, tensor_parallel_size=t, num_microbatches=m,
                       iterations=iterations, chunks=chunks, placement=placement, num_layers=num_layers, **options)
     from ..core.ir import ScheduleError
-    from ..megatron.placement import stage_layer_counts
+    from ..megatron.layout.placement import stage_layer_counts
     try:
         stage_layer_counts(case.num_layers, stages, layers_per_stage=case.layers_per_stage,
                               allow_padding_num_layers=case.allow_padding_num_layers)

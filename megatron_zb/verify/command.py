@@ -170,10 +170,10 @@ def _check_size(a) -> None:
 
 def _layout(a):
     """(--num-layers, layers per stage or None) from the layout flags, read for the schedule's
-    placement (``megatron.layout_args``, as training reads them)."""
+    placement (``megatron.layout.layout_args``, as training reads them)."""
     from ..core.ir import Placement
     from ..megatron.errors import ZeroBubbleArgumentError
-    from ..megatron.layout_args import given_layout_flags, layout_from_args
+    from ..megatron.layout.layout_args import given_layout_flags, layout_from_args
     from .case import schedule_placement
     if not given_layout_flags(a):
         return a.num_layers, None

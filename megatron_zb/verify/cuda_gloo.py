@@ -24,7 +24,7 @@ def use_cuda():
     import torch
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % max(1, torch.cuda.device_count()))
     apply()
-    from ..megatron import cpu_moe
+    from ..megatron.cpu import cpu_moe
     cpu_moe.apply()  # split sizes as lists, 0.16's MoE names without TE: harmless with CUDA
     return torch.device("cuda", torch.cuda.current_device())
 

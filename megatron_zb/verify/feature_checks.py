@@ -46,7 +46,7 @@ def check_ep_overlap(case, pseudo_schedules, error) -> None:
     from ..core.build import build
     from ..core.ir import ScheduleError
     from ..megatron.errors import ZeroBubbleConfigError
-    from ..megatron.options import ScheduleOptions, check_ep_overlap as pairs_or_refuse
+    from ..megatron.execution.options import ScheduleOptions, check_ep_overlap as pairs_or_refuse
     opts = ScheduleOptions(case.schedule, chunks=case.chunks, memory_limit=case.memory_limit, ep_overlap=True,
                            **dict(case.schedule_options))
     try:  # the schedule the ranks will build must have pairs

@@ -7,7 +7,7 @@ One launch of P x T CPU processes (gloo; see ``verify.launch``) runs, per case:
    ``forward_backward_no_pipelining``; ``iterations`` steps of plain SGD, recording the loss and
    every parameter's gradient (by global name) at every iteration.
 2. **Pipelined run** (all ranks): megatron ``parallel_state`` for PP x TP, this rank's model
-   chunks for the schedule's placement (``verify.tinygpt`` on ``megatron.placement``), identical initial weights (hashed
+   chunks for the schedule's placement (``verify.tinygpt`` on ``megatron.layout.placement``), identical initial weights (hashed
    from global parameter names) and identical data; the schedule is picked the way a Megatron
    user would get it: ``megatron_zb.megatron.install.install(schedule)`` and then megatron's own
    ``get_forward_backward_func()``. Gradients are gathered per global name (TP shards

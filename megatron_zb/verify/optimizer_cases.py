@@ -55,8 +55,8 @@ def build(case, placement, overrides: dict):
     """(DDP-wrapped chunks, Megatron optimizer, transformer config) for this process's stages."""
     import torch
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from ..megatron import placement as _pl
-    from ..megatron.finalize import configure_grad_sync
+    from ..megatron.layout import placement as _pl
+    from ..megatron.execution.finalize import configure_grad_sync
     from . import tinygpt as M
     cfg = case.model_config()
     chunks = M.build_model_chunks(cfg, placement, layers_per_stage=case.layers_per_stage,
@@ -86,8 +86,8 @@ def build(case, placement, overrides: dict):
 
 def inject_nonfinite(chunks) -> int:
     """Set the first element of NONFINITE_PARAM's gradient to inf on every copy this rank holds."""
-    from ..megatron.finalize import grad_of
-    from ..megatron.placement import unwrap
+    from ..megatron.execution.finalize import grad_of
+    from ..megatron.layout.placement import unwrap
     n = 0
     for c in chunks:
         for _, p in unwrap(c).named_parameters():
@@ -166,7 +166,7 @@ def rank_runs(case, placement, install_fn, fb_fn) -> Dict[str, dict]:
     post-validated one (each from freshly initialised parallel state, model and optimizer)."""
     from megatron.core import parallel_state
 
-    from ..megatron import placement as _pl
+    from ..megatron.layout import placement as _pl
     from . import tinygpt as M
     out = {}
     modes = ["synchronous"] + (["post-validated"] if case.post_validation else [])

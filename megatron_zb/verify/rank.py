@@ -9,7 +9,7 @@ import os
 import time
 from typing import Dict
 
-from ..megatron.finalize import configure_grad_sync
+from ..megatron.execution.finalize import configure_grad_sync
 from .case import PSEUDO_SCHEDULES, VerifyCase, reference_key, reference_overrides
 from .sequential import SequentialForwardBackward
 
@@ -109,7 +109,7 @@ def rank_case(case: VerifyCase) -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from ..megatron import placement as _pl
+    from ..megatron.layout import placement as _pl
     from . import tinygpt as M
     from .rankio import set_status
 
@@ -292,7 +292,7 @@ def _rank_optimizer_case(case: VerifyCase, t_start: float) -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from ..megatron import placement as _pl
+    from ..megatron.layout import placement as _pl
     from . import tinygpt as M
     from .rankio import set_status
     from .optimizer_cases import rank_runs

@@ -20,8 +20,8 @@ def gpu_step_timing(case):
     from megatron.core import parallel_state
 
     from megatron_zb.core.ir import Placement
-    from megatron_zb.megatron import placement as P
-    from megatron_zb.megatron.optimizer import post_validated
+    from megatron_zb.megatron.layout import placement as P
+    from megatron_zb.megatron.features.optimizer import post_validated
     from megatron_zb.runtime.postval import PostValidation
     from megatron_zb.verify import tinygpt as M
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer

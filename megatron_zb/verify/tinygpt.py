@@ -2,7 +2,7 @@
 
 This is the model ``megatron-zb verify`` and the runtime tests train: stock megatron-core
 (``GPTModel`` with the local layer spec, fp32, CPU init, no dropout) built per rank under any
-stage placement with ``megatron_zb.megatron.placement`` (layer table, global names, identical
+stage placement with ``megatron_zb.megatron.layout.placement`` (layer table, global names, identical
 initial weights for every placement, TP size and the single-process reference), plus
 deterministic synthetic microbatches, Megatron's 3-tuple loss, gradient collection by global
 name and a plain SGD step identical on the reference and the pipelined runs.
@@ -17,9 +17,9 @@ from typing import Dict, Iterator, List, Optional, Sequence
 import torch
 
 from ..core.ir import Placement, ScheduleError
-from ..megatron.local_spec import layer_spec
-from ..megatron.finalize import grad_of, mark_replica_copies
-from ..megatron.placement import (ChunkInfo, attach_layer_table, chunk_infos, deterministic_init_, embedding_ranks,
+from ..megatron.cpu.local_spec import layer_spec
+from ..megatron.execution.finalize import grad_of, mark_replica_copies
+from ..megatron.layout.placement import (ChunkInfo, attach_layer_table, chunk_infos, deterministic_init_, embedding_ranks,
                                   is_expert_param, name_params, name_seed, unwrap)
 
 __all__ = [
@@ -200,7 +200,7 @@ def build_model_chunks(model_cfg: TinyGPTConfig, placement: Placement, *, config
         name_params(model, info, model_cfg.tie_embeddings)
         chunks.append(model)
     if vocab_parallel:  # the output layer as every rank's shard (megatron.vocab_parallel)
-        from ..megatron import vocab_parallel as VP
+        from ..megatron.features import vocab_parallel as VP
         for m, info in zip(chunks, infos):
             if info.post_process:
                 VP.prepare_loss_chunk(m)

@@ -84,7 +84,7 @@ def _stop_own_children() -> None:
     child still running (``os._exit`` skips the interpreter's own clean-up of both)."""
     if "megatron.core" in sys.modules:
         try:
-            from ..megatron.shutdown import stop_checkpoint_writer
+            from ..megatron.launch.shutdown import stop_checkpoint_writer
             stop_checkpoint_writer()
         except Exception:  # noqa: BLE001 - the zygote kills what is left
             pass
@@ -112,7 +112,7 @@ def _import_runtime(header: dict) -> None:
     torch.set_num_threads(1)
     if header.get("cpu_shims", True):
         set_status("starting: applying CPU shims / importing megatron")
-        from megatron_zb.megatron import cpu_shims
+        from megatron_zb.megatron.cpu import cpu_shims
         cpu_shims.apply()
         for name in _PRELOAD:
             try:

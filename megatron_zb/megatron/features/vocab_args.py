@@ -1,7 +1,7 @@
 """``--enable-vocab-parallel`` in training (the VocabularyParallelism fork's flags, with their
 meaning): what it runs with, refused in one line otherwise, and the costs the schedule core places
 the vocabulary passes with (``core.chunk_costs.vocab_setting``, in the units of the schedule's other
-costs). The runtime side: ``megatron.vocab_parallel``.
+costs). The runtime side: ``megatron.features.vocab_parallel``.
 
 * ``--enable-vocab-parallel``: every pipeline rank holds V / (P x TP) rows of the output layer (or
   of the tied embedding's weight); one all-reduce barrier per microbatch (the paper's Algorithm 2).
@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional
 
-from ..core.ir import Placement, ScheduleError
-from ..core.layout import Layout, from_counts
-from .errors import ZeroBubbleArgumentError
+from ...core.ir import Placement, ScheduleError
+from ...core.layout import Layout, from_counts
+from ..errors import ZeroBubbleArgumentError
 
 __all__ = ["vocab_barriers", "check_vocab_args", "vocab_cost_kwargs", "ASSUMED_TFLOPS", "ASSUMED_LINK_GBPS"]
 
@@ -89,7 +89,7 @@ def vocab_cost_kwargs(spec, layout: Optional[Layout], placement: Placement, barr
     busiest rank's F, the fullest rank's activation) and ``vocab_costs``: VS, VT, VW and their
     memory in the same units, the barriers' communication at ``ASSUMED_LINK_GBPS`` against a
     stage computing at ``ASSUMED_TFLOPS``. ``layout`` None: the even split."""
-    from ..core.chunk_costs import chunk_costs, vocab_setting
+    from ...core.chunk_costs import chunk_costs, vocab_setting
     try:
         if layout is None:
             S = placement.num_logical_stages

@@ -1,5 +1,5 @@
 """The weight gradients a placement needs put right before the optimizer step, and Megatron's
-``finalize_model_grads`` with them (``megatron.placement`` builds the placement itself).
+``finalize_model_grads`` with them (``megatron.layout.placement`` builds the placement itself).
 
 * **Tied embedding/output weights.** As in Megatron, the stage holding the output layer keeps its
   own copy of the word embedding (global name: the embedding's); after backward the two copies'
@@ -18,8 +18,8 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from ..core.ir import Placement
-from .placement import embedding_and_loss_on_one_rank, unwrap
+from ...core.ir import Placement
+from ..layout.placement import embedding_and_loss_on_one_rank, unwrap
 
 __all__ = ["mark_replica_copies", "configure_grad_sync", "grad_of", "tied_embedding_copies", "sum_local_tied_copies",
            "finalize_model_grads_for"]
@@ -111,7 +111,7 @@ def finalize_model_grads_for(model: List[torch.nn.Module], num_tokens: Optional[
     the rank that holds the last stage (rank 0 for V, not megatron's last pipeline rank).
     """
     from megatron.core import parallel_state
-    from .vocab_parallel import sync_tied_gradients
+    from ..features.vocab_parallel import sync_tied_gradients
     model = list(model)
     sync_tied_gradients(model, grad_of, _set_grad)  # vocabulary parallelism: the embedding and its shards
     v_like = placement is not None and (embedding_and_loss_on_one_rank(placement) or placement.replicated)

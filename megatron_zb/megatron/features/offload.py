@@ -14,15 +14,15 @@ from typing import Dict, Optional
 import torch
 import torch.distributed as dist
 
-from ..runtime.measure import measure_host_link, measure_matmul
-from ..runtime.offload import OffloadError, OffloadManager
-from .errors import ZeroBubbleConfigError
+from ...runtime.measure import measure_host_link, measure_matmul
+from ...runtime.offload import OffloadError, OffloadManager
+from ..errors import ZeroBubbleConfigError
 
 __all__ = ["make_manager", "point_manager", "measure_offload_time", "estimate_offload_time"]
 
 
 def make_manager(options, device) -> OffloadManager:
-    """This rank's offload manager for ``options`` (``megatron.options.ScheduleOptions``)."""
+    """This rank's offload manager for ``options`` (``megatron.execution.options.ScheduleOptions``)."""
     try:
         return OffloadManager(device, overlap=options.offload_overlap, cpu_test=options.offload_cpu_test,
                               min_elements=options.offload_min_elements)
@@ -52,7 +52,7 @@ def estimate_offload_time(*, hidden_size: int, num_attention_heads: int, seq_len
     and activation bytes follow the zero-bubble paper's counts (``core.model.ModelSpec``); per
     layer both scale alike, so the ratio holds for a whole stage. On a CPU both measurements
     are CPU stand-ins and say so."""
-    from ..core.model import ModelSpec
+    from ...core.model import ModelSpec
     device = torch.device(device) if device is not None else (
         torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
     spec = ModelSpec(num_layers=1, hidden_size=int(hidden_size), num_attention_heads=int(num_attention_heads),

@@ -4,17 +4,17 @@ start-up preview of what training will run. No torch import (the flags' checks r
 ``ScheduleOptions.request()`` is the one translation of the options into a
 ``core.build.ScheduleRequest``; the core validates it (offload ratio and time, chunks) and
 ``core.build.build`` turns it into the schedule, here for the preview and in
-``megatron.forward_backward`` for training.
+``megatron.execution.forward_backward`` for training.
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Any, Optional
 
-from ..core import schedules as core_schedules
-from ..core.build import OffloadRequest, ScheduleRequest, build
-from ..core.ir import ScheduleError
-from .errors import ZeroBubbleArgumentError, ZeroBubbleConfigError
+from ...core import schedules as core_schedules
+from ...core.build import OffloadRequest, ScheduleRequest, build
+from ...core.ir import ScheduleError
+from ..errors import ZeroBubbleArgumentError, ZeroBubbleConfigError
 
 __all__ = ["ScheduleOptions", "check_ep_overlap", "preview"]
 
@@ -111,7 +111,7 @@ class ScheduleOptions:
             mem_w = [float(mem_w) * x for x in mem_f]  # a share of each stage's mem_f
         vocab = None
         if self.vocab_parallel is not None:
-            from ..core.vocab import VocabSetting
+            from ...core.vocab import VocabSetting
             costs = dict(cost_s=0.25, cost_t=0.25, cost_w=0.25, mem_s=0.25, mem_w=0.1)  # of a stage's F = 1
             costs.update(self.vocab_costs or {})
             vocab = VocabSetting(barriers=int(self.vocab_parallel), **costs)

@@ -11,8 +11,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ..core.ir import Placement
-from .errors import ZeroBubbleConfigError
+from ...core.ir import Placement
+from ..errors import ZeroBubbleConfigError
 
 __all__ = ["RoutedIterator", "check_replicas_equal", "hand_over", "merge_losses", "to_cpu", "to_device", "LossesToLastRank",
            "route_losses_to_last_rank"]
@@ -71,7 +71,7 @@ def check_replicas_equal(models, stages, pl: Placement, groups) -> None:
             raise ZeroBubbleConfigError(
                 f"the replicas of logical stage {pl.logical(stages[c])} (global ranks "
                 f"{dist.get_process_group_ranks(group)}) start with different weights; build them identically "
-                "(megatron_zb.megatron.placement.deterministic_init_, --zero-bubble-deterministic-init) or copy "
+                "(megatron_zb.megatron.layout.placement.deterministic_init_, --zero-bubble-deterministic-init) or copy "
                 "one replica into the other before creating the optimizer")
 
 

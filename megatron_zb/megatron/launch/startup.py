@@ -1,6 +1,6 @@
 """What every megatron-zb entry point does before Megatron trains: make megatron importable and fit
 for this machine (the CPU shims without CUDA), parse Megatron's + megatron-zb's flags, validate
-ours (``megatron.flags``) and then Megatron's, and read the placement the flags select. Used by the
+ours (``megatron.launch.flags``) and then Megatron's, and read the placement the flags select. Used by the
 entry point (``megatron.pretrain_gpt``), the preflight check (``megatron.preflight``) and the
 launcher for users' own scripts."""
 from __future__ import annotations
@@ -11,8 +11,8 @@ import sys
 from typing import Callable, List, Optional, Sequence
 
 from .args import add_zero_bubble_args, chain_providers, has_flag
-from .balance_args import after_megatron_validation
-from .errors import ZeroBubbleArgumentError
+from ..features.balance_args import after_megatron_validation
+from ..errors import ZeroBubbleArgumentError
 from .flags import validate_zero_bubble_args
 
 __all__ = ["MegatronTrainingMissing", "add_entry_args", "cuda", "prepare_megatron", "machine_adjustments",
@@ -48,7 +48,7 @@ def cuda() -> bool:
 
 def prepare_megatron() -> None:
     """CPU shims (no CUDA) and the dataset-helper fallback; then check megatron.training is usable."""
-    from . import cpu_shims
+    from ..cpu import cpu_shims
     cpu_shims.python_compat()
     if not cuda():
         cpu_shims.apply()
@@ -240,7 +240,7 @@ def megatron_check_message(e: BaseException) -> str:
 def placement_of(args):
     """The placement the (validated) flags select; before Megatron's own validation the virtual
     pipeline size is read from the flags that set it."""
-    from ..core.ir import Placement
+    from ...core.ir import Placement
     p = args.pipeline_model_parallel_size
     style = getattr(args, "zero_bubble_placement", None)
     if style == "v":
@@ -259,8 +259,8 @@ def placement_of(args):
 
 def layer_kw(args) -> dict:
     """How the placement splits the layers: the layout's counts (Megatron's layout flags, read by
-    ``megatron.layout_args``) or an even split (with the fork's padding)."""
-    from .layout_args import layers_per_stage
+    ``megatron.layout.layout_args``) or an even split (with the fork's padding)."""
+    from ..layout.layout_args import layers_per_stage
     counts = layers_per_stage(args)
     if counts is not None:
         return {"layers_per_stage": counts}

@@ -11,7 +11,7 @@ training iteration goes through plans: an F builds its plan and runs it alone, a
 backwards alone, and an overlapped F&B pair of the schedule (dualpipe-v's, and those the schedule
 core forms in the other schedules) runs as one combined pass (the executor's ``overlap``).
 
-The weight gradients stay ours: a split B runs inside its chunk's W queue (``megatron.wgrad``),
+The weight gradients stay ours: a split B runs inside its chunk's W queue (``megatron.execution.wgrad``),
 whose linears defer their weight GEMMs whoever calls their backward; megatron's ``backward_dw``
 calls in the plan act only for TE's ``delay_wgrad_compute``. The loss is computed on a detached
 copy of the last stage's output, so the last stage's B first runs the loss's own backward to get

@@ -22,7 +22,7 @@ chunk's index on its rank is its ``vp_stage``.
   rank's tensor-parallel shard: every placement and TP size starts from identical weights
   (``--zero-bubble-deterministic-init``).
 * **Tied embedding/output weights** and replicated stages: their gradients are put right in
-  ``megatron.finalize``.
+  ``megatron.execution.finalize``.
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..core.ir import Placement, ScheduleError
+from ...core.ir import Placement, ScheduleError
 
 __all__ = [
     "ChunkInfo", "make_placement", "stage_layer_counts", "stage_layer_ranges", "chunk_infos",
@@ -169,7 +169,7 @@ def embedding_ranks(placement: Placement, vocab_parallel: bool = False):
     stages (BitPipe: each direction's embedding and output layer share a rank; the replica
     gradient sync joins the directions): a cross-rank embedding group would sum twice; and with
     vocabulary parallelism (the tied copies are every rank's shards, summed by
-    ``megatron.vocab_parallel``). None otherwise (megatron's default: first and last pipeline rank)."""
+    ``megatron.features.vocab_parallel``). None otherwise (megatron's default: first and last pipeline rank)."""
     if not (vocab_parallel or placement.style == "v" or placement.replicated
             or embedding_and_loss_on_one_rank(placement)):
         return None
@@ -226,7 +226,7 @@ def install_layer_hooks() -> None:
             fn._mzb_wrapped = True
             fn.__wrapped__ = orig
             fn.__doc__ = (orig.__doc__ or "") + "\n(megatron-zb: answers from the config's layer table " \
-                "set by megatron_zb.megatron.placement.attach_layer_table)"
+                "set by megatron_zb.megatron.layout.placement.attach_layer_table)"
         # rebind everywhere megatron imported the originals by name
         for name, mod in list(sys.modules.items()):
             if mod is None or not (name == "megatron" or name.startswith("megatron.")):

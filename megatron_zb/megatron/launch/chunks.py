@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import List
 
-from ..core.ir import Placement
-from . import placement as zb_placement
-from .finalize import finalize_model_grads_for, mark_replica_copies
+from ...core.ir import Placement
+from ..layout import placement as zb_placement
+from ..execution.finalize import finalize_model_grads_for, mark_replica_copies
 from .startup import layer_kw, placement_of
 
 __all__ = ["ChunkPlan"]
@@ -89,7 +89,7 @@ class ChunkPlan:
         mark_replica_copies([model], self.placement)  # clipping counts each replicated weight once
         deterministic = bool(getattr(self.args, "zero_bubble_deterministic_init", False))
         if self.vocab_parallel:  # the loss chunk without its output layer; the rank's shard on its first chunk
-            from .vocab_parallel import adopt_chunk
+            from ..features.vocab_parallel import adopt_chunk
             adopt_chunk(model, info, self.placement, self.args)
         if deterministic:
             zb_placement.deterministic_init_([model], seed=self.args.seed, std=self.args.init_method_std)
@@ -98,7 +98,7 @@ class ChunkPlan:
         self.built.append(model)
         if self.vocab_parallel and not deterministic and \
                 info.vp_stage in (None, len(self.placement.stages_of(info.rank)) - 1):  # the rank's last chunk
-            from .vocab_parallel import init_shard
+            from ..features.vocab_parallel import init_shard
             init_shard(self.built, self.placement, seed=self.args.seed, std=self.args.init_method_std)
 
     def _copy_tied_embedding(self, model) -> None:

@@ -14,10 +14,10 @@ from __future__ import annotations
 import contextlib
 from typing import Dict, List, Optional
 
-from ..core.ir import F, Placement
-from ..runtime.hooks import Hook
-from ..runtime.replica import ReplicaGradSync, grads_of
-from .errors import ZeroBubbleConfigError
+from ...core.ir import F, Placement
+from ...runtime.hooks import Hook
+from ...runtime.replica import ReplicaGradSync, grads_of
+from ..errors import ZeroBubbleConfigError
 from .finalize import grad_of
 
 __all__ = ["GradSync"]

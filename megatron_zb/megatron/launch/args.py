@@ -1,7 +1,7 @@
-"""Megatron-style command-line flags for megatron-zb (``megatron.flags`` validates them).
+"""Megatron-style command-line flags for megatron-zb (``megatron.launch.flags`` validates them).
 
-    from megatron_zb.megatron.args import add_zero_bubble_args, chain_providers
-    from megatron_zb.megatron.flags import validate_zero_bubble_args
+    from megatron_zb.megatron.launch.args import add_zero_bubble_args, chain_providers
+    from megatron_zb.megatron.launch.flags import validate_zero_bubble_args
 
     provider = chain_providers(my_extra_args, add_zero_bubble_args)   # Megatron's extra_args_provider
     args = megatron.training.arguments.parse_args(extra_args_provider=provider)
@@ -44,9 +44,9 @@ import math
 import re
 from typing import Callable, Dict, Optional
 
-from ..core import schedules as core_schedules
-from ..core.ir import ScheduleError
-from .balance_args import add_balance_args
+from ...core import schedules as core_schedules
+from ...core.ir import ScheduleError
+from ..features.balance_args import add_balance_args
 
 __all__ = ["add_zero_bubble_args", "chain_providers", "has_flag", "zero_bubble_requested", "NOT_AVAILABLE_FLAGS", "WHAT_INSTEAD",
            "DEFAULT_TIMEOUT_S", "FORK_TIMERS_DEFAULT"]
@@ -82,7 +82,7 @@ def _positive_float(flag):
 
 def _cost(flag):
     """A number, or a comma list (one per pipeline rank); the CLI's parser, unwrapped when single."""
-    from ..argtypes import number_list as _number_list
+    from ...argtypes import number_list as _number_list
     parse_list = _number_list(flag)
 
     def parse(text):
@@ -128,17 +128,17 @@ def _pending_backward(text):
 
 
 def _share_or_auto(flag):
-    from ..argtypes import share_or_auto
+    from ...argtypes import share_or_auto
     return share_or_auto(flag)
 
 
 def _nonneg_float(flag):
-    from ..argtypes import nonneg
+    from ...argtypes import nonneg
     return nonneg(flag)
 
 
 def _nonneg_int(flag):
-    from ..argtypes import int_at_least
+    from ...argtypes import int_at_least
     return int_at_least(flag, 0)
 
 

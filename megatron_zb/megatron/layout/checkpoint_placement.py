@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 from typing import Callable, Dict, List, Optional, Sequence
 
-from ..core.ir import Placement
+from ...core.ir import Placement
 
 __all__ = ["KEY", "CheckpointPlacementError", "record", "record_from_args", "describe", "same_placement",
            "check", "install", "version", "vocab_of_args"]
@@ -145,7 +145,7 @@ def check(saved: Optional[dict], current: dict, ckpt_format: str, where: str = "
 
 def _check_vocab(saved: Optional[dict], current: Optional[dict], ckpt_format: str, where: str) -> None:
     """Vocabulary parallelism on one side only: torch_dist maps the shards to the output layer's rows
-    (``megatron.vocab_parallel.VocabShard``), except where the saving run had tied embeddings without it
+    (``megatron.features.vocab_parallel.VocabShard``), except where the saving run had tied embeddings without it
     (no output layer saved) and this run holds shards; a per-rank format maps nothing."""
     if bool(saved) == bool(current):
         return

@@ -1,6 +1,6 @@
-"""Validation of megatron-zb's flags (``megatron.args`` defines them) against each other and
+"""Validation of megatron-zb's flags (``megatron.launch.args`` defines them) against each other and
 against Megatron's, before any process group exists; the result is ``install()``'s keyword
-arguments (``megatron.options.ScheduleOptions``).
+arguments (``megatron.execution.options.ScheduleOptions``).
 
 ``validate_zero_bubble_args`` raises ``ZeroBubbleArgumentError`` with a message naming the flags.
 Called **before** Megatron's own ``validate_args`` (as megatron-zb's entry point and launcher do)
@@ -14,14 +14,14 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional
 
-from ..core import schedules as core_schedules
-from ..core.ir import Placement, ScheduleError
-from ..core.layout import parse as parse_layout
+from ...core import schedules as core_schedules
+from ...core.ir import Placement, ScheduleError
+from ...core.layout import parse as parse_layout
 from .args import DEFAULT_TIMEOUT_S, FORK_TIMERS_DEFAULT, NOT_AVAILABLE_FLAGS, WHAT_INSTEAD
-from .balance_args import BALANCE_FLAGS, balance_kwargs
-from .errors import ZeroBubbleArgumentError
-from .layout_args import apply_layout, chunk_cost_kwargs, given_layout_flags, layout_from_args
-from .vocab_args import check_vocab_args, vocab_cost_kwargs
+from ..features.balance_args import BALANCE_FLAGS, balance_kwargs
+from ..errors import ZeroBubbleArgumentError
+from ..layout.layout_args import apply_layout, chunk_cost_kwargs, given_layout_flags, layout_from_args
+from ..features.vocab_args import check_vocab_args, vocab_cost_kwargs
 
 __all__ = ["validate_zero_bubble_args", "memory_limit_in_microbatches", "mem_w_ratio", "ZeroBubbleArgumentError"]
 
@@ -70,7 +70,7 @@ def _fused_attention(args) -> bool:
 
 def _activation_spec(args):
     """plan's model of the run's activations (``core.plan.ModelSpec``) from Megatron's arguments."""
-    from ..core.model import ModelSpec
+    from ...core.model import ModelSpec
     rates = [getattr(args, k, None) for k in ("hidden_dropout", "attention_dropout")]
     drop = any((0.1 if r is None else float(r)) > 0 for r in rates)  # Megatron's default rate is 0.1
     return ModelSpec(num_layers=int(args.num_layers), hidden_size=int(args.hidden_size),

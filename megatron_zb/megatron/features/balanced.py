@@ -30,10 +30,10 @@ from typing import Any, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..core.build import Built, build
-from ..core.microbatch_costs import LengthModel
-from ..core.varlen import Templates, VarlenConfig, plan_batch
-from .errors import ZeroBubbleConfigError
+from ...core.build import Built, build
+from ...core.microbatch_costs import LengthModel
+from ...core.varlen import Templates, VarlenConfig, plan_batch
+from ..errors import ZeroBubbleConfigError
 
 __all__ = ["MicrobatchBalancer", "Balanced", "attention_share_of", "check_balance_config", "split_rows", "collate"]
 

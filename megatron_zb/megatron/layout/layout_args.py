@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from typing import List, Optional
 
-from ..core.ir import Placement, ScheduleError
-from ..core.layout import Layout, from_megatron_flags, parse
-from .errors import ZeroBubbleArgumentError
+from ...core.ir import Placement, ScheduleError
+from ...core.layout import Layout, from_megatron_flags, parse
+from ..errors import ZeroBubbleArgumentError
 
 __all__ = ["LAYOUT_FLAGS", "given_layout_flags", "layout_from_args", "apply_layout", "layers_per_stage",
            "chunk_cost_kwargs"]
@@ -124,7 +124,7 @@ def chunk_cost_kwargs(spec, layout: Layout, placement: Placement) -> dict:
     it, ``core.model.ModelSpec``): each chunk's F/B/W in units of the busiest rank's F, its
     activation in units of the fullest rank's (so a memory limit in microbatches keeps meaning
     "this many microbatches of the fullest rank's activation"), and that unit in bytes."""
-    from ..core.chunk_costs import chunk_costs
+    from ...core.chunk_costs import chunk_costs
     try:
         cc = chunk_costs(spec, layout, placement, 1.0, 1.0)
     except ScheduleError as e:

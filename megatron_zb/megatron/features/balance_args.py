@@ -1,21 +1,21 @@
 """The training flags of variable-length batches: ``--zero-bubble-balance-microbatches`` (each
 iteration's global batch balanced over the data-parallel replicas and microbatches, with its
-per-microbatch schedule; ``megatron.balanced``), ``--zero-bubble-attention-share`` (the cost model's
+per-microbatch schedule; ``megatron.features.balanced``), ``--zero-bubble-attention-share`` (the cost model's
 attention term) and ``--zero-bubble-mock-seq-lengths`` (Megatron's mock data cut to lengths drawn
-from a distribution). Added to megatron-zb's flag group (``megatron.args``), checked with the rest
-(``megatron.flags``). No torch import."""
+from a distribution). Added to megatron-zb's flag group (``megatron.launch.args``), checked with the rest
+(``megatron.launch.flags``). No torch import."""
 from __future__ import annotations
 
 import argparse
 from typing import Any, Dict, Optional
 
-from ..core.ir import ScheduleError
-from ..core.seqlens import length_sampler
-from .errors import ZeroBubbleArgumentError
+from ...core.ir import ScheduleError
+from ...core.seqlens import length_sampler
+from ..errors import ZeroBubbleArgumentError
 
 __all__ = ["add_balance_args", "balance_kwargs", "after_megatron_validation", "BALANCE_FLAGS"]
 
-#: flags that need a megatron-zb schedule (``megatron.flags`` says so in one line without one)
+#: flags that need a megatron-zb schedule (``megatron.launch.flags`` says so in one line without one)
 BALANCE_FLAGS = (("--zero-bubble-balance-microbatches", "zero_bubble_balance_microbatches"),
                  ("--zero-bubble-attention-share", "zero_bubble_attention_share"))
 

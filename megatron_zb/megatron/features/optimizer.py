@@ -46,7 +46,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..runtime.postval import PostValidation
+from ...runtime.postval import PostValidation
 
 __all__ = ["PostValidator", "post_validated", "PostValidationError", "MARGIN"]
 
@@ -350,7 +350,7 @@ def split_by_pipeline_rank(group, pp_group):
 
 
 def _alive(groups) -> bool:
-    from ..runtime.p2p import registered_groups
+    from ...runtime.p2p import registered_groups
     live = set(map(id, registered_groups()))
     return all(g is None or id(g) in live for g in groups)
 

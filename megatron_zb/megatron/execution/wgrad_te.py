@@ -1,4 +1,4 @@
-"""Weight-gradient deferral for Transformer Engine modules (GPU only; ``megatron.wgrad`` does the
+"""Weight-gradient deferral for Transformer Engine modules (GPU only; ``megatron.execution.wgrad`` does the
 local spec). TE modules built with ``delay_wgrad_compute=True`` keep their own FIFO of deferred
 weight-gradient work per module; we only decide *when* ``backward_dw()`` runs: at the W pass of
 the microbatch (W order must equal B order per chunk; the queue enforces it), or at the end of the

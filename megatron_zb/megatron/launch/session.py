@@ -7,7 +7,7 @@ Both routes use it: megatron-zb's entry point (``megatron.pretrain_gpt``) and a 
 Megatron-LM script (``megatron.dropin``, the launcher ``python -m megatron_zb.run``).
 
 Also the run's error reporting for both routes: ``run_reporting(fn)`` runs the training and turns
-a known error into one line (once for the job) and exit code 2 (``megatron.rank_errors``).
+a known error into one line (once for the job) and exit code 2 (``megatron.launch.rank_errors``).
 """
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ import os
 import sys
 from typing import Callable, List, Optional
 
-from ..core.ir import ScheduleError
-from .errors import ZeroBubbleArgumentError, ZeroBubbleConfigError
-from .options import ScheduleOptions, preview
+from ...core.ir import ScheduleError
+from ..errors import ZeroBubbleArgumentError, ZeroBubbleConfigError
+from ..execution.options import ScheduleOptions, preview
 from .startup import MegatronTrainingMissing, layer_kw, placement_of
 
 __all__ = ["TrainingSession", "print0", "run_reporting", "supervise"]
@@ -53,7 +53,7 @@ class TrainingSession:
 
     def start(self) -> "TrainingSession":
         """Install the schedule (checked first) and its companions; announce it in one line on rank 0."""
-        from . import checkpoint_placement
+        from ..layout import checkpoint_placement
         from .startup import check_load
         zb, args, pl = self.zb, self.args, self.placement
         note = check_load(args)
@@ -62,17 +62,17 @@ class TrainingSession:
         if zb is None:
             print0(f"megatron-zb: no zero-bubble flag given; Megatron's own pipeline schedules run ({self.route})")
         else:
-            from .install import install
+            from ..install import install
             kwargs = dict(zb)
             built, base = self.check()._preview
             self.handle = install(kwargs.pop("schedule"), **kwargs)
             self._undos.append(self.handle.uninstall)
             self._announce(built, base)
             if pl.style in ("v", "bitpipe"):
-                from .routing import route_losses_to_last_rank
+                from ..layout.routing import route_losses_to_last_rank
                 self._undos.append(route_losses_to_last_rank(pl.loss_rank))
             if zb.get("post_validation"):
-                from .optimizer import FORK_MIN_CLEAN_STEPS, patch_megatron_training
+                from ..features.optimizer import FORK_MIN_CLEAN_STEPS, patch_megatron_training
                 n = getattr(args, "zero_bubble_post_validation_min_clean_steps", None)
                 n = FORK_MIN_CLEAN_STEPS if n is None else n
                 self._undos.append(patch_megatron_training(self.handle, min_clean_steps=n))
@@ -87,7 +87,7 @@ class TrainingSession:
         except ScheduleError:  # a layout our tables do not describe (Megatron's own uneven splits): no record
             pass
         if zb is not None:
-            from ..runtime import progress
+            from ...runtime import progress
             progress.enable_stall_watch(zb["timeout_s"], on_stall=_on_stall)
             self._undos.append(progress.stop)
             self._undos.append(_watch_saves())
@@ -104,7 +104,7 @@ class TrainingSession:
                  if getattr(self.args, "zero_bubble_chunk_costs", None) else
                  "unit costs F=B=W=1, not measured ones (--zero-bubble-cost-f/-b/-w give yours)")
         if vocab:
-            from .vocab_args import ASSUMED_LINK_GBPS, ASSUMED_TFLOPS
+            from ..features.vocab_args import ASSUMED_LINK_GBPS, ASSUMED_TFLOPS
             costs += (f"; vocabulary parallelism with {vocab} barrier(s): every rank's output-layer shard in VS/VT/VW "
                       f"passes, the barriers at {ASSUMED_LINK_GBPS:g} GB/s against {ASSUMED_TFLOPS:g} TFLOPS of "
                       "compute (1f1b: the same passes)")
@@ -147,8 +147,8 @@ class TrainingSession:
                      "planning per iteration)")
         prof, sched = fb.profile, fb.last_training_schedule
         if prof is not None and prof.get("iteration_s") and sched is not None:
-            from ..core.ir import Setting
-            from ..core.iteration import iteration_times
+            from ...core.ir import Setting
+            from ...core.iteration import iteration_times
             try:  # the order that ran, timed with the profiled F/B/W (seconds)
                 st = Setting(sched.num_ranks, sched.num_microbatches, chunks=sched.placement.chunks,
                              cost_f=prof["cost_f"], cost_b=prof["cost_b"], cost_w=prof["cost_w"],
@@ -173,7 +173,7 @@ def supervise() -> None:
     """Under torchrun (or with MZB_EXIT_WITH_LAUNCHER=1): end this rank at once if its launcher dies."""
     flag = os.environ.get("MZB_EXIT_WITH_LAUNCHER")
     if flag == "1" or (flag != "0" and os.environ.get("TORCHELASTIC_RUN_ID")):
-        from ..runtime.supervise import watch_parent
+        from ...runtime.supervise import watch_parent
         watch_parent(what="the launcher (torchrun agent)")
 
 
@@ -182,7 +182,7 @@ def _watch_saves() -> Callable[[], None]:
     progress, and a rank stuck in a save is named like a stuck pass."""
     import megatron.training.training as T
 
-    from ..runtime import progress
+    from ...runtime import progress
     inner = T.save_checkpoint
 
     def save_checkpoint(*args, **kwargs):
@@ -212,7 +212,7 @@ def _on_stall(message: str) -> None:
 
 def _known_errors():
     """Errors whose message says everything: one line, once, exit code 2."""
-    from .checkpoint_placement import CheckpointPlacementError
+    from ..layout.checkpoint_placement import CheckpointPlacementError
     return (ZeroBubbleArgumentError, ZeroBubbleConfigError, MegatronTrainingMissing, CheckpointPlacementError)
 
 
@@ -229,9 +229,9 @@ def run_reporting(fn: Callable[[], None]) -> int:
     except SystemExit as e:  # argparse's exit, or the script's own sys.exit
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except Exception as e:  # noqa: BLE001
-        from ..runtime.p2p import PipelineTimeout
+        from ...runtime.p2p import PipelineTimeout
         if isinstance(e, PipelineTimeout):  # a timeout, a lost peer, a validation timeout
-            from ..runtime.progress import finish_kills
+            from ...runtime.progress import finish_kills
             line = f"megatron-zb: error: {e}"
             record_for_torchrun(line)
             print(line, file=sys.stderr, flush=True)

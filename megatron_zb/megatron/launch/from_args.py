@@ -1,10 +1,10 @@
 """Installing megatron-zb from Megatron's parsed arguments, for a user's own Megatron-LM training
-script (the patches under ``patches/``): validate the flags (``megatron.flags``), preview the
-schedule (``megatron.options``), install it (``megatron.install``)."""
+script (the patches under ``patches/``): validate the flags (``megatron.launch.flags``), preview the
+schedule (``megatron.execution.options``), install it (``megatron.install``)."""
 from __future__ import annotations
 
 from .flags import validate_zero_bubble_args
-from .options import ScheduleOptions, preview
+from ..execution.options import ScheduleOptions, preview
 
 __all__ = ["install_from_args", "install_on_first_use"]
 
@@ -26,7 +26,7 @@ def install_from_args(args):
         preview(ScheduleOptions(**kwargs), int(args.pipeline_model_parallel_size), int(get_num_microbatches()))
     except (ImportError, AssertionError, AttributeError):
         pass  # no microbatch calculator yet: the schedule is checked at the first iteration
-    from .install import install
+    from ..install import install
     kwargs = dict(kwargs)
     return install(kwargs.pop("schedule"), **kwargs)
 

@@ -26,9 +26,9 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..core.ir import Placement
-from ..runtime.vocab import VocabGroups, VocabRuntime
-from .errors import ZeroBubbleConfigError
+from ...core.ir import Placement
+from ...runtime.vocab import VocabGroups, VocabRuntime
+from ..errors import ZeroBubbleConfigError
 
 __all__ = ["VocabShard", "shard_rows", "prepare_loss_chunk", "attach_shard", "find_shard", "VocabParallel",
            "sync_tied_gradients", "adopt_chunk", "init_shard", "SHARD_ATTR"]
@@ -133,7 +133,7 @@ def attach_shard(chunk, *, vocab_size: int, hidden: int, p: int, tp: int, pp_ran
 
 
 def adopt_chunk(model, info, placement: Placement, args) -> None:
-    """Training (``megatron.chunks.ChunkPlan``): a chunk Megatron just built, named globally. The
+    """Training (``megatron.launch.chunks.ChunkPlan``): a chunk Megatron just built, named globally. The
     loss chunk loses its output layer; the rank's first chunk gets the rank's shard (its values:
     ``init_shard`` once the rank's chunks are built, or the deterministic init)."""
     from megatron.core import parallel_state as ps
@@ -302,7 +302,7 @@ def _loss_chunk_labels(models) -> LabelStore:
         if getattr(m, "mzb_vocab_labels", None) is not None:
             return m.mzb_vocab_labels
     raise ZeroBubbleConfigError("--enable-vocab-parallel: the loss stage's model chunk has its output layer; build it "
-                                "through megatron-zb (megatron_zb.megatron.vocab_parallel.prepare_loss_chunk)")
+                                "through megatron-zb (megatron_zb.megatron.features.vocab_parallel.prepare_loss_chunk)")
 
 
 def deliver_grad(weight: torch.nn.Parameter, grad: torch.Tensor) -> None:
@@ -328,7 +328,7 @@ def setup_passes(state: Optional["VocabParallel"], options, placement: Placement
     if weight is None:
         raise ZeroBubbleConfigError("--enable-vocab-parallel: this rank's model chunks hold no vocabulary shard; build "
                                     "them through megatron-zb (its entry point, megatron_zb.run, or "
-                                    "megatron_zb.megatron.vocab_parallel.attach_shard)")
+                                    "megatron_zb.megatron.features.vocab_parallel.attach_shard)")
     state.bind(weight, deliver_grad, config.hidden_size, config.pipeline_dtype, dev, passes.loss_step)
     state.runtime.forward_only = bool(forward_only)
     state.runtime.mb.clear()  # (an interrupted call leaves nothing behind)

@@ -1,7 +1,7 @@
 """Megatron's own ``forward_step`` / ``backward_step`` as the executor's passes (``StagePasses``)
 for one attempt at an iteration: loss scaling, token counts and auxiliary losses stay Megatron's.
 A split backward (B) runs with the chunk's W queue deferring the weight-gradient GEMMs
-(``megatron.wgrad``); W drains them.
+(``megatron.execution.wgrad``); W drains them.
 """
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from typing import Dict, List, Sequence
 
 import torch
 
-from ..core.ir import Placement
-from ..runtime.executor import StagePasses
-from .routing import RoutedIterator
+from ...core.ir import Placement
+from ...runtime.executor import StagePasses
+from ..layout.routing import RoutedIterator
 
 __all__ = ["MegatronPasses", "device"]
 
@@ -49,7 +49,7 @@ class MegatronPasses:
         # overlapped F&B pairs as one pass (megatron.ep_overlap)
         self.plans = None
         if ep_overlap and not forward_only:
-            from .ep_overlap import PlanPasses
+            from ..features.ep_overlap import PlanPasses
             self.plans = PlanPasses(self)
 
     def stage_passes(self, shape) -> StagePasses:

@@ -5,7 +5,7 @@
 
 1. the schedule for (pipeline size, microbatches, chunks) from ``core.build`` (cached; lowered);
 2. this call's context (``_Call``): models, data, groups, the activation shape, the hooks;
-3. an attempt: Megatron's passes (``megatron.passes``) run by ``runtime.executor`` with the
+3. an attempt: Megatron's passes (``megatron.execution.passes``) run by ``runtime.executor`` with the
    runtime features as hooks (progress, gradient sync, post-validation, offload, profiler); a
    second attempt only after a post-validation rollback;
 4. the profile window's end (re-planning the automatic schedules), ``finalize_model_grads``.
@@ -22,23 +22,23 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from ..core.build import Built, build
-from ..core.ir import F, Placement, Schedule, ScheduleError
-from ..runtime.executor import execute, rank_pairs
-from ..runtime.memory import ActivationMeter, MemoryHook, measured_memory
-from ..runtime.offload import OffloadHook
-from ..runtime.p2p import P2P, PairGroups
-from ..runtime.postval import PostValidation, ValidationPoint, replayable
-from ..runtime.profile_data import ProfileError, auto_replans, profile_to_setting_kwargs
-from ..runtime.profiler import PassProfiler
-from ..runtime.progress import tracker as progress_tracker
-from ..runtime.replica import ReplicaGradSync, ReplicaGroups
-from ..runtime.wqueue import WQueue
-from .errors import ZeroBubbleConfigError
+from ...core.build import Built, build
+from ...core.ir import F, Placement, Schedule, ScheduleError
+from ...runtime.executor import execute, rank_pairs
+from ...runtime.memory import ActivationMeter, MemoryHook, measured_memory
+from ...runtime.offload import OffloadHook
+from ...runtime.p2p import P2P, PairGroups
+from ...runtime.postval import PostValidation, ValidationPoint, replayable
+from ...runtime.profile_data import ProfileError, auto_replans, profile_to_setting_kwargs
+from ...runtime.profiler import PassProfiler
+from ...runtime.progress import tracker as progress_tracker
+from ...runtime.replica import ReplicaGradSync, ReplicaGroups
+from ...runtime.wqueue import WQueue
+from ..errors import ZeroBubbleConfigError
 from .gradsync import GradSync
 from .options import ScheduleOptions, check_ep_overlap
 from .passes import MegatronPasses, device
-from .routing import check_replicas_equal, merge_losses
+from ..layout.routing import check_replicas_equal, merge_losses
 from .wgrad import attach_wgrad_queue, fused_weights
 
 __all__ = ["ZeroBubbleForwardBackward"]
@@ -147,7 +147,7 @@ class ZeroBubbleForwardBackward:
             want = self.spec.models(c)
             if want != chunks:
                 how = (f", i.e. virtual pipeline size {want} in the order of "
-                       f"megatron_zb.megatron.placement.make_placement('bitpipe', {p}))" if self.spec.models_per_rank
+                       f"megatron_zb.megatron.layout.placement.make_placement('bitpipe', {p}))" if self.spec.models_per_rank
                        else ", i.e. virtual pipeline size 2 in V order)" if self.spec.chunks == 2 else ")")
                 raise ZeroBubbleConfigError(
                     f"schedule {o.schedule} runs {want} model chunk(s) per rank, but Megatron passed {chunks} "
@@ -226,7 +226,7 @@ class ZeroBubbleForwardBackward:
             self._replace_options(ep_overlap=True)  # Megatron's flag in the model config: the same option
         o = self.options
         if o.offload_ratio is not None and o.offload_time == "auto" and not forward_only:
-            from .offload import measure_offload_time  # --auto-offload-time: measured once, here
+            from ..features.offload import measure_offload_time  # --auto-offload-time: measured once, here
             self.offload_time_measured = measure_offload_time(config, seq_length, micro_batch_size, tp_group, cp_group)
             self._replace_options(offload_time=self.offload_time_measured["offload_time"])
         balanced = None
@@ -280,7 +280,7 @@ class ZeroBubbleForwardBackward:
     def _balance(self, data_iterator, models, m, config, p, me, seq_length):
         from megatron.core import parallel_state as ps
 
-        from .balanced import MicrobatchBalancer, check_balance_config
+        from ..features.balanced import MicrobatchBalancer, check_balance_config
         if self.balancer is None:
             check_balance_config(config, self.options, self.built_for(p, m, len(models), False).schedule.placement)
             self.balancer = MicrobatchBalancer(self.options)
@@ -347,7 +347,7 @@ class ZeroBubbleForwardBackward:
     def _offload_hook(self, models, queues, pl: Placement, me: int) -> Optional[OffloadHook]:
         if self.options.offload_ratio is None:
             return None
-        from .offload import make_manager, point_manager
+        from ..features.offload import make_manager, point_manager
         if self.offload is None:
             self.offload = make_manager(self.options, device())
         point_manager(self.offload, models, queues, {s: i for i, s in enumerate(pl.stages_of(me))})
@@ -365,7 +365,7 @@ class ZeroBubbleForwardBackward:
                                 ep_overlap=self.options.ep_overlap)
         sync = None
         if self.options.vocab_parallel is not None:  # every rank's vocabulary shard (evaluating too)
-            from .vocab_parallel import setup_passes
+            from ..features.vocab_parallel import setup_passes
             self.vocab = setup_passes(self.vocab, self.options, pl, call.models, call.config, passes, device(),
                                       call.forward_only)
         if not call.forward_only:

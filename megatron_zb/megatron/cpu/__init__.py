@@ -1,0 +1,1 @@
+"""Adjustments that make stock megatron-core run on a CPU-only torch with gloo (tests, CPU boxes)."""
