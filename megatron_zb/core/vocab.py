@@ -166,9 +166,11 @@ def add_vocab(schedule: Schedule, setting: Setting, w_cap: int = 1) -> Schedule:
     return placed(schedule, setting, w_cap)[0]
 
 
-def placed(schedule: Schedule, setting: Setting, w_cap: int = 1) -> Tuple[Schedule, bool]:
+def placed(schedule: Schedule, setting: Setting, w_cap: int = 1, coded: Optional[Dict] = None) \
+        -> Tuple[Schedule, bool]:
     """``add_vocab``, and whether ``w_cap`` ever decided (a rank held that many VW when its VT was
-    ready): where it never did, every larger cap places the passes the same way."""
+    ready): where it never did, every larger cap places the passes the same way. ``coded``: a dict
+    kept between calls with one placement and setting (each pass's inputs and cost, worked out once)."""
     vocab = setting.vocab
     if vocab is None:
         raise ScheduleError("vocabulary passes need a vocabulary setting")
@@ -194,8 +196,17 @@ def placed(schedule: Schedule, setting: Setting, w_cap: int = 1) -> Tuple[Schedu
     st = setting
     # each base pass coded once: its inputs (key, whether it crosses ranks: + cost_comm) and its cost
     feeds = barrier_of(VT, vocab.barriers)
-    info = [deque(([(key, key_rank(key, pl) not in (None, r)) for key in vocab_deps(a, pl, vocab.barriers)],
-                   st.pass_cost(a.kind, r, a.stage)) for a in o) for r, o in enumerate(base)]
+    coded = {} if coded is None else coded
+
+    def code(r: int, a: Action):
+        c = coded.get((r, a))
+        if c is None:
+            keys = vocab_deps(a, pl, vocab.barriers)
+            c = coded[(r, a)] = ([(key, key_rank(key, pl) not in (None, r)) for key in keys],
+                                 st.pass_cost(a.kind, r, a.stage))
+        return c
+
+    info = [deque(code(r, a) for a in o) for r, o in enumerate(base)]
     cost_s, cost_t, cost_w = ([st.pass_cost(k, r, None) for r in range(p)] for k in (VS, VT, VW))
     loss_rank = pl.rank_of(last)
 
@@ -215,9 +226,12 @@ def placed(schedule: Schedule, setting: Setting, w_cap: int = 1) -> Tuple[Schedu
             pending_w[r].append(a.mb)
             if feeds is not None:
                 barriers.passed(a, end)
+        fin[r] = not base[r] and nxt_s[r] == m and nxt_t[r] == m and not pending_w[r]
 
     def finished(r: int) -> bool:
         return not base[r] and nxt_s[r] == m and nxt_t[r] == m and not pending_w[r]
+
+    fin = [finished(r) for r in range(p)]  # each rank's, kept as its passes run
 
     heap = [(0.0, r) for r in range(p)]
     heapq.heapify(heap)
@@ -265,7 +279,7 @@ def placed(schedule: Schedule, setting: Setting, w_cap: int = 1) -> Tuple[Schedu
             stalls = 0
         else:
             future = [x for x in (rt, rs, rb) if x is not None and x > lim]
-            others = [clock[q] for q in range(p) if q != r and not finished(q) and clock[q] > lim]
+            others = [c for q, c in enumerate(clock) if q != r and not fin[q] and c > lim]
             horizon = min(future + others) if (future or others) else None
             if pending_w[r] and (must_w or horizon is None or
                                  horizon - t >= cost_w[r] - EPS or not base[r] and nxt_s[r] == m):

@@ -67,6 +67,7 @@ def variants(schedule: Schedule, setting: Setting) -> Dict[Tuple[int, int], Opti
 def _variants(schedule: Schedule, setting: Setting) -> Dict[Tuple[int, int], Optional[tuple]]:
     out: Dict[Tuple[int, int], Optional[tuple]] = {}
     seen: Dict[tuple, dict] = {}  # delayed orders -> cap -> result
+    coded: dict = {}  # each pass's inputs and cost (``placed``)
     for k in sorted({k for k, _ in VARIANTS}, key=[k for k, _ in VARIANTS].index):
         d = delay_backwards(schedule, abs(k), only_loss=k < 0)
         found = seen.setdefault(tuple(tuple(o) for o in d.orders), {})  # an earlier delay's: the same placements
@@ -77,7 +78,7 @@ def _variants(schedule: Schedule, setting: Setting) -> Dict[Tuple[int, int], Opt
                     found[cap] = found[uncapped]
                 else:
                     try:
-                        s, capped = placed(d, setting, w_cap=cap)
+                        s, capped = placed(d, setting, w_cap=cap, coded=coded)
                         res = simulate(s, setting)
                         found[cap] = (tuple(tuple(o) for o in s.orders), res.makespan, max(res.peak_memory))
                         uncapped = None if capped else cap
