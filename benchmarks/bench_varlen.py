@@ -114,9 +114,9 @@ def simulate_setting(p: int, d: int, n: int, dist: str, batches: int, schedules)
         for balanced in (False, True):
             its, walls = [], []
             for k, lengths in enumerate(data):
-                t0 = time.perf_counter()
+                t0 = time.process_time()  # CPU time: the box may be shared
                 plan = plan_batch(lengths, req, p, cfg, balanced, templates)
-                walls.append(time.perf_counter() - t0)
+                walls.append(time.process_time() - t0)
                 its.append(plan.iteration_time)
                 plans[(name, balanced, k)] = plan
             rows.append({"schedule": name, "balanced": balanced, "iteration_ms": statistics.mean(its),
@@ -131,38 +131,45 @@ def simulate_setting(p: int, d: int, n: int, dist: str, batches: int, schedules)
     return data, rows, plans
 
 
-def planning_costs(p: int, d: int, data, name: str):
-    """What re-planning one iteration costs (ms): the balancer, one replica's order + schedule, one
-    replica's build (validation) and lowering -- a training rank runs all three for its replica."""
+def planning_costs(p: int, d: int, data, name: str, repeats: int = 3):
+    """What re-planning one iteration costs a training rank (CPU ms of this process; the box may be
+    shared): the balancer, its replica's microbatch order and schedule, the schedule's build
+    (validation) and lowering -- a rank runs all of them for its own replica; the dearest replica
+    counts. Each batch planned ``repeats`` times, the least CPU time kept (``first``: the first
+    round's, where a microbatch count not seen before builds its template)."""
     req = request(name, p)
     cfg = VarlenConfig(d, model())
     templates = Templates(req, p, len(data[0]) // d)
-    plan_batch(data[0], req, p, cfg, True, templates)  # the reference template (built once per run)
-    sched, base = templates.build(name, templates.reference_m)
+    sched, base = templates.build(name, templates.reference_m)  # the reference template: once per run
+    templates.caps(name)
     weights = {k: max(base.rank_values(n, sched.placement)) for k, n in (("F", "cost_f"), ("B", "cost_b"),
                                                                           ("W", "cost_w"))}
-    out = {"balancer": [], "replica_schedule": [], "build_and_lower": []}
-    wall = {k: [] for k in out}
-    for lengths in data:  # CPU time of this process (the box may be shared), and wall time
-        t = [(time.process_time(), time.perf_counter())]
-        groups = assign(lengths, cfg, weights, p, True)
-        t.append((time.process_time(), time.perf_counter()))
-        for r in range(d):  # every replica's (a rank plans its own; the dearest counts)
-            lens = [[lengths[i] for i in mb] for mb in groups[r]]
-            t0 = (time.process_time(), time.perf_counter())
-            rp = plan_replica(name, templates, cfg.model, lens, groups[r], cfg.packed, True)
-            t1 = (time.process_time(), time.perf_counter())
-            built = build(req, p, rp.num_microbatches, base=rp.schedule)
-            built.lowered()
-            t2 = (time.process_time(), time.perf_counter())
-            if r == 0 or t1[0] - t0[0] + t2[0] - t1[0] > worst:
-                worst, parts = t1[0] - t0[0] + t2[0] - t1[0], (t0, t1, t2)
-        t0, t1, t2 = parts
-        for k, (a, b) in (("balancer", (t[0], t[1])), ("replica_schedule", (t0, t1)), ("build_and_lower", (t1, t2))):
-            out[k].append(1e3 * (b[0] - a[0]))
-            wall[k].append(1e3 * (b[1] - a[1]))
-    res = {k: {"mean": statistics.mean(v), "max": max(v)} for k, v in out.items()}
-    res["wall"] = {k: {"mean": statistics.mean(v), "max": max(v)} for k, v in wall.items()}
+    keys = ("balancer", "replica_schedule", "build_and_lower")
+    rounds = []
+    for _ in range(repeats):
+        per_batch = []
+        for lengths in data:
+            t0 = time.process_time()
+            groups = assign(lengths, cfg, weights, p, True)
+            row = {"balancer": time.process_time() - t0, "replica_schedule": 0.0, "build_and_lower": 0.0}
+            worst = -1.0
+            for r in range(d):
+                lens = [[lengths[i] for i in mb] for mb in groups[r]]
+                t0 = time.process_time()
+                rp = plan_replica(name, templates, cfg.model, lens, groups[r], cfg.packed, True)
+                t1 = time.process_time()
+                build(req, p, rp.num_microbatches, base=rp.schedule).lowered()
+                t2 = time.process_time()
+                if t2 - t0 > worst:
+                    worst, row["replica_schedule"], row["build_and_lower"] = t2 - t0, t1 - t0, t2 - t1
+            per_batch.append({k: 1e3 * v for k, v in row.items()})
+        rounds.append(per_batch)
+    best = [{k: min(rd[b][k] for rd in rounds) for k in keys} for b in range(len(data))]
+    res = {k: {"mean": statistics.mean(x[k] for x in best), "max": max(x[k] for x in best)} for k in keys}
+    total = [sum(x.values()) for x in best]
+    res["total"] = {"mean": statistics.mean(total), "max": max(total)}
+    first = [sum(x.values()) for x in rounds[0]]
+    res["first"] = {"mean": statistics.mean(first), "max": max(first)}
     return res
 
 
@@ -196,6 +203,24 @@ def emulate_rows(p: int, plans, picks, batches: int, unit: float, iterations: in
     return rows
 
 
+def figures(out_dir: str, plans, dist: str, best: str):
+    """Timelines of batch 0's slowest replica (``megatron_zb.plot``), one PNG per row picked."""
+    from megatron_zb.core.simulate import simulate
+    from megatron_zb.plot import plot_timeline
+    os.makedirs(out_dir, exist_ok=True)
+    paths = []
+    for name, balanced in (("1f1b", False), (best, False), (best, True)):
+        plan = plans[(name, balanced, 0)]
+        rp = max(plan.replicas, key=lambda r: r.end)
+        tag = "balanced" if balanced else "unbalanced"
+        path = os.path.join(out_dir, f"varlen_{dist}_{name}_{tag}.png")
+        plot_timeline(simulate(rp.schedule, rp.setting), path,
+                      title=f"{name} {tag}, {dist} lengths: the slowest of 4 replicas, {rp.num_microbatches} "
+                            f"microbatches, iteration {plan.iteration_time / 1e3:.1f} s")
+        paths.append(path)
+    return paths
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", type=int, default=8, help="global batches per distribution (simulated)")
@@ -203,14 +228,22 @@ def main(argv=None) -> int:
     ap.add_argument("--unit", type=float, default=0.25, help="emulation: wall ms per cost ms (default 0.25)")
     ap.add_argument("--iterations", type=int, default=2, help="emulation: timed iterations per schedule")
     ap.add_argument("--no-emulate", action="store_true")
+    ap.add_argument("--figures", default=None, metavar="DIR",
+                    help="write timelines (PNG) of batch 0's slowest replica at P=8 D=4: Megatron's 1F1B, the best "
+                         "schedule unbalanced and balanced")
     ap.add_argument("--schedules", nargs="+", default=SCHEDULES)
+    ap.add_argument("--distributions", nargs="+", default=["lognormal", "sharegpt"], choices=["lognormal", "sharegpt"])
+    ap.add_argument("--settings", nargs="+", default=[f"{p}x{d}" for p, d, _ in SETTINGS],
+                    choices=[f"{p}x{d}" for p, d, _ in SETTINGS], help="PxD settings to run")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "varlen.json"))
     a = ap.parse_args(argv)
     report = {"host": platform.node(), "python": platform.python_version(), "layer_ms": LAYER, "layers": LAYERS,
               "reference_tokens": REF_TOKENS, "max_tokens": MAX_TOKENS, "attention_share": ATTENTION,
-              "sharegpt_histogram": SHAREGPT_HISTOGRAM, "settings": []}
-    for p, d, n in SETTINGS:
-        for dist in ("lognormal", "sharegpt"):
+              "sharegpt_histogram": SHAREGPT_HISTOGRAM, "settings": [],
+              "emulation": {"unit_wall_ms_per_cost_ms": a.unit, "iterations": a.iterations,
+                            "batches": a.emulate_batches, "load_average_at_start": os.getloadavg()}}
+    for p, d, n in [x for x in SETTINGS if f"{x[0]}x{x[1]}" in a.settings]:
+        for dist in a.distributions:
             data, rows, plans = simulate_setting(p, d, n, dist, a.batches, a.schedules)
             lens = [s for b in data for s in b]
             lengths_file = os.path.join(os.path.dirname(a.out), f"varlen_lengths_{dist}_{n}.txt")
@@ -221,25 +254,29 @@ def main(argv=None) -> int:
                   f"{statistics.median(lens):.0f}, mean {statistics.mean(lens):.0f}, max {max(lens)}), "
                   f"{a.batches} batches, simulated ==")
             print(f"{'schedule':<18} {'balanced':>8} {'iteration ms':>13} {'vs Megatron 1F1B':>17} "
-                  f"{'vs unbalanced':>14} {'plan ms/batch':>14}  microbatches per replica (batch 0)")
+                  f"{'vs unbalanced':>14} {'plan CPU ms':>12}  microbatches per replica (batch 0)")
             for r in sorted(rows, key=lambda r: r["iteration_ms"]):
                 print(f"{r['schedule']:<18} {('yes' if r['balanced'] else 'no'):>8} {r['iteration_ms']:>13.1f} "
                       f"{r['speedup_vs_megatron_1f1b']:>16.3f}x {r['speedup_vs_unbalanced']:>13.3f}x "
-                      f"{r['plan_ms_per_batch']:>14.1f}  {r['microbatches_per_replica'][0]}")
+                      f"{r['plan_ms_per_batch']:>12.1f}  {r['microbatches_per_replica'][0]}")
             best = min((r for r in rows if r["balanced"]), key=lambda r: r["iteration_ms"])
             cost = planning_costs(p, d, data, best["schedule"])
             it = best["iteration_ms"]
-            cpu = sum(cost[k]["mean"] for k in ("balancer", "replica_schedule", "build_and_lower"))
+            cpu = cost["total"]["mean"]
             print(f"re-planning one iteration for {best['schedule']} (a rank: the balancer, then its replica's order, "
                   f"schedule, build and lowering; the dearest replica), CPU ms mean/max: balancer "
                   f"{cost['balancer']['mean']:.1f}/{cost['balancer']['max']:.1f}, replica order + schedule "
                   f"{cost['replica_schedule']['mean']:.1f}/{cost['replica_schedule']['max']:.1f}, build + lowering "
-                  f"{cost['build_and_lower']['mean']:.1f}/{cost['build_and_lower']['max']:.1f}; in all {cpu:.1f} ms = "
-                  f"{100 * cpu / it:.2f}% of its {it:.0f} ms iteration (wall on this box: "
-                  f"{sum(v['mean'] for v in cost['wall'].values()):.1f} ms)")
+                  f"{cost['build_and_lower']['mean']:.1f}/{cost['build_and_lower']['max']:.1f}; in all {cpu:.1f}/"
+                  f"{cost['total']['max']:.1f} ms = {100 * cpu / it:.2f}%/{100 * cost['total']['max'] / it:.2f}% of its "
+                  f"{it:.0f} ms iteration (first time, new microbatch counts' templates included: "
+                  f"{cost['first']['mean']:.1f}/{cost['first']['max']:.1f} ms)")
             entry = {"stages": p, "data_parallel_size": d, "sequences": n, "distribution": dist, "rows": rows,
                      "lengths_file": os.path.relpath(lengths_file, os.path.dirname(os.path.dirname(a.out))),
                      "planning_ms": cost, "best_balanced": best["schedule"]}
+            if a.figures and (p, d) == SETTINGS[0][:2]:
+                entry["figures"] = figures(a.figures, plans, dist, best["schedule"])
+                print("figures: " + ", ".join(entry["figures"]))
             if not a.no_emulate and a.emulate_batches > 0 and (p, d) == SETTINGS[0][:2]:
                 picks = [("1f1b", False), (best["schedule"], False), (best["schedule"], True)]
                 em = emulate_rows(p, plans, picks, min(a.emulate_batches, a.batches), a.unit, a.iterations)

@@ -111,6 +111,8 @@ def parse_args(argv=None):
     ap.add_argument("--sections", type=_sections, default=list(SECTIONS), help="comma list (default: all)")
     ap.add_argument("--budget-s", type=_positive, default=DEFAULT_BUDGET_S, help="the whole run (default 450)")
     ap.add_argument("--budgets", type=_budgets, default={}, help="per section, e.g. offload=150,fbw=40")
+    ap.add_argument("--stretch", type=_positive, default=1.0,
+                    help="multiply every budget by this (a dry run on a busy CPU host: the budgets are the GPU's)")
     ap.add_argument("--mcore-path", default=None, help="a directory holding megatron/core to use")
     ap.add_argument("--wheels", default=os.environ.get("MZB_WHEELS") or os.path.join(ROOT, ".whl"),
                     help="the wheels to bring (default $MZB_WHEELS, else .whl/)")
@@ -162,7 +164,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def run_section(name: str, a, outdir: str, scratch: str, end: float, log) -> dict:
-    budget = min(a.budgets.get(name, SECTIONS[name][2]), end - time.time())
+    budget = min(a.budgets.get(name, SECTIONS[name][2]) * a.stretch, end - time.time())
     rec = {"status": "skipped", "budget_s": round(max(budget, 0.0), 1)}
     if budget < 2 * CHILD_MARGIN_S:
         rec["error"] = "no time left in the run's budget"
@@ -205,11 +207,11 @@ def run_section(name: str, a, outdir: str, scratch: str, end: float, log) -> dic
 def parent_main(a) -> int:
     outdir = _prepare_outdir(a.outdir)
     started = time.time()
-    end = started + a.budget_s
+    end = started + a.budget_s * a.stretch
     scratch = tempfile.mkdtemp(prefix="mzb-gpu-check-")
     report = {"tool": "megatron-zb gpu check (benchmarks/gpu_check.py)", "issue": 36,
               "command": " ".join(["python", os.path.relpath(__file__, ROOT)] + a.argv),
-              "dry_run": a.dry_run, "tiny": a.tiny, "budget_s": a.budget_s,
+              "dry_run": a.dry_run, "tiny": a.tiny, "budget_s": a.budget_s * a.stretch, "stretch": a.stretch,
               "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "outputs": {k: os.path.join(outdir, f"gpu_check.{k}") for k in ("json", "md", "log")},
               "sections": {}}

@@ -7,8 +7,12 @@
 #      point-to-point messages, each pass waiting the F/B/W time one transformer layer took on an
 #      H100 (benchmarks/results/fbw_h100_h4096_s4096.json): measured iteration time and speed-up
 #      over 1f1b for 1f1b, zb-h1 and zb-v next to the simulator's prediction, and a timeline
-#      picture of the zb-v iteration as it ran. It runs in the background during step 2 (its
-#      passes wait; they need almost no CPU).
+#      picture of the zb-v iteration as it ran. Then vocabulary parallelism, emulated the same way:
+#      for a GPT whose output layer has Llama-3.2-1B's share of the FLOPs (vocabulary 128256, hidden
+#      2048, 16 layers, sequence 4096), Megatron's 1F1B with the best layout `megatron-zb plan` finds
+#      for it against plan's best schedule with --enable-vocab-parallel (its VS/VT/VW passes wait
+#      their costs too, its barriers are real gloo all-reduces), measured and simulated. It all runs
+#      in the background during step 2 (its passes wait; they need almost no CPU).
 #   4. speed, with real compute (CPU): Megatron's own 1F1B (no megatron-zb flag) and megatron-zb's
 #      zb-h1 and zb-v train a GPT of 8 layers (hidden 256, sequence 256, vocabulary 7168: its output
 #      layer weighs about 2 layers) on 2 pipeline ranks, each a process on its own core, each with
@@ -27,6 +31,7 @@ OUT=${OUT_DIR:-out/quickstart}
 PP=${PP:-4}
 mkdir -p "$OUT"
 rm -f "$OUT"/train_*.log "$OUT"/profile_*.json "$OUT"/timeline_* "$OUT"/quickstart.json "$OUT"/emulated.json \
+      "$OUT"/emulated_vocab.json \
       "$OUT"/real_*
 
 echo "megatron-zb quickstart: setting up .venv (output in $OUT/setup.log)"
@@ -80,7 +85,7 @@ for S in $SCHEDULES; do
     fi
 done
 if [ -n "$EMU" ]; then
-    echo "== waiting for the emulated-compute run (1f1b, zb-h1, zb-v on $PP processes; log: $OUT/emulate.log) =="
+    echo "== waiting for the emulated-compute run (1f1b, zb-h1, zb-v; Megatron 1F1B against vocabulary parallelism; on $PP processes; log: $OUT/emulate.log) =="
     if ! wait "$EMU"; then
         EMU=
         echo "the emulated run failed; the last lines of $OUT/emulate.log:"

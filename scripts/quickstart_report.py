@@ -6,7 +6,11 @@ cpu: the losses of the tiny GPT trained on CPU with each schedule (they must be 
      the same pipeline with emulated compute (``megatron_zb.verify.emulate``: real processes and
      real point-to-point messages, each pass a wait of the F/B/W time measured for a transformer
      layer on an H100) for the schedules in EMULATED, against the simulator's prediction, read from
-     <out>/emulated.json, which ``--emulate`` writes (the quickstart runs it during the training).
+     <out>/emulated.json, which ``--emulate`` writes (the quickstart runs it during the training);
+     then vocabulary parallelism with emulated compute (``megatron_zb.verify.emulate_vocab``) for a
+     model whose output layer has Llama-3.2-1B's share of the FLOPs: Megatron's 1F1B with the best
+     layout plan finds for it against plan's best schedule with vocabulary parallelism, measured
+     and simulated (<out>/emulated_vocab.json, also written by ``--emulate``).
 gpu: the training runs used real compute: their measured time per iteration against the
      simulator's prediction from each run's own profiled F/B/W times.
 Also writes <out>/quickstart.json and the timeline pictures.
@@ -42,6 +46,13 @@ EMULATED = [
 # F/B/W of one transformer layer measured on an H100 (benchmarks/bench_split_overhead.py)
 H100_LAYER = os.path.join(ROOT, "benchmarks", "results", "fbw_h100_h4096_s4096.json")
 LAYERS_PER_RANK = 2  # the tiny GPT has 2 x PP layers (one per V chunk)
+
+# Vocabulary parallelism, emulated: Llama-3.2-1B's shape (vocabulary 128256, hidden 2048, 16
+# layers, tied embeddings) at sequence 4096, costs from FLOPs at an H100's peak x 0.5 (plan's), each
+# pass sleeping VOCAB_SLOW_DOWN x its cost (the runtime's overheads then weigh an eighth as much)
+VOCAB_MODEL = ("llama-3.2-1b", 4096)
+VOCAB_SLOW_DOWN = 8.0
+VOCAB_ITERATIONS = 8
 
 LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ .*elapsed time per iteration \(ms\): ([\d.]+).*lm loss: ([\d.E+-]+)")
 
@@ -100,6 +111,74 @@ def run_emulation(out, pp, microbatches):
         json.dump({"pp": pp, "microbatches": microbatches, "layers_per_rank": k, "layer": layer["config"],
                    "layer_ms": {"f": f, "b": b, "w": w}, "source": os.path.relpath(H100_LAYER, ROOT),
                    "rows": rows}, fh, indent=1)
+
+
+def vocab_spec():
+    from megatron_zb.core.model import ModelSpec
+    from megatron_zb.core.models import spec_kwargs
+    return ModelSpec(**spec_kwargs(VOCAB_MODEL[0], seq_length=VOCAB_MODEL[1]))
+
+
+def output_share(spec, layout):
+    """The output layer + loss's share of one microbatch's FLOPs (``core.chunk_costs``), and its
+    weight in transformer layers."""
+    from megatron_zb.core.chunk_costs import stage_work
+    from megatron_zb.core.layout import parse
+    total = sum(stage_work(spec, parse(layout)))
+    out = sum(spec.output_flops())
+    return out / total, out / sum(spec.layer_flops(0))
+
+
+def run_vocab_emulation(out, pp, microbatches):
+    """Vocabulary parallelism with emulated compute (``verify.emulate_vocab.compare``); writes
+    <out>/emulated_vocab.json and the timeline picture of the schedule with vocabulary parallelism."""
+    from megatron_zb.verify.emulate_vocab import compare
+
+    spec = vocab_spec()
+    rows = compare(spec, pp, microbatches, slow_down=VOCAB_SLOW_DOWN, iterations=VOCAB_ITERATIONS)
+    for r in rows:
+        tl = r.pop("timeline")
+        if r["vocab_parallel"]:
+            base = os.path.join(out, "timeline_vocab")
+            plot.save(tl, base + ".png", time_unit="ms",
+                      title=f"{r['label']} as it ran, emulated compute (P={pp}, M={microbatches}): iteration "
+                            f"{r['per_iteration'][-1]:.0f} ms")
+            r["picture"] = base
+    share, layers = output_share(spec, rows[0]["layout"])
+    with open(os.path.join(out, "emulated_vocab.json"), "w") as fh:
+        json.dump({"pp": pp, "microbatches": microbatches, "model": VOCAB_MODEL[0], "seq_length": VOCAB_MODEL[1],
+                   "vocab_size": spec.vocab_size, "hidden_size": spec.hidden_size, "num_layers": spec.num_layers,
+                   "output_share": share, "output_layers": layers, "slow_down": VOCAB_SLOW_DOWN,
+                   "rows": rows}, fh, indent=1)
+
+
+def vocab_speed(out):
+    """Print the vocabulary-parallelism comparison (emulated); its rows, or None without the file."""
+    path = os.path.join(out, "emulated_vocab.json")
+    if not os.path.exists(path):
+        return None
+    d = json.load(open(path))
+    rows = d["rows"]
+    print(f"Vocabulary parallelism with EMULATED compute: a GPT of {VOCAB_MODEL[0]}'s shape (vocabulary "
+          f"{d['vocab_size']}, hidden {d['hidden_size']},\n{d['num_layers']} layers, sequence {d['seq_length']}: "
+          f"its output layer + loss {100 * d['output_share']:.1f}% of the FLOPs, "
+          f"{d['output_layers']:.2f} layers' worth) "
+          f"on {d['pp']} real\nprocesses, {d['microbatches']} microbatches: Megatron's 1F1B with the best layout "
+          "`megatron-zb plan` finds for it\nagainst plan's best schedule with vocabulary parallelism (its VS/VT/VW "
+          "passes on every rank, barriers real\ngloo all-reduces). F/B/W from FLOPs at an H100's peak x 0.5; each "
+          f"pass waits {d['slow_down']:g}x its time, reported\nback in H100 ms; median of "
+          f"{len(rows[0]['per_iteration'])} iterations, the schedules interleaved. simulated = the simulator,\n"
+          f"same schedules and costs, this machine's message time ({rows[0]['hop_ms']:.3f} ms per hop)")
+    print(f"{'schedule':<24}{'layout':<18}{'ms per iteration':^29}{'speed-up over Megatron 1F1B':^36}")
+    print(f"{'':<24}{'':<18}{'measured':>10}{'simulated':>11}{'diff':>8}{'measured':>11}{'range':>14}{'simulated':>11}")
+    for r in rows:
+        lo, hi = r["speedup_measured_range"]
+        rng = f"{lo:.3f}-{hi:.3f}" if r is not rows[0] else "-"
+        print(f"{r['label']:<24}{r['layout']:<18}{r['measured']:>10.1f}{r['predicted']:>11.1f}{r['error_pct']:>+7.1f}%"
+              f"{r['speedup_measured']:>10.3f}x{rng:>14}{r['speedup_predicted']:>10.3f}x")
+    best = rows[-1]
+    print(f"flags of the {best['label']} row: {best['flags'].strip()}")
+    return rows
 
 
 def emulated_speed(out):
@@ -282,21 +361,26 @@ def main(argv=None):
     if args.emulate:
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # clean up the launched ranks when stopped
         run_emulation(out, args.pp, args.microbatches)
+        run_vocab_emulation(out, args.pp, args.microbatches)
         return
     logs, its, worst = correctness(out, args.schedules)
     first, last = its[0], its[-1]
     print()
-    real = None
+    real = vocab = None
     if args.mode == "cpu":
         rows, pictures = emulated_speed(out)
         print()
+        vocab = vocab_speed(out)
+        if vocab:
+            print()
+            pictures += [r["picture"] for r in vocab if r.get("picture")]
         real = real_cpu_speed(out)
     else:
         rows, pictures = gpu_speed(out, args.schedules, logs, args.profile_window_end)
     with open(os.path.join(out, "quickstart.json"), "w") as f:
         json.dump({"mode": args.mode, "largest_loss_diff": worst, "iterations": its,
                    "losses": {s: [logs[s][i][1] for i in its] for s in args.schedules}, "speed": rows,
-                   "real_compute_cpu": real}, f, indent=1)
+                   "real_compute_cpu": real, "vocab_parallel_emulated": vocab}, f, indent=1)
 
     print("\n== summary ==")
     others = " and ".join(args.schedules[1:])
@@ -314,6 +398,11 @@ def main(argv=None):
                   f"{r['predicted']:.0f} ms simulated: {r['error_pct']:+.1f}%)")
         else:
             print(f"speed ({kind}): {r['label']} {r['speedup_measured']:.3f}x the iteration speed of {base} measured")
+    for r in (vocab or [])[1:]:
+        print(f"speed (vocabulary parallelism, emulated compute): {r['label']} {r['speedup_measured']:.3f}x the "
+              f"iteration speed of {vocab[0]['label']} with its best layout measured, {r['speedup_predicted']:.3f}x "
+              f"simulated (iteration {r['measured']:.1f} ms measured, {r['predicted']:.1f} ms simulated: "
+              f"{r['error_pct']:+.1f}%)")
     for r in (real or [])[1:]:
         rr = r["speedup_measured_rounds"]
         print(f"speed (real compute, CPU, balanced layouts): {r['label']} {r['speedup_measured']:.3f}x the iteration "

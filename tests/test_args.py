@@ -535,3 +535,52 @@ def test_the_readme_schedule_table_is_the_registry():
         style = core_schedules.get(name).placement
         word = {"single": "1 stage/rank", "looped": "looped", "v": "V", "bitpipe": "two V"}[style]
         assert word in row.split("|")[2], (name, row)
+
+
+def test_optimizer_offload_shares_per_rank():
+    def parser_with_offload():
+        parser = argparse.ArgumentParser(allow_abbrev=False)
+        chain_providers(_megatron_like, add_zero_bubble_args)(parser)
+        parser.add_argument("--optimizer-cpu-offload", action="store_true")
+        parser.add_argument("--use-precision-aware-optimizer", action="store_true")
+        return parser
+    p = int(BASE.split("--pipeline-model-parallel-size")[1].split()[0])
+    shares = ",".join(["0.5"] + ["0"] * (p - 1))
+    args = parser_with_offload().parse_args((BASE + f" --zero-bubble-schedule zb-h1 --optimizer-cpu-offload "
+                                             f"--use-precision-aware-optimizer --enable-optimizer-post-validation "
+                                             f"--zero-bubble-optimizer-offload {shares}").split())
+    kw = validate_zero_bubble_args(args, before_megatron_validation=True)
+    assert kw["post_validation"] is True and args.zero_bubble_optimizer_offload == [0.5] + [0.0] * (p - 1)
+    args = parser_with_offload().parse_args((BASE + f" --zero-bubble-schedule zb-h1 "
+                                             f"--zero-bubble-optimizer-offload {shares}").split())
+    with pytest.raises(ZeroBubbleArgumentError, match="add --optimizer-cpu-offload"):
+        validate_zero_bubble_args(args, before_megatron_validation=True)
+    args = parser_with_offload().parse_args((BASE + " --zero-bubble-schedule zb-h1 --optimizer-cpu-offload "
+                                             "--zero-bubble-optimizer-offload 0.5").split())
+    with pytest.raises(ZeroBubbleArgumentError, match="one share per pipeline rank"):
+        validate_zero_bubble_args(args, before_megatron_validation=True)
+    with pytest.raises(SystemExit):
+        parser_with_offload().parse_args((BASE + " --zero-bubble-optimizer-offload 1.5").split())
+
+
+def test_optimizer_offload_auto_shares_from_each_ranks_need():
+    from megatron_zb.core.ir import Placement
+    from megatron_zb.megatron.features.optimizer_offload import auto_shares
+    args = parse(BASE + " --zero-bubble-schedule zb-h1 --bf16")
+    args.padded_vocab_size = 32000
+    pl = Placement.single(4)
+    peaks = [4.0, 3.0, 2.0, 1.0]  # 1F1B-like: rank 0 holds the most
+    found = []
+    for k in range(40):
+        budget = 1e9 * 1.15 ** k
+        try:
+            found.append((budget, auto_shares(args, peaks, pl, budget_bytes=budget)))
+        except ValueError as e:
+            assert "do not fit" in str(e)
+    assert found and found[-1][1] == [0.0] * 4  # room for everything: nothing on the host
+    mixed = [s for _, s in found if len(set(s)) > 1]
+    assert mixed  # somewhere each rank gets its own share
+    for s in mixed:
+        assert s[0] >= s[1] >= s[2] >= s[3]  # the rank with the most activations offloads most
+    for (_, a), (_, b) in zip(found, found[1:]):
+        assert all(x >= y for x, y in zip(a, b))  # more memory, smaller shares

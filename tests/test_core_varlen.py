@@ -12,8 +12,8 @@ import pytest
 from megatron_zb.core.balance import karmarkar_karp, microbatches, refine, sequential, split_replicas
 from megatron_zb.core.build import ScheduleRequest, build
 from megatron_zb.core.ir import B, BW, F, W, ScheduleError, Setting
-from megatron_zb.core.mb_schedule import end_time, list_schedule, per_microbatch, template_caps
-from megatron_zb.core.microbatch_costs import LengthModel, MicrobatchCosts, fit, microbatch_shape
+from megatron_zb.core.mb_schedule import end_time, list_schedule, per_microbatch, template_caps, within
+from megatron_zb.core.microbatch_costs import LengthModel, MicrobatchCosts, fit, fit_stages, microbatch_shape
 from megatron_zb.core.seqlens import format_seq_lengths, parse_seq_lengths
 from megatron_zb.core.simulate import simulate
 from megatron_zb.core.validate import validate
@@ -87,6 +87,24 @@ def test_fit_recovers_the_linear_and_attention_terms():
             assert ref[k] * model.factor(k, s, s * s) == pytest.approx(c0 + c1 * s + c2 * s * s, rel=1e-9)
 
 
+def test_fit_stages_takes_a_whole_pipeline_and_needs_several_lengths():
+    """Per stage the reference times of its own fit; the shares those of the stages' sum (a profile
+    window's passes of padded microbatches, rows x longest); one length only: no fit."""
+    c = {F: (1e-3, 1e-5, 2e-9), B: (2e-3, 2e-5, 5e-9), W: (5e-4, 1e-5, 0.0)}
+    scale = (1.0, 1.5)  # stage 1 is half as dear again
+    shapes = [microbatch_shape([s] * n, packed=False) for s, n in ((64, 1), (256, 2), (1024, 1), (700, 3), (2048, 1))]
+    samples = {k: {st: [(t, q, x * (c0 + c1 * t + c2 * q)) for t, q in shapes] for st, x in enumerate(scale)}
+               for k, (c0, c1, c2) in c.items()}
+    model, ref = fit_stages(samples, 1024)
+    for k, (c0, c1, c2) in c.items():
+        t = c0 + c1 * 1024 + c2 * 1024 ** 2
+        assert ref[k] == pytest.approx([t * x for x in scale], rel=1e-9)
+        assert model.attention.get(k, 0.0) == pytest.approx(c2 * 1024 ** 2 / t, abs=1e-9)
+        assert model.overhead.get(k, 0.0) == pytest.approx(c0 / t, abs=1e-9)
+    one = {k: {0: [(512, 512 ** 2, 1.0)] * 4} for k in (F, B, W)}
+    assert fit_stages(one, 1024) is None
+
+
 # -- the balancer -------------------------------------------------------------------------------
 
 def test_karmarkar_karp_and_refine():
@@ -149,14 +167,32 @@ def test_list_schedule_is_valid_in_order_and_within_the_templates_memory(name):
     sched, end = list_schedule(name, b.schedule.placement, st, caps, split=b.schedule.uses_split_backward())
     res = validate(sched, st, memory_limit=float("inf"))
     assert end == max(tl[-1].end for tl in res.timeline)
-    unit = dataclasses.replace(st, microbatch_costs=None)
-    for r, o in enumerate(sched.orders):  # memory in reference units never above the template's peak
-        from megatron_zb.core.simulate import peak_memory
-        assert peak_memory(o, r, unit) <= caps[r] + 1e-9
+    from megatron_zb.core.simulate import peak_memory
+    unit, top = dataclasses.replace(st, microbatch_costs=None), max(st.microbatch_costs.factors["mem"])
+    for r, o in enumerate(sched.orders):  # each microbatch's activation its own size: never above the template's
+        # peak with every one the reference, but where one microbatch alone is larger
+        alone = top * sum(unit.pass_mem(F, r, s) for s in b.schedule.placement.stages_of(r))
+        assert peak_memory(o, r, st) <= max(caps[r], alone) + 1e-9
         for s in b.schedule.placement.stages_of(r):  # each stage's forwards in microbatch order (data iterators)
             assert [a.mb for a in o if a.kind == F and a.stage == s] == list(range(m))
     best, t = per_microbatch(st, caps, template=b.schedule)
-    assert t <= min(end, end_time(b.schedule, st)) + 1e-9
+    kept = [end] + ([end_time(b.schedule, st)] if within(b.schedule, st, caps) else [])
+    assert t <= min(kept) + 1e-9  # the template only where it keeps within the caps
+
+
+def test_balanced_replicas_keep_within_an_activation_limit():
+    """VarlenConfig.activation_limit (plan: the GPU's memory less the model states) bounds every
+    balanced replica's activations, pending W's included, but where one microbatch alone is more."""
+    lengths = _lengths(64, seed=3, median=1500)
+    req = ScheduleRequest("zb-h1", **H100)
+    limit = (3.0, 2.5, 2.0, 1.5)
+    cfg = VarlenConfig(replicas=2, model=LengthModel.simple(4096, attention=0.15), activation_limit=limit)
+    plan = plan_batch(lengths, req, 4, cfg, True)
+    for rp in plan.replicas:
+        top = max(rp.setting.microbatch_costs.factors["mem"])
+        for r, o in enumerate(rp.schedule.orders):
+            from megatron_zb.core.simulate import peak_memory
+            assert peak_memory([a for a in o if a.is_compute], r, rp.setting) <= max(limit[r], top) + 1e-9
 
 
 def test_list_schedule_matches_the_templates_at_equal_costs():

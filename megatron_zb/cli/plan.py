@@ -12,6 +12,7 @@ from ..argtypes import nonneg, positive_float, positive_int, share_or_auto
 from ..core.models import names as model_names
 from .common import UsageError, add_exact_args, add_post_validation_arg, check_size
 from .varlen import DEFAULT_SCHEDULES, add_varlen_args, check_varlen_args
+from .plan_optim import add_optimizer_offload_args, host_costs, print_optimizer_offload
 
 
 def _efficiency(text):
@@ -146,6 +147,7 @@ def add_parser(sub) -> None:
                     help="one-way host link bandwidth per GPU; K follows from the activation bytes and F + B")
     og.add_argument("--offload-half-duplex", action="store_true",
                     help="D2H and H2D share one queue (one copy stream)")
+    add_optimizer_offload_args(pn)
     pn.add_argument("--json", action="store_true",
                     help="print one JSON object instead (per-rank lists in bytes and seconds)")
     pn.add_argument("--jobs", type=positive_int("--jobs"), default=None, metavar="N",
@@ -163,7 +165,8 @@ def cmd_plan(args) -> int:
     spec = P.ModelSpec(**model_kwargs(args))
     tflops = args.peak_tflops if args.peak_tflops is not None else P.GPU_PEAK_TFLOPS[args.gpu]
     profile = P.load_profile(args.profile) if args.profile else None
-    if args.offload_ratio is None and (args.offload_time is not None or args.host_link_gbps is not None):
+    if args.offload_ratio is None and (args.offload_time is not None or
+                                       (args.host_link_gbps is not None and args.optimizer_offload is None)):
         raise UsageError("--offload-time / --host-link-gbps need --offload-ratio R (0..1) or auto")
     if args.offload_time is not None and args.host_link_gbps is not None:
         raise UsageError("give --offload-time K or --host-link-gbps B, not both")
@@ -187,7 +190,8 @@ def cmd_plan(args) -> int:
               layout_search=not args.no_layout_search,
               vocab_parallel="on" if args.enable_vocab_parallel else "off" if args.no_vocab_parallel else "both",
               vocab_barriers=2 if args.disable_backward_fusion else 1,
-              vocab_gbps=args.vocab_comm_gbps if args.vocab_comm_gbps is not None else P.EP_BANDWIDTH_GBPS)
+              vocab_gbps=args.vocab_comm_gbps if args.vocab_comm_gbps is not None else P.EP_BANDWIDTH_GBPS,
+              optimizer_offload=args.optimizer_offload, host_costs=host_costs(args))
     rows = P.plan(spec, args.pipeline_parallel_size, args.num_microbatches, args.gpu_memory_gb, **kw)
     within = P.within_1f1b_memory(rows, lambda gib, names: P.plan(spec, args.pipeline_parallel_size,
                                                                    args.num_microbatches, gib, schedules=names, **kw))
@@ -383,6 +387,7 @@ def _print_plan(args, spec, rows, profile, tflops, advice, within=None) -> None:
         print(f"  {within['flags']}{pv}")
     if advice:
         print(advice)
+    print_optimizer_offload(rows, args)
 
 
 def _label(r: dict) -> str:

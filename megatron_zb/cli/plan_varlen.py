@@ -9,6 +9,7 @@ file's batches), ``bubble_rate`` (idle share of every rank of every replica), ``
 rank (activations of the fullest moment + model states), ``fits``, ``flags``."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import List
 
@@ -53,12 +54,14 @@ def rows_for(args, spec, flops_per_s: float, budget: float) -> List[dict]:
             req = ScheduleRequest(name, chunks=v if sp.chunks is None else None, cost_f=cc.cost_f, cost_b=cc.cost_b,
                                   cost_w=cc.cost_w, mem_f=cc.mem_f, mem_w=cc.mem_w)
             templates = Templates(req, p, max(1, len(batches[0]) // (d * cfg.micro_batch_size)))
+            # balanced replicas' schedules within the GPU's memory less each rank's model states
+            rcfg = dataclasses.replace(cfg, activation_limit=tuple(budget - x for x in states))
         except ScheduleError as e:
             errors.append({"schedule": name, "error": str(e)})
             continue
         for balanced in (False, True):
             try:
-                r = varlen_row(name, req, p, cfg, batches, balanced, 1.0, templates, args.cost_optimizer)
+                r = varlen_row(name, req, p, rcfg, batches, balanced, 1.0, templates, args.cost_optimizer)
             except ScheduleError as e:
                 errors.append({"schedule": name, "balanced": balanced, "error": str(e)})
                 continue

@@ -179,7 +179,8 @@ class Built:
         evaluation runs them."""
         if forward_only not in self._lowered:
             sched = forward_only_schedule(self.schedule) if forward_only else self.schedule
-            self._lowered[forward_only] = lower(sched, self.setting)
+            # the validation's simulation of the schedule orders its messages (not run again)
+            self._lowered[forward_only] = lower(sched, self.setting, None if forward_only else self._result)
         return self._lowered[forward_only]
 
 

@@ -48,18 +48,30 @@ class IterationResult:
     def to_dict(self) -> dict:
         return {"iteration_time": _r(self.iteration_time),
                 "iteration_time_post_validated": _r(self.iteration_time_post_validated),
-                "cost_optimizer": _r(self.cost_optimizer)}
+                "cost_optimizer": [_r(x) for x in self.cost_optimizer] if isinstance(self.cost_optimizer, list)
+                else _r(self.cost_optimizer)}
 
 
 def _r(x: float) -> float:
     return round(float(x), 10)
 
 
-def _check_cost(cost_optimizer) -> float:
+def _check_cost(cost_optimizer):
+    """A number >= 0, or one per rank (each rank's own step: ``core.optimizer_offload``)."""
+    if isinstance(cost_optimizer, (list, tuple)):
+        return [_check_cost(c) for c in cost_optimizer]
     if isinstance(cost_optimizer, bool) or not isinstance(cost_optimizer, (int, float)) \
             or not (0 <= cost_optimizer < float("inf")):
         raise ScheduleError(f"cost-optimizer must be a non-negative number, got {cost_optimizer!r}")
     return float(cost_optimizer)
+
+
+def _rank_cost(cost, r: int) -> float:
+    return cost[r] if isinstance(cost, list) else cost
+
+
+def _max_cost(cost) -> float:
+    return max(cost, default=0.0) if isinstance(cost, list) else cost
 
 
 def validation_points(schedule: Schedule) -> List[Optional[int]]:
@@ -103,8 +115,10 @@ def simulate_iterations(schedule: Schedule, setting: Setting, iterations: int, c
         setting = dataclasses.replace(setting, chunks=schedule.placement.chunks)
     first = simulate(schedule, setting)
     p = len(first.timeline)
+    if isinstance(cost_optimizer, list) and len(cost_optimizer) != p:
+        raise ScheduleError(f"cost-optimizer: {len(cost_optimizer)} values for {p} ranks")
     if not post_validated:
-        t = max((tl[-1].end for tl in first.timeline if tl), default=0.0) + cost_optimizer
+        t = max((tl[-1].end for tl in first.timeline if tl), default=0.0) + _max_cost(cost_optimizer)
         return [_shifted(first, k * t) for k in range(iterations)], []
     points = validation_points(schedule)
     results, validated = [first], []
@@ -117,7 +131,7 @@ def simulate_iterations(schedule: Schedule, setting: Setting, iterations: int, c
             break
         release: Dict[Tuple[int, int], float] = {}
         for r in range(p):
-            release[(r, 0)] = ends[r] + cost_optimizer
+            release[(r, 0)] = ends[r] + _rank_cost(cost_optimizer, r)
             if points[r] is not None:
                 release[(r, points[r])] = max(release.get((r, points[r]), 0.0), v[r])
         results.append(simulate(schedule, setting, release=release))
@@ -139,7 +153,7 @@ def iteration_times(schedule: Schedule, setting: Setting, cost_optimizer: float 
     base = sync_runs[0]
     starts = [tl[0].start for tl in base.timeline if tl]
     ends = [tl[-1].end for tl in base.timeline if tl]
-    sync = (max(ends) - min(starts) if ends else 0.0) + cost_optimizer
+    sync = (max(ends) - min(starts) if ends else 0.0) + _max_cost(cost_optimizer)
     runs, validated = simulate_iterations(schedule, setting, ITERATIONS, cost_optimizer, post_validated=True)
     last_end = [max(_rank_window(tl, 0.0)[1] for tl in res.timeline) for res in runs]
     k1 = len(runs) - 1
@@ -169,7 +183,9 @@ def _plain_iterations(schedule: Schedule, setting: Setting, cost_optimizer: floa
     first = windows(t)
     starts = [w[0] for w, c in zip(first, codes) if c]
     ends = [w[1] for w, c in zip(first, codes) if c]
-    sync = (max(ends) - min(starts) if ends else 0.0) + cost_optimizer
+    sync = (max(ends) - min(starts) if ends else 0.0) + _max_cost(cost_optimizer)
+    if isinstance(cost_optimizer, list) and len(cost_optimizer) != len(codes):
+        raise ScheduleError(f"cost-optimizer: {len(cost_optimizer)} values for {len(codes)} ranks")
     points = validation_points(schedule)
     runs, validated = [first], []
     for k in range(1, ITERATIONS + 1):
@@ -180,7 +196,7 @@ def _plain_iterations(schedule: Schedule, setting: Setting, cost_optimizer: floa
             break
         release: Dict[Tuple[int, int], float] = {}
         for r in range(len(codes)):
-            release[(r, 0)] = ends[r] + cost_optimizer
+            release[(r, 0)] = ends[r] + _rank_cost(cost_optimizer, r)
             if points[r] is not None:
                 release[(r, points[r])] = max(release.get((r, points[r]), 0.0), v[r])
         t = plain.times(release)

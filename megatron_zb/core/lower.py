@@ -28,11 +28,14 @@ from .ir import (B, BW, F, OFFLOAD_KINDS, VS, VT, RECV_B, RECV_F, SEND_B, SEND_F
 from .simulate import simulate
 
 
-def lower(schedule: Schedule, setting: Optional[Setting] = None) -> Schedule:
+def lower(schedule: Schedule, setting: Optional[Setting] = None, result=None) -> Schedule:
     """Return a copy of ``schedule`` with SEND/RECV actions inserted (compute order unchanged).
 
     Overlapped pairs come out as their two passes; ``meta['overlap_pairs']`` then lists
-    (rank, position of the F, position of the B) in the lowered lists."""
+    (rank, position of the F, position of the B) in the lowered lists. ``result``: the
+    simulation of this (flat) schedule with ``setting``, where already at hand (not run again)."""
+    if schedule.flat() is not schedule:
+        result = None
     schedule = schedule.flat()
     if any(not a.is_compute and a.kind not in OFFLOAD_KINDS for o in schedule.orders for a in o):
         raise ScheduleError("schedule is already lowered (it has SEND/RECV actions)")
@@ -49,7 +52,7 @@ def lower(schedule: Schedule, setting: Optional[Setting] = None) -> Schedule:
         local.append(gaps)
     pl = schedule.placement
     st = setting or Setting(pl.num_ranks, max(1, schedule.num_microbatches), chunks=pl.chunks)
-    res = simulate(schedule, st)
+    res = result if result is not None else simulate(schedule, st)
     # (rank, position) of every compute pass, and its simulated start/end
     timed = res.timeline  # per rank, in list order
     # inserted[rank][gap] = list of (key, action); gap g = just before compute pass g

@@ -8,14 +8,17 @@ free it runs
 
 1. a backward (B, or the fused BW) whose output gradient has arrived, oldest microbatch first;
 2. else a forward whose input has arrived and whose activation fits under the rank's cap (the
-   template's own peak, in the same units, so memory stays the template's; a rank's earlier
-   chunks leave room for one forward of each later chunk, so the oldest microbatch can always go
-   on), each stage's forwards in microbatch order (Megatron reads its data iterator in order);
+   template's own peak with every microbatch the reference one; each microbatch's activation
+   counted with its own size, so a long one takes the room of several short ones and memory stays
+   within the template's at the reference length; a rank's earlier chunks leave room for one
+   forward of each later chunk, as large as the largest microbatch in flight, so the oldest
+   microbatch can always go on), each stage's forwards in microbatch order (Megatron reads its
+   data iterator in order);
 3. else a W whose B has run (split backward), oldest first;
 4. else it waits for the next message.
 
-``per_microbatch`` keeps whichever of the template and the list schedules is shortest with the
-real costs. A few milliseconds at P=8, M=32: cheap enough to run for every iteration's lengths.
+``per_microbatch`` keeps the shorter, with the real costs, of the template (where its activations,
+each microbatch its own size, stay within the caps) and the list schedule. A few milliseconds at P=8, M=32: cheap enough to run for every iteration's lengths.
 Deterministic (no clocks): every rank builds the same. Pure Python.
 """
 from __future__ import annotations
@@ -28,7 +31,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from .ir import B, BW, F, W, Action, Placement, Schedule, ScheduleError, Setting
 from .simulate import peak_memory, simulate
 
-__all__ = ["list_schedule", "per_microbatch", "template_caps", "end_time"]
+__all__ = ["list_schedule", "per_microbatch", "template_caps", "end_time", "within"]
 
 EPS = 1e-9
 
@@ -57,6 +60,8 @@ def list_schedule(name: str, placement: Placement, setting: Setting, caps: Seque
     rank_of = pl.stage_to_rank
     cost = cost_table(st, pl, (F, B, W) if split else (F, BW))
     mem = {k: [unit.pass_mem(k, rank_of[s], s) for s in range(nst)] for k in ((F, B, W) if split else (F, BW))}
+    size = st.microbatch_costs.factors["mem"] if st.microbatch_costs is not None else [1.0] * m
+    held: List[Dict[int, float]] = [dict() for _ in range(p)]  # per rank, its microbatches in flight -> size
     comm = st.cost_comm
     stages = [pl.stages_of(r) for r in range(p)]
     # a rank's earlier chunks leave room for one forward of each later chunk: the oldest microbatch
@@ -98,8 +103,9 @@ def list_schedule(name: str, placement: Placement, setting: Setting, caps: Seque
                 mb = next_f[s]
                 if mb < m:
                     at = f_in.get((s, mb))
-                    if at is not None and at <= t + EPS and (used[r] + mem[F][s] + reserve[s] <= caps[r] + EPS
-                                                             or inflight[r] == 0):
+                    big = max(size[mb], max(held[r].values(), default=0.0))
+                    if at is not None and at <= t + EPS and (used[r] + (mem[F][s] * size[mb] + reserve[s] * big)
+                                                             <= caps[r] + EPS or (inflight[r] == 0 and not w_todo[r])):
                         cands.append((mb, -s))
             if cands:
                 mb, ns = min(cands)
@@ -113,12 +119,13 @@ def list_schedule(name: str, placement: Placement, setting: Setting, caps: Seque
         k, s, mb = act
         end = t + cost[k][s][mb]
         orders[r].append(Action(k, s, mb))
-        used[r] += mem[k][s]
+        used[r] += mem[k][s] * size[mb]
         left[r] -= 1
         free[r] = end
         last = max(last, end)
         if k == F:
             inflight[r] += 1
+            held[r][mb] = size[mb]
             nxt = s + 1 if s + 1 < nst else None
             if nxt is None:
                 heapq.heappush(b_wait[r], (end, mb, -s))
@@ -130,6 +137,8 @@ def list_schedule(name: str, placement: Placement, setting: Setting, caps: Seque
                 heapq.heappush(events, (at, serial, q))
         elif k in (B, BW):
             inflight[r] -= 1
+            if s == min(stages[r]):  # its last backward on this rank: no longer in flight here
+                held[r].pop(mb, None)
             if split:
                 w_todo[r].append((s, mb))
             if s > 0:
@@ -244,27 +253,48 @@ def per_microbatch(setting: Setting, caps: Sequence[float], template: Optional[S
                    placement: Optional[Placement] = None, split: bool = True, name: str = "",
                    meta: Optional[dict] = None, known: Optional[Tuple[Schedule, float]] = None) -> Tuple[Schedule, float]:
     """The shortest, with ``setting``'s per-microbatch costs, of ``template`` (a schedule for these
-    microbatches built for equal ones; None: none at hand) and the list schedules under ``caps``
-    (per rank, and the largest for every rank); with its end time. Without a template, on
+    microbatches built for equal ones; None: none at hand) and the list schedule under ``caps``
+    (per rank); with its end time. Without a template, on
     ``placement`` (``split``: B/W apart). Raises ``ScheduleError`` when there is no template and
     list scheduling stalls. ``known``: the list schedule under ``caps`` already built for this
-    setting, with its end (not built again)."""
+    setting, with its end (not built again). The template counts only where its activations, each
+    microbatch its own size, stay within the caps (``within``): else it is the last resort."""
     best = None if known is None else (known[1], known[0])
+    fallback = None
     if template is not None:
-        best = (end_time(template, setting), template)
+        timed = (end_time(template, setting), template)
         placement, name = template.placement, template.name
         split = template.uses_split_backward()
         if not plain(template):
-            return best[1], best[0]
+            return timed[1], timed[0]
+        if within(template, setting, caps):
+            best = timed if best is None or timed[0] < best[0] - EPS else best
+        else:
+            fallback = timed
     stall = None
-    for cap in ([] if known is not None else [list(caps)]) + [[max(caps)] * len(caps)]:
+    if known is None:
         try:
-            cand, t = list_schedule(name, placement, setting, cap, split, meta)
+            cand, t = list_schedule(name, placement, setting, caps, split, meta)
+            if best is None or t < best[0] - EPS:
+                best = (t, cand)
         except ScheduleError as e:
-            stall = stall or e
-            continue
-        if best is None or t < best[0] - EPS:
-            best = (t, cand)
+            stall = e
+    best = best or fallback
     if best is None:
         raise stall
     return best[1], best[0]
+
+
+def within(schedule: Schedule, setting: Setting, caps: Sequence[float]) -> bool:
+    """Whether every rank's activations, each microbatch with its own size (``setting``'s
+    per-microbatch costs), stay within its cap (reference units) -- or within what one microbatch
+    alone holds there, where that is more."""
+    unit = dataclasses.replace(setting, microbatch_costs=None, chunks=schedule.placement.chunks)
+    st = dataclasses.replace(setting, chunks=schedule.placement.chunks)
+    mc = setting.microbatch_costs
+    top = max(mc.factors["mem"]) if mc is not None else 1.0
+    for r, o in enumerate(schedule.orders):
+        alone = top * sum(unit.pass_mem(F, r, s) for s in schedule.placement.stages_of(r))
+        if peak_memory([a for a in o if a.is_compute], r, st) > max(caps[r], alone) + EPS:
+            return False
+    return True

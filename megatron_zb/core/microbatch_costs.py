@@ -27,7 +27,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from .ir import B, F, W, ScheduleError
 
-__all__ = ["LengthModel", "MicrobatchCosts", "fit", "microbatch_shape", "attention_share"]
+__all__ = ["LengthModel", "MicrobatchCosts", "fit", "fit_stages", "microbatch_shape", "attention_share"]
 
 KINDS = (F, B, W)
 
@@ -220,6 +220,36 @@ def fit(samples: Mapping[str, Sequence[Tuple[float, float, float]]], seq_length:
             continue
         t, a, o = attention_share(fit_coefficients(samples[k], quadratic=k != W), seq_length)
         ref[k] = t
+        if a:
+            att[k] = min(a, 1.0)
+        if o:
+            fixed[k] = min(o, 1.0 - att.get(k, 0.0))
+    return LengthModel(seq_length, att, fixed), ref
+
+
+def fit_stages(samples: Mapping[str, Mapping[int, Sequence[Tuple[float, float, float]]]], seq_length: int,
+               min_shapes: int = 3) -> Optional[Tuple[LengthModel, Dict[str, List[float]]]]:
+    """The length model of a whole pipeline from passes timed per stage: ``samples[kind][stage]``
+    = (tokens, sum of s^2, seconds) of that stage's passes (a profile window's, microbatches of
+    several lengths). Each stage's coefficients are fitted (``fit_coefficients``); the model's
+    shares are those of their sum over the stages, and each stage's reference time (one sequence
+    of ``seq_length`` tokens) is its own fit's. Returns (model, {kind: [reference time per stage]})
+    for the stages every kind was timed on, or None when F's passes held fewer than ``min_shapes``
+    distinct microbatch shapes (nothing to tell a length's effect by)."""
+    fs = samples.get(F) or {}
+    shapes = {(t, q) for xs in fs.values() for t, q, _ in xs}
+    if len(shapes) < min_shapes:
+        return None
+    stages = sorted(set.intersection(*(set(samples.get(k) or {}) for k in KINDS)) if all(samples.get(k) for k in KINDS)
+                    else fs)
+    att, fixed, ref = {}, {}, {}
+    for k in KINDS:
+        per = samples.get(k) or {}
+        if not per:
+            continue
+        coef = [fit_coefficients(per[s], quadratic=k != W) if per.get(s) else (0.0, 0.0, 0.0) for s in stages]
+        ref[k] = [attention_share(c, seq_length)[0] for c in coef]
+        _, a, o = attention_share(tuple(sum(c[i] for c in coef) for i in range(3)), seq_length)
         if a:
             att[k] = min(a, 1.0)
         if o:

@@ -64,7 +64,7 @@ def candidate_layouts(spec: ModelSpec, pl: Placement, pad_ends: bool, layout: Op
 def row(name: str, spec: ModelSpec, p: int, m: int, budget: float, flops_per_s: float, profile: Optional[dict],
         pad_ends: bool, interleave_chunks: int, cost_optimizer: float, ranked_by: str, offload: tuple,
         exact: Optional[tuple], a2a: tuple, layout: Optional[Layout] = None, search: bool = True,
-        vocab: Optional[int] = None, vocab_gbps: float = 50.0) -> dict:
+        vocab: Optional[int] = None, vocab_gbps: float = 50.0, optim: Optional[tuple] = None) -> dict:
     """The best row over the candidate layouts (fits first, then ``ranked_by``), or {schedule, error}.
     ``vocab``: with vocabulary parallelism, that many barriers (``core.vocab``)."""
     sp = get(name)
@@ -84,7 +84,7 @@ def row(name: str, spec: ModelSpec, p: int, m: int, budget: float, flops_per_s: 
 
     def one(k: int) -> dict:
         return _one(sp, spec, p, m, v, pl, layouts[k], budget, flops_per_s, profile, cost_optimizer, ranked_by,
-                    offload, exact, a2a, pad_ends and layout is None and k == 0, (vocab, vocab_gbps))
+                    offload, exact, a2a, pad_ends and layout is None and k == 0, (vocab, vocab_gbps), optim)
 
     # A layout whose lower bound (no schedule's iteration is shorter) lies above a fitting row's
     # time by more than TIE cannot be the one kept below: it is not built (the same row, sooner)
@@ -163,7 +163,7 @@ def vocab_work(spec: ModelSpec, p: int, flops_per_s: float, barriers: Optional[i
 
 
 def _one(sp, spec, p, m, v, pl, lay: Layout, budget, flops_per_s, profile, cost_optimizer, ranked_by, offload,
-         exact, a2a, padded: bool, vocab=(None, 50.0)) -> dict:
+         exact, a2a, padded: bool, vocab=(None, 50.0), optim: Optional[tuple] = None) -> dict:
     offload_ratio, offload_time, host_link_gbps, offload_overlap = offload
     ep_gbps, a2a_overlap = a2a
     barriers, vocab_gbps = vocab
@@ -246,6 +246,9 @@ def _one(sp, spec, p, m, v, pl, lay: Layout, budget, flops_per_s, profile, cost_
         share = max(o["offloaded_share"]) if o["offloaded_share"] else 0.0
         out["flags"] += (f" --cpu-offload --zero-bubble-offload-ratio {share:.2f} --offload-time "
                          f"{max(ks):.3g}")
+    if optim is not None:  # optimizer states: every rank's step, and offload where the row does not fit
+        from .optimizer_rows import apply
+        apply(out, built, spec, cc.params, unit, budget, cost_optimizer, optim[0], optim[1])
     return out
 
 

@@ -50,13 +50,16 @@ class VarlenConfig:
     for). ``micro_batch_size``: sequences per microbatch in Megatron's path (and padded balanced
     microbatches). ``packed``: Megatron's packed-sequence format (THD; attention within each
     sequence) instead of rows padded to the longest. ``max_tokens``: tokens a packed balanced
-    microbatch holds at most (default micro_batch_size x seq_length)."""
+    microbatch holds at most (default micro_batch_size x seq_length). ``activation_limit``: per rank,
+    the most its activations may hold (the settings' memory unit, e.g. bytes: a GPU's memory less
+    the model states); balanced replicas' schedules keep within it where they can."""
 
     replicas: int
     model: LengthModel
     micro_batch_size: int = 1
     packed: bool = False
     max_tokens: Optional[int] = None
+    activation_limit: Optional[Tuple[float, ...]] = None
 
     def __post_init__(self):
         for name in ("replicas", "micro_batch_size"):
@@ -189,7 +192,8 @@ def _with_costs(setting: Setting, model: LengthModel, lens: List[List[int]], pac
 
 
 def plan_replica(name: str, templates: Templates, model: LengthModel, lens_by_mb: List[List[int]],
-                 seq_by_mb: List[List[int]], packed: bool, balanced: bool) -> ReplicaPlan:
+                 seq_by_mb: List[List[int]], packed: bool, balanced: bool,
+                 limit: Optional[Sequence[float]] = None) -> ReplicaPlan:
     """One replica's plan for its microbatches (sequence lengths and indices, in the given order)."""
     m = len(lens_by_mb)
     ref, ref_setting = templates.build(name, templates.reference_m)
@@ -200,7 +204,12 @@ def plan_replica(name: str, templates: Templates, model: LengthModel, lens_by_mb
         return ReplicaPlan(seq_by_mb, lens_by_mb, template, st, end_time(template, st))
     got = templates.get(name, m)
     template = got[0] if got is not None else None
-    caps = templates.caps(name)
+    # the template's activation peak with every microbatch the reference one -- or, where this replica holds
+    # longer ones, as long as its longest (what Megatron's order needs for them): the list schedules' caps
+    scale = max([1.0] + [microbatch_shape(ls, packed)[0] / model.seq_length for ls in lens_by_mb])
+    caps = [c * scale for c in templates.caps(name)]
+    if limit is not None:  # the memory there is (VarlenConfig.activation_limit)
+        caps = [min(c, lim) for c, lim in zip(caps, limit)]
     split = ref.uses_split_backward()
     usable = plain(ref)
     if template is None and not usable:  # overlapped pairs, replicated stages: only the generator's own
@@ -287,5 +296,6 @@ def plan_batch(lengths: Sequence[int], request: ScheduleRequest, stages: int, co
         if replica is not None and d != replica:
             plans.append(ReplicaPlan(mbs, lens, None, None, 0.0))
             continue
-        plans.append(plan_replica(name, templates, config.model, lens, mbs, config.packed, balanced))
+        plans.append(plan_replica(name, templates, config.model, lens, mbs, config.packed, balanced,
+                                  config.activation_limit))
     return BatchPlan(balanced, name, plans, cost_optimizer, time.perf_counter() - t0)

@@ -225,8 +225,14 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
     print_rank_0("> finished creating GPT datasets ...")
     if getattr(args, "zero_bubble_mock_seq_lengths", None) and train_ds is not None:  # variable-length samples
         from ..core.seqlens import length_sampler
-        from .features.varlen_data import VariableLengthDataset
-        train_ds = VariableLengthDataset(train_ds, length_sampler(args.zero_bubble_mock_seq_lengths), args.seq_length)
+        from .features.varlen_data import VariableLengthDataset, up_to_eod
+        spec = args.zero_bubble_mock_seq_lengths
+        if spec == "eod":  # the documents' own lengths
+            length = up_to_eod(get_tokenizer().eod)
+        else:
+            draw = length_sampler(spec)
+            length = lambda i, sample: draw(i)  # noqa: E731
+        train_ds = VariableLengthDataset(train_ds, length, args.seq_length)
     return train_ds, valid_ds, test_ds
 
 

@@ -47,6 +47,9 @@ class StagePasses:
     device: object = "cpu"
     # release an activation that has been sent or handed over (deallocate_pipeline_outputs)
     release_output: Optional[Callable[[torch.Tensor], None]] = None
+    # release an output handed over to the next stage on this rank (the V's turn), whose data lives
+    # on in that stage's input (a detached alias of the same storage); release_output when None
+    release_handed_over: Optional[Callable[[torch.Tensor], None]] = None
     # overlapped F&B pairs (DualPipe): overlap(f, b) runs an F and a B as one pass, e.g. one's
     # all-to-all on a communication stream behind the other's compute (megatron.ep_overlap);
     # f = (stage, mb, input), b = (stage, mb, input, output, output_grad, split) as for forward and
@@ -260,8 +263,11 @@ def _f_output(a: Action, key: Key, rank: int, pl: Placement, ps: StagePasses, st
             ps.release_output(out)  # like a sent output (the broadcast holds the data)
     elif nxt is not None and pl.rank_of(nxt) == rank:  # local hand-over (V turn)
         st.local_inputs[(nxt, a.mb)] = out.detach().requires_grad_(not forward_only)
-        if ps.release_output is not None and not forward_only:
-            ps.release_output(out)  # like a sent output: the detached copy keeps the data
+        release = ps.release_handed_over or ps.release_output
+        if release is not None and not forward_only:
+            # the detached alias keeps the data: the next stage's input alone holds it (its
+            # offload frees it; its B lets it go), not this output kept for its own B as well
+            release(out)
     elif nxt is not None:
         st.to_send_f[key] = out
 

@@ -187,11 +187,14 @@ class MemoryHook(Hook):
         if a.kind == B:
             if self.w_tensors is not None:
                 self.meter.hold(a.stage, a.mb, self.w_tensors(a.stage, a.mb))
-            self._mem_w[a.stage].append(self._live(key))
+            self._b_done = True  # mem-w at its end: the executor has let its input and output go
         elif a.kind in (W, BW):
             self.meter.forget(a.stage, a.mb)
 
     def end(self, a) -> None:
+        if a.kind == B and not self.cuda and getattr(self, "_b_done", False):
+            self._b_done = False
+            self._mem_w[a.stage].append(self._live((a.stage, a.mb)))
         if a.kind in (F, B, W, BW):
             self._trace.append((a.kind, a.stage, a.mb, self._live()))
 

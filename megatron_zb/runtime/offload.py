@@ -134,6 +134,9 @@ class OffloadManager:
         self._host_bytes = 0
         self._live: Dict[int, Tuple[weakref.ref, int]] = {}  # captured device storages, by pointer
         self._by_key: Dict[Tuple[int, int], List[weakref.ref]] = {}  # (stage, mb) -> its storages
+        # reloaded W-queue storages that F did not capture (output gradients made by B): not
+        # activation in this manager's counts, but device memory W holds (``storages()`` has them)
+        self._w_held: Dict[int, weakref.ref] = {}
         self.last_captured_bytes = 0
         self.reset_stats()
 
@@ -243,7 +246,7 @@ class OffloadManager:
             if not st.data_ptr() or st.data_ptr() in self._ignore:
                 continue
             # counted as activation only if F captured it (an input); output gradients made by B
-            # are not counted, here as without offload
+            # are not (the profiler's mem-w is what F saved); storages() still has their reloads
             live = self._live.get(st.data_ptr())
             counted = live is not None and live[0]() is st
             slot.leaves.append((t, slot.add(st, counted), t.dtype, tuple(t.size()), tuple(t.stride()),
@@ -272,6 +275,7 @@ class OffloadManager:
         out = self.stats()
         self.reset_stats()
         self._by_key.clear()
+        self._w_held.clear()
         return out
 
     def discard(self) -> None:
@@ -305,8 +309,12 @@ class OffloadManager:
 
     def storages(self, key: Optional[Tuple[int, int]] = None) -> Dict[int, int]:
         """{pointer: bytes} of the captured storages (or reloaded copies) alive on the device, of
-        one (stage, mb) or all (``runtime.memory`` measures with it)."""
-        refs = self._by_key.get(key, ()) if key is not None else [r for r, _ in self._live.values()]
+        one (stage, mb) or all (``runtime.memory`` measures with it); all of them include the
+        reloaded W-queue tensors F did not capture (output gradients), as ``runtime.memory``
+        counts what the W queue holds without offload."""
+        self._w_held = {p: r for p, r in self._w_held.items() if r() is not None and r().data_ptr() == p}
+        refs = self._by_key.get(key, ()) if key is not None else \
+            [r for r, _ in self._live.values()] + list(self._w_held.values())
         out = {}
         for ref in refs:
             st = ref()
@@ -416,6 +424,8 @@ class OffloadManager:
                 if slot.counted[i]:
                     self._track(st)
                     self._by_key.setdefault(slot.key[1:], []).append(self._live[st.data_ptr()][0])
+                else:
+                    self._w_held[st.data_ptr()] = weakref.ref(st)
         moved = sum(slot.nbytes[i] for i in fresh)
         if self.cuda:
             self._h2d.wait_stream(torch.cuda.current_stream(self.device))

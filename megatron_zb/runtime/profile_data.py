@@ -163,7 +163,19 @@ def build_profile(rank_stats: Sequence[dict], *, schedule: Optional[str], placem
         **_offload_section(by_rank, p),
         **_memory_section(by_rank, p),
         **_vocab_section(by_rank, p),
+        **_length_section(by_rank),
     }
+
+
+def _length_section(by_rank: Dict[int, dict]) -> dict:
+    """Variable-length batches: every pass timed with its microbatch's shape, per kind and stage
+    ([tokens, sum of s^2, seconds]; ``core.microbatch_costs.fit_stages`` fits them); none without."""
+    out: Dict[str, Dict[str, list]] = {}
+    for st in by_rank.values():
+        for k, per in (st.get("length_samples") or {}).items():
+            for s, xs in per.items():
+                out.setdefault(k, {}).setdefault(s, []).extend(xs)
+    return {"length_samples": out} if out else {}
 
 
 def _vocab_section(by_rank: Dict[int, dict], p: int) -> dict:

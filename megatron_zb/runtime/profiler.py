@@ -96,6 +96,9 @@ class PassProfiler:
         self.probe_rounds = probe_rounds
         self.profile: Optional[dict] = None  # set once the window has ended
         self._ignore: set = set()
+        # variable-length batches: this iteration's microbatch shapes, mb -> (tokens, sum of s^2), set by
+        # the caller before the iteration runs; each timed pass then also gives a length sample
+        self.shapes: Dict[int, Tuple[int, int]] = {}
         self._reset_samples()
 
     # -- state -------------------------------------------------------------------------------
@@ -104,6 +107,7 @@ class PassProfiler:
         self.mem_f: Dict[int, List[int]] = defaultdict(list)  # stage -> bytes per F
         self.mem_w: Dict[int, List[int]] = defaultdict(list)  # stage -> bytes held from B until W
         self.recv_wait: Dict[Tuple[int, str], List[float]] = defaultdict(list)  # (stage, 'F'|'B') -> s
+        self.length_samples: Dict[Tuple[int, str], List[list]] = defaultdict(list)  # -> [tokens, sum s^2, s]
         self.iteration_s: List[float] = []
         self.between_s: List[float] = []  # from one window iteration's end to the next one's start
         self._t_end: Optional[float] = None
@@ -148,6 +152,12 @@ class PassProfiler:
             self._t_end = None
         return _ProfileHook(self, cuda, offload)
 
+    def _record_pass(self, stage: int, kind: str, mb: int, seconds: float, shape=None) -> None:
+        self.times[(stage, kind)].append(seconds)
+        shape = shape if shape is not None else self.shapes.get(mb)
+        if shape is not None:
+            self.length_samples[(stage, kind)].append([shape[0], shape[1], seconds])
+
     def _record_wait(self, what: str, seconds: float = None, events=None) -> None:
         m = _WHAT.search(what or "")
         stage, kind = (int(m.group(2)), m.group(1)) if m else (-1, "?")
@@ -168,10 +178,10 @@ class PassProfiler:
             return None
         if self._events:
             torch.cuda.synchronize()  # local device only, inside the window
-            for what, stage, kind, s, e in self._events:
+            for what, stage, kind, s, e, *shape in self._events:
                 secs = s.elapsed_time(e) / 1e3
                 if what == "pass":
-                    self.times[(stage, kind)].append(secs)
+                    self._record_pass(stage, kind, -1, secs, shape[0] if shape else None)
                 else:
                     self.recv_wait[(stage, kind)].append(secs)
             self._events.clear()
@@ -181,6 +191,7 @@ class PassProfiler:
             self._t_iter = None
         self.iterations.append(iteration)
         self._saved.clear()
+        self.shapes = {}
         if iteration < self.end:
             return None
         probe = self._probe_comm(p2p, placement, rank, shape, dtype, device) if p2p is not None and shape else []
@@ -221,6 +232,8 @@ class PassProfiler:
             "iterations": list(self.iterations),
             "offload": list(self.offload_stats),
             "memory": self.memory,
+            "length_samples": {k: {str(s): v for (s, kk), v in self.length_samples.items() if kk == k}
+                               for k in (F, B, W, BW) if any(kk == k for _, kk in self.length_samples)},
         }
 
     def _probe_comm(self, p2p, placement: Placement, me: int, shape, dtype, device) -> List[float]:
@@ -305,7 +318,7 @@ class _ProfileHook(Hook):
             s.record()
             yield
             e.record()
-            prof._events.append(("pass", stage, kind, s, e))
+            prof._events.append(("pass", stage, kind, s, e, prof.shapes.get(a.mb)))
             if kind == F:
                 prof.mem_f[stage].append(torch.cuda.memory_allocated() - m0)
             elif kind == W:
@@ -322,7 +335,7 @@ class _ProfileHook(Hook):
             else:
                 yield
             prof.mem_f[stage].append(src.last_captured_bytes)
-            prof.times[(stage, F)].append(time.perf_counter() - t0)
+            prof._record_pass(stage, F, a.mb, time.perf_counter() - t0)
             prof._saved[(stage, a.mb)] = src
             return
         if kind == W:
@@ -333,4 +346,4 @@ class _ProfileHook(Hook):
             prof._saved.pop((stage, a.mb), None)
         t0 = time.perf_counter()
         yield
-        prof.times[(stage, kind)].append(time.perf_counter() - t0)
+        prof._record_pass(stage, kind, a.mb, time.perf_counter() - t0)

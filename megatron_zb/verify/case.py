@@ -87,6 +87,9 @@ class VerifyCase:
     inject_nonfinite_at: Optional[int] = None  # iteration whose gradient gets an inf
     post_validation: bool = False  # also train with optimizer post-validation, compare bit for bit
     min_clean_steps: int = 0  # post-validation: synchronous steps until this many clean ones
+    # Megatron's --optimizer-cpu-offload: a fraction 0..1 of every rank's states on the host
+    # (--optimizer-offload-fraction F) or 'auto' (each rank its own share, docs/optimizer_offload.md)
+    optimizer_offload: Any = None
     param_rtol: Optional[float] = None  # default DEFAULT_PARAM_RTOL (HALF_PARAM_RTOL for bf16/fp16)
     # Megatron's model features, by Megatron's flag names: MoE (megatron's SequentialMLP of local experts),
     # expert parallelism over the data-parallel ranks, activation recompute, multi-token prediction.
@@ -200,7 +203,8 @@ class VerifyCase:
                         + (f" clip={self.clip_grad:g}" if self.clip_grad else "")
                         + (f" loss-scale={self.loss_scale:g}" if self.loss_scale is not None else "")
                         + (f" inf@{self.inject_nonfinite_at}" if self.inject_nonfinite_at is not None else "")
-                        + (" post-validation" if self.post_validation else ""))
+                        + (" post-validation" if self.post_validation else "")
+                        + (f" optimizer-offload={self.optimizer_offload}" if self.optimizer_offload is not None else ""))
         return (self.label + ": " if self.label else "") + " ".join(bits)
 
 
@@ -395,6 +399,8 @@ def _check_optimizer_options(case: VerifyCase) -> None:
     uses = ["--" + k.replace("_", "-") for k in ("bf16", "fp16", "clip_grad", "loss_scale") if getattr(case, k)]
     if case.inject_nonfinite_at is not None:
         uses.append("--inject-nonfinite-at")
+    if case.optimizer_offload is not None:
+        uses.append("--optimizer-offload")
     if case.optimizer is None:
         if uses:
             raise VerifyUsageError(f"{', '.join(uses)}: needs Megatron's optimizer: --optimizer adam|sgd "
@@ -420,6 +426,8 @@ def _check_optimizer_options(case: VerifyCase) -> None:
         case.loss_atol = HALF_LOSS_ATOL
     if case.clip_grad < 0 or not math.isfinite(case.clip_grad):
         raise VerifyUsageError(f"--clip-grad must be a number >= 0, got {case.clip_grad}")
+    from .offload_auto import check_offload
+    check_offload(case, VerifyUsageError)
     if case.inject_nonfinite_at is not None:
         if not 0 <= case.inject_nonfinite_at < case.iterations:
             raise VerifyUsageError(f"--inject-nonfinite-at must be an iteration 0..{case.iterations - 1}, "
@@ -446,7 +454,8 @@ def reference_overrides(case: VerifyCase) -> dict:
 
 def reference_key(case: VerifyCase) -> tuple:
     opt = (case.optimizer, case.optimizer_lr, case.clip_grad, case.bf16, case.fp16, case.use_distributed_optimizer,
-           case.loss_scale, case.initial_loss_scale, case.inject_nonfinite_at)
+           case.loss_scale, case.initial_loss_scale, case.inject_nonfinite_at,
+           0.5 if case.optimizer_offload == "auto" else case.optimizer_offload)
     return (json.dumps(case.model_config().to_dict(), sort_keys=True), case.num_microbatches * case.data_parallel_size,
             case.iterations, case.lr, case.forward_only, case.use_distributed_optimizer,
             repr(sorted(reference_overrides(case).items())), opt if case.optimizer else None)

@@ -117,6 +117,10 @@ def _build_parser() -> argparse.ArgumentParser:
     o.add_argument("--optimizer-post-validation", action="store_true",
                    help="also train with optimizer post-validation (implies --optimizer adam) and require it to be "
                         "bit-identical to the synchronous pipelined run")
+    o.add_argument("--optimizer-offload", type=share_or_auto("--optimizer-offload"), default=None, metavar="F|auto",
+                   help="Megatron's --optimizer-cpu-offload: this fraction of every rank's optimizer state on the "
+                        "host (--optimizer-offload-fraction F), or 'auto': each rank its own share "
+                        "(docs/optimizer_offload.md); the reference is one process with the same flags")
     o.add_argument("--clip-grad", type=nonneg("--clip-grad"), default=0.0, help="Megatron's clip_grad (default 0: off)")
     o.add_argument("--inject-nonfinite-at", type=int_at_least("--inject-nonfinite-at", 0), default=None, metavar="ITER",
                    help="put an inf into one gradient at this iteration (Megatron then skips the step; needs a "
@@ -238,6 +242,7 @@ def main_verify(argv: Optional[Sequence[str]] = None) -> int:
                     forward_only=a.forward_only, memory_limit=a.memory_limit, grad_rtol=a.grad_rtol,
                     loss_atol=a.loss_atol, data_parallel_size=a.data_parallel_size, optimizer=a.optimizer,
                     post_validation=a.optimizer_post_validation, clip_grad=a.clip_grad,
+                    optimizer_offload=a.optimizer_offload,
                     inject_nonfinite_at=a.inject_nonfinite_at, bf16=a.bf16, fp16=a.fp16,
                     use_distributed_optimizer=a.use_distributed_optimizer, loss_scale=a.loss_scale,
                     optimizer_lr=a.lr, param_rtol=a.param_rtol,
@@ -288,6 +293,9 @@ def main_verify(argv: Optional[Sequence[str]] = None) -> int:
             if case.post_validation:
                 print(f"post-validation: {res.get('rollbacks')} rollback(s); bit-identical to the synchronous "
                       f"pipelined run: {'yes' if res.get('bit_identical_to_synchronous') else 'NO'}")
+            if res.get("offloaded"):
+                print("optimizer state on the host: " + ", ".join(
+                    f"rank {r} {h}/{t} ({h / max(t, 1):.0%})" for r, (h, t) in sorted(res["offloaded"].items())))
         w = res.get("worst_param")
         if w and not case.forward_only and not case.optimizer:
             print(f"worst gradient: {w['param']} (rank {w['rank']}, iteration {w['iteration']}): "

@@ -235,15 +235,7 @@ def _timeline(entry: Entry, st: Setting, ranks: List[dict], unit_s: float) -> Si
     """The last timed iteration as it ran: measured pass times, from that iteration's first start
     (peak memory is not measured: zeros). Each rank's passes in the order it ran them."""
     sched, _ = schedule_for(entry, st)
-    t0 = min(r["starts"][-1] for r in ranks)
-    tl = [[Timed(Action(kind, stage, mb), rank, (a - t0) / unit_s, (b - t0) / unit_s)
-           for kind, stage, mb, a, b in r["passes"]] for rank, r in enumerate(ranks)]
-    busy = [sum(t.end - t.start for t in x) for x in tl]
-    spans = [x[-1].end - x[0].start if x else 0.0 for x in tl]
-    makespan = max(spans)
-    return SimResult(entry.name, st.stages, st.microbatches, sched.placement.chunks, makespan,
-                     1.0 - sum(busy) / (st.stages * makespan) if makespan else 0.0, [0.0] * st.stages,
-                     spans, busy, tl)
+    return dataclasses.replace(_ran_timeline(sched, st, ranks, unit_s), schedule=entry.name)
 
 
 def _schedules_rank_main(job: dict) -> list:
@@ -254,50 +246,90 @@ def _schedules_rank_main(job: dict) -> list:
     from ..runtime.executor import execute
     from ..runtime.p2p import P2P, PairGroups
     from ..runtime.sleep_passes import sleep_passes
+    from ..runtime.sleep_vocab import SleepVocab, sleep_vocab
 
     rank, world = dist.get_rank(), dist.get_world_size()
     groups = PairGroups(list(range(world)), {(a, b) for a in range(world) for b in range(a + 1, world)})
     p2p = P2P(groups, rank, timeout_s=job["timeout"])
+    # vocabulary parallelism: its collectives' own groups (every rank creates them, in one order)
+    vgroups = SleepVocab.groups(world) if any(st.vocab is not None for _, st in job["pairs"]) else {}
     out = []
     try:
         hops = [None] * world
         dist.all_gather_object(hops, _ping_pong(groups, rank, world))
         out.append(statistics.median([x for xs in hops for x in xs]) if world > 1 else 0.0)
+        runs = []
         for sched, st in job["pairs"]:
             low = lower(sched, st)
             passes = sleep_passes(st, rank, low.placement, unit=job["unit_s"])
-            starts, ends = [], []
+            passes.vocab = sleep_vocab(st, rank, low.placement, job["unit_s"], vgroups)
+            runs.append((low, passes, _Ran(), [], []))
+        n = job["warmup"] + job["iterations"]
+        # interleaved: iteration i of every pair, then i + 1 (a drifting load weighs on each alike)
+        order = ([(i, k) for i in range(n) for k in range(len(runs))] if job["interleave"]
+                 else [(i, k) for k in range(len(runs)) for i in range(n)])
+        dist.barrier()
+        for i, k in order:
+            low, passes, timing, starts, ends = runs[k]
             dist.barrier()
-            for _ in range(job["warmup"] + job["iterations"]):
-                dist.barrier()
-                starts.append(time.perf_counter())
-                execute(low.orders[rank], rank, low.placement, passes, p2p)
-                ends.append(time.perf_counter())
-            dist.barrier()
-            out.append({"starts": starts, "ends": ends})
+            if i == n - 1:
+                timing.passes.clear()
+            starts.append(time.perf_counter())
+            execute(low.orders[rank], rank, low.placement, passes, p2p, hooks=[timing])
+            if passes.vocab is not None:
+                passes.vocab.finish()
+            ends.append(time.perf_counter())
+        dist.barrier()
+        for low, passes, timing, starts, ends in runs:
+            out.append({"starts": starts, "ends": ends,
+                        "passes": [tuple(p) for p in timing.passes] if job["timelines"] else None})
     finally:
+        for g in vgroups.values():
+            dist.destroy_process_group(g)
         groups.destroy()
     return out
 
 
 def emulate_schedules(pairs: Sequence[Tuple[Schedule, Setting]], unit_s: float = 1e-3, iterations: int = 3,
-                      warmup: int = 1, timeout: float = 600.0) -> Tuple[float, List[List[float]]]:
-    """Run each (schedule, setting) -- any costs, per-microbatch ones included -- on its ranks' real
+                      warmup: int = 1, timeout: float = 600.0, timelines: bool = False, interleave: bool = False):
+    """Run each (schedule, setting) -- any costs, per-microbatch ones included, vocabulary passes
+    too (``runtime.sleep_vocab``: their barriers real gloo collectives) -- on its ranks' real
     processes (one launch for all; every schedule the same pipeline size), each pass a wait of its
     cost (``runtime.sleep_passes``), a barrier before every iteration (Megatron's synchronous step).
     Returns the measured one-way hop of a small message (in the costs' unit) and, per pair, each
-    timed iteration's time: the slowest rank's end from the barrier exit, in the costs' unit."""
+    timed iteration's time: the slowest rank's end from the barrier exit, in the costs' unit.
+    ``timelines``: also, per pair, the last timed iteration as it ran (a ``SimResult`` as
+    ``emulate``'s rows carry: each rank's passes in the order it ran them, measured times).
+    ``interleave``: iteration i of every pair, then iteration i + 1 (else each pair's in turn)."""
     from .launch import run_cases
 
     pairs = list(pairs)
     ranks = {s.num_ranks for s, _ in pairs}
     if len(ranks) != 1:
         raise ValueError(f"one launch runs one pipeline size, got {sorted(ranks)}")
-    job = {"pairs": pairs, "unit_s": unit_s, "iterations": iterations, "warmup": warmup, "timeout": timeout}
+    job = {"pairs": pairs, "unit_s": unit_s, "iterations": iterations, "warmup": warmup, "timeout": timeout,
+           "timelines": timelines, "interleave": interleave}
     per_rank = run_cases(_schedules_rank_main, [job], ranks.pop(), timeout=timeout, cpu_shims=False)[0]
-    times = []
-    for k in range(len(pairs)):
+    times, tls = [], []
+    for k, (sched, st) in enumerate(pairs):
         rs = [r[k + 1] for r in per_rank]
         times.append([(max(r["ends"][i] for r in rs) - min(r["starts"][i] for r in rs)) / unit_s
                       for i in range(warmup, warmup + iterations)])
+        if timelines:
+            tls.append(_ran_timeline(sched, st, rs, unit_s))
+    if timelines:
+        return per_rank[0][0] / unit_s, times, tls
     return per_rank[0][0] / unit_s, times
+
+
+def _ran_timeline(sched: Schedule, st: Setting, ranks: List[dict], unit_s: float) -> SimResult:
+    """The last timed iteration of ``sched`` as it ran (``_timeline``'s, for a given schedule)."""
+    t0 = min(r["starts"][-1] for r in ranks)
+    tl = [[Timed(Action(kind, stage, mb), rank, (a - t0) / unit_s, (b - t0) / unit_s)
+           for kind, stage, mb, a, b in r["passes"]] for rank, r in enumerate(ranks)]
+    busy = [sum(t.end - t.start for t in x) for x in tl]
+    spans = [x[-1].end - x[0].start if x else 0.0 for x in tl]
+    makespan = max(spans)
+    p = sched.num_ranks
+    return SimResult(sched.name, p, sched.num_microbatches, sched.placement.chunks, makespan,
+                     1.0 - sum(busy) / (p * makespan) if makespan else 0.0, [0.0] * p, spans, busy, tl)

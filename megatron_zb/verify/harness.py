@@ -346,8 +346,12 @@ def _balance_report(ranks: List[dict]) -> dict:
     rows = [r["balanced"] for r in ranks if r.get("balanced")]
     if not rows:
         return {}
+    cal = [[r[i].get("calibrated") for r in rows] for i in range(len(rows[0]))]
     return {"microbatches_per_replica": [it["microbatches_per_replica"] for it in rows[0]],
-            "balance_plan_ms": [round(max(r[i]["plan_seconds"] for r in rows) * 1e3, 3) for i in range(len(rows[0]))]}
+            "balance_plan_ms": [round(max(r[i]["plan_seconds"] for r in rows) * 1e3, 3) for i in range(len(rows[0]))],
+            # per iteration, the length cost model fitted to a profile window (None before one), and
+            # whether every rank planned with the same one
+            "balance_calibration": [c[0] for c in cal], "balance_calibration_agrees": all(x == c[0] for c in cal for x in c)}
 
 
 def _memory_report(ranks: List[dict]) -> dict:

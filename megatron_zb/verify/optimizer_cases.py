@@ -75,13 +75,45 @@ def build(case, placement, overrides: dict):
     kw = {}
     if case.fp16:
         kw["initial_loss_scale"] = case.initial_loss_scale
+    fraction = rank_offload_fraction(case, placement)
+    undo = None
+    if fraction is not None:
+        from ..megatron.features.optimizer_offload import use_cpu_as_device, use_rank_shares
+        use_cpu_as_device()
+        if isinstance(fraction, list):
+            undo = use_rank_shares(fraction)
+            fraction = 0.0  # replaced by this rank's share
+        kw.update(optimizer_cpu_offload=True, optimizer_offload_fraction=fraction)
+        if case.use_distributed_optimizer:  # Megatron's training arguments require it with the offload
+            kw["use_precision_aware_optimizer"] = True
     ocfg = OptimizerConfig(optimizer=case.optimizer, lr=case.optimizer_lr, weight_decay=0.01,
                            clip_grad=case.clip_grad, bf16=case.bf16, fp16=case.fp16, params_dtype=_dtype(case),
                            use_distributed_optimizer=case.use_distributed_optimizer, loss_scale=case.loss_scale,
                            log_num_zeros_in_grad=True, **kw)
-    opt = get_megatron_optimizer(ocfg, list(chunks), use_gloo_process_groups=False)
+    try:
+        opt = get_megatron_optimizer(ocfg, list(chunks), use_gloo_process_groups=False)
+    finally:
+        if undo is not None:
+            undo()
     config.grad_scale_func = opt.scale_loss
     return chunks, opt, config
+
+
+def rank_offload_fraction(case, placement):
+    """This rank's share of optimizer state on the host (Megatron's optimizer_offload_fraction),
+    or None without offload. The reference (one rank, ``placement.num_ranks == 1``) trains with
+    the same Megatron flags (half its state on the host for 'auto'): Megatron's offloaded step
+    keeps fp32 copies of the bf16 parameters itself, numerics that differ from its plain
+    distributed optimizer's in the last bits, and the same on every part of the split."""
+    f = case.optimizer_offload
+    if f is None:
+        return None
+    if placement.num_ranks == 1:
+        return 0.5 if f == "auto" else float(f)
+    if f == "auto":  # each rank its share, set as training sets it (--zero-bubble-optimizer-offload S0,S1,..)
+        from .offload_auto import verify_auto_fractions
+        return verify_auto_fractions(case)
+    return float(f)
 
 
 def inject_nonfinite(chunks) -> int:
@@ -135,12 +167,24 @@ def train(case, chunks, opt, fb, holds_loss: bool, tag: str, validator=None, rep
         dist.barrier()
     params = M.collect_full_grads(chunks, params=True)
     res = {"losses": losses if holds_loss else None, "steps": steps, "params": params, "times": times,
-           "loss_scale": float(opt.get_loss_scale())}
+           "loss_scale": float(opt.get_loss_scale()), "offloaded": _offloaded(opt)}
     if validator is not None:
         res.update(rollbacks=validator.rollbacks, skipped=validator.skipped, eager_steps=validator.eager_steps)
     else:
         res.update(rollbacks=0, skipped=sum(1 for ok, _ in steps if not ok))
     return res
+
+
+def _offloaded(opt) -> list:
+    """[elements with host-resident optimizer state, all elements] of this rank's optimizer."""
+    from ..megatron.features.optimizer_offload import offloaded_numel
+    parts = list(getattr(opt, "chained_optimizers", None) or [opt])
+    out = [0, 0]
+    for part in parts:
+        if part.optimizer is not None:
+            h, t = offloaded_numel(part.optimizer)
+            out = [out[0] + h, out[1] + t]
+    return out
 
 
 def reference_case(case) -> dict:
@@ -297,6 +341,10 @@ def compare_optimizer_case(case, ranks: List[dict], reference: dict) -> dict:
         res["eager_steps"] = run["eager_steps"]
         if run["skipped"] != ref_skipped:
             problems.append(f"post-validated run skipped {run['skipped']} step(s), the reference {ref_skipped}")
+    if case.optimizer_offload is not None:
+        res["offloaded"] = {r["rank"]: r["runs"]["synchronous"]["offloaded"] for r in ranks}
+        if not any(h for h, _ in res["offloaded"].values()) and case.optimizer_offload != 0.0:
+            problems.append("optimizer offload: no rank holds optimizer state on the host")
     res["problems_optimizer"] = problems
     res["passed_optimizer"] = (not problems and res["max_abs_loss_diff"] <= case.loss_atol
                                and res["max_rel_param_diff"] <= case.param_rtol)

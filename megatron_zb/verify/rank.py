@@ -200,7 +200,8 @@ def rank_case(case: VerifyCase) -> dict:
             pairs = getattr(fbo, "overlapped_pairs", 0)
             if getattr(fbo, "balancer", None) is not None and fbo.balancer.last is not None:
                 balanced.append({"microbatches_per_replica": fbo.balancer.last.microbatches_per_replica,
-                                 "plan_seconds": fbo.balancer.last.plan_seconds})
+                                 "plan_seconds": fbo.balancer.last.plan_seconds,
+                                 "calibrated": fbo.balancer.calibrated})
             stats = getattr(fbo, "offload_stats", None)
             if stats is not None:
                 offload.append(dict(stats))

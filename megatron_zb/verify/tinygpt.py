@@ -378,8 +378,14 @@ def make_batches(cfg: TinyGPTConfig, num_microbatches: int, iteration: int = 0) 
 
 
 def batch_iterators(batches: Sequence[dict], num_chunks: int) -> List[Iterator]:
-    """One iterator per model chunk, each over the same microbatches (megatron's convention)."""
-    return [iter(list(batches)) for _ in range(num_chunks)]
+    """One iterator per model chunk, each over the same microbatches (megatron's convention).
+    Each item is a fresh copy, as a real data loader's batch is (megatron's ``get_batch`` moves it
+    to the GPU): what autograd saves of it (token ids, the loss mask) lives as long as the passes
+    that keep it, not the whole iteration in ``batches`` (the activation meter counts it)."""
+    def fresh(items):
+        for b in items:
+            yield {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in b.items()}
+    return [fresh(list(batches)) for _ in range(num_chunks)]
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):

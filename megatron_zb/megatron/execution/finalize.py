@@ -21,7 +21,7 @@ import torch
 from ...core.ir import Placement
 from ..layout.placement import embedding_and_loss_on_one_rank, unwrap
 
-__all__ = ["mark_replica_copies", "configure_grad_sync", "grad_of", "tied_embedding_copies", "sum_local_tied_copies",
+__all__ = ["call_finalize", "mark_replica_copies", "configure_grad_sync", "grad_of", "tied_embedding_copies", "sum_local_tied_copies",
            "finalize_model_grads_for"]
 
 
@@ -192,3 +192,18 @@ def _accepts_check(fn) -> bool:
         return "check_initialized" in inspect.signature(fn).parameters
     except (TypeError, ValueError):  # pragma: no cover
         return False
+
+
+def call_finalize(config, models, num_tokens, pg_collection, force_all_reduce):
+    """Megatron's finalize_model_grads_func with the keywords its version takes."""
+    fn = config.finalize_model_grads_func
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        params = {}
+    kw = {}
+    if "pg_collection" in params and pg_collection is not None:
+        kw["pg_collection"] = pg_collection
+    if "force_all_reduce" in params:
+        kw["force_all_reduce"] = force_all_reduce
+    fn(models, num_tokens, **kw)

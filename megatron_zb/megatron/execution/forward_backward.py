@@ -16,7 +16,6 @@ groups, one W queue per model chunk, the offload manager, the profiler and post-
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
@@ -35,6 +34,7 @@ from ...runtime.progress import tracker as progress_tracker
 from ...runtime.replica import ReplicaGradSync, ReplicaGroups
 from ...runtime.wqueue import WQueue
 from ..errors import ZeroBubbleConfigError
+from .finalize import call_finalize
 from .gradsync import GradSync
 from .options import ScheduleOptions, check_ep_overlap
 from .passes import MegatronPasses, device
@@ -237,6 +237,8 @@ class ZeroBubbleForwardBackward:
                           collect_non_loss_data, first_val_step, config, p, me, pp_group, cp_group,
                           self._shape(config, seq_length, decoder_seq_length, micro_batch_size, tp_group, cp_group,
                                       adjust_tensor_shapes_fn), built=balanced.built if balanced else None)
+        if balanced is not None and call.profiling is not None:  # the window times passes of several lengths
+            self.profiler.shapes = balanced.shapes()
         pv = self.post_validation
         if pv is not None and forward_only:
             pv.finish()  # evaluation sees validated weights
@@ -257,9 +259,9 @@ class ZeroBubbleForwardBackward:
                 if it is not None:
                     it.rewind()
             point = None
-        self._end_profile_window(call, forward_only)
+        self._end_profile_window(call, forward_only, seq_length)
         if config.finalize_model_grads_func is not None and not forward_only:
-            _call_finalize(config, models, num_tokens if config.calculate_per_token_loss else None,
+            call_finalize(config, models, num_tokens if config.calculate_per_token_loss else None,
                            pg_collection, force_all_reduce)
         if config.timers is not None:
             config.timers("forward-backward").stop()
@@ -411,7 +413,7 @@ class ZeroBubbleForwardBackward:
                 dist.all_reduce(passes.total_num_tokens, group=call.pp_group)  # the loss stages of every path
         return store, passes.total_num_tokens, completed
 
-    def _end_profile_window(self, call: _Call, forward_only: bool) -> None:
+    def _end_profile_window(self, call: _Call, forward_only: bool, seq_length: int) -> None:
         prof = self.profiler
         if prof is None or forward_only or not prof.in_window(self.iterations):
             return
@@ -424,6 +426,8 @@ class ZeroBubbleForwardBackward:
         if profile is not None:
             self.profile = profile
             _say_memory(call.me, self.memory)
+            if self.balancer is not None:  # the length cost model from the window's passes (agreed next call)
+                _say(f"megatron-zb: pipeline rank {call.me}: " + self.balancer.calibrate(profile, seq_length))
             if auto_replans(self.options.schedule):
                 self.replan_from(profile)
 
@@ -436,20 +440,6 @@ def _groups_of(pg_collection, p2p_communicator):
         return p2p_communicator.pp_group, ps.get_tensor_model_parallel_group(), ps.get_context_parallel_group()
     return (ps.get_pipeline_model_parallel_group(), ps.get_tensor_model_parallel_group(),
             ps.get_context_parallel_group())
-
-
-def _call_finalize(config, models, num_tokens, pg_collection, force_all_reduce):
-    fn = config.finalize_model_grads_func
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        params = {}
-    kw = {}
-    if "pg_collection" in params and pg_collection is not None:
-        kw["pg_collection"] = pg_collection
-    if "force_all_reduce" in params:
-        kw["force_all_reduce"] = force_all_reduce
-    fn(models, num_tokens, **kw)
 
 
 def _check_forward_order(sched: Schedule) -> None:

@@ -30,8 +30,8 @@ class MegatronPasses:
                  chunk_of: Dict[int, int], placement: Placement, num_microbatches: int, config, cp_size: int,
                  forward_only: bool, collect_non_loss_data: bool, first_val_step, ep_overlap: bool = False):
         from megatron.core.pipeline_parallel import schedules as S
-        from megatron.core.utils import get_model_type
-        self.S = S
+        from megatron.core.utils import get_attr_wrapped_model, get_model_type
+        self.S, self._wrapped = S, get_attr_wrapped_model
         self.forward_step_func, self.models, self.queues = forward_step_func, models, queues
         self.chunk_of, self.placement, self.m, self.config = chunk_of, placement, num_microbatches, config
         self.cp_size, self.forward_only = cp_size, forward_only
@@ -55,7 +55,7 @@ class MegatronPasses:
     def stage_passes(self, shape) -> StagePasses:
         return StagePasses(forward=self.forward, backward=self.backward, weight=self.weight,
                            recv_shape=lambda s, mb: shape, dtype=self.config.pipeline_dtype, device=device(),
-                           release_output=self.release, overlap=self.plans.pair if self.plans else None,
+                           release_output=self.release, release_handed_over=self.release_handed_over, overlap=self.plans.pair if self.plans else None,
                            vocab=self.vocab)
 
     def iterator(self, chunk: int, mb: int):
@@ -93,6 +93,10 @@ class MegatronPasses:
             is_first_microbatch=S.check_first_val_step(self.first_val_step, self.forward_only, first),
             current_microbatch=mb, vp_stage=None, is_last_stage=last)
         self.record_forward(mb, num_tokens)
+        if inp is not None:  # the model chunk lets go of its input (the executor keeps it for the B):
+            # megatron's set_input_tensor would hold it until the chunk's next F, past the B and
+            # the W, through the optimizer step into the next iteration
+            self._wrapped(self.models[c], "set_input_tensor")([None])
         return out
 
     def _keeping_loss_func(self, mb: int):
@@ -136,6 +140,18 @@ class MegatronPasses:
 
     def release(self, out) -> None:
         self.S.deallocate_output_tensor(out, self.config.deallocate_pipeline_outputs)
+
+    def release_handed_over(self, out) -> None:
+        """An output handed over to the next stage on this rank (the V's turn): that stage's input
+        is a detached alias of its storage, so the output itself is needed only as the root of its
+        B's graph. Released whatever ``deallocate_pipeline_outputs`` says (otherwise the storage
+        outlives the input's offload and its B): with it, Megatron's pseudo-free (its backward then
+        runs ``custom_backward``); without it, a one-element placeholder of the same shape (zero
+        strides), all ``torch.autograd.backward`` checks of the output."""
+        if self.config.deallocate_pipeline_outputs:
+            self.release(out)
+        elif isinstance(out, torch.Tensor) and out._base is None and out.numel() > 1:
+            out.data = torch.empty((1,), dtype=out.dtype, device=out.device).expand(out.shape)
 
     def drain_iterators(self) -> None:
         """Replicated stages: every chunk that read data consumes exactly M items per call."""

@@ -1,2 +1,2 @@
 """Runtime features on top of a schedule, each behind a narrow interface: activation offload,
-optimizer post-validation, the EP all-to-all overlap, vocabulary parallelism, variable-length batches."""
+optimizer post-validation, optimizer states on the host, the EP all-to-all overlap, vocabulary parallelism, variable-length batches."""

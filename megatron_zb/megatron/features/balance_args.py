@@ -1,8 +1,9 @@
 """The training flags of variable-length batches: ``--zero-bubble-balance-microbatches`` (each
 iteration's global batch balanced over the data-parallel replicas and microbatches, with its
 per-microbatch schedule; ``megatron.features.balanced``), ``--zero-bubble-attention-share`` (the cost model's
-attention term) and ``--zero-bubble-mock-seq-lengths`` (Megatron's mock data cut to lengths drawn
-from a distribution). Added to megatron-zb's flag group (``megatron.launch.args``), checked with the rest
+attention term) and ``--zero-bubble-seq-lengths`` (alias ``--zero-bubble-mock-seq-lengths``:
+Megatron's GPT samples, mock or from --data-path, cut to lengths drawn from a distribution or at
+their first end-of-document token). Added to megatron-zb's flag group (``megatron.launch.args``), checked with the rest
 (``megatron.launch.flags``). No torch import."""
 from __future__ import annotations
 
@@ -31,10 +32,12 @@ def _share(text):
 
 
 def _lengths(text):
+    if text == "eod":
+        return text
     try:
         length_sampler(text)
     except ScheduleError as e:
-        raise argparse.ArgumentTypeError(f"--zero-bubble-mock-seq-lengths: {e}") from None
+        raise argparse.ArgumentTypeError(f"--zero-bubble-seq-lengths: {e}") from None
     return text
 
 
@@ -48,10 +51,13 @@ def add_balance_args(g) -> None:
     g.add_argument("--zero-bubble-attention-share", type=_share, default=None, metavar="A",
                    help="The balancer's cost model: share of F and B at --seq-length spent in attention (default: from "
                         "the model's shape).")
-    g.add_argument("--zero-bubble-mock-seq-lengths", type=_lengths, default=None, metavar="DIST",
-                   help="With --mock-data: cut each mock sample to a length drawn from DIST "
-                        "(lognormal:MEDIAN:SIGMA, or a file of lengths, one per line), deterministically per sample "
-                        "(--micro-batch-size 1: Megatron's data loader stacks a microbatch's samples).")
+    g.add_argument("--zero-bubble-seq-lengths", "--zero-bubble-mock-seq-lengths", type=_lengths, default=None,
+                   metavar="DIST", dest="zero_bubble_mock_seq_lengths",
+                   help="Variable-length samples from Megatron's GPT dataset (--data-path) or its mock data: cut each "
+                        "sample to a length drawn from DIST (lognormal:MEDIAN:SIGMA, or a file of lengths, one per "
+                        "line; deterministic per sample), or with 'eod' up to its first end-of-document token (the "
+                        "documents' own lengths). Needs --micro-batch-size 1 (Megatron's data loader stacks a "
+                        "microbatch's samples).")
 
 
 def balance_kwargs(args, name: Optional[str]) -> Dict[str, Any]:
@@ -61,7 +67,7 @@ def balance_kwargs(args, name: Optional[str]) -> Dict[str, Any]:
     mock = getattr(args, "zero_bubble_mock_seq_lengths", None)
     if mock is not None:
         if int(getattr(args, "micro_batch_size", 1) or 1) != 1:
-            raise err("--zero-bubble-mock-seq-lengths needs --micro-batch-size 1 (Megatron's data loader stacks a "
+            raise err("--zero-bubble-seq-lengths needs --micro-batch-size 1 (Megatron's data loader stacks a "
                       "microbatch's samples, which must then have one length)")
     if not getattr(args, "zero_bubble_balance_microbatches", False):
         if getattr(args, "zero_bubble_attention_share", None) is not None:

@@ -23,6 +23,7 @@ counted once. Megatron's ``--variable-seq-lengths`` sends each activation's shap
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence
@@ -31,7 +32,8 @@ import torch
 import torch.distributed as dist
 
 from ...core.build import Built, build
-from ...core.microbatch_costs import LengthModel
+from ...core.ir import B, BW, F, W
+from ...core.microbatch_costs import LengthModel, fit_stages, microbatch_shape
 from ...core.varlen import Templates, VarlenConfig, plan_batch
 from ..errors import ZeroBubbleConfigError
 
@@ -84,6 +86,12 @@ class Balanced:
     built: Built
     microbatches_per_replica: List[int]
     plan_seconds: float
+    lengths: Optional[List[List[int]]] = None  # this replica's microbatches' sequence lengths, in run order
+    core_seconds: float = 0.0  # of plan_seconds: the schedule core's (balancer, schedule, build, lowering)
+
+    def shapes(self) -> dict:
+        """mb -> (tokens, sum of s^2) as the passes see them (rows padded to the longest)."""
+        return {i: microbatch_shape(ls, packed=False) for i, ls in enumerate(self.lengths or [])}
 
 
 def split_rows(batch: dict) -> List[dict]:
@@ -114,6 +122,35 @@ def split_rows(batch: dict) -> List[dict]:
                                             f"{type(v).__name__}, not a tensor")
         out.append(row)
     return out
+
+
+@dataclass(frozen=True)
+class CausalMask:
+    """A row's [1, n, n] causal attention mask (True above the diagonal) as it travels between the
+    replicas: its size, not its n^2 values (``pack_masks`` / ``unpack_masks``)."""
+
+    n: int
+    dtype: Any
+    device: str
+
+    def tensor(self) -> torch.Tensor:
+        m = torch.triu(torch.ones((self.n, self.n), dtype=torch.bool, device=self.device), diagonal=1)
+        return m.unsqueeze(0).to(self.dtype)
+
+
+def pack_masks(row: dict) -> dict:
+    """``row`` with each causal [1, n, n] attention mask as a ``CausalMask`` (others as they are)."""
+    out = dict(row)
+    for k, v in row.items():
+        if isinstance(v, torch.Tensor) and v.dim() == 3 and v.shape[0] == 1 and v.shape[1] == v.shape[2]:
+            c = CausalMask(int(v.shape[-1]), v.dtype, str(v.device))
+            if torch.equal(v.bool(), c.tensor().bool()):
+                out[k] = c
+    return out
+
+
+def unpack_masks(row: dict) -> dict:
+    return {k: v.tensor() if isinstance(v, CausalMask) else v for k, v in row.items()}
 
 
 def _length(row: dict) -> int:
@@ -158,15 +195,102 @@ def collate(rows: Sequence[dict]) -> dict:
     return out
 
 
+def calibration_of(profile: dict, seq_length: int) -> Optional[dict]:
+    """The length cost model fitted to a profile window's passes (``core.microbatch_costs.fit_stages``
+    on the profile's ``length_samples``): the shares per kind and each stage's reference costs (F,
+    B, W, in units of their mean F; the hop time in the same unit), or None where the window's
+    microbatches held too few distinct shapes. A schedule that fuses B and W (BW) gives B the
+    fused pass and W nothing."""
+    raw = profile.get("length_samples") or {}
+    samples = {k: {int(s): [tuple(x) for x in xs] for s, xs in (raw.get(k) or {}).items()} for k in (F, B, W, BW)}
+    if not samples[B] and samples[BW]:
+        samples[B], samples[W] = samples[BW], {}
+    got = fit_stages({k: samples[k] for k in (F, B, W)}, seq_length)
+    if got is None:
+        return None
+    model, ref = got
+    n = len(ref[F])
+    unit = sum(ref[F]) / n if n and sum(ref[F]) > 0 else 1.0
+    floor = 1e-6  # a stage's fit at or below zero (noise, a short window): a token cost, the schedule stays valid
+    costs = {k: [max(x / unit, floor if k != W else 0.0) for x in ref.get(k, [0.0] * n)] for k in (F, B, W)}
+    return {"attention": dict(model.attention), "overhead": dict(model.overhead),
+            "cost_f": costs[F], "cost_b": costs[B], "cost_w": costs[W],
+            "cost_comm": float(profile.get("cost_comm") or 0.0) / unit, "samples": sum(len(v) for v in samples[F].values())}
+
+
+def agree(calibrations: Sequence[dict]) -> dict:
+    """One calibration from every pipeline's (the mean of each share and cost): every rank of every
+    replica must plan with the same costs (their plans must agree on which replica runs which
+    sequence)."""
+    n = len(calibrations)
+    out: dict = {}
+    for what in ("attention", "overhead"):
+        kinds = sorted({k for c in calibrations for k in c[what]})
+        out[what] = {k: sum(c[what].get(k, 0.0) for c in calibrations) / n for k in kinds}
+    for k in ("cost_f", "cost_b", "cost_w"):
+        out[k] = [sum(c[k][i] for c in calibrations) / n for i in range(len(calibrations[0][k]))]
+    out["cost_comm"] = sum(c["cost_comm"] for c in calibrations) / n
+    out["samples"] = sum(c["samples"] for c in calibrations)
+    return out
+
+
 class MicrobatchBalancer:
-    """The balancer of one forward-backward function (templates and caps kept across iterations)."""
+    """The balancer of one forward-backward function (templates and caps kept across iterations).
+    Its cost model: each sequence's cost from ``--zero-bubble-attention-share`` (or the model's
+    shape) until a profile window has measured passes at several lengths (``calibrate``); then the
+    model and the reference costs fitted to them, agreed over every pipeline at the next iteration."""
 
     def __init__(self, options):
         self.options = options
         self.templates: Optional[Templates] = None
         self.last: Optional[Balanced] = None
         self.iterations = 0
-        self.plan_seconds = 0.0  # summed over iterations
+        self.plan_seconds = 0.0  # summed over iterations (the all-gathers and row exchange included)
+        self.core_seconds = 0.0  # of which the schedule core's: balancer, schedule, build and lowering
+        self.first_seconds = 0.0  # the first iteration's (the reference template built)
+        self.read_seconds = 0.0  # of plan_seconds: reading the microbatches from Megatron's data iterators
+        self.pending: Optional[dict] = None  # this pipeline's fit, until every pipeline has agreed on one
+        self.calibrated: Optional[dict] = None  # the agreed fit planning uses (None: not calibrated yet)
+        self.calibration_note: Optional[str] = None
+
+    def calibrate(self, profile: dict, seq_length: int) -> str:
+        """Fit the length model to the profile window's passes (applied, agreed, at the next call);
+        returns a line saying what was fitted, or why nothing was."""
+        c = self.pending = calibration_of(profile, seq_length)
+        if c is None:
+            self.calibration_note = ("the profile window's microbatches held fewer than 3 distinct shapes: the length "
+                                     "cost model stays " + ("--zero-bubble-attention-share's" if
+                                                            self.options.balance_attention_share is not None
+                                                            else "the one from the model's shape"))
+            return self.calibration_note
+        shares = ", ".join(f"{k} attention {c['attention'].get(k, 0.0):.3f} fixed {c['overhead'].get(k, 0.0):.3f}"
+                           for k in (F, B, W))
+        return (f"length cost model fitted to the profile window's {c['samples']} forward passes ({shares}; F:B:W "
+                f"{sum(c['cost_f']):.2f}:{sum(c['cost_b']):.2f}:{sum(c['cost_w']):.2f}), planned with from the next "
+                "iteration (the mean over the data-parallel replicas)")
+
+    def _request(self):
+        req = self.options.request().replace(offload=None)
+        c = self.calibrated
+        if c is not None:
+            req = req.replace(cost_f=c["cost_f"], cost_b=c["cost_b"], cost_w=c["cost_w"], cost_comm=c["cost_comm"])
+        return req
+
+    def summary(self) -> str:
+        """Planning time per iteration, for the session's last line."""
+        n = self.iterations
+        rest = (self.plan_seconds - self.first_seconds) / (n - 1) if n > 1 else self.plan_seconds
+        return (f"planning {1e3 * self.first_seconds:.1f} ms the first iteration (templates built), then "
+                f"{1e3 * rest:.1f} ms per iteration; of it on average the data read {1e3 * self.read_seconds / n:.1f} ms, "
+                f"the schedule core {1e3 * self.core_seconds / n:.1f} ms, the rest the all-gathers"
+                + (", the length cost model calibrated" if self.calibrated is not None else ""))
+
+    def model(self, config, seq_length: int) -> LengthModel:
+        c = self.calibrated
+        if c is not None:
+            return LengthModel(seq_length, c["attention"], c["overhead"])
+        att = self.options.balance_attention_share
+        return LengthModel.simple(seq_length, attention=attention_share_of(config, seq_length) if att is None else att)
 
     def __call__(self, iterators: List[Any], num_microbatches: int, p: int, me: int, config, seq_length: int,
                  dp_group, dp_rank: int, dp_size: int) -> Balanced:
@@ -176,11 +300,16 @@ class MicrobatchBalancer:
         if readers:
             pulled = [[next(iterators[i]) for _ in range(num_microbatches)] for i in readers]
             mine = [row for batch in pulled[0] for row in split_rows(batch)]
+        self.read_seconds += time.perf_counter() - t0  # Megatron's data loading, done here rather than in its steps
         lengths_mine = None if mine is None else [_length(r) for r in mine]
         gathered: List[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, (dp_rank, lengths_mine))
+        dist.all_gather_object(gathered, (dp_rank, lengths_mine, self.pending))
+        fits = [c for _, _, c in gathered if c is not None]
+        if fits:  # a profile window has just ended: every rank takes the same (mean) fit
+            self.calibrated, self.templates, self.pending = agree(fits), None, None
+            self.calibration_note = None
         per_replica: List[Optional[List[int]]] = [None] * dp_size
-        for d, ls in gathered:
+        for d, ls, _ in gathered:
             if ls is not None:
                 if per_replica[d] is not None and per_replica[d] != ls:
                     raise ZeroBubbleConfigError(f"data-parallel replica {d}: its ranks read different sequence lengths "
@@ -197,29 +326,42 @@ class MicrobatchBalancer:
         lengths = [s for ls in per_replica for s in ls]
         rows_per_mb = max(1, len(per_replica[0]) // max(1, num_microbatches))
         o = self.options
-        req = o.request().replace(offload=None)
+        req = self._request()
         if self.templates is None:
             self.templates = Templates(req, p, num_microbatches)
-        att = o.balance_attention_share
-        model = LengthModel.simple(seq_length, attention=attention_share_of(config, seq_length) if att is None else att)
-        cfg = VarlenConfig(dp_size, model, micro_batch_size=rows_per_mb)
-        plan = plan_batch(lengths, req, p, cfg, True, self.templates, replica=dp_rank)
+        cfg = VarlenConfig(dp_size, self.model(config, seq_length), micro_batch_size=rows_per_mb)
+        t1 = time.perf_counter()
+        try:
+            plan = plan_batch(lengths, req, p, cfg, True, self.templates, replica=dp_rank)
+        except Exception as e:  # a core error: one line
+            raise ZeroBubbleConfigError(f"{o.schedule}: balancing {len(lengths)} sequences over {dp_size} data-parallel "
+                                        f"replica(s): {e}") from None
         rp = plan.replicas[dp_rank]
+        core = time.perf_counter() - t1
         new_iters: List[Any] = [None] * len(iterators)
         if mine is not None:
             everyone: List[Any] = [None] * dist.get_world_size(dp_group)
-            dist.all_gather_object(everyone, mine, group=dp_group)
-            rows = [row for part in everyone for row in part]
+            dist.all_gather_object(everyone, [pack_masks(r) for r in mine], group=dp_group)  # causal masks: sizes
+            rows = [unpack_masks(row) for part in everyone for row in part]
             batches = [collate([rows[i] for i in mb]) for mb in rp.microbatches]
             for i in readers:
                 new_iters[i] = iter(list(batches))
         try:
+            t1 = time.perf_counter()
             built = build(o.request(), p, rp.num_microbatches, base=rp.schedule)
+            # timed with each microbatch's own costs: the messages are ordered for the lengths that run
+            built = dataclasses.replace(built, setting=dataclasses.replace(
+                built.setting, microbatch_costs=rp.setting.microbatch_costs), _result=None, _lowered={})
+            built.lowered()
+            core += time.perf_counter() - t1
         except Exception as e:  # a core error: one line, naming the iteration's microbatch count
             raise ZeroBubbleConfigError(f"{o.schedule}: the balanced schedule for {rp.num_microbatches} microbatches: "
                                         f"{e}") from None
         self.last = Balanced(new_iters, rp.num_microbatches, built, [r.num_microbatches for r in plan.replicas],
-                             time.perf_counter() - t0)
+                             time.perf_counter() - t0, rp.lengths, core)
+        if not self.iterations:
+            self.first_seconds = self.last.plan_seconds
         self.iterations += 1
         self.plan_seconds += self.last.plan_seconds
+        self.core_seconds += core
         return self.last

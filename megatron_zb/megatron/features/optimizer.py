@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from ...runtime.postval import PostValidation
+from .optimizer_offload import is_hybrid, offload_tensors, sub_optimizers
 
 __all__ = ["PostValidator", "post_validated", "PostValidationError", "MARGIN"]
 
@@ -107,11 +108,9 @@ class PostValidator:
     def _check_supported(self):
         for part in self.parts:
             cfg = part.config
-            if getattr(cfg, "use_precision_aware_optimizer", False):
+            if getattr(cfg, "use_precision_aware_optimizer", False) and not is_hybrid(part.optimizer):
                 raise PostValidationError("optimizer post-validation does not support the precision-aware "
                                           "optimizer (use_precision_aware_optimizer)")
-            if getattr(cfg, "optimizer_cpu_offload", False):
-                raise PostValidationError("optimizer post-validation does not support optimizer_cpu_offload")
             if getattr(cfg, "overlap_param_gather_with_optimizer_step", False):
                 raise PostValidationError("optimizer post-validation does not support "
                                           "overlap_param_gather_with_optimizer_step")
@@ -198,8 +197,10 @@ class PostValidator:
                             if not getattr(p, "is_stub_optimizer", False))
                 if self.optimizer.config.log_num_zeros_in_grad:
                     zeros = float(sum(p.count_zeros() for p in self.parts))
-        eager.grads = [(prm, prm.grad.clone()) for part in self.parts if part.optimizer is not None
-                       for g in part.optimizer.param_groups for prm in g["params"] if prm.grad is not None]
+        # the step's gradients: .grad, or .decoupled_grad (the precision-aware path, Megatron's CPU offload)
+        eager.grads = [(prm, g.clone() if k == "grad" else (k, g.clone())) for part in self.parts
+                       if part.optimizer is not None for grp in part.optimizer.param_groups for prm in grp["params"]
+                       for k in ("grad", "decoupled_grad") for g in [getattr(prm, k, None)] if g is not None]
         local_norm = math.sqrt(sumsq)
         certain = any(eager.found) or any(c > 0 and c / (local_norm + 1.0e-6) < 1.0 - MARGIN for c in self._clips()) \
             or local_norm > self._skip_threshold() * (1.0 + MARGIN)
@@ -234,6 +235,7 @@ class PostValidator:
         self.last_num_zeros = zeros if self.optimizer.config.log_num_zeros_in_grad else None
         return True
 
+    @torch.no_grad()
     def _recover(self) -> None:
         """Restore the eager step's bytes and do what Megatron's synchronous step did (collective)."""
         eager, self._eager = self._eager, None
@@ -259,14 +261,14 @@ class PostValidator:
                 if _has_scaler(part):
                     part.grad_scaler.update(False)
             for prm, g in eager.grads:
-                prm.grad = g
+                setattr(prm, *(g if isinstance(g, tuple) else ("grad", g)))
             self.optimizer.prepare_grads = lambda: False  # the gradients are prepared already
             try:
                 ok, norm, zeros = self._megatron_step()  # Megatron's own norm, clipping, zero count, step
             finally:
                 del self.optimizer.prepare_grads
-            for prm, _ in eager.grads:
-                prm.grad = None  # as after Megatron's zero_grad at the start of this iteration
+            for prm, g in eager.grads:  # as after Megatron's zero_grad at the start of this iteration
+                setattr(prm, g[0] if isinstance(g, tuple) else "grad", None)
         if ok:
             for part, hyper in zip(self.parts, current):
                 _set_hyper(part, hyper)  # the scheduler's values for the next step
@@ -316,8 +318,11 @@ class PostValidator:
             for g in opt.param_groups:
                 for prm in g["params"]:
                     keep(prm.data)
-            states.append((opt, {prm: {k: (v.detach().clone() if torch.is_tensor(v) else copy.deepcopy(v))
-                                       for k, v in st.items()} for prm, st in opt.state.items()}))
+            for t in offload_tensors(opt):  # Megatron's CPU offload: the host copies it steps
+                keep(t.data)
+            for o in sub_optimizers(opt) + ([opt] if is_hybrid(opt) else []):
+                states.append((o, {prm: {k: (v.detach().clone() if torch.is_tensor(v) else copy.deepcopy(v))
+                                         for k, v in st.items()} for prm, st in o.state.items()}))
         return backup, states
 
 

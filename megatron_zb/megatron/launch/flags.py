@@ -96,6 +96,11 @@ def _activation_spec(args):
                      if getattr(args, "recompute_method", None) == "uniform" else 1)
 
 
+def model_spec(args):
+    """plan's model of the run (``core.model.ModelSpec``) from Megatron's arguments."""
+    return _activation_spec(args)
+
+
 def memory_limit_in_microbatches(gigabytes: float, args, *, gib: bool = False) -> float:
     """Convert a per-rank activation budget in GB into microbatches of one stage's activation.
 
@@ -385,13 +390,21 @@ def validate_zero_bubble_args(args, *, before_megatron_validation: Optional[bool
     elif getattr(args, "zero_bubble_profile_path", None):
         raise err("--zero-bubble-profile-path needs a profiling window (--zero-bubble-profile-window START END)")
 
+    shares = getattr(args, "zero_bubble_optimizer_offload", None)
+    if shares is not None:
+        if not _given(args, "optimizer_cpu_offload"):
+            raise err("--zero-bubble-optimizer-offload sets each rank's share of Megatron's CPU offload: add "
+                      "--optimizer-cpu-offload (and --use-precision-aware-optimizer, as Megatron requires)")
+        if shares != "auto" and len(shares) != p:
+            raise err(f"--zero-bubble-optimizer-offload takes 'auto' or one share per pipeline rank ({p}), as "
+                      f"`megatron-zb plan --optimizer-offload auto` prints them")
     if getattr(args, "enable_optimizer_post_validation", False):
+        offload = _given(args, "optimizer_cpu_offload")  # Megatron's CPU offload: the host copies roll back too
         for dest, flag in (("overlap_param_gather", "--overlap-param-gather"),
                            ("overlap_param_gather_with_optimizer_step", "--overlap-param-gather-with-optimizer-step"),
-                           ("optimizer_cpu_offload", "--optimizer-cpu-offload"),
                            ("use_precision_aware_optimizer", "--use-precision-aware-optimizer"),
                            ("use_megatron_fsdp", "--use-megatron-fsdp")):
-            if _given(args, dest):
+            if _given(args, dest) and not (offload and dest == "use_precision_aware_optimizer"):
                 raise err(f"--enable-optimizer-post-validation cannot be combined with {flag}: the rollback needs "
                           "the optimizer step (and its parameter all-gather) whole on this rank")
         kwargs["post_validation"] = True

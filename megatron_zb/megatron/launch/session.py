@@ -71,6 +71,17 @@ class TrainingSession:
             if pl.style in ("v", "bitpipe"):
                 from ..layout.routing import route_losses_to_last_rank
                 self._undos.append(route_losses_to_last_rank(pl.loss_rank))
+            shares = getattr(args, "zero_bubble_optimizer_offload", None)
+            if getattr(args, "optimizer_cpu_offload", False):
+                from ..features.optimizer_offload import use_cpu_as_device
+                use_cpu_as_device()  # on a CPU-only torch: the CPU stands in for the GPU (nothing with CUDA)
+            if shares == "auto":  # from each rank's need: states + the schedule's peak under the GPU's memory
+                shares = _auto_shares(args, built, pl)
+            if shares is not None:  # each pipeline rank's own share of Megatron's CPU offload
+                from ..features.optimizer_offload import use_rank_shares
+                self._undos.append(use_rank_shares(shares))
+                print0("megatron-zb: optimizer states on the host per pipeline rank: "
+                       + ", ".join(f"{x:g}" for x in shares))
             if zb.get("post_validation"):
                 from ..features.optimizer import FORK_MIN_CLEAN_STEPS, patch_megatron_training
                 n = getattr(args, "zero_bubble_post_validation_min_clean_steps", None)
@@ -143,8 +154,7 @@ class TrainingSession:
         bal = getattr(fb, "balancer", None)
         if bal is not None and bal.iterations:
             line += (f"; balanced microbatches in {bal.iterations} (per replica in the last: "
-                     f"{bal.last.microbatches_per_replica}; {1e3 * bal.plan_seconds / bal.iterations:.1f} ms of "
-                     "planning per iteration)")
+                     f"{bal.last.microbatches_per_replica}; {bal.summary()})")
         prof, sched = fb.profile, fb.last_training_schedule
         if prof is not None and prof.get("iteration_s") and sched is not None:
             from ...core.ir import Setting
@@ -240,3 +250,16 @@ def run_reporting(fn: Callable[[], None]) -> int:
         report(e, known=False)
         return 1
     return 0
+
+
+def _auto_shares(args, built, placement):
+    import torch
+    from ..features.optimizer_offload import auto_shares
+    if not torch.cuda.is_available():
+        raise ZeroBubbleArgumentError("--zero-bubble-optimizer-offload auto takes the GPU's memory as the budget: "
+                                      "without a GPU give the shares (`megatron-zb plan --optimizer-offload auto`)")
+    budget = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    try:
+        return auto_shares(args, built.result.peak_memory, placement, budget)
+    except ValueError as e:
+        raise ZeroBubbleArgumentError(str(e)) from None
