@@ -107,14 +107,90 @@ def test_remembered_searches_are_the_searches_and_copies():
     assert generate("zb-v", st).orders == zbv.orders
 
 
+@pytest.mark.parametrize("vocab", [None, 1])
 @pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zb-auto", "v-half", "interleaved-1f1b"])
-def test_plan_builds_only_the_layouts_that_can_win(name, monkeypatch):
+def test_plan_builds_only_the_layouts_that_can_win(name, vocab, monkeypatch):
     spec = ModelSpec(num_layers=16, hidden_size=1024, num_attention_heads=16, seq_length=2048, vocab_size=128256,
                      ffn_hidden_size=4096)
     kw = dict(spec=spec, p=4, m=8, budget=80 * 1024 ** 3, flops_per_s=989e12 * 0.5, profile=None, pad_ends=False,
               interleave_chunks=2, cost_optimizer=0.0, ranked_by="iteration_time_s", offload=(None, None, None, True),
-              exact=None, a2a=(50.0, True))
+              exact=None, a2a=(50.0, True), vocab=vocab)
     pruned = plan_row.row(name, **kw)
     monkeypatch.setattr(plan_row._Bounds, "busy", lambda self, k: 0.0)  # every layout built, in order
     monkeypatch.setattr(plan_row._Bounds, "above", lambda self, k, t: False)
     assert plan_row.row(name, **kw) == pruned
+
+
+def _fast_and_slow(schedule, setting, monkeypatch):
+    fast = (sim.simulate(schedule, setting), iteration_times(schedule, setting, 0.3))
+    with monkeypatch.context() as mp:
+        mp.setattr(sim.Plain, "timeline", lambda self, release=None: None)
+        mp.setattr(iteration, "_plain_iterations", lambda *a: None)
+        slow = (sim.simulate(schedule, setting), iteration_times(schedule, setting, 0.3))
+    return fast, slow
+
+
+def _same_times(fast, slow):
+    (f, fi), (s, si) = fast, slow
+    assert [[(t.action, t.start, t.end) for t in tl] for tl in f.timeline] == \
+        [[(t.action, t.start, t.end) for t in tl] for tl in s.timeline]
+    assert (f.makespan, f.spans, f.peak_memory) == (s.makespan, s.spans, s.peak_memory)
+    assert (fi.iteration_time, fi.iteration_time_post_validated, fi.windows) == \
+        (si.iteration_time, si.iteration_time_post_validated, si.windows)
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zb-v", "v-half", "interleaved-1f1b", "gpipe", "dualpipe-v"])
+@pytest.mark.parametrize("barriers", [1, 2])
+def test_coded_simulation_of_vocabulary_passes_is_the_simulators(name, barriers, monkeypatch):
+    from megatron_zb.core.vocab import VocabSetting
+    rr = random.Random(hash((name, barriers)) % 1000)
+    for p, m in ((2, 3), (4, 8)):
+        vs = VocabSetting(barriers=barriers, cost_s=[rr.choice([0.1, 0.3]) for _ in range(p)], cost_t=0.2,
+                          cost_w=[rr.choice([0.0, 0.2, 0.5]) for _ in range(p)], cost_comm=rr.choice([0.0, 0.15]),
+                          mem_s=0.5, mem_w=0.25)
+        req = ScheduleRequest(name, cost_f=[1.0 + 0.25 * r for r in range(p)], cost_b=[1.5], cost_comm=0.1, vocab=vs)
+        b = build(req, p, m)
+        flat = b.schedule.flat()
+        coded = sim.Plain([[a for a in o if a.is_compute] for o in flat.orders], flat.placement, b.setting)
+        assert coded.ok == (barriers == 1)  # two barriers: simulate's own loop (the link's order)
+        _same_times(*_fast_and_slow(b.schedule, b.setting, monkeypatch))
+
+
+def _every_variant(schedule, setting, memory_limit):
+    """place_vocab as it was: every variant placed and simulated."""
+    from megatron_zb.core.vocab import add_vocab, delay_backwards
+    from megatron_zb.core.vocab_place import VARIANTS
+    best, best_key = None, None
+    for k, cap in VARIANTS:
+        try:
+            s = add_vocab(delay_backwards(schedule, abs(k), only_loss=k < 0), setting, w_cap=cap)
+            res = sim.simulate(s, setting)
+        except Exception:  # noqa: BLE001 - a variant that cannot be placed
+            continue
+        peak = max(res.peak_memory)
+        key = (memory_limit is not None and peak > memory_limit + 1e-9, round(res.makespan, 9), round(peak, 9), k, cap)
+        if best_key is None or key < best_key:
+            best, best_key = s, key
+    best.meta = dict(best.meta, vocab_variant={"delay": best_key[3], "w_cap": best_key[4]})
+    return best
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zb-v", "interleaved-1f1b", "gpipe"])
+def test_vocabulary_placement_tries_each_distinct_variant_once(name):
+    from megatron_zb.core.vocab import VocabSetting
+    from megatron_zb.core.vocab_place import place_vocab
+    rr = random.Random(len(name))
+    for p, m in ((2, 3), (4, 8)):
+        for barriers in (1, 2):
+            b = build(ScheduleRequest(name, cost_f=[1.0 + 0.25 * r for r in range(p)], cost_b=[1.5], cost_comm=0.1),
+                      p, m)
+            vs = VocabSetting(barriers=barriers, cost_s=[rr.choice([0.1, 0.3]) for _ in range(p)], cost_t=0.2,
+                              cost_w=[rr.choice([0.0, 0.2, 0.5]) for _ in range(p)], cost_comm=rr.choice([0.0, 0.15]),
+                              mem_s=0.5, mem_w=0.25)
+            st = dataclasses.replace(b.setting, vocab=vs)
+            for limit in (None, 2.5, 100.0):
+                want = _every_variant(b.schedule, st, limit)
+                for _ in range(2):  # computed, then remembered
+                    got = place_vocab(b.schedule, st, limit)
+                    assert (got.name, got.placement, got.num_microbatches, got.orders, got.meta) == \
+                        (want.name, want.placement, want.num_microbatches, want.orders, want.meta)

@@ -88,8 +88,8 @@ def row(name: str, spec: ModelSpec, p: int, m: int, budget: float, flops_per_s: 
 
     # A layout whose lower bound (no schedule's iteration is shorter) lies above a fitting row's
     # time by more than TIE cannot be the one kept below: it is not built (the same row, sooner)
-    bound = _Bounds(spec, layouts, pl, m, flops_per_s) if len(layouts) > 1 and offload[0] is None \
-        and profile is None and not pl.replicated and vocab is None else None
+    bound = _Bounds(spec, layouts, pl, m, flops_per_s, vocab_work(spec, p, flops_per_s, vocab, vocab_gbps)) \
+        if len(layouts) > 1 and offload[0] is None and profile is None and not pl.replicated else None
     done = {}
     if bound is not None and len(layouts) == 2 and bound.busy(1) < bound.busy(0):
         # the second looks better: built first, the first only where it could still be kept
@@ -116,12 +116,13 @@ class _Bounds:
     without post-validation are at least the makespan). None where the costs cannot be had, or a
     layout's all-to-all could hide in overlapped F&B pairs (not bounded by pass costs)."""
 
-    def __init__(self, spec: ModelSpec, layouts: List[Layout], pl: Placement, m: int, flops_per_s: float):
-        self.pl, self.m = pl, m
+    def __init__(self, spec: ModelSpec, layouts: List[Layout], pl: Placement, m: int, flops_per_s: float,
+                 vocab: Optional[List[float]] = None):
+        self.pl, self.m, self.vocab = pl, m, vocab
         self.settings: List[Optional[Setting]] = []
         for lay in layouts:
             try:
-                cc = chunk_costs(spec, lay, pl, flops_per_s, 0.0)
+                cc = chunk_costs(spec, lay, pl, flops_per_s, 0.0, vocab=vocab is not None)
                 st = Setting(pl.num_ranks, m, chunks=pl.chunks, cost_f=cc.cost_f, cost_b=cc.cost_b, cost_w=cc.cost_w)
             except ScheduleError:
                 st = None
@@ -134,6 +135,8 @@ class _Bounds:
         if st is None:
             return 0.0
         work = [sum(x) for x in zip(*(st.rank_values(n, self.pl) for n in ("cost_f", "cost_b", "cost_w")))]
+        if self.vocab is not None:  # and each rank's vocabulary passes
+            work = [w + v for w, v in zip(work, self.vocab)]
         return self.m * max(work)
 
     def above(self, k: int, t: float) -> bool:
@@ -142,9 +145,21 @@ class _Bounds:
             return False
         if self.busy(k) > t * (1 + 1e-9):
             return True
+        if self.vocab is not None:  # ``lower_bound`` knows no vocabulary passes: the busiest rank alone
+            return False
         if k not in self.full:
             self.full[k] = lower_bound(self.settings[k], self.pl, None)
         return self.full[k] > t * (1 + 1e-9)
+
+
+def vocab_work(spec: ModelSpec, p: int, flops_per_s: float, barriers: Optional[int], gbps: float) \
+        -> Optional[List[float]]:
+    """Per rank, one microbatch's VS + VT + VW seconds with vocabulary parallelism (None without)."""
+    if barriers is None:
+        return None
+    from .chunk_costs import vocab_setting
+    vs = vocab_setting(spec, p, flops_per_s, gbps * 1e9, barriers)
+    return [sum(vs.cost(k, r) for k in ("VS", "VT", "VW")) for r in range(p)]
 
 
 def _one(sp, spec, p, m, v, pl, lay: Layout, budget, flops_per_s, profile, cost_optimizer, ranked_by, offload,

@@ -24,15 +24,8 @@ from typing import Dict, List, Optional, Tuple
 
 from .hostlink import HostLinks
 from .ir import B, BW, F, OFFLOAD, OFFLOAD_KINDS, OFFLOAD_W, RELOAD, RELOAD_W, W, Action, Schedule, ScheduleError, Setting, deps
+from .plain import Plain, Timed
 from .vocab import Barriers, key_rank, vocab_deps
-
-
-@dataclass
-class Timed:
-    action: Action
-    rank: int
-    start: float
-    end: float
 
 
 @dataclass
@@ -278,105 +271,6 @@ def simulate(schedule: Schedule, setting: Setting,
     copies = [pl.weight_copies(r) for r in range(p)] if pl.replicated else None
     return SimResult(schedule.name, setting.stages, schedule.num_microbatches, pl.chunks,
                      makespan, bubble, peaks, spans, busy, timeline, syncs, copies, offload)
-
-
-class Plain:
-    """A schedule's compute passes coded once for ``simulate``'s rules where nothing else takes
-    part (no host link, no overlapped pairs: ``plain``; a replicated placement's passes follow
-    their paths, its gradient syncs come after, from the timeline), timed by a work list with the
-    same arithmetic, so to the same times (a pass's start is a function of its input's end and its
-    rank's previous pass, whatever the order they are worked out in). ``ok`` is False where the
-    passes are not each run once or wait for a pass no rank runs; ``times`` gives None where they
-    deadlock: ``simulate``'s own loop then says what is wrong."""
-
-    def __init__(self, orders: List[List[Action]], pl, setting: Setting):
-        self.orders, self.ok = orders, False
-        nst, rank_of, comm = pl.num_stages, pl.stage_to_rank, setting.cost_comm
-        per_mb = setting.microbatch_costs is not None
-        idx: Dict[Tuple[str, int, int], int] = {}
-        for order in orders:
-            for a in order:
-                key = (a.kind, a.stage, a.mb)
-                if key in idx or not 0 <= a.stage < nst or a.kind not in (F, B, W, BW):
-                    return
-                idx[key] = len(idx)
-        n = len(idx)
-        dep, hop, cost = [-1] * n, [0.0] * n, [0.0] * n
-        for r, order in enumerate(orders):
-            for a in order:
-                x = idx[(a.kind, a.stage, a.mb)]
-                cost[x] = setting.pass_cost(a.kind, r, a.stage, a.mb if per_mb else None)
-                d = deps(a, nst, pl)
-                if not d:
-                    continue
-                k, ds, dmb = d[0]
-                if k == "B*":
-                    y, z = idx.get((B, ds, dmb)), idx.get((BW, ds, dmb))
-                    if y is not None and z is not None:
-                        return
-                    y = y if y is not None else z
-                else:
-                    y = idx.get((k, ds, dmb))
-                if y is None:
-                    return
-                dep[x] = y
-                if rank_of[ds] != r:
-                    hop[x] = comm
-        self.n, self.dep, self.hop, self.cost = n, dep, hop, cost
-        self.codes = [[idx[(a.kind, a.stage, a.mb)] for a in order] for order in orders]
-        self.ok = True
-
-    @staticmethod
-    def plain(schedule: Schedule, setting: Setting) -> bool:
-        """Whether ``simulate`` times ``schedule`` (flattened) without host link or pairs."""
-        return (schedule.meta.get("offload") is None
-                and not any(a.kind in OFFLOAD_KINDS for o in schedule.orders for a in o)
-                and not (schedule.meta.get("overlap_pairs") and setting.a2a_overlap and any(setting.cost_a2a)))
-
-    def times(self, release: Optional[Dict[Tuple[int, int], float]] = None):
-        """(start, end) per pass code, or None on a deadlock."""
-        dep, hop, cost = self.dep, self.hop, self.cost
-        end: List[Optional[float]] = [None] * self.n
-        start = [0.0] * self.n
-        R = len(self.codes)
-        pos, clock = [0] * R, [0.0] * R
-        waiting: Dict[int, List[int]] = {}
-        stack = list(range(R - 1, -1, -1))
-        while stack:
-            r = stack.pop()
-            o = self.codes[r]
-            i, t = pos[r], clock[r]
-            while i < len(o):
-                x = o[i]
-                if release and (r, i) in release:
-                    t = max(t, release[(r, i)])
-                d = dep[x]
-                if d >= 0:
-                    e = end[d]
-                    if e is None:
-                        waiting.setdefault(d, []).append(r)
-                        break
-                    e += hop[x]
-                    if e > t:
-                        t = e
-                start[x] = t
-                t += cost[x]
-                end[x] = t
-                if x in waiting:
-                    stack.extend(waiting.pop(x))
-                i += 1
-            pos[r], clock[r] = i, t
-        if any(pos[r] < len(self.codes[r]) for r in range(R)):
-            return None
-        return start, end
-
-    def timeline(self, release=None) -> Optional[List[List[Timed]]]:
-        t = self.times(release)
-        if t is None:
-            return None
-        start, end = t
-        return [[Timed(a, r, start[x], end[x]) for a, x in zip(o, c)]
-                for r, (o, c) in enumerate(zip(self.orders, self.codes))]
 
 
 def _inputs_ready(a: Action, r: int, ready: float, done, dep_of, pl, comm: float) -> Optional[float]:

@@ -33,8 +33,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from .ir import B, BW, F, VOCAB_KINDS, VS, VT, VW, W, Action, Placement, Schedule, ScheduleError, Setting, deps
 
-__all__ = ["VocabSetting", "BARRIER_KINDS", "Barriers", "vocab_deps", "key_rank", "add_vocab", "barrier_of",
-           "delay_backwards"]
+__all__ = ["VocabSetting", "BARRIER_KINDS", "Barriers", "vocab_deps", "key_rank", "add_vocab", "placed",
+           "barrier_of", "delay_backwards"]
 
 C0, C1 = "C0", "C1"
 BARRIER_KINDS = (C0, C1)
@@ -163,6 +163,14 @@ def add_vocab(schedule: Schedule, setting: Setting, w_cap: int = 1) -> Schedule:
     """``schedule`` (without vocabulary passes; one path) with every rank's VS, VT and VW placed
     (see the module docstring); ``setting.vocab`` gives their costs. ``w_cap``: the most VW a rank
     may leave pending (their logits gradients held) before its next VT."""
+    return placed(schedule, setting, w_cap)[0]
+
+
+def placed(schedule: Schedule, setting: Setting, w_cap: int = 1, coded: Optional[Dict] = None) \
+        -> Tuple[Schedule, bool]:
+    """``add_vocab``, and whether ``w_cap`` ever decided (a rank held that many VW when its VT was
+    ready): where it never did, every larger cap places the passes the same way. ``coded``: a dict
+    kept between calls with one placement and setting (each pass's inputs and cost, worked out once)."""
     vocab = setting.vocab
     if vocab is None:
         raise ScheduleError("vocabulary passes need a vocabulary setting")
@@ -186,58 +194,48 @@ def add_vocab(schedule: Schedule, setting: Setting, w_cap: int = 1) -> Schedule:
     orders: List[List[Action]] = [[] for _ in range(p)]
     comm = setting.cost_comm
     st = setting
+    # each base pass coded once: its inputs (key, whether it crosses ranks: + cost_comm) and its cost
+    feeds = barrier_of(VT, vocab.barriers)
+    coded = {} if coded is None else coded
 
-    def ready_at(r: int, a: Action) -> Optional[float]:
-        t = 0.0
-        for key in vocab_deps(a, pl, vocab.barriers):
-            e = done.get(key)
-            if e is None:
-                return None
-            if key_rank(key, pl) not in (None, r):
-                e += comm
-            t = max(t, e)
-        return t
+    def code(r: int, a: Action):
+        c = coded.get((r, a))
+        if c is None:
+            keys = vocab_deps(a, pl, vocab.barriers)
+            c = coded[(r, a)] = ([(key, key_rank(key, pl) not in (None, r)) for key in keys],
+                                 st.pass_cost(a.kind, r, a.stage))
+        return c
 
-    def run(r: int, a: Action, start: float) -> None:
-        end = start + st.pass_cost(a.kind, r, a.stage if not a.is_vocab else None)
+    info = [deque(code(r, a) for a in o) for r, o in enumerate(base)]
+    cost_s, cost_t, cost_w = ([st.pass_cost(k, r, None) for r in range(p)] for k in (VS, VT, VW))
+    loss_rank = pl.rank_of(last)
+
+    def run(r: int, a: Action, start: float, cost: float) -> None:
+        end = start + cost
         clock[r] = end
         orders[r].append(a)
-        done[(a.kind, a.stage, a.mb)] = end
-        if a.kind in (B, BW):
+        kind = a.kind
+        done[(kind, a.stage, a.mb)] = end
+        if kind in (B, BW):
             done[("B*", a.stage, a.mb)] = end
-        if a.kind == VS:
+        elif kind == VS:
             nxt_s[r] += 1
-        elif a.kind == VT:
+            barriers.passed(a, end)
+        elif kind == VT:
             nxt_t[r] += 1
             pending_w[r].append(a.mb)
-        barriers.passed(a, end)
-
-    def candidates(r: int):
-        """(ready time, priority, action) of rank r's next passes whose inputs are known."""
-        out = []
-        if nxt_t[r] < nxt_s[r]:
-            a = Action(VT, r, nxt_t[r])
-            t = ready_at(r, a)
-            if t is not None:
-                out.append((t, 0, a))
-        if nxt_s[r] < m:
-            a = Action(VS, r, nxt_s[r])
-            t = ready_at(r, a)
-            if t is not None:
-                out.append((t, 1, a))
-        if base[r]:
-            a = base[r][0]
-            t = ready_at(r, a)
-            if t is not None:
-                out.append((t, 2, a))
-        return out
+            if feeds is not None:
+                barriers.passed(a, end)
+        fin[r] = not base[r] and nxt_s[r] == m and nxt_t[r] == m and not pending_w[r]
 
     def finished(r: int) -> bool:
         return not base[r] and nxt_s[r] == m and nxt_t[r] == m and not pending_w[r]
 
+    fin = [finished(r) for r in range(p)]  # each rank's, kept as its passes run
+
     heap = [(0.0, r) for r in range(p)]
     heapq.heapify(heap)
-    stalls = 0
+    stalls, capped = 0, False
     while heap:
         t0, r = heapq.heappop(heap)
         if finished(r) or t0 < clock[r] - EPS:
@@ -245,22 +243,47 @@ def add_vocab(schedule: Schedule, setting: Setting, w_cap: int = 1) -> Schedule:
                 heapq.heappush(heap, (clock[r], r))
             continue
         t = clock[r]
-        cands = candidates(r)
-        now = sorted((c for c in cands if c[0] <= t + EPS), key=lambda c: (c[1], c[2].mb))
-        must_w = len(pending_w[r]) >= w_cap and any(c[2].kind == VT for c in now)  # gradients held: at most w_cap
-        if now and not must_w:
-            _, _, a = now[0]
-            if base[r] and a is base[r][0]:
-                base[r].popleft()
-            run(r, a, t)
+        lim = t + EPS
+        # rank r's next passes whose inputs are known, and when they are ready: VT, VS, its own
+        rt = rs = rb = None
+        if nxt_t[r] < nxt_s[r]:
+            e = done.get((C0, -1, nxt_t[r]))
+            if e is not None:
+                rt = max(0.0, e)
+        if nxt_s[r] < m:
+            e = done.get((F, last, nxt_s[r]))
+            if e is not None:
+                if loss_rank != r:
+                    e += comm
+                rs = max(0.0, e)
+        if base[r]:
+            rb = 0.0
+            for key, cross in info[r][0][0]:
+                e = done.get(key)
+                if e is None:
+                    rb = None
+                    break
+                if cross:
+                    e += comm
+                rb = max(rb, e)
+        must_w = rt is not None and rt <= lim and len(pending_w[r]) >= w_cap  # gradients held: at most w_cap
+        capped = capped or must_w
+        if not must_w and rt is not None and rt <= lim:
+            run(r, Action(VT, r, nxt_t[r]), t, cost_t[r])
+            stalls = 0
+        elif not must_w and rs is not None and rs <= lim:
+            run(r, Action(VS, r, nxt_s[r]), t, cost_s[r])
+            stalls = 0
+        elif not must_w and rb is not None and rb <= lim:
+            run(r, base[r].popleft(), t, info[r].popleft()[1])
             stalls = 0
         else:
-            future = [c[0] for c in cands if c[0] > t + EPS]
-            others = [clock[q] for q in range(p) if q != r and not finished(q) and clock[q] > t + EPS]
+            future = [x for x in (rt, rs, rb) if x is not None and x > lim]
+            others = [c for q, c in enumerate(clock) if q != r and not fin[q] and c > lim]
             horizon = min(future + others) if (future or others) else None
             if pending_w[r] and (must_w or horizon is None or
-                                 horizon - t >= st.pass_cost(VW, r) - EPS or not base[r] and nxt_s[r] == m):
-                run(r, Action(VW, r, pending_w[r].popleft()), t)
+                                 horizon - t >= cost_w[r] - EPS or not base[r] and nxt_s[r] == m):
+                run(r, Action(VW, r, pending_w[r].popleft()), t, cost_w[r])
                 stalls = 0
             elif horizon is not None:
                 clock[r] = horizon
@@ -273,7 +296,7 @@ def add_vocab(schedule: Schedule, setting: Setting, w_cap: int = 1) -> Schedule:
         if not finished(r):
             heapq.heappush(heap, (clock[r], r))
     meta = dict(schedule.meta, vocab=vocab.to_dict())
-    return Schedule(schedule.name, pl, m, orders, meta)
+    return Schedule(schedule.name, pl, m, orders, meta), capped
 
 
 def delay_backwards(schedule: Schedule, k: int, only_loss: bool = False) -> Schedule:

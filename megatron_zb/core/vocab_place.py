@@ -2,11 +2,13 @@
 fastest (then the least memory) within the memory limit. Pure Python."""
 from __future__ import annotations
 
-from typing import Optional
+import dataclasses
+from typing import Dict, Optional, Tuple
 
 from .ir import Schedule, ScheduleError, Setting
+from .memo import Memo, setting_key
 from .simulate import simulate
-from .vocab import add_vocab, delay_backwards
+from .vocab import delay_backwards, placed
 
 __all__ = ["VARIANTS", "place_vocab"]
 
@@ -14,6 +16,10 @@ __all__ = ["VARIANTS", "place_vocab"]
 # the variants ``place_vocab`` tries: (backwards delayed by k forwards, or the loss stage's by k
 # passes when k is negative; VW left pending at most)
 VARIANTS = tuple((k, cap) for k in (0, 1, 2, -1, -2, -3) for cap in (1, 2, 4))
+
+#: every variant's placement of one schedule and setting (``variants``): plan asks again for a
+#: schedule it rebuilt under another memory limit (the limit only chooses among them)
+_PLACED = Memo(32)
 
 
 def place_vocab(schedule: Schedule, setting: Setting, memory_limit: Optional[float] = None) -> Schedule:
@@ -23,19 +29,60 @@ def place_vocab(schedule: Schedule, setting: Setting, memory_limit: Optional[flo
     if schedule.placement.replicated:
         raise ScheduleError(f"vocabulary parallelism with replicated stages ({schedule.name}) is not supported: "
                             "each path would need its own output layer's shards")
+    found = variants(schedule, setting)
     best, best_key = None, None
     for k, cap in VARIANTS:
-        try:
-            s = add_vocab(delay_backwards(schedule, abs(k), only_loss=k < 0), setting, w_cap=cap)
-            res = simulate(s, setting)
-        except ScheduleError:
+        if found[(k, cap)] is None:
             continue
-        peak = max(res.peak_memory)
+        _, makespan, peak = found[(k, cap)]
         over = memory_limit is not None and peak > memory_limit + 1e-9
-        key = (over, round(res.makespan, 9), round(peak, 9), k, cap)
+        key = (over, round(makespan, 9), round(peak, 9), k, cap)
         if best_key is None or key < best_key:
-            best, best_key = s, key
-    if best is None:
+            best_key = key
+    if best_key is None:
         raise ScheduleError(f"vocabulary passes cannot be placed into {schedule.name}")
-    best.meta = dict(best.meta, vocab_variant={"delay": best_key[3], "w_cap": best_key[4]})
+    k, cap = best_key[3:]
+    # as ``add_vocab`` of that delay gives it: the delayed schedule's meta and the vocabulary's
+    meta = dict(schedule.meta, vocab_delay=abs(k)) if k else dict(schedule.meta)
+    meta = dict(meta, vocab=setting.vocab.to_dict(), vocab_variant={"delay": k, "w_cap": cap})
+    best = Schedule(schedule.name, schedule.placement, schedule.num_microbatches,
+                    [list(o) for o in found[(k, cap)][0]], meta)
     return best
+
+
+def variants(schedule: Schedule, setting: Setting) -> Dict[Tuple[int, int], Optional[tuple]]:
+    """Per ``VARIANTS`` entry: (the orders with the vocabulary passes placed, makespan, peak memory),
+    or None where they cannot be placed. Remembered (``_PLACED``; a function of the orders and the
+    setting, whatever its memory limit). A variant that must place the passes as one tried before
+    (the same delayed orders, or a larger cap where the smaller one never decided) is not placed again."""
+    key = (schedule.placement, schedule.num_microbatches, tuple(tuple(o) for o in schedule.orders),
+           setting_key(dataclasses.replace(setting, memory_limit=None)))
+    try:
+        hash(key)
+    except TypeError:  # a setting part that cannot be a key (per-microbatch costs): not remembered
+        return _variants(schedule, setting)
+    return _PLACED.get(key, lambda: _variants(schedule, setting))
+
+
+def _variants(schedule: Schedule, setting: Setting) -> Dict[Tuple[int, int], Optional[tuple]]:
+    out: Dict[Tuple[int, int], Optional[tuple]] = {}
+    seen: Dict[tuple, dict] = {}  # delayed orders -> cap -> result
+    coded: dict = {}  # each pass's inputs and cost (``placed``)
+    for k in sorted({k for k, _ in VARIANTS}, key=[k for k, _ in VARIANTS].index):
+        d = delay_backwards(schedule, abs(k), only_loss=k < 0)
+        found = seen.setdefault(tuple(tuple(o) for o in d.orders), {})  # an earlier delay's: the same placements
+        uncapped = None  # a cap that never decided: the larger ones place the passes as it did
+        for cap in sorted(c for kk, c in VARIANTS if kk == k):
+            if cap not in found:
+                if uncapped is not None:
+                    found[cap] = found[uncapped]
+                else:
+                    try:
+                        s, capped = placed(d, setting, w_cap=cap, coded=coded)
+                        res = simulate(s, setting)
+                        found[cap] = (tuple(tuple(o) for o in s.orders), res.makespan, max(res.peak_memory))
+                        uncapped = None if capped else cap
+                    except ScheduleError:
+                        found[cap] = None
+            out[(k, cap)] = found[cap]
+    return out

@@ -1,0 +1,195 @@
+"""A schedule's compute passes coded once and timed by a work list: ``simulate``'s rules where
+nothing else takes part (no host link, no overlapped pairs), with the same arithmetic, so to the
+same times (a pass's start is the largest of its rank's previous end, its release and its inputs'
+ends plus their hops, whatever the order they are worked out in). Pure Python.
+
+Vocabulary passes (``core.vocab``) are timed too where the schedule has one barrier and every rank
+runs its VS in microbatch order: the barrier of microbatch j then completes after the one of j-1
+(in ``simulate``'s loop as here), at max(its last VS's end, the previous barrier's end) + the
+collective's time. With two barriers the two kinds share the link in the order ``simulate``'s
+loop meets them, so those schedules are left to it (``ok`` False)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+from .ir import B, BW, F, OFFLOAD_KINDS, VS, VT, VW, W, Action, Schedule, Setting, deps
+
+__all__ = ["Plain", "Timed"]
+
+
+@dataclass
+class Timed:
+    action: Action
+    rank: int
+    start: float
+    end: float
+
+
+class Plain:
+    """The passes of ``orders`` (compute passes per rank) coded for ``times``; ``ok`` is False where
+    they are not each run once, wait for a pass no rank runs, or take part in what only
+    ``simulate``'s own loop times (see the module); ``times`` gives None where they deadlock:
+    ``simulate``'s loop then says what is wrong."""
+
+    def __init__(self, orders: List[List[Action]], pl, setting: Setting):
+        self.orders, self.ok = orders, False
+        nst, rank_of, comm = pl.num_stages, pl.stage_to_rank, setting.cost_comm
+        per_mb = setting.microbatch_costs is not None
+        p = len(orders)
+        idx: Dict[Tuple[str, int, int], int] = {}
+        vocab_mbs: Dict[int, int] = {}  # microbatch -> VS passes
+        for r, order in enumerate(orders):
+            last_vs = None
+            for a in order:
+                key = (a.kind, a.stage, a.mb)
+                if key in idx:
+                    return
+                if a.kind in (F, B, W, BW):
+                    if not 0 <= a.stage < nst:
+                        return
+                elif a.kind in (VS, VT, VW):
+                    if a.stage != r:
+                        return
+                    if a.kind == VS:
+                        if last_vs is not None and a.mb <= last_vs:
+                            return
+                        last_vs = a.mb
+                        vocab_mbs[a.mb] = vocab_mbs.get(a.mb, 0) + 1
+                else:
+                    return
+                idx[key] = len(idx)
+        vocab = None
+        if vocab_mbs or any(k[0] in (VT, VW) for k in idx):
+            vocab = setting.vocab
+            if vocab is None or vocab.barriers != 1 or any(len(getattr(vocab, k)) not in (1, p) for k in
+                                                         ("cost_s", "cost_t", "cost_w", "mem_s", "mem_w")) \
+                    or any(c != p for c in vocab_mbs.values()):
+                return
+        n = len(idx)
+        barrier_of = {mb: n + i for i, mb in enumerate(sorted(vocab_mbs))}  # C0 of each microbatch, in order
+        size = n + len(barrier_of)
+        dep, hop, cost = [-1] * size, [0.0] * size, [0.0] * size
+        dep2, hop2 = [-1] * size, [0.0] * size
+        last = nst - 1
+        loss_rank = rank_of[last]
+        for r, order in enumerate(orders):
+            for a in order:
+                x = idx[(a.kind, a.stage, a.mb)]
+                cost[x] = setting.pass_cost(a.kind, r, a.stage, a.mb if per_mb else None)
+                k = a.kind
+                if vocab is not None and (k in (VS, VT, VW) or (k in (B, BW) and a.stage == last)):
+                    if k == VS:
+                        y = idx.get((F, last, a.mb))
+                        h = comm if loss_rank != r else 0.0
+                    elif k == VW:
+                        y, h = idx.get((VT, r, a.mb)), 0.0
+                        if loss_rank != r:
+                            z = idx.get((VT, loss_rank, a.mb))
+                            if z is None:
+                                return
+                            dep2[x], hop2[x] = z, comm
+                    else:  # VT, and the loss stage's backward: the barrier
+                        y, h = barrier_of.get(a.mb), 0.0
+                    if y is None:
+                        return
+                    dep[x], hop[x] = y, h
+                    continue
+                d = deps(a, nst, pl)
+                if not d:
+                    continue
+                k, ds, dmb = d[0]
+                if k == "B*":
+                    y, z = idx.get((B, ds, dmb)), idx.get((BW, ds, dmb))
+                    if y is not None and z is not None:
+                        return
+                    y = y if y is not None else z
+                else:
+                    y = idx.get((k, ds, dmb))
+                if y is None:
+                    return
+                dep[x] = y
+                if rank_of[ds] != r:
+                    hop[x] = comm
+        self.n, self.dep, self.hop, self.cost, self.dep2, self.hop2 = n, dep, hop, cost, dep2, hop2
+        self.vocab = vocab is not None
+        # per VS code: its barrier's index; the barriers in microbatch order
+        self.feeds = {idx[k]: barrier_of[k[2]] - n for k in idx if k[0] == VS} if vocab is not None else {}
+        self.barriers, self.barrier_cost = len(barrier_of), vocab.cost_comm if vocab is not None else 0.0
+        self.codes = [[idx[(a.kind, a.stage, a.mb)] for a in order] for order in orders]
+        self.ok = True
+
+    @staticmethod
+    def plain(schedule: Schedule, setting: Setting) -> bool:
+        """Whether ``simulate`` times ``schedule`` (flattened) without host link or pairs."""
+        return (schedule.meta.get("offload") is None
+                and not any(a.kind in OFFLOAD_KINDS for o in schedule.orders for a in o)
+                and not (schedule.meta.get("overlap_pairs") and setting.a2a_overlap and any(setting.cost_a2a)))
+
+    def times(self, release: Optional[Dict[Tuple[int, int], float]] = None):
+        """(start, end) per pass code, or None on a deadlock."""
+        dep, hop, cost, dep2, hop2 = self.dep, self.hop, self.cost, self.dep2, self.hop2
+        n, feeds, vocab = self.n, self.feeds, self.vocab
+        end: List[Optional[float]] = [None] * (n + self.barriers)
+        start = [0.0] * self.n
+        R = len(self.codes)
+        pos, clock = [0] * R, [0.0] * R
+        waiting: Dict[int, List[int]] = {}
+        left, latest = [R] * self.barriers, [0.0] * self.barriers  # VS passes to come, the last VS's end
+        nxt, free = 0, 0.0  # the next barrier to complete, the link's
+        stack = list(range(R - 1, -1, -1))
+        while stack:
+            r = stack.pop()
+            o = self.codes[r]
+            i, t = pos[r], clock[r]
+            while i < len(o):
+                x = o[i]
+                if release and (r, i) in release:
+                    t = max(t, release[(r, i)])
+                d = dep[x]
+                if d >= 0:
+                    e = end[d]
+                    if e is None:
+                        waiting.setdefault(d, []).append(r)
+                        break
+                    e += hop[x]
+                    if e > t:
+                        t = e
+                if vocab:
+                    d = dep2[x]
+                    if d >= 0:
+                        e = end[d]
+                        if e is None:
+                            waiting.setdefault(d, []).append(r)
+                            break
+                        e += hop2[x]
+                        if e > t:
+                            t = e
+                start[x] = t
+                t += cost[x]
+                end[x] = t
+                if x in waiting:
+                    stack.extend(waiting.pop(x))
+                if vocab and x in feeds:
+                    j = feeds[x]
+                    left[j] -= 1
+                    latest[j] = max(latest[j], t)
+                    while nxt < self.barriers and not left[nxt]:
+                        free = max(latest[nxt], free) + self.barrier_cost
+                        end[n + nxt] = free
+                        if n + nxt in waiting:
+                            stack.extend(waiting.pop(n + nxt))
+                        nxt += 1
+                i += 1
+            pos[r], clock[r] = i, t
+        if any(pos[r] < len(self.codes[r]) for r in range(R)):
+            return None
+        return start, end
+
+    def timeline(self, release=None) -> Optional[List[List[Timed]]]:
+        t = self.times(release)
+        if t is None:
+            return None
+        start, end = t
+        return [[Timed(a, r, start[x], end[x]) for a, x in zip(o, c)]
+                for r, (o, c) in enumerate(zip(self.orders, self.codes))]
