@@ -124,10 +124,10 @@ def trainings():
     return out
 
 
-def _check_ok(trainings, name):
+def _check_ok(trainings, name, iters=ITERS):
     rc, text, rows = trainings[name]
     assert rc == 0, f"{name} failed (rc {rc}):\n{text[-4000:]}"
-    assert [r[0] for r in rows] == list(range(1, ITERS + 1)), f"{name}: iterations logged {[r[0] for r in rows]}"
+    assert [r[0] for r in rows] == list(range(1, iters + 1)), f"{name}: iterations logged {[r[0] for r in rows]}"
     return text, rows
 
 

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from tests.test_pretrain_entry import ROOT, _env, needs_training, parse_log, run_script
+from tests.test_pretrain_entry import ROOT, _check_ok, _env, needs_training, parse_log, run_script
 
 pytestmark = [pytest.mark.megatron, pytest.mark.dist, needs_training]
 
@@ -82,10 +82,7 @@ def runs(tmp_path_factory):
 
 
 def _ok(runs, name):
-    rc, text, rows = runs[name]
-    assert rc == 0, f"{name} failed (rc {rc}):\n{text[-4000:]}"
-    assert [r[0] for r in rows] == list(range(1, ITERS + 1)), f"{name}: iterations logged {[r[0] for r in rows]}"
-    return text, rows
+    return _check_ok(runs, name, ITERS)
 
 
 @pytest.mark.parametrize("name, ref", [("zb-v/gpt/balanced", "1f1b/gpt"),
