@@ -22,7 +22,7 @@ import typing
 
 import torch
 
-from . import cpu_moe
+from . import cpu_jit, cpu_moe
 
 _APPLIED = False
 
@@ -42,9 +42,9 @@ def apply(force: bool = False) -> bool:
     _triton_stub()
     _cuda_api()
     _cuda_factories()
-    # before _rng(): that one imports megatron, and megatron's layers.py probes for the fused
-    # wgrad module at import time (_grad_accum_fusion_available).
+    # before _rng(), which imports megatron: layers.py's fused-wgrad probe and jit_fuser act at import
     _fake_gradient_accumulation_fusion()
+    cpu_jit.apply()
     _rng()
     _cuda_streams()
     _cuda_type_names()
