@@ -73,3 +73,31 @@ def test_modules_that_imported_the_function_by_name_get_ours(megatron):
         assert train.get_forward_backward_func is original
     finally:
         del sys.modules[train.__name__]
+
+
+_NO_COMPILE_CHECK = """
+import sys, torch
+compile_fn = torch.compile
+from megatron_zb.megatron.cpu import cpu_shims
+cpu_shims.apply()
+import megatron.core.jit as jit
+from megatron.core.models.gpt import GPTModel  # noqa: F401  (imports the fusions and the MoE router)
+from megatron.core.fusions import fused_bias_gelu
+assert jit.jit_fuser is jit.noop_decorator, jit.jit_fuser
+assert torch.compile is compile_fn  # only while megatron's modules import
+assert "torch._inductor.compile_fx" not in sys.modules  # no inductor backend loaded
+assert not hasattr(fused_bias_gelu.bias_gelu, "_torchdynamo_orig_callable")  # the function itself, not compiled
+print("ok")
+"""
+
+
+def test_cpu_imports_of_megatron_core_compile_nothing():
+    """Without CUDA, megatron-core's import-time torch.compile decorations are left out (cpu_jit):
+    jit_fuser is Megatron's no-op, torch.compile is torch's own again afterwards, and no process
+    loads the inductor backend (a fresh process: this one may have imported megatron already)."""
+    import os
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "-c", _NO_COMPILE_CHECK], capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout[-2000:] + proc.stderr[-2000:]
