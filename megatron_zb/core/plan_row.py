@@ -64,9 +64,12 @@ def candidate_layouts(spec: ModelSpec, pl: Placement, pad_ends: bool, layout: Op
 def row(name: str, spec: ModelSpec, p: int, m: int, budget: float, flops_per_s: float, profile: Optional[dict],
         pad_ends: bool, interleave_chunks: int, cost_optimizer: float, ranked_by: str, offload: tuple,
         exact: Optional[tuple], a2a: tuple, layout: Optional[Layout] = None, search: bool = True,
-        vocab: Optional[int] = None, vocab_gbps: float = 50.0, optim: Optional[tuple] = None) -> dict:
+        vocab: Optional[int] = None, vocab_gbps: float = 50.0, optim: Optional[tuple] = None,
+        effort: str = "full") -> dict:
     """The best row over the candidate layouts (fits first, then ``ranked_by``), or {schedule, error}.
-    ``vocab``: with vocabulary parallelism, that many barriers (``core.vocab``)."""
+    ``vocab``: with vocabulary parallelism, that many barriers (``core.vocab``). ``effort``: how
+    hard the searched schedules look (``schedules.auto.EFFORTS``; the row says which in
+    ``search_effort``)."""
     sp = get(name)
     v = sp.resolve_chunks(interleave_chunks if sp.chunks is None else None)
     pl = placement_for(sp.placement, p, v)
@@ -84,7 +87,8 @@ def row(name: str, spec: ModelSpec, p: int, m: int, budget: float, flops_per_s: 
 
     def one(k: int) -> dict:
         return _one(sp, spec, p, m, v, pl, layouts[k], budget, flops_per_s, profile, cost_optimizer, ranked_by,
-                    offload, exact, a2a, pad_ends and layout is None and k == 0, (vocab, vocab_gbps), optim)
+                    offload, exact, a2a, pad_ends and layout is None and k == 0, (vocab, vocab_gbps), optim,
+                    effort)
 
     # A layout whose lower bound (no schedule's iteration is shorter) lies above a fitting row's
     # time by more than TIE cannot be the one kept below: it is not built (the same row, sooner)
@@ -163,7 +167,7 @@ def vocab_work(spec: ModelSpec, p: int, flops_per_s: float, barriers: Optional[i
 
 
 def _one(sp, spec, p, m, v, pl, lay: Layout, budget, flops_per_s, profile, cost_optimizer, ranked_by, offload,
-         exact, a2a, padded: bool, vocab=(None, 50.0), optim: Optional[tuple] = None) -> dict:
+         exact, a2a, padded: bool, vocab=(None, 50.0), optim: Optional[tuple] = None, effort: str = "full") -> dict:
     offload_ratio, offload_time, host_link_gbps, offload_overlap = offload
     ep_gbps, a2a_overlap = a2a
     barriers, vocab_gbps = vocab
@@ -197,7 +201,7 @@ def _one(sp, spec, p, m, v, pl, lay: Layout, budget, flops_per_s, profile, cost_
                               memory_limit=limit_units if sp.searched else None, exact=exact,
                               offload=_offload_request(offload_ratio, offload_time, host_link_gbps, offload_overlap,
                                                        rank_mf, _rank_sum(cf, pl, p), _rank_sum(cb, pl, p),
-                                                       limit_units))
+                                                       limit_units), effort=effort)
         built = build(req, p, m, enforce_limit=False)
         it = iteration_times(built.schedule, built.setting, cost_optimizer)
         if sp.searched and limit_units and req.offload is None:
@@ -226,6 +230,8 @@ def _one(sp, spec, p, m, v, pl, lay: Layout, budget, flops_per_s, profile, cost_
            "memory_limit_microbatches": searched_limit,
            "weight_copies": res.weight_copies or [1.0] * p,
            "flags": _flags(sp, p, searched_limit, lay, padded, profile is not None)}
+    if sp.effort and offload_ratio is None:
+        out["search_effort"] = effort
     if barriers is not None:
         out["vocab_parallel"] = barriers
         out["flags"] += " --enable-vocab-parallel" + (" --disable-backward-fusion" if barriers == 2 else "")
