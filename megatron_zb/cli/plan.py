@@ -149,7 +149,7 @@ def add_parser(sub) -> None:
                     help="D2H and H2D share one queue (one copy stream)")
     add_optimizer_offload_args(pn)
     pn.add_argument("--full-search", action="store_true",
-                    help="search every row of zb-auto, zb-v, v-half, v-min and v-auto in full (what training builds "
+                    help="search every row of zb-v, v-half, v-min and v-auto in full (what training builds "
                          "from the row's flags); default: a quick search first and the full one for the rows within "
                          "6%% of the leading row and the row chosen within 1F1B's memory (rows marked ~ were searched "
                          "quickly)")

@@ -57,9 +57,9 @@ TIE = 1e-3
 NOISE = 1e-9
 #: the searches done in this process (``memo``): plan asks for some of them more than once
 _DONE = Memo(32)
-#: how hard a search looks: 'full' (every candidate family, the long local search: what simulate,
-#: compare and training build) or 'quick' (``QUICK``: plan's first pass over its rows; plan searches
-#: its leading rows again in full)
+#: how hard the V family's searches look: 'full' (every candidate family, the long local search:
+#: what simulate, compare and training build) or 'quick' (plan's first pass over its rows: no
+#: building blocks, a shorter local search; plan searches its leading rows again in full)
 EFFORTS = ("full", "quick")
 
 
@@ -237,16 +237,15 @@ def _least_memory(fn: Callable[[float], Schedule], setting: Setting, lo: float, 
     return good
 
 
-def _zb_auto(setting: Setting, sim: Optional[list] = None, tie: float = TIE, effort: str = "full") -> Schedule:
+def _zb_auto(setting: Setting, sim: Optional[list] = None, tie: float = TIE) -> Schedule:
     """zb-auto's search under ``setting.memory_limit`` (remembered: ``memo``)."""
     if sim is not None:
-        return _zb_auto_search(setting, sim, tie, effort)
-    found = _DONE.get(("zb-auto", setting_key(setting), tie, effort),
-                      lambda: _zb_auto_search(setting, None, tie, effort))
+        return _zb_auto_search(setting, sim, tie)
+    found = _DONE.get(("zb-auto", setting_key(setting), tie), lambda: _zb_auto_search(setting, None, tie))
     return copy_schedule(found, found.name)
 
 
-def _zb_auto_search(setting: Setting, sim: Optional[list], tie: float, effort: str = "full") -> Schedule:
+def _zb_auto_search(setting: Setting, sim: Optional[list], tie: float) -> Schedule:
     from .basic import one_f_one_b
     from .zb_handcrafted import zb_h1, zb_h2
     p = setting.stages
@@ -264,18 +263,17 @@ def _zb_auto_search(setting: Setting, sim: Optional[list], tie: float, effort: s
     return _finish(ranked[0][1], st, limit, "zb-auto", limit, ranked, sim=sim, tie=tie)
 
 
-def zb_auto(setting: Setting, memory: bool = True, sim: Optional[list] = None, effort: str = "full") -> Schedule:
+def zb_auto(setting: Setting, memory: bool = True, sim: Optional[list] = None) -> Schedule:
     """``memory``: memory is the tie-break (under a limit above 1F1B's peak it also searches at
     smaller limits, ``_least_memory_of``, and keeps the least peak within ``TIE`` of the fastest);
     without it the fastest under the limit (the offload search's bases: there memory is what
-    offload is for). ``sim`` (without ``memory``): as ``_finish``'s. ``effort``: ``EFFORTS``."""
-    check_effort(effort)
+    offload is for). ``sim`` (without ``memory``): as ``_finish``'s."""
     st = dataclasses.replace(setting, chunks=1)
     limit = setting.memory_limit if setting.memory_limit is not None else setting.stages * unit(st)
     st = dataclasses.replace(st, memory_limit=limit)
     if not memory:
-        return _zb_auto(st, sim, tie=NOISE, effort=effort)
-    return _least_memory_of(lambda lim: _zb_auto(dataclasses.replace(st, memory_limit=lim), effort=effort), st,
+        return _zb_auto(st, sim, tie=NOISE)
+    return _least_memory_of(lambda lim: _zb_auto(dataclasses.replace(st, memory_limit=lim)), st,
                             Placement.single(st.stages), limit, "zb-auto")
 
 
@@ -392,7 +390,7 @@ def _v_searched(name: str, setting: Setting, limit: Optional[float], sim: Option
     the lower bound: the round heuristic (``vrounds``), the paper's V-Half / V-Min blocks, the
     real-cost building blocks (``vblock``; on big settings only when nothing else fits), the
     unit-slot building blocks (``vslots``; small settings) and the greedy variants. ``effort``
-    'quick' (``QUICK``): neither kind of building block (the real-cost ones only where nothing else
+    'quick' (``EFFORTS``): neither kind of building block (the real-cost ones only where nothing else
     fits) and the local search of the best three candidates at zb-auto's length."""
     st = _v_setting(setting)
     p, m = st.stages, st.microbatches
