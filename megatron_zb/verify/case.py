@@ -114,6 +114,7 @@ class VerifyCase:
     # vocabulary parallelism (--enable-vocab-parallel; 2 with --disable-backward-fusion): the output
     # layer as every pipeline rank's shard; the reference keeps its whole output layer
     vocab_parallel: Optional[int] = None
+    vocab_embedding: bool = False  # --split-vocab-embedding: the input embedding split over the ranks too
     balance_microbatches: bool = False  # skewed lengths balanced over replicas and microbatches (feature_checks)
     device: str = "cpu"  # "cuda": every rank and the reference on a GPU, which ranks may share (verify.cuda_gloo)
     profile_dir: Optional[str] = None  # torch profiler's Chrome trace of the last pipelined iteration, per rank
@@ -179,7 +180,7 @@ class VerifyCase:
         if self.layers_per_stage:
             bits.append("layers=" + ",".join(map(str, self.layers_per_stage)))
         if self.vocab_parallel:
-            bits.append(f"vocab-parallel/{self.vocab_parallel}")
+            bits.append(f"vocab-parallel/{self.vocab_parallel}" + ("+embedding" if self.vocab_embedding else ""))
         if not self.ddp:
             bits.append("no-ddp")
         if not self.tie_embeddings:
@@ -300,6 +301,8 @@ def make_case(schedule: str, pipeline_parallel_size: int, tensor_parallel_size: 
         raise VerifyUsageError("seq_length must be divisible by the TP size with sequence parallelism")
     if case.vocab_parallel is not None:
         _check_vocab(case)
+    elif case.vocab_embedding:
+        raise VerifyUsageError("--split-vocab-embedding needs --enable-vocab-parallel")
     if case.balance_microbatches:  # refused in one line, or the per-token loss and the install option set
         balance_problem(case, PSEUDO_SCHEDULES, VerifyUsageError)
     if case.overlap_grad_reduce and not case.ddp:

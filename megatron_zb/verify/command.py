@@ -75,6 +75,8 @@ def _build_parser() -> argparse.ArgumentParser:
                     help="the output layer as every rank's vocabulary shard, its passes placed by the schedule core")
     vg.add_argument("--disable-backward-fusion", action="store_true",
                     help="with --enable-vocab-parallel: two barriers per microbatch instead of one")
+    vg.add_argument("--split-vocab-embedding", action="store_true",
+                    help="with --enable-vocab-parallel: the input embedding split over the pipeline ranks too")
     lay = ap.add_argument_group("Megatron's model layout (read in pipeline order, under every schedule; a V's 2P "
                                 "stages are ranks 0..P-1 then P-1..0)")
     lay.add_argument("--pipeline-model-parallel-layout", default=None, metavar="LAYOUT",
@@ -251,6 +253,7 @@ def main_verify(argv: Optional[Sequence[str]] = None) -> int:
                     expert_model_parallel_size=a.expert_model_parallel_size, moe_router_topk=a.moe_router_topk,
                     moe_router_pre_softmax=a.moe_router_pre_softmax,
                     vocab_parallel=(2 if a.disable_backward_fusion else 1) if a.enable_vocab_parallel else None,
+                    vocab_embedding=a.split_vocab_embedding,
                     moe_token_dispatcher_type=a.moe_token_dispatcher_type, moe_aux_loss_coeff=a.moe_aux_loss_coeff,
                     moe_ffn_hidden_size=a.moe_ffn_hidden_size,
                     moe_shared_expert_intermediate_size=a.moe_shared_expert_intermediate_size,

@@ -63,6 +63,7 @@ def build(case, placement, overrides: dict):
                                   allow_padding_num_layers=case.allow_padding_num_layers,
                                   sequence_parallel=case.sequence_parallel,
                                   vocab_parallel=bool(case.vocab_parallel) and placement.num_ranks > 1,
+                                  vocab_embedding=case.vocab_embedding and placement.num_ranks > 1,
                                   gradient_accumulation_fusion=case.gradient_accumulation_fusion,
                                   **_dtype_kw(case), **overrides)
     config = chunks[0].config

@@ -370,6 +370,9 @@ class ZeroBubbleForwardBackward:
             from ..features.vocab_parallel import setup_passes
             self.vocab = setup_passes(self.vocab, self.options, pl, call.models, call.config, passes, device(),
                                       call.forward_only)
+            if self.options.vocab_embedding:  # the input embedding's rows too
+                from ..features.vocab_embedding import setup_inputs
+                setup_inputs(self.vocab, pl, call.models, passes, device(), call.forward_only)
         if not call.forward_only:
             replicas = (ReplicaGradSync(self.replica_groups(call.pp_ranks, pl), timeout_s=self.options.timeout_s)
                         if pl.replicated else None)
@@ -396,6 +399,8 @@ class ZeroBubbleForwardBackward:
                 q.clear()
         if passes.vocab is not None and completed:
             passes.vocab.runtime.finish()
+            if passes.vocab.inputs is not None:
+                passes.vocab.inputs.finish()
         if call.memory is not None and completed:
             self.memory = measured_memory(call.memory.result, call.schedule.orders[me])
         if call.offload is not None and completed:

@@ -201,7 +201,7 @@ class VocabParallel:
     """This rank's vocabulary passes for a run: the groups (made once, by every rank), the runtime,
     and Megatron's loss step on the loss stage's rank."""
 
-    def __init__(self, placement: Placement, barriers: int, timeout_s: float):
+    def __init__(self, placement: Placement, barriers: int, timeout_s: float, embedding: bool = False):
         from megatron.core import parallel_state as ps
         self.placement, self.barriers, self.timeout_s = placement, int(barriers), float(timeout_s)
         pp = ps.get_pipeline_model_parallel_group()
@@ -222,6 +222,14 @@ class VocabParallel:
                 pg = dist.new_group(list(g))
                 if me in g:
                     made[kind] = pg
+        wanted = [(g, k) for g in mp_groups for k in ("itokens", "itotal")] + [(g, "igrad") for g in pp_groups]
+        for g, kind in wanted if embedding else ():  # the split embedding's (features.vocab_embedding)
+            pg = dist.new_group(list(g))
+            if me in g:
+                made[kind] = pg
+        self.input_groups = {k: v for k, v in made.items() if k.startswith("i")}
+        self.inputs = None  # the split embedding's runtime (runtime.vocab_input.InputRuntime), bound per call
+        self.token_src: Optional[int] = None
         self.pp_rank = ps.get_pipeline_model_parallel_rank()
         loss_pp = placement.rank_of(placement.num_stages - 1)
         self.is_loss_rank = self.pp_rank == loss_pp
@@ -244,6 +252,10 @@ class VocabParallel:
             self.runtime.loss_step = loss_step
         return self
 
+    def wait(self, handle, what: str):
+        """Wait for a collective within the run's timeout; a timeout names ``what``."""
+        return self._wait(handle, what)
+
     def _wait(self, handle, what: str):
         try:
             handle.wait(datetime.timedelta(seconds=self.timeout_s))
@@ -255,7 +267,10 @@ class VocabParallel:
 
     # the executor's interface (StagePasses.vocab)
     def run(self, kind: str, mb: int) -> None:
-        self.runtime.run(kind, mb)
+        if kind in ("VI", "VG"):
+            self.inputs.run(kind, mb)
+        else:
+            self.runtime.run(kind, mb)
 
     def loss_output(self, mb: int, out: torch.Tensor) -> None:
         self.runtime.loss_output(mb, out, self.labels.labels.pop(mb))
@@ -323,7 +338,8 @@ def setup_passes(state: Optional["VocabParallel"], options, placement: Placement
     rank's shard and to this attempt's passes (``passes.vocab``, the loss step)."""
     from megatron.core import parallel_state as ps
     if state is None or state.made_for is not ps.get_pipeline_model_parallel_group():  # (parallel state rebuilt)
-        state = VocabParallel(placement, options.vocab_parallel, options.timeout_s)
+        state = VocabParallel(placement, options.vocab_parallel, options.timeout_s,
+                              bool(getattr(options, "vocab_embedding", False)))
     weight = find_shard(models)
     if weight is None:
         raise ZeroBubbleConfigError("--enable-vocab-parallel: this rank's model chunks hold no vocabulary shard; build "
