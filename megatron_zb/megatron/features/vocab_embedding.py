@@ -25,7 +25,8 @@ from ...runtime.vocab_input import InputGroups, InputRuntime
 from ..errors import ZeroBubbleConfigError
 from .vocab_parallel import SHARD_ATTR, VocabShard, find_shard, shard_rows
 
-__all__ = ["INPUT_ATTR", "attach_input_shard", "find_input_shard", "drop_embedding", "PrefetchIterator",
+__all__ = ["INPUT_ATTR", "attach_input_shard", "adopt_first_chunk", "finish_rank", "find_input_shard",
+           "drop_embedding", "PrefetchIterator",
            "setup_inputs", "bind_inputs", "token_source"]
 
 INPUT_ATTR = "mzb_vocab_input"
@@ -35,10 +36,13 @@ def attach_input_shard(chunk, *, vocab_size: int, hidden: int, p: int, tp: int, 
                        tied: bool, dtype: torch.dtype, device) -> None:
     """Untied: this rank's rows of the input embedding as a submodule of ``chunk`` (the rank's first
     chunk, which holds the output shard); tied: the output shard serves (nothing to add)."""
-    if tied:
+    if tied:  # saved as the input embedding's rows too (a run with the whole embedding loads them)
+        out = getattr(chunk, SHARD_ATTR)
+        out.mzb_keys = ("output_layer.weight", "embedding.word_embeddings.weight")
+        out.weight.shared = False  # no other copy of its rows is left: the gradient norm counts it here
         return
     v0, rows = shard_rows(vocab_size, p, tp, pp_rank, tp_rank)
-    shard = VocabShard(rows, hidden, dtype, device)
+    shard = VocabShard(rows, hidden, dtype, device, keys=("embedding.word_embeddings.weight",), attr=INPUT_ATTR)
     setattr(chunk, INPUT_ATTR, shard)
     w = shard.weight
     w.mzb_global_name = "embedding.word_embeddings.weight"
@@ -46,6 +50,31 @@ def attach_input_shard(chunk, *, vocab_size: int, hidden: int, p: int, tp: int, 
     w.tensor_model_parallel = True
     w.partition_dim, w.partition_stride = 0, 1
     w.allreduce = True
+
+
+def adopt_first_chunk(model, info, placement: Placement, args) -> None:
+    """Training (``megatron.launch.chunks.ChunkPlan``): the rank's first chunk, which got the output
+    shard (``vocab_parallel.adopt_chunk``), gets the input rows too (untied)."""
+    from megatron.core import parallel_state as ps
+    if info.vp_stage != 0:
+        return
+    param = getattr(model, SHARD_ATTR).weight
+    attach_input_shard(model, vocab_size=param.mzb_vocab_rows[2], hidden=int(args.hidden_size), p=placement.num_ranks,
+                       tp=ps.get_tensor_model_parallel_world_size(), pp_rank=info.rank,
+                       tp_rank=ps.get_tensor_model_parallel_rank(),
+                       tied=not bool(getattr(args, "untie_embeddings_and_output_weights", False)),
+                       dtype=param.dtype, device=param.device)
+
+
+def finish_rank(chunks: Sequence[torch.nn.Module], placement: Placement, deterministic: bool) -> None:
+    """Training, once the rank's chunks are built and their shards initialised: the untied input rows
+    take the first stage's freshly built embedding's (scattered; tied, the output shard did), then the
+    first stage drops its whole embedding (before DDP and the optimizer wrap the chunks)."""
+    from .vocab_parallel import scatter_embedding_rows
+    own = next((getattr(c, INPUT_ATTR) for c in chunks if hasattr(c, INPUT_ATTR)), None)
+    if not deterministic and own is not None:  # untied: every rank holds one (a collective over the pipeline group)
+        scatter_embedding_rows(chunks, placement, own.weight)
+    drop_embedding(chunks)
 
 
 def find_input_shard(chunks: Sequence[torch.nn.Module]) -> Optional[torch.nn.Parameter]:

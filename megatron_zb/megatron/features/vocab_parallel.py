@@ -31,17 +31,26 @@ from ...runtime.vocab import VocabGroups, VocabRuntime
 from ..errors import ZeroBubbleConfigError
 
 __all__ = ["VocabShard", "shard_rows", "prepare_loss_chunk", "attach_shard", "find_shard", "VocabParallel",
-           "sync_tied_gradients", "adopt_chunk", "init_shard", "SHARD_ATTR"]
+           "sync_tied_gradients", "adopt_chunk", "init_shard", "scatter_embedding_rows", "SHARD_ATTR"]
 
 SHARD_ATTR = "mzb_vocab_shard"
 
 
 class VocabShard(torch.nn.Module):
-    """This rank's rows of the output layer (or of the tied word embedding)."""
+    """This rank's rows of the output layer (or of the tied word embedding). ``mzb_keys``: the
+    global names its rows are saved under (``features.vocab_embedding``: the input embedding's
+    too); ``mzb_attr``: the submodule's name on its chunk."""
 
-    def __init__(self, rows: int, hidden: int, dtype: torch.dtype, device):
+    def __init__(self, rows: int, hidden: int, dtype: torch.dtype, device, keys=("output_layer.weight",),
+                 attr: str = SHARD_ATTR):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.empty(rows, hidden, dtype=dtype, device=device))
+        self.mzb_keys, self.mzb_attr = tuple(keys), attr
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kw):
+        for i in range(1, len(self.mzb_keys)):  # the same rows under another name (saved twice, loaded once)
+            state_dict.pop(f"{prefix}weight_as_{i}", None)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kw)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
         """Megatron's distributed checkpoints: the shard as its rows of the whole output layer, under
@@ -54,10 +63,11 @@ class VocabShard(torch.nn.Module):
         w = self.weight
         v0, v1, vocab = w.mzb_vocab_rows
         rows = v1 - v0
-        base = prefix[:-len(SHARD_ATTR) - 1] if prefix.endswith(SHARD_ATTR + ".") else prefix
+        base = prefix[:-len(self.mzb_attr) - 1] if prefix.endswith(self.mzb_attr + ".") else prefix
         dp = ps.get_data_parallel_rank(with_context_parallel=True)
-        return {f"{prefix}weight": ShardedTensor.from_rank_offsets(
-            f"{base}output_layer.weight", w, (0, v0 // rows, vocab // rows), replica_id=(0, 0, dp))}
+        return {f"{prefix}weight" + (f"_as_{i}" if i else ""): ShardedTensor.from_rank_offsets(
+            f"{base}{key}", w, (0, v0 // rows, vocab // rows), replica_id=(0, 0, dp))
+            for i, key in enumerate(self.mzb_keys)}
 
 
 def shard_rows(vocab_size: int, p: int, tp: int, pp_rank: int, tp_rank: int):
@@ -165,18 +175,26 @@ def init_shard(chunks: Sequence[torch.nn.Module], placement: Placement, *, seed:
         with torch.no_grad():
             shard.copy_(torch.empty(shard.shape, dtype=torch.float32).normal_(0.0, float(std), generator=gen))
         return
+    scatter_embedding_rows(chunks, placement, shard)
+
+
+def scatter_embedding_rows(chunks: Sequence[torch.nn.Module], placement: Placement, target) -> None:
+    """``target`` (this rank's rows of the embedding) gets them from the rank that holds the embedding
+    (its tensor-parallel slice), scattered over the pipeline group (every pipeline rank calls it)."""
+    from megatron.core import parallel_state as ps
     group = ps.get_pipeline_model_parallel_group()
     ranks = dist.get_process_group_ranks(group)
     src = ranks[placement.rank_of(0)]
     pieces = None
     if dist.get_rank() == src:
         emb = next(p for c in chunks for _, p in c.named_parameters()
-                   if p is not shard and getattr(p, "mzb_global_name", "") == "embedding.word_embeddings.weight")
+                   if getattr(p, "mzb_vocab_rows", None) is None
+                   and getattr(p, "mzb_global_name", "") == "embedding.word_embeddings.weight")
         pieces = [t.contiguous() for t in emb.detach().chunk(len(ranks), dim=0)]
-    out = torch.empty_like(shard.detach())
+    out = torch.empty_like(target.detach())
     dist.scatter(out, pieces, src=src, group=group)
     with torch.no_grad():
-        shard.copy_(out)
+        target.copy_(out)
 
 
 def find_shard(chunks: Sequence[torch.nn.Module]) -> Optional[torch.nn.Parameter]:

@@ -340,6 +340,10 @@ def add_zero_bubble_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     vp.add_argument("--disable-backward-fusion", action="store_true", default=False,
                     help="With --enable-vocab-parallel: the input gradient in its own pass after a second barrier "
                          "(the paper's Algorithm 1) instead of fused into the first (Algorithm 2).")
+    vp.add_argument("--split-vocab-embedding", action="store_true", default=False,
+                    help="With --enable-vocab-parallel: the input embedding split over the pipeline ranks too (each "
+                         "looks up its rows, the sum reaches the first stage; the fork's split_vocab_embedding), so "
+                         "the first stage's rank keeps no whole embedding (docs/vocab_parallel.md).")
     vp.add_argument("--use-interlaced-schedule", action="store_true", default=False,
                     help="The fork's interlaced baseline: not available in megatron-zb (its schedules place the "
                          "vocabulary passes themselves).")

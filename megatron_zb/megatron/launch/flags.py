@@ -313,7 +313,8 @@ def validate_zero_bubble_args(args, *, before_megatron_validation: Optional[bool
         args.zero_bubble_layout_taken = style in ("v", "bitpipe") and laid is not None
         # the schedule sees each chunk's share of the work and memory (what it holds), unless costs are given
         if barriers is not None:  # the output layer leaves the loss's chunk for every rank's vocabulary passes
-            args.zero_bubble_chunk_costs = (vocab_cost_kwargs(_activation_spec(args), laid, placement, barriers)
+            args.zero_bubble_chunk_costs = (vocab_cost_kwargs(_activation_spec(args), laid, placement, barriers,
+                                                              bool(getattr(args, "split_vocab_embedding", False)))
                                             if _has_model(args) else None)
         else:
             args.zero_bubble_chunk_costs = (chunk_cost_kwargs(_activation_spec(args), laid, placement)
@@ -370,6 +371,8 @@ def validate_zero_bubble_args(args, *, before_megatron_validation: Optional[bool
         kwargs.update({k: v for k, v in laid_out.items() if k not in ("unit_bytes", "vocab_costs")})
     if barriers is not None:
         kwargs["vocab_parallel"] = barriers
+        if getattr(args, "split_vocab_embedding", False):
+            kwargs["vocab_embedding"] = True
         if laid_out and laid_out.get("vocab_costs"):
             kwargs["vocab_costs"] = laid_out["vocab_costs"]
     for opt in ("cost_f", "cost_b", "cost_w", "cost_comm", "cost_a2a", "mem_w"):
