@@ -52,7 +52,7 @@ __all__ = ["VocabSetting", "BARRIER_KINDS", "Barriers", "vocab_deps", "key_rank"
 
 C0, C1, CI, CG = "C0", "C1", "CI", "CG"
 BARRIER_KINDS = (C0, C1, CI, CG)
-AHEAD = 2  # VI(·, j) runs once F(0, j - AHEAD) ended
+AHEAD = 4  # VI(·, j) runs once F(0, j - AHEAD) ended
 EPS = 1e-9
 
 
