@@ -138,3 +138,25 @@ def test_the_split_embedding_leaves_no_whole_embedding_on_the_first_rank():
     assert vs.embedding and vs.mem_i == spec.activation_bytes * 128 * 256 and vs.cost_ci > 0
     assert VocabSetting.from_dict(vs.to_dict()) == vs
     assert "embedding" not in vocab_setting(spec, 4, 1e12, 50e9).to_dict()
+
+
+@pytest.mark.parametrize("untied", [False, True])
+def test_plan_rows_with_the_split_embedding(untied):
+    """plan's '+vocab' rows with the input embedding split: the first stage's rank keeps no whole
+    embedding (tied: its output shard is the input shard; untied: every rank holds V / P input rows
+    more), and the flags say so."""
+    from megatron_zb.core.model import ModelSpec
+    from megatron_zb.core.plan import plan
+    spec = ModelSpec(num_layers=8, hidden_size=1024, num_attention_heads=8, seq_length=1024, vocab_size=65536,
+                     untie_embeddings_and_output_weights=untied)
+    rows = {e: {r["schedule"]: r for r in plan(spec, 4, 8, 80.0, schedules=["1f1b", "zb-v"], vocab_parallel="on",
+                                                   layout_search=False, vocab_embedding=e)} for e in (False, True)}
+    emb = spec.state_bytes(spec.embedding_params())
+    shard = emb / 4 if untied else 0.0
+    for name in ("1f1b", "zb-v"):
+        whole, split = rows[False][name], rows[True][name]
+        assert split["vocab_embedding"] and "--split-vocab-embedding" in split["flags"]
+        assert "--split-vocab-embedding" not in whole["flags"]
+        assert split["state_bytes"][0] == pytest.approx(whole["state_bytes"][0] - emb + shard)
+        assert split["state_bytes"][1:] == pytest.approx([x + shard for x in whole["state_bytes"][1:]])
+        assert max(split["peak_bytes"]) < max(whole["peak_bytes"])
