@@ -54,6 +54,13 @@ def test_balanced_vocabulary_fills_the_v():
     bad = subprocess.run([sys.executable, "-m", "megatron_zb.cli", "simulate", "--schedule", "zb-v", "-p", "8", "-m",
                           "32", "--enable-vocab-parallel"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "give --layout" in bad.stderr
+    # the input embedding split too: its lookups and gradients on every rank (the spans now start at VI)
+    out = subprocess.run([sys.executable, "-m", "megatron_zb.cli", "simulate", "--schedule", "zb-v", "-p", "8", "-m",
+                          "32", "--layout", "Ett|(tt|)*14,ttL", "--output-layer-cost", "2.24", "--embedding-cost", "0.1",
+                          "--enable-vocab-parallel", "--split-vocab-embedding", "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["makespan"] >= 410.88 - 1e-6
 
 
 def test_delaying_backwards_keeps_each_kind_in_order():

@@ -132,7 +132,9 @@ class TrainingSession:
             from ..features.vocab_args import ASSUMED_LINK_GBPS, ASSUMED_TFLOPS
             costs += (f"; vocabulary parallelism with {vocab} barrier(s): every rank's output-layer shard in VS/VT/VW "
                       f"passes, the barriers at {ASSUMED_LINK_GBPS:g} GB/s against {ASSUMED_TFLOPS:g} TFLOPS of "
-                      "compute (1f1b: the same passes)")
+                      "compute (1f1b: the same passes)"
+                      + ("; the input embedding split too: every rank's rows in VI/VG passes (--split-vocab-embedding)"
+                         if zb.get("vocab_embedding") else ""))
         print0(f"megatron-zb: schedule {zb['schedule']} installed ({pl.style} placement, {pl.models_per_rank} "
                f"chunk(s) per rank, pipeline size {pl.num_ranks}, {self.m} microbatches"
                + (f", memory limit {limit:.3g} microbatches" if limit else "") + f"; {self.route})"
