@@ -121,6 +121,9 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="Megatron's --optimizer-cpu-offload: this fraction of every rank's optimizer state on the "
                         "host (--optimizer-offload-fraction F), or 'auto': each rank its own share "
                         "(docs/optimizer_offload.md); the reference is one process with the same flags")
+    o.add_argument("--zero-bubble-optimizer-offload", choices=("trough",), default=None,
+                   help="the host-resident states (--optimizer-offload F, default 1: all) visit the GPU in each rank's "
+                        "troughs as the core's trough plan says; the reference keeps Megatron's static offload")
     o.add_argument("--clip-grad", type=nonneg("--clip-grad"), default=0.0, help="Megatron's clip_grad (default 0: off)")
     o.add_argument("--inject-nonfinite-at", type=int_at_least("--inject-nonfinite-at", 0), default=None, metavar="ITER",
                    help="put an inf into one gradient at this iteration (Megatron then skips the step; needs a "
@@ -243,6 +246,7 @@ def main_verify(argv: Optional[Sequence[str]] = None) -> int:
                     loss_atol=a.loss_atol, data_parallel_size=a.data_parallel_size, optimizer=a.optimizer,
                     post_validation=a.optimizer_post_validation, clip_grad=a.clip_grad,
                     optimizer_offload=a.optimizer_offload,
+                    optimizer_trough=a.zero_bubble_optimizer_offload == "trough",
                     inject_nonfinite_at=a.inject_nonfinite_at, bf16=a.bf16, fp16=a.fp16,
                     use_distributed_optimizer=a.use_distributed_optimizer, loss_scale=a.loss_scale,
                     optimizer_lr=a.lr, param_rtol=a.param_rtol,

@@ -83,7 +83,7 @@ class TrainingSession:
                 print0("megatron-zb: optimizer states on the host per pipeline rank: "
                        + ", ".join(f"{x:g}" for x in shares))
             if zb.get("post_validation"):
-                from ..features.optimizer import FORK_MIN_CLEAN_STEPS, patch_megatron_training
+                from ..features.post_validation_training import FORK_MIN_CLEAN_STEPS, patch_megatron_training
                 n = getattr(args, "zero_bubble_post_validation_min_clean_steps", None)
                 n = FORK_MIN_CLEAN_STEPS if n is None else n
                 self._undos.append(patch_megatron_training(self.handle, min_clean_steps=n))
