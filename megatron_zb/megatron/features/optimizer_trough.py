@@ -27,7 +27,9 @@ step stays until the step is validated; a rollback points the tensors at it agai
 from __future__ import annotations
 
 import dataclasses
+import gc
 import math
+import weakref
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -49,7 +51,7 @@ class TroughOptimizer:
     the subgroups that do, set from the plan; empty: Megatron's static offload)."""
 
     def __init__(self, hdo, subgroups: int):
-        self.hdo = hdo
+        self._hdo = weakref.ref(hdo)  # the optimizer holds this object, not the other way round
         self.subgroups = subgroups
         self.on_gpu: set = set()
         self.plan: Optional[TroughPlan] = None
@@ -59,6 +61,10 @@ class TroughOptimizer:
         hdo.mzb_trough = self
         for name in ("state_dict", "load_state_dict"):
             setattr(hdo, name, self._settled(getattr(hdo, name), reindex=name == "load_state_dict"))
+
+    @property
+    def hdo(self):
+        return self._hdo()
 
     def _index(self) -> None:
         opts = list(self.hdo.cpu_optimizers)
@@ -141,7 +147,7 @@ class TroughOffload:
         self.budget_bytes, self.room, self.unit_bytes, self.unit_s = budget_bytes, room, unit_bytes, unit_s
         self.costs = costs if costs is not None else HostCosts()
         self.log = log
-        self.optimizers: List[TroughOptimizer] = []
+        self._made: List[weakref.ref] = []  # the TroughOptimizers made (of live optimizers: ``optimizers``)
         self._planned: Dict[int, list] = {}
         self._undo: Optional[Callable[[], None]] = None
 
@@ -154,7 +160,7 @@ class TroughOffload:
         def trough_init(hdo, *a, **k):
             k["overlap_cpu_optimizer_d2h_h2d"] = True  # one CPU optimizer per parameter: the subgroups' parts
             init(hdo, *a, **k)
-            feature.optimizers.append(TroughOptimizer(hdo, feature.costs.subgroups))
+            feature._made.append(weakref.ref(TroughOptimizer(hdo, feature.costs.subgroups)))
         trough_init.__wrapped__ = init
         cls.__init__ = trough_init
 
@@ -164,6 +170,12 @@ class TroughOffload:
         self._undo = undo
         return self
 
+    @property
+    def optimizers(self) -> List[TroughOptimizer]:
+        """Those of the optimizers still in use (Megatron's distributed optimizer builds its
+        ``HybridDeviceOptimizer`` twice and drops the first)."""
+        return [t for t in (r() for r in self._made) if t is not None and t.hdo is not None]
+
     def uninstall(self) -> None:
         if self._undo is not None:
             self._undo()
@@ -171,9 +183,11 @@ class TroughOffload:
             opt.states.settle()
 
     def hook(self, built, me: int) -> Optional[TroughHook]:
+        key = id(built)
+        if key not in self._planned:
+            gc.collect()  # a dropped optimizer (a cycle through its hooks) is gone before the plan
         if not self.optimizers:
             return None
-        key = id(built)
         if key not in self._planned:
             self._planned = {key: [self._plan(built, me, opt) for opt in self.optimizers]}
         points = [(opt.states, opt.tensors_of, plan.prefetch_after, plan.release_before, plan.first)
