@@ -395,8 +395,8 @@ def validate_zero_bubble_args(args, *, before_megatron_validation: Optional[bool
         if not _given(args, "optimizer_cpu_offload"):
             raise err("--zero-bubble-optimizer-offload sets each rank's share of Megatron's CPU offload: add "
                       "--optimizer-cpu-offload (and --use-precision-aware-optimizer, as Megatron requires)")
-        if shares != "auto" and len(shares) != p:
-            raise err(f"--zero-bubble-optimizer-offload takes 'auto' or one share per pipeline rank ({p}), as "
+        if shares not in ("auto", "trough") and len(shares) != p:
+            raise err(f"--zero-bubble-optimizer-offload takes 'auto', 'trough' or one share per pipeline rank ({p}), as "
                       f"`megatron-zb plan --optimizer-offload auto` prints them")
     if getattr(args, "enable_optimizer_post_validation", False):
         offload = _given(args, "optimizer_cpu_offload")  # Megatron's CPU offload: the host copies roll back too

@@ -77,6 +77,9 @@ class TrainingSession:
                 use_cpu_as_device()  # on a CPU-only torch: the CPU stands in for the GPU (nothing with CUDA)
             if shares == "auto":  # from each rank's need: states + the schedule's peak under the GPU's memory
                 shares = _auto_shares(args, built, pl)
+            if shares == "trough":  # Megatron's share on the host, visiting the GPU in each rank's trough
+                self._undos.append(_trough(args, self.handle, pl))
+                shares = None
             if shares is not None:  # each pipeline rank's own share of Megatron's CPU offload
                 from ..features.optimizer_offload import use_rank_shares
                 self._undos.append(use_rank_shares(shares))
@@ -250,6 +253,34 @@ def run_reporting(fn: Callable[[], None]) -> int:
         report(e, known=False)
         return 1
     return 0
+
+
+def trough_inputs(args, placement) -> dict:
+    """--zero-bubble-optimizer-offload trough: the plan's inputs from Megatron's arguments (plan's
+    model of the run): the GPU's memory as the budget (none without a GPU), one microbatch's
+    activation per unit of the schedule's memory, one stage's forward at the vocabulary feature's
+    assumed GPU speed per unit of its time (``features.optimizer_trough.TroughOffload``'s keywords)."""
+    import math
+
+    import torch
+    from ..features.vocab_args import ASSUMED_TFLOPS
+    from .flags import memory_limit_in_microbatches, model_spec
+    spec = model_spec(args)
+    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+    flops = sum(spec.layer_flops(i)[0] for i in range(spec.num_layers)) / placement.num_ranks / tp
+    budget = (torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+              if torch.cuda.is_available() else math.inf)
+    return dict(budget_bytes=budget, unit_bytes=1e9 / memory_limit_in_microbatches(1.0, args),
+                unit_s=max(flops / (ASSUMED_TFLOPS * 1e12), 1e-6))
+
+
+def _trough(args, handle, placement):
+    from ..features.optimizer_trough import use_trough
+    feature = use_trough(handle.forward_backward, log=print0, **trough_inputs(args, placement))
+    print0("megatron-zb: optimizer states in host memory, visiting the GPU in each rank's trough "
+           f"(Megatron's --optimizer-offload-fraction {getattr(args, 'optimizer_offload_fraction', 1.0):g} on the "
+           "host; the plan per rank follows at the first iteration)")
+    return feature.uninstall
 
 
 def _auto_shares(args, built, placement):
