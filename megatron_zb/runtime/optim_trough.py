@@ -114,6 +114,8 @@ class TroughStates:
             if self.cuda and ev is not None:
                 torch.cuda.current_stream().wait_event(ev)
         for s in slots:
+            if self.cuda:  # made on the copy stream, used on this one: freed only after its work here
+                s.dev.record_stream(torch.cuda.current_stream())
             s.t.data = s.dev
         self.stats["visited"] += 1
 
@@ -157,9 +159,8 @@ class TroughStates:
 
     # -- post-validation --------------------------------------------------------------------------
     def commit_group(self, k: int) -> None:
-        ev = self.wb_events.get(k)
-        if self.cuda and ev is not None:
-            ev.synchronize()
+        """Subgroup ``k``'s written-back buffers become its host copy (no wait: nothing reads them
+        before ``release``, which waits for the copy)."""
         for i in self.members.get(k, ()):
             s = self.slots.get(i)
             if s is None or not s.dirty:
