@@ -116,6 +116,7 @@ class VerifyCase:
     # layer as every pipeline rank's shard; the reference keeps its whole output layer
     vocab_parallel: Optional[int] = None
     balance_microbatches: bool = False  # skewed lengths balanced over replicas and microbatches (feature_checks)
+    pack_sequences: bool = False  # balanced microbatches in Megatron's packed-sequence format (THD)
     device: str = "cpu"  # "cuda": every rank and the reference on a GPU, which ranks may share (verify.cuda_gloo)
     profile_dir: Optional[str] = None  # torch profiler's Chrome trace of the last pipelined iteration, per rank
 
@@ -161,7 +162,8 @@ class VerifyCase:
                              num_attention_heads=self.num_attention_heads, vocab_size=self.vocab_size,
                              seq_length=self.seq_length, micro_batch_size=self.micro_batch_size,
                              tie_embeddings=self.tie_embeddings, seed=self.seed,
-                             variable_seq_lengths=self.variable_seq_lengths, skewed_lengths=self.balance_microbatches)
+                             variable_seq_lengths=self.variable_seq_lengths, skewed_lengths=self.balance_microbatches,
+                             packed_attention=self.pack_sequences)
 
     def describe(self) -> str:
         bits = [self.schedule, f"PP={self.pipeline_parallel_size}", f"TP={self.tensor_parallel_size}",
@@ -171,7 +173,7 @@ class VerifyCase:
         if self.use_distributed_optimizer:
             bits.append("distributed-optimizer")
         for k in ("sequence_parallel", "overlap_grad_reduce", "gradient_accumulation_fusion", "forward_only",
-                  "variable_seq_lengths", "balance_microbatches"):
+                  "variable_seq_lengths", "balance_microbatches", "pack_sequences"):
             if getattr(self, k):
                 bits.append(k)
         if self.offload_ratio is not None:
@@ -302,7 +304,7 @@ def make_case(schedule: str, pipeline_parallel_size: int, tensor_parallel_size: 
         raise VerifyUsageError("seq_length must be divisible by the TP size with sequence parallelism")
     if case.vocab_parallel is not None:
         _check_vocab(case)
-    if case.balance_microbatches:  # refused in one line, or the per-token loss and the install option set
+    if case.balance_microbatches or case.pack_sequences:  # refused in one line, or the per-token loss and the option set
         balance_problem(case, PSEUDO_SCHEDULES, VerifyUsageError)
     if case.overlap_grad_reduce and not case.ddp:
         raise VerifyUsageError("overlap_grad_reduce needs ddp")

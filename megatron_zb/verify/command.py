@@ -58,6 +58,10 @@ def _build_parser() -> argparse.ArgumentParser:
                     help="with --variable-seq-lengths: each iteration's global batch (skewed lengths) balanced over the "
                          "data-parallel replicas and microbatches, replicas running different microbatch counts, the "
                          "loss normalised over the global token count (the reference's too)")
+    ap.add_argument("--zero-bubble-pack-sequences", action="store_true",
+                    help="with --zero-bubble-balance-microbatches: each balanced microbatch in Megatron's packed-sequence "
+                         "format (THD: its sequences one after another, attention within each; the CPU model's "
+                         "attention takes it as TE's does on a GPU)")
     ap.add_argument("--untied", action="store_true", help="untie embedding and output weights")
     ap.add_argument("--forward-only", action="store_true")
     ap.add_argument("--memory-limit", type=nonneg("--memory-limit"), default=None,
@@ -261,7 +265,8 @@ def main_verify(argv: Optional[Sequence[str]] = None) -> int:
                     recompute_granularity=a.recompute_granularity,
                     recompute_method=a.recompute_method, recompute_num_layers=a.recompute_num_layers,
                     mtp_num_layers=a.mtp_num_layers, ep_overlap=a.overlap_moe_expert_parallel_comm,
-                    balance_microbatches=a.zero_bubble_balance_microbatches, micro_batch_size=a.micro_batch_size)
+                    balance_microbatches=a.zero_bubble_balance_microbatches, micro_batch_size=a.micro_batch_size,
+                    pack_sequences=a.zero_bubble_pack_sequences)
         case = make_case(a.schedule, a.pipeline_parallel_size, a.tensor_parallel_size, a.num_microbatches,
                          a.iterations, **opts)
     except VerifyUsageError as e:

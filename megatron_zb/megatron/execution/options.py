@@ -90,6 +90,9 @@ class ScheduleOptions:
     # at --seq-length spent in attention (None: from the model config)
     balance_microbatches: bool = False
     balance_attention_share: Optional[float] = None
+    # the balanced microbatches in Megatron's packed-sequence format (THD: the model's attention must
+    # take packed_seq_params, e.g. TE's; padded rows otherwise)
+    balance_pack: bool = False
 
     @property
     def spec(self) -> core_schedules.ScheduleSpec:

@@ -29,6 +29,10 @@ def print0(msg: str) -> None:
         print(msg, flush=True)
 
 
+#: the route of megatron-zb's own entry point (``megatron.pretrain_gpt``)
+ENTRY_ROUTE = "megatron-zb's pretrain_gpt"
+
+
 class TrainingSession:
     """What megatron-zb adds to one Megatron training run (``zb``: ``install()``'s keyword
     arguments from the flags, None when no zero-bubble flag was given)."""
@@ -44,9 +48,18 @@ class TrainingSession:
     def forward_backward(self):
         return None if self.handle is None else self.handle.forward_backward
 
+    def _check_packing(self) -> None:
+        if self.zb and self.zb.get("balance_pack") and self.route != ENTRY_ROUTE and \
+                not getattr(self.args, "sft", False):
+            raise ZeroBubbleArgumentError(
+                "--zero-bubble-pack-sequences hands the forward step packed microbatches (tokens [1, N] with "
+                "cu_seqlens): your script's forward step must pass them to the model as packed_seq_params, as "
+                "Megatron-LM's pretrain_gpt.py does with --sft; add --sft, or run megatron-zb's entry point")
+
     def check(self) -> "TrainingSession":
         """Build the schedule once as training will (a memory limit it cannot meet, a microbatch
         count it cannot run: one line here, not at iteration 1)."""
+        self._check_packing()
         if self.zb is not None and self._preview is None:
             self._preview = preview(ScheduleOptions(**self.zb), self.placement.num_ranks, self.m)
         return self
@@ -56,6 +69,7 @@ class TrainingSession:
         from ..layout import checkpoint_placement
         from .startup import check_load
         zb, args, pl = self.zb, self.args, self.placement
+        self._check_packing()
         note = check_load(args)
         if note:
             print0(note)
