@@ -396,7 +396,7 @@ def _check_model_features(case: VerifyCase) -> None:
 
 
 def _check_optimizer_options(case: VerifyCase) -> None:
-    if case.post_validation and case.optimizer is None:
+    if (case.post_validation or case.optimizer_trough) and case.optimizer is None:
         case.optimizer = "adam"
     # --use-distributed-optimizer alone is the data-parallel Adam check (gradients compared); with
     # --optimizer it selects Megatron's DistributedOptimizer for the optimizer cases

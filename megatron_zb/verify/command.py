@@ -127,7 +127,8 @@ def _build_parser() -> argparse.ArgumentParser:
                         "(docs/optimizer_offload.md); the reference is one process with the same flags")
     o.add_argument("--zero-bubble-optimizer-offload", choices=("trough",), default=None,
                    help="the host-resident states (--optimizer-offload F, default 1: all) visit the GPU in each rank's "
-                        "troughs as the core's trough plan says; the reference keeps Megatron's static offload")
+                        "troughs as the core's trough plan says (implies --optimizer adam); the reference keeps "
+                        "Megatron's static offload")
     o.add_argument("--clip-grad", type=nonneg("--clip-grad"), default=0.0, help="Megatron's clip_grad (default 0: off)")
     o.add_argument("--inject-nonfinite-at", type=int_at_least("--inject-nonfinite-at", 0), default=None, metavar="ITER",
                    help="put an inf into one gradient at this iteration (Megatron then skips the step; needs a "
