@@ -26,7 +26,7 @@ from .optimizer_offload import HostCosts, RankStep, memory_curve, trough_step
 
 __all__ = ["PassKey", "TroughPlan", "rank_trough_plan", "split_evenly"]
 
-PassKey = Tuple[str, int, int]  # (kind, stage, mb) of a pass of the rank
+PassKey = Tuple[str, Optional[int], Optional[int]]  # (kind, stage, mb) of a pass of the rank, as its Action has them
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class TroughPlan:
 
     def describe(self) -> str:
         def name(k):
-            return "start" if k is None else f"{k[0]}{k[1]}.{k[2]}"
+            return "start" if k is None else f"{k[0]}{'' if k[1] is None else k[1]}.{'' if k[2] is None else k[2]}"
         pre = sorted({name(self.prefetch_after[k]) for k in self.on_gpu})
         rel = sorted({"-" if self.release_before[k] is None else name(self.release_before[k]) for k in self.on_gpu})
         return (f"rank {self.rank}: {len(self.on_gpu)} of {self.subgroups} subgroup(s) visit the GPU "
@@ -103,4 +103,4 @@ def rank_trough_plan(timeline, setting, rank: int, offloaded_params: float, resi
 
 def _key(t) -> PassKey:
     a = t.action
-    return (a.kind, int(a.stage), int(a.mb))
+    return (a.kind, a.stage, a.mb)
