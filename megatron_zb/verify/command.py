@@ -306,6 +306,11 @@ def main_verify(argv: Optional[Sequence[str]] = None) -> int:
             if res.get("offloaded"):
                 print("optimizer state on the host: " + ", ".join(
                     f"rank {r} {h}/{t} ({h / max(t, 1):.0%})" for r, (h, t) in sorted(res["offloaded"].items())))
+            for r, by_mode in sorted((res.get("trough") or {}).items()):
+                t = by_mode.get("synchronous") or {}
+                for line in t.get("plans") or []:
+                    print(f"optimizer states in the troughs, {line}; {t.get('visited')} visit(s), "
+                          f"{t.get('synchronous_visits')} copied at the step")
         w = res.get("worst_param")
         if w and not case.forward_only and not case.optimizer:
             print(f"worst gradient: {w['param']} (rank {w['rank']}, iteration {w['iteration']}): "
