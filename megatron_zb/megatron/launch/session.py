@@ -85,15 +85,15 @@ class TrainingSession:
             if pl.style in ("v", "bitpipe"):
                 from ..layout.routing import route_losses_to_last_rank
                 self._undos.append(route_losses_to_last_rank(pl.loss_rank))
-            shares = getattr(args, "zero_bubble_optimizer_offload", None)
+            from .flags import optimizer_offload_flags
+            shares, trough = optimizer_offload_flags(args)
             if getattr(args, "optimizer_cpu_offload", False):
                 from ..features.optimizer_offload import use_cpu_as_device
                 use_cpu_as_device()  # on a CPU-only torch: the CPU stands in for the GPU (nothing with CUDA)
             if shares == "auto":  # from each rank's need: states + the schedule's peak under the GPU's memory
                 shares = _auto_shares(args, built, pl)
-            if shares == "trough":  # Megatron's share on the host, visiting the GPU in each rank's trough
-                self._undos.append(_trough(args, self.handle, pl))
-                shares = None
+            if trough:  # the states on the host visit the GPU in each rank's trough
+                self._undos.append(_trough(args, self.handle, pl, shares is not None))
             if shares is not None:  # each pipeline rank's own share of Megatron's CPU offload
                 from ..features.optimizer_offload import use_rank_shares
                 self._undos.append(use_rank_shares(shares))
@@ -288,12 +288,13 @@ def trough_inputs(args, placement) -> dict:
                 unit_s=max(flops / (ASSUMED_TFLOPS * 1e12), 1e-6))
 
 
-def _trough(args, handle, placement):
+def _trough(args, handle, placement, per_rank: bool):
     from ..features.optimizer_trough import use_trough
     feature = use_trough(handle.forward_backward, log=print0, **trough_inputs(args, placement))
-    print0("megatron-zb: optimizer states in host memory, visiting the GPU in each rank's trough "
-           f"(Megatron's --optimizer-offload-fraction {getattr(args, 'optimizer_offload_fraction', 1.0):g} on the "
-           "host; the plan per rank follows at the first iteration)")
+    share = ("each rank's own share" if per_rank else
+             f"Megatron's --optimizer-offload-fraction {getattr(args, 'optimizer_offload_fraction', 1.0):g}")
+    print0(f"megatron-zb: optimizer states in host memory ({share}), visiting the GPU in each rank's trough "
+           "(the plan per rank follows at the first iteration)")
     return feature.uninstall
 
 
