@@ -90,6 +90,7 @@ class VerifyCase:
     # Megatron's --optimizer-cpu-offload: a fraction 0..1 of every rank's states on the host
     # (--optimizer-offload-fraction F) or 'auto' (each rank its own share, docs/optimizer_offload.md)
     optimizer_offload: Any = None
+    optimizer_trough: bool = False  # --zero-bubble-optimizer-offload trough: the host states visit the GPU's troughs
     param_rtol: Optional[float] = None  # default DEFAULT_PARAM_RTOL (HALF_PARAM_RTOL for bf16/fp16)
     # Megatron's model features, by Megatron's flag names: MoE (megatron's SequentialMLP of local experts),
     # expert parallelism over the data-parallel ranks, activation recompute, multi-token prediction.
@@ -207,7 +208,8 @@ class VerifyCase:
                         + (f" loss-scale={self.loss_scale:g}" if self.loss_scale is not None else "")
                         + (f" inf@{self.inject_nonfinite_at}" if self.inject_nonfinite_at is not None else "")
                         + (" post-validation" if self.post_validation else "")
-                        + (f" optimizer-offload={self.optimizer_offload}" if self.optimizer_offload is not None else ""))
+                        + (f" optimizer-offload={self.optimizer_offload}" if self.optimizer_offload is not None else "")
+                        + (" trough" if self.optimizer_trough else ""))
         return (self.label + ": " if self.label else "") + " ".join(bits)
 
 
@@ -397,15 +399,17 @@ def _check_model_features(case: VerifyCase) -> None:
 
 
 def _check_optimizer_options(case: VerifyCase) -> None:
-    if case.post_validation and case.optimizer is None:
+    if (case.post_validation or case.optimizer_trough) and case.optimizer is None:
         case.optimizer = "adam"
     # --use-distributed-optimizer alone is the data-parallel Adam check (gradients compared); with
     # --optimizer it selects Megatron's DistributedOptimizer for the optimizer cases
     uses = ["--" + k.replace("_", "-") for k in ("bf16", "fp16", "clip_grad", "loss_scale") if getattr(case, k)]
     if case.inject_nonfinite_at is not None:
         uses.append("--inject-nonfinite-at")
+    if case.optimizer_trough and case.optimizer_offload is None:
+        case.optimizer_offload = 1.0  # every state lives in host memory
     if case.optimizer_offload is not None:
-        uses.append("--optimizer-offload")
+        uses.append("--optimizer-offload" if not case.optimizer_trough else "--zero-bubble-optimizer-offload trough")
     if case.optimizer is None:
         if uses:
             raise VerifyUsageError(f"{', '.join(uses)}: needs Megatron's optimizer: --optimizer adam|sgd "

@@ -151,6 +151,16 @@ def _has_model(args) -> bool:
     return all(getattr(args, k, None) for k in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"))
 
 
+def optimizer_offload_flags(args):
+    """(each rank's shares: None | 'auto' | a list, trough: bool) from --zero-bubble-optimizer-offload."""
+    v = getattr(args, "zero_bubble_optimizer_offload", None)
+    if v == "trough":
+        return None, True
+    if isinstance(v, tuple):
+        return v[1], True
+    return v, False
+
+
 def _given(args, dest, default=None):
     v = getattr(args, dest, default)
     return v is not None and v is not False
@@ -393,13 +403,13 @@ def validate_zero_bubble_args(args, *, before_megatron_validation: Optional[bool
     elif getattr(args, "zero_bubble_profile_path", None):
         raise err("--zero-bubble-profile-path needs a profiling window (--zero-bubble-profile-window START END)")
 
-    shares = getattr(args, "zero_bubble_optimizer_offload", None)
-    if shares is not None:
+    shares, trough = optimizer_offload_flags(args)
+    if shares is not None or trough:
         if not _given(args, "optimizer_cpu_offload"):
             raise err("--zero-bubble-optimizer-offload sets each rank's share of Megatron's CPU offload: add "
                       "--optimizer-cpu-offload (and --use-precision-aware-optimizer, as Megatron requires)")
-        if shares != "auto" and len(shares) != p:
-            raise err(f"--zero-bubble-optimizer-offload takes 'auto' or one share per pipeline rank ({p}), as "
+        if shares not in (None, "auto") and len(shares) != p:
+            raise err(f"--zero-bubble-optimizer-offload takes 'auto', 'trough' or one share per pipeline rank ({p}), as "
                       f"`megatron-zb plan --optimizer-offload auto` prints them")
     if getattr(args, "enable_optimizer_post_validation", False):
         offload = _given(args, "optimizer_cpu_offload")  # Megatron's CPU offload: the host copies roll back too
