@@ -375,12 +375,9 @@ class ZeroBubbleForwardBackward:
                                 ep_overlap=self.options.ep_overlap)
         sync = None
         if self.options.vocab_parallel is not None:  # every rank's vocabulary shard (evaluating too)
-            from ..features.vocab_parallel import setup_passes
-            self.vocab = setup_passes(self.vocab, self.options, pl, call.models, call.config, passes, device(),
-                                      call.forward_only)
-            if self.options.vocab_embedding:  # the input embedding's rows too
-                from ..features.vocab_embedding import setup_inputs
-                setup_inputs(self.vocab, pl, call.models, passes, device(), call.forward_only)
+            from ..features.vocab_embedding import setup_vocab_passes  # (the input embedding's rows too)
+            self.vocab = setup_vocab_passes(self.vocab, self.options, pl, call.models, call.config, passes, device(),
+                                            call.forward_only)
         if not call.forward_only:
             replicas = (ReplicaGradSync(self.replica_groups(call.pp_ranks, pl), timeout_s=self.options.timeout_s)
                         if pl.replicated else None)
@@ -406,9 +403,7 @@ class ZeroBubbleForwardBackward:
             else:
                 q.clear()
         if passes.vocab is not None and completed:
-            passes.vocab.runtime.finish()
-            if passes.vocab.inputs is not None:
-                passes.vocab.inputs.finish()
+            passes.vocab.finish()
         if call.memory is not None and completed:
             self.memory = measured_memory(call.memory.result, call.schedule.orders[me])
         if call.offload is not None and completed:

@@ -27,7 +27,7 @@ from .vocab_parallel import SHARD_ATTR, VocabShard, find_shard, shard_rows
 
 __all__ = ["INPUT_ATTR", "attach_input_shard", "adopt_first_chunk", "finish_rank", "find_input_shard",
            "drop_embedding", "PrefetchIterator",
-           "setup_inputs", "bind_inputs", "token_source"]
+           "setup_vocab_passes", "setup_inputs", "bind_inputs", "token_source"]
 
 INPUT_ATTR = "mzb_vocab_input"
 
@@ -169,6 +169,17 @@ def token_source(made: dict, pp_rank: int, first: int) -> int:
     dist.all_gather_object(everyone, (pp_rank, ps.get_tensor_model_parallel_rank(), dist.get_rank()),
                            group=made["itokens"])
     return next(g for pp, tp, g in everyone if pp == first and tp == 0)
+
+
+def setup_vocab_passes(state, options, placement: Placement, models, config, passes, device, forward_only: bool):
+    """Vocabulary parallelism's passes for this call (``vocab_parallel.setup_passes``) and, with
+    ``options.vocab_embedding``, the split embedding's (``setup_inputs``); the run's ``VocabParallel``."""
+    from .vocab_parallel import setup_passes
+    state = setup_passes(state, options, placement, models, config, passes, device, forward_only)
+    state.inputs = None
+    if getattr(options, "vocab_embedding", False):
+        setup_inputs(state, placement, models, passes, device, forward_only)
+    return state
 
 
 def setup_inputs(state, placement: Placement, models, passes, device, forward_only: bool) -> InputRuntime:

@@ -290,6 +290,12 @@ class VocabParallel:
         else:
             self.runtime.run(kind, mb)
 
+    def finish(self) -> None:
+        """The end of a call: nothing of its passes may be left."""
+        self.runtime.finish()
+        if self.inputs is not None:
+            self.inputs.finish()
+
     def loss_output(self, mb: int, out: torch.Tensor) -> None:
         self.runtime.loss_output(mb, out, self.labels.labels.pop(mb))
 
