@@ -21,21 +21,28 @@ def test_balanced_dp2_pp2_equals_the_reference(mcore_path, mcore_version):
     extra = [V.make_case("zb-h1", 2, iterations=2, offload_ratio=0.5, label="offload", **kw),
              # the length cost model fitted to the profile window's passes (iterations 1-2), planned with in the third
              V.make_case("zb-h1", 2, iterations=3, schedule_options={"profile_window": (1, 2)}, label="calibrated", **kw),
-             V.make_case("zb-v", 2, iterations=3, post_validation=True, label="post-validation", **kw)]
+             V.make_case("zb-v", 2, iterations=3, post_validation=True, label="post-validation", **kw),
+             # the other families (interleaved, V-Half's memory), and the microbatches in Megatron's
+             # packed-sequence format (THD: several sequences, each attending within itself)
+             V.make_case("interleaved-zb", 2, iterations=2, label="interleaved", **kw),
+             V.make_case("v-half", 2, iterations=2, label="v-half", **kw),
+             V.make_case("zb-h1", 2, iterations=2, pack_sequences=True, label="packed", **kw)]
     results = V.run_verify_many(cases + extra, timeout=900, mcore_path=mcore_path)
     bad = [f"{r['case']}: {r.get('error') or r.get('problems')} rel={r.get('max_rel_grad_diff')} "
            f"loss={r.get('max_abs_loss_diff')}" for r in results if not r["passed"]]
     assert not bad, "\n".join(bad)
     for r in results:
         assert not mcore_version or r["megatron_core"].startswith(mcore_version)
-    assert results[-1]["bit_identical_to_synchronous"]
-    cal = results[-2]  # fitted after the window, every rank planning with the same fit
+    assert results[5]["bit_identical_to_synchronous"]
+    cal = results[4]  # fitted after the window, every rank planning with the same fit
     assert cal["balance_calibration"][:2] == [None, None] and cal["balance_calibration"][2] is not None, cal
     assert cal["balance_calibration_agrees"] and cal["balance_calibration"][2]["samples"] > 0
     for r in results[:4]:
         counts = r["microbatches_per_replica"]
         assert len(counts) == 2 and all(sum(c) == 8 for c in counts), counts  # every sequence, once
         assert any(c[0] != c[1] for c in counts), counts  # the replicas ran different microbatch counts
+    packed = results[-1]["microbatches_per_replica"]  # 8 sequences per iteration, several in some microbatch
+    assert all(sum(c) < 8 for c in packed), packed
 
 
 @pytest.mark.parametrize("opts, match", [
@@ -43,6 +50,7 @@ def test_balanced_dp2_pp2_equals_the_reference(mcore_path, mcore_version):
     (dict(schedule="megatron-1f1b"), "pseudo-schedule megatron-1f1b"),
     (dict(schedule="bitpipe", num_microbatches=4), "replicated stages"),
     (dict(schedule="zb-v", overlap_grad_reduce=True), "--overlap-grad-reduce with several chunks"),
+    (dict(balance_microbatches=False, pack_sequences=True), "packs the balanced microbatches"),
 ])
 def test_balance_refusals(opts, match):
     kw = dict(variable_seq_lengths=True, balance_microbatches=True, data_parallel_size=2)
@@ -60,13 +68,22 @@ def test_training_flags():
     from tests.test_args import BASE, validate
     args, kw = validate(BASE + " --zero-bubble-schedule zb-v --zero-bubble-balance-microbatches "
                                "--zero-bubble-attention-share 0.2")
-    assert kw["balance_microbatches"] and kw["balance_attention_share"] == 0.2
+    assert kw["balance_microbatches"] and kw["balance_attention_share"] == 0.2 and "balance_pack" not in kw
+    args, kw = validate(BASE + " --zero-bubble-schedule zb-v --zero-bubble-balance-microbatches --zero-bubble-pack-sequences")
+    assert kw["balance_pack"]
+    from megatron_zb.megatron.launch.session import ENTRY_ROUTE, TrainingSession
+    with pytest.raises(ZeroBubbleArgumentError, match="add --sft"):  # a script of the user's: its forward step must take them
+        TrainingSession(args, kw, 8, route="the user's script").check()
+    TrainingSession(args, kw, 8, route=ENTRY_ROUTE).check()
+    args.sft = True
+    TrainingSession(args, kw, 8, route="the user's script").check()
     assert args.calculate_per_token_loss and args.zero_bubble_set_per_token_loss
     args.variable_seq_lengths = False  # what Megatron's validate_args does
     after_megatron_validation(args)
     assert args.variable_seq_lengths and args.moe_token_dispatcher_type == "alltoall"
     for cmd, match in ((" --zero-bubble-balance-microbatches", "needs a megatron-zb schedule"),
                        (" --zero-bubble-schedule zb-h1 --zero-bubble-attention-share 0.2", "give that flag too"),
+                       (" --zero-bubble-schedule zb-h1 --zero-bubble-pack-sequences", "give that flag too"),
                        (" --zero-bubble-schedule zb-h1 --zero-bubble-balance-microbatches --tensor-model-parallel-size 2",
                         "--tensor-model-parallel-size > 1 is not supported yet"),
                        (" --zero-bubble-schedule zb-h1 --zero-bubble-mock-seq-lengths lognormal:512:1 --micro-batch-size 2",

@@ -133,6 +133,9 @@ def add_parser(sub) -> None:
     vx.add_argument("--no-vocab-parallel", action="store_true", help="only rows without it")
     vg.add_argument("--disable-backward-fusion", action="store_true",
                     help="two all-reduce barriers per microbatch instead of one (the ZB authors' flag)")
+    vg.add_argument("--whole-vocab-embedding", action="store_true",
+                    help="the '+vocab' rows keep the input embedding whole on the first stage's rank (default: split "
+                         "over the pipeline ranks too, --split-vocab-embedding: '+vocab+emb')")
     vg.add_argument("--vocab-comm-gbps", type=positive_float("--vocab-comm-gbps"), default=None, metavar="GB/s",
                     help="bandwidth of the vocabulary barriers' collectives over the pipeline ranks (default 50)")
     pn.add_argument("--cost-optimizer", type=nonneg("--cost-optimizer"), default=0.0,
@@ -197,7 +200,7 @@ def cmd_plan(args) -> int:
               vocab_barriers=2 if args.disable_backward_fusion else 1,
               vocab_gbps=args.vocab_comm_gbps if args.vocab_comm_gbps is not None else P.EP_BANDWIDTH_GBPS,
               optimizer_offload=args.optimizer_offload, host_costs=host_costs(args),
-              search="full" if args.full_search else "quick")
+              vocab_embedding=not args.whole_vocab_embedding, search="full" if args.full_search else "quick")
     rows = P.plan(spec, args.pipeline_parallel_size, args.num_microbatches, args.gpu_memory_gb, **kw)
     def again(gib, names, **more):
         return P.plan(spec, args.pipeline_parallel_size, args.num_microbatches,
@@ -410,7 +413,8 @@ def _label(r: dict) -> str:
     """A row's name in the table: the schedule, '+vocab' with vocabulary parallelism (2 barriers: '+vocab2')."""
     v = r.get("vocab_parallel")
     quick = "~" if r.get("search_effort") == "quick" else ""
-    return quick + r["schedule"] + ("" if not v else " +vocab" if v == 1 else " +vocab2")
+    return quick + r["schedule"] + ("" if not v else " +vocab" if v == 1 else " +vocab2") + \
+        ("+emb" if r.get("vocab_embedding") else "")
 
 
 def post_validation_advice(rows: List[dict], post_validation: bool) -> Optional[str]:

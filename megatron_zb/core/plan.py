@@ -45,7 +45,7 @@ def plan(spec: ModelSpec, pipeline_parallel_size: int, microbatches: int, gpu_me
          ep_bandwidth_gbps: float = EP_BANDWIDTH_GBPS, a2a_overlap: bool = True,
          layout: Optional[str] = None, layout_search: bool = True, vocab_parallel: str = "off",
          vocab_barriers: int = 1, vocab_gbps: float = EP_BANDWIDTH_GBPS, optimizer_offload: Optional[str] = None,
-         host_costs=None, search: str = "quick") -> List[dict]:
+         host_costs=None, vocab_embedding: bool = False, search: str = "quick") -> List[dict]:
     """Rows sorted by (fits, time per training iteration): with Megatron's synchronous optimizer
     step, or with optimizer post-validation when ``post_validation`` (``cost_optimizer`` seconds
     per step); times within 0.1% count as equal, the least peak memory first
@@ -68,7 +68,8 @@ def plan(spec: ModelSpec, pipeline_parallel_size: int, microbatches: int, gpu_me
     does not match gets an error row), or the faster of the even split and, with ``layout_search``,
     the balanced layout (``core.layout_search``), each chunk costed by what it holds.
     ``vocab_parallel``: 'off' (rows without vocabulary parallelism), 'on' (with, ``vocab_barriers``
-    barriers, its collectives at ``vocab_gbps`` GB/s) or 'both' (a row of each for every schedule).
+    barriers, its collectives at ``vocab_gbps`` GB/s; the input embedding split too where
+    ``vocab_embedding``) or 'both' (a row of each for every schedule).
     ``optimizer_offload`` 'auto' | 'trough' (``core.optimizer_rows``): every row counts each rank's
     optimizer step (``host_costs``, a ``core.optimizer_offload.HostCosts``), and a row that does
     not fit offloads each rank's share of its Adam states, updated on the CPU ('auto') or in the
@@ -113,7 +114,8 @@ def plan(spec: ModelSpec, pipeline_parallel_size: int, microbatches: int, gpu_me
                             interleave_chunks=interleave_chunks, cost_optimizer=cost_optimizer,
                             ranked_by=key, offload=(offload_ratio, offload_time, host_link_gbps, offload_overlap),
                             exact=exact, a2a=(ep_bandwidth_gbps, a2a_overlap), layout=fixed, search=layout_search,
-                            vocab_gbps=vocab_gbps, optim=_optim(optimizer_offload, host_costs), effort=search)
+                            vocab_gbps=vocab_gbps, optim=_optim(optimizer_offload, host_costs),
+                            vocab_embedding=vocab_embedding, effort=search)
     variants = {"off": [None], "on": [vocab_barriers], "both": [None, vocab_barriers]}[vocab_parallel]
     todo = [(name, v) for name in (schedules or names()) for v in variants]
     rows = _run(one, todo, jobs)

@@ -36,9 +36,11 @@ def row_schedule(spec: ModelSpec, p: int, m: int, row: dict, tflops: float = 989
     lay = parse(row["layout"], p)
     barriers = row.get("vocab_parallel")
     flops_per_s = tflops * 1e12 * efficiency
-    cc = chunk_costs(spec, lay, pl, flops_per_s, ep_gbps * 1e9, vocab=barriers is not None)
+    split = bool(row.get("vocab_embedding"))
+    cc = chunk_costs(spec, lay, pl, flops_per_s, ep_gbps * 1e9, vocab=barriers is not None, vocab_embedding=split)
     unit = row["activation_unit_bytes"]
-    vs = vocab_setting(spec, p, flops_per_s, vocab_gbps * 1e9, barriers, mem_unit=unit) if barriers else None
+    vs = vocab_setting(spec, p, flops_per_s, vocab_gbps * 1e9, barriers, mem_unit=unit, embedding=split) \
+        if barriers else None
     req = ScheduleRequest(row["schedule"], chunks=v if sp.chunks is None else None, cost_f=cc.cost_f,
                           cost_b=cc.cost_b, cost_w=cc.cost_w, cost_a2a=cc.cost_a2a, vocab=vs,
                           mem_f=[x / unit for x in cc.mem_f], mem_w=[x / unit for x in cc.mem_w],

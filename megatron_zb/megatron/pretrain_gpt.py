@@ -43,7 +43,7 @@ from functools import partial  # noqa: E402
 from typing import Callable, Optional, Sequence  # noqa: E402
 
 from .launch.chunks import ChunkPlan  # noqa: E402
-from .launch.session import TrainingSession, print0, run_reporting, supervise  # noqa: E402
+from .launch.session import ENTRY_ROUTE, TrainingSession, print0, run_reporting, supervise  # noqa: E402
 from .launch.startup import layer_kw, placement_of, prepare_args, prepare_megatron  # noqa: E402
 
 __all__ = ["main", "model_provider", "forward_step", "train_valid_test_datasets_provider"]
@@ -88,10 +88,13 @@ class _ModelProvider:
             plan.prepare_config(tcfg)
         if parallel_state.get_data_parallel_rank() == 0 and parallel_state.get_tensor_model_parallel_rank() == 0:
             print(" > " + plan.describe(info, pre_process, post_process), flush=True)
-        if tcfg.transformer_impl == "local" and tcfg.sequence_parallel and model_cfg.transformer_layer_spec is None:
+        packed = bool(getattr(args, "zero_bubble_pack_sequences", False))
+        if tcfg.transformer_impl == "local" and (tcfg.sequence_parallel or packed) and \
+                model_cfg.transformer_layer_spec is None:
             # the local spec's torch norms refuse sequence parallelism (apex/TE norms are absent, e.g.
-            # on CPU): megatron's local spec with sequence-parallel-capable torch norms
-            model_cfg.transformer_layer_spec = layer_spec(tcfg, len(info.layers))
+            # on CPU): megatron's local spec with sequence-parallel-capable torch norms; its attention
+            # refuses packed sequences: one that takes them
+            model_cfg.transformer_layer_spec = layer_spec(tcfg, len(info.layers), packed=packed)
         model = GPTModelBuilder(model_cfg).build_model(pg_collection, pre_process=pre_process,
                                                        post_process=post_process, vp_stage=vp_stage)
         plan.finish(model, info)
@@ -113,15 +116,20 @@ def _unwrapped(model):
 
 def get_batch(data_iterator, pre_process: bool, post_process: bool):
     """This chunk's microbatch: tokens/position ids where it embeds, labels/loss mask where it
-    computes the loss (broadcast from tensor-parallel rank 0), nothing for a middle stage."""
+    computes the loss (broadcast from tensor-parallel rank 0), nothing for a middle stage; and
+    Megatron's ``PackedSeqParams`` of a packed microbatch (``--zero-bubble-pack-sequences``; every
+    stage reads where its sequences start), else None."""
     import torch
     from megatron.core import parallel_state as ps
     from megatron.core.utils import get_batch_on_this_cp_rank, get_batch_on_this_tp_rank
     from megatron.training import get_args
 
+    from .features.balanced import packed_seq_params
     args = get_args()
     if not (pre_process or post_process):
-        return None, None, None, None, None
+        if getattr(args, "zero_bubble_pack_sequences", False):  # packed microbatches: where its sequences start
+            return None, None, None, None, None, packed_seq_params(next(data_iterator))
+        return None, None, None, None, None, None
     batch = None
     if ps.get_tensor_model_parallel_rank() == 0:
         data = next(data_iterator)
@@ -146,7 +154,7 @@ def get_batch(data_iterator, pre_process: bool, post_process: bool):
     position_ids = batch.get("position_ids") if pre_process else None
     labels = batch.get("labels") if post_process else None
     loss_mask = batch.get("loss_mask") if post_process else None
-    return tokens, labels, loss_mask, batch.get("attention_mask"), position_ids
+    return tokens, labels, loss_mask, batch.get("attention_mask"), position_ids, packed_seq_params(batch)
 
 
 def loss_func(loss_mask, output_tensor):
@@ -177,13 +185,13 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
     timers = get_timers()
     chunk = _unwrapped(model)
     timers("batch-generator", log_level=2).start()
-    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(
+    tokens, labels, loss_mask, attention_mask, position_ids, packed = get_batch(
         data_iterator, bool(getattr(chunk, "pre_process", True)), bool(getattr(chunk, "post_process", True)))
     timers("batch-generator").stop()
     if return_schedule_plan:  # --overlap-moe-expert-parallel-comm: the chunk's pass as megatron's schedule plan
         plan = chunk.build_schedule_plan(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
         return plan, partial(loss_func, loss_mask)
-    output = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
+    output = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask, packed_seq_params=packed)
     return output, partial(loss_func, loss_mask)
 
 
@@ -259,7 +267,7 @@ def main(argv: Optional[Sequence[str]] = None, extra_args_provider: Optional[Cal
     check_in_rank(args)  # what the launch script's preflight checks, for jobs started without it
     if notes:
         print0("megatron-zb: adjusted for this machine: " + ", ".join(notes))
-    session = TrainingSession(args, zb, get_num_microbatches(), route="megatron-zb's pretrain_gpt").start()
+    session = TrainingSession(args, zb, get_num_microbatches(), route=ENTRY_ROUTE).start()
     get_emb = None
     if zb is not None:  # the embedding group: the embedding's rank alone where the output layer is not on another
         from .layout.placement import embedding_ranks

@@ -10,6 +10,10 @@ def balance_problem(case, pseudo_schedules, error) -> bool:
     loss normalised over the global token count (the reference's too, so both train the same
     objective) and the install option. Returns False (nothing else to do)."""
     flag = "--zero-bubble-balance-microbatches"
+    if case.pack_sequences and not case.balance_microbatches:
+        raise error("--zero-bubble-pack-sequences packs the balanced microbatches: give --zero-bubble-balance-microbatches")
+    if not case.balance_microbatches:
+        return False
     if not case.variable_seq_lengths:
         raise error(f"{flag} balances microbatches of different lengths: give --variable-seq-lengths")
     blockers = [(case.schedule in pseudo_schedules, f"the pseudo-schedule {case.schedule}"),
@@ -22,6 +26,8 @@ def balance_problem(case, pseudo_schedules, error) -> bool:
             raise error(f"{flag} cannot be combined with {what} yet")
     case.config_overrides = {**case.config_overrides, "calculate_per_token_loss": True}
     case.schedule_options = {**case.schedule_options, "balance_microbatches": True}
+    if case.pack_sequences:
+        case.schedule_options["balance_pack"] = True
     return False
 
 

@@ -18,6 +18,7 @@ import torch
 
 from ..core.ir import Placement, ScheduleError
 from ..megatron.cpu.local_spec import layer_spec
+from ..megatron.features.balanced import packed_seq_params
 from ..megatron.execution.finalize import grad_of, mark_replica_copies
 from ..megatron.layout.placement import (ChunkInfo, attach_layer_table, chunk_infos, deterministic_init_, embedding_ranks,
                                   is_expert_param, name_params, name_seed, unwrap)
@@ -48,6 +49,7 @@ class TinyGPTConfig:
     # data
     variable_seq_lengths: bool = False  # each microbatch gets its own length (multiple of 4)
     skewed_lengths: bool = False  # with variable_seq_lengths: 4..seq_length, most of them short (a long tail)
+    packed_attention: bool = False  # attention that takes packed sequences (THD; megatron.cpu.local_spec)
     loss_mask_prob: float = 0.1  # fraction of label positions masked out of the loss
 
     def to_dict(self) -> dict:
@@ -153,7 +155,7 @@ def make_transformer_config(model_cfg: TinyGPTConfig, *, tensor_parallel_size: i
 def build_model_chunks(model_cfg: TinyGPTConfig, placement: Placement, *, config=None,
                        pp_rank: Optional[int] = None, layers_per_stage: Optional[Sequence[int]] = None,
                        allow_padding_num_layers: bool = False, init: bool = True, vocab_parallel: bool = False,
-                       **config_kw) -> List[torch.nn.Module]:
+                       vocab_embedding: bool = False, **config_kw) -> List[torch.nn.Module]:
     """Build this rank's model chunks (``GPTModel`` each, ordered by stage) and initialise them.
 
     ``config``: a TransformerConfig (default: ``make_transformer_config(model_cfg, ...)`` with the
@@ -181,7 +183,7 @@ def build_model_chunks(model_cfg: TinyGPTConfig, placement: Placement, *, config
     multi = placement.models_per_rank > 1
     chunks = []
     for info in infos:
-        spec = layer_spec(config, len(info.layers))
+        spec = layer_spec(config, len(info.layers), packed=model_cfg.packed_attention)
         extra = {}
         if getattr(config, "mtp_num_layers", None) and info.post_process:  # MTP: on the loss stage
             from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
@@ -209,8 +211,17 @@ def build_model_chunks(model_cfg: TinyGPTConfig, placement: Placement, *, config
                         pp_rank=pp_rank, tp_rank=parallel_state.get_tensor_model_parallel_rank(),
                         tied=model_cfg.tie_embeddings, dtype=config.params_dtype,
                         device=next(chunks[0].parameters()).device)
+    if vocab_parallel and vocab_embedding:  # the input embedding's rows on every rank (megatron.vocab_embedding)
+        from ..megatron.features import vocab_embedding as VE
+        VE.attach_input_shard(chunks[0], vocab_size=model_cfg.vocab_size, hidden=model_cfg.hidden_size,
+                              p=placement.num_ranks, tp=parallel_state.get_tensor_model_parallel_world_size(),
+                              pp_rank=pp_rank, tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+                              tied=model_cfg.tie_embeddings, dtype=config.params_dtype,
+                              device=next(chunks[0].parameters()).device)
     if init:
         deterministic_init_(chunks, model_cfg.seed, model_cfg.init_std)
+    if vocab_parallel and vocab_embedding:  # the first stage keeps no whole embedding
+        VE.drop_embedding(chunks)
     mark_replica_copies(chunks, placement)
     return chunks
 
@@ -406,7 +417,8 @@ def forward_step_func(data_iterator, model, return_schedule_plan: bool = False):
         plan = model.build_schedule_plan(batch["tokens"], batch["position_ids"], batch["attention_mask"],
                                          labels=batch["labels"])
         return plan, partial(loss_func, batch["loss_mask"])
-    output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+    output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"],
+                   packed_seq_params=packed_seq_params(batch))
     return output, partial(loss_func, batch["loss_mask"])
 
 

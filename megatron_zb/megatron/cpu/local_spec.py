@@ -7,10 +7,11 @@ these norms instead.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
-__all__ = ["SequenceParallelTorchNorm", "layer_spec"]
+__all__ = ["SequenceParallelTorchNorm", "layer_spec", "packed_attention"]
 
 
 class SequenceParallelTorchNorm:
@@ -35,12 +36,46 @@ class SequenceParallelTorchNorm:
         return norm
 
 
-def layer_spec(config, num_layers: int):
+@functools.lru_cache(maxsize=None)
+def packed_attention():
+    """megatron's local ``DotProductAttention`` that also takes Megatron's packed-sequence format
+    (THD: ``packed_seq_params.qkv_format == "thd"``, query/key/value [tokens, heads, dim] with the
+    sequences one after another at ``cu_seqlens``), as TE's attention does on a GPU: each sequence
+    attends causally within itself (megatron's own local attention, one sequence at a time)."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class PackedDotProductAttention(DotProductAttention):
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                    packed_seq_params=None):
+            if packed_seq_params is None:
+                return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                                       attention_bias=attention_bias)
+            if packed_seq_params.qkv_format != "thd" or attention_mask is not None:
+                raise ValueError("the CPU packed-sequence attention takes THD batches with causal masks only")
+            cu = packed_seq_params.cu_seqlens_q_padded
+            if cu is None:
+                cu = packed_seq_params.cu_seqlens_q
+            bounds = [int(x) for x in cu.tolist()]
+            outs = [super(PackedDotProductAttention, self).forward(
+                query[a:b].unsqueeze(1), key[a:b].unsqueeze(1), value[a:b].unsqueeze(1), None,
+                attn_mask_type=attn_mask_type, attention_bias=attention_bias) for a, b in zip(bounds, bounds[1:])]
+            return torch.cat(outs, dim=0)  # [tokens, 1, heads x dim]
+
+    return PackedDotProductAttention
+
+
+def layer_spec(config, num_layers: int, packed: bool = False):
     """megatron's local GPT layer spec (MoE layers from ``config.num_moe_experts``: megatron's
     SequentialMLP of local experts); with sequence parallelism its norms are swapped for
-    ``SequenceParallelTorchNorm`` and the block spec is given explicitly (so the final norm too)."""
+    ``SequenceParallelTorchNorm`` and the block spec is given explicitly (so the final norm too);
+    ``packed``: its attention takes packed sequences (``packed_attention``)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     spec = get_gpt_layer_local_spec(num_experts=getattr(config, "num_moe_experts", None), moe_grouped_gemm=False)
+    if packed:
+        att = spec.submodules.self_attention
+        att = dataclasses.replace(att, submodules=dataclasses.replace(att.submodules,
+                                                                      core_attention=packed_attention()))
+        spec = dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=att))
     if not config.sequence_parallel:
         return spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules

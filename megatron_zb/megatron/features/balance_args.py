@@ -18,7 +18,8 @@ __all__ = ["add_balance_args", "balance_kwargs", "after_megatron_validation", "B
 
 #: flags that need a megatron-zb schedule (``megatron.launch.flags`` says so in one line without one)
 BALANCE_FLAGS = (("--zero-bubble-balance-microbatches", "zero_bubble_balance_microbatches"),
-                 ("--zero-bubble-attention-share", "zero_bubble_attention_share"))
+                 ("--zero-bubble-attention-share", "zero_bubble_attention_share"),
+                 ("--zero-bubble-pack-sequences", "zero_bubble_pack_sequences"))
 
 
 def _share(text):
@@ -51,6 +52,13 @@ def add_balance_args(g) -> None:
     g.add_argument("--zero-bubble-attention-share", type=_share, default=None, metavar="A",
                    help="The balancer's cost model: share of F and B at --seq-length spent in attention (default: from "
                         "the model's shape).")
+    g.add_argument("--zero-bubble-pack-sequences", action="store_true", default=False,
+                   help="With --zero-bubble-balance-microbatches: each balanced microbatch in Megatron's packed-sequence "
+                        "format (THD: its sequences one after another, each attending within itself; no padding), "
+                        "as many tokens as --micro-batch-size x --seq-length at most. The model's attention must take "
+                        "packed sequences: TE's (--transformer-impl transformer_engine) on a GPU; megatron-zb's "
+                        "entry point gives the local spec a CPU attention that does. A script of your own needs "
+                        "Megatron-LM's --sft path (its forward step passes packed_seq_params).")
     g.add_argument("--zero-bubble-seq-lengths", "--zero-bubble-mock-seq-lengths", type=_lengths, default=None,
                    metavar="DIST", dest="zero_bubble_mock_seq_lengths",
                    help="Variable-length samples from Megatron's GPT dataset (--data-path) or its mock data: cut each "
@@ -70,8 +78,10 @@ def balance_kwargs(args, name: Optional[str]) -> Dict[str, Any]:
             raise err("--zero-bubble-seq-lengths needs --micro-batch-size 1 (Megatron's data loader stacks a "
                       "microbatch's samples, which must then have one length)")
     if not getattr(args, "zero_bubble_balance_microbatches", False):
-        if getattr(args, "zero_bubble_attention_share", None) is not None:
-            raise err("--zero-bubble-attention-share tunes --zero-bubble-balance-microbatches: give that flag too")
+        for dest, what in (("zero_bubble_attention_share", "--zero-bubble-attention-share tunes"),
+                           ("zero_bubble_pack_sequences", "--zero-bubble-pack-sequences packs")):
+            if getattr(args, dest, None) not in (None, False):
+                raise err(f"{what} --zero-bubble-balance-microbatches: give that flag too")
         return {}
     flag = "--zero-bubble-balance-microbatches"
     for dest, what in (("tensor_model_parallel_size", "--tensor-model-parallel-size"),
@@ -92,6 +102,8 @@ def balance_kwargs(args, name: Optional[str]) -> Dict[str, Any]:
     out: Dict[str, Any] = {"balance_microbatches": True}
     if getattr(args, "zero_bubble_attention_share", None) is not None:
         out["balance_attention_share"] = args.zero_bubble_attention_share
+    if getattr(args, "zero_bubble_pack_sequences", False):
+        out["balance_pack"] = True
     return out
 
 

@@ -37,7 +37,8 @@ from ...core.microbatch_costs import LengthModel, fit_stages, microbatch_shape
 from ...core.varlen import Templates, VarlenConfig, plan_batch
 from ..errors import ZeroBubbleConfigError
 
-__all__ = ["MicrobatchBalancer", "Balanced", "attention_share_of", "check_balance_config", "split_rows", "collate"]
+__all__ = ["MicrobatchBalancer", "Balanced", "attention_share_of", "check_balance_config", "split_rows", "collate",
+           "collate_packed", "packed_seq_params"]
 
 #: keys of a microbatch whose rows are padded with 0 past a sequence's end (the rest: arange)
 POSITION_KEYS = ("position_ids",)
@@ -88,10 +89,11 @@ class Balanced:
     plan_seconds: float
     lengths: Optional[List[List[int]]] = None  # this replica's microbatches' sequence lengths, in run order
     core_seconds: float = 0.0  # of plan_seconds: the schedule core's (balancer, schedule, build, lowering)
+    packed: bool = False  # microbatches in Megatron's packed-sequence format (THD)
 
     def shapes(self) -> dict:
-        """mb -> (tokens, sum of s^2) as the passes see them (rows padded to the longest)."""
-        return {i: microbatch_shape(ls, packed=False) for i, ls in enumerate(self.lengths or [])}
+        """mb -> (tokens, sum of s^2) as the passes see them (rows padded to the longest, or packed)."""
+        return {i: microbatch_shape(ls, packed=self.packed) for i, ls in enumerate(self.lengths or [])}
 
 
 def split_rows(batch: dict) -> List[dict]:
@@ -193,6 +195,48 @@ def collate(rows: Sequence[dict]) -> dict:
             parts.append(v)
         out[k] = torch.stack(parts)
     return out
+
+
+def collate_packed(rows: Sequence[dict]) -> dict:
+    """Rows as one microbatch in Megatron's packed-sequence format (Megatron-LM's ``--sft`` batches):
+    every [s, ...] key the sequences one after another as [1, tokens, ...] (each keeps its own
+    positions), ``cu_seqlens`` [1, n + 1] (int32) where each starts, ``max_seqlen`` [1] the longest;
+    no attention mask (each sequence attends causally within itself)."""
+    lengths = [_length(r) for r in rows]
+    out: dict = {}
+    for k in rows[0]:
+        v0 = rows[0][k]
+        if v0 is None or (isinstance(v0, torch.Tensor) and v0.dim() == 3):  # an attention mask: cu_seqlens say it
+            out[k] = None
+            continue
+        out[k] = torch.cat([r[k] for r in rows]).unsqueeze(0)
+    device = next(v.device for v in out.values() if isinstance(v, torch.Tensor))
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int32), 0)
+    out["attention_mask"] = None
+    out["cu_seqlens"] = cu.unsqueeze(0).to(device)
+    out["max_seqlen"] = torch.tensor([max(lengths)], dtype=torch.int32, device=device)
+    return out
+
+
+def packed_seq_params(batch: Optional[dict]):
+    """Megatron's ``PackedSeqParams`` (THD) for a packed microbatch (``collate_packed``), None for
+    any other."""
+    if not batch or batch.get("cu_seqlens") is None:
+        return None
+    from megatron.core.packed_seq_params import PackedSeqParams
+    cu = batch["cu_seqlens"].reshape(-1).to(torch.int32)
+    top = int(batch["max_seqlen"].reshape(-1)[0])
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=top, max_seqlen_kv=top)
+
+
+def packed_metadata(lengths: Sequence[int], device) -> dict:
+    """What a pipeline stage without data (a middle stage) needs of a packed microbatch: where its
+    sequences start (``cu_seqlens``) and the longest (``max_seqlen``)."""
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(list(lengths), dtype=torch.int32), 0)
+    return {"cu_seqlens": cu.unsqueeze(0).to(device),
+            "max_seqlen": torch.tensor([max(lengths)], dtype=torch.int32, device=device)}
 
 
 def calibration_of(profile: dict, seq_length: int) -> Optional[dict]:
@@ -329,7 +373,8 @@ class MicrobatchBalancer:
         req = self._request()
         if self.templates is None:
             self.templates = Templates(req, p, num_microbatches)
-        cfg = VarlenConfig(dp_size, self.model(config, seq_length), micro_batch_size=rows_per_mb)
+        packed = bool(getattr(o, "balance_pack", False))
+        cfg = VarlenConfig(dp_size, self.model(config, seq_length), micro_batch_size=rows_per_mb, packed=packed)
         t1 = time.perf_counter()
         try:
             plan = plan_batch(lengths, req, p, cfg, True, self.templates, replica=dp_rank)
@@ -343,9 +388,15 @@ class MicrobatchBalancer:
             everyone: List[Any] = [None] * dist.get_world_size(dp_group)
             dist.all_gather_object(everyone, [pack_masks(r) for r in mine], group=dp_group)  # causal masks: sizes
             rows = [unpack_masks(row) for part in everyone for row in part]
-            batches = [collate([rows[i] for i in mb]) for mb in rp.microbatches]
+            batches = [(collate_packed if packed else collate)([rows[i] for i in mb]) for mb in rp.microbatches]
             for i in readers:
                 new_iters[i] = iter(list(batches))
+        if packed:  # every other chunk (a middle stage, a tensor-parallel rank that reads nothing): the sequences' bounds
+            dev = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+            meta = [packed_metadata(ls, dev) for ls in rp.lengths]
+            for i in range(len(iterators)):
+                if new_iters[i] is None:
+                    new_iters[i] = iter(list(meta))
         try:
             t1 = time.perf_counter()
             built = build(o.request(), p, rp.num_microbatches, base=rp.schedule)
@@ -358,7 +409,7 @@ class MicrobatchBalancer:
             raise ZeroBubbleConfigError(f"{o.schedule}: the balanced schedule for {rp.num_microbatches} microbatches: "
                                         f"{e}") from None
         self.last = Balanced(new_iters, rp.num_microbatches, built, [r.num_microbatches for r in plan.replicas],
-                             time.perf_counter() - t0, rp.lengths, core)
+                             time.perf_counter() - t0, rp.lengths, core, packed)
         if not self.iterations:
             self.first_seconds = self.last.plan_seconds
         self.iterations += 1
