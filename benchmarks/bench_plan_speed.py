@@ -5,10 +5,18 @@ default), and per row: each (schedule, vocabulary barriers or none) row's CPU se
 it built.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_plan_speed.py [--sizes 8:32 16:64] [--modes off on both]
-        [--out benchmarks/results/plan_speed.json]
+        [--search quick full] [--out benchmarks/results/plan_speed.json]
 
-CPU time (``time.process_time``), not wall: the box is shared. A mode's rows run in one fresh
-process each (nothing remembered from another mode's searches), as the command line runs them.
+``--commands``: instead, the command lines as a user runs them (``megatron-zb plan ... --json``,
+the 'within Megatron 1F1B's memory' re-plan included) for Llama-3-8B's shape (the issue's flags),
+``--model llama-3-70b`` and ``--model llama-3.2-1b`` at ``--sizes`` (default 8:32 16:32), each in a
+fresh process: its CPU seconds (user + sys, its worker processes included), the best fitting row
+and the row within 1F1B's memory (schedule, layout, time per iteration, bubble, peak GiB); with
+``--search full`` as well, the same with ``--full-search`` (every row searched in full, as before
+the quick first pass) beside it.
+
+CPU time (``time.process_time`` / ``getrusage``), not wall: the box is shared. A mode's rows run in
+one fresh process each (nothing remembered from another mode's searches), as the command line runs them.
 """
 from __future__ import annotations
 
@@ -16,6 +24,8 @@ import argparse
 import json
 import multiprocessing
 import os
+import resource
+import subprocess
 import sys
 import time
 
@@ -30,20 +40,20 @@ SPEC = dict(num_layers=32, hidden_size=4096, num_attention_heads=32, seq_length=
 
 
 def _one_mode(args) -> dict:
-    p, m, mode = args
+    p, m, mode, search = args
     built = []
     orig = plan_row._one
 
     def timed(sp, spec, p_, m_, v, pl, lay, *a, **k):
         t = time.process_time()
         r = orig(sp, spec, p_, m_, v, pl, lay, *a, **k)
-        built.append({"schedule": sp.name, "vocab": a[-1][0], "layout": str(lay),
+        built.append({"schedule": sp.name, "vocab": a[-3][0], "layout": str(lay),
                       "cpu_s": round(time.process_time() - t, 3)})
         return r
 
     plan_row._one = timed
     t = time.process_time()
-    rows = P.plan(ModelSpec(**SPEC), p, m, 80, vocab_parallel=mode)
+    rows = P.plan(ModelSpec(**SPEC), p, m, 80, vocab_parallel=mode, search=search)
     total = time.process_time() - t
     per_row: dict = {}
     for b in built:
@@ -52,26 +62,88 @@ def _one_mode(args) -> dict:
         per_row[key]["cpu_s"] = round(per_row[key]["cpu_s"] + b["cpu_s"], 3)
         per_row[key]["layouts"].append(b["layout"])
     best = next((r for r in rows if "error" not in r and r["fits"]), None)
-    return {"p": p, "m": m, "mode": mode, "cpu_s": round(total, 3), "rows": per_row,
+    return {"p": p, "m": m, "mode": mode, "search": search, "cpu_s": round(total, 3), "rows": per_row,
             "best": None if best is None else {"schedule": best["schedule"], "vocab": best.get("vocab_parallel"),
                                                "iteration_time_s": best["iteration_time_s"]}}
 
 
+L8 = ["--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads", "32", "--seq-length", "4096",
+      "--vocab-size", "128256", "--ffn-hidden-size", "14336"]
+MODELS = {"llama-3-8b (flags)": L8, "llama-3-70b": ["--model", "llama-3-70b"], "llama-3.2-1b": ["--model", "llama-3.2-1b"]}
+
+
+def _brief(r):
+    if not r:
+        return None
+    return {"schedule": r["schedule"], "vocab": r.get("vocab_parallel"), "layout": r["layout"],
+            "iteration_ms": round(1e3 * r["iteration_time_s"], 3), "bubble": round(r["bubble_rate"], 4),
+            "peak_gib": round(max(r["peak_bytes"]) / 1024 ** 3, 3), "fits": r["fits"],
+            "search_effort": r.get("search_effort")}
+
+
+def _command(model: str, p: int, m: int, search: str, jobs: int) -> dict:
+    cmd = [sys.executable, "-m", "megatron_zb.cli", "plan", *MODELS[model], "--pipeline-parallel-size", str(p),
+           "--num-microbatches", str(m), "--gpu-memory-gb", "80", "--json", "--jobs", str(jobs)]
+    if search == "full":
+        cmd.append("--full-search")
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True,
+                         cwd=os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."),
+                         env=dict(os.environ, OMP_NUM_THREADS="1")).stdout
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    d = json.loads(out)
+    rows = [r for r in d["rows"] if "error" not in r]
+    best = next((r for r in rows if r["fits"]), rows[0] if rows else None)
+    return {"model": model, "p": p, "m": m, "search": search, "jobs": jobs, "cpu_s": round(cpu, 2),
+            "best": _brief(best), "within_1f1b_memory": _brief(d["within_1f1b_memory"])}
+
+
+def commands(a) -> int:
+    out = []
+    for size in a.sizes:
+        p, m = (int(x) for x in size.split(":"))
+        for model in MODELS:
+            for search in a.search:
+                r = _command(model, p, m, search, a.jobs)
+                out.append(r)
+                b, w = r["best"], r["within_1f1b_memory"]
+                print(f"P={p:<3} M={m:<3} {model:<20} {search:<6} {r['cpu_s']:8.2f} s CPU   best "
+                      f"{b['schedule']}{' +vocab' if b['vocab'] else ''} {b['iteration_ms']} ms {b['peak_gib']} GiB"
+                      + (f"   within 1F1B: {w['schedule']}{' +vocab' if w['vocab'] else ''} {w['iteration_ms']} ms "
+                         f"{w['peak_gib']} GiB" if w else ""), flush=True)
+    path = a.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "plan_speed_commands.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump({"gpu_memory_gb": 80, "results": out}, f, indent=1)
+    print(f"wrote {path}")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", nargs="+", default=["8:32", "16:64"], help="P:M pairs")
+    ap.add_argument("--sizes", nargs="+", default=None, help="P:M pairs (default 8:32 16:64; --commands 8:32 16:32)")
     ap.add_argument("--modes", nargs="+", default=["off", "on", "both"], choices=["off", "on", "both"])
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                                  "plan_speed.json"))
+    ap.add_argument("--commands", action="store_true", help="the command lines for three models (above)")
+    ap.add_argument("--search", nargs="+", default=["quick"], choices=["quick", "full"],
+                    help="plan's search: quick first pass (default) and/or every row in full")
+    ap.add_argument("--jobs", type=int, default=1, help="--commands: plan's --jobs (default 1)")
+    ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    jobs = [(int(s.split(":")[0]), int(s.split(":")[1]), mode) for s in a.sizes for mode in a.modes]
+    if a.commands:
+        a.sizes = a.sizes or ["8:32", "16:32"]
+        return commands(a)
+    a.sizes = a.sizes or ["8:32", "16:64"]
+    a.out = a.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "plan_speed.json")
+    jobs = [(int(s.split(":")[0]), int(s.split(":")[1]), mode, search) for s in a.sizes for mode in a.modes
+            for search in a.search]
     ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
     out = []
     for job in jobs:  # one fresh process per mode: nothing remembered between them
         with ctx.Pool(1) as pool:
             out.append(pool.apply(_one_mode, (job,)))
         r = out[-1]
-        print(f"P={r['p']:<3} M={r['m']:<3} {r['mode']:<5} {r['cpu_s']:8.2f} s CPU   best {r['best']}")
+        print(f"P={r['p']:<3} M={r['m']:<3} {r['mode']:<5} {r['search']:<6} {r['cpu_s']:8.2f} s CPU   best {r['best']}")
         for name, x in sorted(r["rows"].items(), key=lambda kv: -kv[1]["cpu_s"]):
             print(f"    {name:<24} {x['cpu_s']:7.2f} s  layouts built: {len(x['layouts'])}")
     os.makedirs(os.path.dirname(a.out), exist_ok=True)

@@ -21,6 +21,9 @@ or runs out of time, records its error and the next one starts):
               streams as torch's profiler sees them
   fbw         F/B/W of one megatron-core layer (local implementation), two sizes, bf16, against
               plan's FLOP model
+  trough      optimizer states visiting the GPU (--zero-bubble-optimizer-offload trough): prefetch
+              and write-back bandwidth, the prefetch hidden under matmuls, Adam on the GPU and the
+              CPU, a rollback, against the trough cost model's assumptions
 
 ``--dry-run`` (no GPU needed) runs every section's own argument parsing, builds what it would run
 (schedules, verify cases, command lines, the simulator's predictions from recorded costs), checks
@@ -56,12 +59,13 @@ from gpu_check_sections import OneLineParser, UsageError  # noqa: E402
 # name -> (module, function, budget in seconds on one H100); the budgets add up to 450 s of the 480
 SECTIONS = {
     "env": ("gpu_check_sections", "env", 25),
-    "offload": ("gpu_check_sections", "offload", 110),
+    "offload": ("gpu_check_sections", "offload", 85),
     "postval": ("gpu_check_sections", "postval", 60),
     "memory": ("gpu_check_verify", "memory", 60),
     "pipeline": ("gpu_check_verify", "pipeline", 90),
     "ep_overlap": ("gpu_check_verify", "ep_overlap", 45),
     "fbw": ("gpu_check_sections", "fbw", 60),
+    "trough": ("gpu_check_trough", "trough", 25),
 }
 DEFAULT_BUDGET_S = 450.0  # the whole run; the issue allows 8 minutes
 CHILD_MARGIN_S = 5.0  # a section's own deadline comes this much before it is stopped

@@ -18,7 +18,8 @@ The parent compares the two runs' losses and final parameters.
 
 Vocabulary parallelism: ``case["vocab"]`` (barriers, or None) for the uninterrupted run and the
 saving one, ``case["resume_vocab"]`` for the resumed one (default the same): a checkpoint saved with
-it resumes without it and the other way round (the shards are the output layer's rows).
+it resumes without it and the other way round (the shards are the output layer's rows);
+``case["emb"]`` / ``case["resume_emb"]``: with the input embedding split too (--split-vocab-embedding).
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def _allow_save_without_psutil():
         fa._process_memory = lambda: 0
 
 
-def _setup(case, M, vocab=None):
+def _setup(case, M, vocab=None, emb=False):
     """(Re)initialise parallel state, build (optionally DDP-wrapped) chunks and the optimizer."""
     from megatron_zb.megatron.execution import finalize as F
     from megatron_zb.megatron.layout import placement as P
@@ -49,7 +50,7 @@ def _setup(case, M, vocab=None):
     placement = P.make_placement(case["placement"], case["pp"], case.get("chunks"))
     M.init_parallel_state(case["tp"], case["pp"], placement, seed=1234, vocab_parallel=bool(vocab))
     cfg = M.TinyGPTConfig(num_layers=case.get("num_layers", 4), tie_embeddings=not case.get("untied"))
-    chunks = M.build_model_chunks(cfg, placement, vocab_parallel=bool(vocab))
+    chunks = M.build_model_chunks(cfg, placement, vocab_parallel=bool(vocab), vocab_embedding=bool(vocab and emb))
     config = chunks[0].config
     ddp = bool(case.get("ddp") or case.get("optimizer"))
     if ddp:
@@ -143,11 +144,17 @@ def _optimizer_state(M, state):
 
 
 def _max_diff(a, b):
+    """Largest difference of each name's copies; where one side holds fewer copies of a name (the
+    input embedding split on one side only: no whole embedding beside the shards), every copy
+    against that side's first (the copies of one name hold the same values)."""
     worst = 0.0
     assert set(a) == set(b), sorted(set(a) ^ set(b))
     for name, copies in a.items():
-        assert len(copies) == len(b[name]), name
-        for x, y in zip(copies, b[name]):
+        other = b[name]
+        if len(copies) != len(other):
+            assert min(len(copies), len(other)) >= 1, name
+            copies, other = copies + other, [(copies + other)[0]] * (len(copies) + len(other))
+        for x, y in zip(copies, other):
             if x is None or y is None:
                 return float("inf")
             worst = max(worst, float((x.double() - y.double()).abs().max()))
@@ -192,11 +199,13 @@ def resume_case(case):
     n, split = case["iterations"], case["split"]
     vocab = case.get("vocab")
     resume_vocab = case.get("resume_vocab", vocab)
-    handle = install(case["schedule"], chunks=case.get("chunks"), vocab_parallel=vocab)
+    emb, resume_emb = bool(case.get("emb")), bool(case.get("resume_emb", case.get("emb")))
+    handle = install(case["schedule"], chunks=case.get("chunks"), vocab_parallel=vocab,
+                     **({"vocab_embedding": True} if vocab and emb else {}))
     try:
         # 1. uninterrupted
         set_status(f"[{tag}] uninterrupted run")
-        st = _setup(case, M, vocab)
+        st = _setup(case, M, vocab, emb)
         full_losses = _train(case, M, st, range(n))
         full_params = _params(M, st["chunks"])
         del st
@@ -204,7 +213,7 @@ def resume_case(case):
 
         # 2. first part, then save
         set_status(f"[{tag}] first {split} iterations")
-        st = _setup(case, M, vocab)
+        st = _setup(case, M, vocab, emb)
         first_losses = _train(case, M, st, range(split))
         saved_params = _params(M, st["chunks"])
         saved_opt = _optimizer_state(M, st)
@@ -224,10 +233,11 @@ def resume_case(case):
 
         # 3. fresh state: rebuild with different weights and a fresh optimizer, load, resume
         set_status(f"[{tag}] rebuild + dist_checkpointing.load")
-        if resume_vocab != vocab:
+        if (resume_vocab, resume_emb) != (vocab, emb):
             handle.uninstall()
-            handle = install(case["schedule"], chunks=case.get("chunks"), vocab_parallel=resume_vocab)
-        st = _setup(case, M, resume_vocab)
+            handle = install(case["schedule"], chunks=case.get("chunks"), vocab_parallel=resume_vocab,
+                             **({"vocab_embedding": True} if resume_vocab and resume_emb else {}))
+        st = _setup(case, M, resume_vocab, resume_emb)
         P.deterministic_init_([P.unwrap(c) for c in st["chunks"]], seed=_DIFFERENT_SEED)
         before_load = _params(M, st["chunks"])
         sharded = _checkpoint_state(st, is_loading=True)

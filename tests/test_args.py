@@ -11,7 +11,7 @@ import pytest
 from megatron_zb.core import schedules as core_schedules
 from megatron_zb.megatron.launch.args import NOT_AVAILABLE_FLAGS, add_zero_bubble_args, chain_providers
 from megatron_zb.megatron.errors import ZeroBubbleArgumentError
-from megatron_zb.megatron.launch.flags import memory_limit_in_microbatches, validate_zero_bubble_args
+from megatron_zb.megatron.launch.flags import memory_limit_in_microbatches, optimizer_offload_flags, validate_zero_bubble_args
 from megatron_zb.megatron.execution.options import ScheduleOptions, preview
 
 
@@ -561,6 +561,38 @@ def test_optimizer_offload_shares_per_rank():
         validate_zero_bubble_args(args, before_megatron_validation=True)
     with pytest.raises(SystemExit):
         parser_with_offload().parse_args((BASE + " --zero-bubble-optimizer-offload 1.5").split())
+    # trough: Megatron's share in host memory, visiting the GPU in each rank's trough
+    args = parser_with_offload().parse_args((BASE + " --zero-bubble-schedule zb-v --optimizer-cpu-offload "
+                                             "--use-precision-aware-optimizer --zero-bubble-optimizer-offload trough "
+                                             "--enable-optimizer-post-validation").split())
+    kw = validate_zero_bubble_args(args, before_megatron_validation=True)
+    assert args.zero_bubble_optimizer_offload == "trough" and kw["post_validation"] is True
+    for value, want in ((f"trough:{shares}", [0.5] + [0.0] * (p - 1)), ("trough:auto", "auto")):  # each rank its share
+        args = parser_with_offload().parse_args((BASE + " --zero-bubble-schedule zb-v --optimizer-cpu-offload "
+                                                 f"--use-precision-aware-optimizer --zero-bubble-optimizer-offload "
+                                                 f"{value}").split())
+        validate_zero_bubble_args(args, before_megatron_validation=True)
+        assert optimizer_offload_flags(args) == (want, True)
+    with pytest.raises(SystemExit):
+        parser_with_offload().parse_args((BASE + " --zero-bubble-optimizer-offload trough:x").split())
+    args = parser_with_offload().parse_args((BASE + " --zero-bubble-schedule zb-v "
+                                             "--zero-bubble-optimizer-offload trough").split())
+    with pytest.raises(ZeroBubbleArgumentError, match="add --optimizer-cpu-offload"):
+        validate_zero_bubble_args(args, before_megatron_validation=True)
+
+
+def test_optimizer_trough_inputs_from_megatrons_arguments():
+    """The trough plan's units from plan's model of the run: one microbatch's activation (bytes), one
+    stage's forward (seconds), no budget without a GPU."""
+    import math
+
+    from megatron_zb.core.ir import Placement
+    from megatron_zb.megatron.launch.session import trough_inputs
+    args = parse(BASE + " --zero-bubble-schedule zb-h1")
+    args.padded_vocab_size = 32000
+    kw = trough_inputs(args, Placement.single(4))
+    assert kw["unit_bytes"] > 1e6 and 1e-6 <= kw["unit_s"] < 10
+    assert kw["budget_bytes"] == math.inf or kw["budget_bytes"] > 1e9
 
 
 def test_optimizer_offload_auto_shares_from_each_ranks_need():

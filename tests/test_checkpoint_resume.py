@@ -80,9 +80,9 @@ def _check(case, ranks, mcore_version):
                                                                      for i in range(4)}, tag
 
 
-def _vp(label, vocab, resume_vocab, untied=True, **kw):
+def _vp(label, vocab, resume_vocab, untied=True, emb=False, resume_emb=False, **kw):
     c = _case(label, "zb-v", 2, "v", chunks=2, **kw)
-    c.update(vocab=vocab, resume_vocab=resume_vocab, untied=untied)
+    c.update(vocab=vocab, resume_vocab=resume_vocab, untied=untied, emb=emb, resume_emb=resume_emb)
     return c
 
 
@@ -101,7 +101,10 @@ VOCAB = [_vp("zb-v pp2 vocab-parallel tied + adam", 1, 1, untied=False, ddp=True
          # the resumed half computes the output layer as shards: Adam magnifies its rounding differences
          # (the loaded weights are equal exactly; every loss within LOSS_ATOL)
          dict(_vp("zb-v pp2 without -> vocab-parallel, untied + adam", None, 1, ddp=True, optimizer=True),
-              param_atol=1e-4)]
+              param_atol=1e-4),
+         # --split-vocab-embedding: its input rows saved as the embedding's (tied: the shard under both names)
+         _vp("zb-v pp2 split embedding -> whole, untied", 1, 1, emb=True),
+         _vp("zb-v pp2 vocab-parallel -> split embedding, tied", 1, 1, untied=False, resume_emb=True)]
 
 
 @pytest.fixture(scope="module")

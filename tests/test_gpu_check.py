@@ -18,7 +18,7 @@ from tests._host import overload
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "benchmarks")
 SCRIPT = os.path.join(ROOT, "scripts", "gpu_check.sh")
-SECTIONS = ("env", "offload", "postval", "memory", "pipeline", "ep_overlap", "fbw")
+SECTIONS = ("env", "offload", "postval", "memory", "pipeline", "ep_overlap", "fbw", "trough")
 
 
 def _bench_path():
@@ -65,6 +65,7 @@ def test_dry_run_writes_every_section_json_and_markdown(tmp_path):
     assert [len(v) for v in plans["pipeline"]["launches"].values()] == [16, 16]
     assert len(plans["memory"]["cases"]) == 9 and "ep-overlap" in plans["ep_overlap"]["case"]
     assert len(plans["fbw"]["commands"]) == 2 and all("--device cuda" in c for c in plans["fbw"]["commands"])
+    assert plans["trough"]["subgroups"] * plans["trough"]["state_bytes_per_subgroup"] >= 2 ** 30  # GiB of states
     off = rep["sections"]["offload"]["figures"]
     assert off["dry_prediction_ratio_1"]["peak_mem_f"] < off["dry_prediction_ratio_1"]["peak_mem_f_no_offload"]
     md = (out / "gpu_check.md").read_text()

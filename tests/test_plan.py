@@ -211,3 +211,43 @@ def test_within_1f1b_memory_picks_the_fastest_row_no_larger_than_1f1b():
     assert P.within_1f1b_memory([r("zb-h1", 1.3, 37), r("1f1b", 1.5, 37.4)], replan) is None
     assert P.within_1f1b_memory([r("zb-v", 1.0, 40)], replan) is None  # no 1F1B row: nothing to compare with
     assert len(asked) == 1
+
+
+def test_quick_search_keeps_the_full_search_leading_rows():
+    """Issue 32 item 6: plan searches the V family quickly first and in full only the rows within
+    FULL_MARGIN of the leader: the leading row (and every row near it) is the full search's, no
+    slower than with every row searched in full, and a quickly searched row says so."""
+    spec = P.ModelSpec(**__import__("megatron_zb.core.models", fromlist=["x"]).spec_kwargs("llama-3.2-1b",
+                                                                                          seq_length=1024))
+    kw = dict(schedules=["1f1b", "zb-h1", "zb-v", "v-half", "v-min", "v-auto", "dualpipe-v"], vocab_parallel="both")
+    quick = [r for r in P.plan(spec, 4, 8, 80, **kw) if "error" not in r]
+    full = [r for r in P.plan(spec, 4, 8, 80, search="full", **kw) if "error" not in r]
+    assert all(r.get("search_effort", "full") == "full" for r in full)
+    top = quick[0]["iteration_time_s"]
+    for r in quick:
+        if r["iteration_time_s"] <= top * (1 + P.FULL_MARGIN):
+            assert r.get("search_effort", "full") == "full"
+    assert (quick[0]["iteration_time_s"], max(quick[0]["peak_bytes"])) <= \
+        (full[0]["iteration_time_s"], max(full[0]["peak_bytes"]))
+    with pytest.raises(ScheduleError, match="search is one of"):
+        P.plan(spec, 4, 8, 80, search="fast")
+
+
+def test_within_1f1b_memory_searches_a_quick_choice_in_full():
+    G = 1024 ** 3
+
+    def r(name, t, peak, effort=None):
+        out = {"schedule": name, "iteration_time_s": t, "ranked_by": "iteration_time_s", "peak_bytes": [peak * G],
+               "fits": True, "flags": "", "bubble_rate": 0.1}
+        if effort:
+            out["search_effort"] = effort
+        return out
+    rows = [r("zb-v", 1.0, 40, "full"), r("v-half", 1.1, 30, "quick"), r("v-auto", 1.12, 39, "full"),
+            r("1f1b", 1.5, 37.4)]
+    asked = []
+
+    def full(row, gib):
+        asked.append((row["schedule"], gib))
+        return r(row["schedule"], 1.3, 31, "full")  # slower in full: v-auto's replanned row wins
+    w = P.within_1f1b_memory(rows, lambda gib, names: [r("v-auto", 1.2, 37, "full")], full)
+    assert asked == [("v-half", None)] and w["schedule"] == "v-auto" and w["iteration_time_s"] == 1.2

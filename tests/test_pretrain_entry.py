@@ -110,8 +110,9 @@ RUNS = {
     # Megatron's 1F1B from that init ("1f1b": the tied shards are scattered from the embedding only then)
     "1f1b": dict(SCHEDULE="1f1b"),
     "zb-v/vocab/det": dict(SCHEDULE="zb-v", EXTRA_ARGS="--zero-bubble-deterministic-init --enable-vocab-parallel"),
+    # (and the input embedding split too, as the fork always does: --split-vocab-embedding)
     "fork/vocab": dict(SCHEDULE="megatron", EVAL_INTERVAL=4, EVAL_ITERS=2,
-                       EXTRA_ARGS="--enable-vocab-parallel --disable-backward-fusion"),
+                       EXTRA_ARGS="--enable-vocab-parallel --disable-backward-fusion --split-vocab-embedding"),
 }
 
 
@@ -225,8 +226,9 @@ def test_field_schedules_equal_1f1b_from_the_same_weights(trainings, name):
 @needs_training
 def test_vocabulary_parallelism_trains_like_1f1b(trainings):
     """The output layer spread over both ranks: zb-v (one barrier) from the same weights as 1f1b; the
-    fork's flags alone (1F1B, two barriers) from Megatron's own initialisation, the tied shards
-    scattered from the embedding; Megatron's evaluation through the vocabulary passes."""
+    fork's flags alone (1F1B, two barriers, the input embedding split too) from Megatron's own
+    initialisation, the tied shards scattered from the embedding, which the first stage then drops;
+    Megatron's evaluation through the vocabulary passes."""
     for name, ref_name in (("zb-v/vocab/det", "1f1b/det"), ("fork/vocab", "1f1b")):
         text, rows = _check_ok(trainings, name)
         _, ref = _check_ok(trainings, ref_name)

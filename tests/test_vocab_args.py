@@ -22,6 +22,11 @@ def test_the_flag_alone_runs_the_forks_1f1b_with_one_barrier():
     assert 0.3 < vc["cost_s"][0] < 1.0
     _, kw2 = validate(LLAMA + " --enable-vocab-parallel --disable-backward-fusion")
     assert kw2["vocab_parallel"] == 2
+    # the input embedding split too: VI/VG and their collectives in the costs, the flag to install()
+    _, kw3 = validate(LLAMA + " --enable-vocab-parallel --split-vocab-embedding")
+    assert kw3["vocab_embedding"] and kw3["vocab_costs"]["embedding"] and kw3["vocab_costs"]["mem_i"] > 0
+    built, _ = preview(ScheduleOptions(**kw3), 4, 16)
+    assert {"VI", "VG"} <= {a.kind for o in built.schedule.orders for a in o}
 
 
 def test_any_family_with_it_simulates_with_the_passes():
@@ -36,6 +41,7 @@ def test_any_family_with_it_simulates_with_the_passes():
 
 @pytest.mark.parametrize("extra,message", [
     ("--disable-backward-fusion", "--disable-backward-fusion is a setting of vocabulary parallelism"),
+    ("--split-vocab-embedding", "--split-vocab-embedding is a setting of vocabulary parallelism"),
     ("--use-interlaced-schedule", "--use-interlaced-schedule is not available in megatron-zb"),
     ("--enable-vocab-parallel --sequence-parallel", "cannot be combined with --sequence-parallel"),
     ("--enable-vocab-parallel --zero-bubble-schedule zb-h1 --cpu-offload", "cannot be combined with --cpu-offload"),

@@ -1,6 +1,7 @@
 """Vocabulary parallelism on real megatron-core (issue 33): the output layer as every pipeline rank's
 shard, its passes placed by the schedule core, against the non-pipelined reference with its whole
-output layer (loss, every gradient, the shards' gathered included), on both megatron-core versions."""
+output layer (loss, every gradient, the shards' gathered included), on both megatron-core versions;
+with the input embedding split over the ranks too (--split-vocab-embedding) in the cases that say so."""
 import subprocess
 import sys
 
@@ -36,20 +37,28 @@ def _cases(second_version):
             fams.append((p, V.make_case(n, p, num_microbatches=2 * p, iterations=2, num_layers=2 * p,
                                         vocab_parallel=1 + (i % 2), tie_embeddings=(i != 3),
                                         label=f"vocab {1 + (i % 2)} barrier(s)")))
+        # the input embedding split too (--split-vocab-embedding): 1f1b and zb-v, tied and untied
+        for n in ("1f1b", "zb-v"):
+            tied = (n == "1f1b") == (p == 2)
+            if second_version and not tied:
+                continue
+            fams.append((p, V.make_case(n, p, num_microbatches=2 * p, iterations=2, num_layers=2 * p,
+                                        vocab_parallel=1, vocab_embedding=True, tie_embeddings=tied,
+                                        label="vocab 1 barrier, split embedding")))
     out["families"] = fams
     out["tp_moe"] = [(4, V.make_case("zb-v", 2, 2, num_microbatches=4, iterations=2, vocab_parallel=b,
-                                     label=f"TP=2, {b} barrier(s)")) for b in (1, 2)]
+                                     vocab_embedding=(b == 2), label=f"TP=2, {b} barrier(s)")) for b in (1, 2)]
     out["tp_moe"] += [(4, V.make_case(n, 2, num_microbatches=4, iterations=2, vocab_parallel=1, data_parallel_size=2,
                                       num_experts=4, expert_model_parallel_size=2, moe_aux_loss_coeff=0.01,
-                                      label="MoE, EP=2")) for n in ("zb-v", "zb-h1")]
+                                      vocab_embedding=(n == "zb-h1"), label="MoE, EP=2")) for n in ("zb-v", "zb-h1")]
     out["optimizer"] = [
         (2, V.make_case("zb-v", 2, num_microbatches=4, iterations=3, vocab_parallel=1, optimizer="adam",
                         clip_grad=0.05, label="Adam, clipped, tied")),
         (2, V.make_case("v-half", 2, num_microbatches=4, iterations=2, vocab_parallel=2, forward_only=True,
-                        label="evaluation")),
+                        vocab_embedding=True, label="evaluation, split embedding")),
         (4, V.make_case("zb-h1", 2, num_microbatches=4, iterations=2, vocab_parallel=2, optimizer="adam",
                         use_distributed_optimizer=True, data_parallel_size=2, tie_embeddings=False,
-                        label="distributed optimizer, DP=2, untied"))]
+                        vocab_embedding=True, label="distributed optimizer, DP=2, untied, split embedding"))]
     return out
 
 
@@ -92,3 +101,5 @@ def test_what_it_does_not_run_yet_is_refused_in_one_line():
         V.make_case("bitpipe", 2, vocab_parallel=1)
     with pytest.raises(V.VerifyUsageError, match="split evenly over 6"):
         V.make_case("zb-h1", 3, 2, vocab_parallel=1, num_attention_heads=4)
+    with pytest.raises(V.VerifyUsageError, match="needs --enable-vocab-parallel"):
+        V.make_case("zb-v", 2, vocab_embedding=True)

@@ -75,6 +75,9 @@ def add_setting_args(ap: argparse.ArgumentParser, schedule_required: bool = True
                      help="vocabulary parallelism with two barriers per microbatch instead of one (the ZB authors' flag)")
     lay.add_argument("--vocab-cost-comm", type=nonneg("--vocab-cost-comm"), default=0.0, metavar="T",
                      help="time of one vocabulary barrier's collective (default 0)")
+    lay.add_argument("--split-vocab-embedding", action="store_true",
+                     help="vocabulary parallelism with the input embedding split too: every rank's lookup (VI) and "
+                          "weight gradient (VG) of --embedding-cost / P, their collectives at --vocab-cost-comm")
     _add_offload_args(ap)
 
 
@@ -158,8 +161,10 @@ def request(args, name: Optional[str] = None, chunks: Optional[int] = None,
             getattr(args, "enable_vocab_parallel", False):
         raise UsageError("--output-layer-cost / --embedding-cost / --enable-vocab-parallel describe what a --layout's "
                          "chunks hold: give --layout")
-    elif getattr(args, "disable_backward_fusion", False) or getattr(args, "vocab_cost_comm", 0.0):
-        raise UsageError("--disable-backward-fusion / --vocab-cost-comm need --enable-vocab-parallel")
+    elif getattr(args, "disable_backward_fusion", False) or getattr(args, "vocab_cost_comm", 0.0) or \
+            getattr(args, "split_vocab_embedding", False):
+        raise UsageError("--disable-backward-fusion / --vocab-cost-comm / --split-vocab-embedding need "
+                         "--enable-vocab-parallel")
     return req
 
 
@@ -189,8 +194,9 @@ def layout_costs(args, req: ScheduleRequest, p: int) -> dict:
     if vocab and o <= 0:
         raise UsageError("--enable-vocab-parallel spreads the output layer over the ranks: give --output-layer-cost X "
                          "(its cost in transformer layers)")
-    units = [s.count("t") + s.count("m") + (e if "E" in s else 0.0) + ((1 + mtp) * o if "L" in s and not vocab else 0.0)
-             for s in lay.stages]
+    inside = not (vocab and getattr(args, "split_vocab_embedding", False))  # split: the embedding in VI / VG
+    units = [s.count("t") + s.count("m") + (e if "E" in s and inside else 0.0)
+             + ((1 + mtp) * o if "L" in s and not vocab else 0.0) for s in lay.stages]
     mem_w = args.mem_w[0] if args.mem_w is not None else None
     out = {k: [u * getattr(args, k)[0] for u in units] for k in ("cost_f", "cost_b", "cost_w", "cost_a2a", "mem_f")}
     out["mem_w"] = None if mem_w is None else [u * mem_w for u in units]
@@ -200,9 +206,13 @@ def layout_costs(args, req: ScheduleRequest, p: int) -> dict:
         share = (1 + mtp) * o / p
         f, b, w, mf = (getattr(args, k)[0] * share for k in ("cost_f", "cost_b", "cost_w", "mem_f"))
         two = getattr(args, "disable_backward_fusion", False)
+        split = {}
+        if getattr(args, "split_vocab_embedding", False):  # the embedding's F / W over the ranks (VI, VG)
+            split = dict(embedding=True, cost_i=args.cost_f[0] * e / p, cost_g=args.cost_w[0] * e / p,
+                         cost_ci=args.vocab_cost_comm, cost_cg=args.vocab_cost_comm, mem_i=args.mem_f[0] * e)
         out["vocab"] = VocabSetting(barriers=2 if two else 1, cost_s=f if two else f + b, cost_t=b if two else 0.0,
                                     cost_w=w, cost_comm=args.vocab_cost_comm, mem_s=mf,
-                                    mem_w=(mem_w if mem_w is not None else 0.5 * args.mem_f[0]) * share)
+                                    mem_w=(mem_w if mem_w is not None else 0.5 * args.mem_f[0]) * share, **split)
     return out
 
 

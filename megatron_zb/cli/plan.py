@@ -133,6 +133,9 @@ def add_parser(sub) -> None:
     vx.add_argument("--no-vocab-parallel", action="store_true", help="only rows without it")
     vg.add_argument("--disable-backward-fusion", action="store_true",
                     help="two all-reduce barriers per microbatch instead of one (the ZB authors' flag)")
+    vg.add_argument("--whole-vocab-embedding", action="store_true",
+                    help="the '+vocab' rows keep the input embedding whole on the first stage's rank (default: split "
+                         "over the pipeline ranks too, --split-vocab-embedding: '+vocab+emb')")
     vg.add_argument("--vocab-comm-gbps", type=positive_float("--vocab-comm-gbps"), default=None, metavar="GB/s",
                     help="bandwidth of the vocabulary barriers' collectives over the pipeline ranks (default 50)")
     pn.add_argument("--cost-optimizer", type=nonneg("--cost-optimizer"), default=0.0,
@@ -148,6 +151,11 @@ def add_parser(sub) -> None:
     og.add_argument("--offload-half-duplex", action="store_true",
                     help="D2H and H2D share one queue (one copy stream)")
     add_optimizer_offload_args(pn)
+    pn.add_argument("--full-search", action="store_true",
+                    help="search every row of zb-v, v-half, v-min and v-auto in full (what training builds "
+                         "from the row's flags); default: a quick search first and the full one for the rows within "
+                         "6%% of the leading row and the row chosen within 1F1B's memory (rows marked ~ were searched "
+                         "quickly)")
     pn.add_argument("--json", action="store_true",
                     help="print one JSON object instead (per-rank lists in bytes and seconds)")
     pn.add_argument("--jobs", type=positive_int("--jobs"), default=None, metavar="N",
@@ -191,10 +199,18 @@ def cmd_plan(args) -> int:
               vocab_parallel="on" if args.enable_vocab_parallel else "off" if args.no_vocab_parallel else "both",
               vocab_barriers=2 if args.disable_backward_fusion else 1,
               vocab_gbps=args.vocab_comm_gbps if args.vocab_comm_gbps is not None else P.EP_BANDWIDTH_GBPS,
-              optimizer_offload=args.optimizer_offload, host_costs=host_costs(args))
+              optimizer_offload=args.optimizer_offload, host_costs=host_costs(args),
+              vocab_embedding=not args.whole_vocab_embedding, search="full" if args.full_search else "quick")
     rows = P.plan(spec, args.pipeline_parallel_size, args.num_microbatches, args.gpu_memory_gb, **kw)
-    within = P.within_1f1b_memory(rows, lambda gib, names: P.plan(spec, args.pipeline_parallel_size,
-                                                                   args.num_microbatches, gib, schedules=names, **kw))
+    def again(gib, names, **more):
+        return P.plan(spec, args.pipeline_parallel_size, args.num_microbatches,
+                      args.gpu_memory_gb if gib is None else gib, schedules=names, **dict(kw, **more))
+
+    def full(row, gib):  # a quickly searched row, searched in full
+        return again(gib, [row["schedule"]], search="full",
+                     vocab_parallel="on" if row.get("vocab_parallel") else "off")[0]
+
+    within = P.within_1f1b_memory(rows, again, full)
     advice = post_validation_advice(rows, args.optimizer_post_validation)
     if args.json:
         print(json.dumps({"model": dataclasses.asdict(spec), "pipeline_parallel_size": args.pipeline_parallel_size,
@@ -288,6 +304,9 @@ PLAN_COLUMNS = """columns:
   fits           peak GiB <= --gpu-memory-gb
   pairs          MoE with expert parallelism: the overlapped F&B pairs of the schedule, whose
                  all-to-all hides behind the other pass's compute (--ep-bandwidth-gbps)
+  ~schedule      searched quickly (plan's first pass: fewer candidates, a shorter local search;
+                 the rows within 6% of the first and the one within 1F1B's memory are searched in
+                 full, as training searches them); --full-search searches every row in full
 Below the table: the flags of the first schedule that fits (the fastest; among equally fast
 ones the cheapest in memory), ready to paste into a Megatron command, then those of the others
 that fit (--zero-bubble-memory-limit counts microbatches: one is the activation memory of one
@@ -393,7 +412,9 @@ def _print_plan(args, spec, rows, profile, tflops, advice, within=None) -> None:
 def _label(r: dict) -> str:
     """A row's name in the table: the schedule, '+vocab' with vocabulary parallelism (2 barriers: '+vocab2')."""
     v = r.get("vocab_parallel")
-    return r["schedule"] + ("" if not v else " +vocab" if v == 1 else " +vocab2")
+    quick = "~" if r.get("search_effort") == "quick" else ""
+    return quick + r["schedule"] + ("" if not v else " +vocab" if v == 1 else " +vocab2") + \
+        ("+emb" if r.get("vocab_embedding") else "")
 
 
 def post_validation_advice(rows: List[dict], post_validation: bool) -> Optional[str]:

@@ -28,6 +28,7 @@ from .lower import lower
 from .offload import add_offload
 from .offload_search import generate_with_offload
 from .pairing import form_pairs
+from .schedules.auto import check_effort
 from .schedules.exact import AUTOMATIC, refine
 from .simulate import SimResult, simulate
 from .validate import validate
@@ -127,6 +128,12 @@ class ScheduleRequest:
     # vocabulary parallelism (core.vocab): the output layer and loss on every rank's shard, as
     # passes the core places into the schedule; costs above then leave the output layer out
     vocab: Optional[VocabSetting] = None
+    # how hard the searched schedules look (``schedules.auto.EFFORTS``): 'full' (what training
+    # builds) or 'quick' (plan's first pass over its rows)
+    effort: str = "full"
+
+    def __post_init__(self):
+        check_effort(self.effort)
 
     @property
     def spec(self) -> schedules.ScheduleSpec:
@@ -184,7 +191,14 @@ class Built:
         return self._lowered[forward_only]
 
 
-def _with_vocab(spec, sched: Schedule, base: Setting, setting: Setting) -> Schedule:
+def _generator(spec: schedules.ScheduleSpec, effort: str):
+    """``spec``'s generator at search ``effort`` (the schedules that search take one)."""
+    if effort == "full" or not spec.effort:
+        return spec.generate
+    return lambda setting: spec.generate(setting, effort=effort)
+
+
+def _with_vocab(generate, spec, sched: Schedule, base: Setting, setting: Setting) -> Schedule:
     """The vocabulary passes placed into ``sched`` (``core.vocab.place_vocab``). A searched schedule
     whose passes then peak over the memory limit is searched again under a limit lowered by what
     they add (the vocabulary activations and the backwards they delay), until it fits."""
@@ -201,7 +215,7 @@ def _with_vocab(spec, sched: Schedule, base: Setting, setting: Setting) -> Sched
         if lower <= 0:
             break
         try:
-            again = place_vocab(spec.generate(dataclasses.replace(base, memory_limit=lower)), st, memory_limit=limit)
+            again = place_vocab(generate(dataclasses.replace(base, memory_limit=lower)), st, memory_limit=limit)
         except ScheduleError:
             break
         p2 = max(simulate(again, st).peak_memory)
@@ -240,11 +254,12 @@ def build(request: ScheduleRequest, p: int, m: int, *, enforce_limit: bool = Tru
             sched = generate_with_offload(request.name, setting, request.offload.options(setting.memory_limit))
         else:
             own = dataclasses.replace(setting, vocab=None)  # the pipeline's own passes first
-            sched = spec.generate(own)
+            generate = _generator(spec, request.effort)
+            sched = generate(own)
             if request.exact is not None and request.name in AUTOMATIC:
                 sched = refine(sched, own, node_limit=request.exact[0], time_limit=request.exact[1])
             if request.vocab is not None:
-                sched = _with_vocab(spec, sched, own, setting)
+                sched = _with_vocab(generate, spec, sched, own, setting)
     setting = dataclasses.replace(setting, chunks=sched.placement.chunks)
     if base is None:  # MoE all-to-all overlap: the F&B pairs that shorten the iteration (none without)
         sched = form_pairs(sched, setting)

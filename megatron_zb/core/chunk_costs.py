@@ -91,9 +91,11 @@ def stage_work(spec: ModelSpec, layout: Layout) -> List[float]:
 
 
 def chunk_costs(spec: ModelSpec, layout: Layout, placement: Placement, flops_per_s: float,
-                ep_bytes_per_s: float, vocab: bool = False) -> ChunkCosts:
+                ep_bytes_per_s: float, vocab: bool = False, vocab_embedding: bool = False) -> ChunkCosts:
     """Each chunk's costs for ``layout`` on ``placement`` (whose logical stages it must describe);
-    ``vocab``: with vocabulary parallelism (the output layer in ``vocab_setting``'s passes)."""
+    ``vocab``: with vocabulary parallelism (the output layer in ``vocab_setting``'s passes);
+    ``vocab_embedding``: the input embedding split over the ranks too (each holds V / P of its rows:
+    tied, they are its output shard; the first stage's rank keeps no whole embedding)."""
     if layout.num_stages != placement.num_logical_stages:
         raise ScheduleError(f"layout {layout} has {layout.num_stages} stages; the placement runs "
                             f"{placement.num_logical_stages} model chunks")
@@ -120,7 +122,7 @@ def chunk_costs(spec: ModelSpec, layout: Layout, placement: Placement, flops_per
         r, l = placement.rank_of(s), placement.logical(s)
         params[r] += par[l]
         path = placement.path(placement.path_of(s))
-        if l == 0:
+        if l == 0 and not (vocab and vocab_embedding):
             params[r] += spec.embedding_params()
         if l == last and not vocab:
             if spec.untie_embeddings_and_output_weights:
@@ -128,13 +130,14 @@ def chunk_costs(spec: ModelSpec, layout: Layout, placement: Placement, flops_per
             elif placement.rank_of(path[0]) != r:  # the tied weight's copy on the loss's rank
                 params[r] += spec.embedding_params()
     if vocab:  # every rank holds its shard of the output layer (tied: of the embedding's weight)
+        shards = 2 if vocab_embedding and spec.untie_embeddings_and_output_weights else 1  # untied: the input's too
         for r in range(placement.num_ranks):
-            params[r] += spec.embedding_params() / placement.num_ranks
+            params[r] += shards * spec.embedding_params() / placement.num_ranks
     return ChunkCosts(layout, cf, cb, cw, ca, mf, mw, params)
 
 
 def vocab_setting(spec: ModelSpec, p: int, flops_per_s: float, bytes_per_s: float, barriers: int = 1,
-                  mem_unit: float = 1.0):
+                  mem_unit: float = 1.0, embedding: bool = False):
     """The vocabulary passes of ``spec`` over ``p`` pipeline ranks (``core.vocab.VocabSetting``):
     each rank's shard of the output layer (V / (p x TP) rows). One barrier: VS computes the logits,
     their statistics and the shard's part of the input gradient (two GEMMs), VT the softmax and the
@@ -142,7 +145,11 @@ def vocab_setting(spec: ModelSpec, p: int, flops_per_s: float, bytes_per_s: floa
     gradient's part. VW the shard's weight gradient. Memory (units of ``mem_unit`` bytes): VS holds
     the fp32 logits shard and a copy of the hidden states until VT, VW's the logits' gradient and
     the hidden states. A barrier: the statistics (4 floats per token), and the input gradient
-    (s b h elements) gathered to (one barrier) or summed on (two) the loss's rank."""
+    (s b h elements) gathered to (one barrier) or summed on (two) the loss's rank. ``embedding``: the
+    input embedding split too: VI the lookup of the rank's rows (an elementwise pass over the s b h
+    output), VG their weight gradient (the embedding's W: a scatter-add of s b h), CI the sum of the
+    partial outputs on the first stage's rank (a reduce: (p - 1) / p of them over the link), CG the
+    broadcast of their gradient from there (the same); each holds the embedding output (e s b h)."""
     from .vocab import VocabSetting
     f, b, w = (x / p for x in spec.output_flops())
     tokens = spec.seq_length * spec.micro_batch_size
@@ -156,6 +163,13 @@ def vocab_setting(spec: ModelSpec, p: int, flops_per_s: float, bytes_per_s: floa
     else:
         cs, ct = (f + soft) / flops_per_s, b / flops_per_s
         moved = 2.0 * hidden * (p - 1) / p + 16.0 * tokens * p
+    split = {}
+    if embedding:
+        out = hidden / spec.tensor_parallel_size  # the embedding output (VocabParallelEmbedding's, per TP rank)
+        link = out * (p - 1) / p / bytes_per_s if bytes_per_s > 0 else 0.0
+        split = dict(embedding=True, cost_i=2.0 * out / e / flops_per_s, cost_g=spec.embedding_flops()[2] / flops_per_s,
+                     cost_ci=link, cost_cg=link, mem_i=out / mem_unit)
     return VocabSetting(barriers=barriers, cost_s=cs, cost_t=ct, cost_w=w / flops_per_s,
                         cost_comm=moved / bytes_per_s if bytes_per_s > 0 else 0.0,
-                        mem_s=(4.0 * tokens * shard + hidden) / mem_unit, mem_w=(e * tokens * shard + hidden) / mem_unit)
+                        mem_s=(4.0 * tokens * shard + hidden) / mem_unit, mem_w=(e * tokens * shard + hidden) / mem_unit,
+                        **split)

@@ -13,13 +13,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from .errors import ScheduleError, is_nonneg_number, setting_values
+
 F, B, W, BW = "F", "B", "W", "BW"
 COMPUTE_KINDS = (F, B, W, BW)
 # Vocabulary parallelism (core.vocab): the output layer and loss spread over every pipeline rank;
 # each rank runs, per microbatch, VS (its vocabulary shard's forward), VT (its backward) and VW
-# (the shard's weight gradient). ``Action.stage`` of a vocabulary pass is the rank whose shard it is.
-VS, VT, VW = "VS", "VT", "VW"
-VOCAB_KINDS = (VS, VT, VW)
+# (the shard's weight gradient); with the input embedding split too (``core.vocab_input``) VI (its
+# rows' lookup) and VG (their weight gradient). ``Action.stage`` of one is the rank whose shard it is.
+VS, VT, VW, VI, VG = "VS", "VT", "VW", "VI", "VG"
+VOCAB_KINDS = (VS, VT, VW, VI, VG)
 # Lowered communication actions: the tensor of (stage, mb) produced by the named pass.
 SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
 COMM_KINDS = (SEND_F, RECV_F, SEND_B, RECV_B)
@@ -33,10 +36,6 @@ OVERLAP = "OVERLAP_F_B"
 OFFLOAD, RELOAD, OFFLOAD_W, RELOAD_W = "OFFLOAD", "RELOAD", "OFFLOAD_W", "RELOAD_W"
 OFFLOAD_KINDS = (OFFLOAD, RELOAD, OFFLOAD_W, RELOAD_W)
 ALL_KINDS = COMPUTE_KINDS + COMM_KINDS + (OVERLAP,) + OFFLOAD_KINDS + VOCAB_KINDS
-
-
-class ScheduleError(ValueError):
-    """A schedule or setting is malformed. The message names what is wrong and what is right."""
 
 
 @dataclass(frozen=True)
@@ -366,19 +365,19 @@ class Setting:
             raise ScheduleError(f"microbatches must be an integer >= 1, got {self.microbatches!r}")
         if self.chunks is not None and (not isinstance(self.chunks, int) or self.chunks < 1):
             raise ScheduleError(f"chunks must be an integer >= 1, got {self.chunks!r}")
-        self.cost_f = _values("cost-f", self.cost_f, p, self.chunks)
-        self.cost_b = _values("cost-b", self.cost_b, p, self.chunks)
-        self.cost_w = _values("cost-w", self.cost_w, p, self.chunks)
-        self.cost_a2a = _values("cost-a2a", self.cost_a2a, p, self.chunks)
-        self.mem_f = _values("mem-f", self.mem_f, p, self.chunks)
+        self.cost_f = setting_values("cost-f", self.cost_f, p, self.chunks)
+        self.cost_b = setting_values("cost-b", self.cost_b, p, self.chunks)
+        self.cost_w = setting_values("cost-w", self.cost_w, p, self.chunks)
+        self.cost_a2a = setting_values("cost-a2a", self.cost_a2a, p, self.chunks)
+        self.mem_f = setting_values("mem-f", self.mem_f, p, self.chunks)
         if self.mem_w is None:
             self.mem_w = [DEFAULT_MEM_W_RATIO * x for x in self.mem_f]
-        self.mem_w = _values("mem-w", self.mem_w, p, self.chunks)
-        if not _is_nonneg_number(self.cost_comm):
+        self.mem_w = setting_values("mem-w", self.mem_w, p, self.chunks)
+        if not is_nonneg_number(self.cost_comm):
             raise ScheduleError(f"cost-comm must be a non-negative number, got {self.cost_comm!r}")
-        if not _is_nonneg_number(self.cost_sync):
+        if not is_nonneg_number(self.cost_sync):
             raise ScheduleError(f"cost-sync must be a non-negative number, got {self.cost_sync!r}")
-        if self.memory_limit is not None and not (_is_nonneg_number(self.memory_limit)):
+        if self.memory_limit is not None and not (is_nonneg_number(self.memory_limit)):
             raise ScheduleError(f"memory-limit must be a non-negative number, got {self.memory_limit!r}")
         if self.microbatch_costs is not None:
             self.microbatch_costs.check(self.microbatches)
@@ -441,6 +440,11 @@ class Setting:
     def _pass_mem(self, kind: str, rank: int, stage: Optional[int], mb: Optional[int]) -> float:
         if kind in VOCAB_KINDS:
             return self.vocab.mem(kind, rank) if self.vocab is not None else 0.0
+        if self.vocab is not None and stage == 0:  # the input embedding split: its output and gradient
+            return self.vocab.first_mem(kind, stage) + self._own_mem(kind, rank, stage, mb)
+        return self._own_mem(kind, rank, stage, mb)
+
+    def _own_mem(self, kind: str, rank: int, stage: Optional[int], mb: Optional[int]) -> float:
         k = self._k("mem", mb)
         if kind == F:
             return self._at(self.mem_f, rank, stage) * k
@@ -477,24 +481,3 @@ class Setting:
 # M_W = 32h: the ratio is ~0.94 with flash attention (no 5as term) and ~0.2 for long sequences
 # without it. 0.5 sits between; pass --mem-w for your model (``megatron-zb plan`` computes it).
 DEFAULT_MEM_W_RATIO = 0.5
-
-
-def _is_nonneg_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x and 0 <= x < float("inf")
-
-
-def _values(name: str, values, p: int, chunks: Optional[int]) -> List[float]:
-    """One value (for every rank), one per rank, or one per model chunk (P x chunks, chunks > 1)."""
-    if isinstance(values, (int, float)):
-        values = [values]
-    values = list(values)
-    for x in values:
-        if not _is_nonneg_number(x):
-            raise ScheduleError(f"{name} must be non-negative numbers, got {x!r}")
-    if len(values) == 1:
-        return [float(values[0])] * p
-    if len(values) == p or (chunks and chunks > 1 and len(values) == p * chunks):
-        return [float(x) for x in values]
-    per_chunk = (f", or one per model chunk ({p} x {chunks} = {p * chunks})" if chunks and chunks > 1
-                 else " (one per model chunk where a schedule runs several chunks per rank)")
-    raise ScheduleError(f"{name} has {len(values)} values; give one value or one per stage ({p}){per_chunk}")

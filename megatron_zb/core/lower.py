@@ -23,7 +23,7 @@ import dataclasses
 from collections import defaultdict
 from typing import Dict, List, Optional, Tuple
 
-from .ir import (B, BW, F, OFFLOAD_KINDS, VS, VT, RECV_B, RECV_F, SEND_B, SEND_F, Action, Schedule, ScheduleError,
+from .ir import (B, BW, F, OFFLOAD_KINDS, VI, VS, VT, RECV_B, RECV_F, SEND_B, SEND_F, Action, Schedule, ScheduleError,
                  Setting)
 from .simulate import simulate
 
@@ -104,10 +104,11 @@ def _first_start_at_or_after(tl, t: float) -> int:
 def forward_only(schedule: Schedule) -> Schedule:
     """The forward passes of ``schedule`` in the same per-rank order (evaluation); with vocabulary
     parallelism also the passes that compute the loss (VS, VT: the statistics and the loss, no
-    gradients). Dropping actions nothing kept depends on keeps the order deadlock-free."""
+    gradients) and, with the embedding split, the lookups (VI). Dropping actions nothing kept
+    depends on keeps the order deadlock-free."""
     schedule = schedule.flat()
     meta = {k: v for k, v in schedule.meta.items() if k not in ("overlap_pairs", "offload")}
-    orders = [[a for a in o if a.kind in (F, VS, VT)] for o in schedule.orders]
+    orders = [[a for a in o if a.kind in (F, VS, VT, VI)] for o in schedule.orders]
     return dataclasses.replace(schedule, name=schedule.name + "/forward-only", orders=orders,
                                meta=dict(meta, forward_only=True))
 

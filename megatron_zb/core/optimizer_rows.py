@@ -87,6 +87,6 @@ def apply(out: dict, built, spec, params: List[float], unit: float, budget: floa
     out["flags"] += " --optimizer-cpu-offload --use-precision-aware-optimizer --use-distributed-optimizer"
     if mode == "static":
         out["flags"] += f" --optimizer-offload-fraction {fractions[0]:g}"
-    else:  # each rank its own share (the trough schedule itself is the plan's model: docs/optimizer_offload.md)
-        out["flags"] += f" --zero-bubble-optimizer-offload {shares}"
+    else:  # each rank its own share, visiting the troughs with 'trough' (docs/optimizer_offload.md)
+        out["flags"] += f" --zero-bubble-optimizer-offload {'trough:' if mode == 'trough' else ''}{shares}"
     return out

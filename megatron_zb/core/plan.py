@@ -23,6 +23,12 @@ from .model import ModelSpec, layer_split, stage_activation_bytes  # noqa: F401 
 # schedules found by a search (seconds each at P=16), not built by a rule; the longest first
 SEARCHED = ("v-auto", "zb-v", "v-half", "v-min", "zb-auto")
 
+#: ``search='quick'``: a row searched quickly whose time per iteration lies within this share of the
+#: leading row's is searched again in full (the full search is up to ~5% faster on the V family's
+#: tight limits)
+FULL_MARGIN = 0.06
+SEARCHES = ("quick", "full")
+
 GPU_PEAK_TFLOPS = {"h100": 989.0, "h200": 989.0, "a100": 312.0, "b200": 2250.0, "mi300x": 1307.0}
 
 #: all-to-all bandwidth per GPU of expert parallelism, GB/s, where none is given: one 400 Gb/s
@@ -39,7 +45,7 @@ def plan(spec: ModelSpec, pipeline_parallel_size: int, microbatches: int, gpu_me
          ep_bandwidth_gbps: float = EP_BANDWIDTH_GBPS, a2a_overlap: bool = True,
          layout: Optional[str] = None, layout_search: bool = True, vocab_parallel: str = "off",
          vocab_barriers: int = 1, vocab_gbps: float = EP_BANDWIDTH_GBPS, optimizer_offload: Optional[str] = None,
-         host_costs=None) -> List[dict]:
+         host_costs=None, vocab_embedding: bool = False, search: str = "quick") -> List[dict]:
     """Rows sorted by (fits, time per training iteration): with Megatron's synchronous optimizer
     step, or with optimizer post-validation when ``post_validation`` (``cost_optimizer`` seconds
     per step); times within 0.1% count as equal, the least peak memory first
@@ -62,11 +68,18 @@ def plan(spec: ModelSpec, pipeline_parallel_size: int, microbatches: int, gpu_me
     does not match gets an error row), or the faster of the even split and, with ``layout_search``,
     the balanced layout (``core.layout_search``), each chunk costed by what it holds.
     ``vocab_parallel``: 'off' (rows without vocabulary parallelism), 'on' (with, ``vocab_barriers``
-    barriers, its collectives at ``vocab_gbps`` GB/s) or 'both' (a row of each for every schedule).
+    barriers, its collectives at ``vocab_gbps`` GB/s; the input embedding split too where
+    ``vocab_embedding``) or 'both' (a row of each for every schedule).
     ``optimizer_offload`` 'auto' | 'trough' (``core.optimizer_rows``): every row counts each rank's
     optimizer step (``host_costs``, a ``core.optimizer_offload.HostCosts``), and a row that does
     not fit offloads each rank's share of its Adam states, updated on the CPU ('auto') or in the
-    troughs ('trough')."""
+    troughs ('trough').
+
+    ``search``: 'full' searches every searched schedule's row in full (what training builds from its
+    flags); 'quick' (default) searches them first with the quick effort (``schedules.auto.EFFORTS``:
+    several times faster), then again in full every such row within ``FULL_MARGIN`` of the leading
+    row's time per iteration (fitting rows first), so the rows that lead are the full search's. Each
+    searched row says which in ``search_effort``."""
     if exact is not None and offload_ratio is not None:
         raise ScheduleError("the exact mode solves schedules without activation offload (the MILP has no host "
                             "link): leave out the offload ratio or the exact mode")
@@ -87,6 +100,8 @@ def plan(spec: ModelSpec, pipeline_parallel_size: int, microbatches: int, gpu_me
     if microbatches < 1:
         raise ScheduleError("--num-microbatches must be >= 1")
     fixed: Optional[Layout] = parse(layout, p) if layout is not None else None
+    if search not in SEARCHES:
+        raise ScheduleError(f"search is one of {', '.join(SEARCHES)}, got {search!r}")
     if vocab_parallel not in ("off", "on", "both"):
         raise ScheduleError(f"vocab_parallel is 'off', 'on' or 'both', got {vocab_parallel!r}")
     if vocab_parallel == "on" and offload_ratio is not None:
@@ -99,21 +114,17 @@ def plan(spec: ModelSpec, pipeline_parallel_size: int, microbatches: int, gpu_me
                             interleave_chunks=interleave_chunks, cost_optimizer=cost_optimizer,
                             ranked_by=key, offload=(offload_ratio, offload_time, host_link_gbps, offload_overlap),
                             exact=exact, a2a=(ep_bandwidth_gbps, a2a_overlap), layout=fixed, search=layout_search,
-                            vocab_gbps=vocab_gbps, optim=_optim(optimizer_offload, host_costs))
+                            vocab_gbps=vocab_gbps, optim=_optim(optimizer_offload, host_costs),
+                            vocab_embedding=vocab_embedding, effort=search)
     variants = {"off": [None], "on": [vocab_barriers], "both": [None, vocab_barriers]}[vocab_parallel]
     todo = [(name, v) for name in (schedules or names()) for v in variants]
-    if jobs > 1 and len(todo) > 1:
-        # fork where there is one: the workers need nothing re-imported (and the caller's main
-        # module may be a script that cannot be, e.g. stdin)
-        ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
-        # the searched schedules first, the longest first (they take seconds; the others milliseconds)
-        order = sorted(range(len(todo)), key=lambda i: SEARCHED.index(todo[i][0]) if todo[i][0] in SEARCHED
-                       else len(SEARCHED))
-        with concurrent.futures.ProcessPoolExecutor(min(jobs, len(todo)), mp_context=ctx) as pool:
-            done = dict(zip(order, pool.map(one, [todo[i] for i in order])))
-        rows = [done[i] for i in range(len(todo))]
-    else:
-        rows = [one(job) for job in todo]
+    rows = _run(one, todo, jobs)
+    again = _leading_quick(rows, key)
+    while again:  # the rows that may lead, searched in full (until those near the new leader are)
+        full = _run(functools.partial(one, effort="full"), [todo[i] for i in again], jobs)
+        for i, r in zip(again, full):
+            rows[i] = r
+        again = _leading_quick(rows, key)
     base = next((r for r in rows if r["schedule"] == "1f1b" and "error" not in r and not r.get("vocab_parallel")),
                 None)
     ok = [r for r in rows if "error" not in r]
@@ -124,6 +135,33 @@ def plan(spec: ModelSpec, pipeline_parallel_size: int, microbatches: int, gpu_me
     ok = (by_memory_among_ties([r for r in ok if r["fits"]], lambda r: r[key], lambda r: max(r["peak_bytes"]))
           + by_memory_among_ties([r for r in ok if not r["fits"]], lambda r: r[key], lambda r: max(r["peak_bytes"])))
     return ok + [r for r in rows if "error" in r]
+
+
+def _run(one, todo: list, jobs: int) -> List[dict]:
+    """``one(job)`` for every job of ``todo``, by ``jobs`` processes at once where more than one."""
+    if jobs > 1 and len(todo) > 1:
+        # fork where there is one: the workers need nothing re-imported (and the caller's main
+        # module may be a script that cannot be, e.g. stdin)
+        ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+        # the searched schedules first, the longest first (they take seconds; the others milliseconds)
+        order = sorted(range(len(todo)), key=lambda i: SEARCHED.index(todo[i][0]) if todo[i][0] in SEARCHED
+                       else len(SEARCHED))
+        with concurrent.futures.ProcessPoolExecutor(min(jobs, len(todo)), mp_context=ctx) as pool:
+            done = dict(zip(order, pool.map(one, [todo[i] for i in order])))
+        return [done[i] for i in range(len(todo))]
+    return [one(job) for job in todo]
+
+
+def _leading_quick(rows: List[dict], key: str) -> List[int]:
+    """Indices of the quickly searched rows within ``FULL_MARGIN`` of the leading row's ``key`` (the
+    fastest fitting row; where none fits, the fastest): those the full search could bring first."""
+    ok = [r for r in rows if "error" not in r]
+    if not ok:
+        return []
+    fits = any(r["fits"] for r in ok)
+    top = min(r[key] for r in ok if r["fits"] or not fits)
+    return [i for i, r in enumerate(rows) if "error" not in r and r.get("search_effort") == "quick"
+            and (r["fits"] or not fits) and r[key] <= top * (1 + FULL_MARGIN)]
 
 
 def _optim(mode, costs):
@@ -156,13 +194,16 @@ def by_memory_among_ties(rows: List[dict], time, peak, tie: float = TIE) -> List
     return out
 
 
-def within_1f1b_memory(rows: List[dict], replan) -> Optional[dict]:
+def within_1f1b_memory(rows: List[dict], replan, full=None) -> Optional[dict]:
     """The fastest row that needs no more memory on any rank than Megatron's 1F1B (its row without
     vocabulary parallelism, fitting the budget), where the fastest fitting row needs more: the rows
     already made, and the searched schedules (v-auto, zb-auto, with their rows' vocabulary setting)
     planned again by ``replan(gib, names)`` with 1F1B's peak as the budget, so that their memory
     limit is the room under it. None where the fastest fitting row already needs no more, or
-    without a 1F1B row. The row carries ``budget_gib`` and its speed over that 1F1B row."""
+    without a 1F1B row. The row carries ``budget_gib`` and its speed over that 1F1B row. A row
+    chosen that was searched quickly (``search_effort``) is searched again in full by
+    ``full(row, gib)`` (gib: the budget it was planned with; None: take it as it is) and the choice
+    made again."""
     ok = [r for r in rows if "error" not in r and r["fits"]]
     base = next((r for r in ok if r["schedule"] == "1f1b" and not r.get("vocab_parallel")), None)
     if base is None or not ok:
@@ -171,12 +212,21 @@ def within_1f1b_memory(rows: List[dict], replan) -> Optional[dict]:
     if max(ok[0]["peak_bytes"]) <= cap:
         return None
     names = sorted({r["schedule"] for r in ok if r["schedule"] in ("v-auto", "zb-auto")})
-    again = [r for r in replan(max(base["peak_bytes"]) / 1024 ** 3, names) if "error" not in r and r["fits"]] \
-        if names else []
-    cands = [r for r in ok + again if max(r["peak_bytes"]) <= cap]
-    if not cands:
-        return None
-    best = dict(min(cands, key=lambda r: (r[key], max(r["peak_bytes"]))))
+    gib = max(base["peak_bytes"]) / 1024 ** 3
+    again = [r for r in replan(gib, names) if "error" not in r and r["fits"]] if names else []
+    cands = [(r, None) for r in ok] + [(r, gib) for r in again]
+    while True:
+        fit = [(r, g) for r, g in cands if max(r["peak_bytes"]) <= cap]
+        if not fit:
+            return None
+        i = min(range(len(fit)), key=lambda i: (fit[i][0][key], max(fit[i][0]["peak_bytes"])))
+        r, g = fit[i]
+        if r.get("search_effort") != "quick" or full is None:
+            break
+        redone = full(r, g)  # the full search's row in its place
+        cands = [(x, h) for x, h in cands if x is not r] + \
+            ([(redone, g)] if redone is not None and "error" not in redone and redone["fits"] else [])
+    best = dict(r)
     best["budget_gib"] = max(base["peak_bytes"]) / 1024 ** 3
     best["throughput_vs_1f1b"] = round(base[key] / best[key], 4) if best[key] else None
     return best

@@ -64,9 +64,12 @@ def candidate_layouts(spec: ModelSpec, pl: Placement, pad_ends: bool, layout: Op
 def row(name: str, spec: ModelSpec, p: int, m: int, budget: float, flops_per_s: float, profile: Optional[dict],
         pad_ends: bool, interleave_chunks: int, cost_optimizer: float, ranked_by: str, offload: tuple,
         exact: Optional[tuple], a2a: tuple, layout: Optional[Layout] = None, search: bool = True,
-        vocab: Optional[int] = None, vocab_gbps: float = 50.0, optim: Optional[tuple] = None) -> dict:
+        vocab: Optional[int] = None, vocab_gbps: float = 50.0, optim: Optional[tuple] = None,
+        vocab_embedding: bool = False, effort: str = "full") -> dict:
     """The best row over the candidate layouts (fits first, then ``ranked_by``), or {schedule, error}.
-    ``vocab``: with vocabulary parallelism, that many barriers (``core.vocab``)."""
+    ``vocab``: with vocabulary parallelism, that many barriers (``core.vocab``); ``vocab_embedding``:
+    the input embedding split over the ranks too. ``effort``: how hard the searched schedules look
+    (``schedules.auto.EFFORTS``; the row says which in ``search_effort``)."""
     sp = get(name)
     v = sp.resolve_chunks(interleave_chunks if sp.chunks is None else None)
     pl = placement_for(sp.placement, p, v)
@@ -84,7 +87,8 @@ def row(name: str, spec: ModelSpec, p: int, m: int, budget: float, flops_per_s: 
 
     def one(k: int) -> dict:
         return _one(sp, spec, p, m, v, pl, layouts[k], budget, flops_per_s, profile, cost_optimizer, ranked_by,
-                    offload, exact, a2a, pad_ends and layout is None and k == 0, (vocab, vocab_gbps), optim)
+                    offload, exact, a2a, pad_ends and layout is None and k == 0, (vocab, vocab_gbps, vocab_embedding), optim,
+                    effort)
 
     # A layout whose lower bound (no schedule's iteration is shorter) lies above a fitting row's
     # time by more than TIE cannot be the one kept below: it is not built (the same row, sooner)
@@ -163,13 +167,15 @@ def vocab_work(spec: ModelSpec, p: int, flops_per_s: float, barriers: Optional[i
 
 
 def _one(sp, spec, p, m, v, pl, lay: Layout, budget, flops_per_s, profile, cost_optimizer, ranked_by, offload,
-         exact, a2a, padded: bool, vocab=(None, 50.0), optim: Optional[tuple] = None) -> dict:
+         exact, a2a, padded: bool, vocab=(None, 50.0, False), optim: Optional[tuple] = None,
+         effort: str = "full") -> dict:
     offload_ratio, offload_time, host_link_gbps, offload_overlap = offload
     ep_gbps, a2a_overlap = a2a
-    barriers, vocab_gbps = vocab
+    barriers, vocab_gbps, split = vocab
+    split = split and barriers is not None
     name = sp.name
     try:
-        cc = chunk_costs(spec, lay, pl, flops_per_s, ep_gbps * 1e9, vocab=barriers is not None)
+        cc = chunk_costs(spec, lay, pl, flops_per_s, ep_gbps * 1e9, vocab=barriers is not None, vocab_embedding=split)
     except ScheduleError as e:
         return {"schedule": name, "error": str(e)}
     cf, cb, cw, ca, mf, mw = cc.cost_f, cc.cost_b, cc.cost_w, cc.cost_a2a, cc.mem_f, cc.mem_w
@@ -189,7 +195,7 @@ def _one(sp, spec, p, m, v, pl, lay: Layout, budget, flops_per_s, profile, cost_
     vs = None
     if barriers is not None:
         from .chunk_costs import vocab_setting
-        vs = vocab_setting(spec, p, flops_per_s, vocab_gbps * 1e9, barriers, mem_unit=unit)
+        vs = vocab_setting(spec, p, flops_per_s, vocab_gbps * 1e9, barriers, mem_unit=unit, embedding=split)
     try:
         req = ScheduleRequest(name, chunks=v if sp.chunks is None else None, cost_f=cf, cost_b=cb, cost_w=cw, vocab=vs,
                               cost_comm=comm, cost_a2a=ca, a2a_overlap=a2a_overlap, mem_f=[x / unit for x in mf],
@@ -197,7 +203,7 @@ def _one(sp, spec, p, m, v, pl, lay: Layout, budget, flops_per_s, profile, cost_
                               memory_limit=limit_units if sp.searched else None, exact=exact,
                               offload=_offload_request(offload_ratio, offload_time, host_link_gbps, offload_overlap,
                                                        rank_mf, _rank_sum(cf, pl, p), _rank_sum(cb, pl, p),
-                                                       limit_units))
+                                                       limit_units), effort=effort)
         built = build(req, p, m, enforce_limit=False)
         it = iteration_times(built.schedule, built.setting, cost_optimizer)
         if sp.searched and limit_units and req.offload is None:
@@ -226,9 +232,13 @@ def _one(sp, spec, p, m, v, pl, lay: Layout, budget, flops_per_s, profile, cost_
            "memory_limit_microbatches": searched_limit,
            "weight_copies": res.weight_copies or [1.0] * p,
            "flags": _flags(sp, p, searched_limit, lay, padded, profile is not None)}
+    if sp.effort and offload_ratio is None:
+        out["search_effort"] = effort
     if barriers is not None:
         out["vocab_parallel"] = barriers
-        out["flags"] += " --enable-vocab-parallel" + (" --disable-backward-fusion" if barriers == 2 else "")
+        out["flags"] += " --enable-vocab-parallel" + (" --disable-backward-fusion" if barriers == 2 else "") + \
+            (" --split-vocab-embedding" if split else "")
+        out["vocab_embedding"] = split
     if any(ca):
         pairs = sum(1 for o in sched.orders for a in o if a.kind == OVERLAP)
         out.update(cost_a2a_s=_rank_sum(ca, pl, p), overlap_pairs=pairs)

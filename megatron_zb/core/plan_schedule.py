@@ -26,7 +26,8 @@ def row_schedule(spec: ModelSpec, p: int, m: int, row: dict, tflops: float = 989
     """(schedule, setting) of ``row`` (one of ``plan``'s rows, made with the same ``tflops``,
     ``efficiency``, ``vocab_gbps`` and ``ep_gbps``): the row's layout and schedule, its memory
     limit (the searched schedules), with vocabulary parallelism where the row has it. Costs in
-    seconds, memory in the row's unit (one microbatch's activations on the fullest rank)."""
+    seconds, memory in the row's unit (one microbatch's activations on the fullest rank). A row
+    searched quickly (``search_effort``) is rebuilt by the same search."""
     if "error" in row:
         raise ScheduleError(f"plan row {row['schedule']} has no schedule: {row['error']}")
     sp = get(row["schedule"])
@@ -35,12 +36,15 @@ def row_schedule(spec: ModelSpec, p: int, m: int, row: dict, tflops: float = 989
     lay = parse(row["layout"], p)
     barriers = row.get("vocab_parallel")
     flops_per_s = tflops * 1e12 * efficiency
-    cc = chunk_costs(spec, lay, pl, flops_per_s, ep_gbps * 1e9, vocab=barriers is not None)
+    split = bool(row.get("vocab_embedding"))
+    cc = chunk_costs(spec, lay, pl, flops_per_s, ep_gbps * 1e9, vocab=barriers is not None, vocab_embedding=split)
     unit = row["activation_unit_bytes"]
-    vs = vocab_setting(spec, p, flops_per_s, vocab_gbps * 1e9, barriers, mem_unit=unit) if barriers else None
+    vs = vocab_setting(spec, p, flops_per_s, vocab_gbps * 1e9, barriers, mem_unit=unit, embedding=split) \
+        if barriers else None
     req = ScheduleRequest(row["schedule"], chunks=v if sp.chunks is None else None, cost_f=cc.cost_f,
                           cost_b=cc.cost_b, cost_w=cc.cost_w, cost_a2a=cc.cost_a2a, vocab=vs,
                           mem_f=[x / unit for x in cc.mem_f], mem_w=[x / unit for x in cc.mem_w],
-                          memory_limit=row.get("memory_limit_microbatches") if sp.searched else None)
+                          memory_limit=row.get("memory_limit_microbatches") if sp.searched else None,
+                          effort=row.get("search_effort", "full"))
     built = build(req, p, m, enforce_limit=False)
     return built.schedule, built.setting

@@ -176,7 +176,7 @@ def simulate(schedule: Schedule, setting: Setting,
     done: Dict[Tuple[str, int, int], float] = {}  # (kind, stage, mb) -> end time; BW also as 'B*'
     if any(a.is_vocab for o in orders for a in o):
         barriers = Barriers(pl.num_ranks, setting.vocab.check(pl.num_ranks), done)
-        dep_of = lambda a: vocab_deps(a, pl, setting.vocab.barriers)  # noqa: E731
+        dep_of = lambda a: vocab_deps(a, pl, setting.vocab.barriers, setting.vocab.embedding)  # noqa: E731
     else:
         dep_of = lambda a: deps(a, nst, pl)  # noqa: E731
     pos = [0] * len(orders)

@@ -5,7 +5,7 @@ import dataclasses
 from collections import Counter
 from typing import Dict, Optional
 
-from .ir import B, BW, COMPUTE_KINDS, F, OFFLOAD_KINDS, VOCAB_KINDS, W, Schedule, ScheduleError, Setting
+from .ir import B, BW, COMPUTE_KINDS, F, OFFLOAD_KINDS, VG, VI, VOCAB_KINDS, VS, VT, VW, W, Schedule, ScheduleError, Setting
 from .hostlink import check_offload
 from .simulate import Deadlock, simulate
 
@@ -81,12 +81,14 @@ def validate(schedule: Schedule, setting: Optional[Setting] = None,
             missing = "B and W (or one BW)" if not (nb or nw) else ("W" if nb else "B")
             raise ScheduleError(f"rank {r}: stage {s} microbatch {mb} is missing {missing}")
     if any(seen[(k, r, mb)] for k in VOCAB_KINDS for r in range(pl.num_ranks) for mb in range(m)):
+        split = any(seen[(k, r, mb)] for k in (VI, VG) for r in range(pl.num_ranks) for mb in range(m))
         for r in range(pl.num_ranks):
             for mb in range(m):
-                for k in VOCAB_KINDS:
+                for k in VOCAB_KINDS if split else (VS, VT, VW):
                     if not seen[(k, r, mb)]:
                         raise ScheduleError(f"rank {r}: missing vocabulary pass {k} of microbatch {mb} (every rank "
-                                            "runs VS, VT and VW of every microbatch on its shard)")
+                                            "runs VS, VT and VW of every microbatch on its shard"
+                                            + (", and VI and VG with the embedding split)" if split else ")"))
     offload = any(a.kind in OFFLOAD_KINDS for o in schedule.orders for a in o)
     if offload:
         check_offload(schedule)

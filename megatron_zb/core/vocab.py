@@ -23,22 +23,40 @@ on every rank, runs a vocabulary pass as soon as it is ready (VT, then VS, befor
 pass), and each VW in the rank's idle time or, at the latest, before the next VT (so one shard's
 logits gradient is held at a time). Memory per rank: VS allocates ``mem_s`` (the logits shard, the
 statistics), VT frees all but ``mem_w`` (what VW needs), VW frees the rest.
+
+**The input embedding split too** (``VocabSetting.embedding``; the authors' fork does it): every
+rank holds a shard of the embedding's rows (tied: its output shard). Per microbatch j every rank
+runs **VI** (the first stage's rank reads the tokens and broadcasts them; every rank looks up its
+rows, zeros elsewhere) and **VG** (its rows' weight gradient, a W-like pass). Barrier CI(j), once
+every VI(·, j) ended, sums the partial outputs on the first stage's rank (``cost_ci``): F(0, j)
+waits for it. Barrier CG(j), once B(0, j) ended, broadcasts the embedding output's gradient from
+the first stage's rank (``cost_cg``): VG(·, j) waits for it. Each has its own link, microbatch by
+microbatch. ``add_vocab`` runs VI(·, j) once F(0, j - 2) ended (two microbatches ahead), before any
+other pass of the rank, and each VG as soon as its gradient is there. Memory (``mem_i``: the
+embedding output): the first stage's rank holds the summed output from VI to F (F's own activation
+counts it then) and the gradient from B to VG; every other rank the gradient's receive buffer from
+VI (where it is posted) to VG.
 """
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .ir import B, BW, F, VOCAB_KINDS, VS, VT, VW, W, Action, Placement, Schedule, ScheduleError, Setting, deps
+from .ir import B, BW, F, VG, VI, VOCAB_KINDS, VS, VT, VW, W, Action, Placement, Schedule, ScheduleError, Setting, deps
 
 __all__ = ["VocabSetting", "BARRIER_KINDS", "Barriers", "vocab_deps", "key_rank", "add_vocab", "placed",
            "barrier_of", "delay_backwards"]
 
-C0, C1 = "C0", "C1"
-BARRIER_KINDS = (C0, C1)
+C0, C1, CI, CG = "C0", "C1", "CI", "CG"
+BARRIER_KINDS = (C0, C1, CI, CG)
+AHEAD = 4  # VI(·, j) runs once F(0, j - AHEAD) ended
 EPS = 1e-9
+
+
+PER_RANK = ("cost_s", "cost_t", "cost_w", "mem_s", "mem_w", "cost_i", "cost_g")
 
 
 def _tuple(name: str, v) -> Tuple[float, ...]:
@@ -60,24 +78,34 @@ class VocabSetting:
     cost_comm: float = 0.0
     mem_s: Sequence[float] = (0.0,)
     mem_w: Sequence[float] = (0.0,)
+    # the input embedding split over the ranks too (VI, VG, barriers CI and CG; see the module)
+    embedding: bool = False
+    cost_i: Sequence[float] = (0.0,)
+    cost_g: Sequence[float] = (0.0,)
+    cost_ci: float = 0.0
+    cost_cg: float = 0.0
+    mem_i: float = 0.0
 
     def __post_init__(self):
         if self.barriers not in (1, 2):
             raise ScheduleError(f"vocabulary parallelism has one or two barriers, got {self.barriers!r}")
-        for k in ("cost_s", "cost_t", "cost_w", "mem_s", "mem_w"):
+        for k in PER_RANK:
             object.__setattr__(self, k, _tuple(k.replace("_", "-"), getattr(self, k)))
         if any(w > s + EPS for s, w in zip(self._full(self.mem_s, 1), self._full(self.mem_w, 1))):
             raise ScheduleError("vocabulary mem-w (what VW needs) cannot exceed mem-s (what VS allocates)")
-        c = self.cost_comm
-        if isinstance(c, bool) or not isinstance(c, (int, float)) or not (0 <= c < float("inf")):
-            raise ScheduleError(f"vocabulary cost-comm must be a non-negative number, got {c!r}")
+        for k in ("cost_comm", "cost_ci", "cost_cg", "mem_i"):
+            c = getattr(self, k)
+            if isinstance(c, bool) or not isinstance(c, (int, float)) or not (0 <= c < float("inf")):
+                raise ScheduleError(f"vocabulary {k.replace('_', '-')} must be a non-negative number, got {c!r}")
+        if not isinstance(self.embedding, bool):
+            raise ScheduleError(f"vocabulary embedding is True or False, got {self.embedding!r}")
 
     @staticmethod
     def _full(vals, p):
         return list(vals) * p if len(vals) == 1 else list(vals)
 
     def check(self, p: int) -> "VocabSetting":
-        for k in ("cost_s", "cost_t", "cost_w", "mem_s", "mem_w"):
+        for k in PER_RANK:
             n = len(getattr(self, k))
             if n not in (1, p):
                 raise ScheduleError(f"vocabulary {k.replace('_', '-')} has {n} values; give one or one per rank ({p})")
@@ -87,21 +115,30 @@ class VocabSetting:
         return vals[0] if len(vals) == 1 else vals[rank]
 
     def cost(self, kind: str, rank: int) -> float:
-        return self._at({VS: self.cost_s, VT: self.cost_t, VW: self.cost_w}[kind], rank)
+        return self._at({VS: self.cost_s, VT: self.cost_t, VW: self.cost_w, VI: self.cost_i, VG: self.cost_g}[kind],
+                        rank)
 
     def mem(self, kind: str, rank: int) -> float:
         s, w = self._at(self.mem_s, rank), self._at(self.mem_w, rank)
-        return {VS: s, VT: -(s - w), VW: -w}[kind]
+        return {VS: s, VT: -(s - w), VW: -w, VI: self.mem_i, VG: -self.mem_i}[kind]
+
+    def first_mem(self, kind: str, stage: Optional[int]) -> float:
+        """With the embedding split, what the first stage's F and B change besides their own
+        activations: F takes the summed output VI held (-mem_i), B leaves the gradient CG sends (+mem_i)."""
+        if not self.embedding or stage != 0:
+            return 0.0
+        return {F: -self.mem_i, B: self.mem_i, BW: self.mem_i}.get(kind, 0.0)
 
     def to_dict(self) -> dict:
-        return {"barriers": self.barriers, "cost_s": list(self.cost_s), "cost_t": list(self.cost_t),
-                "cost_w": list(self.cost_w), "cost_comm": self.cost_comm, "mem_s": list(self.mem_s),
-                "mem_w": list(self.mem_w)}
+        d = {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(self).items()}
+        if not self.embedding:  # as before the embedding could be split
+            for k in ("embedding", "cost_i", "cost_g", "cost_ci", "cost_cg", "mem_i"):
+                d.pop(k)
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "VocabSetting":
-        return cls(**{k: d[k] for k in ("barriers", "cost_s", "cost_t", "cost_w", "cost_comm", "mem_s", "mem_w")
-                      if k in d})
+        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
 
 
 def barrier_of(kind: str, barriers: int) -> Optional[str]:
@@ -113,11 +150,19 @@ def barrier_of(kind: str, barriers: int) -> Optional[str]:
     return None
 
 
-def vocab_deps(a: Action, placement: Placement, barriers: int) -> List[Tuple[str, int, int]]:
+def vocab_deps(a: Action, placement: Placement, barriers: int, embedding: bool = False) -> List[Tuple[str, int, int]]:
     """``ir.deps`` for a schedule with vocabulary passes: VS after the last stage's forward, VT after
     C0, VW after its VT and the loss stage's rank's VT (the loss scale), the last stage's backward
-    after the last barrier (its output gradient)."""
+    after the last barrier (its output gradient). ``embedding`` (split too): VI after the first
+    stage's rank's VI (the tokens), the first stage's forward after CI, VG after CG."""
     last = placement.num_stages - 1
+    if a.kind == VI:
+        first = placement.rank_of(0)
+        return [(VI, first, a.mb)] if a.stage != first else []
+    if a.kind == VG:
+        return [(CG, -1, a.mb)]
+    if embedding and a.kind == F and a.stage == 0:
+        return [(CI, -1, a.mb)]
     if a.kind == VS:
         return [(F, last, a.mb)]
     if a.kind == VT:
@@ -140,23 +185,31 @@ def key_rank(key: Tuple[str, int, int], placement: Placement) -> Optional[int]:
 
 
 class Barriers:
-    """When each barrier of each microbatch completes (``done`` gets (C0|C1, -1, mb) -> time)."""
+    """When each barrier of each microbatch completes (``done`` gets (C0|C1|CI|CG, -1, mb) -> time)."""
 
     def __init__(self, p: int, vocab: VocabSetting, done: Dict):
         self.p, self.vocab, self.done = p, vocab, done
         self.ends: Dict[Tuple[str, int], List[float]] = {}
-        self.free = 0.0  # the link: one collective at a time
+        # the links: one collective at a time on each (the output layer's; the embedding's sum; its gradient's)
+        self.free = {C0: 0.0, CI: 0.0, CG: 0.0}
+        self.cost = {C0: vocab.cost_comm, CI: vocab.cost_ci, CG: vocab.cost_cg}
 
     def passed(self, a: Action, end: float) -> None:
-        b = barrier_of(a.kind, self.vocab.barriers)
+        v = self.vocab
+        if v.embedding and a.kind in (B, BW) and a.stage == 0:
+            b, n = CG, 1  # the first stage's rank broadcasts the gradient
+        else:
+            b, n = (CI, self.p) if a.kind == VI else (barrier_of(a.kind, v.barriers), self.p)
         if b is None:
             return
         ends = self.ends.setdefault((b, a.mb), [])
         ends.append(end)
-        if len(ends) == self.p:
-            start = max(max(ends), self.free)
-            self.free = start + self.vocab.cost_comm
-            self.done[(b, -1, a.mb)] = self.free
+        if len(ends) == n:
+            link = C0 if b == C1 else b
+            start = max(max(ends), self.free[link])
+            self.free[link] = start + self.cost[link]
+            self.done[(b, -1, a.mb)] = self.free[link]
+            del self.ends[(b, a.mb)]
 
 
 def add_vocab(schedule: Schedule, setting: Setting, w_cap: int = 1) -> Schedule:
@@ -190,24 +243,26 @@ def placed(schedule: Schedule, setting: Setting, w_cap: int = 1, coded: Optional
     barriers = Barriers(p, vocab, done)
     clock = [0.0] * p
     nxt_s, nxt_t = [0] * p, [0] * p
+    emb = vocab.embedding
+    nxt_i, nxt_g = [0 if emb else m] * p, [0 if emb else m] * p  # VI, VG: in microbatch order
+    first = pl.rank_of(0)
     pending_w: List[deque] = [deque() for _ in range(p)]
     orders: List[List[Action]] = [[] for _ in range(p)]
     comm = setting.cost_comm
     st = setting
     # each base pass coded once: its inputs (key, whether it crosses ranks: + cost_comm) and its cost
-    feeds = barrier_of(VT, vocab.barriers)
     coded = {} if coded is None else coded
 
     def code(r: int, a: Action):
         c = coded.get((r, a))
         if c is None:
-            keys = vocab_deps(a, pl, vocab.barriers)
+            keys = vocab_deps(a, pl, vocab.barriers, emb)
             c = coded[(r, a)] = ([(key, key_rank(key, pl) not in (None, r)) for key in keys],
                                  st.pass_cost(a.kind, r, a.stage))
         return c
 
     info = [deque(code(r, a) for a in o) for r, o in enumerate(base)]
-    cost_s, cost_t, cost_w = ([st.pass_cost(k, r, None) for r in range(p)] for k in (VS, VT, VW))
+    cost_s, cost_t, cost_w, cost_i, cost_g = ([st.pass_cost(k, r, None) for r in range(p)] for k in (VS, VT, VW, VI, VG))
     loss_rank = pl.rank_of(last)
 
     def run(r: int, a: Action, start: float, cost: float) -> None:
@@ -220,16 +275,19 @@ def placed(schedule: Schedule, setting: Setting, w_cap: int = 1, coded: Optional
             done[("B*", a.stage, a.mb)] = end
         elif kind == VS:
             nxt_s[r] += 1
-            barriers.passed(a, end)
         elif kind == VT:
             nxt_t[r] += 1
             pending_w[r].append(a.mb)
-            if feeds is not None:
-                barriers.passed(a, end)
-        fin[r] = not base[r] and nxt_s[r] == m and nxt_t[r] == m and not pending_w[r]
+        elif kind == VI:
+            nxt_i[r] += 1
+        elif kind == VG:
+            nxt_g[r] += 1
+        barriers.passed(a, end)
+        fin[r] = finished(r)
 
     def finished(r: int) -> bool:
-        return not base[r] and nxt_s[r] == m and nxt_t[r] == m and not pending_w[r]
+        return not base[r] and nxt_s[r] == m and nxt_t[r] == m and not pending_w[r] and nxt_i[r] == m and \
+            nxt_g[r] == m
 
     fin = [finished(r) for r in range(p)]  # each rank's, kept as its passes run
 
@@ -245,7 +303,16 @@ def placed(schedule: Schedule, setting: Setting, w_cap: int = 1, coded: Optional
         t = clock[r]
         lim = t + EPS
         # rank r's next passes whose inputs are known, and when they are ready: VT, VS, its own
-        rt = rs = rb = None
+        rt = rs = rb = ri = rg = None
+        j = nxt_i[r]
+        if j < m:  # VI: AHEAD microbatches before the first stage's forward, after the tokens
+            e = 0.0 if j < AHEAD else done.get((F, 0, j - AHEAD))
+            if e is not None and r != first:
+                e2 = done.get((VI, first, j))
+                e = None if e2 is None else max(e, e2 + comm)
+            ri = e
+        if nxt_g[r] < m:
+            rg = done.get((CG, -1, nxt_g[r]))
         if nxt_t[r] < nxt_s[r]:
             e = done.get((C0, -1, nxt_t[r]))
             if e is not None:
@@ -268,7 +335,13 @@ def placed(schedule: Schedule, setting: Setting, w_cap: int = 1, coded: Optional
                 rb = max(rb, e)
         must_w = rt is not None and rt <= lim and len(pending_w[r]) >= w_cap  # gradients held: at most w_cap
         capped = capped or must_w
-        if not must_w and rt is not None and rt <= lim:
+        if ri is not None and ri <= lim:
+            run(r, Action(VI, r, nxt_i[r]), t, cost_i[r])
+            stalls = 0
+        elif rg is not None and rg <= lim:
+            run(r, Action(VG, r, nxt_g[r]), t, cost_g[r])
+            stalls = 0
+        elif not must_w and rt is not None and rt <= lim:
             run(r, Action(VT, r, nxt_t[r]), t, cost_t[r])
             stalls = 0
         elif not must_w and rs is not None and rs <= lim:
@@ -278,7 +351,7 @@ def placed(schedule: Schedule, setting: Setting, w_cap: int = 1, coded: Optional
             run(r, base[r].popleft(), t, info[r].popleft()[1])
             stalls = 0
         else:
-            future = [x for x in (rt, rs, rb) if x is not None and x > lim]
+            future = [x for x in (rt, rs, rb, ri, rg) if x is not None and x > lim]
             others = [c for q, c in enumerate(clock) if q != r and not fin[q] and c > lim]
             horizon = min(future + others) if (future or others) else None
             if pending_w[r] and (must_w or horizon is None or

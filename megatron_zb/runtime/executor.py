@@ -221,6 +221,8 @@ def _step(a: Action, i: int, rank: int, pl: Placement, ps: StagePasses, p2p: Opt
         grad, inp, out = _b_inputs(a, key, i, rank, pl, st, bounds, hk, ps.vocab)
         with hk.compute(a, (inp,)):
             in_grad = ps.backward(a.stage, a.mb, inp, out, grad, k == B)
+        if a.stage == 0 and getattr(ps.vocab, "inputs", None) is not None:  # the split embedding's gradient
+            ps.vocab.inputs.backward_done(a.mb)
         _b_output(a, key, i, rank, pl, st, bounds, hk, in_grad)
     elif k == SEND_B:
         p2p.send(st.to_send_b.pop(key), a.peer, f"the input gradient of B{a.stage}.{a.mb}")

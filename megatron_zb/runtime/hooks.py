@@ -24,8 +24,9 @@ is the outermost):
 Features that use them: progress (``runtime.progress``: begin/end), activation offload
 (``runtime.offload.OffloadHook``: prepare/compute/transfer/finish), optimizer post-validation
 (``runtime.postval.ValidationPoint``: validate), the profiler (``runtime.profiler``: wait/compute),
-pass timing (``PassTimes`` below) and gradient synchronisation (Megatron's DDP and replicated stages,
-``megatron.execution.gradsync``: before/after_last_backward).
+pass timing (``PassTimes`` below), gradient synchronisation (Megatron's DDP and replicated stages,
+``megatron.execution.gradsync``: before/after_last_backward) and optimizer states visiting the GPU in
+the troughs (``runtime.optim_trough.TroughHook``: begin/end at its plan's passes).
 """
 from __future__ import annotations
 

@@ -90,6 +90,7 @@ class VerifyCase:
     # Megatron's --optimizer-cpu-offload: a fraction 0..1 of every rank's states on the host
     # (--optimizer-offload-fraction F) or 'auto' (each rank its own share, docs/optimizer_offload.md)
     optimizer_offload: Any = None
+    optimizer_trough: bool = False  # --zero-bubble-optimizer-offload trough: the host states visit the GPU's troughs
     param_rtol: Optional[float] = None  # default DEFAULT_PARAM_RTOL (HALF_PARAM_RTOL for bf16/fp16)
     # Megatron's model features, by Megatron's flag names: MoE (megatron's SequentialMLP of local experts),
     # expert parallelism over the data-parallel ranks, activation recompute, multi-token prediction.
@@ -114,6 +115,7 @@ class VerifyCase:
     # vocabulary parallelism (--enable-vocab-parallel; 2 with --disable-backward-fusion): the output
     # layer as every pipeline rank's shard; the reference keeps its whole output layer
     vocab_parallel: Optional[int] = None
+    vocab_embedding: bool = False  # --split-vocab-embedding: the input embedding split over the ranks too
     balance_microbatches: bool = False  # skewed lengths balanced over replicas and microbatches (feature_checks)
     pack_sequences: bool = False  # balanced microbatches in Megatron's packed-sequence format (THD)
     device: str = "cpu"  # "cuda": every rank and the reference on a GPU, which ranks may share (verify.cuda_gloo)
@@ -181,7 +183,7 @@ class VerifyCase:
         if self.layers_per_stage:
             bits.append("layers=" + ",".join(map(str, self.layers_per_stage)))
         if self.vocab_parallel:
-            bits.append(f"vocab-parallel/{self.vocab_parallel}")
+            bits.append(f"vocab-parallel/{self.vocab_parallel}" + ("+embedding" if self.vocab_embedding else ""))
         if not self.ddp:
             bits.append("no-ddp")
         if not self.tie_embeddings:
@@ -206,7 +208,8 @@ class VerifyCase:
                         + (f" loss-scale={self.loss_scale:g}" if self.loss_scale is not None else "")
                         + (f" inf@{self.inject_nonfinite_at}" if self.inject_nonfinite_at is not None else "")
                         + (" post-validation" if self.post_validation else "")
-                        + (f" optimizer-offload={self.optimizer_offload}" if self.optimizer_offload is not None else ""))
+                        + (f" optimizer-offload={self.optimizer_offload}" if self.optimizer_offload is not None else "")
+                        + (" trough" if self.optimizer_trough else ""))
         return (self.label + ": " if self.label else "") + " ".join(bits)
 
 
@@ -302,6 +305,8 @@ def make_case(schedule: str, pipeline_parallel_size: int, tensor_parallel_size: 
         raise VerifyUsageError("seq_length must be divisible by the TP size with sequence parallelism")
     if case.vocab_parallel is not None:
         _check_vocab(case)
+    elif case.vocab_embedding:
+        raise VerifyUsageError("--split-vocab-embedding needs --enable-vocab-parallel")
     if case.balance_microbatches or case.pack_sequences:  # refused in one line, or the per-token loss and the option set
         balance_problem(case, PSEUDO_SCHEDULES, VerifyUsageError)
     if case.overlap_grad_reduce and not case.ddp:
@@ -394,15 +399,17 @@ def _check_model_features(case: VerifyCase) -> None:
 
 
 def _check_optimizer_options(case: VerifyCase) -> None:
-    if case.post_validation and case.optimizer is None:
+    if (case.post_validation or case.optimizer_trough) and case.optimizer is None:
         case.optimizer = "adam"
     # --use-distributed-optimizer alone is the data-parallel Adam check (gradients compared); with
     # --optimizer it selects Megatron's DistributedOptimizer for the optimizer cases
     uses = ["--" + k.replace("_", "-") for k in ("bf16", "fp16", "clip_grad", "loss_scale") if getattr(case, k)]
     if case.inject_nonfinite_at is not None:
         uses.append("--inject-nonfinite-at")
+    if case.optimizer_trough and case.optimizer_offload is None:
+        case.optimizer_offload = 1.0  # every state lives in host memory
     if case.optimizer_offload is not None:
-        uses.append("--optimizer-offload")
+        uses.append("--optimizer-offload" if not case.optimizer_trough else "--zero-bubble-optimizer-offload trough")
     if case.optimizer is None:
         if uses:
             raise VerifyUsageError(f"{', '.join(uses)}: needs Megatron's optimizer: --optimizer adam|sgd "

@@ -79,6 +79,8 @@ def _build_parser() -> argparse.ArgumentParser:
                     help="the output layer as every rank's vocabulary shard, its passes placed by the schedule core")
     vg.add_argument("--disable-backward-fusion", action="store_true",
                     help="with --enable-vocab-parallel: two barriers per microbatch instead of one")
+    vg.add_argument("--split-vocab-embedding", action="store_true",
+                    help="with --enable-vocab-parallel: the input embedding split over the pipeline ranks too")
     lay = ap.add_argument_group("Megatron's model layout (read in pipeline order, under every schedule; a V's 2P "
                                 "stages are ranks 0..P-1 then P-1..0)")
     lay.add_argument("--pipeline-model-parallel-layout", default=None, metavar="LAYOUT",
@@ -125,6 +127,10 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="Megatron's --optimizer-cpu-offload: this fraction of every rank's optimizer state on the "
                         "host (--optimizer-offload-fraction F), or 'auto': each rank its own share "
                         "(docs/optimizer_offload.md); the reference is one process with the same flags")
+    o.add_argument("--zero-bubble-optimizer-offload", choices=("trough",), default=None,
+                   help="the host-resident states (--optimizer-offload F, default 1: all) visit the GPU in each rank's "
+                        "troughs as the core's trough plan says (implies --optimizer adam); the reference keeps "
+                        "Megatron's static offload")
     o.add_argument("--clip-grad", type=nonneg("--clip-grad"), default=0.0, help="Megatron's clip_grad (default 0: off)")
     o.add_argument("--inject-nonfinite-at", type=int_at_least("--inject-nonfinite-at", 0), default=None, metavar="ITER",
                    help="put an inf into one gradient at this iteration (Megatron then skips the step; needs a "
@@ -247,6 +253,7 @@ def main_verify(argv: Optional[Sequence[str]] = None) -> int:
                     loss_atol=a.loss_atol, data_parallel_size=a.data_parallel_size, optimizer=a.optimizer,
                     post_validation=a.optimizer_post_validation, clip_grad=a.clip_grad,
                     optimizer_offload=a.optimizer_offload,
+                    optimizer_trough=a.zero_bubble_optimizer_offload == "trough",
                     inject_nonfinite_at=a.inject_nonfinite_at, bf16=a.bf16, fp16=a.fp16,
                     use_distributed_optimizer=a.use_distributed_optimizer, loss_scale=a.loss_scale,
                     optimizer_lr=a.lr, param_rtol=a.param_rtol,
@@ -255,6 +262,7 @@ def main_verify(argv: Optional[Sequence[str]] = None) -> int:
                     expert_model_parallel_size=a.expert_model_parallel_size, moe_router_topk=a.moe_router_topk,
                     moe_router_pre_softmax=a.moe_router_pre_softmax,
                     vocab_parallel=(2 if a.disable_backward_fusion else 1) if a.enable_vocab_parallel else None,
+                    vocab_embedding=a.split_vocab_embedding,
                     moe_token_dispatcher_type=a.moe_token_dispatcher_type, moe_aux_loss_coeff=a.moe_aux_loss_coeff,
                     moe_ffn_hidden_size=a.moe_ffn_hidden_size,
                     moe_shared_expert_intermediate_size=a.moe_shared_expert_intermediate_size,
@@ -301,6 +309,11 @@ def main_verify(argv: Optional[Sequence[str]] = None) -> int:
             if res.get("offloaded"):
                 print("optimizer state on the host: " + ", ".join(
                     f"rank {r} {h}/{t} ({h / max(t, 1):.0%})" for r, (h, t) in sorted(res["offloaded"].items())))
+            for r, by_mode in sorted((res.get("trough") or {}).items()):
+                t = by_mode.get("synchronous") or {}
+                for line in t.get("plans") or []:
+                    print(f"optimizer states in the troughs, {line}; {t.get('visited')} visit(s), "
+                          f"{t.get('synchronous_visits')} copied at the step")
         w = res.get("worst_param")
         if w and not case.forward_only and not case.optimizer:
             print(f"worst gradient: {w['param']} (rank {w['rank']}, iteration {w['iteration']}): "

@@ -63,6 +63,7 @@ def build(case, placement, overrides: dict):
                                   allow_padding_num_layers=case.allow_padding_num_layers,
                                   sequence_parallel=case.sequence_parallel,
                                   vocab_parallel=bool(case.vocab_parallel) and placement.num_ranks > 1,
+                                  vocab_embedding=case.vocab_embedding and placement.num_ranks > 1,
                                   gradient_accumulation_fusion=case.gradient_accumulation_fusion,
                                   **_dtype_kw(case), **overrides)
     config = chunks[0].config
@@ -218,6 +219,7 @@ def rank_runs(case, placement, install_fn, fb_fn) -> Dict[str, dict]:
         M.init_parallel_state(case.tensor_parallel_size, case.pipeline_parallel_size, placement, seed=case.seed,
                               vocab_parallel=bool(case.vocab_parallel))
         handle = install_fn(case, post_validation=(mode == "post-validated"))
+        trough = _trough(case, handle)
         try:
             chunks, opt, _ = build(case, placement, dict(case.config_overrides))
             validator = None
@@ -231,9 +233,36 @@ def rank_runs(case, placement, install_fn, fb_fn) -> Dict[str, dict]:
                               validator, replica=replica)
             if validator is not None:
                 out[mode]["validated"] = handle.post_validation.validated
+            if trough is not None:
+                out[mode]["trough"] = _trough_stats(trough)
         finally:
+            if trough is not None:
+                trough.uninstall()
             if handle is not None:
                 handle.uninstall()
+    return out
+
+
+def _trough(case, handle):
+    """--zero-bubble-optimizer-offload trough on this rank (training's feature): the trough holds
+    half of the rank's host-resident states and opens as its activations fall (both kinds of
+    subgroups, prefetches in the cooldown, releases in the next warm-up)."""
+    if not case.optimizer_trough or handle is None:
+        return None
+    from ..megatron.features.optimizer_offload import use_cpu_as_device
+    from ..megatron.features.optimizer_trough import use_trough
+    use_cpu_as_device()  # patched before the trough's constructor hook (undone in the other order)
+    return use_trough(handle.forward_backward, room=0.5, unit_bytes="room", unit_s=1e-3)
+
+
+def _trough_stats(trough) -> dict:
+    out = {"on_gpu": 0, "on_cpu": 0, "plans": []}
+    for opt in trough.optimizers:
+        out["on_gpu"] += len(opt.on_gpu)
+        out["on_cpu"] += len(opt.groups) - len(opt.on_gpu)
+        out["plans"].append(opt.plan.describe() if opt.plan is not None else None)
+        for k, v in opt.states.stats.items():
+            out[k] = out.get(k, 0) + v
     return out
 
 
@@ -345,6 +374,11 @@ def compare_optimizer_case(case, ranks: List[dict], reference: dict) -> dict:
         res["offloaded"] = {r["rank"]: r["runs"]["synchronous"]["offloaded"] for r in ranks}
         if not any(h for h, _ in res["offloaded"].values()) and case.optimizer_offload != 0.0:
             problems.append("optimizer offload: no rank holds optimizer state on the host")
+    if case.optimizer_trough:
+        res["trough"] = {r["rank"]: {m: r["runs"][m].get("trough") for m in modes} for r in ranks}
+        visits = [t.get("visited", 0) for by in res["trough"].values() for t in by.values() if t]
+        if not visits or not all(visits):
+            problems.append(f"optimizer trough: a run without visiting subgroups ({res['trough']})")
     res["problems_optimizer"] = problems
     res["passed_optimizer"] = (not problems and res["max_abs_loss_diff"] <= case.loss_atol
                                and res["max_rel_param_diff"] <= case.param_rtol)

@@ -153,7 +153,7 @@ def rank_case(case: VerifyCase) -> dict:
         set_status(f"[{tag}] building model chunks")
         chunks = M.build_model_chunks(cfg, placement, layers_per_stage=case.layers_per_stage,
                                       allow_padding_num_layers=case.allow_padding_num_layers,
-                                      vocab_parallel=bool(case.vocab_parallel),
+                                      vocab_parallel=bool(case.vocab_parallel), vocab_embedding=case.vocab_embedding,
                                       sequence_parallel=case.sequence_parallel,
                                       gradient_accumulation_fusion=case.gradient_accumulation_fusion, **overrides)
         config = chunks[0].config
@@ -284,6 +284,8 @@ def install_case(case: VerifyCase, **extra):
         kw["ep_overlap"] = True
     if case.vocab_parallel:
         kw["vocab_parallel"] = case.vocab_parallel
+        if case.vocab_embedding:
+            kw["vocab_embedding"] = True
     kw.update(extra)
     return install(case.schedule, chunks=case.chunks, memory_limit=case.memory_limit, **kw)
 

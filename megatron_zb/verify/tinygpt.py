@@ -155,7 +155,7 @@ def make_transformer_config(model_cfg: TinyGPTConfig, *, tensor_parallel_size: i
 def build_model_chunks(model_cfg: TinyGPTConfig, placement: Placement, *, config=None,
                        pp_rank: Optional[int] = None, layers_per_stage: Optional[Sequence[int]] = None,
                        allow_padding_num_layers: bool = False, init: bool = True, vocab_parallel: bool = False,
-                       **config_kw) -> List[torch.nn.Module]:
+                       vocab_embedding: bool = False, **config_kw) -> List[torch.nn.Module]:
     """Build this rank's model chunks (``GPTModel`` each, ordered by stage) and initialise them.
 
     ``config``: a TransformerConfig (default: ``make_transformer_config(model_cfg, ...)`` with the
@@ -211,8 +211,17 @@ def build_model_chunks(model_cfg: TinyGPTConfig, placement: Placement, *, config
                         pp_rank=pp_rank, tp_rank=parallel_state.get_tensor_model_parallel_rank(),
                         tied=model_cfg.tie_embeddings, dtype=config.params_dtype,
                         device=next(chunks[0].parameters()).device)
+    if vocab_parallel and vocab_embedding:  # the input embedding's rows on every rank (megatron.vocab_embedding)
+        from ..megatron.features import vocab_embedding as VE
+        VE.attach_input_shard(chunks[0], vocab_size=model_cfg.vocab_size, hidden=model_cfg.hidden_size,
+                              p=placement.num_ranks, tp=parallel_state.get_tensor_model_parallel_world_size(),
+                              pp_rank=pp_rank, tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+                              tied=model_cfg.tie_embeddings, dtype=config.params_dtype,
+                              device=next(chunks[0].parameters()).device)
     if init:
         deterministic_init_(chunks, model_cfg.seed, model_cfg.init_std)
+    if vocab_parallel and vocab_embedding:  # the first stage keeps no whole embedding
+        VE.drop_embedding(chunks)
     mark_replica_copies(chunks, placement)
     return chunks
 

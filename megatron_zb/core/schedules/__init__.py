@@ -38,6 +38,8 @@ class ScheduleSpec:
     # searched under --memory-limit (the limit decides the schedule; with activation offload the
     # search may also take what a larger limit builds and offload it back under)
     searched: bool = False
+    # a search that takes an effort (``auto.EFFORTS``): 'full', or plan's 'quick' first pass
+    effort: bool = False
 
     def models(self, chunks: int) -> int:
         """Model chunks each rank builds for ``chunks`` chunks per rank."""
@@ -75,13 +77,14 @@ register(ScheduleSpec("zb-h2", zb_h2, "zero bubble H2: 2p-1 activations, bubble 
 register(ScheduleSpec("zb-auto", zb_auto, "automatic zero bubble under --memory-limit (default p x mem-f)",
                       split_backward=True, searched=True))
 register(ScheduleSpec("zb-v", zb_v, "zero bubble on the V placement at 1F1B's peak memory",
-                      chunks=2, default_chunks=2, split_backward=True, placement='v'))
+                      chunks=2, default_chunks=2, split_backward=True, placement='v', effort=True))
 register(ScheduleSpec("v-half", v_half, "V schedule at about half of 1F1B's activation memory",
-                      chunks=2, default_chunks=2, split_backward=True, placement='v'))
+                      chunks=2, default_chunks=2, split_backward=True, placement='v', effort=True))
 register(ScheduleSpec("v-min", v_min, "V schedule at about a third of 1F1B's activation memory",
-                      chunks=2, default_chunks=2, split_backward=True, placement='v'))
+                      chunks=2, default_chunks=2, split_backward=True, placement='v', effort=True))
 register(ScheduleSpec("v-auto", v_auto, "best V schedule under --memory-limit (default p x mem-f)",
-                      chunks=2, default_chunks=2, split_backward=True, placement='v', searched=True))
+                      chunks=2, default_chunks=2, split_backward=True, placement='v', searched=True,
+                      effort=True))
 register(ScheduleSpec("looped-bfs", looped_bfs, "breadth-first looped schedule (torch's LoopedBFS)",
                       chunks=None, default_chunks=2, placement='looped'))
 register(ScheduleSpec("dualpipe-v", dualpipe_v, "DualPipeV's order with B/W split and overlapped F&B pairs",

@@ -57,6 +57,16 @@ TIE = 1e-3
 NOISE = 1e-9
 #: the searches done in this process (``memo``): plan asks for some of them more than once
 _DONE = Memo(32)
+#: how hard the V family's searches look: 'full' (every candidate family, the long local search:
+#: what simulate, compare and training build) or 'quick' (plan's first pass over its rows: no
+#: building blocks, a shorter local search; plan searches its leading rows again in full)
+EFFORTS = ("full", "quick")
+
+
+def check_effort(effort: str) -> str:
+    if effort not in EFFORTS:
+        raise ScheduleError(f"search effort is one of {', '.join(EFFORTS)}, got {effort!r}")
+    return effort
 
 
 def _cheapest(ranked: List[Tuple[tuple, Schedule]], setting: Setting,
@@ -361,24 +371,27 @@ def _timing(schedule: Schedule, setting: Setting) -> Dict:
 
 
 def _v_search(name: str, setting: Setting, limit: Optional[float] = None, sim: Optional[list] = None,
-              tie: float = TIE) -> Schedule:
+              tie: float = TIE, effort: str = "full") -> Schedule:
     """``_v_searched``, remembered (``memo``): zb-v's search is v-auto's at 1F1B's peak. The
     search reads its limit from ``limit`` alone, and ``name`` only labels what it builds."""
+    check_effort(effort)
     if sim is not None:
-        return _v_searched(name, setting, limit, sim, tie)
+        return _v_searched(name, setting, limit, sim, tie, effort)
     st = dataclasses.replace(_v_setting(setting), memory_limit=None)
-    found = _DONE.get(("v", setting_key(st), name if limit is None else limit, tie),
-                      lambda: _v_searched(name, st, limit, None, tie))
+    found = _DONE.get(("v", setting_key(st), name if limit is None else limit, tie, effort),
+                      lambda: _v_searched(name, st, limit, None, tie, effort))
     return copy_schedule(found, name)
 
 
 def _v_searched(name: str, setting: Setting, limit: Optional[float], sim: Optional[list],
-                tie: float) -> Schedule:
+                tie: float, effort: str = "full") -> Schedule:
     """The best V schedule under ``limit``; v-half / v-min (limit None) take the peak memory of
     the paper's block of that name. Candidates, each family only while the best so far is above
     the lower bound: the round heuristic (``vrounds``), the paper's V-Half / V-Min blocks, the
     real-cost building blocks (``vblock``; on big settings only when nothing else fits), the
-    unit-slot building blocks (``vslots``; small settings) and the greedy variants."""
+    unit-slot building blocks (``vslots``; small settings) and the greedy variants. ``effort``
+    'quick' (``EFFORTS``): neither kind of building block (the real-cost ones only where nothing else
+    fits) and the local search of the best three candidates at zb-auto's length."""
     st = _v_setting(setting)
     p, m = st.stages, st.microbatches
     pl = Placement.vshape(p)
@@ -390,7 +403,7 @@ def _v_searched(name: str, setting: Setting, limit: Optional[float], sim: Option
     fits = [n for n in peak if peak[n] <= limit + 1e-9]
     cands = [paper[n] for n in fits]
     lb = lower_bound(st, pl, limit)
-    small = p * m <= 1024
+    small = p * m <= 1024 and effort == "full"
 
     def optimal() -> bool:
         ranked = _rank(cands, st, limit)
@@ -418,25 +431,26 @@ def _v_searched(name: str, setting: Setting, limit: Optional[float], sim: Option
                    work=1_000_000 if small else 250_000, sim=sim, tie=tie)
 
 
-def zb_v(setting: Setting) -> Schedule:
+def zb_v(setting: Setting, effort: str = "full") -> Schedule:
     st = _v_setting(setting)
-    return _v_search("zb-v", setting, setting.stages * unit(st, Placement.vshape(st.stages)))
+    return _v_search("zb-v", setting, setting.stages * unit(st, Placement.vshape(st.stages)), effort=effort)
 
 
-def v_half(setting: Setting) -> Schedule:
-    return _v_search("v-half", setting)
+def v_half(setting: Setting, effort: str = "full") -> Schedule:
+    return _v_search("v-half", setting, effort=effort)
 
 
-def v_min(setting: Setting) -> Schedule:
-    return _v_search("v-min", setting)
+def v_min(setting: Setting, effort: str = "full") -> Schedule:
+    return _v_search("v-min", setting, effort=effort)
 
 
-def v_auto(setting: Setting, memory: bool = True, sim: Optional[list] = None) -> Schedule:
-    """``memory`` and ``sim``: as zb-auto's."""
+def v_auto(setting: Setting, memory: bool = True, sim: Optional[list] = None, effort: str = "full") -> Schedule:
+    """``memory``, ``sim`` and ``effort``: as zb-auto's."""
+    check_effort(effort)
     st = _v_setting(setting)
     limit = (setting.memory_limit if setting.memory_limit is not None
              else setting.stages * unit(st, Placement.vshape(st.stages)))
     if not memory:
-        return _v_search("v-auto", setting, limit, sim, tie=NOISE)
-    return _least_memory_of(lambda lim: _v_search("v-auto", setting, lim), st, Placement.vshape(st.stages), limit,
-                            "v-auto")
+        return _v_search("v-auto", setting, limit, sim, tie=NOISE, effort=effort)
+    return _least_memory_of(lambda lim: _v_search("v-auto", setting, lim, effort=effort), st,
+                            Placement.vshape(st.stages), limit, "v-auto")

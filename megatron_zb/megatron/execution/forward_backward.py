@@ -69,6 +69,7 @@ class _Call:
     offload: Optional[OffloadHook] = None
     profiling: Any = None
     memory: Optional[MemoryHook] = None
+    attached: List[Any] = dataclasses.field(default_factory=list)  # hooks of the features attach() added
 
     @property
     def placement(self) -> Placement:
@@ -104,11 +105,16 @@ class ZeroBubbleForwardBackward:
         self.vocab = None  # vocabulary parallelism: megatron.vocab_parallel.VocabParallel, made at the first call
         self.balancer = None  # --zero-bubble-balance-microbatches: megatron.balanced.MicrobatchBalancer
         self.profiler = None
+        self.attached: List[Callable] = []  # attach(): factories (built, pipeline rank) -> Hook | None
         if options.profile_window is not None:
             try:
                 self.profiler = PassProfiler(options.profile_window, options.profile_path, schedule=options.schedule)
             except ProfileError as e:
                 raise ZeroBubbleConfigError(str(e)) from None
+
+    def attach(self, hook_for: Callable) -> None:
+        """A feature's executor hook for every training call: ``hook_for(built, pipeline rank)``."""
+        self.attached.append(hook_for)
 
     def replan_from(self, profile: dict) -> None:
         """Take the cost options (F/B/W per stage, comm, mem_w ratio) from a profile and drop the
@@ -299,7 +305,8 @@ class ZeroBubbleForwardBackward:
 
     def _call(self, forward_step_func, data_iterator, models, m, forward_only, collect_non_loss_data,
               first_val_step, config, p, me, pp_group, cp_group, shape, built: Optional[Built] = None) -> _Call:
-        sched = built.lowered() if built is not None else self.schedule_for(p, m, len(models), forward_only)
+        built = built if built is not None else self.built_for(p, m, len(models), forward_only)
+        sched = built.lowered(forward_only)
         self.last_schedule = sched
         if not forward_only:
             self.last_training_schedule = sched
@@ -334,9 +341,10 @@ class ZeroBubbleForwardBackward:
                 source = offload.manager if offload is not None else memory.meter
                 profiling = prof.hook(device(), offload=source)
         iters = data_iterator if isinstance(data_iterator, list) else [data_iterator] * len(models)
+        attached = [h for f in self.attached for h in [f(built, me)] if h is not None] if not forward_only else []
         return _Call(forward_step_func, list(iters), models, m, forward_only, collect_non_loss_data, first_val_step,
                      config, sched, me, pp_group, pp_ranks, p2p, queues, shape,
-                     cp_group.size() if cp_group is not None else 1, prog, offload, profiling, memory)
+                     cp_group.size() if cp_group is not None else 1, prog, offload, profiling, memory, attached)
 
     def _memory_hook(self, models, queues, pl: Placement, me: int, offload: Optional[OffloadHook]) -> MemoryHook:
         meter = ActivationMeter()
@@ -367,15 +375,15 @@ class ZeroBubbleForwardBackward:
                                 ep_overlap=self.options.ep_overlap)
         sync = None
         if self.options.vocab_parallel is not None:  # every rank's vocabulary shard (evaluating too)
-            from ..features.vocab_parallel import setup_passes
-            self.vocab = setup_passes(self.vocab, self.options, pl, call.models, call.config, passes, device(),
-                                      call.forward_only)
+            from ..features.vocab_embedding import setup_vocab_passes  # (the input embedding's rows too)
+            self.vocab = setup_vocab_passes(self.vocab, self.options, pl, call.models, call.config, passes, device(),
+                                            call.forward_only)
         if not call.forward_only:
             replicas = (ReplicaGradSync(self.replica_groups(call.pp_ranks, pl), timeout_s=self.options.timeout_s)
                         if pl.replicated else None)
             sync = GradSync(call.config, call.models, chunk_of, pl, replicas)
         # the profiler reads the captured bytes after the inner capture (memory around offload) finished
-        hooks = [call.progress, sync, point, call.profiling, call.memory, call.offload]
+        hooks = [call.progress, sync, point, call.profiling, call.memory, call.offload] + call.attached
         pairs = rank_pairs(call.schedule, me)
         try:
             completed = execute(call.schedule.orders[me], me, pl, passes.stage_passes(call.shape),
@@ -395,7 +403,7 @@ class ZeroBubbleForwardBackward:
             else:
                 q.clear()
         if passes.vocab is not None and completed:
-            passes.vocab.runtime.finish()
+            passes.vocab.finish()
         if call.memory is not None and completed:
             self.memory = measured_memory(call.memory.result, call.schedule.orders[me])
         if call.offload is not None and completed:

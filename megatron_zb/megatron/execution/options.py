@@ -84,6 +84,7 @@ class ScheduleOptions:
     # vocabulary parallelism (core.vocab, runtime.vocab, megatron.vocab_parallel): 1 or 2 barriers,
     # None off; ``vocab_costs``: the VS/VT/VW costs and memory (core.vocab.VocabSetting's fields)
     vocab_parallel: Optional[int] = None
+    vocab_embedding: bool = False  # the input embedding split over the ranks too (--split-vocab-embedding)
     vocab_costs: Optional[dict] = None
     # variable-length batches (megatron.balanced): every iteration's global batch balanced over the
     # data-parallel replicas and microbatches, with its per-microbatch schedule; the share of F and B
@@ -116,7 +117,12 @@ class ScheduleOptions:
         if self.vocab_parallel is not None:
             from ...core.vocab import VocabSetting
             costs = dict(cost_s=0.25, cost_t=0.25, cost_w=0.25, mem_s=0.25, mem_w=0.1)  # of a stage's F = 1
+            if self.vocab_embedding:
+                costs.update(cost_i=0.02, cost_g=0.02, cost_ci=0.02, cost_cg=0.02, mem_i=0.02)
             costs.update(self.vocab_costs or {})
+            costs["embedding"] = bool(self.vocab_embedding)
+            for k in ("cost_i", "cost_g", "cost_ci", "cost_cg", "mem_i") if not self.vocab_embedding else ():
+                costs.pop(k, None)
             vocab = VocabSetting(barriers=int(self.vocab_parallel), **costs)
         return ScheduleRequest(self.schedule, chunks=self.chunks if self.spec.chunks is None else None, vocab=vocab,
                                cost_f=self.cost_f, cost_b=self.cost_b, cost_w=self.cost_w, cost_comm=self.cost_comm,
@@ -130,6 +136,9 @@ class ScheduleOptions:
             req = self.request()
         except ScheduleError as e:
             raise ZeroBubbleConfigError(str(e)) from None
+        if self.vocab_embedding and self.vocab_parallel is None:
+            raise ZeroBubbleConfigError("--split-vocab-embedding is a setting of vocabulary parallelism: add "
+                                        "--enable-vocab-parallel")
         if self.vocab_parallel is not None:
             for on, what in ((req.offload is not None, "activation offload"), (self.post_validation, "optimizer "
                              "post-validation"), (self.spec.placement == "bitpipe", f"{self.schedule}'s replicated "

@@ -83,6 +83,8 @@ class MegatronPasses:
         S = self.S
         last = self.placement.is_last(stage)
         fsf = self.forward_step_func
+        if stage == 0 and self.vocab is not None and self.vocab.inputs is not None:  # the split embedding's output
+            self.vocab.inputs.current = mb
         if last and self.vocab is not None:  # the output layer is the vocabulary passes': keep the loss function
             self.vocab.labels.current = mb
             fsf = self._keeping_loss_func(mb)

@@ -51,6 +51,7 @@ from .optimizer_offload import is_hybrid, offload_tensors, sub_optimizers
 
 __all__ = ["PostValidator", "post_validated", "PostValidationError", "MARGIN"]
 
+_MOVED = object()  # a saved state entry that the trough's host copy restores instead
 MARGIN = 1e-5  # relative: a norm this close to a threshold takes Megatron's own (exact) path
 
 
@@ -101,6 +102,11 @@ class PostValidator:
         self._local_groups: Optional[List] = None
         self._eager: Optional[_Eager] = None
         self._check_supported()
+        # --zero-bubble-optimizer-offload trough: states visiting the GPU are rolled back from their
+        # host copy, which their write-back leaves intact until the step is validated (staged)
+        self.troughs = [t for p in self.parts for t in [getattr(p.optimizer, "mzb_trough", None)] if t is not None]
+        for t in self.troughs:
+            t.states.staged = True
         self._megatron_step = type(optimizer).step.__get__(optimizer)
         self._attach()
 
@@ -166,6 +172,7 @@ class PostValidator:
             self.pv.finish()
         if (self.pp_group.size() == 1 and not self.eager_with_one_stage) or self.streak < self.min_clean_steps:
             ok, norm, zeros = self._megatron_step()
+            self._commit()
             self.synchronous_steps += 1
             self._count(ok, norm)
             return ok, norm, zeros
@@ -229,6 +236,7 @@ class PostValidator:
             raise RuntimeError(f"optimizer post-validation: iteration {eager.iteration}: this rank did not step "
                                f"eagerly but the reduced gradient norm {norm} says the step stands")
         eager.verdict = "ok"
+        self._commit()
         self._eager = None
         self.streak += 1
         self.last_grad_norm = norm
@@ -239,6 +247,8 @@ class PostValidator:
     def _recover(self) -> None:
         """Restore the eager step's bytes and do what Megatron's synchronous step did (collective)."""
         eager, self._eager = self._eager, None
+        for t in self.troughs:  # the visiting states back to their host copy from before the step
+            t.states.rollback()
         self.rollbacks += 1
         self.streak = 0
         for t, saved in eager.backup:
@@ -267,6 +277,7 @@ class PostValidator:
                 ok, norm, zeros = self._megatron_step()  # Megatron's own norm, clipping, zero count, step
             finally:
                 del self.optimizer.prepare_grads
+            self._commit()
             for prm, g in eager.grads:  # as after Megatron's zero_grad at the start of this iteration
                 setattr(prm, g[0] if isinstance(g, tuple) else "grad", None)
         if ok:
@@ -285,6 +296,10 @@ class PostValidator:
                  f"{self.rollbacks} rollback(s), {self.skipped} skipped step(s) so far")
 
     # -- helpers ----------------------------------------------------------------------------------
+    def _commit(self) -> None:
+        for t in self.troughs:
+            t.states.commit()
+
     def _local(self) -> List:
         """Per part: its grad-stats group without the pipeline dimension (created once, collectively)."""
         if self._local_groups is None or not _alive(self._local_groups):
@@ -301,15 +316,19 @@ class PostValidator:
 
     def _save_bytes(self):
         seen, backup = set(), []
+        moved = set().union(*(t.managed() for t in self.troughs))  # restored from their host copy
 
         def keep(t):
+            if id(t) in moved:
+                return
+            t = t.data
             k = (t.data_ptr(), t.numel(), t.dtype)
             if t.numel() and k not in seen:
                 seen.add(k)
                 backup.append((t, t.detach().clone()))
         for m in self.models:
             for prm in m.parameters():
-                keep(prm.data)
+                keep(prm)
         states = []
         for part in self.parts:
             opt = part.optimizer
@@ -317,11 +336,12 @@ class PostValidator:
                 continue
             for g in opt.param_groups:
                 for prm in g["params"]:
-                    keep(prm.data)
+                    keep(prm)
             for t in offload_tensors(opt):  # Megatron's CPU offload: the host copies it steps
-                keep(t.data)
+                keep(t)
             for o in sub_optimizers(opt) + ([opt] if is_hybrid(opt) else []):
-                states.append((o, {prm: {k: (v.detach().clone() if torch.is_tensor(v) else copy.deepcopy(v))
+                states.append((o, {prm: {k: (_MOVED if id(v) in moved else v.detach().clone() if torch.is_tensor(v)
+                                             else copy.deepcopy(v))
                                          for k, v in st.items()} for prm, st in o.state.items()}))
         return backup, states
 
@@ -408,6 +428,8 @@ def _restore_state(opt, saved: dict) -> None:
             if k not in st:
                 del cur[k]
         for k, v in st.items():
+            if v is _MOVED:
+                continue
             if torch.is_tensor(v) and torch.is_tensor(cur.get(k)) and cur[k].shape == v.shape \
                     and cur[k].dtype == v.dtype:
                 cur[k].copy_(v)
@@ -429,69 +451,3 @@ def _fmt(x) -> str:
 def _log_on_last_rank(msg: str) -> None:
     if not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1:
         print(msg, flush=True)
-
-
-# -- Megatron's training loop (megatron.training, megatron-core >= 0.18) ----------------------------
-
-FORK_MIN_CLEAN_STEPS = 10  # the authors' fork steps synchronously until 10 steps in a row were not clipped
-
-
-def patch_megatron_training(handle, *, min_clean_steps: int = FORK_MIN_CLEAN_STEPS) -> Callable[[], None]:
-    """Wire post-validation into ``megatron.training.training`` (our entry point calls it):
-
-    * ``setup_model_and_optimizer``: Megatron's optimizer gets post-validation attached, with its
-      learning-rate scheduler (steps stay synchronous until ``min_clean_steps`` in a row were
-      neither clipped nor skipped, and again after each rollback: the fork's rule);
-    * ``logical_and_across_model_parallel_group`` / ``reduce_max_stat_across_model_parallel_group``:
-      ``train_step`` all-reduces the step's success and grad norm, and ``training_log`` the learning
-      rate, over the model-parallel group, pipeline ranks included, right after the step: a barrier
-      that would undo post-validation. Every rank holds the same values here (the validated ones),
-      so these reductions return the local value;
-    * ``save_checkpoint``: the last step is validated (and if needed redone) before saving.
-
-    Returns a function that undoes the patches."""
-    import megatron.training.training as T
-    saved = []
-
-    def patch(name, fn):
-        if hasattr(T, name):
-            saved.append((name, getattr(T, name)))
-            setattr(T, name, fn)
-
-    orig_setup = T.setup_model_and_optimizer
-    state = {"validator": None}
-
-    def setup_model_and_optimizer(*a, **k):
-        model, optimizer, scheduler = orig_setup(*a, **k)
-        if optimizer is not None:
-            v = handle.post_validated_optimizer(optimizer, model if isinstance(model, list) else [model],
-                                                min_clean_steps=min_clean_steps)
-            v.attach_scheduler(scheduler)
-            state["validator"] = v
-        return model, optimizer, scheduler
-
-    def logical_and_across_model_parallel_group(input, group=None):
-        return bool(input)
-
-    def reduce_max_stat_across_model_parallel_group(stat, group=None):
-        return None if stat is None else float(stat)
-
-    orig_save = getattr(T, "save_checkpoint", None)
-
-    def save_checkpoint(*a, **k):
-        if state["validator"] is not None:
-            state["validator"].finish()
-        return orig_save(*a, **k)
-
-    patch("setup_model_and_optimizer", setup_model_and_optimizer)
-    patch("logical_and_across_model_parallel_group", logical_and_across_model_parallel_group)
-    patch("reduce_max_stat_across_model_parallel_group", reduce_max_stat_across_model_parallel_group)
-    if orig_save is not None:
-        patch("save_checkpoint", save_checkpoint)
-
-    def undo():
-        for name, fn in reversed(saved):
-            setattr(T, name, fn)
-        saved.clear()
-    undo.state = state
-    return undo

@@ -73,24 +73,38 @@ def use_cpu_as_device() -> bool:
 @contextlib.contextmanager
 def _cpu_as_device() -> Iterator[None]:
     """While Megatron splits: every tensor reports ``is_cuda`` (the CPU is the device here) except
-    the host copies ``.cpu()`` makes, and ``pin_memory()`` keeps the tensor (no GPU to page-lock
-    for)."""
+    the host copies ``.cpu()`` makes and what is made from them (``detach``, ``clone``, ``float``:
+    the fp32 copy of a bf16 host copy is a host tensor, updated by the CPU optimizer), and
+    ``pin_memory()`` keeps the tensor (no GPU to page-lock for)."""
     host = {}
-    orig_cpu = torch._C.TensorBase.cpu
+    base = torch._C.TensorBase
 
     def cpu(t, *a, **k):
-        out = orig_cpu(t, *a, **k)
+        out = base.cpu(t, *a, **k)
         if out is t:  # already in host memory: a host copy is its own tensor
-            out = t.detach().clone()
+            out = base.clone(base.detach(t))
         host[id(out)] = out
         return out
+
+    def derived(name):  # what is made from a host copy is in host memory too (its fp32 copy: .detach().clone().float())
+        orig = getattr(base, name)
+
+        def op(t, *a, **k):
+            out = orig(t, *a, **k)
+            if id(t) in host:
+                host[id(out)] = out
+            return out
+        return op
     torch.Tensor.is_cuda = property(lambda t: id(t) not in host)
     torch.Tensor.cpu = cpu
     torch.Tensor.pin_memory = lambda t, *a, **k: t
+    for name in ("detach", "clone", "float"):
+        setattr(torch.Tensor, name, derived(name))
     try:
         yield
     finally:
         del torch.Tensor.is_cuda, torch.Tensor.pin_memory, torch.Tensor.cpu
+        del torch.Tensor.detach, torch.Tensor.clone, torch.Tensor.float
 
 
 def is_hybrid(opt) -> bool:

@@ -7,6 +7,8 @@ costs). The runtime side: ``megatron.features.vocab_parallel``.
   of the tied embedding's weight); one all-reduce barrier per microbatch (the paper's Algorithm 2).
 * ``--disable-backward-fusion``: the input gradient in its own pass after a second barrier (the
   paper's Algorithm 1: less memory per microbatch in flight, one more collective).
+* ``--split-vocab-embedding`` (megatron-zb's; the fork always splits): the input embedding's rows
+  over the pipeline ranks too (``features.vocab_embedding``).
 * Without a zero-bubble schedule flag the fork's vocabulary-parallel 1F1B runs (``1f1b``).
 * ``--use-interlaced-schedule`` (the fork's baseline that interlaces the vocabulary passes with the
   transformer passes by hand) is not a schedule megatron-zb builds: refused, naming what to use.
@@ -49,8 +51,10 @@ def check_vocab_args(args, *, name: Optional[str], style: Optional[str], p: int)
                   "passes themselves; use --enable-vocab-parallel (one barrier) or add --disable-backward-fusion (two)")
     barriers = vocab_barriers(args)
     if barriers is None:
-        if getattr(args, "disable_backward_fusion", False):
-            raise err("--disable-backward-fusion is a setting of vocabulary parallelism: add --enable-vocab-parallel")
+        for dest, flag in (("disable_backward_fusion", "--disable-backward-fusion"),
+                           ("split_vocab_embedding", "--split-vocab-embedding")):
+            if getattr(args, dest, False):
+                raise err(f"{flag} is a setting of vocabulary parallelism: add --enable-vocab-parallel")
         return None
     if p < 2:
         raise err(f"--enable-vocab-parallel spreads the output layer over the pipeline ranks: "
@@ -84,11 +88,13 @@ def _lcm(a: int, b: int) -> int:
     return a * b // math.gcd(a, b)
 
 
-def vocab_cost_kwargs(spec, layout: Optional[Layout], placement: Placement, barriers: int) -> Dict[str, Any]:
+def vocab_cost_kwargs(spec, layout: Optional[Layout], placement: Placement, barriers: int,
+                      embedding: bool = False) -> Dict[str, Any]:
     """``install()``'s per-chunk costs without the output layer (``chunk_cost_kwargs``' units: the
     busiest rank's F, the fullest rank's activation) and ``vocab_costs``: VS, VT, VW and their
     memory in the same units, the barriers' communication at ``ASSUMED_LINK_GBPS`` against a
-    stage computing at ``ASSUMED_TFLOPS``. ``layout`` None: the even split."""
+    stage computing at ``ASSUMED_TFLOPS``. ``layout`` None: the even split. ``embedding``: the input
+    embedding split too (VI, VG and their collectives; --split-vocab-embedding)."""
     from ...core.chunk_costs import chunk_costs, vocab_setting
     try:
         if layout is None:
@@ -97,13 +103,13 @@ def vocab_cost_kwargs(spec, layout: Optional[Layout], placement: Placement, barr
             if L % S:
                 raise ScheduleError(f"{L} layers do not split evenly over {S} model chunks")
             layout = from_counts([L // S] * S, spec.mtp_num_layers)
-        cc = chunk_costs(spec, layout, placement, 1.0, 1.0, vocab=True)
+        cc = chunk_costs(spec, layout, placement, 1.0, 1.0, vocab=True, vocab_embedding=embedding)
     except ScheduleError as e:
         raise ZeroBubbleArgumentError(str(e)) from None
     t = max(cc.rank_sum("cost_f", placement)) or 1.0
     u = max(cc.rank_sum("mem_f", placement)) or 1.0
     link = ASSUMED_LINK_GBPS * 1e9 * t / (ASSUMED_TFLOPS * 1e12)  # bytes per cost unit
-    vs = vocab_setting(spec, placement.num_ranks, t, link, barriers, mem_unit=u)
+    vs = vocab_setting(spec, placement.num_ranks, t, link, barriers, mem_unit=u, embedding=embedding)
     costs = {k: v for k, v in vs.to_dict().items() if k != "barriers"}
     return {"cost_f": [x / t for x in cc.cost_f], "cost_b": [x / t for x in cc.cost_b],
             "cost_w": [x / t for x in cc.cost_w], "mem_f": [x / u for x in cc.mem_f],

@@ -31,17 +31,26 @@ from ...runtime.vocab import VocabGroups, VocabRuntime
 from ..errors import ZeroBubbleConfigError
 
 __all__ = ["VocabShard", "shard_rows", "prepare_loss_chunk", "attach_shard", "find_shard", "VocabParallel",
-           "sync_tied_gradients", "adopt_chunk", "init_shard", "SHARD_ATTR"]
+           "sync_tied_gradients", "adopt_chunk", "init_shard", "scatter_embedding_rows", "SHARD_ATTR"]
 
 SHARD_ATTR = "mzb_vocab_shard"
 
 
 class VocabShard(torch.nn.Module):
-    """This rank's rows of the output layer (or of the tied word embedding)."""
+    """This rank's rows of the output layer (or of the tied word embedding). ``mzb_keys``: the
+    global names its rows are saved under (``features.vocab_embedding``: the input embedding's
+    too); ``mzb_attr``: the submodule's name on its chunk."""
 
-    def __init__(self, rows: int, hidden: int, dtype: torch.dtype, device):
+    def __init__(self, rows: int, hidden: int, dtype: torch.dtype, device, keys=("output_layer.weight",),
+                 attr: str = SHARD_ATTR):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.empty(rows, hidden, dtype=dtype, device=device))
+        self.mzb_keys, self.mzb_attr = tuple(keys), attr
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kw):
+        for i in range(1, len(self.mzb_keys)):  # the same rows under another name (saved twice, loaded once)
+            state_dict.pop(f"{prefix}weight_as_{i}", None)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kw)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
         """Megatron's distributed checkpoints: the shard as its rows of the whole output layer, under
@@ -54,10 +63,11 @@ class VocabShard(torch.nn.Module):
         w = self.weight
         v0, v1, vocab = w.mzb_vocab_rows
         rows = v1 - v0
-        base = prefix[:-len(SHARD_ATTR) - 1] if prefix.endswith(SHARD_ATTR + ".") else prefix
+        base = prefix[:-len(self.mzb_attr) - 1] if prefix.endswith(self.mzb_attr + ".") else prefix
         dp = ps.get_data_parallel_rank(with_context_parallel=True)
-        return {f"{prefix}weight": ShardedTensor.from_rank_offsets(
-            f"{base}output_layer.weight", w, (0, v0 // rows, vocab // rows), replica_id=(0, 0, dp))}
+        return {f"{prefix}weight" + (f"_as_{i}" if i else ""): ShardedTensor.from_rank_offsets(
+            f"{base}{key}", w, (0, v0 // rows, vocab // rows), replica_id=(0, 0, dp))
+            for i, key in enumerate(self.mzb_keys)}
 
 
 def shard_rows(vocab_size: int, p: int, tp: int, pp_rank: int, tp_rank: int):
@@ -165,18 +175,26 @@ def init_shard(chunks: Sequence[torch.nn.Module], placement: Placement, *, seed:
         with torch.no_grad():
             shard.copy_(torch.empty(shard.shape, dtype=torch.float32).normal_(0.0, float(std), generator=gen))
         return
+    scatter_embedding_rows(chunks, placement, shard)
+
+
+def scatter_embedding_rows(chunks: Sequence[torch.nn.Module], placement: Placement, target) -> None:
+    """``target`` (this rank's rows of the embedding) gets them from the rank that holds the embedding
+    (its tensor-parallel slice), scattered over the pipeline group (every pipeline rank calls it)."""
+    from megatron.core import parallel_state as ps
     group = ps.get_pipeline_model_parallel_group()
     ranks = dist.get_process_group_ranks(group)
     src = ranks[placement.rank_of(0)]
     pieces = None
     if dist.get_rank() == src:
         emb = next(p for c in chunks for _, p in c.named_parameters()
-                   if p is not shard and getattr(p, "mzb_global_name", "") == "embedding.word_embeddings.weight")
+                   if getattr(p, "mzb_vocab_rows", None) is None
+                   and getattr(p, "mzb_global_name", "") == "embedding.word_embeddings.weight")
         pieces = [t.contiguous() for t in emb.detach().chunk(len(ranks), dim=0)]
-    out = torch.empty_like(shard.detach())
+    out = torch.empty_like(target.detach())
     dist.scatter(out, pieces, src=src, group=group)
     with torch.no_grad():
-        shard.copy_(out)
+        target.copy_(out)
 
 
 def find_shard(chunks: Sequence[torch.nn.Module]) -> Optional[torch.nn.Parameter]:
@@ -201,7 +219,7 @@ class VocabParallel:
     """This rank's vocabulary passes for a run: the groups (made once, by every rank), the runtime,
     and Megatron's loss step on the loss stage's rank."""
 
-    def __init__(self, placement: Placement, barriers: int, timeout_s: float):
+    def __init__(self, placement: Placement, barriers: int, timeout_s: float, embedding: bool = False):
         from megatron.core import parallel_state as ps
         self.placement, self.barriers, self.timeout_s = placement, int(barriers), float(timeout_s)
         pp = ps.get_pipeline_model_parallel_group()
@@ -222,6 +240,14 @@ class VocabParallel:
                 pg = dist.new_group(list(g))
                 if me in g:
                     made[kind] = pg
+        wanted = [(g, k) for g in mp_groups for k in ("itokens", "itotal")] + [(g, "igrad") for g in pp_groups]
+        for g, kind in wanted if embedding else ():  # the split embedding's (features.vocab_embedding)
+            pg = dist.new_group(list(g))
+            if me in g:
+                made[kind] = pg
+        self.input_groups = {k: v for k, v in made.items() if k.startswith("i")}
+        self.inputs = None  # the split embedding's runtime (runtime.vocab_input.InputRuntime), bound per call
+        self.token_src: Optional[int] = None
         self.pp_rank = ps.get_pipeline_model_parallel_rank()
         loss_pp = placement.rank_of(placement.num_stages - 1)
         self.is_loss_rank = self.pp_rank == loss_pp
@@ -244,6 +270,10 @@ class VocabParallel:
             self.runtime.loss_step = loss_step
         return self
 
+    def wait(self, handle, what: str):
+        """Wait for a collective within the run's timeout; a timeout names ``what``."""
+        return self._wait(handle, what)
+
     def _wait(self, handle, what: str):
         try:
             handle.wait(datetime.timedelta(seconds=self.timeout_s))
@@ -255,7 +285,16 @@ class VocabParallel:
 
     # the executor's interface (StagePasses.vocab)
     def run(self, kind: str, mb: int) -> None:
-        self.runtime.run(kind, mb)
+        if kind in ("VI", "VG"):
+            self.inputs.run(kind, mb)
+        else:
+            self.runtime.run(kind, mb)
+
+    def finish(self) -> None:
+        """The end of a call: nothing of its passes may be left."""
+        self.runtime.finish()
+        if self.inputs is not None:
+            self.inputs.finish()
 
     def loss_output(self, mb: int, out: torch.Tensor) -> None:
         self.runtime.loss_output(mb, out, self.labels.labels.pop(mb))
@@ -323,7 +362,8 @@ def setup_passes(state: Optional["VocabParallel"], options, placement: Placement
     rank's shard and to this attempt's passes (``passes.vocab``, the loss step)."""
     from megatron.core import parallel_state as ps
     if state is None or state.made_for is not ps.get_pipeline_model_parallel_group():  # (parallel state rebuilt)
-        state = VocabParallel(placement, options.vocab_parallel, options.timeout_s)
+        state = VocabParallel(placement, options.vocab_parallel, options.timeout_s,
+                              bool(getattr(options, "vocab_embedding", False)))
     weight = find_shard(models)
     if weight is None:
         raise ZeroBubbleConfigError("--enable-vocab-parallel: this rank's model chunks hold no vocabulary shard; build "

@@ -133,16 +133,21 @@ def _share_or_auto(flag):
 
 
 def parse_shares(text: str):
-    """``--zero-bubble-optimizer-offload``: 'auto' or one share 0..1 per pipeline rank, comma-separated."""
+    """``--zero-bubble-optimizer-offload``: 'auto', one share 0..1 per pipeline rank (comma-separated),
+    'trough', or 'trough:' followed by either ('trough' with each rank's own share): returns 'auto',
+    a list, 'trough' or ('trough', 'auto' | list)."""
     t = str(text).strip().lower()
-    if t == "auto":
+    if t.startswith("trough:"):
+        return ("trough", parse_shares(t[len("trough:"):]))
+    if t in ("auto", "trough"):
         return t
     try:
         out = [float(x) for x in t.split(",")]
     except ValueError:
         out = []
     if not out or not all(0.0 <= x <= 1.0 for x in out):
-        raise ValueError(f"--zero-bubble-optimizer-offload takes 'auto' or one share 0..1 per pipeline rank "
+        raise ValueError(f"--zero-bubble-optimizer-offload takes 'auto', 'trough', 'trough:auto' or one share 0..1 per "
+                         f"pipeline rank "
                          f"(comma-separated), got {text!r}")
     return out
 
@@ -292,11 +297,17 @@ def add_zero_bubble_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                    help="Optimizer post-validation: each pipeline rank steps as soon as its own last pass is done; "
                         "the gradient norm and inf/NaN flags are reduced along the pipeline and the step is "
                         "rolled back and redone when they say Megatron's step would have clipped or skipped.")
-    f.add_argument("--zero-bubble-optimizer-offload", type=_optimizer_shares, default=None, metavar="S0,S1,...|auto",
+    f.add_argument("--zero-bubble-optimizer-offload", type=_optimizer_shares, default=None,
+                   metavar="S0,S1,...|auto|trough[:S0,S1,...|:auto]",
                    help="With --optimizer-cpu-offload: each pipeline rank's share of its optimizer states on the host "
                         "(one per rank, what `megatron-zb plan --optimizer-offload auto` prints; 'auto': from each "
                         "rank's own need under the GPU's memory) instead of Megatron's one "
-                        "--optimizer-offload-fraction for all (docs/optimizer_offload.md).")
+                        "--optimizer-offload-fraction for all; 'trough': Megatron's share stays in host memory "
+                        "between steps and its subgroups visit the GPU in each rank's memory trough (prefetched "
+                        "after the rank's last passes, updated there, written back in the next warm-up) as the "
+                        "core's trough plan says, the rest updated on the CPU; 'trough:S0,S1,...' / 'trough:auto': "
+                        "the same with each rank's own share (what `megatron-zb plan --optimizer-offload trough` "
+                        "prints) (docs/optimizer_offload.md)."),
     # not available yet: parsed here, refused by validate_zero_bubble_args
     f.add_argument("--enable-exactly-numeric-match", action="store_true", default=False,
                    help="Not available yet in megatron-zb.")
@@ -340,6 +351,10 @@ def add_zero_bubble_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     vp.add_argument("--disable-backward-fusion", action="store_true", default=False,
                     help="With --enable-vocab-parallel: the input gradient in its own pass after a second barrier "
                          "(the paper's Algorithm 1) instead of fused into the first (Algorithm 2).")
+    vp.add_argument("--split-vocab-embedding", action="store_true", default=False,
+                    help="With --enable-vocab-parallel: the input embedding split over the pipeline ranks too (each "
+                         "looks up its rows, the sum reaches the first stage; the fork's split_vocab_embedding), so "
+                         "the first stage's rank keeps no whole embedding (docs/vocab_parallel.md).")
     vp.add_argument("--use-interlaced-schedule", action="store_true", default=False,
                     help="The fork's interlaced baseline: not available in megatron-zb (its schedules place the "
                          "vocabulary passes themselves).")

@@ -91,6 +91,9 @@ class ChunkPlan:
         if self.vocab_parallel:  # the loss chunk without its output layer; the rank's shard on its first chunk
             from ..features.vocab_parallel import adopt_chunk
             adopt_chunk(model, info, self.placement, self.args)
+            if getattr(self.args, "split_vocab_embedding", False):  # the input embedding's rows too
+                from ..features.vocab_embedding import adopt_first_chunk
+                adopt_first_chunk(model, info, self.placement, self.args)
         if deterministic:
             zb_placement.deterministic_init_([model], seed=self.args.seed, std=self.args.init_method_std)
         elif self.placement.style == "v" and info.post_process and tied and not self.vocab_parallel:
@@ -100,6 +103,10 @@ class ChunkPlan:
                 info.vp_stage in (None, len(self.placement.stages_of(info.rank)) - 1):  # the rank's last chunk
             from ..features.vocab_parallel import init_shard
             init_shard(self.built, self.placement, seed=self.args.seed, std=self.args.init_method_std)
+        if self.vocab_parallel and getattr(self.args, "split_vocab_embedding", False) and \
+                info.vp_stage in (None, len(self.placement.stages_of(info.rank)) - 1):
+            from ..features.vocab_embedding import finish_rank
+            finish_rank(self.built, self.placement, deterministic)
 
     def _copy_tied_embedding(self, model) -> None:
         import torch

@@ -151,6 +151,16 @@ def _has_model(args) -> bool:
     return all(getattr(args, k, None) for k in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"))
 
 
+def optimizer_offload_flags(args):
+    """(each rank's shares: None | 'auto' | a list, trough: bool) from --zero-bubble-optimizer-offload."""
+    v = getattr(args, "zero_bubble_optimizer_offload", None)
+    if v == "trough":
+        return None, True
+    if isinstance(v, tuple):
+        return v[1], True
+    return v, False
+
+
 def _given(args, dest, default=None):
     v = getattr(args, dest, default)
     return v is not None and v is not False
@@ -313,7 +323,8 @@ def validate_zero_bubble_args(args, *, before_megatron_validation: Optional[bool
         args.zero_bubble_layout_taken = style in ("v", "bitpipe") and laid is not None
         # the schedule sees each chunk's share of the work and memory (what it holds), unless costs are given
         if barriers is not None:  # the output layer leaves the loss's chunk for every rank's vocabulary passes
-            args.zero_bubble_chunk_costs = (vocab_cost_kwargs(_activation_spec(args), laid, placement, barriers)
+            args.zero_bubble_chunk_costs = (vocab_cost_kwargs(_activation_spec(args), laid, placement, barriers,
+                                                              bool(getattr(args, "split_vocab_embedding", False)))
                                             if _has_model(args) else None)
         else:
             args.zero_bubble_chunk_costs = (chunk_cost_kwargs(_activation_spec(args), laid, placement)
@@ -370,6 +381,8 @@ def validate_zero_bubble_args(args, *, before_megatron_validation: Optional[bool
         kwargs.update({k: v for k, v in laid_out.items() if k not in ("unit_bytes", "vocab_costs")})
     if barriers is not None:
         kwargs["vocab_parallel"] = barriers
+        if getattr(args, "split_vocab_embedding", False):
+            kwargs["vocab_embedding"] = True
         if laid_out and laid_out.get("vocab_costs"):
             kwargs["vocab_costs"] = laid_out["vocab_costs"]
     for opt in ("cost_f", "cost_b", "cost_w", "cost_comm", "cost_a2a", "mem_w"):
@@ -390,13 +403,13 @@ def validate_zero_bubble_args(args, *, before_megatron_validation: Optional[bool
     elif getattr(args, "zero_bubble_profile_path", None):
         raise err("--zero-bubble-profile-path needs a profiling window (--zero-bubble-profile-window START END)")
 
-    shares = getattr(args, "zero_bubble_optimizer_offload", None)
-    if shares is not None:
+    shares, trough = optimizer_offload_flags(args)
+    if shares is not None or trough:
         if not _given(args, "optimizer_cpu_offload"):
             raise err("--zero-bubble-optimizer-offload sets each rank's share of Megatron's CPU offload: add "
                       "--optimizer-cpu-offload (and --use-precision-aware-optimizer, as Megatron requires)")
-        if shares != "auto" and len(shares) != p:
-            raise err(f"--zero-bubble-optimizer-offload takes 'auto' or one share per pipeline rank ({p}), as "
+        if shares not in (None, "auto") and len(shares) != p:
+            raise err(f"--zero-bubble-optimizer-offload takes 'auto', 'trough' or one share per pipeline rank ({p}), as "
                       f"`megatron-zb plan --optimizer-offload auto` prints them")
     if getattr(args, "enable_optimizer_post_validation", False):
         offload = _given(args, "optimizer_cpu_offload")  # Megatron's CPU offload: the host copies roll back too

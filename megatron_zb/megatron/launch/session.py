@@ -85,19 +85,22 @@ class TrainingSession:
             if pl.style in ("v", "bitpipe"):
                 from ..layout.routing import route_losses_to_last_rank
                 self._undos.append(route_losses_to_last_rank(pl.loss_rank))
-            shares = getattr(args, "zero_bubble_optimizer_offload", None)
+            from .flags import optimizer_offload_flags
+            shares, trough = optimizer_offload_flags(args)
             if getattr(args, "optimizer_cpu_offload", False):
                 from ..features.optimizer_offload import use_cpu_as_device
                 use_cpu_as_device()  # on a CPU-only torch: the CPU stands in for the GPU (nothing with CUDA)
             if shares == "auto":  # from each rank's need: states + the schedule's peak under the GPU's memory
                 shares = _auto_shares(args, built, pl)
+            if trough:  # the states on the host visit the GPU in each rank's trough
+                self._undos.append(_trough(args, self.handle, pl, shares is not None))
             if shares is not None:  # each pipeline rank's own share of Megatron's CPU offload
                 from ..features.optimizer_offload import use_rank_shares
                 self._undos.append(use_rank_shares(shares))
                 print0("megatron-zb: optimizer states on the host per pipeline rank: "
                        + ", ".join(f"{x:g}" for x in shares))
             if zb.get("post_validation"):
-                from ..features.optimizer import FORK_MIN_CLEAN_STEPS, patch_megatron_training
+                from ..features.post_validation_training import FORK_MIN_CLEAN_STEPS, patch_megatron_training
                 n = getattr(args, "zero_bubble_post_validation_min_clean_steps", None)
                 n = FORK_MIN_CLEAN_STEPS if n is None else n
                 self._undos.append(patch_megatron_training(self.handle, min_clean_steps=n))
@@ -132,7 +135,9 @@ class TrainingSession:
             from ..features.vocab_args import ASSUMED_LINK_GBPS, ASSUMED_TFLOPS
             costs += (f"; vocabulary parallelism with {vocab} barrier(s): every rank's output-layer shard in VS/VT/VW "
                       f"passes, the barriers at {ASSUMED_LINK_GBPS:g} GB/s against {ASSUMED_TFLOPS:g} TFLOPS of "
-                      "compute (1f1b: the same passes)")
+                      "compute (1f1b: the same passes)"
+                      + ("; the input embedding split too: every rank's rows in VI/VG passes (--split-vocab-embedding)"
+                         if zb.get("vocab_embedding") else ""))
         print0(f"megatron-zb: schedule {zb['schedule']} installed ({pl.style} placement, {pl.models_per_rank} "
                f"chunk(s) per rank, pipeline size {pl.num_ranks}, {self.m} microbatches"
                + (f", memory limit {limit:.3g} microbatches" if limit else "") + f"; {self.route})"
@@ -264,6 +269,35 @@ def run_reporting(fn: Callable[[], None]) -> int:
         report(e, known=False)
         return 1
     return 0
+
+
+def trough_inputs(args, placement) -> dict:
+    """--zero-bubble-optimizer-offload trough: the plan's inputs from Megatron's arguments (plan's
+    model of the run): the GPU's memory as the budget (none without a GPU), one microbatch's
+    activation per unit of the schedule's memory, one stage's forward at the vocabulary feature's
+    assumed GPU speed per unit of its time (``features.optimizer_trough.TroughOffload``'s keywords)."""
+    import math
+
+    import torch
+    from ..features.vocab_args import ASSUMED_TFLOPS
+    from .flags import memory_limit_in_microbatches, model_spec
+    spec = model_spec(args)
+    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+    flops = sum(spec.layer_flops(i)[0] for i in range(spec.num_layers)) / placement.num_ranks / tp
+    budget = (torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+              if torch.cuda.is_available() else math.inf)
+    return dict(budget_bytes=budget, unit_bytes=1e9 / memory_limit_in_microbatches(1.0, args),
+                unit_s=max(flops / (ASSUMED_TFLOPS * 1e12), 1e-6))
+
+
+def _trough(args, handle, placement, per_rank: bool):
+    from ..features.optimizer_trough import use_trough
+    feature = use_trough(handle.forward_backward, log=print0, **trough_inputs(args, placement))
+    share = ("each rank's own share" if per_rank else
+             f"Megatron's --optimizer-offload-fraction {getattr(args, 'optimizer_offload_fraction', 1.0):g}")
+    print0(f"megatron-zb: optimizer states in host memory ({share}), visiting the GPU in each rank's trough "
+           "(the plan per rank follows at the first iteration)")
+    return feature.uninstall
 
 
 def _auto_shares(args, built, placement):
