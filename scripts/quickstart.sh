@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The main job (about 3 minutes on a 2-core CPU box):
+# The main job (under 5 minutes on a 2-core CPU box from a fresh clone, set-up included: 4 min 48 s measured):
 #   1. set-up (scripts/setup_env.sh; its output goes to $OUT/setup.log);
 #   2. correctness: train a tiny GPT for real with megatron-zb's zb-v schedule on 4 pipeline ranks
 #      (gloo processes on a CPU), then the same model, data and seed with 1f1b: identical losses;
