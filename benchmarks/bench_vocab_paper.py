@@ -91,7 +91,8 @@ def redis_counts(last: int):
 def one(spec, schedule, layout, vocab, args):
     """plan's row for ``schedule`` (with ``layout`` where given; vocab: None or the barriers)."""
     kw = dict(tflops=312.0, efficiency=args.efficiency, schedules=[schedule],
-              vocab_parallel="off" if vocab is None else "on", vocab_barriers=vocab or 1, vocab_gbps=args.vocab_gbps)
+              vocab_parallel="off" if vocab is None else "on", vocab_barriers=vocab or 1, vocab_gbps=args.vocab_gbps,
+              vocab_embedding=vocab is not None and args.split_vocab_embedding)
     if layout is not None:
         kw["layout"] = str(layout)
     rows = plan(spec, P, M, args.gpu_memory_gb, **kw)
@@ -114,6 +115,7 @@ def methods(spec, vocab, quick):
 def best_vocab(spec, args):
     rows = plan(spec, P, M, args.gpu_memory_gb, tflops=312.0, efficiency=args.efficiency, vocab_parallel="on",
                 vocab_barriers=1, vocab_gbps=args.vocab_gbps, jobs=args.jobs,
+                vocab_embedding=args.split_vocab_embedding,
                 schedules=["1f1b", "zb-h1", "zb-h2", "zb-v", "v-half", "v-min", "interleaved-1f1b"])
     return next(r for r in rows if "error" not in r and r["fits"])
 
@@ -126,9 +128,14 @@ def main(argv=None):
     ap.add_argument("--vocab-gbps", type=float, default=100.0)
     ap.add_argument("--gpu-memory-gb", type=float, default=80.0)
     ap.add_argument("--jobs", type=int, default=1)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                                  "vocab_paper.json"))
+    ap.add_argument("--split-vocab-embedding", action="store_true",
+                    help="our vocabulary-parallel rows split the input embedding too, as their implementation does "
+                         "(default out: results/vocab_paper_split.json)")
+    ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    if args.out is None:
+        args.out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                "vocab_paper_split.json" if args.split_vocab_embedding else "vocab_paper.json")
     t0 = time.time()
     results = []
     for seq in ((4096,) if args.quick else SEQS):
@@ -152,7 +159,8 @@ def main(argv=None):
             results.append({"seq": seq, "vocab": vocab, "ours": ours, "theirs": their_gain})
     print(f"Vocabulary parallelism, the paper's single-host setting: 4B GPT (32 layers, h 3072, FFN 12288), P={P}, "
           f"M={M}; theirs measured on 8 A100s (artifact/example-results/full-exp.txt), ours simulated "
-          f"(A100 312 TFLOPS x {args.efficiency}, barriers at {args.vocab_gbps:g} GB/s)")
+          f"(A100 312 TFLOPS x {args.efficiency}, barriers at {args.vocab_gbps:g} GB/s"
+          + ("; our vocabulary rows split the input embedding too" if args.split_vocab_embedding else "") + ")")
     print("throughput gain over their baseline (1F1B, output layer on the last stage) and peak memory per GPU")
     hdr = f"{'seq':>5} {'vocab':>6} {'method':<22}{'theirs':>8}{'ours':>8}{'theirs/redis':>13}{'ours/redis':>11}" \
           f"{'their GB':>9}{'our GB':>8}  layout / schedule"
@@ -181,7 +189,8 @@ def main(argv=None):
                                "gpu_memory_gb": args.gpu_memory_gb},
                    "source": "github.com/sail-sg/VocabularyParallelism artifact/example-results/full-exp.txt",
                    "command": "python benchmarks/bench_vocab_paper.py" + (" --quick" if args.quick else "") +
-                   (" --no-best" if args.no_best else ""),
+                   (" --no-best" if args.no_best else "") +
+                   (" --split-vocab-embedding" if args.split_vocab_embedding else ""),
                    "host": platform.node(), "seconds": time.time() - t0, "results": results}, f, indent=1)
     print(f"wrote {args.out} ({time.time() - t0:.0f} s)")
 
