@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-__all__ = ["apply"]
+__all__ = ["apply", "WrappingLoader"]
 
 _JIT = "megatron.core.jit"
 
@@ -41,7 +41,10 @@ def _no_compile(model=None, **_kwargs):
     return model if model is not None else (lambda fn: fn)
 
 
-class _Loader(importlib.abc.Loader):
+class WrappingLoader(importlib.abc.Loader):
+    """A module's own loader, wrapped: everything but ``exec_module`` (which a subclass gives) is the
+    inner loader's (the CPU shims' import hooks: this one's and the triton stand-ins')."""
+
     def __init__(self, inner):
         self.inner = inner
 
@@ -51,6 +54,8 @@ class _Loader(importlib.abc.Loader):
     def create_module(self, spec):
         return self.inner.create_module(spec) if hasattr(self.inner, "create_module") else None
 
+
+class _Loader(WrappingLoader):
     def exec_module(self, module):
         compile_fn, torch.compile = torch.compile, _no_compile
         try:

@@ -85,16 +85,7 @@ def _triton_stub():
     import importlib.abc
     import importlib.machinery
 
-    class _StandInLoader(importlib.abc.Loader):
-        def __init__(self, inner):
-            self.inner = inner
-
-        def __getattr__(self, attr):  # get_source, get_filename, ...: the file's own loader
-            return getattr(self.inner, attr)
-
-        def create_module(self, spec):
-            return self.inner.create_module(spec) if hasattr(self.inner, "create_module") else None
-
+    class _StandInLoader(cpu_jit.WrappingLoader):
         def exec_module(self, module):
             try:
                 self.inner.exec_module(module)
