@@ -78,13 +78,15 @@ def trough(ctx) -> None:
     for k, g in enumerate(groups):
         states.visit(k, g)
     sync()
-    # write-back alone
-    t0 = time.perf_counter()
-    for k, g in enumerate(groups):
-        states.write_back(k, g)
-    for k in range(SUBGROUPS):
-        states.release(k)
-    d2h_s = time.perf_counter() - t0
+    def write_back_all():  # every subgroup written back and released: the seconds it took
+        t0 = time.perf_counter()
+        for k, g in enumerate(groups):
+            states.write_back(k, g)
+        for k in range(SUBGROUPS):
+            states.release(k)
+        return time.perf_counter() - t0
+
+    d2h_s = write_back_all()  # write-back alone
     total = SUBGROUPS * state
     # prefetch under compute: matmuls on the default stream, the copies on the side stream
     a = torch.randn(4096 if gpu else 64, 4096 if gpu else 64, device=dev, dtype=torch.bfloat16 if gpu else torch.float32)
@@ -127,12 +129,7 @@ def trough(ctx) -> None:
     diff = float((pg.cpu() - pc).abs().max())
     # post-validation: a staged write-back and its rollback
     states.staged = True
-    t0 = time.perf_counter()
-    for k, g in enumerate(groups):
-        states.write_back(k, g)
-    for k in range(SUBGROUPS):
-        states.release(k)
-    staged_s = time.perf_counter() - t0
+    staged_s = write_back_all()
     t0 = time.perf_counter()
     states.rollback()
     rollback_s = time.perf_counter() - t0
