@@ -141,13 +141,16 @@ def _same_times(fast, slow):
 
 @pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zb-v", "v-half", "interleaved-1f1b", "gpipe", "dualpipe-v"])
 @pytest.mark.parametrize("barriers", [1, 2])
-def test_coded_simulation_of_vocabulary_passes_is_the_simulators(name, barriers, monkeypatch):
+@pytest.mark.parametrize("embedding", [False, True])
+def test_coded_simulation_of_vocabulary_passes_is_the_simulators(name, barriers, embedding, monkeypatch):
     from megatron_zb.core.vocab import VocabSetting
-    rr = random.Random(hash((name, barriers)) % 1000)
+    rr = random.Random(len(name) + 10 * barriers + 100 * embedding)
     for p, m in ((2, 3), (4, 8)):
         vs = VocabSetting(barriers=barriers, cost_s=[rr.choice([0.1, 0.3]) for _ in range(p)], cost_t=0.2,
                           cost_w=[rr.choice([0.0, 0.2, 0.5]) for _ in range(p)], cost_comm=rr.choice([0.0, 0.15]),
-                          mem_s=0.5, mem_w=0.25)
+                          mem_s=0.5, mem_w=0.25, embedding=embedding,
+                          cost_i=[rr.choice([0.05, 0.1]) for _ in range(p)], cost_g=0.07,
+                          cost_ci=rr.choice([0.0, 0.12]), cost_cg=rr.choice([0.0, 0.09]), mem_i=0.1)
         req = ScheduleRequest(name, cost_f=[1.0 + 0.25 * r for r in range(p)], cost_b=[1.5], cost_comm=0.1, vocab=vs)
         b = build(req, p, m)
         flat = b.schedule.flat()

@@ -6,14 +6,16 @@ ends plus their hops, whatever the order they are worked out in). Pure Python.
 Vocabulary passes (``core.vocab``) are timed too where the schedule has one barrier and every rank
 runs its VS in microbatch order: the barrier of microbatch j then completes after the one of j-1
 (in ``simulate``'s loop as here), at max(its last VS's end, the previous barrier's end) + the
-collective's time. With two barriers the two kinds share the link in the order ``simulate``'s
-loop meets them, so those schedules are left to it (``ok`` False)."""
+collective's time. With the input embedding split too, the same holds for VI and its barrier CI;
+CG, fed by the first stage's backward alone, completes in the order that rank runs them. With two
+barriers the two kinds share the link in the order ``simulate``'s loop meets them, so those
+schedules are left to it (``ok`` False)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
-from .ir import B, BW, F, OFFLOAD_KINDS, VS, VT, VW, W, Action, Schedule, Setting, deps
+from .ir import B, BW, F, OFFLOAD_KINDS, VG, VI, VS, VT, VW, W, Action, Schedule, Setting, deps
 
 __all__ = ["Plain", "Timed"]
 
@@ -38,9 +40,9 @@ class Plain:
         per_mb = setting.microbatch_costs is not None
         p = len(orders)
         idx: Dict[Tuple[str, int, int], int] = {}
-        vocab_mbs: Dict[int, int] = {}  # microbatch -> VS passes
+        fed: Dict[str, Dict[int, int]] = {VS: {}, VI: {}}  # microbatch -> VS (VI) passes
         for r, order in enumerate(orders):
-            last_vs = None
+            last = {VS: None, VI: None}
             for a in order:
                 key = (a.kind, a.stage, a.mb)
                 if key in idx:
@@ -48,49 +50,81 @@ class Plain:
                 if a.kind in (F, B, W, BW):
                     if not 0 <= a.stage < nst:
                         return
-                elif a.kind in (VS, VT, VW):
+                elif a.kind in (VS, VT, VW, VI, VG):
                     if a.stage != r:
                         return
-                    if a.kind == VS:
-                        if last_vs is not None and a.mb <= last_vs:
+                    if a.kind in fed:  # in microbatch order (see the module)
+                        if last[a.kind] is not None and a.mb <= last[a.kind]:
                             return
-                        last_vs = a.mb
-                        vocab_mbs[a.mb] = vocab_mbs.get(a.mb, 0) + 1
+                        last[a.kind] = a.mb
+                        fed[a.kind][a.mb] = fed[a.kind].get(a.mb, 0) + 1
                 else:
                     return
                 idx[key] = len(idx)
-        vocab = None
-        if vocab_mbs or any(k[0] in (VT, VW) for k in idx):
+        vocab, emb = None, False
+        if any(k[0] in (VS, VT, VW, VI, VG) for k in idx):
             vocab = setting.vocab
             if vocab is None or vocab.barriers != 1 or any(len(getattr(vocab, k)) not in (1, p) for k in
-                                                         ("cost_s", "cost_t", "cost_w", "mem_s", "mem_w")) \
-                    or any(c != p for c in vocab_mbs.values()):
+                                                         ("cost_s", "cost_t", "cost_w", "mem_s", "mem_w",
+                                                          "cost_i", "cost_g")) \
+                    or any(c != p for f in fed.values() for c in f.values()):
+                return
+            emb = vocab.embedding
+            if not emb and fed[VI] or any(k[0] == VG for k in idx) and not emb:
                 return
         n = len(idx)
-        barrier_of = {mb: n + i for i, mb in enumerate(sorted(vocab_mbs))}  # C0 of each microbatch, in order
-        size = n + len(barrier_of)
+        # the barriers, link by link (C0; with the embedding split CI and CG): per link its barriers'
+        # microbatches in the order they complete, and the cost of one
+        first_rank = rank_of[0]
+        cg_mbs = [a.mb for a in orders[first_rank] if a.kind in (B, BW) and a.stage == 0] if emb else []
+        if len(set(cg_mbs)) != len(cg_mbs):
+            return
+        link_mbs = [sorted(fed[VS]), sorted(fed[VI]), cg_mbs]
+        link_cost = [vocab.cost_comm, vocab.cost_ci, vocab.cost_cg] if vocab is not None else [0.0] * 3
+        link_base, size = [], n
+        for mbs in link_mbs:
+            link_base.append(size)
+            size += len(mbs)
+        barrier = [{mb: link_base[L] + i for i, mb in enumerate(mbs)} for L, mbs in enumerate(link_mbs)]
         dep, hop, cost = [-1] * size, [0.0] * size, [0.0] * size
         dep2, hop2 = [-1] * size, [0.0] * size
         last = nst - 1
         loss_rank = rank_of[last]
+        feeds: Dict[int, Tuple[int, int]] = {}  # pass code -> (link, index of the barrier it feeds)
         for r, order in enumerate(orders):
             for a in order:
                 x = idx[(a.kind, a.stage, a.mb)]
                 cost[x] = setting.pass_cost(a.kind, r, a.stage, a.mb if per_mb else None)
                 k = a.kind
-                if vocab is not None and (k in (VS, VT, VW) or (k in (B, BW) and a.stage == last)):
+                if vocab is not None:
+                    if k == VS or k == VI:
+                        L = 0 if k == VS else 1
+                        feeds[x] = (L, barrier[L][a.mb] - link_base[L])
+                    elif emb and k in (B, BW) and a.stage == 0:
+                        feeds[x] = (2, barrier[2][a.mb] - link_base[2])
+                if vocab is not None and (k in (VS, VT, VW, VI, VG) or (k in (B, BW) and a.stage == last)
+                                          or (emb and k == F and a.stage == 0)):
+                    h = 0.0
                     if k == VS:
                         y = idx.get((F, last, a.mb))
                         h = comm if loss_rank != r else 0.0
                     elif k == VW:
-                        y, h = idx.get((VT, r, a.mb)), 0.0
+                        y = idx.get((VT, r, a.mb))
                         if loss_rank != r:
                             z = idx.get((VT, loss_rank, a.mb))
                             if z is None:
                                 return
                             dep2[x], hop2[x] = z, comm
+                    elif k == VI:
+                        if r == first_rank:
+                            continue
+                        y, h = idx.get((VI, first_rank, a.mb)), comm
+                    elif k == VG:
+                        y = barrier[2].get(a.mb)
+                    elif k == F:  # the first stage's forward: the embedding's summed output (CI)
+                        y = barrier[1].get(a.mb)
                     else:  # VT, and the loss stage's backward: the barrier
-                        y, h = barrier_of.get(a.mb), 0.0
+                        y = barrier[0].get(a.mb)
                     if y is None:
                         return
                     dep[x], hop[x] = y, h
@@ -113,9 +147,9 @@ class Plain:
                     hop[x] = comm
         self.n, self.dep, self.hop, self.cost, self.dep2, self.hop2 = n, dep, hop, cost, dep2, hop2
         self.vocab = vocab is not None
-        # per VS code: its barrier's index; the barriers in microbatch order
-        self.feeds = {idx[k]: barrier_of[k[2]] - n for k in idx if k[0] == VS} if vocab is not None else {}
-        self.barriers, self.barrier_cost = len(barrier_of), vocab.cost_comm if vocab is not None else 0.0
+        self.feeds = feeds
+        self.links = [(link_base[L], len(link_mbs[L]), link_cost[L]) for L in range(3)]
+        self.size = size
         self.codes = [[idx[(a.kind, a.stage, a.mb)] for a in order] for order in orders]
         self.ok = True
 
@@ -129,14 +163,17 @@ class Plain:
     def times(self, release: Optional[Dict[Tuple[int, int], float]] = None):
         """(start, end) per pass code, or None on a deadlock."""
         dep, hop, cost, dep2, hop2 = self.dep, self.hop, self.cost, self.dep2, self.hop2
-        n, feeds, vocab = self.n, self.feeds, self.vocab
-        end: List[Optional[float]] = [None] * (n + self.barriers)
+        feeds, vocab = self.feeds, self.vocab
+        end: List[Optional[float]] = [None] * self.size
         start = [0.0] * self.n
         R = len(self.codes)
         pos, clock = [0] * R, [0.0] * R
         waiting: Dict[int, List[int]] = {}
-        left, latest = [R] * self.barriers, [0.0] * self.barriers  # VS passes to come, the last VS's end
-        nxt, free = 0, 0.0  # the next barrier to complete, the link's
+        # per link: passes each barrier still waits for, the latest of their ends, the next barrier to
+        # complete, when the link is free
+        left = [[R if L < 2 else 1] * count for L, (_, count, _) in enumerate(self.links)]
+        latest = [[0.0] * count for _, count, _ in self.links]
+        nxt, free = [0, 0, 0], [0.0, 0.0, 0.0]
         stack = list(range(R - 1, -1, -1))
         while stack:
             r = stack.pop()
@@ -171,15 +208,16 @@ class Plain:
                 if x in waiting:
                     stack.extend(waiting.pop(x))
                 if vocab and x in feeds:
-                    j = feeds[x]
-                    left[j] -= 1
-                    latest[j] = max(latest[j], t)
-                    while nxt < self.barriers and not left[nxt]:
-                        free = max(latest[nxt], free) + self.barrier_cost
-                        end[n + nxt] = free
-                        if n + nxt in waiting:
-                            stack.extend(waiting.pop(n + nxt))
-                        nxt += 1
+                    L, j = feeds[x]
+                    base, count, c = self.links[L]
+                    left[L][j] -= 1
+                    latest[L][j] = max(latest[L][j], t)
+                    while nxt[L] < count and not left[L][nxt[L]]:
+                        free[L] = max(latest[L][nxt[L]], free[L]) + c
+                        end[base + nxt[L]] = free[L]
+                        if base + nxt[L] in waiting:
+                            stack.extend(waiting.pop(base + nxt[L]))
+                        nxt[L] += 1
                 i += 1
             pos[r], clock[r] = i, t
         if any(pos[r] < len(self.codes[r]) for r in range(R)):
