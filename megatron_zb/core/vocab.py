@@ -291,14 +291,21 @@ def placed(schedule: Schedule, setting: Setting, w_cap: int = 1, coded: Optional
 
     fin = [finished(r) for r in range(p)]  # each rank's, kept as its passes run
 
+    # the vocabulary passes as actions, made once for every variant placed with ``coded``
+    acts = coded.get("actions")
+    if acts is None:
+        acts = coded["actions"] = {k: [[Action(k, r, j) for j in range(m)] for r in range(p)]
+                                   for k in (VS, VT, VW, VI, VG)}
+    a_s, a_t, a_w, a_i, a_g = (acts[k] for k in (VS, VT, VW, VI, VG))
     heap = [(0.0, r) for r in range(p)]
     heapq.heapify(heap)
+    pop, push = heapq.heappop, heapq.heappush
     stalls, capped = 0, False
     while heap:
-        t0, r = heapq.heappop(heap)
-        if finished(r) or t0 < clock[r] - EPS:
-            if not finished(r) and t0 < clock[r] - EPS:
-                heapq.heappush(heap, (clock[r], r))
+        t0, r = pop(heap)
+        if fin[r] or t0 < clock[r] - EPS:
+            if not fin[r] and t0 < clock[r] - EPS:
+                push(heap, (clock[r], r))
             continue
         t = clock[r]
         lim = t + EPS
@@ -336,27 +343,27 @@ def placed(schedule: Schedule, setting: Setting, w_cap: int = 1, coded: Optional
         must_w = rt is not None and rt <= lim and len(pending_w[r]) >= w_cap  # gradients held: at most w_cap
         capped = capped or must_w
         if ri is not None and ri <= lim:
-            run(r, Action(VI, r, nxt_i[r]), t, cost_i[r])
+            run(r, a_i[r][nxt_i[r]], t, cost_i[r])
             stalls = 0
         elif rg is not None and rg <= lim:
-            run(r, Action(VG, r, nxt_g[r]), t, cost_g[r])
+            run(r, a_g[r][nxt_g[r]], t, cost_g[r])
             stalls = 0
         elif not must_w and rt is not None and rt <= lim:
-            run(r, Action(VT, r, nxt_t[r]), t, cost_t[r])
+            run(r, a_t[r][nxt_t[r]], t, cost_t[r])
             stalls = 0
         elif not must_w and rs is not None and rs <= lim:
-            run(r, Action(VS, r, nxt_s[r]), t, cost_s[r])
+            run(r, a_s[r][nxt_s[r]], t, cost_s[r])
             stalls = 0
         elif not must_w and rb is not None and rb <= lim:
             run(r, base[r].popleft(), t, info[r].popleft()[1])
             stalls = 0
         else:
             future = [x for x in (rt, rs, rb, ri, rg) if x is not None and x > lim]
-            others = [c for q, c in enumerate(clock) if q != r and not fin[q] and c > lim]
+            others = [c for c, f in zip(clock, fin) if c > lim and not f]  # not r's own: clock[r] = t
             horizon = min(future + others) if (future or others) else None
             if pending_w[r] and (must_w or horizon is None or
                                  horizon - t >= cost_w[r] - EPS or not base[r] and nxt_s[r] == m):
-                run(r, Action(VW, r, pending_w[r].popleft()), t, cost_w[r])
+                run(r, a_w[r][pending_w[r].popleft()], t, cost_w[r])
                 stalls = 0
             elif horizon is not None:
                 clock[r] = horizon
@@ -366,8 +373,8 @@ def placed(schedule: Schedule, setting: Setting, w_cap: int = 1, coded: Optional
                     raise ScheduleError(f"vocabulary passes cannot be placed into {schedule.name}: rank {r} waits "
                                         f"at time {t:g} for a pass no rank can run")
                 clock[r] = t + EPS
-        if not finished(r):
-            heapq.heappush(heap, (clock[r], r))
+        if not fin[r]:
+            push(heap, (clock[r], r))
     meta = dict(schedule.meta, vocab=vocab.to_dict())
     return Schedule(schedule.name, pl, m, orders, meta), capped
 
