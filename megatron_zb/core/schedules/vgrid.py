@@ -53,7 +53,8 @@ def peak(grid: Grid, per_rank: bool = False):
         for c in row:
             if c in FWD:
                 cur += 1
-                top = max(top, cur)
+                if cur > top:
+                    top = cur
             elif c in "Ww":
                 cur -= 1
         out.append(top)
@@ -82,10 +83,11 @@ def squeeze(grid: Grid) -> Optional[Grid]:
     while stack:
         i = stack.pop()
         seq, row, ci = seqs[i], out[i], cnt[i]
-        while pos[i] < len(seq):
-            c = seq[pos[i]]
+        j, at_next, end = pos[i], nxt[i], len(seq)  # len(row) is at_next: the rank's next free slot
+        while j < end:
+            c = seq[j]
             k = ci[c]
-            at = nxt[i]
+            at = at_next
             if c == "F" or c == "B":
                 src = i - 1
             elif c == "f" or c == "b":
@@ -105,15 +107,15 @@ def squeeze(grid: Grid) -> Optional[Grid]:
                     at = t + 1
             slot[c][i][k] = at
             ci[c] = k + 1
-            gap = at - len(row)
-            if gap:
-                row.extend([" "] * gap)
+            if at > at_next:
+                row.extend([" "] * (at - at_next))
             row.append(c)
-            nxt[i] = at + 1
-            pos[i] += 1
+            at_next = at + 1
+            j += 1
             w = waiting[c][i][k]
             if w is not None:
                 stack.extend(w)
+        pos[i], nxt[i] = j, at_next
     if any(pos[i] < len(seqs[i]) for i in range(p)):
         return None
     return _pad(out)
@@ -288,7 +290,8 @@ def fill_holes(grid: Grid, m: int) -> Grid:
                 x = row[k]
                 delta += 1 if x in FWD else (-1 if x in "Ww" else 0)
                 before = top_delta
-                top_delta = max(top_delta, delta)
+                if delta > top_delta:
+                    top_delta = delta
                 if x == " " or x not in avail:
                     continue
                 avail.discard(x)
