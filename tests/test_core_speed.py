@@ -197,3 +197,21 @@ def test_vocabulary_placement_tries_each_distinct_variant_once(name):
                     got = place_vocab(b.schedule, st, limit)
                     assert (got.name, got.placement, got.num_microbatches, got.orders, got.meta) == \
                         (want.name, want.placement, want.num_microbatches, want.orders, want.meta)
+
+
+@pytest.mark.parametrize("p, m", [(4, 8), (4, 5), (4, 11)])
+def test_building_blocks_remembered_across_limits_are_the_blocks(p, m, monkeypatch):
+    from megatron_zb.core.memo import Memo
+    from megatron_zb.core.schedules import vslots
+    limits = [2 * p, p + 1, p + 3, p]
+
+    def fresh(limit):  # every block built anew for this limit alone
+        monkeypatch.setattr(vslots, "_ORDERS", Memo(8))
+        monkeypatch.setattr(vslots, "_BUILT", Memo(8192))
+        return vslots._orders(p, m, limit)
+
+    want = {limit: fresh(limit) for limit in limits}
+    monkeypatch.setattr(vslots, "_BUILT", Memo(8192))
+    for limit in limits:  # one memory of blocks for every limit, in turn
+        monkeypatch.setattr(vslots, "_ORDERS", Memo(8))
+        assert vslots._orders(p, m, limit) == want[limit]
