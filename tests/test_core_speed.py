@@ -207,11 +207,11 @@ def test_building_blocks_remembered_across_limits_are_the_blocks(p, m, monkeypat
 
     def fresh(limit):  # every block built anew for this limit alone
         monkeypatch.setattr(vslots, "_ORDERS", Memo(8))
-        monkeypatch.setattr(vslots, "_BUILT", Memo(8192))
+        monkeypatch.setattr(vslots, "_BUILT", Memo(4096))
         return vslots._orders(p, m, limit)
 
     want = {limit: fresh(limit) for limit in limits}
-    monkeypatch.setattr(vslots, "_BUILT", Memo(8192))
+    monkeypatch.setattr(vslots, "_BUILT", Memo(4096))
     for limit in limits:  # one memory of blocks for every limit, in turn
         monkeypatch.setattr(vslots, "_ORDERS", Memo(8))
         assert vslots._orders(p, m, limit) == want[limit]

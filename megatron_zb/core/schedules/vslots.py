@@ -146,7 +146,7 @@ def build(blk: List[List[int]], p: int, m: int, max_mem: int) -> Tuple[Optional[
 _ORDERS = Memo(8)
 #: each block's grid (rows as strings) and peaks by (block, p, m), and the peak when m < 2p: with
 #: m >= 2p a block's grid does not depend on the peak allowed beyond the first check (``_built``)
-_BUILT = Memo(8192)
+_BUILT = Memo(4096)
 
 
 def _built(blk: List[List[int]], p: int, m: int, max_mem: int) -> Tuple[Optional[Grid], int]:
