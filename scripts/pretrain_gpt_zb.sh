@@ -99,8 +99,10 @@ else
     VOCAB=${VOCAB:-128}; MBS=${MBS:-2}; GBS=${GBS:-$((8 * MBS))}; ITERS=${ITERS:-20}; LR=${LR:-2e-3}
     PRECISION=${PRECISION:-fp32}; LOG_INTERVAL=${LOG_INTERVAL:-1}
     export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-    # CPU: no dropout, so schedules can be compared loss for loss
-    EXTRA_ARGS="--hidden-dropout 0 --attention-dropout 0 $EXTRA_ARGS"
+    # CPU: no dropout, so schedules can be compared loss for loss; no data-loader worker processes
+    # (Megatron's default is 2 per loader, forked from every rank that reads data): on a CPU they only
+    # take cores from the ranks. EXTRA_ARGS comes after, so "--num-workers 2" there brings them back
+    EXTRA_ARGS="--hidden-dropout 0 --attention-dropout 0 --num-workers 0 $EXTRA_ARGS"
 fi
 FFN=${FFN:-$((4 * HIDDEN))}
 MIN_LR=${MIN_LR:-$(awk -v lr="$LR" 'BEGIN { printf "%g", lr / 10 }')}

@@ -2,37 +2,69 @@
 # Install everything (idempotent) and run the whole test suite:
 #   1. the schedule core, CLI and everything else on megatron-core 0.16.1;
 #   2. the megatron-dependent tests again on megatron-core 0.19.2 (but those marked version_free:
-#      megatron-zb's own process handling, e.g. the launch timeout's 45 s wait).
-# The two passes run side by side (MZB_TEST_SERIAL=1: one after the other): the multi-rank tests
-# wait on each other's messages and process start-up much of the time, so on a 2-core machine
-# the second pass mostly fills idle time. Pass 2's output is printed when both have finished.
+#      megatron-zb's own process handling, e.g. the launch timeout's 45 s wait), and the training
+#      entry point's tests (Megatron-LM's pretrain(), which only 0.19.2's wheel ships).
+# Each pass runs as two pytest processes, the four side by side (MZB_TEST_SERIAL=1: one after the
+# other): pass 1's single-process tests (-m "not dist") and its multi-process ones (-m dist); pass 2's
+# entry-point trainings (ENTRY_FILES: one torchrun job after another) and the rest of it. The
+# multi-rank tests wait on each other's messages and on process start-up much of the time, so four
+# streams keep a 2-core machine's cores busy where two left them idle. Each stream's output is
+# printed when all have finished, with its time.
+#   bash scripts/run_tests.sh                    # everything (what CI runs)
+#   bash scripts/run_tests.sh tests/test_plan.py -k quick   # arguments: the two passes on what they select
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ "${MZB_SKIP_SETUP:-0}" = 1 ] || bash scripts/setup_env.sh  # MZB_SKIP_SETUP=1: the environment exists
 export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
 PY=.venv/bin/python
+# the package's and the tests' bytecode once, here: with PYTHONDONTWRITEBYTECODE set (as on these
+# machines) every process of the suite (ranks, launchers, CLI calls: hundreds) would compile them again
+$PY -m compileall -q -j 0 megatron_zb tests >/dev/null
+ENTRY_FILES=(tests/test_pretrain_entry.py tests/test_pretrain_faults.py tests/test_varlen_entry.py tests/test_dropin.py)
+PASS2_MARK="megatron and not version_free"
+
+pass1() { $PY -m pytest -q -p no:cacheprovider "$@"; }
 pass2() {
     local rc=0
-    MZB_MCORE=0.19.2 $PY -m pytest -q -p no:cacheprovider -m "megatron and not version_free" tests "$@" || rc=$?
+    MZB_MCORE=0.19.2 $PY -m pytest -q -p no:cacheprovider -m "$PASS2_MARK" "$@" || rc=$?
     if [ "$rc" -eq 5 ]; then echo "(no megatron tests selected)"; rc=0; fi
     return "$rc"
 }
-start=$SECONDS
-if [ "${MZB_TEST_SERIAL:-0}" = 1 ]; then
-    echo "== megatron-core 0.16.1: full suite =="
-    rc1=0; $PY -m pytest -q tests "$@" || rc1=$?
-    echo "== megatron-core 0.19.2: megatron tests =="
-    rc2=0; pass2 "$@" || rc2=$?
+
+if [ $# -gt 0 ]; then  # the caller's selection: each pass once on it
+    NAMES=("megatron-core 0.16.1" "megatron-core 0.19.2: megatron tests")
+    CMDS=("pass1 $(printf '%q ' "$@")" "pass2 $(printf '%q ' "$@")")
 else
-    log2=$(mktemp)
-    trap 'rm -f "$log2"' EXIT
-    pass2 "$@" >"$log2" 2>&1 &
-    pid2=$!
-    echo "== megatron-core 0.16.1: full suite (0.19.2 megatron tests run beside it) =="
-    rc1=0; $PY -m pytest -q tests "$@" || rc1=$?
-    rc2=0; wait "$pid2" || rc2=$?
-    echo "== megatron-core 0.19.2: megatron tests =="
-    cat "$log2"
+    ignore=(); for f in "${ENTRY_FILES[@]}"; do ignore+=("--ignore=$f"); done
+    NAMES=("megatron-core 0.16.1: single-process tests" "megatron-core 0.16.1: multi-process tests"
+           "megatron-core 0.19.2: training entry point" "megatron-core 0.19.2: the other megatron tests")
+    CMDS=("pass1 -m 'not dist' tests" "pass1 -m dist tests"
+          "pass2 ${ENTRY_FILES[*]}" "pass2 tests ${ignore[*]}")
 fi
-echo "== test passes: 0.16.1 exit $rc1, 0.19.2 exit $rc2, $((SECONDS - start)) s =="
-[ "$rc1" -eq 0 ] && [ "$rc2" -eq 0 ]
+
+start=$SECONDS
+logs=(); pids=(); rcs=(); secs=()
+trap 'for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done; rm -f "${logs[@]}"' EXIT
+for i in "${!CMDS[@]}"; do
+    logs+=("$(mktemp)")
+    if [ "${MZB_TEST_SERIAL:-0}" = 1 ]; then
+        t=$SECONDS; rc=0; eval "${CMDS[$i]}" >"${logs[$i]}" 2>&1 || rc=$?
+        rcs[$i]=$rc; secs[$i]=$((SECONDS - t)); pids+=("")
+    else
+        ( t=$SECONDS; rc=0; eval "${CMDS[$i]}" || rc=$?; echo "== stream exit $rc after $((SECONDS - t)) s =="; exit "$rc" ) \
+            >"${logs[$i]}" 2>&1 &
+        pids+=("$!")
+    fi
+done
+echo "== ${#CMDS[@]} test streams running: ${NAMES[*]} =="
+status=0; summary=""
+for i in "${!CMDS[@]}"; do
+    if [ -n "${pids[$i]}" ]; then rc=0; wait "${pids[$i]}" || rc=$?; rcs[$i]=$rc; fi
+    echo "== ${NAMES[$i]} =="
+    cat "${logs[$i]}"
+    [ "${rcs[$i]}" -eq 0 ] || status=1
+    summary+="${NAMES[$i]}: exit ${rcs[$i]}${secs[$i]:+ (${secs[$i]} s)}; "
+done
+pids=()
+echo "== test streams: ${summary}all in $((SECONDS - start)) s =="
+exit "$status"

@@ -86,8 +86,9 @@ DET = "--zero-bubble-deterministic-init"
 # initialisation); "1f1b", from Megatron's own initialisation, is fork/vocab's, whose tied shards are
 # scattered from the embedding only without the deterministic initialisation.
 RUNS = {
-    # the reference; the one run with the flag check before torchrun (PREFLIGHT)
-    "1f1b/det": dict(SCHEDULE="1f1b", EXTRA_ARGS=DET),
+    # the reference; the one run with the flag check before torchrun (PREFLIGHT), and the one with
+    # Megatron's data-loader worker processes (the script's CPU default is none): the same batches
+    "1f1b/det": dict(SCHEDULE="1f1b", EXTRA_ARGS=DET + " --num-workers 2"),
     # V placement (embedding and loss on rank 0) from the same weights as 1F1B: deterministic init
     "zb-v/det": dict(SCHEDULE="zb-v", EXTRA_ARGS=DET),
     # the ZB fork's offload flags (CPU test mode: synchronous copies to separate CPU buffers)

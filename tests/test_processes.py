@@ -53,3 +53,35 @@ def test_the_suite_fails_a_test_that_leaves_a_process(tmp_path):
     assert p.returncode != 0, out
     assert "test_leaks left 1 process(es) running" in out and "time.sleep(300)" in out, out
     assert "2 passed, 1 error" in out, out  # test_leaks passes, its teardown fails
+
+
+_STUCK_PASS = textwrap.dedent("""
+    import datetime, subprocess, sys, time
+    import torch.distributed as dist
+    from megatron_zb.runtime.progress import Progress
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30))
+    p = Progress(0, ("127.0.0.1", store.port), period_s=0.1)
+    p.pp_rank = 0
+    p.start()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    def a_pass_that_hangs():
+        p.begin("F0.3")
+        time.sleep(float(sys.argv[1]))
+        p.end("F0.3")
+    a_pass_that_hangs()
+    child.kill(); child.wait()
+    p.stop()
+""")
+
+
+def test_a_rank_stuck_in_a_pass_writes_its_stacks_once():
+    """runtime.stack_dump through the progress thread: one header naming the rank, the pass and its
+    child processes (e.g. data-loader workers), then every thread's stack, once per pass."""
+    env = dict(os.environ, MZB_STACK_DUMP_S="0.5", PYTHONPATH=ROOT)
+    out = subprocess.run([sys.executable, "-c", _STUCK_PASS, "2.5"], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    err = out.stderr
+    assert err.count("megatron-zb: pipeline rank 0 (global rank 0) has been running F0.3 for ") == 1, err
+    assert "its child processes: pid " in err and "state S (" in err and "time.sleep(30)" in err, err
+    assert "in a_pass_that_hangs" in err and "in dump_stuck_pass" in err, err  # the stuck thread's and its own

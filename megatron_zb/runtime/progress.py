@@ -49,6 +49,7 @@ import time
 from typing import Dict, List, Optional, Sequence
 
 from .hooks import Hook
+from .stack_dump import DUMP_AFTER_S, dump_stuck_pass
 
 __all__ = ["Progress", "tracker", "read_records", "diagnose_records", "enable_stall_watch", "pause", "saving",
            "written_bytes", "stop",
@@ -102,6 +103,7 @@ class Progress(Hook):
         self.saving: Optional[str] = None  # e.g. "saving checkpoint iter 10": writes count as progress
         self._written = 0
         self.last_activity = time.time()
+        self._dumped = 0.0  # the start of the last pass whose stacks were written (stack_dump)
 
     # -- hot path: attribute writes only ------------------------------------------------------
     def begin(self, action) -> None:
@@ -176,6 +178,10 @@ class Progress(Hook):
                     return
             if _STALL_S is not None:
                 self._check_stall(_STALL_S)
+            cur, since = self.current, self.current_t
+            if cur is not None and self.wait is None and since != self._dumped and time.time() - since > DUMP_AFTER_S:
+                self._dumped = since  # once per pass
+                dump_stuck_pass(f"pipeline rank {self.pp_rank} (global rank {self.rank})", str(cur), time.time() - since)
 
     def _check_stall(self, limit: float) -> None:
         """The stall watch: too long outside the schedule's actions and waits -> diagnose and exit."""
