@@ -45,28 +45,32 @@ else
           "pass2 ${ENTRY_FILES[*]}" "pass2 tests ${ignore[*]}")
 fi
 
+stream() {  # one stream: its command, then its exit code and time
+    local t=$SECONDS rc=0
+    eval "$1" || rc=$?
+    echo "== stream exit $rc after $((SECONDS - t)) s =="
+    return "$rc"
+}
 start=$SECONDS
-logs=(); pids=(); rcs=(); secs=()
+logs=(); pids=(); rcs=()
 trap 'for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done; rm -f "${logs[@]}"' EXIT
 for i in "${!CMDS[@]}"; do
     logs+=("$(mktemp)")
     if [ "${MZB_TEST_SERIAL:-0}" = 1 ]; then
-        t=$SECONDS; rc=0; eval "${CMDS[$i]}" >"${logs[$i]}" 2>&1 || rc=$?
-        rcs[$i]=$rc; secs[$i]=$((SECONDS - t)); pids+=("")
+        rc=0; stream "${CMDS[$i]}" >"${logs[$i]}" 2>&1 || rc=$?; rcs[$i]=$rc
     else
-        ( t=$SECONDS; rc=0; eval "${CMDS[$i]}" || rc=$?; echo "== stream exit $rc after $((SECONDS - t)) s =="; exit "$rc" ) \
-            >"${logs[$i]}" 2>&1 &
-        pids+=("$!")
+        stream "${CMDS[$i]}" >"${logs[$i]}" 2>&1 &
+        pids[$i]=$!
     fi
 done
 echo "== ${#CMDS[@]} test streams running: ${NAMES[*]} =="
 status=0; summary=""
 for i in "${!CMDS[@]}"; do
-    if [ -n "${pids[$i]}" ]; then rc=0; wait "${pids[$i]}" || rc=$?; rcs[$i]=$rc; fi
+    if [ -n "${pids[$i]:-}" ]; then rc=0; wait "${pids[$i]}" || rc=$?; rcs[$i]=$rc; fi
     echo "== ${NAMES[$i]} =="
     cat "${logs[$i]}"
     [ "${rcs[$i]}" -eq 0 ] || status=1
-    summary+="${NAMES[$i]}: exit ${rcs[$i]}${secs[$i]:+ (${secs[$i]} s)}; "
+    summary+="${NAMES[$i]}: exit ${rcs[$i]}; "
 done
 pids=()
 echo "== test streams: ${summary}all in $((SECONDS - start)) s =="

@@ -70,7 +70,7 @@ class Plain:
                     or any(c != p for f in fed.values() for c in f.values()):
                 return
             emb = vocab.embedding
-            if not emb and fed[VI] or any(k[0] == VG for k in idx) and not emb:
+            if not emb and (fed[VI] or any(k[0] == VG for k in idx)):
                 return
         n = len(idx)
         # the barriers, link by link (C0; with the embedding split CI and CG): per link its barriers'

@@ -178,10 +178,10 @@ class Progress(Hook):
                     return
             if _STALL_S is not None:
                 self._check_stall(_STALL_S)
-            cur, since = self.current, self.current_t
-            if cur is not None and self.wait is None and since != self._dumped and time.time() - since > DUMP_AFTER_S:
+            cur, since, running = self.current, self.current_t, time.time() - self.current_t
+            if cur is not None and self.wait is None and since != self._dumped and running > DUMP_AFTER_S:
                 self._dumped = since  # once per pass
-                dump_stuck_pass(f"pipeline rank {self.pp_rank} (global rank {self.rank})", str(cur), time.time() - since)
+                dump_stuck_pass(f"pipeline rank {self.pp_rank} (global rank {self.rank})", str(cur), running)
 
     def _check_stall(self, limit: float) -> None:
         """The stall watch: too long outside the schedule's actions and waits -> diagnose and exit."""
