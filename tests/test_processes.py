@@ -66,11 +66,15 @@ _STUCK_PASS = textwrap.dedent("""
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     def a_pass_that_hangs():
         p.begin("F0.3")
-        time.sleep(float(sys.argv[1]))
+        deadline = time.time() + 300  # until the progress thread has written the stacks, at any load
+        while not p._dumped and time.time() < deadline:
+            time.sleep(0.05)
+        time.sleep(float(sys.argv[1]))  # and a while longer: nothing more is written for this pass
         p.end("F0.3")
     a_pass_that_hangs()
-    child.kill(); child.wait()
     p.stop()
+    p._thread.join(60)  # its last round, and the writing, done
+    child.kill(); child.wait()
 """)
 
 
@@ -78,8 +82,8 @@ def test_a_rank_stuck_in_a_pass_writes_its_stacks_once():
     """runtime.stack_dump through the progress thread: one header naming the rank, the pass and its
     child processes (e.g. data-loader workers), then every thread's stack, once per pass."""
     env = dict(os.environ, MZB_STACK_DUMP_S="0.5", PYTHONPATH=ROOT)
-    out = subprocess.run([sys.executable, "-c", _STUCK_PASS, "2.5"], env=env, capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run([sys.executable, "-c", _STUCK_PASS, "1.0"], env=env, capture_output=True, text=True,
+                         timeout=600)
     assert out.returncode == 0, out.stderr
     err = out.stderr
     assert err.count("megatron-zb: pipeline rank 0 (global rank 0) has been running F0.3 for ") == 1, err
