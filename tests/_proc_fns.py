@@ -1,6 +1,8 @@
 """Rank code for tests/test_processes.py (module level, so launched ranks can import it)."""
 from __future__ import annotations
 
+import os
+
 
 
 def descendants() -> list:
@@ -39,3 +41,11 @@ def start_detached_sleeper(_case=None) -> list:
 def leave_things_behind(_case=None) -> list:
     """Both of the above on one rank; returns every pid they started."""
     return start_spawn_manager() + start_detached_sleeper()
+
+
+def zygote_parent(_case=None) -> tuple:
+    """The pid and command line of this rank's zygote's parent: the launcher, or the warm server."""
+    with open(f"/proc/{os.getppid()}/stat") as f:
+        parent = int(f.read().rsplit(")", 1)[1].split()[1])
+    with open(f"/proc/{parent}/cmdline", "rb") as f:
+        return parent, f.read().replace(b"\0", b" ").decode()

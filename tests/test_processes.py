@@ -28,11 +28,27 @@ def _running(pids):
 
 
 @pytest.mark.dist
-def test_launch_reaps_what_ranks_leave_behind():
+@pytest.mark.parametrize("cpu_shims", [False, True], ids=["own-zygote", "warm-server"])
+def test_launch_reaps_what_ranks_leave_behind(cpu_shims):
     from megatron_zb.verify.launch import launch
-    started = launch(_proc_fns.leave_things_behind, 1, cpu_shims=False, timeout=120)[0]
+    started = launch(_proc_fns.leave_things_behind, 1, cpu_shims=cpu_shims, timeout=600)[0]
     assert len(set(started)) >= 4  # a Manager, its resource tracker, a detached sleeper and its child
     assert _running(started) == [], "still running after launch() returned"
+
+
+@pytest.mark.dist
+def test_a_launch_forks_from_the_warm_server_where_it_can_serve_it():
+    """tests/conftest.py starts one server (verify.zygote_server) for the dist tests; a launch with
+    the CPU shims forks its zygote there (no import of its own), one whose environment differs in
+    a variable the imports may read starts its own, and so does one without the shims."""
+    from megatron_zb.verify.launch import launch
+    assert os.environ.get("MZB_ZYGOTE_SERVER"), "tests/conftest.py names a server for dist tests"
+    served = launch(_proc_fns.zygote_parent, 2, timeout=600)
+    assert served[0] == served[1] and "megatron_zb.verify.zygote_server" in served[0][1], served
+    assert served[0][0] != os.getpid()
+    for kw in (dict(env={"MZB_ANYTHING": "1"}), dict(cpu_shims=False)):
+        own = launch(_proc_fns.zygote_parent, 2, timeout=600, **kw)
+        assert [pid for pid, _ in own] == [os.getpid()] * 2, (kw, own)
 
 
 def test_the_suite_fails_a_test_that_leaves_a_process(tmp_path):

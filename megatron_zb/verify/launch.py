@@ -42,7 +42,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from .rankio import (STATUS_BYTES, TensorPickler, get_status, load_result, log_tail, read_int, read_status,
-                     set_status, status_file, td)
+                     repo_root, set_status, status_file, td)
+from .zygote_server import ask_server
 
 __all__ = ["launch", "run_cases", "set_status", "get_status", "RankError", "LaunchTimeout",
            "LaunchError", "resolve_mcore_path", "repo_root"]
@@ -88,11 +89,6 @@ class LaunchTimeout(LaunchError):
             if logs.get(r):
                 lines.append(f"--- last lines of rank {r}'s log (stack dump included) ---\n{logs[r].rstrip()}")
         super().__init__("\n".join(lines))
-
-
-def repo_root() -> str:
-    """The directory holding the ``megatron_zb`` package (the repository root in a checkout)."""
-    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def resolve_mcore_path(mcore_path: Optional[str] = None) -> Optional[str]:
@@ -158,7 +154,7 @@ def run_cases(fn: Callable, cases: Sequence[Any], world_size: int, *, timeout: f
     mpath = resolve_mcore_path(mcore_path)
     workdir = tempfile.mkdtemp(prefix="mzb-launch-")
     procs: List[_Rank] = []
-    zygote: Optional[subprocess.Popen] = None
+    zygote = None  # subprocess.Popen, or the warm server's zygote (the same calls)
     logs: List[Any] = []
     store = None
     try:
@@ -190,9 +186,12 @@ def run_cases(fn: Callable, cases: Sequence[Any], world_size: int, *, timeout: f
                 f.write(b"\0" * STATUS_BYTES)
         log = open(os.path.join(workdir, "zygote.log"), "wb")
         logs.append(log)
-        cmd = [sys.executable, "-m", "megatron_zb.verify.zygote", workdir]
-        zygote = subprocess.Popen(cmd, env=child_env, stdout=log, stderr=subprocess.STDOUT,
-                                  stdin=subprocess.DEVNULL, start_new_session=True)
+        # the warm server's zygote where one is named ($MZB_ZYGOTE_SERVER) and can serve it, else our own
+        zygote = ask_server(workdir, child_env, header, timeout)
+        if zygote is None:
+            cmd = [sys.executable, "-m", "megatron_zb.verify.zygote", workdir]
+            zygote = subprocess.Popen(cmd, env=child_env, stdout=log, stderr=subprocess.STDOUT,
+                                      stdin=subprocess.DEVNULL, start_new_session=True)
         procs = [_Rank(workdir, r, zygote) for r in range(world_size)]
         return _wait(procs, workdir, world_size, timeout, grace, store)
     finally:
@@ -210,6 +209,8 @@ def run_cases(fn: Callable, cases: Sequence[Any], world_size: int, *, timeout: f
                 except (ProcessLookupError, PermissionError):
                     pass
                 zygote.wait()
+        if zygote is not None and hasattr(zygote, "close"):
+            zygote.close()
         for log in logs:
             try:
                 log.close()
@@ -226,7 +227,7 @@ class _Rank:
     """A rank forked by the launch's zygote: its pid (once forked) and exit code (once reaped),
     read from the small files the zygote writes into the launch's folder."""
 
-    def __init__(self, workdir: str, rank: int, zygote: subprocess.Popen):
+    def __init__(self, workdir: str, rank: int, zygote):
         self.workdir, self.rank, self.zygote = workdir, rank, zygote
 
     @property

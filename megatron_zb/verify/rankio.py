@@ -13,7 +13,7 @@ import traceback
 from typing import Optional
 
 __all__ = ["set_status", "get_status", "attach_status", "STATUS_BYTES", "status_file", "result_file", "read_status",
-           "log_tail", "load_result", "write_result", "read_int", "write_int", "td", "TensorPickler"]
+           "log_tail", "load_result", "write_result", "read_int", "write_int", "td", "TensorPickler", "repo_root"]
 
 STATUS_BYTES = 4096
 _status_map: Optional[mmap.mmap] = None  # this rank's status file, once attached (one per process)
@@ -42,6 +42,11 @@ def attach_status(workdir: str, rank: int) -> None:
     fd = os.open(status_file(workdir, rank), os.O_RDWR)
     _status_map = mmap.mmap(fd, STATUS_BYTES)
     os.close(fd)
+
+
+def repo_root() -> str:
+    """The directory holding the ``megatron_zb`` package (the repository root in a checkout)."""
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def td(seconds: float):

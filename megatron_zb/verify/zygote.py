@@ -17,19 +17,23 @@ from typing import Optional
 from ..runtime.supervise import become_subreaper, reap_orphans
 from .rankio import attach_status, get_status, result_file, set_status, td, write_int, write_result
 
-__all__ = ["zygote_main"]
+__all__ = ["zygote_main", "import_runtime"]
 
 _PRELOAD = ("megatron.core.models.gpt", "megatron.core.pipeline_parallel.schedules",
             "megatron.core.distributed", "megatron.core.optimizer")
 
 
-def zygote_main(workdir: str) -> None:
-    """Import once, fork every rank, reap them (writing ``pid<r>`` and ``exit<r>`` files)."""
+def zygote_main(workdir: str, parent: Optional[int] = None) -> None:
+    """Import once, fork every rank, reap them (writing ``pid<r>`` and ``exit<r>`` files).
+    ``parent``: the warm server that forked this zygote (``verify.zygote_server``; imports done),
+    else the launcher started it (``$MZB_LAUNCHER_PID``)."""
     body, world_size = None, 0
     try:
         from ..runtime.supervise import die_with_parent
-        if os.environ.get("MZB_LAUNCHER_PID"):  # no unsupervised ranks: die with the launcher
-            die_with_parent(int(os.environ["MZB_LAUNCHER_PID"]))
+        if parent is None and os.environ.get("MZB_LAUNCHER_PID"):
+            parent = int(os.environ["MZB_LAUNCHER_PID"])
+        if parent is not None:  # no unsupervised ranks: die with the launcher (or the server)
+            die_with_parent(parent)
         with open(os.path.join(workdir, "payload.pkl"), "rb") as f:
             header = pickle.load(f)
             world_size = header["world_size"]
@@ -39,7 +43,7 @@ def zygote_main(workdir: str) -> None:
                 sys.path.insert(0, p)
             warm = header["backend"] == "gloo"
             if warm:
-                _import_runtime(header)
+                import_runtime(header)
                 body = pickle.load(f)
                 if body.get("precheck") is not None:  # e.g. a model config Megatron refuses: before any fork
                     body["precheck"](body["cases"])
@@ -104,7 +108,7 @@ def _stop_own_children() -> None:
             c.join(1)
 
 
-def _import_runtime(header: dict) -> None:
+def import_runtime(header: dict) -> None:
     """torch with one thread, the CPU shims (no CUDA), and the megatron-core modules ranks use."""
     import importlib
     set_status("starting: importing torch")
@@ -138,7 +142,7 @@ def _rank_main(workdir: str, rank: int, header: dict, body: Optional[dict]) -> N
             pass
         attach_status(workdir, rank)
         if body is None:  # not warm: this rank imports for itself
-            _import_runtime(header)
+            import_runtime(header)
             with open(os.path.join(workdir, "payload.pkl"), "rb") as f:
                 pickle.load(f)
                 set_status("starting: loading the payload")
