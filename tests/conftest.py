@@ -20,11 +20,11 @@
   started and that is still running (after a grace of a few seconds) fails the test's teardown,
   naming the processes (they are then killed), and the session ends with the same check.
 
-* One warm zygote server per pytest process that runs ``dist`` tests
-  (``megatron_zb.verify.zygote_server``, its socket in ``$MZB_ZYGOTE_SERVER``): it imports torch and
-  megatron-core once and forks each launch's zygote, for this process and the CLIs it runs, where
-  the launch's megatron-core, checkout and environment are the server's; ``MZB_ZYGOTE_SERVER=0``:
-  none (every launch imports for itself).
+* Two warm zygote servers per pytest process that runs ``dist`` tests
+  (``megatron_zb.verify.zygote_server``, their sockets in ``$MZB_ZYGOTE_SERVER``): one imports torch,
+  the CPU shims and megatron-core once, the other torch alone, and each forks the zygote of every
+  launch it fits (this process's and its CLIs'): the launch's megatron-core, checkout and
+  environment are the server's; ``MZB_ZYGOTE_SERVER=0``: none (every launch imports for itself).
 
 * ``--cpu-durations N``: the N tests that took the most CPU seconds (user + system of this process and
   of every process it waited for, the ranks and their launchers included; per phase, like
@@ -143,66 +143,70 @@ def _become_subreaper() -> None:
 
 def _own_helpers() -> set:
     """Processes this pytest process keeps for itself: multiprocessing's resource tracker (it
-    exits with the process) and the warm zygote server (not what it forks: each launch's zygote
-    must end with its launch)."""
+    exits with the process) and the warm zygote servers (not what they fork: each launch's
+    zygote must end with its launch)."""
     mods = sys.modules.get("multiprocessing.resource_tracker")
     pid = getattr(getattr(mods, "_resource_tracker", None), "_pid", None)
-    server = _ZYGOTE_SERVER.get("proc")
-    return {p for p in (pid, server.pid if server else None) if p}
+    return {p for p in [pid] + [proc.pid for proc, _ in _ZYGOTE_SERVERS] if p}
 
 
-# -- one warm zygote server per pytest process that runs multi-process tests -------------------------
-# (megatron_zb.verify.zygote_server: it imports torch and megatron-core once and forks each launch's
-# zygote, so a launch of this process or of a CLI it runs costs no import; MZB_ZYGOTE_SERVER=0: none)
+# -- warm zygote servers for the pytest processes that run multi-process tests ---------------------
+# (megatron_zb.verify.zygote_server: one imports torch, the CPU shims and megatron-core once, the
+# other torch alone, and each forks the zygotes of the launches it fits, of this process and of the
+# CLIs it runs, so those launches cost no import; MZB_ZYGOTE_SERVER=0: none)
 
-_ZYGOTE_SERVER = {}  # "proc": its Popen, "dir": its socket's folder
+_ZYGOTE_SERVERS = []  # (Popen, its socket's folder)
 
 
 def pytest_collection_finish(session):
-    if os.environ.get("MZB_ZYGOTE_SERVER", "") == "0" or _ZYGOTE_SERVER:
+    if os.environ.get("MZB_ZYGOTE_SERVER", "") == "0" or _ZYGOTE_SERVERS:
         return
     if not any(item.get_closest_marker("dist") for item in session.items):
         return
     import subprocess
     import tempfile
-    d = tempfile.mkdtemp(prefix="mzb-zygote-server-")
-    path = os.path.join(d, "socket")
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.pop("MZB_ZYGOTE_SERVER", None)
-    log = open(os.path.join(d, "server.log"), "wb")
-    _ZYGOTE_SERVER.update(dir=d, proc=subprocess.Popen(
-        [sys.executable, "-m", "megatron_zb.verify.zygote_server", path, str(os.getpid()), MCORE_PATH or ""],
-        env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True))
-    log.close()
-    os.environ["MZB_ZYGOTE_SERVER"] = path
+    paths = []
+    for shims in ("1", "0"):
+        d = tempfile.mkdtemp(prefix="mzb-zygote-server-")
+        paths.append(os.path.join(d, "socket"))
+        with open(os.path.join(d, "server.log"), "wb") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "megatron_zb.verify.zygote_server", paths[-1],
+                                     str(os.getpid()), MCORE_PATH or "", shims], env=env, stdout=log,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        _ZYGOTE_SERVERS.append((proc, d))
+    os.environ["MZB_ZYGOTE_SERVER"] = os.pathsep.join(paths)
 
 
-def _stop_zygote_server() -> None:
-    proc = _ZYGOTE_SERVER.pop("proc", None)
-    if proc is not None:
+def _stop_zygote_servers() -> None:
+    import shutil
+    keep = os.environ.get("MZB_ZYGOTE_SERVER_LOG")  # a file: the servers' logs (a line per launch)
+    if _ZYGOTE_SERVERS:
         os.environ.pop("MZB_ZYGOTE_SERVER", None)
+    while _ZYGOTE_SERVERS:
+        proc, d = _ZYGOTE_SERVERS.pop()
         proc.kill()
         proc.wait()
-        import shutil
-        d = _ZYGOTE_SERVER.pop("dir")
-        if os.environ.get("MZB_ZYGOTE_SERVER_LOG"):  # keep its log (one line per launch it served or refused)
-            shutil.copy(os.path.join(d, "server.log"), os.environ["MZB_ZYGOTE_SERVER_LOG"])
+        if keep:
+            with open(keep, "ab") as out, open(os.path.join(d, "server.log"), "rb") as f:
+                out.write(f.read())
         shutil.rmtree(d, ignore_errors=True)
 
 
 def _server_cpu() -> tuple:
-    """The warm server's CPU seconds, with every launch's it reaped (user, system; /proc)."""
-    proc = _ZYGOTE_SERVER.get("proc")
-    if proc is None:
-        return 0.0, 0.0
-    try:
-        with open(f"/proc/{proc.pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0, 0.0
+    """The warm servers' CPU seconds, with every launch's they reaped (user, system; /proc)."""
+    u = s = 0.0
     tick = os.sysconf("SC_CLK_TCK")
-    utime, stime, cutime, cstime = (int(x) for x in fields[11:15])
-    return (utime + cutime) / tick, (stime + cstime) / tick
+    for proc, _ in _ZYGOTE_SERVERS:
+        try:
+            with open(f"/proc/{proc.pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        utime, stime, cutime, cstime = (int(x) for x in fields[11:15])
+        u, s = u + (utime + cutime) / tick, s + (stime + cstime) / tick
+    return u, s
 
 
 def live_descendants() -> dict:
@@ -251,7 +255,7 @@ def _no_process_left_behind(request):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    _stop_zygote_server()
+    _stop_zygote_servers()
     left = leftover_processes(grace=LEFTOVER_GRACE_S)
     if left:
         _kill(left)

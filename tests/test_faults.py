@@ -109,7 +109,7 @@ _LAUNCHER = textwrap.dedent("""
     import sys
     from megatron_zb.verify.launch import launch
     from tests import _fault_fns
-    launch(_fault_fns.write_pid_and_sleep, 2, {"out": sys.argv[1]}, timeout=600, cpu_shims=sys.argv[2] == "1")
+    launch(_fault_fns.write_pid_and_sleep, 2, {"out": sys.argv[1]}, timeout=600, cpu_shims=False)
 """)
 
 
@@ -123,12 +123,14 @@ def _alive(pid):
 
 @pytest.mark.dist
 @pytest.mark.timing
-@pytest.mark.parametrize("cpu_shims", [False, True], ids=["own-zygote", "warm-server"])
-def test_ranks_end_when_the_verify_launcher_is_killed(tmp_path, cpu_shims):
-    """Its own zygote dies with the launcher; the warm server's (tests/conftest.py) is killed by the
-    server when the launcher's connection ends. Either way the ranks die with their zygote."""
+@pytest.mark.parametrize("served", [False, True], ids=["own-zygote", "warm-server"])
+def test_ranks_end_when_the_verify_launcher_is_killed(tmp_path, served):
+    """Its own zygote dies with the launcher; the warm server's (tests/conftest.py names them) is
+    killed by the server when the launcher's connection ends. Either way the ranks die with it."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT] + [p for p in sys.path if p]))
-    proc = subprocess.Popen([sys.executable, "-c", _LAUNCHER, str(tmp_path), str(int(cpu_shims))], env=env, cwd=ROOT,
+    if not served:
+        env.pop("MZB_ZYGOTE_SERVER", None)
+    proc = subprocess.Popen([sys.executable, "-c", _LAUNCHER, str(tmp_path)], env=env, cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     pids = []
     try:

@@ -28,27 +28,30 @@ def _running(pids):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("cpu_shims", [False, True], ids=["own-zygote", "warm-server"])
-def test_launch_reaps_what_ranks_leave_behind(cpu_shims):
+@pytest.mark.parametrize("served", [False, True], ids=["own-zygote", "warm-server"])
+def test_launch_reaps_what_ranks_leave_behind(served):
     from megatron_zb.verify.launch import launch
-    started = launch(_proc_fns.leave_things_behind, 1, cpu_shims=cpu_shims, timeout=600)[0]
+    env = None if served else {"MZB_ZYGOTE_SERVER": ""}  # (tests/conftest.py names the servers)
+    started = launch(_proc_fns.leave_things_behind, 1, cpu_shims=False, timeout=600, env=env)[0]
     assert len(set(started)) >= 4  # a Manager, its resource tracker, a detached sleeper and its child
     assert _running(started) == [], "still running after launch() returned"
 
 
 @pytest.mark.dist
 def test_a_launch_forks_from_the_warm_server_where_it_can_serve_it():
-    """tests/conftest.py starts one server (verify.zygote_server) for the dist tests; a launch with
-    the CPU shims forks its zygote there (no import of its own), one whose environment differs in
-    a variable the imports may read starts its own, and so does one without the shims."""
+    """tests/conftest.py starts two servers (verify.zygote_server) for the dist tests: a launch
+    with the CPU shims forks its zygote from the one that imported megatron-core, one without them
+    from the one that imported torch alone (no import of their own), and one whose environment
+    differs in a variable the imports may read starts its own zygote."""
     from megatron_zb.verify.launch import launch
-    assert os.environ.get("MZB_ZYGOTE_SERVER"), "tests/conftest.py names a server for dist tests"
-    served = launch(_proc_fns.zygote_parent, 2, timeout=600)
-    assert served[0] == served[1] and "megatron_zb.verify.zygote_server" in served[0][1], served
-    assert served[0][0] != os.getpid()
-    for kw in (dict(env={"MZB_ANYTHING": "1"}), dict(cpu_shims=False)):
-        own = launch(_proc_fns.zygote_parent, 2, timeout=600, **kw)
-        assert [pid for pid, _ in own] == [os.getpid()] * 2, (kw, own)
+    assert len(os.environ.get("MZB_ZYGOTE_SERVER", "").split(os.pathsep)) == 2, "tests/conftest.py names two"
+    for shims in (True, False):
+        served = launch(_proc_fns.zygote_parent, 2, cpu_shims=shims, timeout=600)
+        (pid, cmd), other = served
+        assert other == (pid, cmd) and pid != os.getpid(), served
+        assert "megatron_zb.verify.zygote_server" in cmd and cmd.split()[-1] == str(int(shims)), cmd
+    own = launch(_proc_fns.zygote_parent, 2, timeout=600, env={"MZB_ANYTHING": "1"})
+    assert [pid for pid, _ in own] == [os.getpid()] * 2, own
 
 
 def test_the_suite_fails_a_test_that_leaves_a_process(tmp_path):

@@ -4,7 +4,9 @@ asked, so a launch pays no import of its own (about 2.5 CPU seconds each on a 2-
 suite starts one per pytest process that runs multi-process tests (``tests/conftest.py``) and names
 its socket in ``$MZB_ZYGOTE_SERVER``; a launch that finds it there asks it first.
 
-    python -m megatron_zb.verify.zygote_server SOCKET PARENT_PID [MEGATRON_CORE_DIR]
+    python -m megatron_zb.verify.zygote_server SOCKET PARENT_PID [MEGATRON_CORE_DIR [CPU_SHIMS]]
+
+(``CPU_SHIMS`` 0: a server that imports torch alone, for launches without the shims.)
 
 One JSON line each way on a Unix socket; the connection stays open for the launch:
 
@@ -99,13 +101,20 @@ class ServedZygote:
 
 
 def ask_server(workdir: str, env: Dict[str, str], header: dict, timeout: float) -> Optional[ServedZygote]:
-    """The zygote of the server ``env[ENV_NAME]`` names, forked for this launch, or None (no server
-    named, none answering, or a refusal: the launch starts its own)."""
-    path = env.get(ENV_NAME)
-    if not path:
-        return None
+    """The zygote of a server ``env[ENV_NAME]`` names (sockets separated by ``os.pathsep``: the
+    first that serves), forked for this launch, or None (none named, none answering, every one
+    refused: the launch starts its own)."""
     req = dict(request_fields(header["mcore_path"]), workdir=workdir, env=env, backend=header["backend"],
                cpu_shims=header["cpu_shims"], sys_path=header["sys_path"])
+    for path in (env.get(ENV_NAME) or "").split(os.pathsep):
+        if path:
+            served = _ask(path, req, timeout)
+            if served is not None:
+                return served
+    return None
+
+
+def _ask(path: str, req: dict, timeout: float) -> Optional[ServedZygote]:
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         conn.settimeout(timeout)  # the server may still be importing
@@ -125,7 +134,7 @@ def ask_server(workdir: str, env: Dict[str, str], header: dict, timeout: float) 
         conn.close()
         return None
     conn.setblocking(False)  # from now on only asked whether the server closed it
-    return ServedZygote(conn, int(msg["pid"]), workdir)
+    return ServedZygote(conn, int(msg["pid"]), req["workdir"])
 
 
 # --------------------------------------------------------------------------------------------
@@ -135,11 +144,12 @@ def ask_server(workdir: str, env: Dict[str, str], header: dict, timeout: float) 
 def _refusal(req: dict, own: dict) -> Optional[str]:
     if req.get("backend") != "gloo":
         return f"backend {req.get('backend')!r} (the server is warm for gloo)"
-    if not req.get("cpu_shims"):
-        return "a launch without the CPU shims"
+    if bool(req.get("cpu_shims")) != own["cpu_shims"]:
+        return "a launch " + ("without" if own["cpu_shims"] else "with") + " the CPU shims (the server's imports are " + \
+            ("torch, the shims and megatron-core)" if own["cpu_shims"] else "torch alone)")
     env = own["env"]
     for k, v in own.items():
-        if k != "env" and req.get(k) != v:
+        if k not in ("env", "cpu_shims") and req.get(k) != v:
             return f"{k} {req.get(k)!r} (the server's: {v!r})"
     theirs = import_env(req.get("env") or {})
     if theirs != env:
@@ -148,16 +158,17 @@ def _refusal(req: dict, own: dict) -> Optional[str]:
     return None
 
 
-def serve(path: str, parent: int, mcore_path: Optional[str]) -> None:
-    """Listen on ``path``; import; fork a zygote for each accepted request (never returns)."""
+def serve(path: str, parent: int, mcore_path: Optional[str], cpu_shims: bool = True) -> None:
+    """Listen on ``path``; import (torch, and with ``cpu_shims`` the shims and megatron-core, as a
+    zygote does); fork a zygote for each request it can serve (never returns)."""
     die_with_parent(parent)
     become_subreaper()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(64)  # a launch may connect while the imports run: it waits for its reply
     from .zygote import import_runtime
-    import_runtime({"cpu_shims": True})
-    own = dict(request_fields(mcore_path), env=import_env(dict(os.environ)))
+    import_runtime({"cpu_shims": cpu_shims})
+    own = dict(request_fields(mcore_path), env=import_env(dict(os.environ)), cpu_shims=cpu_shims)
     conns: Dict[socket.socket, bytes] = {}  # connection -> what it sent so far
     answered = set()  # connections whose request was answered
     launches: Dict[int, Tuple[socket.socket, str]] = {}  # zygote pid -> (its connection, its folder)
@@ -267,4 +278,5 @@ def _reap(launches: Dict[int, Tuple[socket.socket, str]]) -> None:
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1], int(sys.argv[2]), sys.argv[3] if len(sys.argv) > 3 and sys.argv[3] else None)
+    serve(sys.argv[1], int(sys.argv[2]), sys.argv[3] if len(sys.argv) > 3 and sys.argv[3] else None,
+          cpu_shims=sys.argv[4] != "0" if len(sys.argv) > 4 else True)
