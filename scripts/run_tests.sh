@@ -10,7 +10,8 @@
 # torchrun job after another) and the rest of it. The multi-rank tests wait on each other's messages
 # and on process start-up much of the time, so five streams of about equal length keep a 2-core
 # machine's cores busy where two left them idle. Each stream's output is printed when all have
-# finished, with its time.
+# finished, with its time. The entry-point stream starts no warm zygote servers (tests/conftest.py):
+# its torchrun jobs import for themselves, and none of its tests launches through verify.
 #   bash scripts/run_tests.sh                    # everything (what CI runs)
 #   bash scripts/run_tests.sh tests/test_plan.py -k quick   # arguments: the two passes on what they select
 set -euo pipefail
@@ -42,7 +43,7 @@ else
            "megatron-core 0.19.2: training entry point" "megatron-core 0.19.2: the other megatron tests")
     CMDS=("pass1 -m 'not dist' tests" "pass1 -m dist tests --ignore-glob='tests/test_[p-z]*'"
           "pass1 -m dist tests --ignore-glob='tests/test_[a-o]*'"
-          "pass2 ${ENTRY_FILES[*]}" "pass2 tests ${ignore[*]}")
+          "MZB_ZYGOTE_SERVER=0 pass2 ${ENTRY_FILES[*]}" "pass2 tests ${ignore[*]}")
 fi
 
 stream() {  # one stream: its command, then its exit code and time
