@@ -6,6 +6,7 @@ process group, runs the cases and writes its result (``verify.rankio``).
 """
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import signal
@@ -47,6 +48,7 @@ def zygote_main(workdir: str, parent: Optional[int] = None) -> None:
                 body = pickle.load(f)
                 if body.get("precheck") is not None:  # e.g. a model config Megatron refuses: before any fork
                     body["precheck"](body["cases"])
+        gc.freeze()  # what is here now: no rank's collection traverses (and so copies) its pages again
         become_subreaper()  # orphans of the ranks (megatron's helpers) come back here to be reaped
         pids = {}
         zygote = os.getpid()
@@ -109,7 +111,18 @@ def _stop_own_children() -> None:
 
 
 def import_runtime(header: dict) -> None:
-    """torch with one thread, the CPU shims (no CUDA), and the megatron-core modules ranks use."""
+    """torch with one thread, the CPU shims (no CUDA), and the megatron-core modules ranks use
+    (without the cyclic garbage collector meanwhile: imports make no cycles worth its passes)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        _imports(header)
+    finally:
+        if was:
+            gc.enable()
+
+
+def _imports(header: dict) -> None:
     import importlib
     set_status("starting: importing torch")
     import torch

@@ -168,6 +168,8 @@ def serve(path: str, parent: int, mcore_path: Optional[str], cpu_shims: bool = T
     listener.listen(64)  # a launch may connect while the imports run: it waits for its reply
     from .zygote import import_runtime
     import_runtime({"cpu_shims": cpu_shims})
+    import gc
+    gc.freeze()  # the imports' objects: no zygote's or rank's collection traverses (copies) their pages
     own = dict(request_fields(mcore_path), env=import_env(dict(os.environ)), cpu_shims=cpu_shims)
     conns: Dict[socket.socket, bytes] = {}  # connection -> what it sent so far
     answered = set()  # connections whose request was answered
