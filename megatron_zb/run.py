@@ -10,10 +10,14 @@ with megatron-zb's flags in Megatron's parser and its schedules in Megatron's tr
 """
 from __future__ import annotations
 
+import gc
 import os
 import runpy
 import sys
 from typing import List, Optional
+
+if __name__ == "__main__":
+    gc.disable()  # the start-up without the cyclic collector (megatron.launch.session.start_up_done)
 
 USAGE = ("usage: torchrun ... -m megatron_zb.run path/to/pretrain_gpt.py <Megatron flags> <megatron-zb flags> "
          "(e.g. --zero-bubble-schedule zb-v)")

@@ -46,7 +46,7 @@ from .features.balance_args import after_megatron_validation
 from .launch.chunks import ChunkPlan
 from .errors import ZeroBubbleArgumentError
 from .launch.flags import validate_zero_bubble_args
-from .launch.session import TrainingSession, print0
+from .launch.session import TrainingSession, print0, start_up_done
 from .launch.startup import (MegatronTrainingMissing, add_entry_args, check_load, check_sizes, cuda, machine_adjustments,
                       megatron_check_message, microbatches)
 
@@ -161,6 +161,7 @@ class DropIn:
 
     # -- 3 and 4: the session, and placements Megatron does not have -----------------------------------
     def _start(self, session: TrainingSession) -> None:
+        start_up_done()  # the script's imports are done: the collector on again (megatron_zb.run)
         self.session = session.start()
         args, zb = session.args, session.zb
         if zb is not None or getattr(args, "zero_bubble_deterministic_init", False):

@@ -37,13 +37,18 @@ import time
 
 _PROGRAM_START_TIME = time.time()
 
+import gc  # noqa: E402
+
+if __name__ == "__main__":
+    gc.disable()  # the start-up without the cyclic collector: see ``launch.session.start_up_done``
+
 import sys  # noqa: E402
 import warnings  # noqa: E402
 from functools import partial  # noqa: E402
 from typing import Callable, Optional, Sequence  # noqa: E402
 
 from .launch.chunks import ChunkPlan  # noqa: E402
-from .launch.session import ENTRY_ROUTE, TrainingSession, print0, run_reporting, supervise  # noqa: E402
+from .launch.session import ENTRY_ROUTE, TrainingSession, print0, run_reporting, start_up_done, supervise  # noqa: E402
 from .launch.startup import layer_kw, placement_of, prepare_args, prepare_megatron  # noqa: E402
 
 __all__ = ["main", "model_provider", "forward_step", "train_valid_test_datasets_provider"]
@@ -276,6 +281,7 @@ def main(argv: Optional[Sequence[str]] = None, extra_args_provider: Optional[Cal
         warnings.filterwarnings("ignore", message=r"(?s).*recommended to use a ModelConfig")
         cfg = pretrain_cfg_container_from_args(args)
     run, store = inprocess_restart.maybe_wrap_for_inprocess_restart(pretrain)
+    start_up_done()  # the collector on again, what start-up made frozen
     try:
         run(cfg, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step,
             model_provider=model_provider(), get_embedding_ranks=get_emb, store=store)
