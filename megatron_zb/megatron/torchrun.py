@@ -27,7 +27,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from torch.distributed.run import parse_args, run
 
     from ..runtime.supervise import become_subreaper, reap_orphans
+    from .launch.session import start_up_done
 
+    start_up_done()  # torch's import made without the collector's passes (below): frozen, collector on
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     os.environ["MZB_REPORT_TO_LAUNCHER"] = "1"  # the ranks record their errors; this prints them once
     become_subreaper()  # what a killed rank leaves running comes back here (Megatron's writer Manager)
@@ -73,4 +75,6 @@ def _message(data: dict) -> str:
 
 
 if __name__ == "__main__":
+    import gc
+    gc.disable()  # the start-up without the cyclic collector (launch.session.start_up_done)
     sys.exit(main())
