@@ -43,7 +43,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from .rankio import (STATUS_BYTES, TensorPickler, get_status, load_result, log_tail, read_int, read_status,
                      repo_root, set_status, status_file, td)
-from .zygote_server import ask_server
+from .zygote_server import ServedZygote, ask_server
 
 __all__ = ["launch", "run_cases", "set_status", "get_status", "RankError", "LaunchTimeout",
            "LaunchError", "resolve_mcore_path", "repo_root"]
@@ -209,7 +209,7 @@ def run_cases(fn: Callable, cases: Sequence[Any], world_size: int, *, timeout: f
                 except (ProcessLookupError, PermissionError):
                     pass
                 zygote.wait()
-        if zygote is not None and hasattr(zygote, "close"):
+        if isinstance(zygote, ServedZygote):
             zygote.close()
         for log in logs:
             try:

@@ -18,7 +18,7 @@ from typing import Optional
 from ..runtime.supervise import become_subreaper, reap_orphans
 from .rankio import attach_status, get_status, result_file, set_status, td, write_int, write_result
 
-__all__ = ["zygote_main", "import_runtime"]
+__all__ = ["zygote_main", "import_runtime", "kill_group"]
 
 _PRELOAD = ("megatron.core.models.gpt", "megatron.core.pipeline_parallel.schedules",
             "megatron.core.distributed", "megatron.core.optimizer")
@@ -62,7 +62,7 @@ def zygote_main(workdir: str, parent: Optional[int] = None) -> None:
         while pids:
             pid, status = os.wait()
             if pid in pids:
-                _kill_group(pid)  # whatever the rank left in its process group
+                kill_group(pid)  # whatever the rank left in its process group
                 write_int(os.path.join(workdir, f"exit{pids.pop(pid)}"), os.waitstatus_to_exitcode(status))
         reap_orphans()
         os._exit(0)
@@ -78,7 +78,8 @@ def zygote_main(workdir: str, parent: Optional[int] = None) -> None:
         os._exit(1)
 
 
-def _kill_group(pgid: int) -> None:
+def kill_group(pgid: int) -> None:
+    """SIGKILL to the process group (session) ``pgid``; nothing where it is gone."""
     try:
         os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):

@@ -23,10 +23,10 @@ reaps whatever comes back to it, and dies with ``PARENT_PID``.
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import select
-import signal
 import socket
 import subprocess
 import sys
@@ -35,6 +35,7 @@ from typing import Dict, Optional, Tuple
 
 from ..runtime.supervise import become_subreaper, die_with_parent
 from .rankio import read_int, repo_root
+from .zygote import import_runtime, kill_group, zygote_main
 
 __all__ = ["serve", "ask_server", "ServedZygote", "import_env", "exit_file", "request_fields", "ENV_NAME"]
 
@@ -166,9 +167,7 @@ def serve(path: str, parent: int, mcore_path: Optional[str], cpu_shims: bool = T
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(64)  # a launch may connect while the imports run: it waits for its reply
-    from .zygote import import_runtime
     import_runtime({"cpu_shims": cpu_shims})
-    import gc
     gc.freeze()  # the imports' objects: no zygote's or rank's collection traverses (copies) their pages
     own = dict(request_fields(mcore_path), env=import_env(dict(os.environ)), cpu_shims=cpu_shims)
     conns: Dict[socket.socket, bytes] = {}  # connection -> what it sent so far
@@ -186,25 +185,25 @@ def serve(path: str, parent: int, mcore_path: Optional[str], cpu_shims: bool = T
                 conns[s] += data
                 if b"\n" in conns[s]:
                     answered.add(s)
-                    pid = _start(conns[s], s, [listener, *conns], own)
-                    if pid is not None:
-                        launches[pid] = (s, json.loads(conns[s])["workdir"])
+                    started = _start(conns[s], s, [listener, *conns], own)
+                    if started is not None:
+                        launches[started[0]] = (s, started[1])
                 continue
             if data:  # nothing more is asked on a connection: ignore it
                 continue
             # the connection ended: the launcher is done with its zygote, or died
             for pid, (c, _) in list(launches.items()):
                 if c is s:
-                    _kill_session(pid)
+                    kill_group(pid)
             del conns[s]
             answered.discard(s)
             s.close()
         _reap(launches)
 
 
-def _start(line: bytes, conn: socket.socket, sockets: list, own: dict) -> Optional[int]:
-    """Answer one request: fork its zygote (returning its pid) or refuse it (None). ``sockets``: the
-    server's, which the zygote closes."""
+def _start(line: bytes, conn: socket.socket, sockets: list, own: dict) -> Optional[Tuple[int, str]]:
+    """Answer one request: fork its zygote (returning its pid and the launch's folder) or refuse it
+    (None). ``sockets``: the server's, which the zygote closes."""
     try:
         req = json.loads(line)
         why = _refusal(req, own)
@@ -220,7 +219,7 @@ def _start(line: bytes, conn: socket.socket, sockets: list, own: dict) -> Option
         _zygote_child(req, server, sockets)  # never returns
     print(f"zygote {pid} for {req['workdir']}", flush=True)
     _reply(conn, {"pid": pid})  # a launcher already gone: its connection's end kills the zygote
-    return pid
+    return pid, req["workdir"]
 
 
 def _reply(conn: socket.socket, msg: dict) -> None:
@@ -245,17 +244,9 @@ def _zygote_child(req: dict, server: int, sockets) -> None:
         os.close(null)
         os.environ.clear()
         os.environ.update(req["env"])
-        from .zygote import zygote_main
         zygote_main(workdir, parent=server)
     finally:
         os._exit(1)
-
-
-def _kill_session(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _reap(launches: Dict[int, Tuple[socket.socket, str]]) -> None:
@@ -269,7 +260,7 @@ def _reap(launches: Dict[int, Tuple[socket.socket, str]]) -> None:
             return
         launch = launches.pop(pid, None)
         if launch is not None:
-            _kill_session(pid)  # whatever the zygote left in its session
+            kill_group(pid)  # whatever the zygote left in its session
             path = exit_file(launch[1])
             try:
                 with open(path + ".tmp", "w") as f:
