@@ -87,7 +87,9 @@ def main(argv=None):
     from megatron_zb.runtime.wqueue import WQueue
 
     dev = torch.device(args.device)
-    layer = build(args).to(dev)
+    # the whole layer in the run's dtype, as Megatron's Float16Module makes it (torch's LayerNorm,
+    # the fallback without Apex or TE, is built in fp32 whatever params_dtype says)
+    layer = build(args).to(dev, DTYPES[args.dtype])
     if args.gaf:
         for p in layer.parameters():
             p.main_grad = torch.zeros_like(p)

@@ -154,26 +154,39 @@ def test_wheel_check(tmp_path):
 
 
 def staged_exchange(_case):
-    """Rank code: isend/irecv and send/recv through ``verify.cuda_gloo``'s host staging."""
+    """Rank code: isend/irecv and send/recv through ``verify.cuda_gloo``'s host staging, then a
+    coalesced all-reduce as megatron-core's DDP issues it (reduced one tensor at a time)."""
     import torch
     import torch.distributed as dist
+    from torch.distributed import _coalescing_manager
     from megatron_zb.verify import cuda_gloo
     cuda_gloo.apply(stage_host=True)
-    if dist.get_rank() == 0:
+    r = dist.get_rank()
+    a, b = torch.full((3,), r + 1.0), torch.full((2,), 10.0 * (r + 1))
+    with _coalescing_manager(None, async_ops=True) as cm:
+        dist.all_reduce(a)
+        dist.all_reduce(b)
+    cm.wait()
+    c = torch.full((2,), r + 1.0)
+    with _coalescing_manager(None, async_ops=False):
+        dist.all_reduce(c, op=dist.ReduceOp.MAX)
+    reduced = (a.tolist(), b.tolist(), c.tolist())
+    if r == 0:
         w = dist.isend(torch.arange(6.0).reshape(2, 3), 1)
         w.wait()
         dist.send(torch.full((2,), 7.0), 1)
-        return type(w).__name__
+        return type(w).__name__, reduced
     buf, two = torch.zeros(2, 3), torch.zeros(2)
     w = dist.irecv(buf, 0)
     w.wait()
     dist.recv(two, 0)
-    return type(w).__name__, buf.tolist(), two.tolist(), w.is_completed()
+    return (type(w).__name__, buf.tolist(), two.tolist(), w.is_completed()), reduced
 
 
 @pytest.mark.dist
 def test_point_to_point_staged_through_host_copies():
     from megatron_zb.verify.launch import run_cases
-    sent, got = run_cases(staged_exchange, [None], 2, cpu_shims=False, timeout=120)[0]
+    (sent, red0), (got, red1) = run_cases(staged_exchange, [None], 2, cpu_shims=False, timeout=120)[0]
     assert sent == "_HostSend"
+    assert red0 == red1 == ([3.0, 3.0, 3.0], [30.0, 30.0], [2.0, 2.0])
     assert got == ("_HostRecv", [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]], [7.0, 7.0], True)

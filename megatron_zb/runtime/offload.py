@@ -115,7 +115,8 @@ class OffloadManager:
 
     def __init__(self, device, *, overlap: bool = True, min_elements: int = 1024, cpu_test: bool = False,
                  w_tensors: Optional[Callable[[int, int], Sequence[torch.Tensor]]] = None):
-        self.device = torch.device(device)
+        dev = torch.device(device)  # tensors name their GPU, and torch.device("cuda") != "cuda:0"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if dev.type == "cuda" and dev.index is None else dev
         self.cuda = self.device.type == "cuda"
         if not self.cuda and not cpu_test:
             raise OffloadError(

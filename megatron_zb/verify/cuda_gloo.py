@@ -4,6 +4,9 @@ host copies), but its point-to-point messages read and write host memory only: h
 tensor's ``isend``/``send`` goes out from a host copy, and an ``irecv``/``recv`` lands in a host
 buffer that is copied to the GPU tensor when the receive is waited on. What the pipeline runtime
 sees is unchanged (``runtime.p2p`` calls ``dist.isend``/``dist.irecv`` and waits on the work).
+Gloo's ``allreduce_coalesced`` takes host tensors only, and megatron-core's DDP reduces its grad
+buckets under ``torch.distributed._coalescing_manager``, which calls it: on a gloo group with CUDA
+tensors each tensor is all-reduced on its own instead (the same sums, done when the call returns).
 
 ``use_cuda()`` is what a verify rank with ``device="cuda"`` calls first; ``apply(stage_host=True)``
 stages host tensors too (a CPU check of this path, ``MZB_VERIFY_STAGE_P2P=1``)."""
@@ -53,6 +56,16 @@ class _HostSend:
         return getattr(self.work, name)
 
 
+class _Done:
+    """The work of collectives that already ran when it was made."""
+
+    def wait(self, *args, **kwargs):
+        return True
+
+    def is_completed(self):
+        return True
+
+
 class _HostRecv(_HostSend):
     """A receive into a host buffer, copied into the caller's tensor once waited on."""
 
@@ -70,7 +83,8 @@ class _HostRecv(_HostSend):
 
 def apply(stage_host: bool = False) -> None:
     """Patch ``torch.distributed``'s isend/irecv/send/recv (once per process) to stage CUDA tensors
-    (and, with ``stage_host``, host tensors too) through host copies on gloo groups."""
+    (and, with ``stage_host``, host tensors too) through host copies on gloo groups, and gloo's
+    ``allreduce_coalesced`` to reduce such tensors one by one."""
     import torch
     import torch.distributed as dist
     if getattr(dist.isend, "_mzb_staged", False):
@@ -115,6 +129,19 @@ def apply(stage_host: bool = False) -> None:
         tensor.copy_(host)
         return out
 
+    orig_coalesced = dist.ProcessGroup.allreduce_coalesced
+
+    @functools.wraps(orig_coalesced)
+    def allreduce_coalesced(group, tensors, *args, **kw):
+        if not (tensors and _gloo(group) and any(t.is_cuda or stage_host for t in tensors)):
+            return orig_coalesced(group, tensors, *args, **kw)
+        opts = args[0] if args else kw.get("opts")
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        for t in tensors:
+            dist.all_reduce(t, op=op, group=group)
+        return _Done()
+
     for fn in (isend, irecv, send, recv):
         fn._mzb_staged = True
     dist.isend, dist.irecv, dist.send, dist.recv = isend, irecv, send, recv
+    dist.ProcessGroup.allreduce_coalesced = allreduce_coalesced
