@@ -48,7 +48,7 @@ def build(args):
     tensor_parallel.model_parallel_cuda_manual_seed(123)
     cfg = TransformerConfig(
         num_layers=1, hidden_size=args.hidden, num_attention_heads=args.heads,
-        ffn_hidden_size=args.ffn or 4 * args.hidden, use_cpu_initialization=True,
+        ffn_hidden_size=args.ffn or 4 * args.hidden, use_cpu_initialization=args.device == "cpu",
         hidden_dropout=0.0, attention_dropout=0.0, params_dtype=DTYPES[args.dtype],
         pipeline_dtype=DTYPES[args.dtype], bf16=args.dtype == "bf16",
         bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,

@@ -79,7 +79,10 @@ def hand_over(obj, src: int, dst: int, me: int, pp_group):
     """Move a small picklable object (loss dicts: a few scalars per microbatch) from pipeline rank
     ``src`` to ``dst`` over ``pp_group``; returns it on ``dst`` (on its device), None elsewhere."""
     ranks = dist.get_process_group_ranks(pp_group)
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    # the size and bytes travel as tensors: on the GPU for NCCL, in host memory for gloo (which would
+    # read a CUDA pointer as a host address: "writev ... Bad address")
+    nccl = torch.cuda.is_available() and dist.get_backend(pp_group) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     if me == src:
         dist.send_object_list([to_cpu(obj)], dst=ranks[dst], group=pp_group, device=device)
     elif me == dst:
