@@ -86,7 +86,11 @@ class P2P:
         # runtime.progress.Progress: waits are published, and a timeout names the rank that
         # stopped first (the executor also reports its actions to it)
         self.progress = progress
-        self._sends: List[Tuple[dist.Work, Optional[torch.Tensor], str, int]] = []  # (work, buffer, doing, peer)
+        # (work, doing, peer) of sends not yet known complete. The work keeps its buffer alive
+        # (NCCL: the allocator's stream record; gloo: the tensor itself; a host-staged send: its
+        # host copy), so no tensor is held here: a gloo send reports complete only once waited
+        # on, and holding the tensor too kept every sent GPU tensor to the iteration's end
+        self._sends: List[Tuple[dist.Work, str, int]] = []
 
     def _peer_global(self, pp_rank: int) -> int:
         return self.groups.pp_ranks[pp_rank]
@@ -100,9 +104,9 @@ class P2P:
             if self.exchange_shapes:
                 shape = torch.tensor(list(tensor.shape), dtype=torch.int64, device=tensor.device)
                 n = torch.tensor([shape.numel()], dtype=torch.int64, device=tensor.device)
-                self._sends.append((dist.isend(n, dst, group=g), n, doing, peer))
-                self._sends.append((dist.isend(shape, dst, group=g), shape, doing, peer))
-            self._sends.append((dist.isend(tensor, dst, group=g), tensor, doing, peer))
+                self._sends.append((dist.isend(n, dst, group=g), doing, peer))
+                self._sends.append((dist.isend(shape, dst, group=g), doing, peer))
+            self._sends.append((dist.isend(tensor, dst, group=g), doing, peer))
 
     def recv(self, shape: Sequence[int], dtype: torch.dtype, device, peer: int, what: str):
         """Post a receive; returns a handle whose ``wait()`` gives the tensor."""
@@ -169,12 +173,12 @@ class P2P:
         """Forget completed sends (their buffers may be freed); with block, wait for all (each at
         most the timeout)."""
         keep = []
-        for work, t, doing, peer in self._sends:
+        for work, doing, peer in self._sends:
             with self._transport(doing, peer):
                 if block:
                     self._wait_work(work)
                 elif not work.is_completed():
-                    keep.append((work, t, doing, peer))
+                    keep.append((work, doing, peer))
         self._sends = keep
 
 
