@@ -130,8 +130,9 @@ def _imports(header: dict) -> None:
     torch.set_num_threads(1)
     if header.get("cpu_shims", True):
         set_status("starting: applying CPU shims / importing megatron")
-        from megatron_zb.megatron.cpu import cpu_shims
+        from megatron_zb.megatron.cpu import cpu_shims, gloo_device
         cpu_shims.apply()
+        gloo_device.apply()  # the ranks end with os._exit: the shared device is never torn down
         for name in _PRELOAD:
             try:
                 importlib.import_module(name)

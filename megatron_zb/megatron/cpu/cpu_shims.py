@@ -22,7 +22,7 @@ import typing
 
 import torch
 
-from . import cpu_jit, cpu_moe, gloo_device
+from . import cpu_jit, cpu_moe
 
 _APPLIED = False
 
@@ -49,7 +49,6 @@ def apply(force: bool = False) -> bool:
     _cuda_streams()
     _cuda_type_names()
     cpu_moe.apply()
-    gloo_device.apply()
     _quiet_logs()
     _APPLIED = True
     return True

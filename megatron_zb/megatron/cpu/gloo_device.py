@@ -10,8 +10,13 @@ measured on this 2-core box, the ``gloo_tcp_loop`` threads took 29% of all CPU s
 ``apply()`` makes every gloo group created from then on in this process (``torch.distributed``'s
 ``new_group`` / ``init_process_group``) share one device: one loop thread, the same transport
 (TCP on the default interface, or each of ``GLOO_SOCKET_IFNAME``'s), the same messages. A group
-created with explicit options keeps them. Call it in the process that creates the groups, after
-any fork (a device's thread does not survive one).
+created with explicit options keeps them. A device made before a fork is not used after it (its
+thread is not in the child): the child makes its own.
+
+Applied in verify's ranks (``verify.zygote``), which end with ``os._exit``. Not in training ranks,
+which end through the interpreter's clean-up: one torchrun job of the test suite's (fork/vocab,
+Megatron's own 1F1B) ended with "terminate called without an active exception" (SIGABRT) after
+training had finished, once in four full runs, and the shared device's tear-down is the suspect.
 """
 from __future__ import annotations
 
