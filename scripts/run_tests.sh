@@ -22,6 +22,9 @@ PY=.venv/bin/python
 # the package's and the tests' bytecode once, here: with PYTHONDONTWRITEBYTECODE set (as on these
 # machines) every process of the suite (ranks, launchers, CLI calls: hundreds) would compile them again
 $PY -m compileall -q -j 0 megatron_zb tests >/dev/null
+# and pytest's own: it rewrites the asserts of every test module and of its plugins' packages
+# (hypothesis's hundred modules) in each of its processes unless it may keep the result beside them
+unset PYTHONDONTWRITEBYTECODE
 ENTRY_FILES=(tests/test_pretrain_entry.py tests/test_pretrain_faults.py tests/test_varlen_entry.py tests/test_dropin.py)
 PASS2_MARK="megatron and not version_free"
 
@@ -46,10 +49,13 @@ else
           "MZB_ZYGOTE_SERVER=0 pass2 ${ENTRY_FILES[*]}" "pass2 tests ${ignore[*]}")
 fi
 
-stream() {  # one stream: its command, then its exit code and time
+stream() {  # one stream: its command, then its exit code, time and CPU seconds (every process it waited for)
     local t=$SECONDS rc=0
     eval "$1" || rc=$?
-    echo "== stream exit $rc after $((SECONDS - t)) s =="
+    local f; f=$(mktemp)
+    times >"$f"  # (a builtin's own output: in a subshell it would count none of this shell's processes)
+    echo "== stream exit $rc after $((SECONDS - t)) s; CPU user and system: $(tail -1 "$f") =="
+    rm -f "$f"
     return "$rc"
 }
 start=$SECONDS

@@ -26,6 +26,11 @@
   launch it fits (this process's and its CLIs'): the launch's megatron-core, checkout and
   environment are the server's; ``MZB_ZYGOTE_SERVER=0``: none (every launch imports for itself).
 
+* Hypothesis draws the same examples on every run (``derandomize``): a property test's time and
+  outcome do not change from one run to the next (the schedule searches it calls range from
+  milliseconds to seconds, so random draws moved one test between 3 and 30 s). ``MZB_HYPOTHESIS=random``:
+  fresh random examples, to explore.
+
 * ``--cpu-durations N``: the N tests that took the most CPU seconds (user + system of this process and
   of every process it waited for, the ranks and their launchers included; per phase, like
   ``--durations``). A busy host stretches wall times, not these: how to find what to shorten.
@@ -92,6 +97,20 @@ def pytest_configure(config):
                  "timing: measures time, never a figure that changes with the host's load (scripts/stress_tests.sh "
                  "runs these beside busy processes)"):
         config.addinivalue_line("markers", line)
+
+
+def _hypothesis_profile() -> None:
+    if os.environ.get("MZB_HYPOTHESIS", "") == "random":
+        return
+    try:
+        from hypothesis import settings
+    except ImportError:  # pragma: no cover - hypothesis is a test dependency
+        return
+    settings.register_profile("mzb-derandomized", derandomize=True)
+    settings.load_profile("mzb-derandomized")
+
+
+_hypothesis_profile()
 
 
 def pytest_report_header(config):
