@@ -127,7 +127,10 @@ def _alive(pid):
 def test_ranks_end_when_the_verify_launcher_is_killed(tmp_path, served):
     """Its own zygote dies with the launcher; the warm server's (tests/conftest.py names them) is
     killed by the server when the launcher's connection ends. Either way the ranks die with it."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT] + [p for p in sys.path if p]))
+    # the killed launcher cannot remove its launch folder: make it here, where pytest removes it
+    (tmp_path / "tmp").mkdir()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT] + [p for p in sys.path if p]),
+               TMPDIR=str(tmp_path / "tmp"))
     if not served:
         env.pop("MZB_ZYGOTE_SERVER", None)
     proc = subprocess.Popen([sys.executable, "-c", _LAUNCHER, str(tmp_path)], env=env, cwd=ROOT,
