@@ -28,7 +28,7 @@
 
 * Hypothesis draws the same examples on every run (``derandomize``): a property test's time and
   outcome do not change from one run to the next (the schedule searches it calls range from
-  milliseconds to seconds, so random draws moved one test between 3 and 30 s). ``MZB_HYPOTHESIS=random``:
+  milliseconds to seconds, so random draws moved one test between 2.6 and 18 CPU s). ``MZB_HYPOTHESIS=random``:
   fresh random examples, to explore.
 
 * ``--cpu-durations N``: the N tests that took the most CPU seconds (user + system of this process and
