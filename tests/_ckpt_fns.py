@@ -16,6 +16,9 @@ One case = one schedule/placement. On every rank:
 
 The parent compares the two runs' losses and final parameters.
 
+``case["last"]`` (default True): the launch's last case on this rank stops megatron's checkpoint writer
+(its results-queue Manager); the cases before it leave it running for the next, as one training does.
+
 Vocabulary parallelism: ``case["vocab"]`` (barriers, or None) for the uninterrupted run and the
 saving one, ``case["resume_vocab"]`` for the resumed one (default the same): a checkpoint saved with
 it resumes without it and the other way round (the shards are the output layer's rows);
@@ -260,7 +263,10 @@ def resume_case(case):
     finally:
         handle.uninstall()
     writer = _running_children()
-    stopped = stop_checkpoint_writer()  # megatron's writer Manager: a process per rank otherwise
+    # megatron's writer Manager: one spawned process per rank that imports torch when the first write
+    # result reaches it (~3 CPU s), kept as training keeps it, for the launch's next cases; the last
+    # case stops it (a process per rank otherwise)
+    stopped = stop_checkpoint_writer() if case.get("last", True) else 0
     set_status(f"[{tag}] done")
     return {
         "writer_processes": writer, "writer_stopped": stopped, "children_after_stop": _running_children(),
