@@ -143,6 +143,19 @@ def _groups(world):
     return _GROUPS[world]
 
 
+def rank_case(case):
+    """One case on a rank of a verify launch (``verify.launch.run_cases``: the process group is up,
+    the rank forked from the warm torch-only server): ("ok", what ``run_rank`` returns) or ("err", its
+    traceback), so that one failing case leaves the group to the next as ``_worker`` does.
+    ``case``: {"args": run_rank's arguments after rank and world, "schedules": the parent's}."""
+    import traceback
+    _SCHEDULES.update(case["schedules"])
+    try:
+        return "ok", run_rank(dist.get_rank(), dist.get_world_size(), *case["args"])
+    except Exception:  # noqa: BLE001 - reported to the test
+        return "err", traceback.format_exc()
+
+
 def _worker(rank, world, port, cases, q, schedules=None):
     _SCHEDULES.update(schedules or {})
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

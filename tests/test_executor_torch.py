@@ -18,25 +18,13 @@ pytestmark = pytest.mark.dist
 
 
 
-def run_cases(world, cases, timeout=900):  # a hang guard: spawned ranks import torch (minutes at load 50)
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_port()
+def run_cases(rank_pool, world, cases, timeout=900):
+    """{rank: [(status, payload) per case]}: every case on ``world`` ranks of one verify launch
+    (forked from the warm torch-only server where there is one: no rank imports torch again)."""
     made = {k: s for k, s in toy._SCHEDULES.items() if k[1] == world}  # generated here once (_applies)
-    procs = [ctx.Process(target=toy._worker, args=(r, world, port, cases, q, made)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = {}
-    try:
-        for _ in range(world):
-            r, out = q.get(timeout=timeout)
-            results[r] = out
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    return results
+    res = rank_pool(toy.rank_case, [{"args": c, "schedules": made} for c in cases], world, timeout=timeout,
+                    cpu_shims=False)
+    return {r: [res[ci][r] for ci in range(len(cases))] for r in range(world)}
 
 
 def _applies(name, world, m, chunks):
@@ -62,9 +50,9 @@ def _cases(world):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_every_schedule_matches_reference(world):
+def test_every_schedule_matches_reference(rank_pool, world):
     cases = _cases(world)
-    results = run_cases(world, cases)
+    results = run_cases(rank_pool, world, cases)
     for ci, (name, m, chunks, fwd_only) in enumerate(cases):
         spec = get(name)
         v = chunks or spec.chunks or 1
@@ -85,7 +73,7 @@ def test_every_schedule_matches_reference(world):
                 np.testing.assert_allclose(g, rg, rtol=1e-5, atol=1e-6, err_msg=f"{name} m={m} stage {s}")
 
 
-def test_every_schedule_with_offload_matches_reference():
+def test_every_schedule_with_offload_matches_reference(rank_pool):
     # activations go to "host" buffers (CPU test mode) and come back before their B; W reuses
     # the retained graph, whose saved tensors are the reloaded ones. Ratios 1 and 0.5 alternate.
     world = 4
@@ -96,7 +84,7 @@ def test_every_schedule_with_offload_matches_reference():
         chunks = 2 if get(name).chunks is None else None
         m = next(m for m in (2 * world + 1, 2 * world) if _applies(name, world, m, chunks))
         cases.append((name, m, chunks, False, None, 60, 1.0 if i % 2 == 0 else 0.5))
-    results = run_cases(world, cases)
+    results = run_cases(rank_pool, world, cases)
     for ci, (name, m, chunks, *_rest) in enumerate(cases):
         ratio = _rest[-1]
         v = chunks or get(name).chunks or 1
@@ -118,9 +106,9 @@ def test_every_schedule_with_offload_matches_reference():
 
 
 @pytest.mark.timing
-def test_stuck_peer_times_out_naming_rank_pass_and_peer():
+def test_stuck_peer_times_out_naming_rank_pass_and_peer(rank_pool):
     # rank 0 never sends: rank 1 must fail after the timeout, naming itself, the pass and the peer
-    results = run_cases(2, [("zb-h1", 2, None, False, 0, 3)])
+    results = run_cases(rank_pool, 2, [("zb-h1", 2, None, False, 0, 3)])
     status, payload = results[1][0]
     assert status == "err"
     # rank 0 times out too (it waits for a gradient that never comes); if its process group closes

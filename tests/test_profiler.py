@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import time
 
 import pytest
@@ -17,7 +16,6 @@ from megatron_zb.core.schedules import generate
 from megatron_zb.core.simulate import simulate
 from megatron_zb.runtime import profile_data as PD
 from megatron_zb.runtime import profiler as P
-from tests._ports import free_port
 
 
 def _stats(rank, stages, f, b=None, w=None, bw=None, mem_f=None, mem_w=None, probe=(), n=3, waits=()):
@@ -321,55 +319,31 @@ def _timed(passes, own, active):
                                weight=wrap(lambda a: "W", passes.weight))
 
 
-def _worker(rank, world, port, cases, iterations, window, q):
+def _rank_case(job):
+    """One case on a rank of a verify launch (the process group is up; forked from the warm
+    torch-only server where there is one): ("ok", what ``_run_case`` returns) or ("err", its
+    traceback), so that a failing case leaves the group to the next."""
+    import traceback
     import torch.distributed as dist
     from megatron_zb.runtime.p2p import PairGroups
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    rank, world = dist.get_rank(), dist.get_world_size()
     groups = PairGroups(list(range(world)), {(r, (r + 1) % world) for r in range(world)})
-    out = []
-    for case in cases:
-        try:
-            out.append(("ok", _run_case(rank, world, groups, case, iterations, window)))
-        except Exception:
-            import traceback
-            out.append(("err", traceback.format_exc()))
-    q.put((rank, out))
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def _run(world, cases, iterations, window, timeout=240):
-    import torch.multiprocessing as mp
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, cases, iterations, window, q)) for r in range(world)]
-    for p in procs:
-        p.start()
-    res = {}
-    deadline = time.monotonic() + timeout
     try:
-        while len(res) < world:
-            try:
-                r, out = q.get(timeout=1)
-                res[r] = out
-            except queue.Empty:
-                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
-                if dead or time.monotonic() > deadline:
-                    raise AssertionError(f"ranks {dead} died" if dead else f"timed out after {timeout} s")
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    return res
+        return "ok", _run_case(rank, world, groups, job["case"], job["iterations"], job["window"])
+    except Exception:  # noqa: BLE001 - reported to the test
+        return "err", traceback.format_exc()
+
+
+def _run(rank_pool, world, cases, iterations, window, timeout=240):
+    """{rank: [(status, payload) per case]}, every case in one launch of ``world`` ranks."""
+    jobs = [{"case": c, "iterations": iterations, "window": window} for c in cases]
+    res = rank_pool(_rank_case, jobs, world, timeout=timeout, cpu_shims=False)
+    return {r: [res[ci][r] for ci in range(len(cases))] for r in range(world)}
 
 
 @pytest.mark.dist
 @pytest.mark.timing
-def test_profiles_on_gloo_pipeline():
+def test_profiles_on_gloo_pipeline(rank_pool):
     """Each pass's profiled time is that pass: every sample encloses the pass's own run (the pass
     timed itself, same order) and, in the median, adds only the executor's few statements around
     it (no wait for inputs, no other pass); the profile's per-rank costs are the samples' medians;
@@ -377,7 +351,7 @@ def test_profiles_on_gloo_pipeline():
     B + W comes to the fused backward on real compute is a figure (benchmarks/bench_test_figures.py)."""
     world, iterations, window = 2, 5, (2, 4)
     cases = [("zb-h1", "sleep"), ("1f1b", "sleep"), ("zb-h1", "torch"), ("1f1b", "torch")]
-    res = _run(world, cases, iterations, window)
+    res = _run(rank_pool, world, cases, iterations, window)
     profiles = {}
     for ci, case in enumerate(cases):
         for r in range(world):
