@@ -1,4 +1,5 @@
-"""One rank of the weight-gradient-deferral checks (launched by tests/test_wgrad.py).
+"""One rank of the weight-gradient-deferral checks (tests/test_wgrad.py runs ``rank_case`` on the
+ranks of a verify launch; ``python _wgrad_worker.py`` runs them on processes of its own).
 
 Real megatron-core layers, real torch.distributed over gloo on 127.0.0.1, one process per rank.
 Every case builds a model, then compares, with identical weights and data:
@@ -373,6 +374,23 @@ CASES = {
 }
 
 
+def rank_case(name):
+    """One case on this rank (the process group is up): its result, with megatron-core's version
+    and file. tests/test_wgrad.py runs every case this way on the ranks of one verify launch, forked
+    from the warm zygote server (megatron imported once); ``main`` on processes of its own."""
+    tp, build, ddp = CASES[name]
+    t0 = time.time()
+    try:
+        init_tp(tp)
+        r = check_case(name, build, ddp)
+        r["ok"] = True
+    except Exception:  # report, keep going (a collective mismatch would hang: none here)
+        r = {"ok": False, "error": traceback.format_exc()}
+    r["seconds"] = round(time.time() - t0, 3)
+    r.update(mcore_version=megatron.core.__version__, mcore_file=megatron.core.__file__)
+    return r
+
+
 def main():
     out_dir, names = sys.argv[1], sys.argv[2:]
     if DEV.type == "cuda":
@@ -382,16 +400,7 @@ def main():
     results = {"mcore_version": megatron.core.__version__, "mcore_file": megatron.core.__file__,
                "device": str(DEV), "torch": torch.__version__, "cases": {}}
     for name in names:
-        tp, build, ddp = CASES[name]
-        t0 = time.time()
-        try:
-            init_tp(tp)
-            r = check_case(name, build, ddp)
-            r["ok"] = True
-        except Exception:  # report, keep going (a collective mismatch would hang: none here)
-            r = {"ok": False, "error": traceback.format_exc()}
-        r["seconds"] = round(time.time() - t0, 3)
-        results["cases"][name] = r
+        results["cases"][name] = rank_case(name)
         torch.distributed.barrier()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f, indent=1)

@@ -1,25 +1,19 @@
 """Weight-gradient deferral (B/W split): the W queue and megatron-core linear layers.
 
-The megatron checks run in real processes (2 ranks, gloo on 127.0.0.1), all cases in one launch
-because importing megatron costs seconds per process; see tests/_wgrad_worker.py. Set
+The megatron checks run in real processes (2 ranks, gloo on 127.0.0.1), all cases in one verify
+launch (its ranks forked from the warm zygote server: importing megatron costs seconds per
+process); see tests/_wgrad_worker.py. Set
 ``MZB_MCORE=0.19.2`` to run them against .venv/mcore-0.19.2 instead of the installed
 megatron-core (the convention of tests/conftest.py).
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from megatron_zb.runtime.wqueue import WQueue, WQueueError
-from tests._ports import free_port
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORKER = os.path.join(ROOT, "tests", "_wgrad_worker.py")
 WORLD = 2
 TIMEOUT = 900  # a hang guard for the whole launch (tens of seconds quiet; it ran out at 240 s at load 50)
 TOL = 1e-6  # relative L2; B+W reorders the per-microbatch sums, BW must be bit-identical
@@ -169,45 +163,23 @@ def test_delayed_wgrad_protocol_modules_run_backward_dw_at_w_or_end_of_bw():
 # ----------------------------------------------------------------------------- megatron, multi-rank
 
 
-def launch(nproc, cases, out_dir, mcore_path=None, timeout=TIMEOUT):
-    """Run the worker on ``nproc`` real processes (gloo); returns the per-rank result dicts."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(free_port()), WORLD_SIZE=str(nproc))
-    path = mcore_path
-    if path:
-        env["PYTHONPATH"] = os.pathsep.join([path, ROOT, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    procs = []
-    for rank in range(nproc):
-        log = open(os.path.join(out_dir, f"log{rank}.txt"), "w")
-        procs.append((subprocess.Popen([sys.executable, WORKER, str(out_dir), *cases],
-                                       env=dict(env, RANK=str(rank)), stdout=log,
-                                       stderr=subprocess.STDOUT, cwd=ROOT), log))
-    failed = []
-    for rank, (p, log) in enumerate(procs):
-        try:
-            rc = p.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for q, _ in procs:
-                if q.poll() is None:
-                    q.kill()
-            rc = "timeout"
-        log.close()
-        if rc != 0:
-            with open(os.path.join(out_dir, f"log{rank}.txt")) as f:
-                failed.append(f"rank {rank}: exit {rc}\n{f.read()[-3000:]}")
-    if failed:
-        pytest.fail("worker failed:\n" + "\n".join(failed))
-    out = []
-    for rank in range(nproc):
-        with open(os.path.join(out_dir, f"rank{rank}.json")) as f:
-            out.append(json.load(f))
-    return out
+def _rank_case(name):
+    """A verify rank's side: the worker's case (the worker imports megatron; this module does not)."""
+    from tests import _wgrad_worker
+    return _wgrad_worker.rank_case(name)
 
 
 @pytest.fixture(scope="module")
-def megatron_results(tmp_path_factory, mcore_path):
-    # mcore_path / mcore_version: tests/conftest.py (the MZB_MCORE convention)
-    return launch(WORLD, list(CASES), tmp_path_factory.mktemp("wgrad"), mcore_path)
+def megatron_results(rank_pool):
+    """Per rank: {"mcore_version", "mcore_file", "cases": {name: result}}, every case in one launch
+    of ``WORLD`` ranks (forked from the warm zygote server, megatron-core of ``MZB_MCORE``)."""
+    res = rank_pool(_rank_case, list(CASES), WORLD, timeout=TIMEOUT)
+    out = []
+    for rank in range(WORLD):
+        cases = {name: res[ci][rank] for ci, name in enumerate(CASES)}
+        first = cases[CASES[0]]
+        out.append({"mcore_version": first["mcore_version"], "mcore_file": first["mcore_file"], "cases": cases})
+    return out
 
 
 @pytest.mark.megatron
