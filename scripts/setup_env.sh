@@ -11,12 +11,21 @@ VENV=${VENV:-.venv}
 PY=${PYTHON:-python3}
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 PIP="$VENV/bin/python -m pip --disable-pip-version-check -q"
-$PIP install torch==2.13.0
-$PIP install "megatron-core==0.16.1" "packaging>=24.2" numpy scipy matplotlib pytest hypothesis \
-    typing_extensions psutil "torch==2.13.0"
+# Three installs at once (each keeps one core busy; they share no package): torch with its own
+# dependencies, the libraries the tests and plots use, and megatron-core 0.19.2 into its folder.
+pids=()
+trap 'for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done' EXIT
+$PIP install torch==2.13.0 & pids+=($!)
+$PIP install "packaging>=24.2" numpy scipy matplotlib pytest hypothesis psutil & pids+=($!)
 if [ ! -d "$VENV/mcore-0.19.2/megatron/core" ]; then
     $PIP install --no-deps --python-version 3.12 --only-binary=:all: --ignore-requires-python \
-        --target "$VENV/mcore-0.19.2" megatron-core==0.19.2
+        --target "$VENV/mcore-0.19.2" megatron-core==0.19.2 & pids+=($!)
 fi
-$PIP install --no-deps -e .
+for p in "${pids[@]}"; do wait "$p"; done  # (set -e: a failed install ends the script here)
+pids=()
+# then megatron-core 0.16.1 (it needs torch: already there, the pin keeps it) and this package
+$PIP install "megatron-core==0.16.1" "packaging>=24.2" numpy typing_extensions psutil "torch==2.13.0" & pids+=($!)
+$PIP install --no-deps -e . & pids+=($!)
+for p in "${pids[@]}"; do wait "$p"; done
+pids=()
 echo "environment ready: $VENV (torch $($VENV/bin/python -c 'import torch; print(torch.__version__)'))"
