@@ -328,9 +328,23 @@ def _replica_syncs(timeline: List[List[Timed]], pl, setting: Setting):
     return out
 
 
+_UNSEEN = object()
+
+
 def memory_trace(order: List[Action], rank: int, setting: Setting) -> List[float]:
     """Running activation memory of one rank after each of its compute passes."""
     cur, out = 0.0, []
+    if setting.microbatch_costs is None:  # every microbatch's pass changes memory alike: each looked up once
+        change: Dict[Tuple[str, Optional[int]], Optional[float]] = {}
+        for a in order:
+            key = (a.kind, a.stage)
+            d = change.get(key, _UNSEEN)
+            if d is _UNSEEN:
+                d = change[key] = setting.pass_mem(a.kind, rank, a.stage, a.mb) if a.is_compute else None
+            if d is not None:
+                cur += d
+                out.append(cur)
+        return out
     for a in order:
         if a.is_compute:
             cur += setting.pass_mem(a.kind, rank, a.stage, a.mb)
