@@ -5,6 +5,7 @@ leg), B, b (backwards of the second and first leg), W, w (their weight gradients
 Pure Python."""
 from __future__ import annotations
 
+from itertools import accumulate, repeat
 from typing import Dict, List, Optional, Tuple
 
 __all__ = ["CH", "FWD", "Grid", "unroll", "peak", "squeeze", "warmup", "drop_extra", "early_w_to_end", "cooldown",
@@ -13,6 +14,9 @@ __all__ = ["CH", "FWD", "Grid", "unroll", "peak", "squeeze", "warmup", "drop_ext
 CH = "FfBbWw"
 FWD = "Ff"
 Grid = List[List[str]]
+_CODE = {c: n for n, c in enumerate(CH)}  # squeeze's code of each pass kind
+_FROM = (-1, 1, -1, 1, 0, 0)  # where each kind's input comes from: the rank before, after, or its own
+_DELTA = {"F": 1, "f": 1, "W": -1, "w": -1}  # a slot's change of the running activation count
 
 
 def _gap(a: int, b: int) -> int:
@@ -47,17 +51,9 @@ def unroll(blk: List[List[int]], p: int, mm: int) -> Grid:
 
 
 def peak(grid: Grid, per_rank: bool = False):
-    out = []
-    for row in grid:
-        cur = top = 0
-        for c in row:
-            if c in FWD:
-                cur += 1
-                if cur > top:
-                    top = cur
-            elif c in "Ww":
-                cur -= 1
-        out.append(top)
+    """Each rank's highest running count of forwards less weight gradients (0 at least)."""
+    get = _DELTA.get
+    out = [max(0, max(accumulate(map(get, row, repeat(0))), default=0)) for row in grid]
     return out if per_rank else max(out)
 
 
@@ -73,46 +69,45 @@ def squeeze(grid: Grid) -> Optional[Grid]:
     pass, every rank's order kept. None if the orders wait on each other forever."""
     p = len(grid)
     seqs = [[c for c in row if c != " "] for row in grid]
+    codes = [[_CODE[c] for c in q] for q in seqs]
     n = max((len(q) for q in seqs), default=0)
-    slot = {c: [[-1] * (n + 1) for _ in range(p)] for c in CH}  # char -> rank -> count -> slot
+    slot = [[-1] * (n + 1) for _ in range(6 * p)]  # char code * p + rank -> count -> slot
+    waiting: List[List[Optional[List[int]]]] = [[None] * (n + 1) for _ in range(6 * p)]  # ranks waiting on a pass
     pos, nxt = [0] * p, [0] * p
-    cnt = [{c: 0 for c in CH} for _ in range(p)]
+    cnt = [[0] * 6 for _ in range(p)]
     out: Grid = [[] for _ in range(p)]
-    waiting = {c: [[None] * (n + 1) for _ in range(p)] for c in CH}  # ranks waiting on a pass
     stack = list(range(p - 1, -1, -1))
     while stack:
         i = stack.pop()
-        seq, row, ci = seqs[i], out[i], cnt[i]
+        seq, code, row, ci = seqs[i], codes[i], out[i], cnt[i]
         j, at_next, end = pos[i], nxt[i], len(seq)  # len(row) is at_next: the rank's next free slot
         while j < end:
-            c = seq[j]
-            k = ci[c]
+            x = code[j]
+            k = ci[x]
             at = at_next
-            if c == "F" or c == "B":
-                src = i - 1
-            elif c == "f" or c == "b":
-                src = i + 1
-            else:
-                src = -1
-            if 0 <= src < p:
-                t = slot[c][src][k]
-                if t < 0:
-                    w = waiting[c][src]
-                    if w[k] is None:
-                        w[k] = [i]
-                    else:
-                        w[k].append(i)
-                    break
-                if t + 1 > at:
-                    at = t + 1
-            slot[c][i][k] = at
-            ci[c] = k + 1
+            d = _FROM[x]
+            if d:
+                src = i + d
+                if 0 <= src < p:
+                    t = slot[x * p + src][k]
+                    if t < 0:
+                        w = waiting[x * p + src]
+                        if w[k] is None:
+                            w[k] = [i]
+                        else:
+                            w[k].append(i)
+                        break
+                    if t + 1 > at:
+                        at = t + 1
+            own = x * p + i
+            slot[own][k] = at
+            ci[x] = k + 1
             if at > at_next:
                 row.extend([" "] * (at - at_next))
-            row.append(c)
+            row.append(seq[j])
             at_next = at + 1
             j += 1
-            w = waiting[c][i][k]
+            w = waiting[own][k]
             if w is not None:
                 stack.extend(w)
         pos[i], nxt[i] = j, at_next
