@@ -69,49 +69,62 @@ def squeeze(grid: Grid) -> Optional[Grid]:
     pass, every rank's order kept. None if the orders wait on each other forever."""
     p = len(grid)
     seqs = [[c for c in row if c != " "] for row in grid]
-    codes = [[_CODE[c] for c in q] for q in seqs]
-    n = max((len(q) for q in seqs), default=0)
-    slot = [[-1] * (n + 1) for _ in range(6 * p)]  # char code * p + rank -> count -> slot
-    waiting: List[List[Optional[List[int]]]] = [[None] * (n + 1) for _ in range(6 * p)]  # ranks waiting on a pass
-    pos, nxt = [0] * p, [0] * p
-    cnt = [[0] * 6 for _ in range(p)]
+    # every pass numbered, rank by rank in its order; ids[kind code * p + rank]: that kind's on that rank
+    ids: List[List[int]] = [[] for _ in range(6 * p)]
+    first, g = [], 0
+    for i, q in enumerate(seqs):
+        first.append(g)
+        for c in q:
+            ids[_CODE[c] * p + i].append(g)
+            g += 1
+    total = g
+    # each pass's input (the same kind's k-th pass on the rank before or after): -1 where it has
+    # none, ``total`` where that rank lacks it (a slot never filled: it waits forever)
+    src = [-1] * total
+    for x in range(4):
+        for i in range(p):
+            o = i + _FROM[x]
+            if 0 <= o < p:
+                mine, theirs = ids[x * p + i], ids[x * p + o]
+                for a, b in zip(mine, theirs):
+                    src[a] = b
+                for a in mine[len(theirs):]:
+                    src[a] = total
+    slot = [-1] * (total + 1)
+    waiting: List[Optional[List[int]]] = [None] * (total + 1)  # ranks waiting on a pass
+    pos, ends = list(first), first[1:] + [total]
+    nxt = [0] * p
     out: Grid = [[] for _ in range(p)]
     stack = list(range(p - 1, -1, -1))
     while stack:
         i = stack.pop()
-        seq, code, row, ci = seqs[i], codes[i], out[i], cnt[i]
-        j, at_next, end = pos[i], nxt[i], len(seq)  # len(row) is at_next: the rank's next free slot
-        while j < end:
-            x = code[j]
-            k = ci[x]
+        seq, row, base = seqs[i], out[i], first[i]
+        g, at_next, end = pos[i], nxt[i], ends[i]  # len(row) is at_next: the rank's next free slot
+        while g < end:
+            s = src[g]
             at = at_next
-            d = _FROM[x]
-            if d:
-                src = i + d
-                if 0 <= src < p:
-                    t = slot[x * p + src][k]
-                    if t < 0:
-                        w = waiting[x * p + src]
-                        if w[k] is None:
-                            w[k] = [i]
-                        else:
-                            w[k].append(i)
-                        break
-                    if t + 1 > at:
-                        at = t + 1
-            own = x * p + i
-            slot[own][k] = at
-            ci[x] = k + 1
+            if s >= 0:
+                t = slot[s]
+                if t < 0:
+                    w = waiting[s]
+                    if w is None:
+                        waiting[s] = [i]
+                    else:
+                        w.append(i)
+                    break
+                if t >= at:
+                    at = t + 1
+            slot[g] = at
             if at > at_next:
                 row.extend([" "] * (at - at_next))
-            row.append(seq[j])
+            row.append(seq[g - base])
             at_next = at + 1
-            j += 1
-            w = waiting[own][k]
+            w = waiting[g]
             if w is not None:
                 stack.extend(w)
-        pos[i], nxt[i] = j, at_next
-    if any(pos[i] < len(seqs[i]) for i in range(p)):
+            g += 1
+        pos[i], nxt[i] = g, at_next
+    if any(pos[i] < ends[i] for i in range(p)):
         return None
     return _pad(out)
 
