@@ -194,6 +194,9 @@ class Barriers:
         # the links: one collective at a time on each (the output layer's; the embedding's sum; its gradient's)
         self.free = {C0: 0.0, CI: 0.0, CG: 0.0}
         self.cost = {C0: vocab.cost_comm, CI: vocab.cost_ci, CG: vocab.cost_cg}
+        # the kinds whose passes feed a barrier: ``passed`` does nothing for the others (save the
+        # first stage's backwards where the embedding is split)
+        self.feeding = frozenset(k for k in (VS, VT, VI) if k == VI or barrier_of(k, vocab.barriers) is not None)
 
     def passed(self, a: Action, end: float) -> None:
         v = self.vocab
@@ -242,6 +245,7 @@ def placed(schedule: Schedule, setting: Setting, w_cap: int = 1, coded: Optional
         raise ScheduleError(f"vocabulary passes go into plain F/B/W schedules; {schedule.name} has others")
     done: Dict[Tuple[str, int, int], float] = {}
     barriers = Barriers(p, vocab, done)
+    feeding = barriers.feeding
     clock = [0.0] * p
     nxt_s, nxt_t = [0] * p, [0] * p
     emb = vocab.embedding
@@ -283,7 +287,8 @@ def placed(schedule: Schedule, setting: Setting, w_cap: int = 1, coded: Optional
             nxt_i[r] += 1
         elif kind == VG:
             nxt_g[r] += 1
-        barriers.passed(a, end)
+        if kind in feeding or emb and a.stage == 0 and kind in (B, BW):
+            barriers.passed(a, end)
         fin[r] = finished(r)
         live[r] = INF if fin[r] else end
 
