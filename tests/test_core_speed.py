@@ -215,3 +215,23 @@ def test_building_blocks_remembered_across_limits_are_the_blocks(p, m, monkeypat
     for limit in limits:  # one memory of blocks for every limit, in turn
         monkeypatch.setattr(vslots, "_ORDERS", Memo(8))
         assert vslots._orders(p, m, limit) == want[limit]
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zb-v", "v-half", "interleaved-1f1b", "bitpipe", "dualpipe-v"])
+@pytest.mark.parametrize("barriers", [None, 1, 2])
+def test_makespan_and_peak_are_the_simulations(name, barriers):
+    """``makespan_and_peak`` (Plain's times, no timeline) gives simulate's floats, with vocabulary
+    passes (one barrier: Plain; two: simulate's own loop) and without, replicated stages too."""
+    from megatron_zb.core.vocab import VocabSetting
+    if barriers is not None and name == "bitpipe":
+        pytest.skip("vocabulary parallelism: not with replicated stages")
+    rr = random.Random(len(name) + 7 * (barriers or 0))
+    for p, m in ((2, 4), (4, 8)):
+        vs = None if barriers is None else VocabSetting(
+            barriers=barriers, cost_s=[rr.choice([0.1, 0.3]) for _ in range(p)], cost_t=0.2,
+            cost_w=[rr.choice([0.0, 0.2, 0.5]) for _ in range(p)], cost_comm=rr.choice([0.0, 0.15]),
+            mem_s=0.5, mem_w=0.25)
+        b = build(ScheduleRequest(name, cost_f=[1.0 + 0.25 * r for r in range(p)], cost_b=[1.5], cost_comm=0.1,
+                                  vocab=vs), p, m)
+        res = sim.simulate(b.schedule, b.setting)
+        assert sim.makespan_and_peak(b.schedule, b.setting) == (res.makespan, max(res.peak_memory))

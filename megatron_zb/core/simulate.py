@@ -273,6 +273,27 @@ def simulate(schedule: Schedule, setting: Setting,
                      makespan, bubble, peaks, spans, busy, timeline, syncs, copies, offload)
 
 
+def makespan_and_peak(schedule: Schedule, setting: Setting) -> Tuple[float, float]:
+    """``simulate``'s makespan and highest peak memory, without building its timeline where
+    ``Plain`` times the schedule (simulate's own fast path: the same passes timed the same way,
+    each rank's span from its first start to its last end); else from ``simulate`` itself."""
+    flat = schedule.flat()
+    pl = flat.placement
+    if pl.num_ranks == setting.stages and not pl.replicated and Plain.plain(flat, setting):
+        st = setting if setting.chunks == pl.chunks else dataclasses.replace(setting, chunks=pl.chunks)
+        orders = [[a for a in o if a.is_compute] for o in flat.orders]
+        if st.vocab is None or not any(a.is_vocab for o in orders for a in o) or st.vocab.check(pl.num_ranks):
+            fast = Plain(orders, pl, st)
+            t = fast.times() if fast.ok else None
+            if t is not None:
+                start, end = t
+                spans = [end[c[-1]] - start[c[0]] if c else 0.0 for c in fast.codes]
+                return (max(spans) if spans else 0.0,
+                        max(peak_memory(o, r, st) for r, o in enumerate(orders)) if orders else 0.0)
+    res = simulate(schedule, setting)
+    return res.makespan, max(res.peak_memory)
+
+
 def _inputs_ready(a: Action, r: int, ready: float, done, dep_of, pl, comm: float) -> Optional[float]:
     """When pass ``a`` on rank ``r`` has its inputs (no earlier than ``ready``); None if a
     dependency has not run yet."""
@@ -328,9 +349,23 @@ def _replica_syncs(timeline: List[List[Timed]], pl, setting: Setting):
     return out
 
 
+_UNSEEN = object()
+
+
 def memory_trace(order: List[Action], rank: int, setting: Setting) -> List[float]:
     """Running activation memory of one rank after each of its compute passes."""
     cur, out = 0.0, []
+    if setting.microbatch_costs is None:  # every microbatch's pass changes memory alike: each looked up once
+        change: Dict[Tuple[str, Optional[int]], Optional[float]] = {}
+        for a in order:
+            key = (a.kind, a.stage)
+            d = change.get(key, _UNSEEN)
+            if d is _UNSEEN:
+                d = change[key] = setting.pass_mem(a.kind, rank, a.stage, a.mb) if a.is_compute else None
+            if d is not None:
+                cur += d
+                out.append(cur)
+        return out
     for a in order:
         if a.is_compute:
             cur += setting.pass_mem(a.kind, rank, a.stage, a.mb)

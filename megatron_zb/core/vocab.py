@@ -54,6 +54,7 @@ C0, C1, CI, CG = "C0", "C1", "CI", "CG"
 BARRIER_KINDS = (C0, C1, CI, CG)
 AHEAD = 4  # VI(·, j) runs once F(0, j - AHEAD) ended
 EPS = 1e-9
+INF = float("inf")
 
 
 PER_RANK = ("cost_s", "cost_t", "cost_w", "mem_s", "mem_w", "cost_i", "cost_g")
@@ -193,6 +194,9 @@ class Barriers:
         # the links: one collective at a time on each (the output layer's; the embedding's sum; its gradient's)
         self.free = {C0: 0.0, CI: 0.0, CG: 0.0}
         self.cost = {C0: vocab.cost_comm, CI: vocab.cost_ci, CG: vocab.cost_cg}
+        # the kinds whose passes feed a barrier: ``passed`` does nothing for the others (save the
+        # first stage's backwards where the embedding is split)
+        self.feeding = frozenset(k for k in (VS, VT, VI) if k == VI or barrier_of(k, vocab.barriers) is not None)
 
     def passed(self, a: Action, end: float) -> None:
         v = self.vocab
@@ -241,6 +245,7 @@ def placed(schedule: Schedule, setting: Setting, w_cap: int = 1, coded: Optional
         raise ScheduleError(f"vocabulary passes go into plain F/B/W schedules; {schedule.name} has others")
     done: Dict[Tuple[str, int, int], float] = {}
     barriers = Barriers(p, vocab, done)
+    feeding = barriers.feeding
     clock = [0.0] * p
     nxt_s, nxt_t = [0] * p, [0] * p
     emb = vocab.embedding
@@ -282,14 +287,17 @@ def placed(schedule: Schedule, setting: Setting, w_cap: int = 1, coded: Optional
             nxt_i[r] += 1
         elif kind == VG:
             nxt_g[r] += 1
-        barriers.passed(a, end)
+        if kind in feeding or emb and a.stage == 0 and kind in (B, BW):
+            barriers.passed(a, end)
         fin[r] = finished(r)
+        live[r] = INF if fin[r] else end
 
     def finished(r: int) -> bool:
         return not base[r] and nxt_s[r] == m and nxt_t[r] == m and not pending_w[r] and nxt_i[r] == m and \
             nxt_g[r] == m
 
     fin = [finished(r) for r in range(p)]  # each rank's, kept as its passes run
+    live = [INF if f else 0.0 for f in fin]  # each rank's clock, INF once it is finished
 
     # the vocabulary passes as actions, made once for every variant placed with ``coded``
     acts = coded.get("actions")
@@ -358,21 +366,23 @@ def placed(schedule: Schedule, setting: Setting, w_cap: int = 1, coded: Optional
             run(r, base[r].popleft(), t, info[r].popleft()[1])
             stalls = 0
         else:
-            future = [x for x in (rt, rs, rb, ri, rg) if x is not None and x > lim]
-            others = [c for c, f in zip(clock, fin) if c > lim and not f]  # not r's own: clock[r] = t
-            horizon = min(future + others) if (future or others) else None
+            # the earliest of its own passes' and the other unfinished ranks' later times (not r's: clock[r] = t)
+            horizon = min(min([x for x in (rt, rs, rb, ri, rg) if x is not None and x > lim], default=INF),
+                          min([c for c in live if c > lim], default=INF))
+            if horizon == INF:
+                horizon = None
             if pending_w[r] and (must_w or horizon is None or
                                  horizon - t >= cost_w[r] - EPS or not base[r] and nxt_s[r] == m):
                 run(r, a_w[r][pending_w[r].popleft()], t, cost_w[r])
                 stalls = 0
             elif horizon is not None:
-                clock[r] = horizon
+                clock[r] = live[r] = horizon
             else:
                 stalls += 1
                 if stalls > 4 * p + 8:
                     raise ScheduleError(f"vocabulary passes cannot be placed into {schedule.name}: rank {r} waits "
                                         f"at time {t:g} for a pass no rank can run")
-                clock[r] = t + EPS
+                clock[r] = live[r] = t + EPS
         if not fin[r]:
             push(heap, (clock[r], r))
     meta = dict(schedule.meta, vocab=vocab.to_dict())

@@ -7,7 +7,7 @@ from typing import Dict, Optional, Tuple
 
 from .ir import Schedule, ScheduleError, Setting
 from .memo import Memo, setting_key
-from .simulate import simulate
+from .simulate import makespan_and_peak
 from .vocab import delay_backwards, placed
 
 __all__ = ["VARIANTS", "place_vocab"]
@@ -79,8 +79,8 @@ def _variants(schedule: Schedule, setting: Setting) -> Dict[Tuple[int, int], Opt
                 else:
                     try:
                         s, capped = placed(d, setting, w_cap=cap, coded=coded)
-                        res = simulate(s, setting)
-                        found[cap] = (tuple(tuple(o) for o in s.orders), res.makespan, max(res.peak_memory))
+                        makespan, top = makespan_and_peak(s, setting)  # simulate's, without its timeline
+                        found[cap] = (tuple(tuple(o) for o in s.orders), makespan, top)
                         uncapped = None if capped else cap
                     except ScheduleError:
                         found[cap] = None

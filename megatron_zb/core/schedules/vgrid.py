@@ -5,6 +5,7 @@ leg), B, b (backwards of the second and first leg), W, w (their weight gradients
 Pure Python."""
 from __future__ import annotations
 
+from itertools import accumulate, repeat
 from typing import Dict, List, Optional, Tuple
 
 __all__ = ["CH", "FWD", "Grid", "unroll", "peak", "squeeze", "warmup", "drop_extra", "early_w_to_end", "cooldown",
@@ -13,6 +14,9 @@ __all__ = ["CH", "FWD", "Grid", "unroll", "peak", "squeeze", "warmup", "drop_ext
 CH = "FfBbWw"
 FWD = "Ff"
 Grid = List[List[str]]
+_CODE = {c: n for n, c in enumerate(CH)}  # squeeze's code of each pass kind
+_FROM = (-1, 1, -1, 1, 0, 0)  # where each kind's input comes from: the rank before, after, or its own
+_DELTA = {"F": 1, "f": 1, "W": -1, "w": -1}  # a slot's change of the running activation count
 
 
 def _gap(a: int, b: int) -> int:
@@ -47,17 +51,9 @@ def unroll(blk: List[List[int]], p: int, mm: int) -> Grid:
 
 
 def peak(grid: Grid, per_rank: bool = False):
-    out = []
-    for row in grid:
-        cur = top = 0
-        for c in row:
-            if c in FWD:
-                cur += 1
-                if cur > top:
-                    top = cur
-            elif c in "Ww":
-                cur -= 1
-        out.append(top)
+    """Each rank's highest running count of forwards less weight gradients (0 at least)."""
+    get = _DELTA.get
+    out = [max(0, max(accumulate(map(get, row, repeat(0))), default=0)) for row in grid]
     return out if per_rank else max(out)
 
 
@@ -73,50 +69,62 @@ def squeeze(grid: Grid) -> Optional[Grid]:
     pass, every rank's order kept. None if the orders wait on each other forever."""
     p = len(grid)
     seqs = [[c for c in row if c != " "] for row in grid]
-    n = max((len(q) for q in seqs), default=0)
-    slot = {c: [[-1] * (n + 1) for _ in range(p)] for c in CH}  # char -> rank -> count -> slot
-    pos, nxt = [0] * p, [0] * p
-    cnt = [{c: 0 for c in CH} for _ in range(p)]
+    # every pass numbered, rank by rank in its order; ids[kind code * p + rank]: that kind's on that rank
+    ids: List[List[int]] = [[] for _ in range(6 * p)]
+    first, g = [], 0
+    for i, q in enumerate(seqs):
+        first.append(g)
+        for c in q:
+            ids[_CODE[c] * p + i].append(g)
+            g += 1
+    total = g
+    # each pass's input (the same kind's k-th pass on the rank before or after): -1 where it has
+    # none, ``total`` where that rank lacks it (a slot never filled: it waits forever)
+    src = [-1] * total
+    for x in range(4):
+        for i in range(p):
+            o = i + _FROM[x]
+            if 0 <= o < p:
+                mine, theirs = ids[x * p + i], ids[x * p + o]
+                for a, b in zip(mine, theirs):
+                    src[a] = b
+                for a in mine[len(theirs):]:
+                    src[a] = total
+    slot = [-1] * (total + 1)
+    waiting: List[Optional[List[int]]] = [None] * (total + 1)  # ranks waiting on a pass
+    pos, ends = list(first), first[1:] + [total]
+    nxt = [0] * p
     out: Grid = [[] for _ in range(p)]
-    waiting = {c: [[None] * (n + 1) for _ in range(p)] for c in CH}  # ranks waiting on a pass
     stack = list(range(p - 1, -1, -1))
     while stack:
         i = stack.pop()
-        seq, row, ci = seqs[i], out[i], cnt[i]
-        j, at_next, end = pos[i], nxt[i], len(seq)  # len(row) is at_next: the rank's next free slot
-        while j < end:
-            c = seq[j]
-            k = ci[c]
+        seq, row, base = seqs[i], out[i], first[i]
+        g, at_next, end = pos[i], nxt[i], ends[i]  # len(row) is at_next: the rank's next free slot
+        while g < end:
+            s = src[g]
             at = at_next
-            if c == "F" or c == "B":
-                src = i - 1
-            elif c == "f" or c == "b":
-                src = i + 1
-            else:
-                src = -1
-            if 0 <= src < p:
-                t = slot[c][src][k]
+            if s >= 0:
+                t = slot[s]
                 if t < 0:
-                    w = waiting[c][src]
-                    if w[k] is None:
-                        w[k] = [i]
+                    w = waiting[s]
+                    if w is None:
+                        waiting[s] = [i]
                     else:
-                        w[k].append(i)
+                        w.append(i)
                     break
-                if t + 1 > at:
+                if t >= at:
                     at = t + 1
-            slot[c][i][k] = at
-            ci[c] = k + 1
+            slot[g] = at
             if at > at_next:
                 row.extend([" "] * (at - at_next))
-            row.append(c)
+            row.append(seq[g - base])
             at_next = at + 1
-            j += 1
-            w = waiting[c][i][k]
+            w = waiting[g]
             if w is not None:
                 stack.extend(w)
-        pos[i], nxt[i] = j, at_next
-    if any(pos[i] < len(seqs[i]) for i in range(p)):
+            g += 1
+        pos[i], nxt[i] = g, at_next
+    if any(pos[i] < ends[i] for i in range(p)):
         return None
     return _pad(out)
 
