@@ -4,15 +4,16 @@
 #   2. the megatron-dependent tests again on megatron-core 0.19.2 (but those marked version_free:
 #      megatron-zb's own process handling, e.g. the launch timeout's 45 s wait), and the training
 #      entry point's tests (Megatron-LM's pretrain(), which only 0.19.2's wheel ships).
-# The passes run as seven pytest processes side by side (MZB_TEST_SERIAL=1: one after the other):
-# pass 1's single-process tests (-m "not dist": the schedule core's test_core_* and the others) and its
+# The passes run as eight pytest processes side by side (MZB_TEST_SERIAL=1: one after the other):
+# pass 1's single-process tests (-m "not dist": the schedule core's test_core_* in two halves by file
+# name, and the others) and its
 # multi-process ones (-m dist) in two halves by file name (test_a* to test_o*, test_p* to test_z*);
 # pass 2's entry-point trainings (ENTRY_FILES: one torchrun job after another, test_pretrain_entry.py
 # and the other three) and the rest of it. The multi-rank tests wait on each other's messages and on
 # process start-up much of the time, so several streams keep a 2-core machine's cores busy where two
 # left them idle; and a stream that runs one process at a time (the single-process tests, a torchrun
 # job after another) gets a smaller share of the cores than one whose ranks run side by side, so
-# those come in halves, none left alone at the end. Each stream's output is printed when all have
+# those come in parts, none left alone at the end. Each stream's output is printed when all have
 # finished, with its time. The entry-point stream starts no warm zygote servers (tests/conftest.py):
 # its torchrun jobs import for themselves, and none of its tests launches through verify.
 #   bash scripts/run_tests.sh                    # everything (what CI runs)
@@ -44,13 +45,14 @@ if [ $# -gt 0 ]; then  # the caller's selection: each pass once on it
     CMDS=("pass1 $(printf '%q ' "$@")" "pass2 $(printf '%q ' "$@")")
 else
     ignore=(); for f in "${ENTRY_FILES[@]}"; do ignore+=("--ignore=$f"); done
-    NAMES=("megatron-core 0.16.1: single-process tests of the schedule core (test_core_*)"
+    NAMES=("megatron-core 0.16.1: single-process tests of the schedule core a-o (test_core_[a-o]*)"
+           "megatron-core 0.16.1: single-process tests of the schedule core p-z (test_core_[p-z]*)"
            "megatron-core 0.16.1: the other single-process tests"
            "megatron-core 0.16.1: multi-process tests a-o" "megatron-core 0.16.1: multi-process tests p-z"
            "megatron-core 0.19.2: training entry point (test_pretrain_entry)"
            "megatron-core 0.19.2: training entry point (faults, variable lengths, drop-in)"
            "megatron-core 0.19.2: the other megatron tests")
-    CMDS=("pass1 -m 'not dist' tests --ignore-glob='tests/test_[!c]*' --ignore-glob='tests/test_c[!o]*'"
+    CMDS=("pass1 -m 'not dist' tests/test_core_[a-o]*.py" "pass1 -m 'not dist' tests/test_core_[p-z]*.py"
           "pass1 -m 'not dist' tests --ignore-glob='tests/test_core_*'"
           "pass1 -m dist tests --ignore-glob='tests/test_[p-z]*'"
           "pass1 -m dist tests --ignore-glob='tests/test_[a-o]*'"
