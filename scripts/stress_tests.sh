@@ -16,7 +16,7 @@
 # Exit status: 0 when every round passed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-CORES=$(nproc 2>/dev/null || echo 2)
+CORES=$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 2)  # (nproc obeys OMP_NUM_THREADS: 1 here)
 BUSY=$((4 * CORES)); ROUNDS=3; WARMUP=20
 while getopts "b:r:w:" opt; do
     case $opt in
