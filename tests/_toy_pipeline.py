@@ -48,7 +48,7 @@ def reference(nst, m):
 
 
 # (name, world, m, chunks) -> the generated schedule. The parent generates each once and hands them
-# to the ranks (``_worker``'s ``schedules``): four ranks generating the searched schedules again
+# to the ranks (``rank_case``'s ``schedules``): four ranks generating the searched schedules again
 # cost four times the parent's 6 CPU seconds at P=4 (the executor is what these tests check).
 _SCHEDULES = {}
 
@@ -146,7 +146,7 @@ def _groups(world):
 def rank_case(case):
     """One case on a rank of a verify launch (``verify.launch.run_cases``: the process group is up,
     the rank forked from the warm torch-only server): ("ok", what ``run_rank`` returns) or ("err", its
-    traceback), so that one failing case leaves the group to the next as ``_worker`` does.
+    traceback), so that one failing case leaves the group to the next.
     ``case``: {"args": run_rank's arguments after rank and world, "schedules": the parent's}."""
     import traceback
     _SCHEDULES.update(case["schedules"])
@@ -154,23 +154,6 @@ def rank_case(case):
         return "ok", run_rank(dist.get_rank(), dist.get_world_size(), *case["args"])
     except Exception:  # noqa: BLE001 - reported to the test
         return "err", traceback.format_exc()
-
-
-def _worker(rank, world, port, cases, q, schedules=None):
-    _SCHEDULES.update(schedules or {})
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    out = []
-    for case in cases:
-        try:
-            out.append(("ok", run_rank(rank, world, *case)))
-        except Exception as e:  # report, keep the group alive for the next case
-            import traceback
-            out.append(("err", traceback.format_exc()))
-    q.put((rank, out))
-    dist.barrier()  # a rank that gave up early must not close its connections under a peer still waiting
-    dist.destroy_process_group()
 
 
 def _lost_peer_worker(rank, port, q, mode="wait"):
