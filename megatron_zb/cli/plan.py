@@ -202,9 +202,9 @@ def cmd_plan(args) -> int:
               optimizer_offload=args.optimizer_offload, host_costs=host_costs(args),
               vocab_embedding=not args.whole_vocab_embedding, search="full" if args.full_search else "quick")
     rows = P.plan(spec, args.pipeline_parallel_size, args.num_microbatches, args.gpu_memory_gb, **kw)
-    def again(gib, names, **more):
+    def again(gib, names, **more):  # the quick rows as they are: ``full`` searches the one chosen again
         return P.plan(spec, args.pipeline_parallel_size, args.num_microbatches,
-                      args.gpu_memory_gb if gib is None else gib, schedules=names, **dict(kw, **more))
+                      args.gpu_memory_gb if gib is None else gib, schedules=names, **dict(kw, refine=False, **more))
 
     def full(row, gib):  # a quickly searched row, searched in full
         return again(gib, [row["schedule"]], search="full",

@@ -128,8 +128,9 @@ class ScheduleRequest:
     # vocabulary parallelism (core.vocab): the output layer and loss on every rank's shard, as
     # passes the core places into the schedule; costs above then leave the output layer out
     vocab: Optional[VocabSetting] = None
-    # how hard the searched schedules look (``schedules.auto.EFFORTS``): 'full' (what training
-    # builds) or 'quick' (plan's first pass over its rows)
+    # how hard the searched schedules look and how many ways the vocabulary passes are placed
+    # (``schedules.auto.EFFORTS``): 'full' (what training builds) or 'quick' (plan's first pass
+    # over its rows)
     effort: str = "full"
 
     def __post_init__(self):
@@ -198,12 +199,12 @@ def _generator(spec: schedules.ScheduleSpec, effort: str):
     return lambda setting: spec.generate(setting, effort=effort)
 
 
-def _with_vocab(generate, spec, sched: Schedule, base: Setting, setting: Setting) -> Schedule:
-    """The vocabulary passes placed into ``sched`` (``core.vocab.place_vocab``). A searched schedule
-    whose passes then peak over the memory limit is searched again under a limit lowered by what
-    they add (the vocabulary activations and the backwards they delay), until it fits."""
+def _with_vocab(generate, spec, sched: Schedule, base: Setting, setting: Setting, effort: str = "full") -> Schedule:
+    """The vocabulary passes placed into ``sched`` (``core.vocab.place_vocab``, at ``effort``). A
+    searched schedule whose passes then peak over the memory limit is searched again under a limit
+    lowered by what they add (the vocabulary activations and the backwards they delay), until it fits."""
     st = dataclasses.replace(setting, chunks=sched.placement.chunks)
-    out = place_vocab(sched, st, memory_limit=setting.memory_limit)
+    out = place_vocab(sched, st, memory_limit=setting.memory_limit, effort=effort)
     limit = setting.memory_limit
     if limit is None or not spec.searched:
         return out
@@ -215,7 +216,8 @@ def _with_vocab(generate, spec, sched: Schedule, base: Setting, setting: Setting
         if lower <= 0:
             break
         try:
-            again = place_vocab(generate(dataclasses.replace(base, memory_limit=lower)), st, memory_limit=limit)
+            again = place_vocab(generate(dataclasses.replace(base, memory_limit=lower)), st, memory_limit=limit,
+                                effort=effort)
         except ScheduleError:
             break
         p2 = max(simulate(again, st).peak_memory)
@@ -259,7 +261,7 @@ def build(request: ScheduleRequest, p: int, m: int, *, enforce_limit: bool = Tru
             if request.exact is not None and request.name in AUTOMATIC:
                 sched = refine(sched, own, node_limit=request.exact[0], time_limit=request.exact[1])
             if request.vocab is not None:
-                sched = _with_vocab(generate, spec, sched, own, setting)
+                sched = _with_vocab(generate, spec, sched, own, setting, request.effort)
     setting = dataclasses.replace(setting, chunks=sched.placement.chunks)
     if base is None:  # MoE all-to-all overlap: the F&B pairs that shorten the iteration (none without)
         sched = form_pairs(sched, setting)

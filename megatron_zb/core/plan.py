@@ -24,9 +24,13 @@ from .model import ModelSpec, layer_split, stage_activation_bytes  # noqa: F401 
 SEARCHED = ("v-auto", "zb-v", "v-half", "v-min", "zb-auto")
 
 #: ``search='quick'``: a row searched quickly whose time per iteration lies within this share of the
-#: leading row's is searched again in full (the full search is up to ~5% faster on the V family's
-#: tight limits)
+#: leading row's is searched again in full: v-half, v-min and v-auto under 1F1B's peak (where the
+#: full search is up to ~5% faster: the V family's tight limits)
 FULL_MARGIN = 0.06
+#: the same for the other quick rows: zb-v, zb-auto and v-auto at or above 1F1B's peak, and the
+#: vocabulary passes placed fewer ways (``vocab_place.QUICK_VARIANTS``); on the plans of five
+#: models at P=8 (benchmarks/bench_plan_speed.py --gaps) the full search was at most 0.6% faster there
+NEAR_MARGIN = 0.02
 SEARCHES = ("quick", "full")
 
 GPU_PEAK_TFLOPS = {"h100": 989.0, "h200": 989.0, "a100": 312.0, "b200": 2250.0, "mi300x": 1307.0}
@@ -45,7 +49,7 @@ def plan(spec: ModelSpec, pipeline_parallel_size: int, microbatches: int, gpu_me
          ep_bandwidth_gbps: float = EP_BANDWIDTH_GBPS, a2a_overlap: bool = True,
          layout: Optional[str] = None, layout_search: bool = True, vocab_parallel: str = "off",
          vocab_barriers: int = 1, vocab_gbps: float = EP_BANDWIDTH_GBPS, optimizer_offload: Optional[str] = None,
-         host_costs=None, vocab_embedding: bool = False, search: str = "quick") -> List[dict]:
+         host_costs=None, vocab_embedding: bool = False, search: str = "quick", refine: bool = True) -> List[dict]:
     """Rows sorted by (fits, time per training iteration): with Megatron's synchronous optimizer
     step, or with optimizer post-validation when ``post_validation`` (``cost_optimizer`` seconds
     per step); times within 0.1% count as equal, the least peak memory first
@@ -79,7 +83,8 @@ def plan(spec: ModelSpec, pipeline_parallel_size: int, microbatches: int, gpu_me
     flags); 'quick' (default) searches them first with the quick effort (``schedules.auto.EFFORTS``:
     several times faster), then again in full every such row within ``FULL_MARGIN`` of the leading
     row's time per iteration (fitting rows first), so the rows that lead are the full search's. Each
-    searched row says which in ``search_effort``."""
+    searched row says which in ``search_effort``. ``refine`` False: the quick rows as they are (a
+    caller that searches again in full only the row it chooses, ``within_1f1b_memory``)."""
     if exact is not None and offload_ratio is not None:
         raise ScheduleError("the exact mode solves schedules without activation offload (the MILP has no host "
                             "link): leave out the offload ratio or the exact mode")
@@ -119,12 +124,12 @@ def plan(spec: ModelSpec, pipeline_parallel_size: int, microbatches: int, gpu_me
     variants = {"off": [None], "on": [vocab_barriers], "both": [None, vocab_barriers]}[vocab_parallel]
     todo = [(name, v) for name in (schedules or names()) for v in variants]
     rows = _run(one, todo, jobs)
-    again = _leading_quick(rows, key)
+    again = _leading_quick(rows, key, p) if refine else []
     while again:  # the rows that may lead, searched in full (until those near the new leader are)
         full = _run(functools.partial(one, effort="full"), [todo[i] for i in again], jobs)
         for i, r in zip(again, full):
             rows[i] = r
-        again = _leading_quick(rows, key)
+        again = _leading_quick(rows, key, p)
     base = next((r for r in rows if r["schedule"] == "1f1b" and "error" not in r and not r.get("vocab_parallel")),
                 None)
     ok = [r for r in rows if "error" not in r]
@@ -152,16 +157,25 @@ def _run(one, todo: list, jobs: int) -> List[dict]:
     return [one(job) for job in todo]
 
 
-def _leading_quick(rows: List[dict], key: str) -> List[int]:
-    """Indices of the quickly searched rows within ``FULL_MARGIN`` of the leading row's ``key`` (the
-    fastest fitting row; where none fits, the fastest): those the full search could bring first."""
+def margin(row: dict, p: int) -> float:
+    """How far behind the leader a quickly searched row may lie and still be searched in full
+    (``FULL_MARGIN`` or ``NEAR_MARGIN``)."""
+    name = row["schedule"]
+    limit = row.get("memory_limit_microbatches")
+    tight = name in ("v-half", "v-min") or (name == "v-auto" and limit is not None and limit < p - 1e-9)
+    return FULL_MARGIN if tight else NEAR_MARGIN
+
+
+def _leading_quick(rows: List[dict], key: str, p: int) -> List[int]:
+    """Indices of the quickly searched rows within their ``margin`` of the leading row's ``key``
+    (the fastest fitting row; where none fits, the fastest): those the full search could bring first."""
     ok = [r for r in rows if "error" not in r]
     if not ok:
         return []
     fits = any(r["fits"] for r in ok)
     top = min(r[key] for r in ok if r["fits"] or not fits)
     return [i for i, r in enumerate(rows) if "error" not in r and r.get("search_effort") == "quick"
-            and (r["fits"] or not fits) and r[key] <= top * (1 + FULL_MARGIN)]
+            and (r["fits"] or not fits) and r[key] <= top * (1 + margin(r, p))]
 
 
 def _optim(mode, costs):

@@ -206,9 +206,10 @@ def _one(sp, spec, p, m, v, pl, lay: Layout, budget, flops_per_s, profile, cost_
                                                        limit_units), effort=effort)
         built = build(req, p, m, enforce_limit=False)
         it = iteration_times(built.schedule, built.setting, cost_optimizer)
-        if sp.searched and limit_units and req.offload is None:
+        if sp.searched and limit_units and req.offload is None and effort == "full":
             # the flag asks for what the schedule needs (its peak), not for the GPU's room: the
-            # schedule the run builds under that limit, where it is as fast (``TIE``)
+            # schedule the run builds under that limit, where it is as fast (``TIE``; a row
+            # searched quickly keeps the room: plan searches it in full where it could lead)
             need = math.ceil(max(built.result.peak_memory) * 100 - 1e-6) / 100
             if need < math.floor(limit_units * 100) / 100:
                 tight = build(req.replace(memory_limit=need), p, m, enforce_limit=False)
@@ -232,7 +233,7 @@ def _one(sp, spec, p, m, v, pl, lay: Layout, budget, flops_per_s, profile, cost_
            "memory_limit_microbatches": searched_limit,
            "weight_copies": res.weight_copies or [1.0] * p,
            "flags": _flags(sp, p, searched_limit, lay, padded, profile is not None)}
-    if sp.effort and offload_ratio is None:
+    if (sp.effort or barriers is not None) and offload_ratio is None:  # the effort changed the row
         out["search_effort"] = effort
     if barriers is not None:
         out["vocab_parallel"] = barriers

@@ -75,7 +75,7 @@ register(ScheduleSpec("zb-h1", zb_h1, "zero bubble H1: 1F1B memory, bubble (p-1)
 register(ScheduleSpec("zb-h2", zb_h2, "zero bubble H2: 2p-1 activations, bubble (p-1)(F+B-2W)",
                       split_backward=True))
 register(ScheduleSpec("zb-auto", zb_auto, "automatic zero bubble under --memory-limit (default p x mem-f)",
-                      split_backward=True, searched=True))
+                      split_backward=True, searched=True, effort=True))
 register(ScheduleSpec("zb-v", zb_v, "zero bubble on the V placement at 1F1B's peak memory",
                       chunks=2, default_chunks=2, split_backward=True, placement='v', effort=True))
 register(ScheduleSpec("v-half", v_half, "V schedule at about half of 1F1B's activation memory",

@@ -237,15 +237,18 @@ def _least_memory(fn: Callable[[float], Schedule], setting: Setting, lo: float, 
     return good
 
 
-def _zb_auto(setting: Setting, sim: Optional[list] = None, tie: float = TIE) -> Schedule:
+def _zb_auto(setting: Setting, sim: Optional[list] = None, tie: float = TIE, effort: str = "full") -> Schedule:
     """zb-auto's search under ``setting.memory_limit`` (remembered: ``memo``)."""
     if sim is not None:
-        return _zb_auto_search(setting, sim, tie)
-    found = _DONE.get(("zb-auto", setting_key(setting), tie), lambda: _zb_auto_search(setting, None, tie))
+        return _zb_auto_search(setting, sim, tie, effort)
+    found = _DONE.get(("zb-auto", setting_key(setting), tie, effort),
+                      lambda: _zb_auto_search(setting, None, tie, effort))
     return copy_schedule(found, found.name)
 
 
-def _zb_auto_search(setting: Setting, sim: Optional[list], tie: float) -> Schedule:
+def _zb_auto_search(setting: Setting, sim: Optional[list], tie: float, effort: str = "full") -> Schedule:
+    """``effort`` 'quick' (``EFFORTS``): the hand-crafted and round schedules alone, the local
+    search of the best of them at 100,000 pass timings."""
     from .basic import one_f_one_b
     from .zb_handcrafted import zb_h1, zb_h2
     p = setting.stages
@@ -253,28 +256,33 @@ def _zb_auto_search(setting: Setting, sim: Optional[list], tie: float) -> Schedu
     limit = setting.memory_limit if setting.memory_limit is not None else p * unit(setting, pl)
     st = dataclasses.replace(setting, chunks=1)
     cands = [f(st) for f in (zb_h1, zb_h2, one_f_one_b)]
-    small = _passes(st) * p <= 150_000  # the event-driven greedy costs ~ passes x p; it rarely wins
+    # the event-driven greedy costs ~ passes x p; it rarely wins
+    small = _passes(st) * p <= 150_000 and effort == "full"
     if limit >= unit(st, pl) - 1e-9:
         cands += round_variants(st, limit, "zb-auto", keep=4)
         if small:
             cands += capped_variants(st, limit, "zb-auto")
     ranked = _search("zb-auto", st, pl, limit, cands, unit(st, pl), 2 * p * unit(st, pl),
                      greedy_too=small)
+    if effort == "quick":
+        return _finish(ranked[0][1], st, limit, "zb-auto", limit, ranked, top=1, work=100_000, sim=sim, tie=tie)
     return _finish(ranked[0][1], st, limit, "zb-auto", limit, ranked, sim=sim, tie=tie)
 
 
-def zb_auto(setting: Setting, memory: bool = True, sim: Optional[list] = None) -> Schedule:
+def zb_auto(setting: Setting, memory: bool = True, sim: Optional[list] = None, effort: str = "full") -> Schedule:
     """``memory``: memory is the tie-break (under a limit above 1F1B's peak it also searches at
     smaller limits, ``_least_memory_of``, and keeps the least peak within ``TIE`` of the fastest);
     without it the fastest under the limit (the offload search's bases: there memory is what
-    offload is for). ``sim`` (without ``memory``): as ``_finish``'s."""
+    offload is for). ``sim`` (without ``memory``): as ``_finish``'s. ``effort`` 'quick' (plan's
+    first pass): ``_zb_auto_search``'s, on the quick ladder (``LADDER``)."""
+    check_effort(effort)
     st = dataclasses.replace(setting, chunks=1)
     limit = setting.memory_limit if setting.memory_limit is not None else setting.stages * unit(st)
     st = dataclasses.replace(st, memory_limit=limit)
     if not memory:
-        return _zb_auto(st, sim, tie=NOISE)
-    return _least_memory_of(lambda lim: _zb_auto(dataclasses.replace(st, memory_limit=lim)), st,
-                            Placement.single(st.stages), limit, "zb-auto")
+        return _zb_auto(st, sim, tie=NOISE, effort=effort)
+    return _least_memory_of(lambda lim: _zb_auto(dataclasses.replace(st, memory_limit=lim), effort=effort), st,
+                            Placement.single(st.stages), limit, "zb-auto", effort)
 
 
 def unit(setting: Setting, placement: Optional[Placement] = None) -> float:
@@ -284,20 +292,25 @@ def unit(setting: Setting, placement: Optional[Placement] = None) -> float:
     return setting.stage_peak_unit(placement or Placement.single(setting.stages))
 
 
-def _ladder(setting: Setting, limit: float, pl: Optional[Placement] = None) -> List[float]:
-    """The limits searched below ``limit``: 1F1B's peak (p x mem-f), 1.5 and 2 times it."""
+#: the ladder's limits in units of 1F1B's peak (``_ladder``): the full effort's, the quick one's
+LADDER = {"full": (1.0, 1.5, 2.0), "quick": (1.0,)}
+
+
+def _ladder(setting: Setting, limit: float, pl: Optional[Placement] = None, effort: str = "full") -> List[float]:
+    """The limits searched below ``limit``: 1F1B's peak (p x mem-f), 1.5 and 2 times it (the
+    quick effort: 1F1B's peak)."""
     one = setting.stages * unit(setting, pl)
-    return [x * one for x in (1.0, 1.5, 2.0) if x * one < limit - 1e-9]
+    return [x * one for x in LADDER[effort] if x * one < limit - 1e-9]
 
 
 def _least_memory_of(run: Callable[[float], Schedule], setting: Setting, pl: Placement, limit: float,
-                     name: str) -> Schedule:
+                     name: str, effort: str = "full") -> Schedule:
     """``run(limit)`` at the ladder's limits (ascending), then at ``limit`` itself, stopping once a
     schedule meets the lower bound under ``limit``; of those found, the one with the least peak
     memory within ``TIE`` of the fastest (``_cheapest``) (a schedule at ``limit`` is always tried
     unless one below already meets the bound, so the result is never more than ``TIE`` slower
     than the search at ``limit`` alone)."""
-    steps = _ladder(setting, limit, pl)
+    steps = _ladder(setting, limit, pl, effort)
     if not steps:
         return run(limit)
     lb = lower_bound(setting, pl, limit)
@@ -404,6 +417,15 @@ def _v_searched(name: str, setting: Setting, limit: Optional[float], sim: Option
     cands = [paper[n] for n in fits]
     lb = lower_bound(st, pl, limit)
     small = p * m <= 1024 and effort == "full"
+    # Which building blocks are worth their time (``benchmarks/bench_v_families.py``): the
+    # unit-slot ones only under 1F1B's peak; at 1F1B's peak itself (zb-v's limit) the real-cost
+    # ones only on the smallest settings. On the authors' grid (bench_vs_authors: P 4..16, 120
+    # settings at each limit) and Llama-shaped chunk costs they found nothing shorter or leaner
+    # there, for most of the search's time (P=16, M=32: ~15 and ~4 of ~20 s); under 1F1B's peak
+    # both gain up to 17%, above it the real-cost ones up to 1.6%
+    one = p * unit(st, pl)
+    unit_slots = small and limit < one * (1 - 1e-9)
+    real_cost = small and (p * m <= 64 or abs(limit - one) > 1e-9 * max(1.0, one))
 
     def optimal() -> bool:
         ranked = _rank(cands, st, limit)
@@ -411,7 +433,16 @@ def _v_searched(name: str, setting: Setting, limit: Optional[float], sim: Option
 
     rounds = v_round_variants(st, limit, name, keep=4)
     cands += rounds
-    if not optimal() and (small or not rounds):
+    greedy = _passes(st) * p <= 150_000
+    if effort == "quick" and not rounds and greedy:  # the greedy variants before the blocks: they cost less
+        try:
+            cands.append(best_of(st, pl, limit, name))
+        except ScheduleError:
+            pass
+        greedy = False
+    # the real-cost blocks where nothing else was found (quick: no candidate fits at all)
+    nothing = not rounds if effort == "full" else not _rank(cands, st, limit)
+    if not optimal() and (real_cost or nothing):
         # those blocks, timed with the real costs, are starting points for reordering too
         extra = [(f"paper {n} block",
                   lambda mb, n=n: _timing(_paper_block(dataclasses.replace(st, microbatches=mb), n),
@@ -419,12 +450,12 @@ def _v_searched(name: str, setting: Setting, limit: Optional[float], sim: Option
         blocks = vblock.search(st, pl, limit, name, extra=extra)
         if blocks is not None:
             cands.append(blocks)
-    if not optimal() and small:
+    if not optimal() and unit_slots:
         cands += vslots.search(st, limit, name, keep=4)
     chunk = max(st.pass_mem(F, pl.rank_of(s), s) for s in range(pl.num_stages))
     ranked = _search(name, st, pl, limit, cands, chunk, p * unit(st, pl),
                      other=lambda x: vblock.search(st, pl, x, name),
-                     greedy_too=_passes(st) * p <= 150_000 and not optimal())
+                     greedy_too=greedy and not optimal())
     # on small settings V searches end in narrow basins: more starting points and a longer
     # search than zb-auto's (at p=16 m=16 a start 0.3% worse ends 0.3% better)
     return _finish(ranked[0][1], st, limit, name, limit, ranked, top=5 if small else 3, lb=lb,
@@ -453,4 +484,4 @@ def v_auto(setting: Setting, memory: bool = True, sim: Optional[list] = None, ef
     if not memory:
         return _v_search("v-auto", setting, limit, sim, tie=NOISE, effort=effort)
     return _least_memory_of(lambda lim: _v_search("v-auto", setting, lim, effort=effort), st,
-                            Placement.vshape(st.stages), limit, "v-auto")
+                            Placement.vshape(st.stages), limit, "v-auto", effort)

@@ -1,0 +1,111 @@
+"""Plan's quick first pass (issue 32 item 6) and the V search's families: the quick effort of
+zb-auto and v-auto (a shorter ladder), the vocabulary passes placed the quick ways (the best of
+those among every way), the building blocks searched only where they can help, and plan's margins
+and its quick rows left as they are (``refine``)."""
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+
+from megatron_zb.core import plan as P
+from megatron_zb.core.build import ScheduleRequest, build
+from megatron_zb.core.ir import ScheduleError, Setting
+from megatron_zb.core.memo import Memo
+from megatron_zb.core.schedules import auto, vblock, vslots
+from megatron_zb.core.simulate import simulate
+from megatron_zb.core.validate import validate
+from megatron_zb.core.vocab import VocabSetting
+from megatron_zb.core.vocab_place import QUICK_VARIANTS, VARIANTS, place_vocab, variants
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zb-v"])
+def test_quick_placement_is_the_best_of_the_quick_variants_among_all(name):
+    rr = random.Random(len(name))
+    p, m = 4, 8
+    b = build(ScheduleRequest(name, cost_f=[1.0 + 0.25 * r for r in range(p)], cost_b=[1.5], cost_comm=0.1), p, m)
+    vs = VocabSetting(cost_s=[rr.choice([0.1, 0.3]) for _ in range(p)], cost_t=0.2, cost_w=0.3, cost_comm=0.15,
+                      mem_s=0.5, mem_w=0.25)
+    st = dataclasses.replace(b.setting, vocab=vs)
+    every = variants(b.schedule, st)
+    assert set(QUICK_VARIANTS) <= set(VARIANTS)
+    for limit in (None, 2.5):
+        quick = place_vocab(b.schedule, st, limit, effort="quick")
+        full = place_vocab(b.schedule, st, limit)
+        v = quick.meta["vocab_variant"]
+        assert (v["delay"], v["w_cap"]) in QUICK_VARIANTS
+        assert [list(o) for o in every[(v["delay"], v["w_cap"])][0]] == quick.orders  # the same placement
+        mq, mf = simulate(quick, st).makespan, simulate(full, st).makespan
+        assert mf <= mq + 1e-9  # every way includes the quick ones
+        best = min(every[k][1] for k in QUICK_VARIANTS if every[k] is not None)
+        assert mq == pytest.approx(best, abs=1e-9) or limit is not None
+
+
+def _calls(monkeypatch):
+    called = []
+    vs, vb = vslots.search, vblock.search
+    monkeypatch.setattr(vslots, "search", lambda *a, **k: called.append("vslots") or vs(*a, **k))
+    monkeypatch.setattr(vblock, "search", lambda *a, **k: called.append("vblock") or vb(*a, **k))
+    monkeypatch.setattr(auto, "_DONE", Memo(32))
+    return called
+
+
+@pytest.mark.parametrize("p,m,blocks", [(4, 8, ["vblock"]), (8, 16, [])])
+def test_at_1f1b_peak_the_blocks_only_on_the_smallest_settings(p, m, blocks, monkeypatch):
+    """zb-v's limit: no unit-slot blocks; the real-cost ones where p x m <= 64."""
+    called = _calls(monkeypatch)
+    st = Setting(p, m, chunks=2, cost_f=[1.0], cost_b=[2.0], cost_w=[1.0], cost_comm=0.1)
+    s = auto.zb_v(st)
+    validate(s, dataclasses.replace(st, memory_limit=2.0 * p))
+    assert sorted(set(called)) == blocks
+
+
+def test_under_1f1b_peak_both_families_search(monkeypatch):
+    called = _calls(monkeypatch)
+    st = Setting(4, 8, chunks=2, cost_f=[1.0], cost_b=[2.0], cost_w=[1.0])
+    auto.v_half(st)
+    assert {"vslots", "vblock"} <= set(called)
+    called.clear()
+    auto.v_half(st, effort="quick")  # the quick effort: neither
+    assert called == []
+
+
+@pytest.mark.parametrize("name", ["zb-auto", "v-auto"])
+def test_quick_effort_of_the_searched_schedules(name):
+    p, m = 4, 8
+    for limit in (None, 1.6 * p):
+        req = ScheduleRequest(name, cost_f=[1.0], cost_b=[2.0], cost_w=[1.0], memory_limit=limit)
+        quick = build(req.replace(effort="quick"), p, m)  # valid, within the limit (build checks it)
+        full = build(req, p, m)
+        assert quick.schedule.name == full.schedule.name == name
+        assert full.result.makespan <= quick.result.makespan * (1 + 0.05)
+    with pytest.raises(ScheduleError, match="search effort is one of"):
+        auto.zb_auto(Setting(4, 8), effort="fast")
+
+
+def test_margins_and_quick_rows_left_as_they_are():
+    assert P.margin({"schedule": "v-half"}, 8) == P.margin({"schedule": "v-min"}, 8) == P.FULL_MARGIN
+    assert P.margin({"schedule": "v-auto", "memory_limit_microbatches": 5.0}, 8) == P.FULL_MARGIN
+    assert P.margin({"schedule": "v-auto", "memory_limit_microbatches": 9.0}, 8) == P.NEAR_MARGIN
+    assert P.margin({"schedule": "zb-v"}, 8) == P.margin({"schedule": "zb-h1", "vocab_parallel": 1}, 8) \
+        == P.NEAR_MARGIN < P.FULL_MARGIN
+    spec = P.ModelSpec(num_layers=8, hidden_size=1024, num_attention_heads=8, seq_length=1024, vocab_size=32000)
+    kw = dict(schedules=["zb-h1", "zb-v", "zb-auto"], vocab_parallel="both")
+    rows = [r for r in P.plan(spec, 4, 8, 80, refine=False, **kw) if "error" not in r]
+    assert [r.get("search_effort") for r in rows if r["schedule"] != "zb-h1" or r.get("vocab_parallel")] \
+        == ["quick"] * 5
+    refined = [r for r in P.plan(spec, 4, 8, 80, **kw) if "error" not in r]
+    assert refined[0].get("search_effort", "full") == "full"  # the leader is the full search's
+
+
+def test_quick_placement_rows_are_searched_in_full_near_the_leader():
+    """A row whose schedule is not searched but whose vocabulary passes were placed the quick ways
+    is placed again every way where it could lead (within NEAR_MARGIN)."""
+    spec = P.ModelSpec(num_layers=8, hidden_size=1024, num_attention_heads=8, seq_length=1024, vocab_size=128000)
+    rows = [r for r in P.plan(spec, 4, 8, 80, schedules=["zb-h1", "1f1b"], vocab_parallel="on") if "error" not in r]
+    top = rows[0]["iteration_time_s"]
+    for r in rows:
+        if r["iteration_time_s"] <= top * (1 + P.NEAR_MARGIN):
+            assert r["search_effort"] == "full"
+    assert rows[0]["search_effort"] == "full"
