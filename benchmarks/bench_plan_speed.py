@@ -15,6 +15,12 @@ and the row within 1F1B's memory (schedule, layout, time per iteration, bubble, 
 ``--search full`` as well, the same with ``--full-search`` (every row searched in full, as before
 the quick first pass) beside it.
 
+``--gaps``: how much the full search gains over plan's quick first pass, row by row: for each
+``--gap-models`` entry (``model:P:M``; ``llama-3-8b-flags`` is the issue's shape at sequence 4096,
+the others ``--model`` names at sequence 4096) every row searched quickly and left so, and every
+row searched in full; per row the quick row's time over the full one's (plan's margins,
+``core.plan.FULL_MARGIN`` / ``NEAR_MARGIN``, must cover the gains where a row could lead).
+
 CPU time (``time.process_time`` / ``getrusage``), not wall: the box is shared. A mode's rows run in
 one fresh process each (nothing remembered from another mode's searches), as the command line runs them.
 """
@@ -120,6 +126,41 @@ def commands(a) -> int:
     return 0
 
 
+GAP_MODELS = ["llama-3-8b-flags:8:32", "llama-3.2-1b:8:32", "llama-3-70b:8:32", "qwen2.5-7b:8:32",
+              "mixtral-8x7b:8:32", "llama-3-8b-flags:4:16", "llama-3.2-1b:4:8"]
+
+
+def gaps(a) -> int:
+    from megatron_zb.core.models import spec_kwargs
+    out = []
+    for item in a.gap_models:
+        name, p, m = item.split(":")
+        spec = ModelSpec(**SPEC) if name == "llama-3-8b-flags" else ModelSpec(**spec_kwargs(name, 4096))
+        res = {}
+        for search in ("quick", "full"):
+            t = time.process_time()
+            rows = P.plan(spec, int(p), int(m), 80, vocab_parallel="both", vocab_embedding=True, search=search,
+                          refine=False)
+            res[search] = ({f"{r['schedule']}{' +vocab' if r.get('vocab_parallel') else ''}":
+                            (r["iteration_time_s"], max(r["peak_bytes"])) for r in rows if "error" not in r},
+                           time.process_time() - t)
+        quick, full = res["quick"][0], res["full"][0]
+        row = {"model": name, "p": int(p), "m": int(m), "cpu_s": {k: round(v[1], 2) for k, v in res.items()},
+               "rows": {k: {"quick_over_full": round(quick[k][0] / full[k][0] - 1, 6),
+                            "peak_gib": [round(quick[k][1] / 1024 ** 3, 2), round(full[k][1] / 1024 ** 3, 2)]}
+                        for k in quick if k in full}}
+        out.append(row)
+        print(f"{name} P={p} M={m}: quick {row['cpu_s']['quick']} s, full {row['cpu_s']['full']} s CPU")
+        for k, g in sorted(row["rows"].items(), key=lambda kv: -kv[1]["quick_over_full"]):
+            if abs(g["quick_over_full"]) > 1e-6:
+                print(f"    {k:<26} quick/full - 1 = {g['quick_over_full']:+.3%}   peak GiB {g['peak_gib']}")
+    path = a.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "plan_search_gaps.json")
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump({"gpu_memory_gb": 80, "results": out}, f, indent=1)
+    print(f"wrote {path}")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", nargs="+", default=None, help="P:M pairs (default 8:32 16:64; --commands 8:32 16:32)")
@@ -128,8 +169,12 @@ def main() -> int:
     ap.add_argument("--search", nargs="+", default=["quick"], choices=["quick", "full"],
                     help="plan's search: quick first pass (default) and/or every row in full")
     ap.add_argument("--jobs", type=int, default=1, help="--commands: plan's --jobs (default 1)")
+    ap.add_argument("--gaps", action="store_true", help="the full search's gain over the quick pass, row by row")
+    ap.add_argument("--gap-models", nargs="+", default=GAP_MODELS, metavar="MODEL:P:M")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    if a.gaps:
+        return gaps(a)
     if a.commands:
         a.sizes = a.sizes or ["8:32", "16:32"]
         return commands(a)

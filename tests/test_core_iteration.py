@@ -129,3 +129,21 @@ def test_cli_plot_iterations(tmp_path, capsys):
     assert main(["plot", "--schedule", "zb-h2", "-p", "4", "-m", "8", "--iterations", "4", "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert "1 to 3" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-h2", "zb-v", "interleaved-zb", "dualpipe-v"])
+def test_iterations_stop_once_they_repeat_with_the_averaged_period(name, monkeypatch):
+    """Issue 32 item 6: once every rank's end moved by the same time twice, the iterations repeat
+    (``steady_shift``): the period is that shift, the 16-iteration average to float noise."""
+    import megatron_zb.core.iteration as it
+    from megatron_zb.core.build import ScheduleRequest, build
+    b = build(ScheduleRequest(name, cost_f=[1.0, 1.2, 1.1, 1.3], cost_b=[2.0], cost_w=[0.7], cost_comm=0.05), 4, 8)
+    for cost in (0.0, 0.4, [0.1, 0.9, 0.2, 0.3]):
+        quick = iteration_times(b.schedule, b.setting, cost)
+        with monkeypatch.context() as mp:
+            mp.setattr(it, "steady_shift", lambda ends: None)
+            full = iteration_times(b.schedule, b.setting, cost)
+        assert len(quick.windows) < len(full.windows) == it.ITERATIONS
+        assert quick.iteration_time == full.iteration_time
+        assert quick.iteration_time_post_validated == pytest.approx(full.iteration_time_post_validated, rel=1e-12)
+        assert quick.windows == full.windows[:len(quick.windows)]

@@ -85,11 +85,12 @@ def test_quick_effort_of_the_searched_schedules(name):
 
 
 def test_margins_and_quick_rows_left_as_they_are():
-    assert P.margin({"schedule": "v-half"}, 8) == P.margin({"schedule": "v-min"}, 8) == P.FULL_MARGIN
-    assert P.margin({"schedule": "v-auto", "memory_limit_microbatches": 5.0}, 8) == P.FULL_MARGIN
-    assert P.margin({"schedule": "v-auto", "memory_limit_microbatches": 9.0}, 8) == P.NEAR_MARGIN
-    assert P.margin({"schedule": "zb-v"}, 8) == P.margin({"schedule": "zb-h1", "vocab_parallel": 1}, 8) \
+    assert P.margin({"schedule": "v-half"}, 8, 32) == P.margin({"schedule": "v-min"}, 8, 32) == P.FULL_MARGIN
+    assert P.margin({"schedule": "v-auto", "memory_limit_microbatches": 5.0}, 8, 32) == P.FULL_MARGIN
+    assert P.margin({"schedule": "v-auto", "memory_limit_microbatches": 9.0}, 8, 32) == P.NEAR_MARGIN
+    assert P.margin({"schedule": "zb-v"}, 8, 32) == P.margin({"schedule": "zb-h1", "vocab_parallel": 1}, 8, 32) \
         == P.NEAR_MARGIN < P.FULL_MARGIN
+    assert P.margin({"schedule": "zb-v"}, 4, 8) == P.FULL_MARGIN  # small: the full search adds blocks
     spec = P.ModelSpec(num_layers=8, hidden_size=1024, num_attention_heads=8, seq_length=1024, vocab_size=32000)
     kw = dict(schedules=["zb-h1", "zb-v", "zb-auto"], vocab_parallel="both")
     rows = [r for r in P.plan(spec, 4, 8, 80, refine=False, **kw) if "error" not in r]

@@ -34,6 +34,28 @@ ITERATIONS = 16
 AVERAGE_OVER = 12
 
 
+def steady_shift(ends: List[List[float]]) -> Optional[float]:
+    """Where the last two iterations' per-rank ends each moved every rank by the same time (to
+    float noise): that time, the steady period. An iteration's times are a function of the
+    previous one's ends alone (its release, its validation result), unchanged by a shift: once
+    every rank's end moved by the same time, so does every later iteration's (the iterations
+    left need not be simulated). None until then."""
+    if len(ends) < 3:
+        return None
+    shifts = []
+    for a, b in ((ends[-3], ends[-2]), (ends[-2], ends[-1])):
+        d = [y - x for x, y in zip(a, b)]
+        if not d:
+            return None
+        tol = 1e-12 * max(1.0, max(abs(y) for y in b))
+        if max(d) - min(d) > tol:
+            return None
+        shifts.append(d)
+    if abs(shifts[0][0] - shifts[1][0]) > 1e-12 * max(1.0, max(abs(y) for y in ends[-1])):
+        return None
+    return max(ends[-1]) - max(ends[-2])
+
+
 @dataclass
 class IterationResult:
     schedule: str
@@ -103,11 +125,12 @@ def _rank_window(tl: List[Timed], default: float) -> Tuple[float, float]:
 
 
 def simulate_iterations(schedule: Schedule, setting: Setting, iterations: int, cost_optimizer: float = 0.0,
-                        post_validated: bool = True) -> Tuple[List[SimResult], List[List[float]]]:
+                        post_validated: bool = True, steady: bool = False) -> Tuple[List[SimResult], List[List[float]]]:
     """Simulate ``iterations`` training iterations back to back (absolute times).
 
     Returns (one ``SimResult`` per iteration, per iteration the time each rank gets the
-    validation result of that iteration's step; empty lists when synchronous)."""
+    validation result of that iteration's step; empty lists when synchronous). ``steady``: stop
+    once the iterations repeat (``steady_shift``), fewer results then."""
     cost_optimizer = _check_cost(cost_optimizer)
     if not isinstance(iterations, int) or iterations < 1:
         raise ScheduleError(f"iterations must be an integer >= 1, got {iterations!r}")
@@ -122,12 +145,14 @@ def simulate_iterations(schedule: Schedule, setting: Setting, iterations: int, c
         return [_shifted(first, k * t) for k in range(iterations)], []
     points = validation_points(schedule)
     results, validated = [first], []
+    history = []
     for k in range(1, iterations + 1):
         prev = results[-1]
         ends = [_rank_window(tl, 0.0)[1] for tl in prev.timeline]
+        history.append(ends)
         v = validation_times(ends, setting.cost_comm)
         validated.append(v)
-        if k == iterations:
+        if k == iterations or steady and steady_shift(history) is not None:
             break
         release: Dict[Tuple[int, int], float] = {}
         for r in range(p):
@@ -154,12 +179,10 @@ def iteration_times(schedule: Schedule, setting: Setting, cost_optimizer: float 
     starts = [tl[0].start for tl in base.timeline if tl]
     ends = [tl[-1].end for tl in base.timeline if tl]
     sync = (max(ends) - min(starts) if ends else 0.0) + _max_cost(cost_optimizer)
-    runs, validated = simulate_iterations(schedule, setting, ITERATIONS, cost_optimizer, post_validated=True)
-    last_end = [max(_rank_window(tl, 0.0)[1] for tl in res.timeline) for res in runs]
-    k1 = len(runs) - 1
-    k0 = k1 - AVERAGE_OVER
-    post = (last_end[k1] - last_end[k0]) / AVERAGE_OVER
+    runs, validated = simulate_iterations(schedule, setting, ITERATIONS, cost_optimizer, post_validated=True,
+                                          steady=True)
     windows = [[_rank_window(tl, 0.0) for tl in res.timeline] for res in runs]
+    post = _period([[w[1] for w in run] for run in windows])
     return IterationResult(schedule.name, cost_optimizer, sync, post, windows, validated)
 
 
@@ -187,12 +210,13 @@ def _plain_iterations(schedule: Schedule, setting: Setting, cost_optimizer: floa
     if isinstance(cost_optimizer, list) and len(cost_optimizer) != len(codes):
         raise ScheduleError(f"cost-optimizer: {len(cost_optimizer)} values for {len(codes)} ranks")
     points = validation_points(schedule)
-    runs, validated = [first], []
+    runs, validated, history = [first], [], []
     for k in range(1, ITERATIONS + 1):
         ends = [w[1] for w in runs[-1]]
+        history.append(ends)
         v = validation_times(ends, setting.cost_comm)
         validated.append(v)
-        if k == ITERATIONS:
+        if k == ITERATIONS or steady_shift(history) is not None:
             break
         release: Dict[Tuple[int, int], float] = {}
         for r in range(len(codes)):
@@ -203,10 +227,19 @@ def _plain_iterations(schedule: Schedule, setting: Setting, cost_optimizer: floa
         if t is None:
             return None
         runs.append(windows(t))
-    last_end = [max(w[1] for w in run) for run in runs]
-    k1 = len(runs) - 1
-    post = (last_end[k1] - last_end[k1 - AVERAGE_OVER]) / AVERAGE_OVER
+    post = _period([[w[1] for w in run] for run in runs])
     return IterationResult(schedule.name, cost_optimizer, sync, post, runs, validated)
+
+
+def _period(ends: List[List[float]]) -> float:
+    """The post-validated time per iteration from the iterations simulated (per rank, their
+    ends): the steady shift where they repeat, else the average over the last ``AVERAGE_OVER``."""
+    shift = steady_shift(ends)
+    if shift is not None:
+        return shift
+    last_end = [max(e) for e in ends]
+    k1 = len(last_end) - 1
+    return (last_end[k1] - last_end[k1 - AVERAGE_OVER]) / AVERAGE_OVER
 
 
 def back_to_back(schedule: Schedule, setting: Setting, iterations: int, cost_optimizer: float = 0.0,

@@ -24,13 +24,15 @@ from .model import ModelSpec, layer_split, stage_activation_bytes  # noqa: F401 
 SEARCHED = ("v-auto", "zb-v", "v-half", "v-min", "zb-auto")
 
 #: ``search='quick'``: a row searched quickly whose time per iteration lies within this share of the
-#: leading row's is searched again in full: v-half, v-min and v-auto under 1F1B's peak (where the
-#: full search is up to ~5% faster: the V family's tight limits)
+#: leading row's is searched again in full, where the full search adds building blocks (v-half,
+#: v-min and v-auto under 1F1B's peak; the V family on settings of p x m <= 64): there it is up to
+#: ~5% faster (2.1% for zb-v at P=4, M=8)
 FULL_MARGIN = 0.06
-#: the same for the other quick rows: zb-v, zb-auto and v-auto at or above 1F1B's peak, and the
-#: vocabulary passes placed fewer ways (``vocab_place.QUICK_VARIANTS``); on the plans of five
-#: models at P=8 (benchmarks/bench_plan_speed.py --gaps) the full search was at most 0.6% faster there
-NEAR_MARGIN = 0.02
+#: the same for the other quick rows, where the full search only searches longer or places the
+#: vocabulary passes more ways (``vocab_place.QUICK_VARIANTS``): zb-v and v-auto at or above 1F1B's
+#: peak, zb-auto, the vocabulary rows; on the plans of five models at P=8 and two at P=4
+#: (``benchmarks/bench_plan_speed.py --gaps``) the full search was at most 0.6% faster there
+NEAR_MARGIN = 0.01
 SEARCHES = ("quick", "full")
 
 GPU_PEAK_TFLOPS = {"h100": 989.0, "h200": 989.0, "a100": 312.0, "b200": 2250.0, "mi300x": 1307.0}
@@ -124,12 +126,12 @@ def plan(spec: ModelSpec, pipeline_parallel_size: int, microbatches: int, gpu_me
     variants = {"off": [None], "on": [vocab_barriers], "both": [None, vocab_barriers]}[vocab_parallel]
     todo = [(name, v) for name in (schedules or names()) for v in variants]
     rows = _run(one, todo, jobs)
-    again = _leading_quick(rows, key, p) if refine else []
+    again = _leading_quick(rows, key, p, m) if refine else []
     while again:  # the rows that may lead, searched in full (until those near the new leader are)
         full = _run(functools.partial(one, effort="full"), [todo[i] for i in again], jobs)
         for i, r in zip(again, full):
             rows[i] = r
-        again = _leading_quick(rows, key, p)
+        again = _leading_quick(rows, key, p, m)
     base = next((r for r in rows if r["schedule"] == "1f1b" and "error" not in r and not r.get("vocab_parallel")),
                 None)
     ok = [r for r in rows if "error" not in r]
@@ -157,16 +159,18 @@ def _run(one, todo: list, jobs: int) -> List[dict]:
     return [one(job) for job in todo]
 
 
-def margin(row: dict, p: int) -> float:
+def margin(row: dict, p: int, m: int) -> float:
     """How far behind the leader a quickly searched row may lie and still be searched in full
     (``FULL_MARGIN`` or ``NEAR_MARGIN``)."""
     name = row["schedule"]
     limit = row.get("memory_limit_microbatches")
-    tight = name in ("v-half", "v-min") or (name == "v-auto" and limit is not None and limit < p - 1e-9)
-    return FULL_MARGIN if tight else NEAR_MARGIN
+    v_family = name in ("zb-v", "v-half", "v-min", "v-auto")
+    blocks = name in ("v-half", "v-min") or (v_family and p * m <= 64) or \
+        (name == "v-auto" and limit is not None and limit < p - 1e-9)
+    return FULL_MARGIN if blocks else NEAR_MARGIN
 
 
-def _leading_quick(rows: List[dict], key: str, p: int) -> List[int]:
+def _leading_quick(rows: List[dict], key: str, p: int, m: int) -> List[int]:
     """Indices of the quickly searched rows within their ``margin`` of the leading row's ``key``
     (the fastest fitting row; where none fits, the fastest): those the full search could bring first."""
     ok = [r for r in rows if "error" not in r]
@@ -175,7 +179,7 @@ def _leading_quick(rows: List[dict], key: str, p: int) -> List[int]:
     fits = any(r["fits"] for r in ok)
     top = min(r[key] for r in ok if r["fits"] or not fits)
     return [i for i, r in enumerate(rows) if "error" not in r and r.get("search_effort") == "quick"
-            and (r["fits"] or not fits) and r[key] <= top * (1 + margin(r, p))]
+            and (r["fits"] or not fits) and r[key] <= top * (1 + margin(r, p, m))]
 
 
 def _optim(mode, costs):

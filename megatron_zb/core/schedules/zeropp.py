@@ -31,7 +31,7 @@ from collections import deque
 from typing import List, Optional
 
 from ..ir import B, F, W, Action, Placement, Schedule, ScheduleError, Setting
-from ..simulate import simulate
+from ..simulate import makespan_and_peak
 
 
 def unit_table(m: int, v: int, unit: int):
@@ -84,14 +84,13 @@ def zeropp(setting: Setting) -> Schedule:
         for extra in sorted({0, 1, 2, p // 2, p - 1} & set(range(p))):
             s = zeropp_with_unit(st, unit, extra)
             try:
-                res = simulate(s, st)
+                makespan, peak = makespan_and_peak(s, st)  # simulate's, without its timeline
             except ScheduleError:  # this unit's strict alternation deadlocks
                 continue
-            peak = max(res.peak_memory)
             least = peak if least is None else min(least, peak)
             if peak > limit + 1e-9:
                 continue
-            k = (round(res.makespan, 9), round(peak, 9), unit, extra)
+            k = (round(makespan, 9), round(peak, 9), unit, extra)
             if key is None or k < key:
                 best, key = s, k
     if best is None:
