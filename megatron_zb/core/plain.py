@@ -91,11 +91,20 @@ class Plain:
         last = nst - 1
         loss_rank = rank_of[last]
         feeds: Dict[int, Tuple[int, int]] = {}  # pass code -> (link, index of the barrier it feeds)
+        plain_deps = pl.paths is None  # ``ir.deps`` of one path, worked out here
+        cost_of: Dict[Tuple[str, int, int], float] = {}
+        x = -1  # each pass's code: the passes were numbered in this order
         for r, order in enumerate(orders):
             for a in order:
-                x = idx[(a.kind, a.stage, a.mb)]
-                cost[x] = setting.pass_cost(a.kind, r, a.stage, a.mb if per_mb else None)
-                k = a.kind
+                x += 1
+                k, s, mb = a.kind, a.stage, a.mb
+                if per_mb:
+                    cost[x] = setting.pass_cost(k, r, s, mb)
+                else:
+                    c = cost_of.get((k, r, s))
+                    if c is None:
+                        c = cost_of[(k, r, s)] = setting.pass_cost(k, r, s, None)
+                    cost[x] = c
                 if vocab is not None:
                     if k == VS or k == VI:
                         L = 0 if k == VS else 1
@@ -129,17 +138,37 @@ class Plain:
                         return
                     dep[x], hop[x] = y, h
                     continue
-                d = deps(a, nst, pl)
-                if not d:
-                    continue
-                k, ds, dmb = d[0]
-                if k == "B*":
-                    y, z = idx.get((B, ds, dmb)), idx.get((BW, ds, dmb))
-                    if y is not None and z is not None:
-                        return
-                    y = y if y is not None else z
+                if plain_deps:
+                    if k == F:
+                        if s == 0:
+                            continue
+                        ds = s - 1
+                        y = idx.get((F, ds, mb))
+                    elif k == W:
+                        ds = s
+                        y = idx.get((B, s, mb))
+                    elif s < last:  # B or BW: the next stage's B or BW
+                        ds = s + 1
+                        y, z = idx.get((B, ds, mb)), idx.get((BW, ds, mb))
+                        if y is not None and z is not None:
+                            return
+                        if y is None:
+                            y = z
+                    else:  # the last stage's backward: its own forward
+                        ds = s
+                        y = idx.get((F, s, mb))
                 else:
-                    y = idx.get((k, ds, dmb))
+                    d = deps(a, nst, pl)
+                    if not d:
+                        continue
+                    dk, ds, dmb = d[0]
+                    if dk == "B*":
+                        y, z = idx.get((B, ds, dmb)), idx.get((BW, ds, dmb))
+                        if y is not None and z is not None:
+                            return
+                        y = y if y is not None else z
+                    else:
+                        y = idx.get((dk, ds, dmb))
                 if y is None:
                     return
                 dep[x] = y
@@ -150,7 +179,11 @@ class Plain:
         self.feeds = feeds
         self.links = [(link_base[L], len(link_mbs[L]), link_cost[L]) for L in range(3)]
         self.size = size
-        self.codes = [[idx[(a.kind, a.stage, a.mb)] for a in order] for order in orders]
+        first = 0
+        self.codes = []  # the codes follow the orders, rank by rank
+        for order in orders:
+            self.codes.append(list(range(first, first + len(order))))
+            first += len(order)
         self.ok = True
 
     @staticmethod

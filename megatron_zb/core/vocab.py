@@ -270,28 +270,6 @@ def placed(schedule: Schedule, setting: Setting, w_cap: int = 1, coded: Optional
     cost_s, cost_t, cost_w, cost_i, cost_g = ([st.pass_cost(k, r, None) for r in range(p)] for k in (VS, VT, VW, VI, VG))
     loss_rank = pl.rank_of(last)
 
-    def run(r: int, a: Action, start: float, cost: float) -> None:
-        end = start + cost
-        clock[r] = end
-        orders[r].append(a)
-        kind = a.kind
-        done[(kind, a.stage, a.mb)] = end
-        if kind in (B, BW):
-            done[("B*", a.stage, a.mb)] = end
-        elif kind == VS:
-            nxt_s[r] += 1
-        elif kind == VT:
-            nxt_t[r] += 1
-            pending_w[r].append(a.mb)
-        elif kind == VI:
-            nxt_i[r] += 1
-        elif kind == VG:
-            nxt_g[r] += 1
-        if kind in feeding or emb and a.stage == 0 and kind in (B, BW):
-            barriers.passed(a, end)
-        fin[r] = finished(r)
-        live[r] = INF if fin[r] else end
-
     def finished(r: int) -> bool:
         return not base[r] and nxt_s[r] == m and nxt_t[r] == m and not pending_w[r] and nxt_i[r] == m and \
             nxt_g[r] == m
@@ -350,31 +328,36 @@ def placed(schedule: Schedule, setting: Setting, w_cap: int = 1, coded: Optional
                 rb = max(rb, e)
         must_w = rt is not None and rt <= lim and len(pending_w[r]) >= w_cap  # gradients held: at most w_cap
         capped = capped or must_w
+        a = None  # the pass rank r runs now, and its cost
         if ri is not None and ri <= lim:
-            run(r, a_i[r][nxt_i[r]], t, cost_i[r])
-            stalls = 0
+            a, c = a_i[r][nxt_i[r]], cost_i[r]
+            nxt_i[r] += 1
         elif rg is not None and rg <= lim:
-            run(r, a_g[r][nxt_g[r]], t, cost_g[r])
-            stalls = 0
+            a, c = a_g[r][nxt_g[r]], cost_g[r]
+            nxt_g[r] += 1
         elif not must_w and rt is not None and rt <= lim:
-            run(r, a_t[r][nxt_t[r]], t, cost_t[r])
-            stalls = 0
+            a, c = a_t[r][nxt_t[r]], cost_t[r]
+            nxt_t[r] += 1
+            pending_w[r].append(a.mb)
         elif not must_w and rs is not None and rs <= lim:
-            run(r, a_s[r][nxt_s[r]], t, cost_s[r])
-            stalls = 0
+            a, c = a_s[r][nxt_s[r]], cost_s[r]
+            nxt_s[r] += 1
         elif not must_w and rb is not None and rb <= lim:
-            run(r, base[r].popleft(), t, info[r].popleft()[1])
-            stalls = 0
+            a, c = base[r].popleft(), info[r].popleft()[1]
         else:
             # the earliest of its own passes' and the other unfinished ranks' later times (not r's: clock[r] = t)
-            horizon = min(min([x for x in (rt, rs, rb, ri, rg) if x is not None and x > lim], default=INF),
-                          min([c for c in live if c > lim], default=INF))
+            horizon = INF
+            for x in (rt, rs, rb, ri, rg):
+                if x is not None and lim < x < horizon:
+                    horizon = x
+            for x in live:
+                if lim < x < horizon:
+                    horizon = x
             if horizon == INF:
                 horizon = None
             if pending_w[r] and (must_w or horizon is None or
                                  horizon - t >= cost_w[r] - EPS or not base[r] and nxt_s[r] == m):
-                run(r, a_w[r][pending_w[r].popleft()], t, cost_w[r])
-                stalls = 0
+                a, c = a_w[r][pending_w[r].popleft()], cost_w[r]
             elif horizon is not None:
                 clock[r] = live[r] = horizon
             else:
@@ -383,6 +366,20 @@ def placed(schedule: Schedule, setting: Setting, w_cap: int = 1, coded: Optional
                     raise ScheduleError(f"vocabulary passes cannot be placed into {schedule.name}: rank {r} waits "
                                         f"at time {t:g} for a pass no rank can run")
                 clock[r] = live[r] = t + EPS
+        if a is not None:  # it runs from t
+            stalls = 0
+            end = t + c
+            clock[r] = end
+            orders[r].append(a)
+            kind = a.kind
+            done[(kind, a.stage, a.mb)] = end
+            if kind in (B, BW):
+                done[("B*", a.stage, a.mb)] = end
+            if kind in feeding or emb and a.stage == 0 and kind in (B, BW):
+                barriers.passed(a, end)
+            fin[r] = not base[r] and nxt_s[r] == m and nxt_t[r] == m and not pending_w[r] and nxt_i[r] == m and \
+                nxt_g[r] == m
+            live[r] = INF if fin[r] else end
         if not fin[r]:
             push(heap, (clock[r], r))
     meta = dict(schedule.meta, vocab=vocab.to_dict())

@@ -64,39 +64,47 @@ def place_vocab(schedule: Schedule, setting: Setting, memory_limit: Optional[flo
 def variants(schedule: Schedule, setting: Setting,
              tried: Tuple[Tuple[int, int], ...] = VARIANTS) -> Dict[Tuple[int, int], Optional[tuple]]:
     """Per entry of ``tried`` (default ``VARIANTS``): (the orders with the vocabulary passes placed,
-    makespan, peak memory), or None where they cannot be placed. Remembered (``_PLACED``; a
-    function of the orders and the setting, whatever its memory limit). A variant that must place
-    the passes as one tried before (the same delayed orders, or a larger cap where the smaller one
-    never decided) is not placed again."""
+    makespan, peak memory), or None where they cannot be placed. Remembered variant by variant
+    (``_PLACED``; a function of the orders and the setting, whatever its memory limit: plan's full
+    placement of a row goes on from its quick one). A variant that must place the passes as one
+    tried before (the same delayed orders, or a larger cap where a smaller one never decided) is
+    not placed again."""
     key = (schedule.placement, schedule.num_microbatches, tuple(tuple(o) for o in schedule.orders),
-           setting_key(dataclasses.replace(setting, memory_limit=None)), tried)
+           setting_key(dataclasses.replace(setting, memory_limit=None)))
     try:
         hash(key)
     except TypeError:  # a setting part that cannot be a key (per-microbatch costs): not remembered
-        return _variants(schedule, setting, tried)
-    return _PLACED.get(key, lambda: _variants(schedule, setting, tried))
+        placements = _Placements(schedule, setting)
+    else:
+        placements = _PLACED.get(key, lambda: _Placements(schedule, setting))
+    return {v: placements.get(*v) for v in tried}
 
 
-def _variants(schedule: Schedule, setting: Setting,
-              tried: Tuple[Tuple[int, int], ...]) -> Dict[Tuple[int, int], Optional[tuple]]:
-    out: Dict[Tuple[int, int], Optional[tuple]] = {}
-    seen: Dict[tuple, dict] = {}  # delayed orders -> cap -> result
-    coded: dict = {}  # each pass's inputs and cost (``placed``)
-    for k in sorted({k for k, _ in tried}, key=[k for k, _ in tried].index):
-        d = delay_backwards(schedule, abs(k), only_loss=k < 0)
-        found = seen.setdefault(tuple(tuple(o) for o in d.orders), {})  # an earlier delay's: the same placements
-        uncapped = None  # a cap that never decided: the larger ones place the passes as it did
-        for cap in sorted(c for kk, c in tried if kk == k):
-            if cap not in found:
-                if uncapped is not None:
-                    found[cap] = found[uncapped]
-                else:
-                    try:
-                        s, capped = placed(d, setting, w_cap=cap, coded=coded)
-                        makespan, top = makespan_and_peak(s, setting)  # simulate's, without its timeline
-                        found[cap] = (tuple(tuple(o) for o in s.orders), makespan, top)
-                        uncapped = None if capped else cap
-                    except ScheduleError:
-                        found[cap] = None
-            out[(k, cap)] = found[cap]
-    return out
+class _Placements:
+    """The variants placed so far into one schedule with one setting (``variants``)."""
+
+    def __init__(self, schedule: Schedule, setting: Setting):
+        self.schedule, self.setting = schedule, setting
+        self.delayed: Dict[int, Tuple[Schedule, tuple]] = {}  # delay -> (delayed schedule, its orders)
+        self.found: Dict[tuple, Dict[int, Tuple[Optional[tuple], bool]]] = {}  # orders -> cap -> (result, decided)
+        self.coded: dict = {}  # each pass's inputs and cost (``placed``)
+
+    def get(self, k: int, cap: int) -> Optional[tuple]:
+        if k not in self.delayed:
+            d = delay_backwards(self.schedule, abs(k), only_loss=k < 0)
+            self.delayed[k] = (d, tuple(tuple(o) for o in d.orders))
+        d, orders = self.delayed[k]
+        found = self.found.setdefault(orders, {})  # another delay's with the same orders: the same placements
+        if cap not in found:
+            # a smaller cap that never decided: this one places the passes as it did
+            loose = [c for c in sorted(found) if c < cap and not found[c][1] and found[c][0] is not None]
+            if loose:
+                found[cap] = found[loose[0]]
+            else:
+                try:
+                    s, capped = placed(d, self.setting, w_cap=cap, coded=self.coded)
+                    makespan, top = makespan_and_peak(s, self.setting)  # simulate's, without its timeline
+                    found[cap] = ((tuple(tuple(o) for o in s.orders), makespan, top), capped)
+                except ScheduleError:
+                    found[cap] = (None, True)
+        return found[cap][0]
