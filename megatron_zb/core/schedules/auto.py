@@ -57,6 +57,25 @@ TIE = 1e-3
 NOISE = 1e-9
 #: the searches done in this process (``memo``): plan asks for some of them more than once
 _DONE = Memo(32)
+#: the candidate generators' results in this process: plan's full search of a row builds the
+#: quick search's candidates again (``_candidates``)
+_CANDIDATES = Memo(64)
+
+
+def _candidates(fn: Callable, st: Setting, *args, name: str):
+    """``fn(st, *args, name)`` (a candidate generator: deterministic), remembered (``memo``); a
+    ScheduleError it raised is raised again. Copies named ``name``."""
+    def run():
+        try:
+            return fn(st, *args, name)
+        except ScheduleError as e:
+            return e
+    found = _CANDIDATES.get((fn.__name__, setting_key(st), args), run)
+    if isinstance(found, ScheduleError):
+        raise ScheduleError(str(found))
+    if isinstance(found, Schedule):
+        return copy_schedule(found, name)
+    return [copy_schedule(x, name) for x in found]
 #: how hard the V family's searches look: 'full' (every candidate family, the long local search:
 #: what simulate, compare and training build) or 'quick' (plan's first pass over its rows: no
 #: building blocks, a shorter local search; plan searches its leading rows again in full)
@@ -194,7 +213,7 @@ def _search(name: str, st: Setting, pl: Placement, limit: float, cands: List[Sch
     ranked = _rank(cands, st, limit)
     if greedy_too or not ranked:
         try:
-            g = best_of(st, pl, limit, name)
+            g = _candidates(best_of, st, pl, limit, name=name)
             ranked = sorted(ranked + _rank([g], st, limit), key=lambda x: x[0])
         except ScheduleError:
             pass
@@ -259,9 +278,9 @@ def _zb_auto_search(setting: Setting, sim: Optional[list], tie: float, effort: s
     # the event-driven greedy costs ~ passes x p; it rarely wins
     small = _passes(st) * p <= 150_000 and effort == "full"
     if limit >= unit(st, pl) - 1e-9:
-        cands += round_variants(st, limit, "zb-auto", keep=4)
+        cands += _candidates(_rounds_kept, st, limit, name="zb-auto")
         if small:
-            cands += capped_variants(st, limit, "zb-auto")
+            cands += _candidates(capped_variants, st, limit, name="zb-auto")
     ranked = _search("zb-auto", st, pl, limit, cands, unit(st, pl), 2 * p * unit(st, pl),
                      greedy_too=small)
     if effort == "quick":
@@ -330,6 +349,14 @@ def _least_memory_of(run: Callable[[float], Schedule], setting: Setting, pl: Pla
     gap = round(max(0.0, key[0] / lb - 1.0), 6) if lb > 0 else 0.0
     return dataclasses.replace(chosen, name=name, meta=dict(chosen.meta, memory_limit=limit, memory_claim=limit,
                                                             lower_bound=round(lb, 9), gap_to_lower_bound=gap))
+
+
+def _rounds_kept(st: Setting, limit: float, name: str) -> List[Schedule]:
+    return round_variants(st, limit, name, keep=4)
+
+
+def _v_rounds_kept(st: Setting, limit: float, name: str) -> List[Schedule]:
+    return v_round_variants(st, limit, name, keep=4)
 
 
 def _v_setting(setting: Setting) -> Setting:
@@ -431,12 +458,12 @@ def _v_searched(name: str, setting: Setting, limit: Optional[float], sim: Option
         ranked = _rank(cands, st, limit)
         return bool(ranked) and ranked[0][0][0] <= lb + 1e-9
 
-    rounds = v_round_variants(st, limit, name, keep=4)
+    rounds = _candidates(_v_rounds_kept, st, limit, name=name)
     cands += rounds
     greedy = _passes(st) * p <= 150_000
     if effort == "quick" and not rounds and greedy:  # the greedy variants before the blocks: they cost less
         try:
-            cands.append(best_of(st, pl, limit, name))
+            cands.append(_candidates(best_of, st, pl, limit, name=name))
         except ScheduleError:
             pass
         greedy = False
