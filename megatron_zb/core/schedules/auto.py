@@ -288,12 +288,15 @@ def _zb_auto_search(setting: Setting, sim: Optional[list], tie: float, effort: s
     return _finish(ranked[0][1], st, limit, "zb-auto", limit, ranked, sim=sim, tie=tie)
 
 
-def zb_auto(setting: Setting, memory: bool = True, sim: Optional[list] = None, effort: str = "full") -> Schedule:
+def zb_auto(setting: Setting, memory: bool = True, sim: Optional[list] = None, effort: str = "full",
+            finish: Optional[Callable] = None) -> Schedule:
     """``memory``: memory is the tie-break (under a limit above 1F1B's peak it also searches at
     smaller limits, ``_least_memory_of``, and keeps the least peak within ``TIE`` of the fastest);
     without it the fastest under the limit (the offload search's bases: there memory is what
     offload is for). ``sim`` (without ``memory``): as ``_finish``'s. ``effort`` 'quick' (plan's
-    first pass): ``_zb_auto_search``'s, on the quick ladder (``LADDER``)."""
+    first pass): ``_zb_auto_search``'s, on the quick ladder (``LADDER``). ``finish``: what becomes
+    of each limit's schedule before they are compared (``_least_memory_of``; e.g. the vocabulary
+    passes placed)."""
     check_effort(effort)
     st = dataclasses.replace(setting, chunks=1)
     limit = setting.memory_limit if setting.memory_limit is not None else setting.stages * unit(st)
@@ -301,7 +304,7 @@ def zb_auto(setting: Setting, memory: bool = True, sim: Optional[list] = None, e
     if not memory:
         return _zb_auto(st, sim, tie=NOISE, effort=effort)
     return _least_memory_of(lambda lim: _zb_auto(dataclasses.replace(st, memory_limit=lim), effort=effort), st,
-                            Placement.single(st.stages), limit, "zb-auto", effort)
+                            Placement.single(st.stages), limit, "zb-auto", effort, finish)
 
 
 def unit(setting: Setting, placement: Optional[Placement] = None) -> float:
@@ -323,18 +326,27 @@ def _ladder(setting: Setting, limit: float, pl: Optional[Placement] = None, effo
 
 
 def _least_memory_of(run: Callable[[float], Schedule], setting: Setting, pl: Placement, limit: float,
-                     name: str, effort: str = "full") -> Schedule:
-    """``run(limit)`` at the ladder's limits (ascending), then at ``limit`` itself, stopping once a
-    schedule meets the lower bound under ``limit``; of those found, the one with the least peak
-    memory within ``TIE`` of the fastest (``_cheapest``) (a schedule at ``limit`` is always tried
-    unless one below already meets the bound, so the result is never more than ``TIE`` slower
-    than the search at ``limit`` alone)."""
+                     name: str, effort: str = "full", finish: Optional[Callable] = None) -> Schedule:
+    """``run(limit)`` at 1F1B's peak (the ladder's first limit), then at ``limit`` itself, then,
+    where ``limit`` bought time over 1F1B's peak (more than ``TIE``), at the ladder's other limits
+    (ascending), stopping once a schedule below ``limit`` meets the lower bound under ``limit``;
+    of those found, the one with the least peak memory within ``TIE`` of the fastest
+    (``_cheapest``) (a schedule at ``limit`` is always tried unless one at 1F1B's peak already
+    meets the bound, so the result is never more than ``TIE`` slower than the search at ``limit``
+    alone). The limits between serve a ``limit`` that buys time, for a schedule as fast with less
+    memory; where it buys none, the one at 1F1B's peak is as fast already (the schedule
+    fingerprints, P <= 4, are the same as with every limit searched in ascending order).
+    ``finish(schedule) -> (schedule, (makespan, sum of spans, peak))``: each limit's schedule as
+    it is compared (and returned), e.g. with its vocabulary passes placed: then the least peak within
+    ``TIE`` of the fastest of those, over the limit last (``_least_finished``)."""
     steps = _ladder(setting, limit, pl, effort)
-    if not steps:
+    if not steps and finish is None:
         return run(limit)
     lb = lower_bound(setting, pl, limit)
     found = []
-    for lim in steps + [limit]:
+    for lim in ([steps[0], limit] + steps[1:]) if steps else [limit]:
+        if lim in steps[1:] and len(found) == 2 and found[1][0][0] >= found[0][0][0] * (1 - TIE):
+            break  # the limit bought no time over 1F1B's peak
         try:
             s = run(lim)
         except ScheduleError:
@@ -342,13 +354,28 @@ def _least_memory_of(run: Callable[[float], Schedule], setting: Setting, pl: Pla
                 raise
             continue
         r = simulate(s, setting)
-        found.append(((round(r.makespan, 9), round(sum(r.spans), 9), round(max(r.peak_memory), 9)), s))
-        if r.makespan <= lb + 1e-9:
-            break
+        if finish is not None:
+            s, key = finish(s)
+            found.append((tuple(round(x, 9) for x in key), s))
+        else:
+            found.append(((round(r.makespan, 9), round(sum(r.spans), 9), round(max(r.peak_memory), 9)), s))
+        if r.makespan <= lb + 1e-9 and lim != limit:
+            break  # (at ``limit`` the limits between may still give as fast a schedule with less memory)
+    if finish is not None:
+        key, chosen = _least_finished(found, limit)
+        return dataclasses.replace(chosen, name=name, meta=dict(chosen.meta, memory_limit=limit, memory_claim=limit))
     key, chosen = _cheapest(found, setting)
     gap = round(max(0.0, key[0] / lb - 1.0), 6) if lb > 0 else 0.0
     return dataclasses.replace(chosen, name=name, meta=dict(chosen.meta, memory_limit=limit, memory_claim=limit,
                                                             lower_bound=round(lb, 9), gap_to_lower_bound=gap))
+
+
+def _least_finished(found: List[Tuple[tuple, Schedule]], limit: float) -> Tuple[tuple, Schedule]:
+    """Of (key (makespan, sum of spans, peak), schedule) pairs: those within ``limit`` where any is,
+    and of them the least peak within ``TIE`` of the fastest (then the faster)."""
+    within = [x for x in found if x[0][2] <= limit + 1e-9] or found
+    top = min(x[0][0] for x in within) * (1 + TIE) + 1e-9
+    return min((x for x in within if x[0][0] <= top), key=lambda x: (x[0][2], x[0][0], x[0][1]))
 
 
 def _rounds_kept(st: Setting, limit: float, name: str) -> List[Schedule]:
@@ -502,8 +529,9 @@ def v_min(setting: Setting, effort: str = "full") -> Schedule:
     return _v_search("v-min", setting, effort=effort)
 
 
-def v_auto(setting: Setting, memory: bool = True, sim: Optional[list] = None, effort: str = "full") -> Schedule:
-    """``memory``, ``sim`` and ``effort``: as zb-auto's."""
+def v_auto(setting: Setting, memory: bool = True, sim: Optional[list] = None, effort: str = "full",
+           finish: Optional[Callable] = None) -> Schedule:
+    """``memory``, ``sim``, ``effort`` and ``finish``: as zb-auto's."""
     check_effort(effort)
     st = _v_setting(setting)
     limit = (setting.memory_limit if setting.memory_limit is not None
@@ -511,4 +539,4 @@ def v_auto(setting: Setting, memory: bool = True, sim: Optional[list] = None, ef
     if not memory:
         return _v_search("v-auto", setting, limit, sim, tie=NOISE, effort=effort)
     return _least_memory_of(lambda lim: _v_search("v-auto", setting, lim, effort=effort), st,
-                            Placement.vshape(st.stages), limit, "v-auto", effort)
+                            Placement.vshape(st.stages), limit, "v-auto", effort, finish)
