@@ -1,9 +1,9 @@
-"""What the V search's building-block families are worth (``schedules.auto._v_searched``): the
+"""What the V search's building-block families are worth (``schedules.vsearch._v_searched``): the
 automatic V schedule (v-auto) over the authors' grid (``bench_vs_authors.settings``) searched in full
 as the product does (``full``), and again without the unit-slot blocks (``novs``: ``vslots``),
 without the real-cost blocks (``novb``: ``vblock``) or without both (``none``), each with nothing
 remembered from another search: its makespan, peak memory and CPU seconds. A family is worth its
-time where leaving it out makes schedules slower or leaner ones lost; auto.py keeps each family
+time where leaving it out makes schedules slower or leaner ones lost; vsearch.py keeps each family
 where it is (the unit-slot blocks under 1F1B's peak, the real-cost blocks but at 1F1B's peak itself
 on settings above p x m = 64).
 
@@ -11,7 +11,7 @@ on settings above p x m = 64).
         [--variants full none] [--out benchmarks/results/v_families.json]
 
 The families are switched off by replacing ``vslots.search`` / ``vblock.search`` in this process,
-so ``full`` measures whatever auto.py does with them in: to measure a family auto.py now leaves out
+so ``full`` measures whatever vsearch.py does with them in: to measure a family vsearch.py now leaves out
 at some limit, run this script on a checkout from before that change (``git worktree add``).
 Prints, per (P, limit), the settings where a variant is slower than ``full`` or leaner, and the CPU
 seconds of each variant.
@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 from bench_vs_authors import settings  # noqa: E402
 from megatron_zb.core.memo import Memo  # noqa: E402
-from megatron_zb.core.schedules import auto, generate, vblock, vslots  # noqa: E402
+from megatron_zb.core.schedules import auto, generate, vblock, vsearch, vslots  # noqa: E402
 from megatron_zb.core.simulate import simulate  # noqa: E402
 
 VARIANTS = ("full", "novs", "novb", "none")
@@ -39,7 +39,7 @@ _VS, _VB = vslots.search, vblock.search
 
 def _fresh():
     """Nothing remembered from another search (each variant pays for its own blocks)."""
-    auto._DONE = Memo(32)
+    auto._DONE, vsearch._DONE, auto._CANDIDATES = Memo(32), Memo(32), Memo(64)
     vslots._ORDERS, vslots._BUILT, vblock._GRIDS = Memo(8), Memo(4096), Memo(8)
 
 

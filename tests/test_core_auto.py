@@ -125,7 +125,8 @@ def test_memory_is_the_tie_break_under_a_generous_limit(name, p, m):
             assert max(big.peak_memory) <= max(small.peak_memory) + 1e-9, lim
             break
     # never more than the tie slower than the search at the generous limit alone
-    from megatron_zb.core.schedules.auto import v_auto, zb_auto
+    from megatron_zb.core.schedules.auto import zb_auto
+    from megatron_zb.core.schedules.vsearch import v_auto
     alone = (v_auto if name == "v-auto" else zb_auto)(Setting(p, m, memory_limit=10 * p, **kw), memory=False)
     st = Setting(p, m, chunks=alone.placement.chunks, **kw)
     assert big.makespan <= simulate(alone, st).makespan * (1 + TIE) + 1e-9

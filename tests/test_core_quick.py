@@ -13,7 +13,7 @@ from megatron_zb.core import plan as P
 from megatron_zb.core.build import ScheduleRequest, build
 from megatron_zb.core.ir import ScheduleError, Setting
 from megatron_zb.core.memo import Memo
-from megatron_zb.core.schedules import auto, vblock, vslots
+from megatron_zb.core.schedules import auto, vblock, vsearch, vslots
 from megatron_zb.core.simulate import simulate
 from megatron_zb.core.validate import validate
 from megatron_zb.core.vocab import VocabSetting
@@ -47,7 +47,7 @@ def _calls(monkeypatch):
     vs, vb = vslots.search, vblock.search
     monkeypatch.setattr(vslots, "search", lambda *a, **k: called.append("vslots") or vs(*a, **k))
     monkeypatch.setattr(vblock, "search", lambda *a, **k: called.append("vblock") or vb(*a, **k))
-    monkeypatch.setattr(auto, "_DONE", Memo(32))
+    monkeypatch.setattr(vsearch, "_DONE", Memo(32))
     return called
 
 
@@ -56,7 +56,7 @@ def test_at_1f1b_peak_the_blocks_only_on_the_smallest_settings(p, m, blocks, mon
     """zb-v's limit: no unit-slot blocks; the real-cost ones where p x m <= 64."""
     called = _calls(monkeypatch)
     st = Setting(p, m, chunks=2, cost_f=[1.0], cost_b=[2.0], cost_w=[1.0], cost_comm=0.1)
-    s = auto.zb_v(st)
+    s = vsearch.zb_v(st)
     validate(s, dataclasses.replace(st, memory_limit=2.0 * p))
     assert sorted(set(called)) == blocks
 
@@ -64,10 +64,10 @@ def test_at_1f1b_peak_the_blocks_only_on_the_smallest_settings(p, m, blocks, mon
 def test_under_1f1b_peak_both_families_search(monkeypatch):
     called = _calls(monkeypatch)
     st = Setting(4, 8, chunks=2, cost_f=[1.0], cost_b=[2.0], cost_w=[1.0])
-    auto.v_half(st)
+    vsearch.v_half(st)
     assert {"vslots", "vblock"} <= set(called)
     called.clear()
-    auto.v_half(st, effort="quick")  # the quick effort: neither
+    vsearch.v_half(st, effort="quick")  # the quick effort: neither
     assert called == []
 
 

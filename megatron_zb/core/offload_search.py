@@ -31,7 +31,8 @@ from . import schedules
 from .hostlink import EPS, OffloadOptions, has_offload, setting_for
 from .ir import Action, Placement, Schedule, ScheduleError, Setting
 from .offload import add_offload, offload_simulated
-from .schedules.auto import TIE, v_auto, zb_auto
+from .schedules.auto import TIE, zb_auto
+from .schedules.vsearch import v_auto
 from .simulate import SimResult, simulate
 
 __all__ = ["generate_with_offload", "retarget"]

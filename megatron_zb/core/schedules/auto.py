@@ -1,24 +1,11 @@
-"""Schedules searched under a memory limit: zb-auto (one stage per rank) and the V family.
+"""Schedules searched under a memory limit: zb-auto (one stage per rank), and what every search
+here and in ``vsearch`` (the V family) shares: ranking candidates, the local search that finishes
+them, the ladder of limits, the memory tie-break.
 
 zb-auto: the best of the greedy variants (``greedy.py``), the hand-crafted ZB-H1/ZB-H2/1F1B that
 fit the limit, then a local search from the best (``improve.py``). Default limit p x mem-f
 (1F1B's peak, where it matches ZB-H1's bubble or beats it); with 2p it reaches zero bubble at
 equal costs. An infeasible limit is an error stating the least memory that works.
-
-V family (rank r holds stages r and 2p-1-r, so embedding and loss both live on rank 0), all
-with the real per-stage costs:
-
-* v-auto: under a memory limit (default p x mem-f), the best of (a) building-block schedules
-  (``vblock.py``: a periodic block of one microbatch's passes, repeated, squeezed, warm-up and
-  cool-down reordered, W's refilled; searched over the block's period and hop waits), (b) the
-  paper's unit-slot V-Half/V-Min blocks reordered the same way, where they fit, and (c) the
-  memory-bounded greedy variants.
-* zb-v: v-auto at 1F1B's peak (p x mem-f): zero bubble at equal costs when m >= 2p.
-* v-half / v-min: v-auto at the peak memory of the paper's V-Half / V-Min block (about half /
-  a third of 1F1B's: p/2 + 1 and p/3 + 1 x mem-f with the default mem-w); the block itself is a
-  candidate, so a schedule always exists. Near a third of 1F1B's memory a block's steady state
-  needs more than F+B+W per microbatch once F, B and W differ: V-Min's bubble grows with the
-  imbalance (the paper says the same).
 
 Memory is the tie-break everywhere: among the schedules a search found within 0.1% (``TIE``) of
 the fastest (makespan and end of the last pass), the one with the lowest peak activation is kept,
@@ -26,7 +13,7 @@ then the one with the lowest iteration time with optimizer post-validation. Such
 up to 0.1% of time for memory (on bench_vs_authors' grid: a few settings, e.g. zb-auto P=8 M=16 at
 2P with H100 costs, 0.08% slower than the authors' zb.py with a quarter less memory).
 zb-auto and v-auto under a limit above 1F1B's peak also search at 1F1B's peak and at 1.5 and 2
-times it (``_least_memory_of``): a generous limit is not spent where a smaller one is as fast.
+times it (``least_memory_of``): a generous limit is not spent where a smaller one is as fast.
 
 Every search here is deterministic (work budgets, no clocks): each rank generates the schedule
 on its own and all must get the same one.
@@ -34,19 +21,17 @@ on its own and all must get the same one.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Tuple
 
-from ..ir import B, F, W, Action, Placement, Schedule, ScheduleError, Setting
+from ..ir import Placement, Schedule, ScheduleError, Setting
 from ..memo import Memo, copy_schedule, setting_key
 from ..simulate import simulate
 from ..validate import validate
-from . import vblock, vslots
 from .bounds import lower_bound
 from .evaluate import Coder
 from .greedy import best_of, capped_variants
 from .improve import improve
 from .rounds import round_variants
-from .vrounds import v_round_variants
 
 
 #: times within this share of the fastest count as equally fast: plan and compare rank their rows
@@ -55,14 +40,14 @@ from .vrounds import v_round_variants
 TIE = 1e-3
 #: equal up to float noise: the tie of a search without memory as its tie-break (``memory=False``)
 NOISE = 1e-9
-#: the searches done in this process (``memo``): plan asks for some of them more than once
+#: zb-auto's searches done in this process (``memo``): plan asks for some of them more than once
 _DONE = Memo(32)
 #: the candidate generators' results in this process: plan's full search of a row builds the
-#: quick search's candidates again (``_candidates``)
+#: quick search's candidates again (``remembered``)
 _CANDIDATES = Memo(64)
 
 
-def _candidates(fn: Callable, st: Setting, *args, name: str):
+def remembered(fn: Callable, st: Setting, *args, name: str):
     """``fn(st, *args, name)`` (a candidate generator: deterministic), remembered (``memo``); a
     ScheduleError it raised is raised again. Copies named ``name``."""
     def run():
@@ -131,14 +116,14 @@ def _cheapest(ranked: List[Tuple[tuple, Schedule]], setting: Setting,
     return best
 
 
-def _passes(setting: Setting) -> int:
+def pass_count(setting: Setting) -> int:
     return setting.stages * setting.microbatches * (setting.chunks or 1) * 3
 
 
 def _evals(setting: Setting, work: int = 250_000) -> int:
     """Local-search budget (timings per candidate): scaled so that the work (``work`` pass
     timings) stays about the same whatever the size (a timing costs one pass over every pass)."""
-    n = int(work / _passes(setting))
+    n = int(work / pass_count(setting))
     return min(600, n) if n >= 10 else 0
 
 
@@ -155,7 +140,7 @@ def _key(coder: Coder, s: Schedule, limit: Optional[float]):
     return (round(t.makespan, 9), round(sum(t.spans), 9), round(max(coder.peak(o) for o in orders), 9))
 
 
-def _rank(cands: List[Schedule], setting: Setting, limit: Optional[float]) -> List[Tuple[tuple, Schedule]]:
+def rank_candidates(cands: List[Schedule], setting: Setting, limit: Optional[float]) -> List[Tuple[tuple, Schedule]]:
     """Valid candidates under the limit, best first (makespan, sum of spans, peak), duplicates
     (same timing) dropped."""
     if not cands:
@@ -172,7 +157,7 @@ def _rank(cands: List[Schedule], setting: Setting, limit: Optional[float]) -> Li
     return out
 
 
-def _finish(best: Schedule, setting: Setting, limit: Optional[float], name: str, claim,
+def finish_search(best: Schedule, setting: Setting, limit: Optional[float], name: str, claim,
             ranked: Optional[List[Tuple[tuple, Schedule]]] = None, top: int = 3,
             lb: Optional[float] = None, work: int = 250_000, sim: Optional[list] = None,
             tie: float = TIE) -> Schedule:
@@ -184,11 +169,11 @@ def _finish(best: Schedule, setting: Setting, limit: Optional[float], name: str,
     chosen schedule's simulation (with ``setting``) is appended to, for a caller that needs it."""
     if lb is None:
         lb = lower_bound(setting, best.placement, limit)
-    ranked = ranked or _rank([best], setting, limit) or [((0,), best)]
+    ranked = ranked or rank_candidates([best], setting, limit) or [((0,), best)]
     pool = list(ranked)
     evals = _evals(setting, work)
     if ranked[0][0][0] > lb + 1e-9 and evals > 0:
-        pool += _rank([improve(s, setting, limit, max_evals=evals) for _, s in ranked[:top]], setting, limit)
+        pool += rank_candidates([improve(s, setting, limit, max_evals=evals) for _, s in ranked[:top]], setting, limit)
     chosen = _cheapest(pool, setting, tie)[1] if len(pool[0][0]) == 3 else pool[0][1]
     res = validate(chosen, setting, memory_limit=float("inf") if limit is None else limit)
     if sim is not None:
@@ -200,21 +185,21 @@ def _finish(best: Schedule, setting: Setting, limit: Optional[float], name: str,
 
 
 def _pick(cands: List[Schedule], setting: Setting, limit: Optional[float]) -> Optional[Schedule]:
-    ranked = _rank(cands, setting, limit)
+    ranked = rank_candidates(cands, setting, limit)
     return ranked[0][1] if ranked else None
 
 
-def _search(name: str, st: Setting, pl: Placement, limit: float, cands: List[Schedule], lo: float,
+def search_candidates(name: str, st: Setting, pl: Placement, limit: float, cands: List[Schedule], lo: float,
             hi: float, other: Optional[Callable[[float], Optional[Schedule]]] = None,
             greedy_too: bool = True) -> List[Tuple[tuple, Schedule]]:
     """``cands`` and (``greedy_too``, or when none fits) the greedy variants under ``limit``,
     ranked best first; an infeasible limit is an error naming the least memory at which the
     greedy variants or ``other`` find a schedule (searched between lo and hi)."""
-    ranked = _rank(cands, st, limit)
+    ranked = rank_candidates(cands, st, limit)
     if greedy_too or not ranked:
         try:
-            g = _candidates(best_of, st, pl, limit, name=name)
-            ranked = sorted(ranked + _rank([g], st, limit), key=lambda x: x[0])
+            g = remembered(best_of, st, pl, limit, name=name)
+            ranked = sorted(ranked + rank_candidates([g], st, limit), key=lambda x: x[0])
         except ScheduleError:
             pass
     best = ranked[0][1] if ranked else None
@@ -276,26 +261,26 @@ def _zb_auto_search(setting: Setting, sim: Optional[list], tie: float, effort: s
     st = dataclasses.replace(setting, chunks=1)
     cands = [f(st) for f in (zb_h1, zb_h2, one_f_one_b)]
     # the event-driven greedy costs ~ passes x p; it rarely wins
-    small = _passes(st) * p <= 150_000 and effort == "full"
+    small = pass_count(st) * p <= 150_000 and effort == "full"
     if limit >= unit(st, pl) - 1e-9:
-        cands += _candidates(_rounds_kept, st, limit, name="zb-auto")
+        cands += remembered(_rounds_kept, st, limit, name="zb-auto")
         if small:
-            cands += _candidates(capped_variants, st, limit, name="zb-auto")
-    ranked = _search("zb-auto", st, pl, limit, cands, unit(st, pl), 2 * p * unit(st, pl),
+            cands += remembered(capped_variants, st, limit, name="zb-auto")
+    ranked = search_candidates("zb-auto", st, pl, limit, cands, unit(st, pl), 2 * p * unit(st, pl),
                      greedy_too=small)
     if effort == "quick":
-        return _finish(ranked[0][1], st, limit, "zb-auto", limit, ranked, top=1, work=100_000, sim=sim, tie=tie)
-    return _finish(ranked[0][1], st, limit, "zb-auto", limit, ranked, sim=sim, tie=tie)
+        return finish_search(ranked[0][1], st, limit, "zb-auto", limit, ranked, top=1, work=100_000, sim=sim, tie=tie)
+    return finish_search(ranked[0][1], st, limit, "zb-auto", limit, ranked, sim=sim, tie=tie)
 
 
 def zb_auto(setting: Setting, memory: bool = True, sim: Optional[list] = None, effort: str = "full",
             finish: Optional[Callable] = None) -> Schedule:
     """``memory``: memory is the tie-break (under a limit above 1F1B's peak it also searches at
-    smaller limits, ``_least_memory_of``, and keeps the least peak within ``TIE`` of the fastest);
+    smaller limits, ``least_memory_of``, and keeps the least peak within ``TIE`` of the fastest);
     without it the fastest under the limit (the offload search's bases: there memory is what
-    offload is for). ``sim`` (without ``memory``): as ``_finish``'s. ``effort`` 'quick' (plan's
+    offload is for). ``sim`` (without ``memory``): as ``finish_search``'s. ``effort`` 'quick' (plan's
     first pass): ``_zb_auto_search``'s, on the quick ladder (``LADDER``). ``finish``: what becomes
-    of each limit's schedule before they are compared (``_least_memory_of``; e.g. the vocabulary
+    of each limit's schedule before they are compared (``least_memory_of``; e.g. the vocabulary
     passes placed)."""
     check_effort(effort)
     st = dataclasses.replace(setting, chunks=1)
@@ -303,7 +288,7 @@ def zb_auto(setting: Setting, memory: bool = True, sim: Optional[list] = None, e
     st = dataclasses.replace(st, memory_limit=limit)
     if not memory:
         return _zb_auto(st, sim, tie=NOISE, effort=effort)
-    return _least_memory_of(lambda lim: _zb_auto(dataclasses.replace(st, memory_limit=lim), effort=effort), st,
+    return least_memory_of(lambda lim: _zb_auto(dataclasses.replace(st, memory_limit=lim), effort=effort), st,
                             Placement.single(st.stages), limit, "zb-auto", effort, finish)
 
 
@@ -325,7 +310,7 @@ def _ladder(setting: Setting, limit: float, pl: Optional[Placement] = None, effo
     return [x * one for x in LADDER[effort] if x * one < limit - 1e-9]
 
 
-def _least_memory_of(run: Callable[[float], Schedule], setting: Setting, pl: Placement, limit: float,
+def least_memory_of(run: Callable[[float], Schedule], setting: Setting, pl: Placement, limit: float,
                      name: str, effort: str = "full", finish: Optional[Callable] = None) -> Schedule:
     """``run(limit)`` at 1F1B's peak (the ladder's first limit), then at ``limit`` itself, then,
     where ``limit`` bought time over 1F1B's peak (more than ``TIE``), at the ladder's other limits
@@ -380,163 +365,3 @@ def _least_finished(found: List[Tuple[tuple, Schedule]], limit: float) -> Tuple[
 
 def _rounds_kept(st: Setting, limit: float, name: str) -> List[Schedule]:
     return round_variants(st, limit, name, keep=4)
-
-
-def _v_rounds_kept(st: Setting, limit: float, name: str) -> List[Schedule]:
-    return v_round_variants(st, limit, name, keep=4)
-
-
-def _v_setting(setting: Setting) -> Setting:
-    return dataclasses.replace(setting, chunks=2)
-
-
-def block_schedule(p: int, m: int, offsets: Callable[[int], List[int]], name: str) -> Schedule:
-    """The paper's unit-slot block: one microbatch's F (chunk 0), f, B (chunk 1), b at the slot
-    offsets of its rank, repeated every 6 slots; each W in the first free slot after its B."""
-    orders = []
-    for i in range(p):
-        used, events = set(), []
-        for k in range(m):
-            for off, kind, stage in zip(offsets(i), (F, F, B, B), (i, 2 * p - 1 - i, 2 * p - 1 - i, i)):
-                t = off + 6 * k
-                if t in used:
-                    raise ScheduleError(f"{name}: building block collides on rank {i} (slot {t})")
-                used.add(t)
-                events.append((t, kind, stage, k))
-        for t, kind, stage, k in sorted(events):
-            if kind == B:
-                u = t + 1
-                while u in used:
-                    u += 1
-                used.add(u)
-                events.append((u, W, stage, k))
-        orders.append([Action(kind, stage, k) for _, kind, stage, k in sorted(events)])
-    return Schedule(name, Placement.vshape(p), m, orders)
-
-
-def v_half_offsets(p: int):
-    d = 3 if p % 2 == 0 else 0
-    return lambda i: [2 * i, 3 * p - i - 2, 3 * p + d + 2 * i - 1, 6 * p + d - i - 2]
-
-
-def v_min_offsets(p: int):
-    d = 2 if p % 3 == 0 else 0
-    return lambda i: [i, 2 * p - i - 1, 2 * p + d + i, 4 * p + d - i - 1]
-
-
-def _paper_block(setting: Setting, name: str) -> Optional[Schedule]:
-    offsets = {"v-half": v_half_offsets, "v-min": v_min_offsets}[name]
-    try:
-        return block_schedule(setting.stages, setting.microbatches, offsets(setting.stages), name)
-    except ScheduleError:
-        return None
-
-
-def _timing(schedule: Schedule, setting: Setting) -> Dict:
-    res = simulate(schedule, setting)
-    return {(t.action.kind, t.action.stage, t.action.mb): t.start for tl in res.timeline for t in tl}
-
-
-def _v_search(name: str, setting: Setting, limit: Optional[float] = None, sim: Optional[list] = None,
-              tie: float = TIE, effort: str = "full") -> Schedule:
-    """``_v_searched``, remembered (``memo``): zb-v's search is v-auto's at 1F1B's peak. The
-    search reads its limit from ``limit`` alone, and ``name`` only labels what it builds."""
-    check_effort(effort)
-    if sim is not None:
-        return _v_searched(name, setting, limit, sim, tie, effort)
-    st = dataclasses.replace(_v_setting(setting), memory_limit=None)
-    found = _DONE.get(("v", setting_key(st), name if limit is None else limit, tie, effort),
-                      lambda: _v_searched(name, st, limit, None, tie, effort))
-    return copy_schedule(found, name)
-
-
-def _v_searched(name: str, setting: Setting, limit: Optional[float], sim: Optional[list],
-                tie: float, effort: str = "full") -> Schedule:
-    """The best V schedule under ``limit``; v-half / v-min (limit None) take the peak memory of
-    the paper's block of that name. Candidates, each family only while the best so far is above
-    the lower bound: the round heuristic (``vrounds``), the paper's V-Half / V-Min blocks, the
-    real-cost building blocks (``vblock``; on big settings only when nothing else fits), the
-    unit-slot building blocks (``vslots``; small settings) and the greedy variants. ``effort``
-    'quick' (``EFFORTS``): neither kind of building block (the real-cost ones only where nothing else
-    fits) and the local search of the best three candidates at zb-auto's length."""
-    st = _v_setting(setting)
-    p, m = st.stages, st.microbatches
-    pl = Placement.vshape(p)
-    paper = {n: _paper_block(st, n) for n in ("v-half", "v-min")}
-    coder = Coder(st, pl, m)
-    peak = {n: max(coder.peak(o) for o in coder.encode(s.orders)) for n, s in paper.items() if s is not None}
-    if limit is None:  # the paper's memory; its formula where its block does not fit this p
-        limit = peak.get(name, (p / 2 + 1 if name == "v-half" else p / 3 + 1) * unit(st, pl))
-    fits = [n for n in peak if peak[n] <= limit + 1e-9]
-    cands = [paper[n] for n in fits]
-    lb = lower_bound(st, pl, limit)
-    small = p * m <= 1024 and effort == "full"
-    # Which building blocks are worth their time (``benchmarks/bench_v_families.py``): the
-    # unit-slot ones only under 1F1B's peak; at 1F1B's peak itself (zb-v's limit) the real-cost
-    # ones only on the smallest settings. On the authors' grid (bench_vs_authors: P 4..16, 120
-    # settings at each limit) and Llama-shaped chunk costs they found nothing shorter or leaner
-    # there, for most of the search's time (P=16, M=32: ~15 and ~4 of ~20 s); under 1F1B's peak
-    # both gain up to 17%, above it the real-cost ones up to 1.6%
-    one = p * unit(st, pl)
-    unit_slots = small and limit < one * (1 - 1e-9)
-    real_cost = small and (p * m <= 64 or abs(limit - one) > 1e-9 * max(1.0, one))
-
-    def optimal() -> bool:
-        ranked = _rank(cands, st, limit)
-        return bool(ranked) and ranked[0][0][0] <= lb + 1e-9
-
-    rounds = _candidates(_v_rounds_kept, st, limit, name=name)
-    cands += rounds
-    greedy = _passes(st) * p <= 150_000
-    if effort == "quick" and not rounds and greedy:  # the greedy variants before the blocks: they cost less
-        try:
-            cands.append(_candidates(best_of, st, pl, limit, name=name))
-        except ScheduleError:
-            pass
-        greedy = False
-    # the real-cost blocks where nothing else was found (quick: no candidate fits at all)
-    nothing = not rounds if effort == "full" else not _rank(cands, st, limit)
-    if not optimal() and (real_cost or nothing):
-        # those blocks, timed with the real costs, are starting points for reordering too
-        extra = [(f"paper {n} block",
-                  lambda mb, n=n: _timing(_paper_block(dataclasses.replace(st, microbatches=mb), n),
-                                          dataclasses.replace(st, microbatches=mb))) for n in fits]
-        blocks = vblock.search(st, pl, limit, name, extra=extra)
-        if blocks is not None:
-            cands.append(blocks)
-    if not optimal() and unit_slots:
-        cands += vslots.search(st, limit, name, keep=4)
-    chunk = max(st.pass_mem(F, pl.rank_of(s), s) for s in range(pl.num_stages))
-    ranked = _search(name, st, pl, limit, cands, chunk, p * unit(st, pl),
-                     other=lambda x: vblock.search(st, pl, x, name),
-                     greedy_too=greedy and not optimal())
-    # on small settings V searches end in narrow basins: more starting points and a longer
-    # search than zb-auto's (at p=16 m=16 a start 0.3% worse ends 0.3% better)
-    return _finish(ranked[0][1], st, limit, name, limit, ranked, top=5 if small else 3, lb=lb,
-                   work=1_000_000 if small else 250_000, sim=sim, tie=tie)
-
-
-def zb_v(setting: Setting, effort: str = "full") -> Schedule:
-    st = _v_setting(setting)
-    return _v_search("zb-v", setting, setting.stages * unit(st, Placement.vshape(st.stages)), effort=effort)
-
-
-def v_half(setting: Setting, effort: str = "full") -> Schedule:
-    return _v_search("v-half", setting, effort=effort)
-
-
-def v_min(setting: Setting, effort: str = "full") -> Schedule:
-    return _v_search("v-min", setting, effort=effort)
-
-
-def v_auto(setting: Setting, memory: bool = True, sim: Optional[list] = None, effort: str = "full",
-           finish: Optional[Callable] = None) -> Schedule:
-    """``memory``, ``sim``, ``effort`` and ``finish``: as zb-auto's."""
-    check_effort(effort)
-    st = _v_setting(setting)
-    limit = (setting.memory_limit if setting.memory_limit is not None
-             else setting.stages * unit(st, Placement.vshape(st.stages)))
-    if not memory:
-        return _v_search("v-auto", setting, limit, sim, tie=NOISE, effort=effort)
-    return _least_memory_of(lambda lim: _v_search("v-auto", setting, lim, effort=effort), st,
-                            Placement.vshape(st.stages), limit, "v-auto", effort, finish)
