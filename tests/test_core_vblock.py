@@ -81,6 +81,38 @@ def test_search_is_deterministic():
     assert [[str(x) for x in o] for o in a.orders] == [[str(x) for x in o] for o in b.orders]
 
 
+@pytest.mark.parametrize("limits", [(40.0, 12.0, 9.0, 7.5), (9.0, 40.0, 7.5, 12.0)])
+def test_polishes_remembered_under_other_limits_are_the_ones_made_afresh(limits):
+    """vblock remembers each polish with the window of limits its memory checks allow
+    (``vpolish.Window``): under each limit, in either order, the search builds what it builds with
+    nothing remembered; a limit above every check's amount hits what another limit polished."""
+    st = v_setting(6, 16, cost_f=[1.0, 1.1, 0.9, 1.2, 1.0, 1.0, 1.3, 0.8, 1.0, 1.1, 1.0, 1.4], cost_b=2.1,
+                   cost_w=0.8, cost_comm=0.05)
+    pl = Placement.vshape(6)
+
+    made = []
+
+    def fresh(limit):
+        vblock._POLISHED._data.clear()
+        found = vblock.search(st, pl, limit, "v-auto")
+        made.append(sum(len(e) for e in vblock._POLISHED._data.values()))
+        return found
+
+    alone = {x: fresh(x) for x in limits}
+    vblock._POLISHED._data.clear()
+    for x in limits:
+        got = vblock.search(st, pl, x, "v-auto")
+        assert (got is None) == (alone[x] is None)
+        if got is not None:
+            assert got.orders == alone[x].orders and got.meta == alone[x].meta
+    kept = [w for entries in vblock._POLISHED._data.values() for w, _ in entries]
+    assert kept and all(w.need <= w.refused for w in kept)
+    assert len(kept) < sum(made)  # some limit took another's polishes
+    w = vblock.Window()
+    assert w.check(3.0, 4.0) and not w.check(5.0, 4.0) and w.holds(4.0) and w.holds(3.0) and not w.holds(5.0)
+    assert not w.holds(2.0)  # a check of 3.0 passed: a limit under it would have refused it
+
+
 @pytest.mark.parametrize("costs", [dict(cost_b=2), dict(cost_f=1, cost_b=1.35, cost_w=0.73),
                                    dict(cost_f=1.3, cost_b=2.1, cost_w=0.7), dict(cost_b=1.1, cost_w=0.9)])
 def test_v_half_at_half_memory_beats_1f1b_with_real_costs(costs):

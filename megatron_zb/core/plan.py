@@ -155,7 +155,7 @@ class _Workers:
     ``jobs`` worker processes that live for the whole plan, each row always on the same worker: its
     full search (plan's second pass) goes on from what the worker remembers of its quick one, and
     the rows of one family (``FAMILIES``) share a worker and what it remembers (a pool that took any
-    row on any worker searched those again: 47% more CPU for Llama-3-8B at P=8 on two workers).
+    row on any worker searched those again: 23% more CPU for Llama-3-8B at P=8 on two workers).
     The families go to the least loaded worker, the searched ones (seconds each) first."""
 
     def __init__(self, jobs: int, todo: list):

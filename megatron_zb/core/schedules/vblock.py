@@ -33,9 +33,9 @@ import itertools
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..ir import B, F, W, Placement, Schedule, ScheduleError, Setting
-from ..memo import Memo, setting_key
+from ..memo import Memo, copy_schedule, setting_key
 from .improve import lower_bound
-from .vpolish import KIND_ORDER, compact, orders_by_time, polish, polish_run, refill_w, score  # noqa: F401
+from .vpolish import KIND_ORDER, Window, compact, orders_by_time, polish, polish_run, refill_w, score  # noqa: F401
 
 EPS = 1e-9
 Key = Tuple[str, int, int]  # (kind, stage, microbatch)
@@ -190,6 +190,8 @@ def block_peak(setting: Setting, placement: Placement, block, period: float, m: 
 
 #: the blocks of a setting (``_blocks``), whatever the limit: the V searches of one plan share them
 _GRIDS = Memo(8)
+#: the polishes of this process (``_polished``): per start, each with the limits it holds under
+_POLISHED = Memo(256)
 
 
 def _blocks(st: Setting, placement: Placement, short: int) -> List[tuple]:
@@ -239,9 +241,11 @@ def search(setting: Setting, placement: Placement, limit: float, name: str, prob
     scored = []
     states = [[] for _ in starts]  # where the short run is the whole run, the full polish goes on from it
     acts: Dict[int, dict] = {short: {}, m: {}}  # each pass's Action, made once
+    base = (setting_key(dataclasses.replace(st, memory_limit=None)), placement, short)
     for k, (label, timing) in enumerate(starts):
-        s, res = polish_run(short_st, placement, timing(short), limit, name, 2, states[k] if short == m else None,
-                            acts[short])
+        s, res = _polished(base + (label, "short"), limit, name, states[k] if short == m else None, None,
+                           lambda w, k=k, timing=timing: polish_run(short_st, placement, timing(short), limit, name, 2,
+                                                                    states[k] if short == m else None, acts[short], w))
         if s is not None:
             scored.append((score(res), k))
             if scored[-1][0][0] <= floor:  # cannot be beaten
@@ -251,12 +255,36 @@ def search(setting: Setting, placement: Placement, limit: float, name: str, prob
     for _, k in scored[:2 if st.stages * m <= 2048 else 1]:
         label, timing = starts[k]
         if short == m:
-            s, res = polish_run(st, placement, None, limit, name, 1, states[k], acts[m])
+            s, res = _polished(base + (label, "more"), limit, name, states[k], base + (label, "short"),
+                               lambda w, k=k: polish_run(st, placement, None, limit, name, 1, states[k], acts[m], w))
         else:
-            s, res = polish_run(st, placement, timing(m), limit, name, 3, None, acts[m])
+            s, res = _polished(base + (label, "long"), limit, name, None, None,
+                               lambda w, timing=timing: polish_run(st, placement, timing(m), limit, name, 3, None,
+                                                                   acts[m], w))
         if s is None:
             continue
         if best_res is None or score(res) < score(best_res):
             best, best_res = s, res
             best.meta = {"start": label}
     return best
+
+
+def _polished(key: tuple, limit: float, name: str, state: Optional[list], after: Optional[tuple], run):
+    """``run(window)`` (a ``polish_run``: (schedule, run)), remembered with its ``Window``: a
+    polish of the same start under another limit whose checks all come out the same is the same
+    polish (v-auto's ladder polishes the same blocks under up to five limits; at P=16 most of them
+    decide alike). ``state``: the list ``polish_run`` leaves its state in, restored on a hit;
+    ``after``: the key of the polish this one goes on from (its checks count too)."""
+    kept = _POLISHED.get(key, list)
+    for window, (s, res, left) in kept:
+        if window.holds(limit):
+            if state is not None:
+                state[:] = left
+            return (copy_schedule(s, name) if s is not None else None), res
+    window = Window()
+    if after is not None:  # the window of the polish this one goes on from
+        prior = next(w for w, _ in _POLISHED.get(after, list) if w.holds(limit))
+        window.need, window.refused = prior.need, prior.refused
+    s, res = run(window)
+    kept.append((window, (s, res, list(state) if state is not None else None)))
+    return (copy_schedule(s, name) if s is not None else None), res

@@ -21,6 +21,32 @@ Key = Tuple[str, int, int]  # (kind, stage, microbatch)
 KIND_ORDER = {F: 0, B: 1, BW: 1, W: 2}
 
 
+class Window:
+    """The memory limits under which a polish decides as it did under its own: every memory
+    check it made, as the amount checked, ``need`` the largest allowed, ``refused`` the least
+    turned down. Under any limit L with need <= L + EPS < refused each check comes out the same,
+    so the polish gives the same schedule (``vblock`` polishes the same blocks under the limits
+    of v-auto's ladder)."""
+
+    __slots__ = ("need", "refused")
+
+    def __init__(self):
+        self.need, self.refused = float("-inf"), float("inf")
+
+    def check(self, amount: float, top: float) -> bool:
+        """amount <= top (a limit plus its EPS), noted."""
+        if amount <= top:
+            if amount > self.need:
+                self.need = amount
+            return True
+        if amount < self.refused:
+            self.refused = amount
+        return False
+
+    def holds(self, limit: float, eps: float = EPS) -> bool:
+        return self.need <= limit + eps < self.refused
+
+
 def orders_by_time(placement: Placement, times: Dict[Key, float],
                    actions: Optional[Dict[Key, Action]] = None) -> List[List[Action]]:
     """Each rank's passes in time order. ``actions``: the Action of each key, made where missing
@@ -56,11 +82,14 @@ def _dep(kind: str, s: int, mb: int, nst: int) -> Optional[Key]:
     return ("B*", s + 1, mb) if s < nst - 1 else (F, s, mb)
 
 
-def compact(setting: Setting, placement: Placement, times: Dict[Key, float], limit: float) -> Dict[Key, float]:
+def compact(setting: Setting, placement: Placement, times: Dict[Key, float], limit: float,
+            window: Optional[Window] = None) -> Dict[Key, float]:
     """Move each pass, in time order, to the earliest idle time of its rank at or after its
     inputs that ends by its own time, unless an F would lift the rank's memory over ``limit``.
-    ``times`` must be a valid timing of the passes (a block, or a simulated schedule)."""
+    ``times`` must be a valid timing of the passes (a block, or a simulated schedule). ``window``:
+    where its memory checks are noted."""
     pl = placement
+    window = Window() if window is None else window
     nst = pl.num_stages
     p = pl.num_ranks
     rank, cost, mem = _tables(setting, pl)
@@ -113,7 +142,7 @@ def compact(setting: Setting, placement: Placement, times: Dict[Key, float], lim
                 if g0 > own:
                     break
                 continue
-            if dm > 0 and not _room(placed[r], total[r], t, dm, limit):
+            if dm > 0 and not window.check(_room(placed[r], total[r], t, dm), limit + EPS):
                 continue
             at = t
             pieces = [x for x in ([g0, t], [t + d, g1]) if x[1] - x[0] > EPS]
@@ -129,24 +158,28 @@ def compact(setting: Setting, placement: Placement, times: Dict[Key, float], lim
     return new
 
 
-def _room(placed: List[Tuple[float, float]], total: float, t: float, dm: float, limit: float) -> bool:
-    """Would adding ``dm`` at time t keep the running memory (after every pass) under limit?"""
+def _room(placed: List[Tuple[float, float]], total: float, t: float, dm: float) -> float:
+    """The highest running memory (after every pass from t on, and just before t) once ``dm`` is
+    added at time t: the pass fits where that is under the limit."""
     cur = total  # running sum after the last placed pass, then walking back
+    top = cur
     i = len(placed) - 1
     while i >= 0 and placed[i][0] >= t - EPS:
-        if cur + dm > limit + EPS:
-            return False
         cur -= placed[i][1]
+        if cur > top:
+            top = cur
         i -= 1
-    return cur + dm <= limit + EPS  # the running sum just before t, plus this F
+    return top + dm
 
 
 def refill_w(setting: Setting, placement: Placement, orders: List[List[Action]], limit: float,
-             eager: bool, actions: Optional[Dict[Key, Action]] = None) -> List[List[Action]]:
+             eager: bool, actions: Optional[Dict[Key, Action]] = None,
+             window: Optional[Window] = None) -> List[List[Action]]:
     """Keep every rank's F/B order and place its W's again: the oldest pending W runs when the
     next F/B has not arrived (``eager``) or will not arrive before the W ends, or when the next
-    F needs its memory; the rest at the end."""
+    F needs its memory; the rest at the end. ``window``: where its memory checks are noted."""
     pl = placement
+    check = (Window() if window is None else window).check
     p, nst = pl.num_ranks, pl.num_stages
     rank, cost, mem_of = _tables(setting, pl)
     comm = setting.cost_comm
@@ -190,7 +223,7 @@ def refill_w(setting: Setting, placement: Placement, orders: List[List[Action]],
         else:
             e = end.get(dep)
             rt = None if e is None else max(0.0, e + hop)
-        room = not is_f or mem[r] + dm <= top
+        room = not is_f or check(mem[r] + dm, top)
         if pend[r] and (not room or rt is None or rt > clock[r] + EPS and
                         (eager or clock[r] + pend[r][0][1] <= rt + EPS)):
             return (clock[r], r, "W")
@@ -251,12 +284,14 @@ def polish(setting: Setting, placement: Placement, times: Dict[Key, float], limi
 
 
 def polish_run(setting: Setting, placement: Placement, times: Dict[Key, float], limit: float, name: str,
-               rounds: int, state: Optional[list] = None,
-               actions: Optional[Dict[Key, Action]] = None) -> Tuple[Optional[Schedule], Optional[Run]]:
+               rounds: int, state: Optional[list] = None, actions: Optional[Dict[Key, Action]] = None,
+               window: Optional[Window] = None) -> Tuple[Optional[Schedule], Optional[Run]]:
     """``polish`` and its run. ``state``: a list that holds, after the call, what lets a later call
     go on for more rounds (passed again with ``times`` None: the same as asking for all the
-    rounds at once). ``actions``: as ``orders_by_time``'s."""
+    rounds at once). ``actions``: as ``orders_by_time``'s. ``window``: where its memory checks are
+    noted (``Window``: under which other limits it gives the same)."""
     actions = {} if actions is None else actions
+    window = Window() if window is None else window
     if times is None:
         times, best, best_res, stopped = state
         if stopped:
@@ -267,11 +302,11 @@ def polish_run(setting: Setting, placement: Placement, times: Dict[Key, float], 
     coder = Coder(setting, placement, m)
     stopped = False
     for _ in range(rounds):
-        orders = orders_by_time(placement, compact(setting, placement, times, limit), actions)
+        orders = orders_by_time(placement, compact(setting, placement, times, limit, window), actions)
         cands = []
         for eager in (False, True):
             try:
-                cands.append(refill_w(setting, placement, orders, limit, eager, actions))
+                cands.append(refill_w(setting, placement, orders, limit, eager, actions, window))
             except ScheduleError:
                 pass
         cands = cands or [orders]
@@ -279,7 +314,7 @@ def polish_run(setting: Setting, placement: Placement, times: Dict[Key, float], 
         for o in cands:
             s = Schedule(name, placement, m, o)
             res = Run(coder, s, setting)
-            if res.peak > limit + 1e-9:
+            if not window.check(res.peak, limit + 1e-9):
                 continue
             if best_res is None or score(res) < score(best_res):
                 best, best_res, improved = s, res, True
