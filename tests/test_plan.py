@@ -1,5 +1,6 @@
 """`megatron-zb plan`: FLOP and memory model, ranking, profile input, errors."""
 import json
+import os
 
 import pytest
 
@@ -84,6 +85,31 @@ def test_profile_memory_is_the_measured_one(tmp_path, capsys):
     assert rows["1f1b"]["activation_bytes"] == pytest.approx([(4 - r) * mem_f[r] for r in range(4)])
     # zb-h1: the same F's in flight, plus what deferred W's hold (mem-w): rank 1 holds 3 x 2e9 + 1e9
     assert rows["zb-h1"]["activation_bytes"] == pytest.approx([12e9, 7e9, 6e9, 5.5e9])
+
+
+def _where(job):
+    return os.getpid()
+
+
+def test_workers_keep_each_job_and_its_family_on_one_worker():
+    """plan's worker processes (``plan.Workers``): a job goes back to the worker that ran it (its
+    full search goes on from what that worker remembers), the V family of one vocabulary setting
+    shares one, the rows are spread over both; the workers end with the object."""
+    todo = [(n, v) for n in ("zb-v", "v-auto", "v-half", "1f1b", "zb-h1", "gpipe", "zb-auto") for v in (None, 1)]
+    with P.Workers(2) as w:
+        first = dict(zip(todo, w.run(_where, todo)))
+        later = [("v-auto", 1), ("zb-v", None), ("1f1b", 1), ("v-min", 1)]
+        again = dict(zip(later, w.run(_where, later)))
+        assert len(set(first.values())) == 2 and os.getpid() not in first.values()
+        assert all(again[j] == first[j] for j in later if j in first)
+        assert again[("v-min", 1)] == first[("zb-v", 1)]  # a family member seen later joins its family
+        for v in (None, 1):
+            assert len({first[(n, v)] for n in ("zb-v", "v-auto", "v-half")}) == 1
+    for pid in set(first.values()):
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    with P.Workers(1) as w:  # one job, or one process: in this one
+        assert w.run(_where, todo[:2]) == [os.getpid()] * 2
 
 
 def test_jobs_give_the_same_rows(capsys):

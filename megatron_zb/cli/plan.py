@@ -201,16 +201,19 @@ def cmd_plan(args) -> int:
               vocab_gbps=args.vocab_comm_gbps if args.vocab_comm_gbps is not None else P.EP_BANDWIDTH_GBPS,
               optimizer_offload=args.optimizer_offload, host_costs=host_costs(args),
               vocab_embedding=not args.whole_vocab_embedding, search="full" if args.full_search else "quick")
-    rows = P.plan(spec, args.pipeline_parallel_size, args.num_microbatches, args.gpu_memory_gb, **kw)
-    def again(gib, names, **more):  # the quick rows as they are: ``full`` searches the one chosen again
-        return P.plan(spec, args.pipeline_parallel_size, args.num_microbatches,
-                      args.gpu_memory_gb if gib is None else gib, schedules=names, **dict(kw, refine=False, **more))
+    with P.Workers(kw["jobs"]) as workers:  # one set of worker processes for every plan below
+        kw["workers"] = workers
+        rows = P.plan(spec, args.pipeline_parallel_size, args.num_microbatches, args.gpu_memory_gb, **kw)
 
-    def full(row, gib):  # a quickly searched row, searched in full
-        return again(gib, [row["schedule"]], search="full",
-                     vocab_parallel="on" if row.get("vocab_parallel") else "off")[0]
+        def again(gib, names, **more):  # the quick rows as they are: ``full`` searches the one chosen again
+            return P.plan(spec, args.pipeline_parallel_size, args.num_microbatches,
+                          args.gpu_memory_gb if gib is None else gib, schedules=names, **dict(kw, refine=False, **more))
 
-    within = P.within_1f1b_memory(rows, again, full)
+        def full(row, gib):  # a quickly searched row, searched in full
+            return again(gib, [row["schedule"]], search="full",
+                         vocab_parallel="on" if row.get("vocab_parallel") else "off")[0]
+
+        within = P.within_1f1b_memory(rows, again, full)
     advice = post_validation_advice(rows, args.optimizer_post_validation)
     if args.json:
         print(json.dumps({"model": dataclasses.asdict(spec), "pipeline_parallel_size": args.pipeline_parallel_size,
