@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 from typing import List, Optional
 
@@ -400,8 +401,13 @@ def _print_plan(args, spec, rows, profile, tflops, advice, within=None) -> None:
         lim = r.get("memory_limit_microbatches")
         if lim:
             unit = r["activation_unit_bytes"] / gib
+            need = max(r["activation_bytes"]) / r["activation_unit_bytes"]
+            # the limit is its peak rounded up (``plan_row``), or the budget's room where the row was
+            # searched quickly or a schedule built under its peak is slower
+            what = "what it needs" if lim <= math.ceil(need * 100 - 1e-6) / 100 + 1e-9 else \
+                f"the room the budget leaves (its schedule peaks at {need:.2f})"
             print(f"{r['schedule']}: --zero-bubble-memory-limit counts microbatches: {lim:g} x {unit:.2f} GiB "
-                  f"(one microbatch's activations on the fullest rank) = {lim * unit:.1f} GiB, what it needs")
+                  f"(one microbatch's activations on the fullest rank) = {lim * unit:.1f} GiB, {what}")
     if within is not None:
         print(f"within Megatron 1F1B's memory ({within['budget_gib']:.1f} GiB on its fullest rank): {_label(within)}, "
               f"{100 * within['bubble_rate']:.1f}% bubble, {within['throughput_vs_1f1b']:.3f}x 1f1b, peak "
