@@ -219,18 +219,17 @@ def _with_vocab(generate, spec, sched: Schedule, base: Setting, setting: Setting
     activations and the backwards they delay), until it fits."""
     st = dataclasses.replace(setting, chunks=sched.placement.chunks)
     limit = setting.memory_limit
-    out, best = None, None
+    out, best, peak = None, None, None
     for cand in [sched] + _vocab_alternatives(spec, base, effort):
         placed = cand if any(a.is_vocab for o in cand.orders for a in o) else \
             place_vocab(cand, st, memory_limit=limit, effort=effort)
-        makespan, top = makespan_and_peak(placed, st)
+        makespan, top = makespan_and_peak(placed, st)  # (top: simulate's highest peak)
         key = (limit is not None and top > limit + 1e-9, round(makespan, 9), round(top, 9))
         if best is None or key < best:
-            out, best = placed, key
+            out, best, peak = placed, key, top
     out = dataclasses.replace(out, name=sched.name)
     if limit is None or not spec.searched:
         return out
-    peak = max(simulate(out, st).peak_memory)
     for step in range(1, 5):
         if peak <= limit + 1e-9:
             break
