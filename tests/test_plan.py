@@ -62,6 +62,18 @@ def test_small_budget_marks_what_does_not_fit(capsys):
     assert all(r["fits"] for r in rows[: sum(r["fits"] for r in rows)])  # fitting ones first
 
 
+def test_no_room_for_activations_says_why_without_searching(capsys):
+    """Model states over the GPU's memory on a rank: zb-auto and v-auto have no room to search under;
+    their rows say so (which rank, its states, the budget) instead of searching for the least memory
+    that works (seconds at P=16 for Llama-3-70B); the other rows are there, not fitting."""
+    assert main(ARGS + ["--gpu-memory-gb", "1", "--json", "--no-vocab-parallel"]) == 0
+    rows = {r["schedule"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
+    for name in ("zb-auto", "v-auto"):
+        assert "no room for activations under --gpu-memory-gb: rank " in rows[name]["error"]
+        assert "GiB of its 1 GiB" in rows[name]["error"]
+    assert not rows["1f1b"]["fits"] and not rows["zb-v"]["fits"]
+
+
 def test_profile_costs(tmp_path, capsys):
     prof = {"cost_f": [1.0, 1, 1, 1.5], "cost_b": [1.0, 1, 1, 2], "cost_w": 0.8, "cost_comm": 0.01}
     f = tmp_path / "profile.json"

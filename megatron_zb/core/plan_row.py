@@ -192,6 +192,12 @@ def _one(sp, spec, p, m, v, pl, lay: Layout, budget, flops_per_s, profile, cost_
     unit = max(rank_mf)  # simulate in units of the largest whole-stage activation of a rank
     act_budget = [max(0.0, budget - states[r]) for r in range(p)]
     limit_units = min(act_budget) / unit if unit > 0 else None
+    if sp.searched and limit_units == 0.0 and offload_ratio is None:
+        # a search under no room at all finds nothing, and its search for the least memory that works
+        # (seconds at P=16) would only say that the room is 0: the states say why at once
+        r = max(range(p), key=lambda i: states[i])
+        return {"schedule": name, "error": f"no room for activations under --gpu-memory-gb: rank {r}'s model states "
+                                           f"take {states[r] / 1024 ** 3:.1f} GiB of its {budget / 1024 ** 3:g} GiB"}
     vs = None
     if barriers is not None:
         from .chunk_costs import vocab_setting
