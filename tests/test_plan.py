@@ -63,15 +63,21 @@ def test_small_budget_marks_what_does_not_fit(capsys):
 
 
 def test_no_room_for_activations_says_why_without_searching(capsys):
-    """Model states over the GPU's memory on a rank: zb-auto and v-auto have no room to search under;
-    their rows say so (which rank, its states, the budget) instead of searching for the least memory
-    that works (seconds at P=16 for Llama-3-70B); the other rows are there, not fitting."""
+    """Model states over the GPU's memory on a rank, or leaving less than one microbatch's
+    activations: zb-auto and v-auto have no room to search under; their rows say so (which rank,
+    its states or room, the budget) instead of searching for the least memory that works (seconds
+    at P=16 for Llama-3-70B); the other rows are there, not fitting."""
     assert main(ARGS + ["--gpu-memory-gb", "1", "--json", "--no-vocab-parallel"]) == 0
     rows = {r["schedule"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
     for name in ("zb-auto", "v-auto"):
         assert "no room for activations under --gpu-memory-gb: rank " in rows[name]["error"]
         assert "GiB of its 1 GiB" in rows[name]["error"]
     assert not rows["1f1b"]["fits"] and not rows["zb-v"]["fits"]
+    # some room, less than one microbatch's activations: no schedule holds less, so none is searched
+    assert main(ARGS + ["--gpu-memory-gb", "4.6", "--json", "--no-vocab-parallel"]) == 0
+    rows = {r["schedule"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
+    for name in ("zb-auto", "v-auto"):
+        assert "GiB left beside rank " in rows[name]["error"] and "one microbatch's activations take" in rows[name]["error"]
 
 
 def test_profile_costs(tmp_path, capsys):

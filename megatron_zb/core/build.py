@@ -230,11 +230,15 @@ def _with_vocab(generate, spec, sched: Schedule, base: Setting, setting: Setting
     out = dataclasses.replace(out, name=sched.name)
     if limit is None or not spec.searched:
         return out
+    # no schedule holds less than one microbatch's activations of its fullest rank (a rank's B waits
+    # for its F's, a V rank's for both chunks'): a search under less fails (after seconds of looking
+    # for the least memory that works)
+    floor = st.stage_peak_unit(sched.placement)
     for step in range(1, 5):
         if peak <= limit + 1e-9:
             break
         lower = limit - (peak - limit) * step
-        if lower <= 0:
+        if lower < floor - 1e-9:
             break
         try:
             again = place_vocab(generate(dataclasses.replace(base, memory_limit=lower)), st, memory_limit=limit,

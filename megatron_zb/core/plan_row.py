@@ -192,12 +192,18 @@ def _one(sp, spec, p, m, v, pl, lay: Layout, budget, flops_per_s, profile, cost_
     unit = max(rank_mf)  # simulate in units of the largest whole-stage activation of a rank
     act_budget = [max(0.0, budget - states[r]) for r in range(p)]
     limit_units = min(act_budget) / unit if unit > 0 else None
-    if sp.searched and limit_units == 0.0 and offload_ratio is None:
-        # a search under no room at all finds nothing, and its search for the least memory that works
-        # (seconds at P=16) would only say that the room is 0: the states say why at once
-        r = max(range(p), key=lambda i: states[i])
-        return {"schedule": name, "error": f"no room for activations under --gpu-memory-gb: rank {r}'s model states "
-                                           f"take {states[r] / 1024 ** 3:.1f} GiB of its {budget / 1024 ** 3:g} GiB"}
+    if sp.searched and limit_units is not None and limit_units < 1 - 1e-9 and offload_ratio is None:
+        # no schedule holds less than one microbatch's activations of a rank (a B waits for its F's,
+        # on a V rank for both chunks'), and the search's limit is the least room of any rank: its
+        # search for the least memory that works (seconds at P=16) would only say so
+        r = min(range(p), key=lambda i: (act_budget[i], -states[i]))
+        gib = 1024 ** 3
+        if act_budget[r] <= 0:
+            why = f"rank {r}'s model states take {states[r] / gib:.1f} GiB of its {budget / gib:g} GiB"
+        else:
+            why = (f"{act_budget[r] / gib:.1f} GiB left beside rank {r}'s model states, one microbatch's activations "
+                   f"take {unit / gib:.1f} GiB on rank {rank_mf.index(unit)}")
+        return {"schedule": name, "error": f"no room for activations under --gpu-memory-gb: {why}"}
     vs = None
     if barriers is not None:
         from .chunk_costs import vocab_setting
