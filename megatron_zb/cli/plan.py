@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 from typing import List, Optional
 
@@ -321,6 +320,7 @@ Megatron's 1F1B, "within Megatron 1F1B's memory" names the fastest schedule that
 
 
 def _print_plan(args, spec, rows, profile, tflops, advice, within=None) -> None:
+    from ..core import plan as P
     gib = 1024 ** 3
     p, m = args.pipeline_parallel_size, args.num_microbatches
     extras = [f"TP={spec.tensor_parallel_size}" + (" (sequence parallel)" if spec.sequence_parallel else ""),
@@ -404,7 +404,7 @@ def _print_plan(args, spec, rows, profile, tflops, advice, within=None) -> None:
             need = max(r["activation_bytes"]) / r["activation_unit_bytes"]
             # the limit is its peak rounded up (``plan_row``), or the budget's room where the row was
             # searched quickly or a schedule built under its peak is slower
-            what = "what it needs" if lim <= math.ceil(need * 100 - 1e-6) / 100 + 1e-9 else \
+            what = "what it needs" if lim <= P.needed_limit(need) + 1e-9 else \
                 f"the room the budget leaves (its schedule peaks at {need:.2f})"
             print(f"{r['schedule']}: --zero-bubble-memory-limit counts microbatches: {lim:g} x {unit:.2f} GiB "
                   f"(one microbatch's activations on the fullest rank) = {lim * unit:.1f} GiB, {what}")

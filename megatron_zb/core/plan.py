@@ -16,7 +16,7 @@ from typing import List, Optional
 
 from .ir import ScheduleError
 from .layout import Layout, parse
-from .plan_row import load_profile, profile_costs, row  # noqa: F401 (re-exported)
+from .plan_row import load_profile, needed_limit, profile_costs, row  # noqa: F401 (re-exported)
 from .schedules import names
 from .schedules.auto import TIE
 from .model import ModelSpec, layer_split, stage_activation_bytes  # noqa: F401 (plan's model, re-exported)
@@ -166,7 +166,7 @@ class Workers:
     def __init__(self, jobs: int):
         if not isinstance(jobs, int) or isinstance(jobs, bool) or jobs < 1:
             raise ScheduleError(f"jobs must be an integer >= 1 (processes generating schedules), got {jobs!r}")
-        self.jobs, self.pools, self.worker, self.load = jobs, [], {}, []
+        self.jobs, self.pools, self.worker, self.load = jobs, [], {}, []  # worker: family -> its worker
 
     def __enter__(self) -> "Workers":
         return self
@@ -194,22 +194,26 @@ class Workers:
         # others milliseconds)
         order = sorted(range(len(todo)), key=lambda i: SEARCHED.index(todo[i][0]) if todo[i][0] in SEARCHED
                        else len(SEARCHED))
-        futures = {i: self.pools[self.worker[todo[i]]].submit(one, todo[i]) for i in order}
+        futures = {i: self.pools[self.worker[_family(todo[i])]].submit(one, todo[i]) for i in order}
         return [futures[i].result() for i in range(len(todo))]
 
     def _assign(self, todo: list) -> None:
-        """A worker for each job not seen before, family by family, the heaviest first."""
-        groups: dict = {}
-        for name, vocab in todo:
-            if (name, vocab) not in self.worker:
-                groups.setdefault((FAMILIES.get(name, name), vocab), []).append((name, vocab))
-        weight = {g: sum(10 if name in SEARCHED else 1 for name, _ in jobs) for g, jobs in groups.items()}
-        for g in sorted(groups, key=lambda g: -weight[g]):  # (stable: the order of ``todo`` among equals)
-            same = [self.worker[j] for j in self.worker if (FAMILIES.get(j[0], j[0]), j[1]) == g]
-            w = same[0] if same else min(range(len(self.pools)), key=lambda k: self.load[k])
+        """A worker for each family not seen before, the heaviest first."""
+        weight: dict = {}
+        for job in todo:
+            g = _family(job)
+            if g not in self.worker:
+                weight[g] = weight.get(g, 0) + (10 if job[0] in SEARCHED else 1)
+        for g in sorted(weight, key=lambda g: -weight[g]):  # (stable: the order of ``todo`` among equals)
+            w = min(range(len(self.pools)), key=lambda k: self.load[k])
             self.load[w] += weight[g]
-            for job in groups[g]:
-                self.worker[job] = w
+            self.worker[g] = w
+
+
+def _family(job: tuple) -> tuple:
+    """A (schedule, vocabulary barriers or None) job's family (``FAMILIES``): its worker's key."""
+    name, vocab = job
+    return FAMILIES.get(name, name), vocab
 
 
 def margin(row: dict, p: int, m: int) -> float:

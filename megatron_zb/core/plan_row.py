@@ -222,7 +222,7 @@ def _one(sp, spec, p, m, v, pl, lay: Layout, budget, flops_per_s, profile, cost_
             # the flag asks for what the schedule needs (its peak), not for the GPU's room: the
             # schedule the run builds under that limit, where it is as fast (``TIE``; a row
             # searched quickly keeps the room: plan searches it in full where it could lead)
-            need = math.ceil(max(built.result.peak_memory) * 100 - 1e-6) / 100
+            need = needed_limit(max(built.result.peak_memory))
             if need < math.floor(limit_units * 100) / 100:
                 tight = build(req.replace(memory_limit=need), p, m, enforce_limit=False)
                 it2 = iteration_times(tight.schedule, tight.setting, cost_optimizer)
@@ -273,6 +273,12 @@ def _one(sp, spec, p, m, v, pl, lay: Layout, budget, flops_per_s, profile, cost_
         from .optimizer_rows import apply
         apply(out, built, spec, cc.params, unit, budget, cost_optimizer, optim[0], optim[1])
     return out
+
+
+def needed_limit(peak: float) -> float:
+    """The ``--zero-bubble-memory-limit`` a schedule peaking at ``peak`` (microbatches) needs: its
+    peak rounded up to the flag's two decimals."""
+    return math.ceil(peak * 100 - 1e-6) / 100
 
 
 def _rank_sum(values: List[float], pl: Placement, p: int) -> List[float]:
