@@ -109,22 +109,26 @@ def test_unknown_schedule_fails_at_parse_with_the_known_list(capsys):
 
 
 def test_memory_limit_microbatches_and_gb(monkeypatch):
-    import megatron_zb.megatron.launch.flags as flags
-    monkeypatch.setattr(flags, "_fused_attention", lambda args: True)  # as where TE is installed
+    import megatron_zb.megatron.layout.model_args as model_args
+    monkeypatch.setattr(model_args, "fused_attention", lambda args: True)  # as where TE is installed
     _, kw = validate(BASE + " --zero-bubble-schedule zb-auto --zero-bubble-memory-limit 6")
-    assert kw["memory_limit"] == 6 and "mem_w" not in kw
+    # microbatches of the fullest rank's activation; each model chunk's own share (the even split:
+    # the embedding beside the first stage's layers, the output layer and loss beside the last's)
+    assert kw["memory_limit"] == 6 and max(kw["mem_f"]) == 1.0 and len(kw["mem_w"]) == 4
     args, kw = validate(BASE + " --bf16 --vocab-size 32000 --zero-bubble-schedule zb-auto --zero-bubble-memory-limit 20GB")
-    # bf16: 4 layers per rank x s b (34 h + 5 a s) bytes (TE: flash attention drops the 5 a s term),
-    # plus the embedding's output (2 s b h) and the loss stage's softmax and final norm (4 s b V + 4 s b h)
+    # bf16: 4 layers per rank x s b (34 h + 5 a s) bytes (TE: flash attention drops the 5 a s term);
+    # the fullest rank is the last: its layers and the loss's softmax and final norm (4 s b V + 4 s b h)
     s, h, v = 2048, 1024, 32000
-    per_mb = 4 * s * 34 * h + 2 * s * h + 4 * s * v + 4 * s * h
+    per_mb = 4 * s * 34 * h + 4 * s * v + 4 * s * h
     assert kw["memory_limit"] == pytest.approx(20e9 / per_mb)
-    assert kw["mem_w"] == pytest.approx(32 / 34)  # a byte budget: W's share from the same model
+    assert kw["mem_f"][3] == 1.0 and kw["mem_f"][0] < 1.0
+    # a byte budget: W's share from the same model (each layer's 32 h of 34 h)
+    assert kw["mem_w"][1] / kw["mem_f"][1] == pytest.approx(32 / 34)
     monkeypatch.undo()  # TE is not installed here: the local implementation keeps the attention scores
     args, kw = validate(BASE + " --hidden-dropout 0 --attention-dropout 0 --vocab-size 32000"
                         " --zero-bubble-schedule zb-auto --zero-bubble-memory-limit 4GiB")
     # fp32 (no --bf16), no dropout, local: scores stored (4 a s bytes), no SP: 16 e h + 4 a s per token
-    per_mb = 4 * s * (64 * h + 4 * 16 * s) + 4 * s * h + 4 * s * v + 8 * s * h
+    per_mb = 4 * s * (64 * h + 4 * 16 * s) + 4 * s * v + 8 * s * h
     assert kw["memory_limit"] == pytest.approx(4 * 2 ** 30 / per_mb)
     assert memory_limit_in_microbatches(1, args, gib=True) == pytest.approx(2 ** 30 / per_mb)
     with pytest.raises(ZeroBubbleArgumentError, match="holds 0.0.* microbatches"):
@@ -351,9 +355,15 @@ def test_conflicting_megatron_options(extra, flag):
 # -- schedule preview ---------------------------------------------------------------------------
 
 def test_preview_simulates_and_refuses_an_impossible_memory_limit():
-    _, kw = validate(BASE + " --zero-bubble-schedule zb-h1")
+    unit = " --zero-bubble-cost-f 1 --zero-bubble-cost-b 1 --zero-bubble-cost-w 1"  # every stage alike
+    _, kw = validate(BASE + " --zero-bubble-schedule zb-h1" + unit)
     sim, base = preview_schedule(kw, 4, 8)
     assert sim.makespan == 27 and base.makespan == 33  # the ZB paper's p=4, m=8 figures
+    # without cost flags, each stage's share of the model (the last holds the output layer and loss)
+    _, kw = validate(BASE + " --zero-bubble-schedule zb-h1")
+    assert kw["cost_f"][3] == 1.0 and kw["cost_f"][1] == kw["cost_f"][2] < 1.0
+    sim, base = preview_schedule(kw, 4, 8)
+    assert sim.makespan < base.makespan
     _, kw = validate(BASE + " --zero-bubble-schedule zb-h2 --zero-bubble-memory-limit 4")
     with pytest.raises(ZeroBubbleArgumentError, match="schedule zb-h2 with pipeline size 4 and 8 microbatches"):
         preview_schedule(kw, 4, 8)

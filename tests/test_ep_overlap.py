@@ -61,7 +61,8 @@ def test_ep_overlap_flag_with_training_flags():
     from megatron_zb.megatron.errors import ZeroBubbleArgumentError, ZeroBubbleConfigError
     from megatron_zb.megatron.execution.options import ScheduleOptions, check_ep_overlap, preview
     from tests.test_args import BASE, validate
-    _, kw = validate(BASE + " --zero-bubble-schedule zb-v --overlap-moe-expert-parallel-comm --zero-bubble-cost-a2a 0.4")
+    _, kw = validate(BASE + " --zero-bubble-schedule zb-v --overlap-moe-expert-parallel-comm --zero-bubble-cost-a2a 0.4"
+                     " --zero-bubble-cost-f 1 --zero-bubble-cost-b 1 --zero-bubble-cost-w 1")  # every stage alike
     assert kw["ep_overlap"] and kw["cost_a2a"] == 0.4
     built, base = preview(ScheduleOptions(**kw), 4, 16)
     assert built.setting.cost_a2a == [0.4] * 4 and built.lowered().meta["overlap_pairs"]

@@ -13,6 +13,7 @@ from ..core import io as sched_io
 from ..core import schedules
 from ..core.build import AUTO, Built, OffloadRequest, OverMemoryLimit, ScheduleRequest, build
 from ..core.ir import Schedule
+from ..core.schedules.auto import EFFORTS
 from ..core.schedules.exact import AUTOMATIC
 
 
@@ -55,6 +56,10 @@ def add_setting_args(ap: argparse.ArgumentParser, schedule_required: bool = True
                     help="part of it still needed by W (default 0.5 x mem-f)")
     ap.add_argument("--memory-limit", type=nonneg("--memory-limit"), default=None,
                     help="per-rank activation limit, in mem-f units")
+    ap.add_argument("--search-effort", choices=EFFORTS, default="full",
+                    help="how hard zb-auto, zb-v, v-half, v-min and v-auto search and how many ways vocabulary "
+                         "passes are placed: full (default; training's default) or quick (plan's rows marked ~; "
+                         "training's --zero-bubble-search-effort quick)")
     ap.add_argument("--cost-optimizer", type=nonneg("--cost-optimizer"), default=0.0,
                     help="time of one optimizer step, for the time per training iteration (default 0)")
     lay = ap.add_argument_group("model layout (the layers each model chunk holds)")
@@ -154,7 +159,8 @@ def request(args, name: Optional[str] = None, chunks: Optional[int] = None,
                           cost_comm=args.cost_comm, cost_sync=args.cost_sync, cost_a2a=args.cost_a2a,
                           a2a_overlap=not args.no_overlap, mem_f=args.mem_f, mem_w=args.mem_w,
                           memory_limit=args.memory_limit, offload=offload_request(args),
-                          exact=(args.exact_nodes, args.exact_seconds) if getattr(args, "exact", False) else None)
+                          exact=(args.exact_nodes, args.exact_seconds) if getattr(args, "exact", False) else None,
+                          effort=getattr(args, "search_effort", "full"))
     if getattr(args, "layout", None) is not None:
         req = req.replace(**layout_costs(args, req, p if p is not None else args.stages))
     elif getattr(args, "output_layer_cost", 0.0) or getattr(args, "embedding_cost", 0.0) or \

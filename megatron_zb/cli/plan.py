@@ -152,10 +152,13 @@ def add_parser(sub) -> None:
                     help="D2H and H2D share one queue (one copy stream)")
     add_optimizer_offload_args(pn)
     pn.add_argument("--full-search", action="store_true",
-                    help="search every row of zb-v, v-half, v-min and v-auto in full (what training builds "
-                         "from the row's flags); default: a quick search first and the full one for the rows within "
-                         "6%% of the leading row and the row chosen within 1F1B's memory (rows marked ~ were searched "
-                         "quickly)")
+                    help="search every row of zb-auto, zb-v, v-half, v-min and v-auto in full and place every "
+                         "row's vocabulary passes every way (what training builds without "
+                         "--zero-bubble-search-effort); default: a quick search, and the full one where it adds "
+                         "building blocks (v-half, v-min, v-auto under 1F1B's peak, the V family at P x M <= 64) for "
+                         "the rows within 6%% of the leading row and the row chosen within 1F1B's memory (rows marked "
+                         "~ were searched quickly: their flags carry --zero-bubble-search-effort quick, which builds "
+                         "that very schedule)")
     pn.add_argument("--json", action="store_true",
                     help="print one JSON object instead (per-rank lists in bytes and seconds)")
     pn.add_argument("--jobs", type=positive_int("--jobs"), default=None, metavar="N",
@@ -213,7 +216,8 @@ def cmd_plan(args) -> int:
             return again(gib, [row["schedule"]], search="full",
                          vocab_parallel="on" if row.get("vocab_parallel") else "off")[0]
 
-        within = P.within_1f1b_memory(rows, again, full)
+        within = P.within_1f1b_memory(rows, again, full, lambda r: P.margin(r, args.pipeline_parallel_size,
+                                                                          args.num_microbatches) is not None)
     advice = post_validation_advice(rows, args.optimizer_post_validation)
     if args.json:
         print(json.dumps({"model": dataclasses.asdict(spec), "pipeline_parallel_size": args.pipeline_parallel_size,
@@ -307,9 +311,13 @@ PLAN_COLUMNS = """columns:
   fits           peak GiB <= --gpu-memory-gb
   pairs          MoE with expert parallelism: the overlapped F&B pairs of the schedule, whose
                  all-to-all hides behind the other pass's compute (--ep-bandwidth-gbps)
-  ~schedule      searched quickly (plan's first pass: fewer candidates, a shorter local search;
-                 the rows within 6% of the first and the one within 1F1B's memory are searched in
-                 full, as training searches them); --full-search searches every row in full
+  ~schedule      searched quickly (fewer candidates, a shorter local search, the vocabulary
+                 passes placed three ways instead of eighteen); its flags carry
+                 --zero-bubble-search-effort quick, so training builds that very schedule. Where
+                 the full search adds building blocks (v-half, v-min, v-auto under 1F1B's peak,
+                 the V family at P x M <= 64) the rows within 6% of the first and the one within
+                 1F1B's memory are searched in full; elsewhere it was at most 0.6% faster on
+                 seven plans. --full-search searches every row in full
 Below the table: the flags of the first schedule that fits (the fastest; among equally fast
 ones the cheapest in memory), ready to paste into a Megatron command, then those of the others
 that fit (--zero-bubble-memory-limit counts microbatches: one is the activation memory of one

@@ -13,14 +13,15 @@ A replicated placement (BitPipe) has one embedding and one loss per path, each c
 rank; its per-chunk values are per logical stage (each path's copy runs the same layers)."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import List
+from typing import List, Optional
 
 from .ir import Placement, ScheduleError
-from .layout import Layout
+from .layout import Layout, from_counts
 from .model import ModelSpec
 
-__all__ = ["ChunkCosts", "chunk_costs", "stage_work", "vocab_setting"]
+__all__ = ["ChunkCosts", "UnitCosts", "chunk_costs", "unit_costs", "in_seconds", "stage_work", "vocab_setting"]
 
 
 @dataclass
@@ -173,3 +174,60 @@ def vocab_setting(spec: ModelSpec, p: int, flops_per_s: float, bytes_per_s: floa
                         cost_comm=moved / bytes_per_s if bytes_per_s > 0 else 0.0,
                         mem_s=(4.0 * tokens * shard + hidden) / mem_unit, mem_w=(e * tokens * shard + hidden) / mem_unit,
                         **split)
+
+
+@dataclass
+class UnitCosts:
+    """A layout's per-chunk costs in the units training plans its schedule with (``unit_costs``):
+    F/B/W in units of the busiest rank's F (``time_flops`` FLOPs), activations in units of the fullest
+    rank's (``unit_bytes``), and with vocabulary parallelism its passes in the same units."""
+
+    cost_f: List[float]
+    cost_b: List[float]
+    cost_w: List[float]
+    mem_f: List[float]
+    mem_w: List[float]
+    time_flops: float
+    unit_bytes: float
+    vocab: Optional[object] = None  # core.vocab.VocabSetting
+
+    def seconds(self, flops_per_s: float) -> float:
+        """One time unit in seconds at ``flops_per_s``."""
+        return self.time_flops / flops_per_s
+
+
+def unit_costs(spec: ModelSpec, layout: Optional[Layout], placement: Placement, barriers: Optional[int] = None,
+               embedding: bool = False, flops_per_s: float = 989.0 * 0.5 * 1e12,
+               link_bytes_per_s: float = 50e9) -> UnitCosts:
+    """``layout``'s chunks on ``placement`` (None: the even split) as training plans them from the
+    model's flags, and as ``plan`` builds a row's schedule, so that both build the same one:
+    ``chunk_costs`` in FLOPs and bytes over the busiest rank's F and the fullest rank's activation.
+    ``barriers``: with vocabulary parallelism (``vocab_setting``; ``embedding``: the input embedding
+    split too), its collectives at ``link_bytes_per_s`` against ``flops_per_s`` of compute."""
+    if layout is None:
+        S, L = placement.num_logical_stages, spec.num_layers
+        if L % S:
+            raise ScheduleError(f"{L} layers do not split evenly over {S} model chunks")
+        layout = from_counts([L // S] * S, spec.mtp_num_layers)
+    vocab = barriers is not None
+    cc = chunk_costs(spec, layout, placement, 1.0, 1.0, vocab=vocab, vocab_embedding=vocab and embedding)
+    t = max(cc.rank_sum("cost_f", placement)) or 1.0
+    u = max(cc.rank_sum("mem_f", placement)) or 1.0
+    vs = None
+    if vocab:
+        link = link_bytes_per_s * t / flops_per_s  # bytes per time unit
+        vs = vocab_setting(spec, placement.num_ranks, t, link, barriers, mem_unit=u, embedding=embedding)
+    return UnitCosts([x / t for x in cc.cost_f], [x / t for x in cc.cost_b], [x / t for x in cc.cost_w],
+                     [x / u for x in cc.mem_f], [x / u for x in cc.mem_w], t, u, vs)
+
+
+def in_seconds(setting, unit_s: float):
+    """``setting`` (``ir.Setting``) with every time multiplied by ``unit_s`` (seconds per unit)."""
+    times = {k: [x * unit_s for x in getattr(setting, k)] for k in ("cost_f", "cost_b", "cost_w", "cost_a2a")}
+    vocab = setting.vocab
+    if vocab is not None:
+        vocab = dataclasses.replace(vocab, **{k: [x * unit_s for x in getattr(vocab, k)]
+                                              for k in ("cost_s", "cost_t", "cost_w", "cost_i", "cost_g")},
+                                    **{k: getattr(vocab, k) * unit_s for k in ("cost_comm", "cost_ci", "cost_cg")})
+    return dataclasses.replace(setting, cost_comm=setting.cost_comm * unit_s, cost_sync=setting.cost_sync * unit_s,
+                               vocab=vocab, **times)

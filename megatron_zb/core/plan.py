@@ -25,15 +25,15 @@ from .model import ModelSpec, layer_split, stage_activation_bytes  # noqa: F401 
 SEARCHED = ("v-auto", "zb-v", "v-half", "v-min", "zb-auto")
 
 #: ``search='quick'``: a row searched quickly whose time per iteration lies within this share of the
-#: leading row's is searched again in full, where the full search adds building blocks (v-half,
+#: leading row's is searched again in full where the full search adds building blocks (v-half,
 #: v-min and v-auto under 1F1B's peak; the V family on settings of p x m <= 64): there it is up to
-#: ~5% faster (2.1% for zb-v at P=4, M=8)
+#: ~5% faster (2.1% for zb-v at P=4, M=8). Elsewhere (zb-v and v-auto at or above 1F1B's peak,
+#: zb-auto, the vocabulary placements) the full search only searches longer or places the
+#: vocabulary passes more ways: on the plans of five models at P=8 and two at P=4
+#: (``benchmarks/bench_plan_speed.py --gaps``) at most 0.6% faster, for most of plan's time (P=16:
+#: v-auto +vocab's 6 of 20 s for 0.25%). Those rows stay quick: their flags carry
+#: ``--zero-bubble-search-effort quick``, which builds the very schedule the row measured
 FULL_MARGIN = 0.06
-#: the same for the other quick rows, where the full search only searches longer or places the
-#: vocabulary passes more ways (``vocab_place.QUICK_VARIANTS``): zb-v and v-auto at or above 1F1B's
-#: peak, zb-auto, the vocabulary rows; on the plans of five models at P=8 and two at P=4
-#: (``benchmarks/bench_plan_speed.py --gaps``) the full search was at most 0.6% faster there
-NEAR_MARGIN = 0.01
 SEARCHES = ("quick", "full")
 
 GPU_PEAK_TFLOPS = {"h100": 989.0, "h200": 989.0, "a100": 312.0, "b200": 2250.0, "mi300x": 1307.0}
@@ -85,11 +85,13 @@ def plan(spec: ModelSpec, pipeline_parallel_size: int, microbatches: int, gpu_me
     troughs ('trough').
 
     ``search``: 'full' searches every searched schedule's row in full (what training builds from its
-    flags); 'quick' (default) searches them first with the quick effort (``schedules.auto.EFFORTS``:
-    several times faster), then again in full every such row within ``FULL_MARGIN`` of the leading
-    row's time per iteration (fitting rows first), so the rows that lead are the full search's. Each
-    searched row says which in ``search_effort``. ``refine`` False: the quick rows as they are (a
-    caller that searches again in full only the row it chooses, ``within_1f1b_memory``)."""
+    flags); 'quick' (default) searches them with the quick effort (``schedules.auto.EFFORTS``:
+    several times faster), then again in full every such row within ``margin`` of the leading row's
+    time per iteration (fitting rows first) where the full search adds building blocks; the others
+    stay quick, their flags saying so (``--zero-bubble-search-effort quick``: training builds that
+    very schedule). Each searched row says which in ``search_effort``. ``refine`` False: the quick
+    rows as they are (a caller that searches again in full only the row it chooses,
+    ``within_1f1b_memory``)."""
     if exact is not None and offload_ratio is not None:
         raise ScheduleError("the exact mode solves schedules without activation offload (the MILP has no host "
                             "link): leave out the offload ratio or the exact mode")
@@ -216,15 +218,16 @@ def _family(job: tuple) -> tuple:
     return FAMILIES.get(name, name), vocab
 
 
-def margin(row: dict, p: int, m: int) -> float:
+def margin(row: dict, p: int, m: int) -> Optional[float]:
     """How far behind the leader a quickly searched row may lie and still be searched in full
-    (``FULL_MARGIN`` or ``NEAR_MARGIN``)."""
+    (``FULL_MARGIN``), or None where its full search adds no building block: the quick row stays
+    (its flags build it)."""
     name = row["schedule"]
     limit = row.get("memory_limit_microbatches")
     v_family = name in ("zb-v", "v-half", "v-min", "v-auto")
     blocks = name in ("v-half", "v-min") or (v_family and p * m <= 64) or \
         (name == "v-auto" and limit is not None and limit < p - 1e-9)
-    return FULL_MARGIN if blocks else NEAR_MARGIN
+    return FULL_MARGIN if blocks else None
 
 
 def _leading_quick(rows: List[dict], key: str, p: int, m: int) -> List[int]:
@@ -236,7 +239,7 @@ def _leading_quick(rows: List[dict], key: str, p: int, m: int) -> List[int]:
     fits = any(r["fits"] for r in ok)
     top = min(r[key] for r in ok if r["fits"] or not fits)
     return [i for i, r in enumerate(rows) if "error" not in r and r.get("search_effort") == "quick"
-            and (r["fits"] or not fits) and r[key] <= top * (1 + margin(r, p, m))]
+            and (r["fits"] or not fits) and margin(r, p, m) is not None and r[key] <= top * (1 + margin(r, p, m))]
 
 
 def _optim(mode, costs):
@@ -269,7 +272,7 @@ def by_memory_among_ties(rows: List[dict], time, peak, tie: float = TIE) -> List
     return out
 
 
-def within_1f1b_memory(rows: List[dict], replan, full=None) -> Optional[dict]:
+def within_1f1b_memory(rows: List[dict], replan, full=None, refines=None) -> Optional[dict]:
     """The fastest row that needs no more memory on any rank than Megatron's 1F1B (its row without
     vocabulary parallelism, fitting the budget), where the fastest fitting row needs more: the rows
     already made, and the searched schedules (v-auto, zb-auto, with their rows' vocabulary setting)
@@ -278,7 +281,8 @@ def within_1f1b_memory(rows: List[dict], replan, full=None) -> Optional[dict]:
     without a 1F1B row. The row carries ``budget_gib`` and its speed over that 1F1B row. A row
     chosen that was searched quickly (``search_effort``) is searched again in full by
     ``full(row, gib)`` (gib: the budget it was planned with; None: take it as it is) and the choice
-    made again."""
+    made again, where ``refines(row)`` (default: every such row; plan's: where the full search adds
+    building blocks, ``margin``)."""
     ok = [r for r in rows if "error" not in r and r["fits"]]
     base = next((r for r in ok if r["schedule"] == "1f1b" and not r.get("vocab_parallel")), None)
     if base is None or not ok:
@@ -296,7 +300,7 @@ def within_1f1b_memory(rows: List[dict], replan, full=None) -> Optional[dict]:
             return None
         i = min(range(len(fit)), key=lambda i: (fit[i][0][key], max(fit[i][0]["peak_bytes"])))
         r, g = fit[i]
-        if r.get("search_effort") != "quick" or full is None:
+        if r.get("search_effort") != "quick" or full is None or (refines is not None and not refines(r)):
             break
         redone = full(r, g)  # the full search's row in its place
         cands = [(x, h) for x, h in cands if x is not r] + \

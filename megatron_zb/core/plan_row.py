@@ -15,8 +15,8 @@ import json
 import math
 from typing import List, Optional
 
-from .build import OffloadRequest, ScheduleRequest, build
-from .chunk_costs import chunk_costs
+from .build import Built, OffloadRequest, ScheduleRequest, build
+from .chunk_costs import chunk_costs, in_seconds, unit_costs
 from .ir import OVERLAP, Placement, ScheduleError, Setting
 from .iteration import iteration_times
 from .layout import Layout, from_counts
@@ -204,28 +204,38 @@ def _one(sp, spec, p, m, v, pl, lay: Layout, budget, flops_per_s, profile, cost_
             why = (f"{act_budget[r] / gib:.1f} GiB left beside rank {r}'s model states, one microbatch's activations "
                    f"take {unit / gib:.1f} GiB on rank {rank_mf.index(unit)}")
         return {"schedule": name, "error": f"no room for activations under --gpu-memory-gb: {why}"}
-    vs = None
-    if barriers is not None:
-        from .chunk_costs import vocab_setting
-        vs = vocab_setting(spec, p, flops_per_s, vocab_gbps * 1e9, barriers, mem_unit=unit, embedding=split)
+    # the row's schedule is built as training builds it from the row's flags: from a model, in the
+    # units training plans with (``unit_costs``: the busiest rank's F, the fullest rank's activation;
+    # the searches round and compare in those units), its memory limit the flag's two decimals;
+    # its times then in seconds (``sec`` per unit). From a profile: its seconds
+    sec, vs = 1.0, None
+    rf, rb, rw, rmf, rmw = cf, cb, cw, [x / unit for x in mf], [x / unit for x in mw]
+    if profile is None:
+        try:
+            uc = unit_costs(spec, lay, pl, barriers, split, flops_per_s, vocab_gbps * 1e9)
+        except ScheduleError as e:
+            return {"schedule": name, "error": str(e)}
+        sec, vs = uc.seconds(flops_per_s), uc.vocab
+        rf, rb, rw, rmf, rmw = uc.cost_f, uc.cost_b, uc.cost_w, uc.mem_f, uc.mem_w
+    if sp.searched and limit_units:
+        limit_units = math.floor(limit_units * 100 + 1e-6) / 100  # as the flag gives it
     try:
-        req = ScheduleRequest(name, chunks=v if sp.chunks is None else None, cost_f=cf, cost_b=cb, cost_w=cw, vocab=vs,
-                              cost_comm=comm, cost_a2a=ca, a2a_overlap=a2a_overlap, mem_f=[x / unit for x in mf],
-                              mem_w=[x / unit for x in mw],
-                              memory_limit=limit_units if sp.searched else None, exact=exact,
+        req = ScheduleRequest(name, chunks=v if sp.chunks is None else None, cost_f=rf, cost_b=rb, cost_w=rw, vocab=vs,
+                              cost_comm=comm / sec, cost_a2a=[x / sec for x in ca], a2a_overlap=a2a_overlap,
+                              mem_f=rmf, mem_w=rmw, memory_limit=limit_units if sp.searched else None, exact=exact,
                               offload=_offload_request(offload_ratio, offload_time, host_link_gbps, offload_overlap,
                                                        rank_mf, _rank_sum(cf, pl, p), _rank_sum(cb, pl, p),
                                                        limit_units), effort=effort)
         built = build(req, p, m, enforce_limit=False)
-        it = iteration_times(built.schedule, built.setting, cost_optimizer)
-        if sp.searched and limit_units and req.offload is None and effort == "full":
+        it = iteration_times(built.schedule, built.setting, cost_optimizer / sec)
+        if sp.searched and limit_units and req.offload is None:
             # the flag asks for what the schedule needs (its peak), not for the GPU's room: the
-            # schedule the run builds under that limit, where it is as fast (``TIE``; a row
-            # searched quickly keeps the room: plan searches it in full where it could lead)
+            # schedule the run builds under that limit (at the row's effort), where it is as fast
+            # (``TIE``)
             need = needed_limit(max(built.result.peak_memory))
-            if need < math.floor(limit_units * 100) / 100:
+            if need < limit_units:
                 tight = build(req.replace(memory_limit=need), p, m, enforce_limit=False)
-                it2 = iteration_times(tight.schedule, tight.setting, cost_optimizer)
+                it2 = iteration_times(tight.schedule, tight.setting, cost_optimizer / sec)
                 if getattr(it2, ranked_by[:-2]) <= getattr(it, ranked_by[:-2]) * (1 + TIE):
                     built, it, limit_units = tight, it2, need
         sched, res = built.schedule, built.result
@@ -234,9 +244,9 @@ def _one(sp, spec, p, m, v, pl, lay: Layout, budget, flops_per_s, profile, cost_
     act_bytes = [x * unit for x in res.peak_memory]
     total = [a + s for a, s in zip(act_bytes, states)]
     searched_limit = math.floor(limit_units * 100 + 1e-6) / 100 if sp.searched and limit_units else None
-    out = {"schedule": name, "chunks": v, "makespan_s": res.makespan, "bubble_rate": res.bubble_rate,
-           "iteration_time_s": it.iteration_time,
-           "iteration_time_post_validated_s": it.iteration_time_post_validated,
+    out = {"schedule": name, "chunks": v, "makespan_s": res.makespan * sec, "bubble_rate": res.bubble_rate,
+           "iteration_time_s": it.iteration_time * sec,
+           "iteration_time_post_validated_s": it.iteration_time_post_validated * sec,
            "ranked_by": ranked_by,
            "activation_bytes": act_bytes, "state_bytes": states, "peak_bytes": total,
            "fits": max(total) <= budget, "layers_per_stage": lay.layers(), "layout": str(lay),
@@ -247,6 +257,8 @@ def _one(sp, spec, p, m, v, pl, lay: Layout, budget, flops_per_s, profile, cost_
            "flags": _flags(sp, p, searched_limit, lay, padded, profile is not None)}
     if (sp.effort or barriers is not None) and offload_ratio is None:  # the effort changed the row
         out["search_effort"] = effort
+        if effort != "full":  # training builds the row's own schedule
+            out["flags"] += f" --zero-bubble-search-effort {effort}"
     if barriers is not None:
         out["vocab_parallel"] = barriers
         out["flags"] += " --enable-vocab-parallel" + (" --disable-backward-fusion" if barriers == 2 else "") + \
@@ -271,6 +283,8 @@ def _one(sp, spec, p, m, v, pl, lay: Layout, budget, flops_per_s, profile, cost_
                          f"{max(ks):.3g}")
     if optim is not None:  # optimizer states: every rank's step, and offload where the row does not fit
         from .optimizer_rows import apply
+        if sec != 1.0:  # its step's costs are seconds: the schedule timed in seconds
+            built = Built(built.request, sched, in_seconds(built.setting, sec))
         apply(out, built, spec, cc.params, unit, budget, cost_optimizer, optim[0], optim[1])
     return out
 

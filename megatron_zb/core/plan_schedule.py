@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Tuple
 
 from .build import ScheduleRequest, build
-from .chunk_costs import chunk_costs, vocab_setting
+from .chunk_costs import chunk_costs, in_seconds, unit_costs
 from .ir import Schedule, ScheduleError, Setting
 from .layout import parse
 from .model import ModelSpec
@@ -37,14 +37,15 @@ def row_schedule(spec: ModelSpec, p: int, m: int, row: dict, tflops: float = 989
     barriers = row.get("vocab_parallel")
     flops_per_s = tflops * 1e12 * efficiency
     split = bool(row.get("vocab_embedding"))
-    cc = chunk_costs(spec, lay, pl, flops_per_s, ep_gbps * 1e9, vocab=barriers is not None, vocab_embedding=split)
-    unit = row["activation_unit_bytes"]
-    vs = vocab_setting(spec, p, flops_per_s, vocab_gbps * 1e9, barriers, mem_unit=unit, embedding=split) \
-        if barriers else None
-    req = ScheduleRequest(row["schedule"], chunks=v if sp.chunks is None else None, cost_f=cc.cost_f,
-                          cost_b=cc.cost_b, cost_w=cc.cost_w, cost_a2a=cc.cost_a2a, vocab=vs,
-                          mem_f=[x / unit for x in cc.mem_f], mem_w=[x / unit for x in cc.mem_w],
+    # built in the units the row was (``plan_row``: what training plans with), timed in seconds
+    uc = unit_costs(spec, lay, pl, barriers, split, flops_per_s, vocab_gbps * 1e9)
+    sec = uc.seconds(flops_per_s)
+    ca = chunk_costs(spec, lay, pl, flops_per_s, ep_gbps * 1e9, vocab=barriers is not None,
+                     vocab_embedding=split).cost_a2a
+    req = ScheduleRequest(row["schedule"], chunks=v if sp.chunks is None else None, cost_f=uc.cost_f,
+                          cost_b=uc.cost_b, cost_w=uc.cost_w, cost_a2a=[x / sec for x in ca], vocab=uc.vocab,
+                          mem_f=uc.mem_f, mem_w=uc.mem_w,
                           memory_limit=row.get("memory_limit_microbatches") if sp.searched else None,
                           effort=row.get("search_effort", "full"))
     built = build(req, p, m, enforce_limit=False)
-    return built.schedule, built.setting
+    return built.schedule, in_seconds(built.setting, sec)

@@ -66,6 +66,9 @@ def _build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--forward-only", action="store_true")
     ap.add_argument("--memory-limit", type=nonneg("--memory-limit"), default=None,
                     help="passed to install() (zb-auto, v-auto)")
+    ap.add_argument("--search-effort", choices=("full", "quick"), default="full",
+                    help="passed to install(): how hard the searched schedules look and how many ways vocabulary "
+                         "passes are placed (training's --zero-bubble-search-effort; default full)")
     ap.add_argument("--offload-ratio", type=share_or_auto("--offload-ratio"), default=None, metavar="R|auto",
                     help="train with activation offload (CPU test mode: synchronous copies to separate CPU "
                          "buffers): this share of each rank's activations, or 'auto' (as little as fits "
@@ -271,6 +274,8 @@ def main_verify(argv: Optional[Sequence[str]] = None) -> int:
                     mtp_num_layers=a.mtp_num_layers, ep_overlap=a.overlap_moe_expert_parallel_comm,
                     balance_microbatches=a.zero_bubble_balance_microbatches, micro_batch_size=a.micro_batch_size,
                     pack_sequences=a.zero_bubble_pack_sequences)
+        if a.search_effort != "full":
+            opts["schedule_options"] = {"effort": a.search_effort}
         case = make_case(a.schedule, a.pipeline_parallel_size, a.tensor_parallel_size, a.num_microbatches,
                          a.iterations, **opts)
     except VerifyUsageError as e:

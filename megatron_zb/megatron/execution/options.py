@@ -42,6 +42,9 @@ class ScheduleOptions:
     schedule: str
     chunks: Optional[int] = None
     memory_limit: Optional[float] = None  # per rank, in microbatches of one stage's activation
+    # how hard the searched schedules look and how many ways vocabulary passes are placed
+    # (``core.schedules.auto.EFFORTS``): 'full', or 'quick' (a plan row's ``search_effort``)
+    effort: str = "full"
     cost_f: Any = 1.0
     cost_b: Any = 1.0
     cost_w: Any = 1.0
@@ -128,7 +131,7 @@ class ScheduleOptions:
                                cost_f=self.cost_f, cost_b=self.cost_b, cost_w=self.cost_w, cost_comm=self.cost_comm,
                                cost_sync=self.cost_sync, mem_f=mem_f, mem_w=None if mem_w is None else list(mem_w),
                                memory_limit=self.memory_limit, offload=offload, cost_a2a=a2a,
-                               a2a_overlap=bool(self.ep_overlap))
+                               a2a_overlap=bool(self.ep_overlap), effort=self.effort)
 
     def check(self, cuda: bool) -> None:
         """Refuse what cannot run, before anything is patched (``cuda``: a CUDA device is here)."""

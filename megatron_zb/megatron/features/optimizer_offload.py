@@ -168,7 +168,7 @@ def auto_shares(args, peaks: List[float], placement, budget_bytes: float) -> Lis
     activation peak on the rank (``peaks``, in microbatch activations of the fullest rank).
     Raises ValueError where a rank does not fit even with every state on the host."""
     from ...core.optimizer_offload import ADAM_STATE_BYTES, RESIDENT_BYTES, auto_fractions
-    from ..launch.flags import memory_limit_in_microbatches, model_spec
+    from ..layout.model_args import memory_limit_in_microbatches, model_spec
     spec = model_spec(args)
     p = placement.num_ranks
     layers = sum(spec.params_per_layer(i) for i in range(spec.num_layers)) / p

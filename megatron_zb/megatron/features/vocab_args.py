@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any, Dict, Optional
 
 from ...core.ir import Placement, ScheduleError
-from ...core.layout import Layout, from_counts
+from ...core.layout import Layout
 from ..errors import ZeroBubbleArgumentError
 
 __all__ = ["vocab_barriers", "check_vocab_args", "vocab_cost_kwargs", "ASSUMED_TFLOPS", "ASSUMED_LINK_GBPS"]
@@ -93,24 +93,15 @@ def vocab_cost_kwargs(spec, layout: Optional[Layout], placement: Placement, barr
     """``install()``'s per-chunk costs without the output layer (``chunk_cost_kwargs``' units: the
     busiest rank's F, the fullest rank's activation) and ``vocab_costs``: VS, VT, VW and their
     memory in the same units, the barriers' communication at ``ASSUMED_LINK_GBPS`` against a
-    stage computing at ``ASSUMED_TFLOPS``. ``layout`` None: the even split. ``embedding``: the input
-    embedding split too (VI, VG and their collectives; --split-vocab-embedding)."""
-    from ...core.chunk_costs import chunk_costs, vocab_setting
+    stage computing at ``ASSUMED_TFLOPS`` (``core.chunk_costs.unit_costs``: what plan builds its rows
+    with). ``layout`` None: the even split. ``embedding``: the input embedding split too (VI, VG and
+    their collectives; --split-vocab-embedding)."""
+    from ...core.chunk_costs import unit_costs
     try:
-        if layout is None:
-            S = placement.num_logical_stages
-            L = spec.num_layers
-            if L % S:
-                raise ScheduleError(f"{L} layers do not split evenly over {S} model chunks")
-            layout = from_counts([L // S] * S, spec.mtp_num_layers)
-        cc = chunk_costs(spec, layout, placement, 1.0, 1.0, vocab=True, vocab_embedding=embedding)
+        uc = unit_costs(spec, layout, placement, barriers, embedding, flops_per_s=ASSUMED_TFLOPS * 1e12,
+                        link_bytes_per_s=ASSUMED_LINK_GBPS * 1e9)
     except ScheduleError as e:
         raise ZeroBubbleArgumentError(str(e)) from None
-    t = max(cc.rank_sum("cost_f", placement)) or 1.0
-    u = max(cc.rank_sum("mem_f", placement)) or 1.0
-    link = ASSUMED_LINK_GBPS * 1e9 * t / (ASSUMED_TFLOPS * 1e12)  # bytes per cost unit
-    vs = vocab_setting(spec, placement.num_ranks, t, link, barriers, mem_unit=u, embedding=embedding)
-    costs = {k: v for k, v in vs.to_dict().items() if k != "barriers"}
-    return {"cost_f": [x / t for x in cc.cost_f], "cost_b": [x / t for x in cc.cost_b],
-            "cost_w": [x / t for x in cc.cost_w], "mem_f": [x / u for x in cc.mem_f],
-            "mem_w": [x / u for x in cc.mem_w], "unit_bytes": u, "vocab_costs": costs}
+    costs = {k: v for k, v in uc.vocab.to_dict().items() if k != "barriers"}
+    return {"cost_f": uc.cost_f, "cost_b": uc.cost_b, "cost_w": uc.cost_w, "mem_f": uc.mem_f, "mem_w": uc.mem_w,
+            "unit_bytes": uc.unit_bytes, "vocab_costs": costs}

@@ -13,6 +13,7 @@ Two families of flags, both accepted by ``add_zero_bubble_args``:
 
 * **ours**: ``--zero-bubble-schedule NAME`` (any schedule of the core registry),
   ``--zero-bubble-memory-limit L`` (microbatches of activation, or ``<x>GB`` / ``<x>GiB``),
+  ``--zero-bubble-search-effort full|quick``,
   ``--zero-bubble-timeout S``, ``--zero-bubble-profile-window START END``,
   ``--zero-bubble-profile-path FILE``, ``--zero-bubble-cost-f/-b/-w/-comm``, ``--zero-bubble-mem-w``,
   ``--allow-padding-num-layers``;
@@ -46,6 +47,7 @@ from typing import Callable, Dict, Optional
 
 from ...core import schedules as core_schedules
 from ...core.ir import ScheduleError
+from ...core.schedules.auto import EFFORTS as SEARCH_EFFORTS
 from ..features.balance_args import add_balance_args
 
 __all__ = ["add_zero_bubble_args", "chain_providers", "has_flag", "zero_bubble_requested", "NOT_AVAILABLE_FLAGS", "WHAT_INSTEAD",
@@ -217,6 +219,11 @@ def add_zero_bubble_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                         "activation (1F1B needs the pipeline size), or a size with a GB/GiB suffix, converted "
                         "with Megatron's per-layer formula (see docs/training.md). zb-auto/v-auto search "
                         "under it; other schedules are refused if they need more.")
+    g.add_argument("--zero-bubble-search-effort", choices=SEARCH_EFFORTS, default=None,
+                   help="How hard zb-auto, zb-v, v-half, v-min and v-auto search, and how many ways the "
+                        "vocabulary passes are placed: 'full' (default: every candidate family, the long local "
+                        "search, eighteen placements) or 'quick' (a few times less start-up; the schedule "
+                        "`megatron-zb plan` measured for a row marked ~, whose flags carry it).")
     g.add_argument("--zero-bubble-timeout", type=_positive_float("--zero-bubble-timeout"), default=None,
                    metavar="SECONDS",
                    help=f"How long a rank waits for a pipeline message before failing with its rank, the "

@@ -21,6 +21,7 @@ from .args import DEFAULT_TIMEOUT_S, FORK_TIMERS_DEFAULT, NOT_AVAILABLE_FLAGS, W
 from ..features.balance_args import BALANCE_FLAGS, balance_kwargs
 from ..errors import ZeroBubbleArgumentError
 from ..layout.layout_args import apply_layout, chunk_cost_kwargs, given_layout_flags, layout_from_args
+from ..layout.model_args import has_model, mem_w_ratio, memory_limit_in_microbatches, model_spec
 from ..features.vocab_args import check_vocab_args, vocab_cost_kwargs
 
 __all__ = ["validate_zero_bubble_args", "memory_limit_in_microbatches", "mem_w_ratio", "ZeroBubbleArgumentError"]
@@ -60,74 +61,6 @@ def _resolve_schedule(args) -> Optional[str]:
     return name
 
 
-def _fused_attention(args) -> bool:
-    """Transformer Engine's fused attention (no attention scores kept) — where TE is installed: without
-    it the machine adjustments run Megatron's local implementation, which keeps them."""
-    import importlib.util
-    return getattr(args, "transformer_impl", "local") == "transformer_engine" and \
-        importlib.util.find_spec("transformer_engine") is not None
-
-
-def _activation_spec(args):
-    """plan's model of the run's activations (``core.plan.ModelSpec``) from Megatron's arguments."""
-    from ...core.model import ModelSpec
-    rates = [getattr(args, k, None) for k in ("hidden_dropout", "attention_dropout")]
-    drop = any((0.1 if r is None else float(r)) > 0 for r in rates)  # Megatron's default rate is 0.1
-    return ModelSpec(num_layers=int(args.num_layers), hidden_size=int(args.hidden_size),
-                     num_attention_heads=int(args.num_attention_heads), seq_length=int(args.seq_length),
-                     micro_batch_size=int(getattr(args, "micro_batch_size", 1) or 1),
-                     vocab_size=int(getattr(args, "padded_vocab_size", None) or getattr(args, "vocab_size", None) or 32000),
-                     tensor_parallel_size=int(getattr(args, "tensor_model_parallel_size", 1) or 1),
-                     sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
-                     flash_attention=_fused_attention(args),
-                     activation_bytes=2 if (getattr(args, "bf16", False) or getattr(args, "fp16", False)) else 4,
-                     dropout=drop, num_experts=getattr(args, "num_experts", None) or None,
-                     moe_router_topk=int(getattr(args, "moe_router_topk", None) or 2),
-                     moe_ffn_hidden_size=getattr(args, "moe_ffn_hidden_size", None),
-                     expert_model_parallel_size=int(getattr(args, "expert_model_parallel_size", None) or 1),
-                     num_query_groups=getattr(args, "num_query_groups", None)
-                     if getattr(args, "group_query_attention", False) else None,
-                     ffn_hidden_size=getattr(args, "ffn_hidden_size", None), swiglu=bool(getattr(args, "swiglu", False)),
-                     untie_embeddings_and_output_weights=bool(getattr(args, "untie_embeddings_and_output_weights",
-                                                                      False)),
-                     mtp_num_layers=int(getattr(args, "mtp_num_layers", None) or 0),
-                     recompute=getattr(args, "recompute_granularity", None),
-                     recompute_num_layers=int(getattr(args, "recompute_num_layers", None) or 1)
-                     if getattr(args, "recompute_method", None) == "uniform" else 1)
-
-
-def model_spec(args):
-    """plan's model of the run (``core.model.ModelSpec``) from Megatron's arguments."""
-    return _activation_spec(args)
-
-
-def memory_limit_in_microbatches(gigabytes: float, args, *, gib: bool = False) -> float:
-    """Convert a per-rank activation budget in GB into microbatches of one stage's activation.
-
-    One microbatch's activation on a rank = (layers on the rank) x M_B plus, to be safe on every
-    rank, the embedding's output and the loss stage's buffers (``core.plan.ModelSpec``: Megatron's
-    per-layer formula, here with the run's element size (bf16/fp16 or fp32), dropout or not, and no
-    attention scores with Transformer Engine's fused attention), so a rank holding fewer never goes
-    over the budget when the schedule keeps to its microbatches.
-    """
-    spec = _activation_spec(args)
-    p = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
-    m_b, _ = spec.layer_activation_bytes()
-    per_microbatch = m_b * spec.num_layers / p + spec.embedding_activation_bytes() + spec.loss_activation_bytes()[0]
-    laid_out = getattr(args, "zero_bubble_chunk_costs", None)
-    if laid_out:  # a layout: the fullest rank's chunks, as each holds them
-        per_microbatch = laid_out["unit_bytes"]
-    budget = gigabytes * (2 ** 30 if gib else 1e9)
-    return budget / per_microbatch
-
-
-def mem_w_ratio(args) -> float:
-    """What W keeps of a microbatch's activation (M_W / M_B of one layer), from the same model (more
-    than 1 with full recompute: B recreates what F did not keep, and W's part of it outlives B)."""
-    m_b, m_w = _activation_spec(args).layer_activation_bytes()
-    return m_w / m_b if m_b > 0 else 0.5
-
-
 def _megatrons_own_layout(args) -> None:
     """Megatron's own schedules: its layout flags, read as Megatron reads them (one chunk per rank or
     its interleaving), so that megatron-zb's entry point builds the same layers (deterministic init)."""
@@ -146,9 +79,9 @@ def _megatrons_own_layout(args) -> None:
     apply_layout(args, layout_from_args(args, Placement.looped(p, int(v))), Placement.looped(p, int(v)), True)
 
 
-def _has_model(args) -> bool:
-    """The flags describe the model well enough for plan's per-layer formulas."""
-    return all(getattr(args, k, None) for k in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"))
+def _even(args, placement) -> bool:
+    """The layers split evenly over the placement's model chunks (no layout flag needed)."""
+    return int(args.num_layers) % placement.num_logical_stages == 0
 
 
 def optimizer_offload_flags(args):
@@ -323,12 +256,13 @@ def validate_zero_bubble_args(args, *, before_megatron_validation: Optional[bool
         args.zero_bubble_layout_taken = style in ("v", "bitpipe") and laid is not None
         # the schedule sees each chunk's share of the work and memory (what it holds), unless costs are given
         if barriers is not None:  # the output layer leaves the loss's chunk for every rank's vocabulary passes
-            args.zero_bubble_chunk_costs = (vocab_cost_kwargs(_activation_spec(args), laid, placement, barriers,
+            args.zero_bubble_chunk_costs = (vocab_cost_kwargs(model_spec(args), laid, placement, barriers,
                                                               bool(getattr(args, "split_vocab_embedding", False)))
-                                            if _has_model(args) else None)
+                                            if has_model(args) else None)
         else:
-            args.zero_bubble_chunk_costs = (chunk_cost_kwargs(_activation_spec(args), laid, placement)
-                                            if laid is not None and _has_model(args) else None)
+            args.zero_bubble_chunk_costs = (chunk_cost_kwargs(model_spec(args), laid, placement)
+                                            if has_model(args) and (laid is not None or _even(args, placement))
+                                            else None)
 
     if style == "v" and p == 2 and getattr(args, "overlap_p2p_comm", True) is False:
         raise err("--no-overlap-p2p-communication: Megatron refuses a virtual pipeline at PP=2 without p2p overlap; "
@@ -375,6 +309,8 @@ def validate_zero_bubble_args(args, *, before_megatron_validation: Optional[bool
 
     kwargs: Dict[str, Any] = {"schedule": name, "chunks": chunks, "memory_limit": limit,
                               "timeout_s": float(getattr(args, "zero_bubble_timeout", None) or DEFAULT_TIMEOUT_S)}
+    if getattr(args, "zero_bubble_search_effort", None) is not None:
+        kwargs["effort"] = args.zero_bubble_search_effort
     laid_out = getattr(args, "zero_bubble_chunk_costs", None)
     given = {opt: getattr(args, f"zero_bubble_{opt}", None) for opt in ("cost_f", "cost_b", "cost_w", "mem_w")}
     if laid_out and all(v is None for v in given.values()):

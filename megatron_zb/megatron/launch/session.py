@@ -293,7 +293,7 @@ def trough_inputs(args, placement) -> dict:
 
     import torch
     from ..features.vocab_args import ASSUMED_TFLOPS
-    from .flags import memory_limit_in_microbatches, model_spec
+    from ..layout.model_args import memory_limit_in_microbatches, model_spec
     spec = model_spec(args)
     tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
     flops = sum(spec.layer_flops(i)[0] for i in range(spec.num_layers)) / placement.num_ranks / tp

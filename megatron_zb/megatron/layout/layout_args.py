@@ -119,18 +119,16 @@ def layers_per_stage(args) -> Optional[List[int]]:
     return list(counts) if counts else None
 
 
-def chunk_cost_kwargs(spec, layout: Layout, placement: Placement) -> dict:
+def chunk_cost_kwargs(spec, layout: Optional[Layout], placement: Placement) -> dict:
     """``install()``'s cost options per model chunk for a laid-out model (``spec``: plan's model of
-    it, ``core.model.ModelSpec``): each chunk's F/B/W in units of the busiest rank's F, its
-    activation in units of the fullest rank's (so a memory limit in microbatches keeps meaning
-    "this many microbatches of the fullest rank's activation"), and that unit in bytes."""
-    from ...core.chunk_costs import chunk_costs
+    it, ``core.model.ModelSpec``; ``layout`` None: the even split): each chunk's F/B/W in units of the
+    busiest rank's F, its activation in units of the fullest rank's (so a memory limit in microbatches
+    keeps meaning "this many microbatches of the fullest rank's activation"), and that unit in bytes
+    (``core.chunk_costs.unit_costs``: what plan builds its rows with)."""
+    from ...core.chunk_costs import unit_costs
     try:
-        cc = chunk_costs(spec, layout, placement, 1.0, 1.0)
+        uc = unit_costs(spec, layout, placement)
     except ScheduleError as e:
         raise ZeroBubbleArgumentError(str(e)) from None
-    t = max(cc.rank_sum("cost_f", placement)) or 1.0
-    u = max(cc.rank_sum("mem_f", placement)) or 1.0
-    return {"cost_f": [x / t for x in cc.cost_f], "cost_b": [x / t for x in cc.cost_b],
-            "cost_w": [x / t for x in cc.cost_w], "mem_f": [x / u for x in cc.mem_f],
-            "mem_w": [x / u for x in cc.mem_w], "unit_bytes": u}
+    return {"cost_f": uc.cost_f, "cost_b": uc.cost_b, "cost_w": uc.cost_w, "mem_f": uc.mem_f, "mem_w": uc.mem_w,
+            "unit_bytes": uc.unit_bytes}
