@@ -8,6 +8,7 @@ gets one line on stderr and exit code 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 from typing import List, Optional
@@ -40,7 +41,17 @@ def main(argv: Optional[List[str]] = None) -> int:
         if not getattr(args, "func", None):
             ap.print_help()
             return 2
-        return args.func(args)
+        # the schedule searches make millions of small objects and keep few cycles: the modules
+        # imported so far left out of every collection, and one collection per 100,000 allocations
+        # instead of 700 (plan: 5% less CPU, the same peak memory)
+        threshold = gc.get_threshold()
+        gc.freeze()
+        gc.set_threshold(100_000, 50, 100)
+        try:
+            return args.func(args)
+        finally:  # (a caller's own process, e.g. a test's, as it was)
+            gc.set_threshold(*threshold)
+            gc.unfreeze()
     except (UsageError, ScheduleError) as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         if not msg.startswith("megatron-zb"):

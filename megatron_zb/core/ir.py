@@ -11,7 +11,7 @@ ranks and each microbatch runs along one path of physical stages (BitPipe's two 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from .errors import ScheduleError, is_nonneg_number, setting_values
 
@@ -38,8 +38,10 @@ OFFLOAD_KINDS = (OFFLOAD, RELOAD, OFFLOAD_W, RELOAD_W)
 ALL_KINDS = COMPUTE_KINDS + COMM_KINDS + (OVERLAP,) + OFFLOAD_KINDS + VOCAB_KINDS
 
 
-@dataclass(frozen=True)
-class Action:
+class Action(NamedTuple):
+    """One pass (or message, offload, pair) of a rank's order: immutable and hashable; a tuple
+    underneath (the searches make, hash and compare millions of them)."""
+
     kind: str
     stage: int
     mb: int
@@ -52,9 +54,10 @@ class Action:
         s = f"{self.kind}{self.stage}.{self.mb}"
         return s if self.peer is None else f"{s}@{self.peer}"
 
+
     @property
     def is_compute(self) -> bool:
-        return self.kind in COMPUTE_KINDS or self.kind == OVERLAP or self.kind in VOCAB_KINDS
+        return self.kind in _COMPUTE_OR_VOCAB
 
     @property
     def is_vocab(self) -> bool:
@@ -65,6 +68,9 @@ class Action:
         if f.kind != F or b.kind not in (B, BW):
             raise ScheduleError(f"an overlapped pair is a forward and a backward, got {f} and {b}")
         return cls(OVERLAP, -1, -1, None, (f, b))
+
+
+_COMPUTE_OR_VOCAB = frozenset(COMPUTE_KINDS + (OVERLAP,) + VOCAB_KINDS)
 
 
 @dataclass(frozen=True)
