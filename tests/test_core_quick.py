@@ -134,3 +134,21 @@ def test_searched_schedules_compare_their_candidates_with_the_vocabulary_passes_
     assert all(r["fits"] for r in rows.values())
     assert t["v-auto"] <= t["zb-v"] * (1 + TIE)
     assert t["zb-auto"] <= min(t["zb-h1"], t["zb-h2"]) * (1 + TIE)
+
+
+def test_the_suggested_rows_memory_limit_is_its_peak_the_others_may_keep_the_room():
+    """Issue 26 (the suggested memory limit is the schedule's peak, not the GPU's room) at one search
+    more per row only where it counts: the suggested row, and with ``tighten`` every row. A row that
+    keeps the room builds the same schedule from its flags (``test_plan_flags``)."""
+    from megatron_zb.core.models import spec_kwargs
+    spec = P.ModelSpec(**spec_kwargs("llama-3.2-1b", 2048))
+    kw = dict(schedules=["v-auto", "zb-auto", "1f1b"], vocab_parallel="on")
+    planned = P.plan(spec, 4, 24, 80, **kw)
+    rows, lead = {r["schedule"]: r for r in planned}, planned[0]
+    tight = {r["schedule"]: r for r in P.plan(spec, 4, 24, 80, tighten=True, **kw)}
+    assert lead["schedule"] == "v-auto" and not P.room_limit(lead) and lead["memory_limit_microbatches"] < 8
+    assert P.room_limit(rows["zb-auto"]) and rows["zb-auto"]["memory_limit_microbatches"] > 100
+    assert not P.room_limit(tight["zb-auto"])
+    for name in ("v-auto", "zb-auto"):  # the same schedules: only the flag differs
+        assert tight[name]["iteration_time_s"] == rows[name]["iteration_time_s"]
+        assert tight[name]["peak_bytes"] == rows[name]["peak_bytes"]

@@ -212,12 +212,16 @@ def cmd_plan(args) -> int:
             return P.plan(spec, args.pipeline_parallel_size, args.num_microbatches,
                           args.gpu_memory_gb if gib is None else gib, schedules=names, **dict(kw, refine=False, **more))
 
-        def full(row, gib):  # a quickly searched row, searched in full
-            return again(gib, [row["schedule"]], search="full",
-                         vocab_parallel="on" if row.get("vocab_parallel") else "off")[0]
+        def full(row, gib):  # a quickly searched row chosen: in full where that adds blocks, else its limit tightened
+            vocab = "on" if row.get("vocab_parallel") else "off"
+            if P.margin(row, args.pipeline_parallel_size, args.num_microbatches) is not None:
+                return again(gib, [row["schedule"]], search="full", vocab_parallel=vocab)[0]
+            if P.room_limit(row):
+                redone = again(gib, [row["schedule"]], tighten=True, vocab_parallel=vocab)[0]
+                return None if "error" in redone or P.room_limit(redone) else redone
+            return None
 
-        within = P.within_1f1b_memory(rows, again, full, lambda r: P.margin(r, args.pipeline_parallel_size,
-                                                                          args.num_microbatches) is not None)
+        within = P.within_1f1b_memory(rows, again, full)
     advice = post_validation_advice(rows, args.optimizer_post_validation)
     if args.json:
         print(json.dumps({"model": dataclasses.asdict(spec), "pipeline_parallel_size": args.pipeline_parallel_size,

@@ -53,13 +53,12 @@ def plan(spec: ModelSpec, pipeline_parallel_size: int, microbatches: int, gpu_me
          layout: Optional[str] = None, layout_search: bool = True, vocab_parallel: str = "off",
          vocab_barriers: int = 1, vocab_gbps: float = EP_BANDWIDTH_GBPS, optimizer_offload: Optional[str] = None,
          host_costs=None, vocab_embedding: bool = False, search: str = "quick", refine: bool = True,
-         workers: Optional["Workers"] = None) -> List[dict]:
+         workers: Optional["Workers"] = None, tighten: bool = False) -> List[dict]:
     """Rows sorted by (fits, time per training iteration): with Megatron's synchronous optimizer
     step, or with optimizer post-validation when ``post_validation`` (``cost_optimizer`` seconds
     per step); times within 0.1% count as equal, the least peak memory first
-    (``by_memory_among_ties``). Each row carries both times. zb-auto's and v-auto's memory limit
-    (``memory_limit_microbatches`` and the flag) is what the schedule needs, its peak rounded up,
-    where the schedule built under it is as fast; else the budget's room. Activation offload (``core.offload``):
+    (``by_memory_among_ties``). Each row carries both times. zb-auto's and v-auto's memory limit:
+    see below. Activation offload (``core.offload``):
     ``offload_ratio`` R (0..1) offloads that share of every schedule's activations; ``'auto'``
     offloads as little as brings each schedule under the memory budget (zb-auto / v-auto may then
     take a schedule that needs more). The transfer time is ``offload_time`` K, or derived per rank
@@ -91,7 +90,12 @@ def plan(spec: ModelSpec, pipeline_parallel_size: int, microbatches: int, gpu_me
     stay quick, their flags saying so (``--zero-bubble-search-effort quick``: training builds that
     very schedule). Each searched row says which in ``search_effort``. ``refine`` False: the quick
     rows as they are (a caller that searches again in full only the row it chooses,
-    ``within_1f1b_memory``)."""
+    ``within_1f1b_memory``).
+
+    zb-auto's and v-auto's ``--zero-bubble-memory-limit`` (``memory_limit_microbatches``): the
+    schedule's peak where the schedule built under it is as fast (the suggested row's, every row's
+    with ``search='full'`` or ``tighten``: a search more each), else the budget's room (``room_limit``;
+    its flags build the same schedule either way)."""
     if exact is not None and offload_ratio is not None:
         raise ScheduleError("the exact mode solves schedules without activation offload (the MILP has no host "
                             "link): leave out the offload ratio or the exact mode")
@@ -127,16 +131,25 @@ def plan(spec: ModelSpec, pipeline_parallel_size: int, microbatches: int, gpu_me
                             ranked_by=key, offload=(offload_ratio, offload_time, host_link_gbps, offload_overlap),
                             exact=exact, a2a=(ep_bandwidth_gbps, a2a_overlap), layout=fixed, search=layout_search,
                             vocab_gbps=vocab_gbps, optim=_optim(optimizer_offload, host_costs),
-                            vocab_embedding=vocab_embedding, effort=search)
+                            vocab_embedding=vocab_embedding, effort=search, tighten=tighten or search == "full")
     variants = {"off": [None], "on": [vocab_barriers], "both": [None, vocab_barriers]}[vocab_parallel]
     todo = [(name, v) for name in (schedules or names()) for v in variants]
     with own as pool:
         rows = pool.run(one, todo)
+        tight = set(range(len(todo))) if tighten or search == "full" else set()  # rows whose limit was tightened
         again = _leading_quick(rows, key, p, m) if refine else []
         while again:  # the rows that may lead, searched in full (until those near the new leader are)
-            for i, r in zip(again, pool.run(functools.partial(one, effort="full"), [todo[i] for i in again])):
+            for i, r in zip(again, pool.run(functools.partial(one, effort="full", tighten=True),
+                                            [todo[i] for i in again])):
                 rows[i] = r
+            tight.update(again)
             again = _leading_quick(rows, key, p, m)
+        while refine:  # the suggested row's memory limit is its schedule's peak, not the budget's room
+            i = _leader(rows, key)
+            if i is None or i in tight or not room_limit(rows[i]):
+                break
+            tight.add(i)
+            rows[i] = pool.run(functools.partial(one, tighten=True), [todo[i]])[0]
     base = next((r for r in rows if r["schedule"] == "1f1b" and "error" not in r and not r.get("vocab_parallel")),
                 None)
     ok = [r for r in rows if "error" not in r]
@@ -242,6 +255,20 @@ def _leading_quick(rows: List[dict], key: str, p: int, m: int) -> List[int]:
             and (r["fits"] or not fits) and margin(r, p, m) is not None and r[key] <= top * (1 + margin(r, p, m))]
 
 
+def _leader(rows: List[dict], key: str) -> Optional[int]:
+    """The index of the row plan suggests (the fastest that fits; of equally fast ones the least
+    memory), None where none fits."""
+    fit = [i for i, r in enumerate(rows) if "error" not in r and r["fits"]]
+    order = by_memory_among_ties([rows[i] for i in fit], lambda r: r[key], lambda r: max(r["peak_bytes"]))
+    return next(i for i in fit if rows[i] is order[0]) if fit else None
+
+
+def room_limit(row: dict) -> bool:
+    """Whether a searched row's memory limit is the budget's room, above its schedule's peak."""
+    lim = row.get("memory_limit_microbatches")
+    return bool(lim) and lim > needed_limit(max(row["activation_bytes"]) / row["activation_unit_bytes"]) + 1e-9
+
+
 def _optim(mode, costs):
     if mode is None:
         return None
@@ -272,17 +299,17 @@ def by_memory_among_ties(rows: List[dict], time, peak, tie: float = TIE) -> List
     return out
 
 
-def within_1f1b_memory(rows: List[dict], replan, full=None, refines=None) -> Optional[dict]:
+def within_1f1b_memory(rows: List[dict], replan, full=None) -> Optional[dict]:
     """The fastest row that needs no more memory on any rank than Megatron's 1F1B (its row without
     vocabulary parallelism, fitting the budget), where the fastest fitting row needs more: the rows
     already made, and the searched schedules (v-auto, zb-auto, with their rows' vocabulary setting)
     planned again by ``replan(gib, names)`` with 1F1B's peak as the budget, so that their memory
     limit is the room under it. None where the fastest fitting row already needs no more, or
     without a 1F1B row. The row carries ``budget_gib`` and its speed over that 1F1B row. A row
-    chosen that was searched quickly (``search_effort``) is searched again in full by
-    ``full(row, gib)`` (gib: the budget it was planned with; None: take it as it is) and the choice
-    made again, where ``refines(row)`` (default: every such row; plan's: where the full search adds
-    building blocks, ``margin``)."""
+    chosen that was searched quickly (``search_effort``) is built again by ``full(row, gib)`` (gib:
+    the budget it was planned with; None: the plan's own) where that gives another row (the CLI's:
+    searched in full where that adds building blocks, ``margin``; else its memory limit brought to
+    its peak) and the choice made again; where it gives None the row is taken as it is."""
     ok = [r for r in rows if "error" not in r and r["fits"]]
     base = next((r for r in ok if r["schedule"] == "1f1b" and not r.get("vocab_parallel")), None)
     if base is None or not ok:
@@ -300,11 +327,11 @@ def within_1f1b_memory(rows: List[dict], replan, full=None, refines=None) -> Opt
             return None
         i = min(range(len(fit)), key=lambda i: (fit[i][0][key], max(fit[i][0]["peak_bytes"])))
         r, g = fit[i]
-        if r.get("search_effort") != "quick" or full is None or (refines is not None and not refines(r)):
+        redone = full(r, g) if r.get("search_effort") == "quick" and full is not None else None
+        if redone is None:
             break
-        redone = full(r, g)  # the full search's row in its place
         cands = [(x, h) for x, h in cands if x is not r] + \
-            ([(redone, g)] if redone is not None and "error" not in redone and redone["fits"] else [])
+            ([(redone, g)] if "error" not in redone and redone["fits"] else [])
     best = dict(r)
     best["budget_gib"] = max(base["peak_bytes"]) / 1024 ** 3
     best["throughput_vs_1f1b"] = round(base[key] / best[key], 4) if best[key] else None

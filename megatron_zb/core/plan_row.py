@@ -65,11 +65,13 @@ def row(name: str, spec: ModelSpec, p: int, m: int, budget: float, flops_per_s: 
         pad_ends: bool, interleave_chunks: int, cost_optimizer: float, ranked_by: str, offload: tuple,
         exact: Optional[tuple], a2a: tuple, layout: Optional[Layout] = None, search: bool = True,
         vocab: Optional[int] = None, vocab_gbps: float = 50.0, optim: Optional[tuple] = None,
-        vocab_embedding: bool = False, effort: str = "full") -> dict:
+        vocab_embedding: bool = False, effort: str = "full", tighten: bool = True) -> dict:
     """The best row over the candidate layouts (fits first, then ``ranked_by``), or {schedule, error}.
     ``vocab``: with vocabulary parallelism, that many barriers (``core.vocab``); ``vocab_embedding``:
     the input embedding split over the ranks too. ``effort``: how hard the searched schedules look
-    (``schedules.auto.EFFORTS``; the row says which in ``search_effort``)."""
+    (``schedules.auto.EFFORTS``; the row says which in ``search_effort``). ``tighten``: a searched
+    schedule's memory limit is its peak where the schedule built under that is as fast (else, and
+    without ``tighten``, the budget's room: a search more)."""
     sp = get(name)
     v = sp.resolve_chunks(interleave_chunks if sp.chunks is None else None)
     pl = placement_for(sp.placement, p, v)
@@ -88,7 +90,7 @@ def row(name: str, spec: ModelSpec, p: int, m: int, budget: float, flops_per_s: 
     def one(k: int) -> dict:
         return _one(sp, spec, p, m, v, pl, layouts[k], budget, flops_per_s, profile, cost_optimizer, ranked_by,
                     offload, exact, a2a, pad_ends and layout is None and k == 0, (vocab, vocab_gbps, vocab_embedding), optim,
-                    effort)
+                    effort, tighten)
 
     # A layout whose lower bound (no schedule's iteration is shorter) lies above a fitting row's
     # time by more than TIE cannot be the one kept below: it is not built (the same row, sooner)
@@ -168,7 +170,7 @@ def vocab_work(spec: ModelSpec, p: int, flops_per_s: float, barriers: Optional[i
 
 def _one(sp, spec, p, m, v, pl, lay: Layout, budget, flops_per_s, profile, cost_optimizer, ranked_by, offload,
          exact, a2a, padded: bool, vocab=(None, 50.0, False), optim: Optional[tuple] = None,
-         effort: str = "full") -> dict:
+         effort: str = "full", tighten: bool = True) -> dict:
     offload_ratio, offload_time, host_link_gbps, offload_overlap = offload
     ep_gbps, a2a_overlap = a2a
     barriers, vocab_gbps, split = vocab
@@ -228,7 +230,7 @@ def _one(sp, spec, p, m, v, pl, lay: Layout, budget, flops_per_s, profile, cost_
                                                        limit_units), effort=effort)
         built = build(req, p, m, enforce_limit=False)
         it = iteration_times(built.schedule, built.setting, cost_optimizer / sec)
-        if sp.searched and limit_units and req.offload is None:
+        if sp.searched and limit_units and req.offload is None and tighten:
             # the flag asks for what the schedule needs (its peak), not for the GPU's room: the
             # schedule the run builds under that limit (at the row's effort), where it is as fast
             # (``TIE``)
