@@ -194,7 +194,7 @@ def _plain_iterations(schedule: Schedule, setting: Setting, cost_optimizer: floa
     flat = schedule.flat()
     if flat.placement.num_ranks != setting.stages or not Plain.plain(flat, setting):
         return None
-    plain = Plain([[a for a in o if a.is_compute] for o in flat.orders], flat.placement, setting)
+    plain = Plain.of([[a for a in o if a.is_compute] for o in flat.orders], flat.placement, setting)
     t = plain.times() if plain.ok else None
     if t is None:
         return None

@@ -16,8 +16,12 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 from .ir import B, BW, F, OFFLOAD_KINDS, VG, VI, VS, VT, VW, W, Action, Schedule, Setting, deps
+from .memo import Memo, setting_key
 
 __all__ = ["Plain", "Timed"]
+
+#: the schedules coded in this process (``Plain.of``)
+_CODED = Memo(16)
 
 
 @dataclass
@@ -185,6 +189,17 @@ class Plain:
             self.codes.append(list(range(first, first + len(order))))
             first += len(order)
         self.ok = True
+
+    @classmethod
+    def of(cls, orders: List[List[Action]], pl, setting: Setting) -> "Plain":
+        """``Plain(orders, pl, setting)``, remembered (``memo``): a row's schedule is timed by its
+        validation, its iterations and, with vocabulary passes, their placement, each coding it anew."""
+        try:
+            key = (tuple(map(tuple, orders)), pl, setting_key(setting))
+            hash(key)
+        except TypeError:  # a setting part that cannot be a key (per-microbatch costs): not remembered
+            return cls(orders, pl, setting)
+        return _CODED.get(key, lambda: cls(orders, pl, setting))
 
     @staticmethod
     def plain(schedule: Schedule, setting: Setting) -> bool:

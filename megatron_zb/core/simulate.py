@@ -191,7 +191,7 @@ def simulate(schedule: Schedule, setting: Setting,
     pairs = set(map(tuple, schedule.meta.get("overlap_pairs", ()))) if setting.a2a_overlap and \
         any(setting.cost_a2a) else set()
     if links is None and not pairs:
-        fast = Plain(orders, pl, setting)
+        fast = Plain.of(orders, pl, setting)
         fast = fast.timeline(release) if fast.ok else None
         if fast is not None:
             timeline, remaining = fast, 0
@@ -283,7 +283,7 @@ def makespan_and_peak(schedule: Schedule, setting: Setting) -> Tuple[float, floa
         st = setting if setting.chunks == pl.chunks else dataclasses.replace(setting, chunks=pl.chunks)
         orders = [[a for a in o if a.is_compute] for o in flat.orders]
         if st.vocab is None or not any(a.is_vocab for o in orders for a in o) or st.vocab.check(pl.num_ranks):
-            fast = Plain(orders, pl, st)
+            fast = Plain.of(orders, pl, st)
             t = fast.times() if fast.ok else None
             if t is not None:
                 start, end = t
