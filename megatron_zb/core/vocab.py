@@ -39,6 +39,7 @@ VI (where it is posted) to VG.
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import heapq
 from collections import deque
@@ -276,6 +277,12 @@ def placed(schedule: Schedule, setting: Setting, w_cap: int = 1, coded: Optional
 
     fin = [finished(r) for r in range(p)]  # each rank's, kept as its passes run
     live = [INF if f else 0.0 for f in fin]  # each rank's clock, INF once it is finished
+    ordered = sorted(live)  # the same values in order: the earliest later clock of any rank
+
+    def relive(r: int, v: float) -> None:
+        del ordered[bisect.bisect_left(ordered, live[r])]
+        bisect.insort(ordered, v)
+        live[r] = v
 
     # the vocabulary passes as actions, made once for every variant placed with ``coded``
     acts = coded.get("actions")
@@ -350,22 +357,24 @@ def placed(schedule: Schedule, setting: Setting, w_cap: int = 1, coded: Optional
             for x in (rt, rs, rb, ri, rg):
                 if x is not None and lim < x < horizon:
                     horizon = x
-            for x in live:
-                if lim < x < horizon:
-                    horizon = x
+            i = bisect.bisect_right(ordered, lim)
+            if i < p and ordered[i] < horizon:
+                horizon = ordered[i]
             if horizon == INF:
                 horizon = None
             if pending_w[r] and (must_w or horizon is None or
                                  horizon - t >= cost_w[r] - EPS or not base[r] and nxt_s[r] == m):
                 a, c = a_w[r][pending_w[r].popleft()], cost_w[r]
             elif horizon is not None:
-                clock[r] = live[r] = horizon
+                clock[r] = horizon
+                relive(r, horizon)
             else:
                 stalls += 1
                 if stalls > 4 * p + 8:
                     raise ScheduleError(f"vocabulary passes cannot be placed into {schedule.name}: rank {r} waits "
                                         f"at time {t:g} for a pass no rank can run")
-                clock[r] = live[r] = t + EPS
+                clock[r] = t + EPS
+                relive(r, clock[r])
         if a is not None:  # it runs from t
             stalls = 0
             end = t + c
@@ -379,7 +388,7 @@ def placed(schedule: Schedule, setting: Setting, w_cap: int = 1, coded: Optional
                 barriers.passed(a, end)
             fin[r] = not base[r] and nxt_s[r] == m and nxt_t[r] == m and not pending_w[r] and nxt_i[r] == m and \
                 nxt_g[r] == m
-            live[r] = INF if fin[r] else end
+            relive(r, INF if fin[r] else end)
         if not fin[r]:
             push(heap, (clock[r], r))
     meta = dict(schedule.meta, vocab=vocab.to_dict())

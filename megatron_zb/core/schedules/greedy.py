@@ -22,6 +22,7 @@ import bisect
 import dataclasses
 import heapq
 import itertools
+from collections import deque
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
@@ -66,13 +67,15 @@ def greedy(setting: Setting, placement: Placement, limit: float, policy: Policy 
     hop_b = [comm if s < nst - 1 and rank_of[s + 1] != rank_of[s] else 0.0 for s in range(nst)]
     next_f = [0] * nst
     next_b = [0] * nst
-    pending_w: List[List[Tuple[int, int]]] = [[] for _ in range(p)]  # (stage, mb), B order
+    pending_w: List[deque] = [deque() for _ in range(p)]  # (stage, mb), B order
     mem = [0.0] * p
     inflight = [0] * p
     clock = [0.0] * p
     orders: List[List[Action]] = [[] for _ in range(p)]
     done = [0] * p
     total = [len(stages_of[r]) * m * 3 for r in range(p)]
+    last = nst - 1
+    cap, b_first, fill_always = policy.cap, policy.b_first, policy.fill == "always"
 
     def run(r, kind, s, mb, start):
         if kind == F:
@@ -95,31 +98,37 @@ def greedy(setting: Setting, placement: Placement, limit: float, policy: Policy 
         orders[r].append(Action(kind, s, mb))
         done[r] += 1
 
-    deepest = [max(stages_of[r]) for r in range(p)]
-    down = [sorted(stages_of[r], reverse=True) for r in range(p)]  # deeper stages first
+    # per rank, deeper stages first, each with what an F of it needs free (with ``reserve``: room
+    # for one more F of the rank's deepest stage too)
+    down = []
+    for r in range(p):
+        deepest = max(stages_of[r])
+        down.append([(s, fmem[s] + (fmem[deepest] if policy.reserve and s != deepest else 0.0))
+                     for s in sorted(stages_of[r], reverse=True)])
     top = limit + EPS
     # a rank waiting for others: its clock is raised to the next candidate time
     heap = [(0.0, r) for r in range(p)]
     heapq.heapify(heap)
+    pop, push = heapq.heappop, heapq.heappush
     # the clocks of the ranks with passes left, sorted (the earliest later clock of another rank)
     active = sorted(clock[r] for r in range(p) if total[r])
     listed = list(clock)
     idle_rounds = 0
     while heap:
-        t, r = heapq.heappop(heap)
+        t, r = pop(heap)
         if t < clock[r] - EPS:  # stale entry
             continue
         if done[r] == total[r]:
             continue
         t = clock[r]
         now_t = t + EPS
-        capped = policy.cap is not None and inflight[r] >= policy.cap[r]
+        capped = cap is not None and inflight[r] >= cap[r]
         b_pick = f_pick = future = None  # the deepest ready B, the deepest ready F that fits
         f_ready = False
-        for s in down[r]:
+        for s, need in down[r]:
             mb = next_b[s]  # when the next B of stage s can start (None: not yet known)
             if mb < m and mb < next_f[s]:
-                if s == nst - 1:
+                if s == last:
                     rt = end_f[s][mb]
                 else:
                     rt = end_b[s + 1][mb]
@@ -142,30 +151,24 @@ def greedy(setting: Setting, placement: Placement, limit: float, policy: Policy 
                 if rt is not None:
                     if rt <= now_t:
                         f_ready = True
-                        if not capped and f_pick is None:
-                            need = fmem[s] + (fmem[deepest[r]] if policy.reserve and s != deepest[r] else 0.0)
-                            if mem[r] + need <= top:
-                                f_pick = s
+                        if not capped and f_pick is None and mem[r] + need <= top:
+                            f_pick = s
                     elif future is None or rt < future:
                         future = rt
-        f_blocked = f_ready and f_pick is None and not capped
-        pick = None
-        if b_pick is not None and (policy.b_first or f_pick is None):
-            pick = (B, b_pick)
+        if b_pick is not None and (b_first or f_pick is None):
+            run(r, B, b_pick, next_b[b_pick], t)
+            idle_rounds = 0
         elif f_pick is not None:
-            pick = (F, f_pick)
-        if pick is not None:
-            kind, s = pick
-            run(r, kind, s, next_f[s] if kind == F else next_b[s], t)
+            run(r, F, f_pick, next_f[f_pick], t)
             idle_rounds = 0
         else:
             i = bisect.bisect_right(active, now_t)  # another rank's clock after now (this one's is now)
             other = active[i] if i < len(active) else None
             horizon = future if other is None else (other if future is None else min(future, other))
-            wgap_ok = pending_w[r] and (policy.fill == "always" or f_blocked or horizon is None
-                                        or horizon - t >= cost[(pending_w[r][0][0], W)] - EPS)
-            if wgap_ok:
-                s, mb = pending_w[r].pop(0)
+            pw = pending_w[r]
+            if pw and (fill_always or (f_ready and not capped) or horizon is None
+                       or horizon - t >= cost_w[pw[0][0]] - EPS):
+                s, mb = pw.popleft()
                 run(r, W, s, mb, t)
                 idle_rounds = 0
             elif horizon is not None:
@@ -180,7 +183,7 @@ def greedy(setting: Setting, placement: Placement, limit: float, policy: Policy 
                 clock[r] = t + EPS
         del active[bisect.bisect_left(active, listed[r])]
         if done[r] < total[r]:
-            heapq.heappush(heap, (clock[r], r))
+            push(heap, (clock[r], r))
             bisect.insort(active, clock[r])
             listed[r] = clock[r]
     return Schedule(name, pl, m, orders, {"memory_limit": limit, "policy": policy.__dict__})

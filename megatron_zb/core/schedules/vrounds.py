@@ -42,17 +42,24 @@ def _try(st: Setting, limit: float, fill_b: bool, fill_f: bool, tol: float, appr
     p, m = st.stages, st.microbatches
     c = st.cost_comm
     st = st if st.chunks == 2 else dataclasses.replace(st, chunks=2)
-    stage = {FA: lambda i: i, FZ: lambda i: 2 * p - 1 - i, BZ: lambda i: 2 * p - 1 - i, BA: lambda i: i}
+    stage = {FA: list(range(p)), FZ: [2 * p - 1 - i for i in range(p)], BZ: [2 * p - 1 - i for i in range(p)],
+             BA: list(range(p))}
     kind_of = {FA: F, FZ: F, BZ: B, BA: B}
     # per rank, each chunk's own cost and memory change (the V's two chunks may differ)
-    cost = {k: [st.pass_cost(kind_of[k], i, stage[k](i)) for i in range(p)] for k in kind_of}
-    dm = {k: [st.pass_mem(kind_of[k], i, stage[k](i)) for i in range(p)] for k in kind_of}
+    cost = {k: [st.pass_cost(kind_of[k], i, stage[k][i]) for i in range(p)] for k in kind_of}
+    dm = {k: [st.pass_mem(kind_of[k], i, stage[k][i]) for i in range(p)] for k in kind_of}
     cw = {s: st.pass_cost(W, min(s, 2 * p - 1 - s), s) for s in range(2 * p)}
     wmem = {s: st.pass_mem(W, min(s, 2 * p - 1 - s), s) for s in range(2 * p)}
     fmem = [max(dm[FA][i], dm[FZ][i]) for i in range(p)]  # the larger chunk activation of a rank
     bmem = [max(dm[BA][i], dm[BZ][i]) for i in range(p)]
     cnt = {k: [0] * p for k in (FA, FZ, BZ, BA)}
     end: Dict[str, List[List[Optional[float]]]] = {k: [[None] * m for _ in range(p)] for k in (FA, FZ, BZ, BA)}
+    # where each rank's next pass of a kind takes its input: (the input's ends, crosses ranks), or
+    # None where it has none (rank 0's first-leg forward)
+    src = {FA: [(end[FA][i - 1], True) if i > 0 else None for i in range(p)],
+           FZ: [(end[FZ][i + 1], True) if i < p - 1 else (end[FA][i], False) for i in range(p)],
+           BZ: [(end[BZ][i - 1], True) if i > 0 else (end[FZ][i], False) for i in range(p)],
+           BA: [(end[BA][i + 1], True) if i < p - 1 else (end[BZ][i], False) for i in range(p)]}
     clock, mem, idle, peak, first = [0.0] * p, [0.0] * p, [0.0] * p, [0.0] * p, [0.0] * p
     pend: List[deque] = [deque() for _ in range(p)]
     orders: List[List[Tuple[str, int, int]]] = [[] for _ in range(p)]
@@ -71,28 +78,17 @@ def _try(st: Setting, limit: float, fill_b: bool, fill_f: bool, tol: float, appr
 
     def dep(i: int, k: str) -> Optional[Tuple[float, bool]]:
         """(end of the input of rank i's next k, crosses ranks) or None if it has none elsewhere."""
-        j = cnt[k][i]
-        if k == FA:
-            src = (FA, i - 1) if i > 0 else None
-        elif k == FZ:
-            src = (FZ, i + 1) if i < p - 1 else (FA, i)
-        elif k == BZ:
-            src = (BZ, i - 1) if i > 0 else (FZ, i)
-        else:
-            src = (BA, i + 1) if i < p - 1 else (BZ, i)
-        if src is None:
+        sr = src[k][i]
+        if sr is None:
             return None
-        e = end[src[0]][src[1]][j]
+        e = sr[0][cnt[k][i]]
         if e is None:
-            raise ScheduleError(f"V round heuristic: rank {i}'s {k} of microbatch {j} has no input yet")
-        return e, src[1] != i
+            raise ScheduleError(f"V round heuristic: rank {i}'s {k} of microbatch {cnt[k][i]} has no input yet")
+        return e, sr[1]
 
     def has_input(i: int, k: str) -> bool:
-        try:
-            dep(i, k)
-        except ScheduleError:
-            return False
-        return True
+        sr = src[k][i]
+        return sr is None or sr[0][cnt[k][i]] is not None
 
     def put(i: int, k: str) -> None:
         if k == "W":
@@ -106,7 +102,7 @@ def _try(st: Setting, limit: float, fill_b: bool, fill_f: bool, tol: float, appr
             dd = dep(i, k)
             if dd is not None:
                 start = max(start, dd[0] + (c if dd[1] else 0.0))
-            s, d, dmm, kind = stage[k](i), cost[k][i], dm[k][i], (F if k in (FA, FZ) else B)
+            s, d, dmm, kind = stage[k][i], cost[k][i], dm[k][i], kind_of[k]
             if dmm > 0 and mem[i] + dmm > limit + EPS:
                 raise ScheduleError(f"V round heuristic: rank {i} over the memory limit {limit:g}")
         if not orders[i]:
@@ -129,9 +125,9 @@ def _try(st: Setting, limit: float, fill_b: bool, fill_f: bool, tol: float, appr
         return max(top_idle[0], top_approved - approved[i]) - idle[i]
 
     def fill(i: int, k: str, overrun: bool) -> None:
-        dd = dep(i, k) if k != FA or i > 0 else None
         if k in (FZ, BA) and i == p - 1 or k == BZ and i == 0:
-            dd = None  # the input is on this rank: no wait to fill
+            return  # the input is on this rank: no wait to fill
+        dd = dep(i, k) if k != FA or i > 0 else None
         if dd is None:
             return
         at = dd[0] + (c if dd[1] else 0.0)
