@@ -222,15 +222,20 @@ class Plain:
         left = [[R if L < 2 else 1] * count for L, (_, count, _) in enumerate(self.links)]
         latest = [[0.0] * count for _, count, _ in self.links]
         nxt, free = [0, 0, 0], [0.0, 0.0, 0.0]
+        rel: List[Optional[Dict[int, float]]] = [None] * R  # per rank: position -> release
+        for (rr, ii), v in (release or {}).items():
+            rel[rr] = rel[rr] or {}
+            rel[rr][ii] = v
         stack = list(range(R - 1, -1, -1))
         while stack:
             r = stack.pop()
             o = self.codes[r]
             i, t = pos[r], clock[r]
-            while i < len(o):
+            n, rl = len(o), rel[r]
+            while i < n:
                 x = o[i]
-                if release and (r, i) in release:
-                    t = max(t, release[(r, i)])
+                if rl is not None and i in rl:
+                    t = max(t, rl[i])
                 d = dep[x]
                 if d >= 0:
                     e = end[d]

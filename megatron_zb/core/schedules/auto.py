@@ -28,7 +28,7 @@ from ..memo import Memo, copy_schedule, setting_key
 from ..simulate import simulate
 from ..validate import validate
 from .bounds import lower_bound
-from .evaluate import Coder
+from .evaluate import Coder, Run
 from .greedy import best_of, capped_variants
 from .improve import improve
 from .rounds import round_variants
@@ -86,7 +86,7 @@ def _cheapest(ranked: List[Tuple[tuple, Schedule]], setting: Setting,
     near = [x for x in ranked if x[0][0] <= ref[0][0] * (1 + tie) + 1e-9]
     if len(near) == 1:
         return ref
-    coder = Coder(setting, ref[1].placement, setting.microbatches)
+    coder = Coder.of(setting, ref[1].placement, setting.microbatches)
 
     def end_peak(s: Schedule) -> Tuple[float, float, list]:
         """The end of its last pass, its peak as the coder counts it (a key's own peak may be a
@@ -145,7 +145,7 @@ def rank_candidates(cands: List[Schedule], setting: Setting, limit: Optional[flo
     (same timing) dropped."""
     if not cands:
         return []
-    coder = Coder(setting, cands[0].placement, setting.microbatches)
+    coder = Coder.of(setting, cands[0].placement, setting.microbatches)
     out, seen = [], set()
     for s in cands:
         k = _key(coder, s, limit)
@@ -175,12 +175,15 @@ def finish_search(best: Schedule, setting: Setting, limit: Optional[float], name
     if ranked[0][0][0] > lb + 1e-9 and evals > 0:
         pool += rank_candidates([improve(s, setting, limit, max_evals=evals) for _, s in ranked[:top]], setting, limit)
     chosen = _cheapest(pool, setting, tie)[1] if len(pool[0][0]) == 3 else pool[0][1]
-    res = validate(chosen, setting, memory_limit=float("inf") if limit is None else limit)
-    if sim is not None:
+    if sim is not None:  # (the caller builds on its simulation: validated here)
+        res = validate(chosen, setting, memory_limit=float("inf") if limit is None else limit)
         sim.append(res)
+        makespan = res.makespan
+    else:  # (every schedule ``build`` returns is validated there)
+        makespan = Run(Coder.of(setting, chosen.placement, setting.microbatches), chosen, setting).makespan
     meta = {k: v for k, v in chosen.meta.items() if k not in ("timing", "near_ties")}
     meta = dict(meta, memory_limit=limit, memory_claim=claim, lower_bound=round(lb, 9),
-                gap_to_lower_bound=round(max(0.0, res.makespan / lb - 1.0), 6) if lb > 0 else 0.0)
+                gap_to_lower_bound=round(max(0.0, makespan / lb - 1.0), 6) if lb > 0 else 0.0)
     return dataclasses.replace(chosen, name=name, meta=meta)
 
 

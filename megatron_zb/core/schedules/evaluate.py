@@ -11,10 +11,13 @@ import itertools
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..ir import B, BW, F, W, Action, Placement, Schedule, Setting
+from ..memo import Memo, setting_key
 from ..iteration import AVERAGE_OVER, ITERATIONS, validation_times
 from ..simulate import simulate
 
 KIND = {F: 0, B: 1, W: 2, BW: 3}
+#: the coders made in this process (``Coder.of``)
+_CODERS = Memo(16)
 
 
 class Timing:
@@ -77,6 +80,17 @@ class Coder:
                     if d >= 0 and placement.rank_of(src) != r:
                         hop[x] = comm
         self.rank, self.cost, self.dmem, self.dep, self.hop = rank, cost, dmem, dep, hop
+
+    @classmethod
+    def of(cls, setting: Setting, placement: Placement, m: int) -> "Coder":
+        """``Coder(setting, placement, m)``, remembered (``memo``; it does not depend on the memory
+        limit): a search codes its setting again for each candidate ranking, local search and tie."""
+        key = (tuple(x for x in setting_key(setting) if x[0] != "memory_limit"), placement, m)
+        try:
+            hash(key)
+        except TypeError:  # a setting part that cannot be a key (per-microbatch costs): not remembered
+            return cls(setting, placement, m)
+        return _CODERS.get(key, lambda: cls(setting, placement, m))
 
     def code(self, a: Action) -> int:
         return (KIND[a.kind] * self.S + a.stage) * self.m + a.mb

@@ -197,7 +197,7 @@ def best_of(setting: Setting, placement: Placement, limit: float, name: str,
             policies: Sequence[Policy] = tuple(POLICIES)) -> Schedule:
     """Try each policy; keep the valid schedule with the smallest makespan (then peak memory)."""
     best, best_key, errors = None, None, []
-    coder = Coder(setting, placement, setting.microbatches)
+    coder = Coder.of(setting, placement, setting.microbatches)
     for pol in policies:
         try:
             s = greedy(setting, placement, limit, pol, name)

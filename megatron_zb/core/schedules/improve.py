@@ -100,7 +100,7 @@ def improve(schedule: Schedule, setting: Setting, limit: Optional[float], max_ev
     flat = schedule.flat()
     if flat is not schedule:  # overlapped pairs are kept as they are
         return schedule
-    coder = Coder(setting, schedule.placement, schedule.num_microbatches)
+    coder = Coder.of(setting, schedule.placement, schedule.num_microbatches)
     orders = coder.encode(schedule.orders)
     t = coder.time(orders)
     if t is None:

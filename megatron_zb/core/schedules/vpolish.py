@@ -299,7 +299,7 @@ def polish_run(setting: Setting, placement: Placement, times: Dict[Key, float], 
     else:
         best, best_res = None, None
     m = 1 + max(k[2] for k in times)
-    coder = Coder(setting, placement, m)
+    coder = Coder.of(setting, placement, m)
     stopped = False
     for _ in range(rounds):
         orders = orders_by_time(placement, compact(setting, placement, times, limit, window), actions)

@@ -118,7 +118,7 @@ def _v_searched(name: str, setting: Setting, limit: Optional[float], sim: Option
     p, m = st.stages, st.microbatches
     pl = Placement.vshape(p)
     paper = {n: _paper_block(st, n) for n in ("v-half", "v-min")}
-    coder = Coder(st, pl, m)
+    coder = Coder.of(st, pl, m)
     peak = {n: max(coder.peak(o) for o in coder.encode(s.orders)) for n, s in paper.items() if s is not None}
     if limit is None:  # the paper's memory; its formula where its block does not fit this p
         limit = peak.get(name, (p / 2 + 1 if name == "v-half" else p / 3 + 1) * unit(st, pl))

@@ -198,7 +198,7 @@ def search(setting: Setting, limit: float, name: str, keep: int = 2) -> List[Sch
     pl = Placement.vshape(p)
     chunk = max(st.pass_mem(F, pl.rank_of(s), s) for s in range(pl.num_stages))  # the largest chunk activation
     max_mem = min(2 * p, int(limit / chunk + 1e-9)) if chunk > 0 else 2 * p  # chunk activations
-    coder = Coder(st, pl, m)
+    coder = Coder.of(st, pl, m)
     found: List[Tuple[tuple, int, Schedule]] = []
     seen = set()
     for block_orders in _orders(p, m, max_mem):
