@@ -122,7 +122,7 @@ def plot_timeline(result: SimResult, path: str, title: Optional[str] = None, tim
     nranks = len(result.timeline)
     default_title = _default_title(result, time_unit)
     if k != 1.0:  # draw in the unit the axis shows
-        result = dataclasses.replace(result, timeline=[[dataclasses.replace(t, start=t.start * k, end=t.end * k)
+        result = dataclasses.replace(result, timeline=[[t._replace(start=t.start * k, end=t.end * k)
                                                          for t in tl] for tl in result.timeline])
     passes = [t for tl in result.timeline for t in tl]
     t0 = min((t.start for t in passes), default=0.0)

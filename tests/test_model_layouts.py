@@ -1,6 +1,7 @@
 """Uneven model layouts (issue 32): Megatron's layout grammar in pipeline order, the layout search,
 the layout flags under every schedule family (flags, verify) and exactness against the reference."""
 import argparse
+import json
 import subprocess
 import sys
 
@@ -195,9 +196,10 @@ def test_verify_takes_megatrons_layout_flags_and_refuses_a_bad_model_in_one_line
     run = lambda *a: subprocess.run([sys.executable, "-m", "megatron_zb.cli", "verify", *a, *env_mcore],  # noqa: E731
                                     capture_output=True, text=True, timeout=600)
     ok = run("--schedule", "zb-v", "-p", "4", "-m", "8", "--num-layers", "8", "--iterations", "2",
-             "--pipeline-model-parallel-layout", "Et|t|t|tt|t|t|t|L", "--json")
+             "--pipeline-model-parallel-layout", "Et|t|t|tt|t|t|t|L", "--search-effort", "quick", "--json")
     assert ok.returncode == 0, ok.stdout[-3000:] + ok.stderr[-2000:]
-    assert "layers=1,1,1,2,1,1,1,0" in ok.stdout
+    assert "layers=1,1,1,2,1,1,1,0" in ok.stdout and "search-effort=quick" in ok.stdout  # (a plan row's ~ flags)
+    assert json.loads(ok.stdout.strip().splitlines()[-1])["passed"]
     bad = run("--schedule", "zb-h1", "-p", "2", "-d", "2", "--num-experts", "4", "--moe-router-topk", "1",
               "--iterations", "1")
     assert bad.returncode == 2

@@ -12,8 +12,7 @@ barriers the two kinds share the link in the order ``simulate``'s loop meets the
 schedules are left to it (``ok`` False)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 from .ir import B, BW, F, OFFLOAD_KINDS, VG, VI, VS, VT, VW, W, Action, Schedule, Setting, deps
 from .memo import Memo, setting_key
@@ -24,8 +23,9 @@ __all__ = ["Plain", "Timed"]
 _CODED = Memo(16)
 
 
-@dataclass
-class Timed:
+class Timed(NamedTuple):
+    """One pass of a simulated timeline (a tuple underneath: a timeline holds every pass)."""
+
     action: Action
     rank: int
     start: float
@@ -40,6 +40,7 @@ class Plain:
 
     def __init__(self, orders: List[List[Action]], pl, setting: Setting):
         self.orders, self.ok = orders, False
+        self._free = None  # (``times()``,) once worked out
         nst, rank_of, comm = pl.num_stages, pl.stage_to_rank, setting.cost_comm
         per_mb = setting.microbatch_costs is not None
         p = len(orders)
@@ -209,7 +210,15 @@ class Plain:
                 and not (schedule.meta.get("overlap_pairs") and setting.a2a_overlap and any(setting.cost_a2a)))
 
     def times(self, release: Optional[Dict[Tuple[int, int], float]] = None):
-        """(start, end) per pass code, or None on a deadlock."""
+        """(start, end) per pass code, or None on a deadlock (shared lists: read, never change them).
+        Without ``release`` worked out once (``of`` hands the same coding to every caller)."""
+        if not release:
+            if self._free is None:
+                self._free = (self._times(None),)
+            return self._free[0]
+        return self._times(release)
+
+    def _times(self, release):
         dep, hop, cost, dep2, hop2 = self.dep, self.hop, self.cost, self.dep2, self.hop2
         feeds, vocab = self.feeds, self.vocab
         end: List[Optional[float]] = [None] * self.size

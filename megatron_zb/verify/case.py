@@ -182,6 +182,8 @@ class VerifyCase:
                         + (" half-duplex" if self.offload_half_duplex else ""))
         if self.layers_per_stage:
             bits.append("layers=" + ",".join(map(str, self.layers_per_stage)))
+        if self.schedule_options.get("effort", "full") != "full":
+            bits.append(f"search-effort={self.schedule_options['effort']}")
         if self.vocab_parallel:
             bits.append(f"vocab-parallel/{self.vocab_parallel}" + ("+embedding" if self.vocab_embedding else ""))
         if not self.ddp:

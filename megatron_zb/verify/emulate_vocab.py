@@ -73,7 +73,7 @@ def compare(spec: ModelSpec, p: int, m: int, slow_down: float = 3.0, iterations:
             tl = got[2][k]
             row["timeline"] = dataclasses.replace(
                 tl, makespan=tl.makespan * 1e3, spans=[x * 1e3 for x in tl.spans], busy=[x * 1e3 for x in tl.busy],
-                timeline=[[dataclasses.replace(t, start=t.start * 1e3, end=t.end * 1e3) for t in x]
+                timeline=[[t._replace(start=t.start * 1e3, end=t.end * 1e3) for t in x]
                           for x in tl.timeline])
         out.append(row)
     base = out[0]
