@@ -10,7 +10,8 @@ it built.
 ``--commands``: instead, the command lines as a user runs them (``megatron-zb plan ... --json``,
 the 'within Megatron 1F1B's memory' re-plan included) for Llama-3-8B's shape (the issue's flags),
 ``--model llama-3-70b`` and ``--model llama-3.2-1b`` at ``--sizes`` (default 8:32 16:32), each in a
-fresh process: its CPU seconds (user + sys, its worker processes included), the best fitting row
+fresh process, ``--repeat`` times (the box's speed moves single runs by 15-30%): its CPU seconds
+(user + sys, its worker processes included; each run's and their median), the best fitting row
 and the row within 1F1B's memory (schedule, layout, time per iteration, bubble, peak GiB); with
 ``--search full`` as well, the same with ``--full-search`` (every row searched in full, as before
 the quick first pass) beside it.
@@ -18,8 +19,9 @@ the quick first pass) beside it.
 ``--gaps``: how much the full search gains over plan's quick first pass, row by row: for each
 ``--gap-models`` entry (``model:P:M``; ``llama-3-8b-flags`` is the issue's shape at sequence 4096,
 the others ``--model`` names at sequence 4096) every row searched quickly and left so, and every
-row searched in full; per row the quick row's time over the full one's (plan's margins,
-``core.plan.FULL_MARGIN`` / ``NEAR_MARGIN``, must cover the gains where a row could lead).
+row searched in full; per row the quick row's time over the full one's (where the full search adds
+building blocks ``core.plan.FULL_MARGIN`` must cover its gains; elsewhere a row stays quick, its
+flags saying so, and this says what that gives up).
 
 CPU time (``time.process_time`` / ``getrusage``), not wall: the box is shared. A mode's rows run in
 one fresh process each (nothing remembered from another mode's searches), as the command line runs them.
@@ -53,7 +55,7 @@ def _one_mode(args) -> dict:
     def timed(sp, spec, p_, m_, v, pl, lay, *a, **k):
         t = time.process_time()
         r = orig(sp, spec, p_, m_, v, pl, lay, *a, **k)
-        built.append({"schedule": sp.name, "vocab": a[-3][0], "layout": str(lay),
+        built.append({"schedule": sp.name, "vocab": a[9][0], "layout": str(lay),
                       "cpu_s": round(time.process_time() - t, 3)})
         return r
 
@@ -87,21 +89,24 @@ def _brief(r):
             "search_effort": r.get("search_effort")}
 
 
-def _command(model: str, p: int, m: int, search: str, jobs: int) -> dict:
+def _command(model: str, p: int, m: int, search: str, jobs: int, repeat: int = 1) -> dict:
     cmd = [sys.executable, "-m", "megatron_zb.cli", "plan", *MODELS[model], "--pipeline-parallel-size", str(p),
            "--num-microbatches", str(m), "--gpu-memory-gb", "80", "--json", "--jobs", str(jobs)]
     if search == "full":
         cmd.append("--full-search")
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True,
-                         cwd=os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."),
-                         env=dict(os.environ, OMP_NUM_THREADS="1")).stdout
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    runs = []
+    for _ in range(repeat):
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True,
+                             cwd=os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."),
+                             env=dict(os.environ, OMP_NUM_THREADS="1")).stdout
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        runs.append(round((after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime), 2))
+    cpu = sorted(runs)[len(runs) // 2]
     d = json.loads(out)
     rows = [r for r in d["rows"] if "error" not in r]
     best = next((r for r in rows if r["fits"]), rows[0] if rows else None)
-    return {"model": model, "p": p, "m": m, "search": search, "jobs": jobs, "cpu_s": round(cpu, 2),
+    return {"model": model, "p": p, "m": m, "search": search, "jobs": jobs, "cpu_s": round(cpu, 2), "cpu_s_runs": runs,
             "best": _brief(best), "within_1f1b_memory": _brief(d["within_1f1b_memory"])}
 
 
@@ -111,7 +116,7 @@ def commands(a) -> int:
         p, m = (int(x) for x in size.split(":"))
         for model in MODELS:
             for search in a.search:
-                r = _command(model, p, m, search, a.jobs)
+                r = _command(model, p, m, search, a.jobs, a.repeat)
                 out.append(r)
                 b, w = r["best"], r["within_1f1b_memory"]
                 print(f"P={p:<3} M={m:<3} {model:<20} {search:<6} {r['cpu_s']:8.2f} s CPU   best "
@@ -169,6 +174,7 @@ def main() -> int:
     ap.add_argument("--search", nargs="+", default=["quick"], choices=["quick", "full"],
                     help="plan's search: quick first pass (default) and/or every row in full")
     ap.add_argument("--jobs", type=int, default=1, help="--commands: plan's --jobs (default 1)")
+    ap.add_argument("--repeat", type=int, default=3, help="--commands: runs of each command (the median is quoted)")
     ap.add_argument("--gaps", action="store_true", help="the full search's gain over the quick pass, row by row")
     ap.add_argument("--gap-models", nargs="+", default=GAP_MODELS, metavar="MODEL:P:M")
     ap.add_argument("--out", default=None)

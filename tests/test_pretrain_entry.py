@@ -104,8 +104,10 @@ RUNS = {
     # MoE with expert parallelism (PP=2 x DP=2, experts over EP=2, all-to-all over gloo, aux loss), zb-v
     # with Megatron's EP all-to-all overlap flag (every pass through megatron-core's schedule plans; the
     # same runtime without the flag is verify's, tests/test_moe_recompute.py)
-    "zb-v/moe-overlap": dict(SCHEDULE="zb-v", NPROC=4, EXTRA_ARGS=MOE_ARGS + " --overlap-moe-expert-parallel-comm"),
-    "1f1b/moe": dict(SCHEDULE="1f1b", NPROC=4, EXTRA_ARGS=MOE_ARGS),
+    # (8 microbatches per replica: each chunk costed by what it holds, zb-v's order at 4 has no F
+    # directly before another microbatch's B to pair, at 8 it has)
+    "zb-v/moe-overlap": dict(SCHEDULE="zb-v", NPROC=4, GBS=32, EXTRA_ARGS=MOE_ARGS + " --overlap-moe-expert-parallel-comm"),
+    "1f1b/moe": dict(SCHEDULE="1f1b", NPROC=4, GBS=32, EXTRA_ARGS=MOE_ARGS),
     # vocabulary parallelism (issue 33): zb-v from the same weights as 1f1b; the VocabularyParallelism
     # fork's flags alone (its 1F1B, two barriers) from Megatron's own random init, with evaluation, against
     # Megatron's 1F1B from that init ("1f1b": the tied shards are scattered from the embedding only then)
