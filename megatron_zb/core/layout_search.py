@@ -106,10 +106,11 @@ def _balanced(layer_work, placement: Placement, first: float, last: float, mtp_l
     seeds = [list(c) for c in (starts or [])] + [even_counts(L, S)]
     if S >= 2:
         seeds.append(_fill(pre, S, first, last))
-    found = {}
+    found, climbed = {}, set()
     for seed in seeds:
-        if len(seed) != S or sum(seed) != L or any(c < low(s) for s, c in enumerate(seed)):
-            continue
+        if len(seed) != S or sum(seed) != L or any(c < low(s) for s, c in enumerate(seed)) or tuple(seed) in climbed:
+            continue  # (a seed climbed already: the same climb)
+        climbed.add(tuple(seed))
         counts = _climb(list(seed), score, low)
         found[tuple(counts)] = score(counts)
     if not found:
