@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-from collections import Counter
 from typing import Dict, Optional
 
 from .ir import B, BW, COMPUTE_KINDS, F, OFFLOAD_KINDS, VG, VI, VOCAB_KINDS, VS, VT, VW, W, Schedule, ScheduleError, Setting
@@ -23,35 +22,33 @@ def validate(schedule: Schedule, setting: Optional[Setting] = None,
     if len(schedule.orders) != pl.num_ranks:
         raise ScheduleError(f"schedule has {len(schedule.orders)} rank lists but its placement "
                             f"has {pl.num_ranks} ranks")
-    seen = Counter()
-    where = {}
+    where = {}  # (kind, stage, mb) -> (rank, position) of each compute pass (every key once)
+    nst, rank_of = pl.num_stages, pl.stage_to_rank
     for r, order in enumerate(schedule.orders):
         for i, a in enumerate(order):
             if not a.is_compute:
                 continue
+            key = (a.kind, a.stage, a.mb)
             if a.kind in VOCAB_KINDS:  # a vocabulary pass runs on its own rank's shard
                 if a.stage != r or not (0 <= a.mb < m):
                     raise ScheduleError(f"rank {r} position {i}: {a} must name this rank's vocabulary shard ({r}) and "
                                         f"a microbatch in 0..{m - 1}")
-                key = (a.kind, a.stage, a.mb)
-                seen[key] += 1
-                if seen[key] > 1:
+                if key in where:
                     raise ScheduleError(f"rank {r} position {i}: {a} appears twice")
+                where[key] = (r, i)
                 continue
             if a.kind not in COMPUTE_KINDS:
                 raise ScheduleError(f"rank {r} position {i}: unknown pass kind in {a}")
-            if not (0 <= a.stage < pl.num_stages):
+            if not (0 <= a.stage < nst):
                 raise ScheduleError(f"rank {r} position {i}: {a} names stage {a.stage}, "
-                                    f"valid stages are 0..{pl.num_stages - 1}")
+                                    f"valid stages are 0..{nst - 1}")
             if not (0 <= a.mb < m):
                 raise ScheduleError(f"rank {r} position {i}: {a} names microbatch {a.mb}, "
                                     f"valid microbatches are 0..{m - 1}")
-            if pl.rank_of(a.stage) != r:
+            if rank_of[a.stage] != r:
                 raise ScheduleError(f"rank {r} position {i}: {a} belongs to stage {a.stage}, "
-                                    f"which is placed on rank {pl.rank_of(a.stage)}")
-            key = (a.kind, a.stage, a.mb)
-            seen[key] += 1
-            if seen[key] > 1:
+                                    f"which is placed on rank {rank_of[a.stage]}")
+            if key in where:
                 pr, pi = where[key]
                 raise ScheduleError(f"rank {r} position {i}: {a} appears twice "
                                     f"(first at rank {pr} position {pi})")
@@ -71,21 +68,21 @@ def validate(schedule: Schedule, setting: Optional[Setting] = None,
         todo = [(s, mb) for s in range(pl.num_stages) for mb in range(m)]
     for s, mb in todo:
         r = pl.rank_of(s)
-        if not seen[(F, s, mb)]:
+        if (F, s, mb) not in where:
             raise ScheduleError(f"rank {r}: missing F for stage {s} microbatch {mb}")
-        nb, nw, nbw = seen[(B, s, mb)], seen[(W, s, mb)], seen[(BW, s, mb)]
+        nb, nw, nbw = (B, s, mb) in where, (W, s, mb) in where, (BW, s, mb) in where
         if nbw and (nb or nw):
             raise ScheduleError(f"rank {r}: stage {s} microbatch {mb} has both BW and B/W; "
                                 "use either one BW or one B followed by one W")
         if not nbw and not (nb and nw):
             missing = "B and W (or one BW)" if not (nb or nw) else ("W" if nb else "B")
             raise ScheduleError(f"rank {r}: stage {s} microbatch {mb} is missing {missing}")
-    if any(seen[(k, r, mb)] for k in VOCAB_KINDS for r in range(pl.num_ranks) for mb in range(m)):
-        split = any(seen[(k, r, mb)] for k in (VI, VG) for r in range(pl.num_ranks) for mb in range(m))
+    if any(k in VOCAB_KINDS for k, _, _ in where):
+        split = any(k in (VI, VG) for k, _, _ in where)
         for r in range(pl.num_ranks):
             for mb in range(m):
                 for k in VOCAB_KINDS if split else (VS, VT, VW):
-                    if not seen[(k, r, mb)]:
+                    if (k, r, mb) not in where:
                         raise ScheduleError(f"rank {r}: missing vocabulary pass {k} of microbatch {mb} (every rank "
                                             "runs VS, VT and VW of every microbatch on its shard"
                                             + (", and VI and VG with the embedding split)" if split else ")"))
