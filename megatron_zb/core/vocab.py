@@ -279,9 +279,9 @@ def placed(schedule: Schedule, setting: Setting, w_cap: int = 1, coded: Optional
     live = [INF if f else 0.0 for f in fin]  # each rank's clock, INF once it is finished
     ordered = sorted(live)  # the same values in order: the earliest later clock of any rank
 
-    def relive(r: int, v: float) -> None:
-        del ordered[bisect.bisect_left(ordered, live[r])]
-        bisect.insort(ordered, v)
+    def relive(r: int, v: float, left=bisect.bisect_left, insort=bisect.insort) -> None:
+        del ordered[left(ordered, live[r])]
+        insort(ordered, v)
         live[r] = v
 
     # the vocabulary passes as actions, made once for every variant placed with ``coded``
@@ -354,9 +354,16 @@ def placed(schedule: Schedule, setting: Setting, w_cap: int = 1, coded: Optional
         else:
             # the earliest of its own passes' and the other unfinished ranks' later times (not r's: clock[r] = t)
             horizon = INF
-            for x in (rt, rs, rb, ri, rg):
-                if x is not None and lim < x < horizon:
-                    horizon = x
+            if rt is not None and lim < rt:
+                horizon = rt
+            if rs is not None and lim < rs < horizon:
+                horizon = rs
+            if rb is not None and lim < rb < horizon:
+                horizon = rb
+            if ri is not None and lim < ri < horizon:
+                horizon = ri
+            if rg is not None and lim < rg < horizon:
+                horizon = rg
             i = bisect.bisect_right(ordered, lim)
             if i < p and ordered[i] < horizon:
                 horizon = ordered[i]

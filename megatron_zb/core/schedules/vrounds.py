@@ -99,9 +99,12 @@ def _try(st: Setting, limit: float, fill_b: bool, fill_f: bool, tol: float, appr
             if j >= m:
                 raise ScheduleError(f"V round heuristic: rank {i} has no {k} left")
             start = clock[i]
-            dd = dep(i, k)
-            if dd is not None:
-                start = max(start, dd[0] + (c if dd[1] else 0.0))
+            sr = src[k][i]  # (``dep``, inline: every pass asks)
+            if sr is not None:
+                e = sr[0][j]
+                if e is None:
+                    raise ScheduleError(f"V round heuristic: rank {i}'s {k} of microbatch {j} has no input yet")
+                start = max(start, e + (c if sr[1] else 0.0))
             s, d, dmm, kind = stage[k][i], cost[k][i], dm[k][i], kind_of[k]
             if dmm > 0 and mem[i] + dmm > limit + EPS:
                 raise ScheduleError(f"V round heuristic: rank {i} over the memory limit {limit:g}")
