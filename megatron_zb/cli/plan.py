@@ -325,8 +325,9 @@ PLAN_COLUMNS = """columns:
 Below the table: the flags of the first schedule that fits (the fastest; among equally fast
 ones the cheapest in memory), ready to paste into a Megatron command, then those of the others
 that fit (--zero-bubble-memory-limit counts microbatches: one is the activation memory of one
-microbatch on the fullest rank, given in GiB below them; it is what the schedule needs, its peak,
-not the room left on the GPU). Where the fastest that fits needs more memory on some rank than
+microbatch on the fullest rank, given in GiB below them; for the suggested row and the one within
+1F1B's memory it is what the schedule needs, its peak, not the room left on the GPU; another row's
+may be that room, which builds the same schedule: the line says which). Where the fastest that fits needs more memory on some rank than
 Megatron's 1F1B, "within Megatron 1F1B's memory" names the fastest schedule that needs no more
 (v-auto and zb-auto planned again with 1F1B's peak as their budget) and its flags."""
 
