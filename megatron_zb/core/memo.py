@@ -34,7 +34,12 @@ class Memo:
         self._data: "OrderedDict[Hashable, object]" = OrderedDict()
 
     def get(self, key: Hashable, compute: Callable[[], T]) -> T:
-        """The remembered result for ``key``, else ``compute()`` (remembered unless it raises)."""
+        """The remembered result for ``key``, else ``compute()`` (remembered unless it raises, or
+        ``key`` holds a part that cannot be a key, e.g. a setting's per-microbatch costs)."""
+        try:
+            hash(key)
+        except TypeError:
+            return compute()
         if key in self._data:
             self._data.move_to_end(key)
             return self._data[key]

@@ -195,12 +195,7 @@ class Plain:
     def of(cls, orders: List[List[Action]], pl, setting: Setting) -> "Plain":
         """``Plain(orders, pl, setting)``, remembered (``memo``): a row's schedule is timed by its
         validation, its iterations and, with vocabulary passes, their placement, each coding it anew."""
-        try:
-            key = (tuple(map(tuple, orders)), pl, setting_key(setting))
-            hash(key)
-        except TypeError:  # a setting part that cannot be a key (per-microbatch costs): not remembered
-            return cls(orders, pl, setting)
-        return _CODED.get(key, lambda: cls(orders, pl, setting))
+        return _CODED.get((tuple(map(tuple, orders)), pl, setting_key(setting)), lambda: cls(orders, pl, setting))
 
     @staticmethod
     def plain(schedule: Schedule, setting: Setting) -> bool:

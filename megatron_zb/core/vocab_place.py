@@ -71,12 +71,7 @@ def variants(schedule: Schedule, setting: Setting,
     not placed again."""
     key = (schedule.placement, schedule.num_microbatches, tuple(tuple(o) for o in schedule.orders),
            setting_key(dataclasses.replace(setting, memory_limit=None)))
-    try:
-        hash(key)
-    except TypeError:  # a setting part that cannot be a key (per-microbatch costs): not remembered
-        placements = _Placements(schedule, setting)
-    else:
-        placements = _PLACED.get(key, lambda: _Placements(schedule, setting))
+    placements = _PLACED.get(key, lambda: _Placements(schedule, setting))
     return {v: placements.get(*v) for v in tried}
 
 

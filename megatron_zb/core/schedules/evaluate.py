@@ -86,10 +86,6 @@ class Coder:
         """``Coder(setting, placement, m)``, remembered (``memo``; it does not depend on the memory
         limit): a search codes its setting again for each candidate ranking, local search and tie."""
         key = (tuple(x for x in setting_key(setting) if x[0] != "memory_limit"), placement, m)
-        try:
-            hash(key)
-        except TypeError:  # a setting part that cannot be a key (per-microbatch costs): not remembered
-            return cls(setting, placement, m)
         return _CODERS.get(key, lambda: cls(setting, placement, m))
 
     def code(self, a: Action) -> int:
