@@ -298,3 +298,35 @@ def test_within_1f1b_memory_searches_a_quick_choice_in_full():
         return r(row["schedule"], 1.3, 31, "full")  # slower in full: v-auto's replanned row wins
     w = P.within_1f1b_memory(rows, lambda gib, names: [r("v-auto", 1.2, 37, "full")], full)
     assert asked == [("v-half", None)] and w["schedule"] == "v-auto" and w["iteration_time_s"] == 1.2
+
+
+@pytest.mark.parametrize("p", range(2, 10))
+def test_plan_answers_at_every_pipeline_size(p, capsys):
+    """The first command a user runs: a public model at any pipeline size from 2 to 9. A schedule that
+    cannot run the setting (bitpipe at an odd size) gets its row with the reason; every other
+    schedule is planned, and a row is suggested."""
+    from megatron_zb.core.schedules import names
+    assert main(["plan", "--model", "llama-3.2-1b", "--pipeline-parallel-size", str(p),
+                 "--num-microbatches", str(p), "--jobs", "1", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    errors = {r["schedule"]: r["error"] for r in rows if "error" in r}
+    planned = {r["schedule"] for r in rows if "error" not in r}
+    assert planned | set(errors) == set(names())
+    assert set(errors) <= {"bitpipe"}, errors
+    # bitpipe: planned at an even size (its row with vocabulary parallelism says why not), refused at an odd one
+    assert ("bitpipe" in planned) == (p % 2 == 0)
+    if "bitpipe" in errors:
+        assert ("even number of ranks" if p % 2 else "not with replicated stages") in errors["bitpipe"]
+    assert rows[0]["fits"] and "error" not in rows[0]
+
+
+def test_plan_schedules_restricts_the_rows(capsys):
+    """--schedules ranks those (1f1b always, the reference of 'vs 1f1b'); an unknown name: one line."""
+    assert main(["plan", "--model", "llama-3.2-1b", "--pipeline-parallel-size", "3", "--num-microbatches", "6",
+                 "--schedules", "zb-v", "bitpipe", "--jobs", "1", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert {r["schedule"] for r in rows} == {"zb-v", "bitpipe", "1f1b"}
+    assert [r["schedule"] for r in rows if "error" in r] == ["bitpipe"]
+    assert main(["plan", "--model", "llama-3.2-1b", "--pipeline-parallel-size", "3", "--num-microbatches", "6",
+                 "--schedules", "zb-x"]) == 2
+    assert "unknown schedule 'zb-x'" in capsys.readouterr().err

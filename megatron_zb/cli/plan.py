@@ -167,7 +167,8 @@ def add_parser(sub) -> None:
     add_exact_args(pn)
     add_varlen_args(pn, model_flags=False)
     pn.add_argument("--schedules", nargs="+", metavar="NAME", default=None,
-                    help="with --seq-lengths: the schedules to rank (default " + ", ".join(DEFAULT_SCHEDULES) + ")")
+                    help="the schedules to rank (default: every schedule; 1f1b is always planned, the reference of "
+                         "'vs 1f1b'; with --seq-lengths: " + ", ".join(DEFAULT_SCHEDULES) + ")")
     pn.set_defaults(func=cmd_plan)
 
 
@@ -189,7 +190,7 @@ def cmd_plan(args) -> int:
         raise UsageError("--num-microbatches is required (or --seq-lengths FILE)")
     check_size(args.pipeline_parallel_size, args.num_microbatches, 2,
                flags=("--pipeline-parallel-size", "--num-microbatches"))
-    kw = dict(tflops=tflops,
+    kw = dict(tflops=tflops, schedules=_schedules(args.schedules),
               efficiency=args.efficiency, profile=profile, pad_ends=args.allow_padding_num_layers,
               cost_optimizer=args.cost_optimizer, post_validation=args.optimizer_post_validation,
               offload_ratio=args.offload_ratio, offload_time=args.offload_time,
@@ -210,7 +211,7 @@ def cmd_plan(args) -> int:
 
         def again(gib, names, **more):  # the quick rows as they are: ``full`` searches the one chosen again
             return P.plan(spec, args.pipeline_parallel_size, args.num_microbatches,
-                          args.gpu_memory_gb if gib is None else gib, schedules=names, **dict(kw, refine=False, **more))
+                          args.gpu_memory_gb if gib is None else gib, **dict(kw, schedules=names, refine=False, **more))
 
         def full(row, gib):  # a quickly searched row chosen: in full where that adds blocks, else its limit tightened
             vocab = "on" if row.get("vocab_parallel") else "off"
@@ -291,6 +292,21 @@ def _layer_freq(text):
                                              f"got {text!r}")
         out += [int(x) for x in m.group(1).split(",")] * int(m.group(2) or 1)
     return out
+
+
+def _schedules(names):
+    """plan's --schedules: the names asked for (each one known), 1f1b added as the reference of
+    'vs 1f1b'; None (every schedule) where none was given."""
+    if not names:
+        return None
+    from ..core import schedules
+    from ..core.ir import ScheduleError
+    try:
+        for name in names:
+            schedules.get(name)
+    except ScheduleError as e:
+        raise UsageError(f"--schedules: {e}") from None
+    return list(dict.fromkeys(names + ["1f1b"]))
 
 
 def _usable_cpus() -> int:

@@ -159,7 +159,9 @@ def plan(spec: ModelSpec, pipeline_parallel_size: int, microbatches: int, gpu_me
             r["flags"] += " --enable-optimizer-post-validation"
     ok = (by_memory_among_ties([r for r in ok if r["fits"]], lambda r: r[key], lambda r: max(r["peak_bytes"]))
           + by_memory_among_ties([r for r in ok if not r["fits"]], lambda r: r[key], lambda r: max(r["peak_bytes"])))
-    return ok + [r for r in rows if "error" in r]
+    # an error row once per schedule and reason (a placement's refusal holds with and without vocabulary)
+    errors = {(r["schedule"], r["error"]): r for r in rows if "error" in r}
+    return ok + list(errors.values())
 
 
 #: the schedules whose rows share searches (and their remembered results, ``memo``) when their

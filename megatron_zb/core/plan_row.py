@@ -73,8 +73,11 @@ def row(name: str, spec: ModelSpec, p: int, m: int, budget: float, flops_per_s: 
     schedule's memory limit is its peak where the schedule built under that is as fast (else, and
     without ``tighten``, the budget's room: a search more)."""
     sp = get(name)
-    v = sp.resolve_chunks(interleave_chunks if sp.chunks is None else None)
-    pl = placement_for(sp.placement, p, v)
+    try:
+        v = sp.resolve_chunks(interleave_chunks if sp.chunks is None else None)
+        pl = placement_for(sp.placement, p, v)
+    except ScheduleError as e:  # a schedule that cannot run this setting gets its row with the reason
+        return {"schedule": name, "error": str(e)}
     S = pl.num_logical_stages
     if layout is None and S > spec.num_layers + 2:
         return {"schedule": name, "error": f"{spec.num_layers} layers < {S} model chunks"}
