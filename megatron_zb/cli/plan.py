@@ -386,9 +386,10 @@ def _print_plan(args, spec, rows, profile, tflops, advice, within=None) -> None:
              else "with Megatron's synchronous optimizer step")
           + (f" (optimizer step {1e3 * args.cost_optimizer:g} ms)" if args.cost_optimizer else ""))
     ok = [r for r in rows if "error" not in r]
-    hdr1 = (f"{'#':>3}  {'schedule':<17} {'iteration ms':^19} {'bubble':>7} {'vs 1f1b':>8}  {'act GiB':^13}  "
+    w = max([17] + [len(_label(r)) for r in ok])  # the schedule column: its longest label
+    hdr1 = (f"{'#':>3}  {'schedule':<{w}} {'iteration ms':^19} {'bubble':>7} {'vs 1f1b':>8}  {'act GiB':^13}  "
             f"{'peak GiB':^14}  fits" + ("  pairs" if a2a else "") + "  layout (pipeline order)")
-    hdr2 = (f"{'':>3}  {'':<17} {'sync':>9} {'postval':>9} {'':>7} {'':>8}  {'min':>6} {'max':>6}  {'max':>6} "
+    hdr2 = (f"{'':>3}  {'':<{w}} {'sync':>9} {'postval':>9} {'':>7} {'':>8}  {'min':>6} {'max':>6}  {'max':>6} "
             f"{'on rank':>7}" + (" " * 13 if a2a else ""))
     print(hdr1)
     print(hdr2)
@@ -398,14 +399,14 @@ def _print_plan(args, spec, rows, profile, tflops, advice, within=None) -> None:
         peak = [x / gib for x in r["peak_bytes"]]
         worst = max(range(len(peak)), key=peak.__getitem__)
         tp = r.get("throughput_vs_1f1b")
-        print(f"{i:>3}  {_label(r):<17} {1e3 * r['iteration_time_s']:>9.1f} "
+        print(f"{i:>3}  {_label(r):<{w}} {1e3 * r['iteration_time_s']:>9.1f} "
               f"{1e3 * r['iteration_time_post_validated_s']:>9.1f} {100 * r['bubble_rate']:>6.1f}% "
               f"{(f'{tp:.3f}x' if tp else '-'):>8}  {min(act):>6.1f} {max(act):>6.1f}  {peak[worst]:>6.1f} "
               f"{worst:>7}  {'yes' if r['fits'] else 'NO ':<4}" + (f" {r.get('overlap_pairs', 0):>6}" if a2a else "")
               + f"  {r.get('layout', '')}")
     for r in rows:
         if "error" in r:
-            print(f"{'-':>3}  {_label(r):<17} n/a: {r['error']}")
+            print(f"{'-':>3}  {_label(r):<{w}} n/a: {r['error']}")
     fitting = [r for r in ok if r["fits"]]
     print()
     if not ok:
