@@ -48,13 +48,15 @@ def _chunk(a, device, dtype):
     from megatron.core.transformer.transformer_block import TransformerBlock
     from megatron.core.transformer.transformer_config import TransformerConfig
     from megatron_zb.megatron.cpu.local_spec import layer_spec
+    from megatron_zb.megatron.features.sdpa_attention import core_attention_for
     cfg = TransformerConfig(num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads,
                             ffn_hidden_size=4 * a.hidden, params_dtype=dtype, pipeline_dtype=dtype,
                             bf16=dtype.is_floating_point and str(dtype) == "torch.bfloat16",
                             use_cpu_initialization=device.type == "cpu", hidden_dropout=0.0, attention_dropout=0.0,
                             bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
                             apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False)
-    block = TransformerBlock(cfg, spec=layer_spec(cfg, a.layers), post_layer_norm=False)
+    block = TransformerBlock(cfg, spec=layer_spec(cfg, a.layers, core_attention=core_attention_for(a.attention_backend)),
+                             post_layer_norm=False)
     return block.to(device=device, dtype=dtype)
 
 
@@ -229,6 +231,9 @@ def parse_args(argv=None, parser=None):
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="tiny dimensions: checks the code path, no figures")
+    from megatron_zb.megatron.features.attention_args import ATTENTION_BACKENDS
+    ap.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
+                    help="flash or fused: torch's scaled_dot_product_attention as the core attention")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     if a.tiny:

@@ -28,6 +28,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 
+from megatron_zb.megatron.features.attention_args import ATTENTION_BACKENDS, uses_sdpa  # noqa: E402
+
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -54,7 +56,10 @@ def build(args):
         bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, persist_layer_norm=False,
         gradient_accumulation_fusion=args.gaf)
-    return build_module(get_gpt_layer_local_spec(), config=cfg, layer_number=1)
+    from megatron_zb.megatron.cpu.local_spec import with_core_attention
+    from megatron_zb.megatron.features.sdpa_attention import core_attention_for
+    spec = with_core_attention(get_gpt_layer_local_spec(), core_attention_for(args.attention_backend))
+    return build_module(spec, config=cfg, layer_number=1)
 
 
 def parse_args(argv=None, parser=None):
@@ -70,6 +75,9 @@ def parse_args(argv=None, parser=None):
     ap.add_argument("--gaf", action="store_true", help="gradient_accumulation_fusion on")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="parameters and activations")
+    ap.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
+                    help="flash or fused: torch's scaled_dot_product_attention as the core attention (causal, no "
+                         "mask tensor); default megatron's DotProductAttention")
     ap.add_argument("--out", default="benchmarks/results/split_overhead.json")
     return ap.parse_args(argv)
 
@@ -96,7 +104,8 @@ def main(argv=None):
     g = torch.Generator().manual_seed(0)
     x0 = torch.randn(args.seq, args.batch, args.hidden, generator=g).to(dev, DTYPES[args.dtype])
     dy = torch.randn(args.seq, args.batch, args.hidden, generator=g).to(dev, DTYPES[args.dtype])
-    mask = torch.triu(torch.ones(1, 1, args.seq, args.seq, dtype=torch.bool), diagonal=1).to(dev)
+    mask = None if uses_sdpa(args.attention_backend) else \
+        torch.triu(torch.ones(1, 1, args.seq, args.seq, dtype=torch.bool), diagonal=1).to(dev)  # SDPA: is_causal
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     queue = WQueue("bench")
 
@@ -195,7 +204,7 @@ def main(argv=None):
         "config": {"hidden": args.hidden, "ffn": args.ffn or 4 * args.hidden,
                    "heads": args.heads, "seq": args.seq, "batch": args.batch, "dtype": args.dtype,
                    "gradient_accumulation_fusion": args.gaf, "reps": args.reps,
-                   "warmup": args.warmup},
+                   "warmup": args.warmup, "attention_backend": args.attention_backend},
         "median_s": med, "samples_s": times,
         "ratio_b_plus_w_over_fused": ratio, "ratio_bw_attached_over_fused": ratio_bw,
         "goal": 1.05, "meets_goal": ratio <= 1.05, "max_rel_grad_diff": worst,

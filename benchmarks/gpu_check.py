@@ -4,6 +4,7 @@
     bash scripts/gpu_check.sh --dry-run OUTDIR         # on a CPU: wheels, command lines, output paths
     python benchmarks/gpu_check.py OUTDIR [--sections offload,postval] [--budget-s 450]
         [--budgets offload=120,...] [--tiny] [--dry-run] [--mcore-path DIR] [--wheels DIR]
+        [--attention-backend flash]
 
 Sections, in this order, each in a process of its own with its own time budget (one that fails,
 or runs out of time, records its error and the next one starts):
@@ -24,6 +25,11 @@ or runs out of time, records its error and the next one starts):
   trough      optimizer states visiting the GPU (--zero-bubble-optimizer-offload trough): prefetch
               and write-back bandwidth, the prefetch hidden under matmuls, Adam on the GPU and the
               CPU, a rollback, against the trough cost model's assumptions
+
+``--attention-backend flash`` (or ``fused``): every megatron-core layer the sections build (offload,
+postval, memory, pipeline, ep_overlap, fbw) computes its core attention with torch's
+``scaled_dot_product_attention`` (``megatron_zb.megatron.features.sdpa_attention``: the layer a GPU
+without Transformer Engine trains with); the default keeps megatron's ``DotProductAttention``.
 
 ``--dry-run`` (no GPU needed) runs every section's own argument parsing, builds what it would run
 (schedules, verify cases, command lines, the simulator's predictions from recorded costs), checks
@@ -55,6 +61,7 @@ for _p in (ROOT, HERE):
 
 import gpu_check_report as R  # noqa: E402
 from gpu_check_sections import OneLineParser, UsageError  # noqa: E402
+from megatron_zb.megatron.features.attention_args import ATTENTION_BACKENDS  # noqa: E402 - no torch
 
 # name -> (module, function, budget in seconds on one GPU); the budgets add up to 450 s of the 480.
 # On an H200 (2026-11-27) env took 19 s, offload 34, postval 34, memory 46, pipeline ~40, ep_overlap
@@ -126,6 +133,10 @@ def parse_args(argv=None):
     ap.add_argument("--wheels", default=os.environ.get("MZB_WHEELS") or os.path.join(ROOT, ".whl"),
                     help="the wheels to bring (default $MZB_WHEELS, else .whl/)")
     ap.add_argument("--gpu-python", default="3.12", help="the GPU machine's Python, for the wheel check")
+    ap.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
+                    help="the core attention of every megatron-core layer the sections build (no Transformer "
+                         "Engine): flash or fused = torch's scaled_dot_product_attention; auto (default), local or "
+                         "unfused = megatron's DotProductAttention")
     # a section's own process (internal)
     ap.add_argument("--child", choices=list(SECTIONS), help=argparse.SUPPRESS)
     ap.add_argument("--part", help=argparse.SUPPRESS)
@@ -181,7 +192,7 @@ def run_section(name: str, a, outdir: str, scratch: str, end: float, log) -> dic
     part = os.path.join(scratch, f"{name}.json")
     cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--part", part, "--scratch", scratch,
            "--deadline", f"{time.time() + budget - CHILD_MARGIN_S:.3f}", "--wheels", a.wheels,
-           "--gpu-python", a.gpu_python] + (["--dry-run"] if a.dry_run else []) + (["--tiny"] if a.tiny else []) \
+           "--gpu-python", a.gpu_python, "--attention-backend", a.attention_backend] + (["--dry-run"] if a.dry_run else []) + (["--tiny"] if a.tiny else []) \
         + (["--mcore-path", a.mcore_path] if a.mcore_path else []) + [outdir]
     log.write(f"\n===== {name}: {' '.join(cmd[1:])} (budget {budget:.0f} s) =====\n")
     log.flush()
@@ -220,7 +231,7 @@ def parent_main(a) -> int:
     scratch = tempfile.mkdtemp(prefix="mzb-gpu-check-")
     report = {"tool": "megatron-zb gpu check (benchmarks/gpu_check.py)", "issue": 36,
               "command": " ".join(["python", os.path.relpath(__file__, ROOT)] + a.argv),
-              "dry_run": a.dry_run, "tiny": a.tiny, "budget_s": a.budget_s * a.stretch, "stretch": a.stretch,
+              "dry_run": a.dry_run, "tiny": a.tiny, "attention_backend": a.attention_backend, "budget_s": a.budget_s * a.stretch, "stretch": a.stretch,
               "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "outputs": {k: os.path.join(outdir, f"gpu_check.{k}") for k in ("json", "md", "log")},
               "sections": {}}
@@ -280,6 +291,7 @@ def child_main(a) -> int:
         ctx = importlib.import_module("gpu_check_sections").Context(
             a.child, dry=a.dry_run, tiny=a.tiny, deadline=a.deadline or (time.time() + 3600), scratch=a.scratch,
             mcore_path=a.mcore_path, wheels=a.wheels, gpu_python=a.gpu_python, record=rec)
+        ctx.attention_backend = a.attention_backend
         getattr(importlib.import_module(module), fn)(ctx)
         if rec["status"] == "error":  # not set to 'failed' by the section
             rec["status"] = "dry-run" if a.dry_run else "ok"

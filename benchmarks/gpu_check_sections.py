@@ -50,6 +50,11 @@ class Context:
         self.scratch, self.mcore_path, self.wheels, self.gpu_python = scratch, mcore_path, wheels, gpu_python
         self.record = record
         self.figures, self.plan = record["figures"], record["plan"]
+        self.attention_backend = "auto"  # --attention-backend: flash/fused = torch's SDPA core attention
+
+    def attention_argv(self) -> list:
+        """A benchmark script's ``--attention-backend`` (none for the default)."""
+        return [] if self.attention_backend == "auto" else ["--attention-backend", self.attention_backend]
 
     @property
     def runs(self) -> bool:
@@ -251,7 +256,7 @@ def offload_prediction(a, f, b, w, k, ratio):
 
 def offload(ctx: Context) -> None:
     B = bench("bench_offload_gpu")
-    argv = OFFLOAD_TINY_ARGV if ctx.device == "cpu" else OFFLOAD_ARGV
+    argv = (OFFLOAD_TINY_ARGV if ctx.device == "cpu" else OFFLOAD_ARGV) + ctx.attention_argv()
     a = B.parse_args(argv, parser=OneLineParser)
     ctx.plan.update(command="python benchmarks/bench_offload_gpu.py " + " ".join(argv) + " --ratio R",
                     ratios=list(OFFLOAD_RATIOS), note="one rank's action list back to back, no peers: no "
@@ -317,7 +322,7 @@ def postval(ctx: Context) -> None:
     from megatron_zb.verify.step_timing import gpu_step_timing
     size = POSTVAL_TINY if ctx.device == "cpu" else POSTVAL_SIZE
     # clip 0: every step stands (the eager path); clip 1e-3: every step is clipped (the rollback path)
-    cases = [dict(size, clip=c, compare_in_rank=True) for c in (0.0, 1e-3)]
+    cases = [dict(size, clip=c, compare_in_rank=True, attention_backend=ctx.attention_backend) for c in (0.0, 1e-3)]
     gpu = ctx.device == "cuda"
     ctx.plan.update(cases=cases, ranks=1, backend="nccl" if gpu else "gloo", model="megatron GPT, bf16, "
                     "Megatron's Adam, vocabulary 32000", function="megatron_zb.verify.step_timing.gpu_step_timing")
@@ -375,7 +380,8 @@ def fbw(ctx: Context) -> None:
     for h, heads, s in sizes:
         out = os.path.join(ctx.scratch, f"fbw_h{h}_s{s}.json")
         argv = ["--device", ctx.device, "--dtype", "bf16" if gpu else "fp32", "--hidden", str(h), "--heads",
-                str(heads), "--seq", str(s), "--reps", "5" if gpu else "1", "--warmup", "2" if gpu else "0", "--out", out]
+                str(heads), "--seq", str(s), "--reps", "5" if gpu else "1", "--warmup", "2" if gpu else "0", "--out", out] \
+            + ctx.attention_argv()
         runs.append(((h, heads, s), argv, out))
     ctx.plan.update(commands=["python benchmarks/bench_split_overhead.py " + " ".join(v) for _, v, _ in runs])
     if ctx.dry:  # its command lines parse (importing it applies the CPU shims: fine in this process)

@@ -59,6 +59,7 @@ def memory(ctx: Context) -> None:
     pp, m = (4, 8) if gpu else (2, 4)
     chosen = BM.CASES if gpu else [c for c in BM.CASES if c[0] in ("zb-h1", "zb-v")]
     cases = [V.make_case(name, pp, num_microbatches=m, iterations=2, device=ctx.device,
+                         attention_backend=ctx.attention_backend,
                          config_overrides={"deallocate_pipeline_outputs": True}, **(MEMORY_MODEL if gpu else {}), **kw)
              for name, kw in chosen]
     plans = [[max([0.0] + stage_memory_trace(o, BM.formula_stage_mem(c))) for o in BM.orders(c)] for c in cases]
@@ -100,7 +101,8 @@ def pipeline(ctx: Context) -> None:
     gpu = ctx.device == "cuda"
     scheds = names() if gpu else ["zb-h1", "zb-v", "interleaved-zb"]
     launches = {pp: [V.make_case(n, pp, num_microbatches=4 if pp == 2 or get(n).chunks == 2 else 8, iterations=2,
-                                 device=ctx.device) for n in scheds] for pp in ((2, 4) if gpu else (2,))}
+                                 device=ctx.device, attention_backend=ctx.attention_backend) for n in scheds]
+                for pp in ((2, 4) if gpu else (2,))}
     ctx.plan.update(launches={f"PP={pp}": [c.describe() for c in cs] for pp, cs in launches.items()},
                     transport="gloo, point-to-point staged through the host (NCCL refuses two ranks on one GPU)")
     if not ctx.runs:
@@ -198,7 +200,7 @@ def ep_overlap(ctx: Context) -> None:
     gpu = ctx.device == "cuda"
     traces = os.path.join(ctx.scratch, "ep_overlap_traces")
     case = V.make_case("dualpipe-v", 2, num_microbatches=8 if gpu else 4, iterations=2, device=ctx.device,
-                       profile_dir=traces, **MOE, **(EP_MODEL if gpu else {}))
+                       profile_dir=traces, attention_backend=ctx.attention_backend, **MOE, **(EP_MODEL if gpu else {}))
     ctx.plan.update(case=case.describe(), profile="torch.profiler over the last iteration, every rank",
                     note="all-to-all over gloo (through host copies) on one GPU, not NCCL across GPUs")
     if not ctx.runs:

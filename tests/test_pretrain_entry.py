@@ -112,6 +112,9 @@ RUNS = {
     # fork's flags alone (its 1F1B, two barriers) from Megatron's own random init, with evaluation, against
     # Megatron's 1F1B from that init ("1f1b": the tied shards are scattered from the embedding only then)
     "1f1b": dict(SCHEDULE="1f1b"),
+    # no Transformer Engine, --attention-backend flash: torch's SDPA as the core attention (zb-v from the
+    # same weights as 1f1b with megatron's DotProductAttention)
+    "zb-v/sdpa/det": dict(SCHEDULE="zb-v", EXTRA_ARGS=DET + " --attention-backend flash"),
     "zb-v/vocab/det": dict(SCHEDULE="zb-v", EXTRA_ARGS="--zero-bubble-deterministic-init --enable-vocab-parallel"),
     # (and the input embedding split too, as the fork always does: --split-vocab-embedding)
     "fork/vocab": dict(SCHEDULE="megatron", EVAL_INTERVAL=4, EVAL_ITERS=2,
@@ -227,6 +230,19 @@ def test_field_schedules_equal_1f1b_from_the_same_weights(trainings, name):
 @pytest.mark.megatron
 @pytest.mark.dist
 @needs_training
+def test_sdpa_attention_backend_trains_like_1f1b(trainings):
+    """--attention-backend flash without Transformer Engine: Megatron's local spec with torch's
+    scaled_dot_product_attention, zb-v, the losses of 1f1b with megatron's attention up to float rounding."""
+    text, rows = _check_ok(trainings, "zb-v/sdpa/det")
+    _, ref = _check_ok(trainings, "1f1b/det")
+    assert text.count("core attention: torch's scaled_dot_product_attention (--attention-backend flash") == 1
+    for (i, _, _, la), (_, _, _, lb) in zip(ref, rows):
+        assert lb == pytest.approx(la, rel=1e-5), f"iteration {i}: 1f1b {la} vs zb-v with SDPA {lb}"
+
+
+@pytest.mark.megatron
+@pytest.mark.dist
+@needs_training
 def test_vocabulary_parallelism_trains_like_1f1b(trainings):
     """The output layer spread over both ranks: zb-v (one barrier) from the same weights as 1f1b; the
     fork's flags alone (1F1B, two barriers, the input embedding split too) from Megatron's own
@@ -284,6 +300,8 @@ TINY = ("--pipeline-model-parallel-size 2 --num-layers 6 --hidden-size 64 --num-
      "--offload-chunk-num 2: schedule zb-auto runs 1 model chunk(s) per rank"),
     (["--zero-bubble-schedule", "zb-h2", "--zero-bubble-memory-limit", "2"],
      "schedule zb-h2 with pipeline size 2 and 8 microbatches"),
+    (["--zero-bubble-schedule", "zb-h1", "--attention-backend", "flash", "--context-parallel-size", "2"],
+     "(torch's scaled_dot_product_attention) does not run with --context-parallel-size > 1"),
 ])
 def test_bad_flags_fail_before_training_with_one_line(flags, message):
     proc = _entry(TINY + flags)

@@ -25,6 +25,9 @@ fork's (``megatron_zb.megatron.launch.args``). What this module adds to Megatron
   the two replicas of each stage start identical, and the schedule runner sums their gradients;
 * no CUDA: the CPU shims (``cpu_shims.apply`` / ``apply_training``), the gloo backend, the local
   transformer implementation and no fused kernels;
+* no Transformer Engine (``--transformer-impl local``): ``--attention-backend flash`` or ``fused``
+  builds Megatron's local spec with torch's ``scaled_dot_product_attention`` as its core attention
+  (``features.sdpa_attention``); ``local``, ``unfused`` and ``auto`` keep megatron's own;
 * data: Megatron's mock GPT dataset unless ``--data-path`` (Megatron indexed datasets) is given.
 
 Needs ``megatron.training`` with the config-container ``pretrain()`` (megatron-core >= 0.18 wheels,
@@ -77,7 +80,8 @@ class _ModelProvider:
         from megatron.training.argument_utils import gpt_config_from_args
         from megatron.training.models.gpt import GPTModelBuilder
 
-        from .cpu.local_spec import layer_spec
+        from .cpu.local_spec import layer_spec, with_core_attention
+        from .features.sdpa_attention import core_attention_for
 
         args = get_args()
         if self.plan is None:
@@ -94,12 +98,22 @@ class _ModelProvider:
         if parallel_state.get_data_parallel_rank() == 0 and parallel_state.get_tensor_model_parallel_rank() == 0:
             print(" > " + plan.describe(info, pre_process, post_process), flush=True)
         packed = bool(getattr(args, "zero_bubble_pack_sequences", False))
-        if tcfg.transformer_impl == "local" and (tcfg.sequence_parallel or packed) and \
-                model_cfg.transformer_layer_spec is None:
+        local = tcfg.transformer_impl == "local" and model_cfg.transformer_layer_spec is None
+        # without TE, --attention-backend flash/fused: torch's SDPA as the core attention (features.attention_args)
+        core = core_attention_for(getattr(tcfg, "attention_backend", None)) if local else None
+        if local and (tcfg.sequence_parallel or packed):
             # the local spec's torch norms refuse sequence parallelism (apex/TE norms are absent, e.g.
             # on CPU): megatron's local spec with sequence-parallel-capable torch norms; its attention
             # refuses packed sequences: one that takes them
-            model_cfg.transformer_layer_spec = layer_spec(tcfg, len(info.layers), packed=packed)
+            model_cfg.transformer_layer_spec = layer_spec(tcfg, len(info.layers), packed=packed, core_attention=core)
+        elif core is not None:  # the spec Megatron would build, its core attention swapped
+            from megatron.training.models.gpt import default_layer_spec
+            model_cfg.transformer_layer_spec = with_core_attention(default_layer_spec(model_cfg, vp_stage), core)
+        if core is not None and vp_stage in (None, 0) and parallel_state.get_data_parallel_rank() == 0 and \
+                parallel_state.get_tensor_model_parallel_rank() == 0 and \
+                parallel_state.get_pipeline_model_parallel_rank() == 0:
+            print(" > core attention: torch's scaled_dot_product_attention (--attention-backend "
+                  f"{tcfg.attention_backend.name}, no Transformer Engine)", flush=True)
         model = GPTModelBuilder(model_cfg).build_model(pg_collection, pre_process=pre_process,
                                                        post_process=post_process, vp_stage=vp_stage)
         plan.finish(model, info)

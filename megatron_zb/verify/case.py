@@ -118,6 +118,7 @@ class VerifyCase:
     vocab_embedding: bool = False  # --split-vocab-embedding: the input embedding split over the ranks too
     balance_microbatches: bool = False  # skewed lengths balanced over replicas and microbatches (feature_checks)
     pack_sequences: bool = False  # balanced microbatches in Megatron's packed-sequence format (THD)
+    attention_backend: str = "auto"  # Megatron's --attention-backend: flash/fused = torch's SDPA core attention
     device: str = "cpu"  # "cuda": every rank and the reference on a GPU, which ranks may share (verify.cuda_gloo)
     profile_dir: Optional[str] = None  # torch profiler's Chrome trace of the last pipelined iteration, per rank
 
@@ -164,7 +165,7 @@ class VerifyCase:
                              seq_length=self.seq_length, micro_batch_size=self.micro_batch_size,
                              tie_embeddings=self.tie_embeddings, seed=self.seed,
                              variable_seq_lengths=self.variable_seq_lengths, skewed_lengths=self.balance_microbatches,
-                             packed_attention=self.pack_sequences)
+                             packed_attention=self.pack_sequences, attention_backend=self.attention_backend)
 
     def describe(self) -> str:
         bits = [self.schedule, f"PP={self.pipeline_parallel_size}", f"TP={self.tensor_parallel_size}",
@@ -180,6 +181,8 @@ class VerifyCase:
         if self.offload_ratio is not None:
             bits.append(f"offload={self.offload_ratio} K={self.offload_time}"
                         + (" half-duplex" if self.offload_half_duplex else ""))
+        if self.attention_backend != "auto":
+            bits.append(f"attention={self.attention_backend}")
         if self.layers_per_stage:
             bits.append("layers=" + ",".join(map(str, self.layers_per_stage)))
         if self.schedule_options.get("effort", "full") != "full":
@@ -301,6 +304,9 @@ def make_case(schedule: str, pipeline_parallel_size: int, tensor_parallel_size: 
         raise VerifyUsageError("num_attention_heads must divide hidden_size and be divisible by the TP size")
     if case.vocab_size % t:
         raise VerifyUsageError("vocab_size must be divisible by the TP size")
+    from ..megatron.features.attention_args import ATTENTION_BACKENDS
+    if case.attention_backend not in ATTENTION_BACKENDS:
+        raise VerifyUsageError(f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}")
     if case.sequence_parallel and t < 2:
         raise VerifyUsageError("sequence_parallel needs --tensor-parallel-size >= 2")
     if case.sequence_parallel and case.seq_length % t:

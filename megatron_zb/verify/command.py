@@ -11,6 +11,7 @@ import sys
 from typing import Optional, Sequence
 
 from ..argtypes import int_at_least, nonneg, positive_float, positive_int, share_or_auto
+from ..megatron.features.attention_args import ATTENTION_BACKENDS
 from .case import DEFAULT_GRAD_RTOL, DEFAULT_LOSS_ATOL, PSEUDO_SCHEDULES, VerifyUsageError, make_case
 from .harness import run_verify_many
 
@@ -114,6 +115,13 @@ def _build_parser() -> argparse.ArgumentParser:
     f.add_argument("--overlap-moe-expert-parallel-comm", action="store_true",
                    help="Megatron's EP all-to-all overlap: every pass through megatron-core's schedule plans, the "
                         "schedule's overlapped F&B pairs as one pass (schedules with pairs; EP >= 2, alltoall)")
+    f.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
+                   help="the core attention without Transformer Engine: flash or fused = torch's "
+                        "scaled_dot_product_attention (its math or CPU kernels here); local, unfused or auto (default) "
+                        "= megatron's DotProductAttention")
+    f.add_argument("--num-query-groups", type=positive_int("--num-query-groups"), default=None,
+                   help="grouped-query attention: key/value heads (Megatron's --group-query-attention "
+                        "--num-query-groups N; the tiny GPT has 4 attention heads)")
     f.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
     f.add_argument("--recompute-method", choices=("uniform", "block"), default=None)
     f.add_argument("--recompute-num-layers", type=positive_int("--recompute-num-layers"), default=None)
@@ -273,11 +281,17 @@ def main_verify(argv: Optional[Sequence[str]] = None) -> int:
                     recompute_method=a.recompute_method, recompute_num_layers=a.recompute_num_layers,
                     mtp_num_layers=a.mtp_num_layers, ep_overlap=a.overlap_moe_expert_parallel_comm,
                     balance_microbatches=a.zero_bubble_balance_microbatches, micro_batch_size=a.micro_batch_size,
-                    pack_sequences=a.zero_bubble_pack_sequences)
+                    pack_sequences=a.zero_bubble_pack_sequences, attention_backend=a.attention_backend)
+        if a.num_query_groups is not None:
+            opts["config_overrides"] = {"num_query_groups": a.num_query_groups}
         if a.search_effort != "full":
             opts["schedule_options"] = {"effort": a.search_effort}
         case = make_case(a.schedule, a.pipeline_parallel_size, a.tensor_parallel_size, a.num_microbatches,
                          a.iterations, **opts)
+        g = a.num_query_groups
+        if g is not None and (case.num_attention_heads % g or g % a.tensor_parallel_size):
+            raise VerifyUsageError(f"--num-query-groups {g} must divide the {case.num_attention_heads} attention heads "
+                                   f"and be divisible by --tensor-parallel-size {a.tensor_parallel_size}")
     except VerifyUsageError as e:
         msg = str(e).splitlines()[0] if str(e) else "bad input"
         if not msg.startswith("megatron-zb verify"):

@@ -29,7 +29,8 @@ def gpu_step_timing(case):
 
     cuda = case.get("device", "cuda") == "cuda"  # "cpu": the same logic on a CPU (a smoke check)
     cfg = M.TinyGPTConfig(num_layers=case["layers"], hidden_size=case["hidden"], num_attention_heads=16,
-                          seq_length=case["seq"], micro_batch_size=1, vocab_size=32000)
+                          seq_length=case["seq"], micro_batch_size=1, vocab_size=32000,
+                          attention_backend=case.get("attention_backend", "auto"))
 
     def setup():
         M.init_parallel_state(1, 1)

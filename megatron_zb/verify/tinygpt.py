@@ -1,7 +1,8 @@
 """A tiny real megatron-core GPT, its data, and the scaffolding the harness trains it with.
 
 This is the model ``megatron-zb verify`` and the runtime tests train: stock megatron-core
-(``GPTModel`` with the local layer spec, fp32, CPU init, no dropout) built per rank under any
+(``GPTModel`` with the local layer spec, its core attention torch's SDPA with ``attention_backend``
+flash/fused; fp32, CPU init, no dropout) built per rank under any
 stage placement with ``megatron_zb.megatron.layout.placement`` (layer table, global names, identical
 initial weights for every placement, TP size and the single-process reference), plus
 deterministic synthetic microbatches, Megatron's 3-tuple loss, gradient collection by global
@@ -19,6 +20,7 @@ import torch
 from ..core.ir import Placement, ScheduleError
 from ..megatron.cpu.local_spec import layer_spec
 from ..megatron.features.balanced import packed_seq_params
+from ..megatron.features.sdpa_attention import core_attention_for
 from ..megatron.execution.finalize import grad_of, mark_replica_copies
 from ..megatron.layout.placement import (ChunkInfo, attach_layer_table, chunk_infos, deterministic_init_, embedding_ranks,
                                   is_expert_param, name_params, name_seed, unwrap)
@@ -50,6 +52,7 @@ class TinyGPTConfig:
     variable_seq_lengths: bool = False  # each microbatch gets its own length (multiple of 4)
     skewed_lengths: bool = False  # with variable_seq_lengths: 4..seq_length, most of them short (a long tail)
     packed_attention: bool = False  # attention that takes packed sequences (THD; megatron.cpu.local_spec)
+    attention_backend: str = "auto"  # Megatron's --attention-backend: flash/fused = torch's SDPA (features.attention_args)
     loss_mask_prob: float = 0.1  # fraction of label positions masked out of the loss
 
     def to_dict(self) -> dict:
@@ -183,7 +186,8 @@ def build_model_chunks(model_cfg: TinyGPTConfig, placement: Placement, *, config
     multi = placement.models_per_rank > 1
     chunks = []
     for info in infos:
-        spec = layer_spec(config, len(info.layers), packed=model_cfg.packed_attention)
+        spec = layer_spec(config, len(info.layers), packed=model_cfg.packed_attention,
+                          core_attention=core_attention_for(model_cfg.attention_backend))
         extra = {}
         if getattr(config, "mtp_num_layers", None) and info.post_process:  # MTP: on the loss stage
             from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec

@@ -11,7 +11,9 @@ import functools
 
 import torch
 
-__all__ = ["SequenceParallelTorchNorm", "layer_spec", "packed_attention"]
+from ..errors import ZeroBubbleConfigError
+
+__all__ = ["SequenceParallelTorchNorm", "layer_spec", "packed_attention", "with_core_attention"]
 
 
 class SequenceParallelTorchNorm:
@@ -64,18 +66,31 @@ def packed_attention():
     return PackedDotProductAttention
 
 
-def layer_spec(config, num_layers: int, packed: bool = False):
+def with_core_attention(spec, core_attention):
+    """A GPT layer spec (or a block spec's ``TransformerBlockSubmodules``) with every layer's
+    self-attention computed by ``core_attention`` (a class with megatron's core-attention
+    constructor and forward, e.g. ``megatron.features.sdpa_attention.SDPAttention``); None: unchanged."""
+    if core_attention is None:
+        return spec
+    if hasattr(spec, "layer_specs"):  # a block: each of its layers
+        return dataclasses.replace(spec, layer_specs=[with_core_attention(s, core_attention) for s in spec.layer_specs])
+    att = getattr(spec.submodules, "self_attention", None)
+    if att is None or not hasattr(getattr(att, "submodules", None), "core_attention"):
+        raise ZeroBubbleConfigError(f"the layer spec {getattr(spec, 'module', spec)!r} has no self-attention core to replace")
+    att = dataclasses.replace(att, submodules=dataclasses.replace(att.submodules, core_attention=core_attention))
+    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=att))
+
+
+def layer_spec(config, num_layers: int, packed: bool = False, core_attention=None):
     """megatron's local GPT layer spec (MoE layers from ``config.num_moe_experts``: megatron's
     SequentialMLP of local experts); with sequence parallelism its norms are swapped for
     ``SequenceParallelTorchNorm`` and the block spec is given explicitly (so the final norm too);
-    ``packed``: its attention takes packed sequences (``packed_attention``)."""
+    ``packed``: its attention takes packed sequences (``packed_attention``); ``core_attention``:
+    this core attention instead of megatron's (``with_core_attention``; it takes packed sequences
+    itself)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     spec = get_gpt_layer_local_spec(num_experts=getattr(config, "num_moe_experts", None), moe_grouped_gemm=False)
-    if packed:
-        att = spec.submodules.self_attention
-        att = dataclasses.replace(att, submodules=dataclasses.replace(att.submodules,
-                                                                      core_attention=packed_attention()))
-        spec = dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=att))
+    spec = with_core_attention(spec, core_attention or (packed_attention() if packed else None))
     if not config.sequence_parallel:
         return spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules

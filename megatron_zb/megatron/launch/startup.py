@@ -11,6 +11,7 @@ import sys
 from typing import Callable, List, Optional, Sequence
 
 from .args import add_zero_bubble_args, chain_providers, has_flag
+from ..features.attention_args import check_attention_args
 from ..features.balance_args import after_megatron_validation
 from ..errors import ZeroBubbleArgumentError
 from .flags import validate_zero_bubble_args
@@ -148,6 +149,7 @@ def prepare_args(extra_args_provider: Optional[Callable] = None, args_defaults: 
         load_args_from_checkpoint(args)
     zb = validate_zero_bubble_args(args, before_megatron_validation=True)
     notes = machine_adjustments(args)
+    check_attention_args(args)  # without TE, --attention-backend flash/fused: what torch's SDPA does not do
     if getattr(args, "zero_bubble_set_per_token_loss", False):
         notes.append("--calculate-per-token-loss (--zero-bubble-balance-microbatches normalises the loss over the "
                      "global token count)")
