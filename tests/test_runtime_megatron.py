@@ -87,7 +87,13 @@ def test_pp4_every_schedule(mcore_path, mcore_version):
                               schedule_options={"cost_f": 1.3, "cost_b": 2.1, "cost_w": 0.7, "cost_comm": 0.1},
                               label="limit 3, measured-like costs"),
                   V.make_case("zeropp", 4, num_microbatches=10, iterations=2, memory_limit=6.0,
-                              label="zeropp limit 6")]
+                              label="zeropp limit 6"),
+                  # a fused backward cheaper than B + W: back-to-back B;W pairs run as one BW pass
+                  V.make_case("zb-v", 4, num_microbatches=8, iterations=2, schedule_options={"cost_bw": 1.5},
+                              label="fused B;W pairs")]
+        from megatron_zb.core.build import build
+        from megatron_zb.megatron.execution.options import ScheduleOptions
+        assert build(ScheduleOptions("zb-v", cost_bw=1.5).request(), 4, 8).schedule.meta["fused_backwards"] > 0
     _check(V.run_verify_many(cases, timeout=900, mcore_path=mcore_path), mcore_version)
 
 
@@ -107,4 +113,8 @@ def test_tp2_pp2_sequence_parallel(mcore_path, mcore_version):
     cases.append(V.make_case("zb-h1", 2, tensor_parallel_size=2, num_microbatches=4, iterations=2,
                              sequence_parallel=True, overlap_grad_reduce=True, gradient_accumulation_fusion=True,
                              label="tp+sp+overlap+gaf"))
+    # fused B;W pairs in a split schedule: W's gradients (and DDP's grad-ready hooks) inside the backward
+    cases.append(V.make_case("zb-h1", 2, tensor_parallel_size=2, num_microbatches=4, iterations=2,
+                             sequence_parallel=True, overlap_grad_reduce=True, gradient_accumulation_fusion=True,
+                             schedule_options={"cost_bw": 1.5}, label="tp+sp+overlap+gaf, fused pairs"))
     _check(V.run_verify_many(cases, timeout=900, mcore_path=mcore_path), mcore_version)

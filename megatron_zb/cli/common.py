@@ -39,6 +39,10 @@ def add_setting_args(ap: argparse.ArgumentParser, schedule_required: bool = True
                     help="F time of a whole stage; a comma list gives one per stage (default 1)")
     ap.add_argument("--cost-b", type=number_list("--cost-b"), default=[1.0], help="B time (default 1)")
     ap.add_argument("--cost-w", type=number_list("--cost-w"), default=[1.0], help="W time (default 1)")
+    ap.add_argument("--cost-bw", type=number_list("--cost-bw"), default=None,
+                    help="time of a fused backward (B and W in one pass, as 1F1B runs it), where splitting it costs "
+                         "(B + W above it: extra kernels, the W queue, inputs read twice); default B + W. A B and its "
+                         "W run back to back are then fused where that delays no other pass")
     ap.add_argument("--cost-comm", type=nonneg("--cost-comm"), default=0.0,
                     help="time of one hop between ranks (default 0)")
     ap.add_argument("--cost-sync", type=nonneg("--cost-sync"), default=0.0,
@@ -156,6 +160,7 @@ def request(args, name: Optional[str] = None, chunks: Optional[int] = None,
     With --layout, each chunk's costs from what it holds (``layout_costs``; ``p``: pipeline ranks)."""
     req = ScheduleRequest(name=name or getattr(args, "schedule", None), chunks=chunks if chunks is not None
                           else args.chunks, cost_f=args.cost_f, cost_b=args.cost_b, cost_w=args.cost_w,
+                          cost_bw=getattr(args, "cost_bw", None),
                           cost_comm=args.cost_comm, cost_sync=args.cost_sync, cost_a2a=args.cost_a2a,
                           a2a_overlap=not args.no_overlap, mem_f=args.mem_f, mem_w=args.mem_w,
                           memory_limit=args.memory_limit, offload=offload_request(args),
@@ -190,9 +195,10 @@ def layout_costs(args, req: ScheduleRequest, p: int) -> dict:
     if lay.num_stages != p * chunks:
         raise ScheduleError(f"--layout {lay} has {lay.num_stages} chunks; {req.name} runs {p * chunks} "
                             f"({p} ranks x {chunks})")
+    bw = getattr(args, "cost_bw", None)
     for flag, v in (("--cost-f", args.cost_f), ("--cost-b", args.cost_b), ("--cost-w", args.cost_w),
                     ("--mem-f", args.mem_f), ("--cost-a2a", args.cost_a2a)) + \
-            ((("--mem-w", args.mem_w),) if args.mem_w is not None else ()):
+            ((("--mem-w", args.mem_w),) if args.mem_w is not None else ()) + ((("--cost-bw", bw),) if bw else ()):
         if len(v) != 1:
             raise UsageError(f"with --layout, {flag} is one transformer layer's: give one value, got {len(v)}")
     o, e, mtp = args.output_layer_cost, args.embedding_cost, lay.num_mtp_layers
@@ -206,6 +212,7 @@ def layout_costs(args, req: ScheduleRequest, p: int) -> dict:
     mem_w = args.mem_w[0] if args.mem_w is not None else None
     out = {k: [u * getattr(args, k)[0] for u in units] for k in ("cost_f", "cost_b", "cost_w", "cost_a2a", "mem_f")}
     out["mem_w"] = None if mem_w is None else [u * mem_w for u in units]
+    out["cost_bw"] = None if not bw else [u * bw[0] for u in units]
     out["chunks"] = req.chunks
     if vocab:  # each rank's shard: the output layer's (1 + MTP) x o layers over p ranks
         from ..core.vocab import VocabSetting

@@ -9,10 +9,18 @@ import os
 from typing import List, Optional
 
 from ..argtypes import nonneg, positive_float, positive_int, share_or_auto
+from ..core.model import SPLIT_OVERHEAD_S
 from ..core.models import names as model_names
 from .common import UsageError, add_exact_args, add_post_validation_arg, check_size
 from .varlen import DEFAULT_SCHEDULES, add_varlen_args, check_varlen_args
 from .plan_optim import add_optimizer_offload_args, host_costs, print_optimizer_offload
+
+
+def _split_overhead(text):
+    v = nonneg("--split-overhead-ms")(text)
+    if v >= 1000:
+        raise argparse.ArgumentTypeError(f"--split-overhead-ms is milliseconds per layer, below 1000, got {text!r}")
+    return v
 
 
 def _efficiency(text):
@@ -115,6 +123,11 @@ def add_parser(sub) -> None:
                     help="peak TFLOPS to use instead of --gpu's")
     pn.add_argument("--efficiency", type=_efficiency, default=0.5,
                     help="fraction of the peak a pass reaches (default 0.5)")
+    pn.add_argument("--split-overhead-ms", type=_split_overhead, default=None, metavar="MS",
+                    help="what splitting a backward into B and W adds per transformer layer, in ms (default "
+                         f"{1e3 * SPLIT_OVERHEAD_S:g}: the GPU figures in benchmarks/results/; 0: the split is free). "
+                         "A fused backward pays none; a schedule's B and W that run back to back are fused where "
+                         "that delays no pass. With --profile: what the profile measured")
     pn.add_argument("--profile", metavar="JSON",
                     help="take F/B/W (and message) times, in seconds, from a profile JSON written while training "
                          "(--zero-bubble-profile-window) instead of FLOPs")
@@ -273,6 +286,8 @@ def model_kwargs(args) -> dict:
     base.update(sequence_parallel=args.sequence_parallel, distributed_optimizer=args.use_distributed_optimizer,
                 flash_attention=not args.no_flash_attention, activation_bytes=args.activation_bytes,
                 dropout=not args.no_dropout, recompute=args.recompute_granularity,
+                split_overhead_s=0.0 if getattr(args, "profile", None) else
+                (SPLIT_OVERHEAD_S if args.split_overhead_ms is None else args.split_overhead_ms / 1e3),
                 recompute_num_layers=args.recompute_num_layers)
     return base
 
@@ -367,7 +382,9 @@ def _print_plan(args, spec, rows, profile, tflops, advice, within=None) -> None:
           f"micro-batch {spec.micro_batch_size}, " + ", ".join(extras))
     print(f"      {args.gpu_memory_gb:g} GiB per GPU; F/B/W times "
           + (f"from the profile {args.profile}" if profile else
-             f"from FLOPs at {tflops:g} TFLOPS x {args.efficiency:g} efficiency")
+             f"from FLOPs at {tflops:g} TFLOPS x {args.efficiency:g} efficiency"
+             + (f", the split backward {1e3 * spec.split_overhead_s:g} ms more per layer than the fused one (split "
+                "column: what it costs the iteration)" if spec.split_overhead_s else ""))
           + "; activations by Megatron's per-layer formula, model states 18 bytes/parameter; each model chunk "
           "costed by what it holds (embedding, layers, output layer + loss)"
           + ("" if profile else f"; layouts: {args.pipeline_model_parallel_layout}" if args.pipeline_model_parallel_layout
@@ -387,9 +404,12 @@ def _print_plan(args, spec, rows, profile, tflops, advice, within=None) -> None:
           + (f" (optimizer step {1e3 * args.cost_optimizer:g} ms)" if args.cost_optimizer else ""))
     ok = [r for r in rows if "error" not in r]
     w = max([17] + [len(_label(r)) for r in ok])  # the schedule column: its longest label
-    hdr1 = (f"{'#':>3}  {'schedule':<{w}} {'iteration ms':^19} {'bubble':>7} {'vs 1f1b':>8}  {'act GiB':^13}  "
+    split = any("split_cost_s" in r for r in ok)  # what the split backward costs each row
+    hdr1 = (f"{'#':>3}  {'schedule':<{w}} {'iteration ms':^19} {'bubble':>7} {'vs 1f1b':>8}"
+            + (f" {'split':>6}" if split else "") + f"  {'act GiB':^13}  "
             f"{'peak GiB':^14}  fits" + ("  pairs" if a2a else "") + "  layout (pipeline order)")
-    hdr2 = (f"{'':>3}  {'':<{w}} {'sync':>9} {'postval':>9} {'':>7} {'':>8}  {'min':>6} {'max':>6}  {'max':>6} "
+    hdr2 = (f"{'':>3}  {'':<{w}} {'sync':>9} {'postval':>9} {'':>7} {'':>8}" + (f" {'ms':>6}" if split else "")
+            + f"  {'min':>6} {'max':>6}  {'max':>6} "
             f"{'on rank':>7}" + (" " * 13 if a2a else ""))
     print(hdr1)
     print(hdr2)
@@ -401,7 +421,9 @@ def _print_plan(args, spec, rows, profile, tflops, advice, within=None) -> None:
         tp = r.get("throughput_vs_1f1b")
         print(f"{i:>3}  {_label(r):<{w}} {1e3 * r['iteration_time_s']:>9.1f} "
               f"{1e3 * r['iteration_time_post_validated_s']:>9.1f} {100 * r['bubble_rate']:>6.1f}% "
-              f"{(f'{tp:.3f}x' if tp else '-'):>8}  {min(act):>6.1f} {max(act):>6.1f}  {peak[worst]:>6.1f} "
+              f"{(f'{tp:.3f}x' if tp else '-'):>8}"
+              + (f" {1e3 * r.get('split_cost_s', 0.0):>6.1f}" if split else "")
+              + f"  {min(act):>6.1f} {max(act):>6.1f}  {peak[worst]:>6.1f} "
               f"{worst:>7}  {'yes' if r['fits'] else 'NO ':<4}" + (f" {r.get('overlap_pairs', 0):>6}" if a2a else "")
               + f"  {r.get('layout', '')}")
     for r in rows:

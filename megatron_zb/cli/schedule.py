@@ -11,6 +11,7 @@ from ..argtypes import positive_int
 from ..core import io as sched_io
 from ..core import schedules
 from ..core.build import Built, ScheduleRequest, build
+from ..core.fuse import split_cost
 from ..core.ir import OVERLAP, Schedule, ScheduleError
 from ..core.iteration import back_to_back, iteration_times
 from ..core.plan import by_memory_among_ties
@@ -85,16 +86,26 @@ def _result_dict(built: Built, it) -> dict:
     sched, setting = built.schedule, built.setting
     d = built.result.to_dict()
     d.update(it.to_dict())
+    d.update(_split(built, it.cost_optimizer))
     for k in ("lower_bound", "gap_to_lower_bound", "exact"):
         if k in sched.meta:
             d[k] = sched.meta[k]
     d.update({"placement": sched.placement.style, "cost_f": setting.cost_f, "cost_b": setting.cost_b,
-              "cost_w": setting.cost_w, "cost_comm": setting.cost_comm, "cost_a2a": setting.cost_a2a,
+              "cost_w": setting.cost_w, "cost_bw": setting.cost_bw, "cost_comm": setting.cost_comm,
+              "cost_a2a": setting.cost_a2a,
               "a2a_overlap": setting.a2a_overlap, "mem_f": setting.mem_f,
               "mem_w": setting.mem_w, "memory_limit": setting.memory_limit})
     if any(setting.cost_a2a):
         d.update(overlap_pairs=_pair_count(sched), advanced_ranks=sched.meta.get("advanced_ranks", []))
     return d
+
+
+def _split(built: Built, cost_optimizer: float) -> dict:
+    """What the split backward costs the built schedule (only where --cost-bw makes it cost)."""
+    if built.setting.cost_bw is None:
+        return {}
+    return {"split_cost": round(split_cost(built.schedule, built.setting, cost_optimizer), 10),
+            "fused_backwards": built.schedule.meta.get("fused_backwards", 0)}
 
 
 def _pair_count(sched: Schedule) -> int:
@@ -194,7 +205,7 @@ def compare_rows(base: ScheduleRequest, p: int, m: int, names: Optional[List[str
         res = built.result
         limit = base.memory_limit
         fits = limit is None or max(res.peak_memory) <= limit + 1e-9
-        rows.append({**res.to_dict(), **it.to_dict(), "fits": fits, "ranked_by": key})
+        rows.append({**res.to_dict(), **it.to_dict(), "fits": fits, "ranked_by": key, **_split(built, cost_optimizer)})
     top = next((r for r in rows if r.get("schedule") == "1f1b" and "error" not in r), None)
     for r in rows:
         if "error" not in r and top:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Dict, Optional, Sequence, Tuple, Union
 
 from . import schedules
+from .fuse import fuse_adjacent
 from .hostlink import OffloadOptions, has_offload
 from .ir import Schedule, ScheduleError, Setting
 from .lower import forward_only as forward_only_schedule
@@ -116,6 +117,7 @@ class ScheduleRequest:
     cost_f: Sequence[float] = (1.0,)
     cost_b: Sequence[float] = (1.0,)
     cost_w: Sequence[float] = (1.0,)
+    cost_bw: Optional[Sequence[float]] = None  # the fused backward's time where it is not B + W
     cost_comm: float = 0.0
     cost_sync: float = 0.0
     cost_a2a: Sequence[float] = (0.0,)
@@ -147,6 +149,7 @@ class ScheduleRequest:
         """The setting for P ranks and M microbatches (``chunks``: as the schedule resolves them)."""
         return Setting(p, m, chunks=self.chunks if chunks is None else chunks, cost_f=_seq(self.cost_f),
                        cost_b=_seq(self.cost_b), cost_w=_seq(self.cost_w), cost_comm=self.cost_comm,
+                       cost_bw=None if self.cost_bw is None else _seq(self.cost_bw),
                        mem_f=_seq(self.mem_f), mem_w=None if self.mem_w is None else _seq(self.mem_w),
                        memory_limit=self.memory_limit, cost_sync=self.cost_sync, cost_a2a=_seq(self.cost_a2a),
                        a2a_overlap=self.a2a_overlap, vocab=self.vocab)
@@ -317,6 +320,8 @@ def build(request: ScheduleRequest, p: int, m: int, *, enforce_limit: bool = Tru
     setting = dataclasses.replace(setting, chunks=sched.placement.chunks)
     if base is None:  # MoE all-to-all overlap: the F&B pairs that shorten the iteration (none without)
         sched = form_pairs(sched, setting)
+        # a split backward only where the schedule uses it: back-to-back B;W fused where the split costs
+        sched = fuse_adjacent(sched, setting)
     result = validate(sched, setting, memory_limit=float("inf"))
     built = Built(request, sched, setting, _result=result)
     limit = setting.memory_limit

@@ -28,7 +28,8 @@ __all__ = ["ChunkCosts", "UnitCosts", "chunk_costs", "unit_costs", "in_seconds",
 class ChunkCosts:
     """Per chunk (virtual stage, pipeline order): seconds of one microbatch's F, B, W and of its
     expert-parallel all-to-all (in an F, and again in a B), activation bytes held from F to B
-    (mem_f) and from B to W (mem_w); per rank: parameters."""
+    (mem_f) and from B to W (mem_w); per rank: parameters. B and W carry the split's overhead
+    (``ModelSpec.split_overhead_s``), the fused backward ``cost_bw`` none."""
 
     layout: Layout
     cost_f: List[float]
@@ -38,6 +39,7 @@ class ChunkCosts:
     mem_f: List[float]
     mem_w: List[float]
     params: List[float]
+    cost_bw: List[float] = dataclasses.field(default_factory=list)
 
     def rank_sum(self, name: str, placement: Placement) -> List[float]:
         """Per rank, the sum of ``name`` over the chunks it holds (one path's share when replicated)."""
@@ -92,11 +94,14 @@ def stage_work(spec: ModelSpec, layout: Layout) -> List[float]:
 
 
 def chunk_costs(spec: ModelSpec, layout: Layout, placement: Placement, flops_per_s: float,
-                ep_bytes_per_s: float, vocab: bool = False, vocab_embedding: bool = False) -> ChunkCosts:
+                ep_bytes_per_s: float, vocab: bool = False, vocab_embedding: bool = False,
+                split_overhead: Optional[float] = None) -> ChunkCosts:
     """Each chunk's costs for ``layout`` on ``placement`` (whose logical stages it must describe);
     ``vocab``: with vocabulary parallelism (the output layer in ``vocab_setting``'s passes);
     ``vocab_embedding``: the input embedding split over the ranks too (each holds V / P of its rows:
-    tied, they are its output shard; the first stage's rank keeps no whole embedding)."""
+    tied, they are its output shard; the first stage's rank keeps no whole embedding).
+    ``split_overhead``: what the split adds per transformer layer in the costs' unit (default
+    ``spec.split_overhead_s``: seconds; ``unit_costs`` gives it in FLOPs)."""
     if layout.num_stages != placement.num_logical_stages:
         raise ScheduleError(f"layout {layout} has {layout.num_stages} stages; the placement runs "
                             f"{placement.num_logical_stages} model chunks")
@@ -106,12 +111,15 @@ def chunk_costs(spec: ModelSpec, layout: Layout, placement: Placement, flops_per
     if layout.num_mtp_layers != spec.mtp_num_layers:
         raise ScheduleError(f"layout {layout} holds {layout.num_mtp_layers} MTP layers, the model "
                             f"{spec.mtp_num_layers} (--mtp-num-layers)")
-    cf, cb, cw, ca, mf, mw, par = [], [], [], [], [], [], []
+    over = spec.split_overhead_s if split_overhead is None else split_overhead
+    cf, cb, cw, cbw, ca, mf, mw, par = [], [], [], [], [], [], [], []
     for stage, layers in zip(layout.stages, layout.layer_ranges()):
         f, m, a2a = _flops(spec, stage, layers, layout.num_mtp_layers, vocab)
+        split = over * (len(layers) + stage.count("m") + (0.25 if "L" in stage and not vocab else 0.0)) / 2
         cf.append(f[0] / flops_per_s)
-        cb.append(f[1] / flops_per_s)
-        cw.append(f[2] / flops_per_s)
+        cb.append(f[1] / flops_per_s + split)
+        cw.append(f[2] / flops_per_s + split)
+        cbw.append((f[1] + f[2]) / flops_per_s)
         ca.append(a2a / ep_bytes_per_s if ep_bytes_per_s > 0 else 0.0)
         mf.append(m[0])
         mw.append(m[1])
@@ -134,7 +142,7 @@ def chunk_costs(spec: ModelSpec, layout: Layout, placement: Placement, flops_per
         shards = 2 if vocab_embedding and spec.untie_embeddings_and_output_weights else 1  # untied: the input's too
         for r in range(placement.num_ranks):
             params[r] += shards * spec.embedding_params() / placement.num_ranks
-    return ChunkCosts(layout, cf, cb, cw, ca, mf, mw, params)
+    return ChunkCosts(layout, cf, cb, cw, ca, mf, mw, params, cbw)
 
 
 def vocab_setting(spec: ModelSpec, p: int, flops_per_s: float, bytes_per_s: float, barriers: int = 1,
@@ -190,6 +198,7 @@ class UnitCosts:
     time_flops: float
     unit_bytes: float
     vocab: Optional[object] = None  # core.vocab.VocabSetting
+    cost_bw: Optional[List[float]] = None  # the fused backward, where the split costs (None: B + W)
 
     def seconds(self, flops_per_s: float) -> float:
         """One time unit in seconds at ``flops_per_s``."""
@@ -210,7 +219,8 @@ def unit_costs(spec: ModelSpec, layout: Optional[Layout], placement: Placement, 
             raise ScheduleError(f"{L} layers do not split evenly over {S} model chunks")
         layout = from_counts([L // S] * S, spec.mtp_num_layers)
     vocab = barriers is not None
-    cc = chunk_costs(spec, layout, placement, 1.0, 1.0, vocab=vocab, vocab_embedding=vocab and embedding)
+    cc = chunk_costs(spec, layout, placement, 1.0, 1.0, vocab=vocab, vocab_embedding=vocab and embedding,
+                     split_overhead=spec.split_overhead_s * flops_per_s)
     t = max(cc.rank_sum("cost_f", placement)) or 1.0
     u = max(cc.rank_sum("mem_f", placement)) or 1.0
     vs = None
@@ -218,7 +228,8 @@ def unit_costs(spec: ModelSpec, layout: Optional[Layout], placement: Placement, 
         link = link_bytes_per_s * t / flops_per_s  # bytes per time unit
         vs = vocab_setting(spec, placement.num_ranks, t, link, barriers, mem_unit=u, embedding=embedding)
     return UnitCosts([x / t for x in cc.cost_f], [x / t for x in cc.cost_b], [x / t for x in cc.cost_w],
-                     [x / u for x in cc.mem_f], [x / u for x in cc.mem_w], t, u, vs)
+                     [x / u for x in cc.mem_f], [x / u for x in cc.mem_w], t, u, vs,
+                     [x / t for x in cc.cost_bw] if spec.split_overhead_s else None)
 
 
 def in_seconds(setting, unit_s: float):
@@ -229,5 +240,7 @@ def in_seconds(setting, unit_s: float):
         vocab = dataclasses.replace(vocab, **{k: [x * unit_s for x in getattr(vocab, k)]
                                               for k in ("cost_s", "cost_t", "cost_w", "cost_i", "cost_g")},
                                     **{k: getattr(vocab, k) * unit_s for k in ("cost_comm", "cost_ci", "cost_cg")})
+    if setting.cost_bw is not None:
+        times["cost_bw"] = [x * unit_s for x in setting.cost_bw]
     return dataclasses.replace(setting, cost_comm=setting.cost_comm * unit_s, cost_sync=setting.cost_sync * unit_s,
                                vocab=vocab, **times)

@@ -342,6 +342,10 @@ class Setting:
     cost_w: Sequence[float] = (1.0,)
     cost_comm: float = 0.0
     mem_f: Sequence[float] = (1.0,)
+    # the fused backward's time (B and W in one pass, no W queue), where it is not B + W: a split
+    # backward costs more on a GPU at small shapes (extra kernels, the W queue, inputs read twice).
+    # None: B + W. The simulator charges a BW pass this, and B and W passes their own costs
+    cost_bw: Optional[Sequence[float]] = None
     # what W still holds after B; default DEFAULT_MEM_W_RATIO * mem_f. Usually part of mem_f; more than
     # mem_f with full activation recompute (B recreates the layer, W keeps its GEMMs' inputs and gradients)
     mem_w: Optional[Sequence[float]] = None
@@ -374,6 +378,8 @@ class Setting:
         self.cost_f = setting_values("cost-f", self.cost_f, p, self.chunks)
         self.cost_b = setting_values("cost-b", self.cost_b, p, self.chunks)
         self.cost_w = setting_values("cost-w", self.cost_w, p, self.chunks)
+        if self.cost_bw is not None:
+            self.cost_bw = setting_values("cost-bw", self.cost_bw, p, self.chunks)
         self.cost_a2a = setting_values("cost-a2a", self.cost_a2a, p, self.chunks)
         self.mem_f = setting_values("mem-f", self.mem_f, p, self.chunks)
         if self.mem_w is None:
@@ -395,7 +401,7 @@ class Setting:
     def per_chunk(self) -> bool:
         """Whether any cost or memory is given per model chunk."""
         return any(len(x) != self.stages for x in (self.cost_f, self.cost_b, self.cost_w, self.cost_a2a,
-                                                   self.mem_f, self.mem_w))
+                                                   self.mem_f, self.mem_w, self.cost_bw or ()) if x)
 
     def _at(self, values: Sequence[float], rank: int, stage: Optional[int]) -> float:
         """One chunk's share of ``values``: its own value (per chunk) or the rank's / chunks."""
@@ -430,8 +436,12 @@ class Setting:
         if kind == W:
             return self._at(self.cost_w, rank, stage) * self._k(W, mb)
         if kind == BW:
-            return (self._at(self.cost_b, rank, stage) * self._k(B, mb)
-                    + self._at(self.cost_w, rank, stage) * self._k(W, mb) + a2a)
+            b, w = self._at(self.cost_b, rank, stage), self._at(self.cost_w, rank, stage)
+            split = b * self._k(B, mb) + w * self._k(W, mb)
+            if self.cost_bw is None:
+                return split + a2a
+            fused = self._at(self.cost_bw, rank, stage)  # (a microbatch's factor: B's and W's, weighted)
+            return (fused * split / (b + w) if b + w > 0 else fused * self._k(B, mb)) + a2a
         return 0.0
 
     def pass_a2a(self, kind: str, rank: int, stage: Optional[int] = None, mb: Optional[int] = None) -> float:

@@ -11,7 +11,13 @@ from typing import List, Optional, Union
 from .ir import ScheduleError
 from .model_shapes import attention, ffn_size, mlp, moe_ffn_size, moe_pattern, validate_shapes
 
-__all__ = ["ModelSpec", "layer_split", "stage_activation_bytes"]
+__all__ = ["ModelSpec", "SPLIT_OVERHEAD_S", "layer_split", "stage_activation_bytes"]
+
+
+#: seconds a split backward adds per transformer layer on a GPU: the median of B + W against the fused
+#: backward in ``benchmarks/results/`` (H100 fp32 h1024-h4096, H200 bf16 h2048/h4096: 0.21-0.52 ms, a
+#: fixed cost whatever the layer's size: 0.4% of the backward at h4096 s4096, 15-20% at h2048 s2048)
+SPLIT_OVERHEAD_S = 0.4e-3
 
 
 @dataclass
@@ -55,6 +61,11 @@ class ModelSpec:
     qk_head_dim: int = 128
     qk_pos_emb_head_dim: int = 64
     v_head_dim: int = 128
+    # what splitting a backward into B and W adds per transformer layer, in seconds (the output
+    # layer counts a quarter: one linear of a layer's four): more kernels, the W queue's bookkeeping,
+    # the inputs read again. Half goes to B, half to W; a fused backward (BW) pays none. On the GPU
+    # check's H100/H200 layers it measured 0.2-0.5 ms whatever the shape (``SPLIT_OVERHEAD_S``)
+    split_overhead_s: float = 0.0
 
     def validate(self):
         for k in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
@@ -76,6 +87,9 @@ class ModelSpec:
             raise ScheduleError(f"--recompute-granularity must be full or selective, got {self.recompute!r}")
         if not isinstance(self.recompute_num_layers, int) or self.recompute_num_layers < 1:
             raise ScheduleError(f"--recompute-num-layers must be an integer >= 1, got {self.recompute_num_layers!r}")
+        if not (isinstance(self.split_overhead_s, (int, float)) and 0 <= self.split_overhead_s < 1):
+            raise ScheduleError(f"the split backward's overhead must be 0 or more seconds per layer (below 1 s), got "
+                                f"{self.split_overhead_s!r}")
         if self.activation_bytes not in (1, 2, 4):
             raise ScheduleError(f"--activation-bytes must be 1, 2 or 4, got {self.activation_bytes!r}")
         if self.hidden_size % self.num_attention_heads:

@@ -16,6 +16,7 @@ import math
 from typing import List, Optional
 
 from .build import Built, OffloadRequest, ScheduleRequest, build
+from .fuse import split_cost
 from .chunk_costs import chunk_costs, in_seconds, unit_costs
 from .ir import OVERLAP, Placement, ScheduleError, Setting
 from .iteration import iteration_times
@@ -184,11 +185,12 @@ def _one(sp, spec, p, m, v, pl, lay: Layout, budget, flops_per_s, profile, cost_
     except ScheduleError as e:
         return {"schedule": name, "error": str(e)}
     cf, cb, cw, ca, mf, mw = cc.cost_f, cc.cost_b, cc.cost_w, cc.cost_a2a, cc.mem_f, cc.mem_w
+    cbw = cc.cost_bw if spec.split_overhead_s else None  # the fused backward, where the split costs
     states = [spec.state_bytes(x) for x in cc.params]
     comm = 0.0
     if profile is not None:
         measured = profile_costs(profile, p, len(cf))
-        cf, cb, cw = measured["cost_f"], measured["cost_b"], measured["cost_w"]
+        cf, cb, cw, cbw = measured["cost_f"], measured["cost_b"], measured["cost_w"], measured.get("cost_bw")
         comm = measured.get("cost_comm", 0.0)
         ca = measured.get("cost_a2a", [0.0])
         if measured.get("mem_f"):
@@ -214,18 +216,19 @@ def _one(sp, spec, p, m, v, pl, lay: Layout, budget, flops_per_s, profile, cost_
     # the searches round and compare in those units), its memory limit the flag's two decimals;
     # its times then in seconds (``sec`` per unit). From a profile: its seconds
     sec, vs = 1.0, None
-    rf, rb, rw, rmf, rmw = cf, cb, cw, [x / unit for x in mf], [x / unit for x in mw]
+    rf, rb, rw, rbw, rmf, rmw = cf, cb, cw, cbw, [x / unit for x in mf], [x / unit for x in mw]
     if profile is None:
         try:
             uc = unit_costs(spec, lay, pl, barriers, split, flops_per_s, vocab_gbps * 1e9)
         except ScheduleError as e:
             return {"schedule": name, "error": str(e)}
         sec, vs = uc.seconds(flops_per_s), uc.vocab
-        rf, rb, rw, rmf, rmw = uc.cost_f, uc.cost_b, uc.cost_w, uc.mem_f, uc.mem_w
+        rf, rb, rw, rbw, rmf, rmw = uc.cost_f, uc.cost_b, uc.cost_w, uc.cost_bw, uc.mem_f, uc.mem_w
     if sp.searched and limit_units:
         limit_units = math.floor(limit_units * 100 + 1e-6) / 100  # as the flag gives it
     try:
-        req = ScheduleRequest(name, chunks=v if sp.chunks is None else None, cost_f=rf, cost_b=rb, cost_w=rw, vocab=vs,
+        req = ScheduleRequest(name, chunks=v if sp.chunks is None else None, cost_f=rf, cost_b=rb, cost_w=rw,
+                              cost_bw=rbw, vocab=vs,
                               cost_comm=comm / sec, cost_a2a=[x / sec for x in ca], a2a_overlap=a2a_overlap,
                               mem_f=rmf, mem_w=rmw, memory_limit=limit_units if sp.searched else None, exact=exact,
                               offload=_offload_request(offload_ratio, offload_time, host_link_gbps, offload_overlap,
@@ -260,6 +263,11 @@ def _one(sp, spec, p, m, v, pl, lay: Layout, budget, flops_per_s, profile, cost_
            "memory_limit_microbatches": searched_limit,
            "weight_copies": res.weight_copies or [1.0] * p,
            "flags": _flags(sp, p, searched_limit, lay, padded, profile is not None)}
+    if rbw is not None:  # what the split backward costs the row (its passes as the schedule runs them)
+        out["split_cost_s"] = split_cost(sched, built.setting, cost_optimizer / sec) * sec
+        out["fused_backwards"] = sched.meta.get("fused_backwards", 0)
+        if sp.split_backward and profile is None:  # training models the same overhead: the same schedule
+            out["flags"] += f" --zero-bubble-split-overhead-ms {1e3 * spec.split_overhead_s:g}"
     if (sp.effort or barriers is not None) and offload_ratio is None:  # the effort changed the row
         out["search_effort"] = effort
         if effort != "full":  # training builds the row's own schedule
@@ -346,7 +354,7 @@ def profile_costs(profile: dict, p: int, chunks: Optional[int] = None) -> dict:
     if not isinstance(profile, dict):
         raise ScheduleError("profile JSON: expected an object with cost_f, cost_b, cost_w (per-stage seconds)")
     out = {}
-    for k in ("cost_f", "cost_b", "cost_w", "mem_f", "mem_w", "cost_a2a"):
+    for k in ("cost_f", "cost_b", "cost_w", "cost_bw", "mem_f", "mem_w", "cost_a2a"):
         val = profile.get(k)
         if val is None:
             continue

@@ -59,7 +59,7 @@ def build_profile(rank_stats: Sequence[dict], *, schedule: Optional[str], placem
     mem_f, mem_w = [0.0] * p, [0.0] * p
     mem_w_known = [True] * p
     S = placement.num_logical_stages
-    chunk = {k: [0.0] * S for k in ("f", "b", "w", "mem_f", "mem_w")}
+    chunk = {k: [0.0] * S for k in ("f", "b", "w", "bw", "mem_f", "mem_w")}
     share = 1.0 / placement.num_paths
     counts = {k: 0 for k in (F, B, W, BW, "recv_wait", "comm_probe")}
     split_sources = set()
@@ -89,16 +89,17 @@ def build_profile(rank_stats: Sequence[dict], *, schedule: Optional[str], placem
             cost["f"][r] += f
             cost["b"][r] += b
             cost["w"][r] += w
-            if med[BW] is not None:
-                cost["bw"][r] += med[BW]
-                has_bw[r] = True
+            # the fused backward: as measured where one ran, else B + W (one where the split costs nothing)
+            bw = med[BW] if med[BW] is not None else b + w
+            cost["bw"][r] += bw
+            has_bw[r] = has_bw[r] or med[BW] is not None
             mem_f[r] += mf or 0.0
             if mw is None:
                 mem_w_known[r] = False
             else:
                 mem_w[r] += mw
             lg = placement.logical(s)
-            for k, x in (("f", f), ("b", b), ("w", w), ("mem_f", mf or 0.0),
+            for k, x in (("f", f), ("b", b), ("w", w), ("bw", bw), ("mem_f", mf or 0.0),
                          ("mem_w", mw if mw is not None else DEFAULT_MEM_W_RATIO * (mf or 0.0))):
                 chunk[k][lg] += x * share
             per_chunk.append({
@@ -159,6 +160,7 @@ def build_profile(rank_stats: Sequence[dict], *, schedule: Optional[str], placem
         "samples": counts,
         "per_chunk": per_chunk,
         "chunk_cost_f": chunk["f"], "chunk_cost_b": chunk["b"], "chunk_cost_w": chunk["w"],
+        "chunk_cost_bw": chunk["bw"] if any(has_bw) else None,
         "chunk_mem_f": chunk["mem_f"], "chunk_mem_w": chunk["mem_w"],
         **_offload_section(by_rank, p),
         **_memory_section(by_rank, p),
@@ -289,6 +291,8 @@ def profile_to_setting_kwargs(profile: dict, normalize: bool = False, per_chunk:
                    "cost_b": [x / unit for x in as_list(profile["chunk_cost_b"])],
                    "cost_w": [x / unit for x in as_list(profile["chunk_cost_w"])],
                    "cost_comm": out["cost_comm"] / unit}
+        if profile.get("chunk_cost_bw"):
+            chunked["cost_bw"] = [x / unit for x in as_list(profile["chunk_cost_bw"])]
         chunked.update({k: [x / unit for x in as_list(profile[k])] for k in VOCAB_COST_KEYS if profile.get(k)})
         if "mem_f" in out:
             chunked["mem_f"] = [x / mu for x in as_list(profile["chunk_mem_f"])]
@@ -296,6 +300,8 @@ def profile_to_setting_kwargs(profile: dict, normalize: bool = False, per_chunk:
         return chunked
     comm = float(profile.get("cost_comm") or 0.0)
     out = {"cost_f": cf, "cost_b": cb, "cost_w": cw, "cost_comm": comm}
+    if profile.get("cost_bw"):  # a fused backward measured (B + W where only the split one ran)
+        out["cost_bw"] = as_list(profile["cost_bw"])
     mf = profile.get("mem_f")
     if mf is not None and sum(as_list(mf)) > 0:
         mf = as_list(mf)
@@ -307,8 +313,9 @@ def profile_to_setting_kwargs(profile: dict, normalize: bool = False, per_chunk:
         out["mem_f"], out["mem_w"] = mf, mw
     if normalize:
         unit = sum(cf) / len(cf) if sum(cf) > 0 else (sum(cf + cb + cw) / (3 * len(cf)) or 1.0)
-        for k in ("cost_f", "cost_b", "cost_w"):
-            out[k] = [x / unit for x in out[k]]
+        for k in ("cost_f", "cost_b", "cost_w", "cost_bw"):
+            if k in out:
+                out[k] = [x / unit for x in out[k]]
         out["cost_comm"] = comm / unit
         out.update({k: [x / unit for x in as_list(profile[k])] for k in VOCAB_COST_KEYS if profile.get(k)})
         if "mem_f" in out:

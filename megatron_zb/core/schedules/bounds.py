@@ -30,6 +30,7 @@ from typing import Dict, List, Optional, Tuple
 
 from ..ir import B, F, W, Placement, Setting
 from ..memo import Memo, setting_key
+from ..split import split_free
 
 NEG = float("-inf")
 
@@ -212,7 +213,9 @@ def lower_bound(setting: Setting, placement: Placement, limit: Optional[float]) 
 
 
 def _lower_bound(setting: Setting, placement: Placement, limit: Optional[float]) -> float:
-    st = dataclasses.replace(setting, chunks=placement.chunks)
+    # where a split backward costs more than the fused one, with the split free (no pass costs more
+    # there, so no schedule is faster here than there: a fused backward is no cheaper than B + W)
+    st = dataclasses.replace(split_free(setting, placement), chunks=placement.chunks)
     m = setting.microbatches
     R = placement.num_ranks
     busy = [sum(m * st.pass_cost(k, r, s) for k in (F, B, W) for s in placement.stages_of(r)) for r in range(R)]

@@ -122,6 +122,7 @@ class ZeroBubbleForwardBackward:
         pipeline rank must call it at the same iteration (it does, after the window)."""
         kw = profile_to_setting_kwargs(profile, normalize=True, per_chunk=True)
         upd = {k: kw[k] for k in ("cost_f", "cost_b", "cost_w", "cost_comm")}
+        upd["cost_bw"] = kw.get("cost_bw")  # the fused backward as measured, where the run had one
         if "mem_f" in kw and len(kw["mem_f"]) == len(kw["cost_f"]) and len(kw["cost_f"]) != profile.get("stages", len(kw["cost_f"])):
             upd["mem_f"], upd["mem_w"] = kw["mem_f"], kw["mem_w"]  # each chunk's own (in units of the fullest rank)
         elif "mem_f" in kw:

@@ -48,6 +48,7 @@ class ScheduleOptions:
     cost_f: Any = 1.0
     cost_b: Any = 1.0
     cost_w: Any = 1.0
+    cost_bw: Any = None  # the fused backward, where the split costs more (None: B + W)
     cost_comm: float = 0.0
     cost_sync: float = 0.0  # replicated stages (bitpipe): the replica gradient all-reduce of a stage
     # MoE: one microbatch's expert all-to-all in an F, B or BW of a stage (default with ep_overlap:
@@ -129,6 +130,7 @@ class ScheduleOptions:
             vocab = VocabSetting(barriers=int(self.vocab_parallel), **costs)
         return ScheduleRequest(self.schedule, chunks=self.chunks if self.spec.chunks is None else None, vocab=vocab,
                                cost_f=self.cost_f, cost_b=self.cost_b, cost_w=self.cost_w, cost_comm=self.cost_comm,
+                               cost_bw=self.cost_bw,
                                cost_sync=self.cost_sync, mem_f=mem_f, mem_w=None if mem_w is None else list(mem_w),
                                memory_limit=self.memory_limit, offload=offload, cost_a2a=a2a,
                                a2a_overlap=bool(self.ep_overlap), effort=self.effort)

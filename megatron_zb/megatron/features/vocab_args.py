@@ -104,4 +104,4 @@ def vocab_cost_kwargs(spec, layout: Optional[Layout], placement: Placement, barr
         raise ZeroBubbleArgumentError(str(e)) from None
     costs = {k: v for k, v in uc.vocab.to_dict().items() if k != "barriers"}
     return {"cost_f": uc.cost_f, "cost_b": uc.cost_b, "cost_w": uc.cost_w, "mem_f": uc.mem_f, "mem_w": uc.mem_w,
-            "unit_bytes": uc.unit_bytes, "vocab_costs": costs}
+            "unit_bytes": uc.unit_bytes, "vocab_costs": costs, **({"cost_bw": uc.cost_bw} if uc.cost_bw is not None else {})}

@@ -15,7 +15,8 @@ Two families of flags, both accepted by ``add_zero_bubble_args``:
   ``--zero-bubble-memory-limit L`` (microbatches of activation, or ``<x>GB`` / ``<x>GiB``),
   ``--zero-bubble-search-effort full|quick``,
   ``--zero-bubble-timeout S``, ``--zero-bubble-profile-window START END``,
-  ``--zero-bubble-profile-path FILE``, ``--zero-bubble-cost-f/-b/-w/-comm``, ``--zero-bubble-mem-w``,
+  ``--zero-bubble-profile-path FILE``, ``--zero-bubble-cost-f/-b/-w/-bw/-comm``, ``--zero-bubble-mem-w``,
+  ``--zero-bubble-split-overhead-ms``,
   ``--allow-padding-num-layers``;
 * **the ZB authors' fork's**, with the same meaning, so an existing script runs unchanged:
   ``--enable-zero-bubble``, ``--zero-bubble-v-schedule``, ``--zero-bubble-v-schedule-mem-setup``,
@@ -91,6 +92,18 @@ def _cost(flag):
         vals = parse_list(text)
         return vals[0] if len(vals) == 1 else vals
     return parse
+
+
+def _split_overhead(text):
+    """--zero-bubble-split-overhead-ms: milliseconds per layer, 0 <= x < 1000."""
+    try:
+        v = float(text)
+    except ValueError:
+        v = -1.0
+    if not (0.0 <= v < 1000.0):
+        raise argparse.ArgumentTypeError(f"--zero-bubble-split-overhead-ms takes milliseconds per layer (0 to 1000), "
+                                         f"got {text!r}")
+    return v
 
 
 _LIMIT_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(GB|GIB|G)?\s*$", re.IGNORECASE)
@@ -240,6 +253,15 @@ def add_zero_bubble_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                        metavar="T",
                        help=f"Relative time of one microbatch's {what} on a stage, for the schedule generator "
                             f"(a comma list gives one value per rank; default 1).")
+    g.add_argument("--zero-bubble-cost-bw", type=_cost("--zero-bubble-cost-bw"), default=None, metavar="T",
+                   help="Relative time of one microbatch's fused backward (B and W in one pass) on a stage, where "
+                        "splitting it costs more (default B + W). A B and its W that run back to back are then fused "
+                        "where that delays no other pass.")
+    g.add_argument("--zero-bubble-split-overhead-ms", type=_split_overhead, default=None, metavar="MS",
+                   help="What splitting a backward into B and W adds per transformer layer, in ms, in the costs the "
+                        "schedule is planned with (default 0; `megatron-zb plan` models 0.4, the GPU figures, and its "
+                        "flags carry it). A B and its W that run back to back are then fused where that delays no "
+                        "other pass.")
     g.add_argument("--zero-bubble-cost-comm", type=_cost("--zero-bubble-cost-comm"), default=None, metavar="T",
                    help="Relative time of one pipeline hop (default 0).")
     g.add_argument("--zero-bubble-cost-a2a", type=_cost("--zero-bubble-cost-a2a"), default=None, metavar="T",

@@ -312,7 +312,7 @@ def validate_zero_bubble_args(args, *, before_megatron_validation: Optional[bool
     if getattr(args, "zero_bubble_search_effort", None) is not None:
         kwargs["effort"] = args.zero_bubble_search_effort
     laid_out = getattr(args, "zero_bubble_chunk_costs", None)
-    given = {opt: getattr(args, f"zero_bubble_{opt}", None) for opt in ("cost_f", "cost_b", "cost_w", "mem_w")}
+    given = {opt: getattr(args, f"zero_bubble_{opt}", None) for opt in ("cost_f", "cost_b", "cost_w", "cost_bw", "mem_w")}
     if laid_out and all(v is None for v in given.values()):
         kwargs.update({k: v for k, v in laid_out.items() if k not in ("unit_bytes", "vocab_costs")})
     if barriers is not None:
@@ -321,7 +321,7 @@ def validate_zero_bubble_args(args, *, before_megatron_validation: Optional[bool
             kwargs["vocab_embedding"] = True
         if laid_out and laid_out.get("vocab_costs"):
             kwargs["vocab_costs"] = laid_out["vocab_costs"]
-    for opt in ("cost_f", "cost_b", "cost_w", "cost_comm", "cost_a2a", "mem_w"):
+    for opt in ("cost_f", "cost_b", "cost_w", "cost_bw", "cost_comm", "cost_a2a", "mem_w"):
         v = getattr(args, f"zero_bubble_{opt}", None)
         if v is not None:
             kwargs[opt] = v

@@ -181,6 +181,7 @@ class TrainingSession:
             try:  # the order that ran, timed with the profiled F/B/W (seconds)
                 st = Setting(sched.num_ranks, sched.num_microbatches, chunks=sched.placement.chunks,
                              cost_f=prof["cost_f"], cost_b=prof["cost_b"], cost_w=prof["cost_w"],
+                             cost_bw=prof.get("cost_bw"),
                              cost_comm=prof.get("cost_comm") or 0.0)
                 it = iteration_times(sched, st)
                 sim = it.iteration_time_post_validated if self.zb.get("post_validation") else it.iteration_time

@@ -131,4 +131,4 @@ def chunk_cost_kwargs(spec, layout: Optional[Layout], placement: Placement) -> d
     except ScheduleError as e:
         raise ZeroBubbleArgumentError(str(e)) from None
     return {"cost_f": uc.cost_f, "cost_b": uc.cost_b, "cost_w": uc.cost_w, "mem_f": uc.mem_f, "mem_w": uc.mem_w,
-            "unit_bytes": uc.unit_bytes}
+            "unit_bytes": uc.unit_bytes, **({"cost_bw": uc.cost_bw} if uc.cost_bw is not None else {})}

@@ -40,7 +40,8 @@ def model_spec(args):
                      mtp_num_layers=int(getattr(args, "mtp_num_layers", None) or 0),
                      recompute=getattr(args, "recompute_granularity", None),
                      recompute_num_layers=int(getattr(args, "recompute_num_layers", None) or 1)
-                     if getattr(args, "recompute_method", None) == "uniform" else 1)
+                     if getattr(args, "recompute_method", None) == "uniform" else 1,
+                     split_overhead_s=float(getattr(args, "zero_bubble_split_overhead_ms", None) or 0.0) / 1e3)
 
 
 def memory_limit_in_microbatches(gigabytes: float, args, *, gib: bool = False) -> float:
