@@ -330,3 +330,26 @@ def test_plan_schedules_restricts_the_rows(capsys):
     assert main(["plan", "--model", "llama-3.2-1b", "--pipeline-parallel-size", "3", "--num-microbatches", "6",
                  "--schedules", "zb-x"]) == 2
     assert "unknown schedule 'zb-x'" in capsys.readouterr().err
+
+
+def test_the_split_backwards_cost_changes_the_ranking_at_h2048(capsys):
+    """At h2048 s2048 a split backward's fixed per-layer cost (the GPU figures: 0.4 ms) is a large share
+    of a layer: with it, schedules that run fused backwards overtake zb-v, and each row says what its
+    split costs it; without it (0) the ranking is the free split's."""
+    args = ["plan", "--num-layers", "16", "--hidden-size", "2048", "--num-attention-heads", "16", "--seq-length",
+            "2048", "--pipeline-parallel-size", "4", "--num-microbatches", "16", "--no-vocab-parallel", "--jobs", "1",
+            "--schedules", "zb-v", "interleaved-1f1b", "--json"]
+    order = {}
+    for ms in ("0", "0.4"):
+        assert main(args + ["--split-overhead-ms", ms]) == 0
+        rows = [r for r in json.loads(capsys.readouterr().out)["rows"] if "error" not in r]
+        order[ms] = [r["schedule"] for r in rows]
+        by = {r["schedule"]: r for r in rows}
+        if ms == "0":
+            assert all("split_cost_s" not in r for r in rows)
+        else:
+            assert by["zb-v"]["split_cost_s"] > 0 and by["1f1b"]["split_cost_s"] == 0
+            assert "--zero-bubble-split-overhead-ms 0.4" in by["zb-v"]["flags"]
+            assert "--zero-bubble-split-overhead-ms" not in by["1f1b"]["flags"]
+    assert order["0"].index("zb-v") < order["0"].index("interleaved-1f1b")
+    assert order["0.4"].index("zb-v") > order["0.4"].index("interleaved-1f1b")
