@@ -161,7 +161,7 @@ def simulate_iterations_case(case, opt_units):
     name, st = _iteration_setting(case)
     sched = generate(name, st)
     st = dataclasses.replace(st, chunks=sched.placement.chunks)
-    it = iteration_times(sched, st, opt_units)
+    it = iteration_times(sched, st, opt_units, cost_postval=opt_units)  # the emulated steps sleep alike
     return it.iteration_time, it.iteration_time_post_validated
 
 

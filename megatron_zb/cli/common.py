@@ -66,6 +66,9 @@ def add_setting_args(ap: argparse.ArgumentParser, schedule_required: bool = True
                          "training's --zero-bubble-search-effort quick)")
     ap.add_argument("--cost-optimizer", type=nonneg("--cost-optimizer"), default=0.0,
                     help="time of one optimizer step, for the time per training iteration (default 0)")
+    ap.add_argument("--cost-optimizer-post-validated", type=nonneg("--cost-optimizer-post-validated"), default=None,
+                    metavar="T", help="time of the post-validated step (the eager step, its rollback copy, its "
+                                      "validation; default 1.4 x --cost-optimizer, the GPU check's figure)")
     lay = ap.add_argument_group("model layout (the layers each model chunk holds)")
     lay.add_argument("--layout", "--pipeline-model-parallel-layout", dest="layout", default=None, metavar="LAYOUT",
                      help="Megatron's layout in pipeline order (E embedding, t transformer layer, m MTP layer, L loss, "

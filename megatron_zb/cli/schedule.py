@@ -128,7 +128,7 @@ def cmd_simulate(args) -> int:
         writable("--save", args.save)
     built = build_from_args(args)
     sched, setting = built.schedule, built.setting
-    it = iteration_times(sched, setting, args.cost_optimizer)
+    it = iteration_times(sched, setting, args.cost_optimizer, args.cost_optimizer_post_validated)
     if args.save:
         _save_schedule(sched, args.save)
     if args.json:
@@ -183,7 +183,8 @@ def _save_schedule(sched: Schedule, path: str):
 
 
 def compare_rows(base: ScheduleRequest, p: int, m: int, names: Optional[List[str]] = None,
-                 cost_optimizer: float = 0.0, post_validation: bool = False, for_name=None) -> List[dict]:
+                 cost_optimizer: float = 0.0, post_validation: bool = False, for_name=None,
+                 cost_postval: Optional[float] = None) -> List[dict]:
     """Build and simulate every schedule (``names``, default all) with ``base``'s costs, limit and
     offload; rows sorted by the time per training iteration the user gets: with Megatron's
     synchronous optimizer step, or post-validated; times within 0.1% count as equal, the least
@@ -198,7 +199,7 @@ def compare_rows(base: ScheduleRequest, p: int, m: int, names: Optional[List[str
             req = (for_name(name) if for_name is not None else
                    base.replace(name=name, chunks=base.chunks if spec.chunks is None else None))
             built = build(req, p, m, enforce_limit=False)
-            it = iteration_times(built.schedule, built.setting, cost_optimizer)
+            it = iteration_times(built.schedule, built.setting, cost_optimizer, cost_postval)
         except ScheduleError as e:
             rows.append({"schedule": name, "error": str(e)})
             continue
@@ -237,7 +238,8 @@ def cmd_compare(args) -> int:
         spec = schedules.get(name)
         return request(args, name=name, chunks=args.chunks if spec.chunks is None else None, p=p)
     rows = compare_rows(req, p, m, names=args.schedules, cost_optimizer=args.cost_optimizer,
-                        post_validation=args.optimizer_post_validation, for_name=for_name if layout is not None else None)
+                        post_validation=args.optimizer_post_validation, for_name=for_name if layout is not None else None,
+                        cost_postval=args.cost_optimizer_post_validated)
     ok = [r for r in rows if "error" not in r]
     if setting.memory_limit is not None and not any(r["fits"] for r in ok):
         least = min(max(r["peak_memory"]) for r in ok)
@@ -289,8 +291,11 @@ def cmd_plot(args) -> int:
                          f"{setting.stages}")
     title = None
     if args.iterations > 1:
-        res = back_to_back(sched, setting, args.iterations, args.cost_optimizer, args.optimizer_post_validation)
-        it = iteration_times(sched, setting, args.cost_optimizer)
+        step = (args.cost_optimizer_post_validated if args.optimizer_post_validation
+                and args.cost_optimizer_post_validated is not None else args.cost_optimizer)
+        res = back_to_back(sched, setting, args.iterations, step, args.optimizer_post_validation,
+                           measured=args.cost_optimizer_post_validated is not None)
+        it = iteration_times(sched, setting, args.cost_optimizer, args.cost_optimizer_post_validated)
         how, t = (("post-validated", it.iteration_time_post_validated) if args.optimizer_post_validation
                   else ("synchronous optimizer step", it.iteration_time))
         title = (f"{sched.name} (p={setting.stages}, m={sched.num_microbatches}): {args.iterations} iterations, "

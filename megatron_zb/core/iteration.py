@@ -17,6 +17,9 @@ ranks included, so each iteration ends with a barrier:
   to back (``simulate(..., release=...)``) and the steady-state period is the average over the
   last ones.
 
+The post-validated step is dearer than Megatron's: it keeps what a rollback needs and validates
+afterwards. ``cost_postval`` is its time (default ``POSTVAL_STEP_FACTOR`` x ``cost_optimizer``).
+
 Reference values, unit costs, P=4, M=8, cost_optimizer 0: 1f1b 33 / 33, zb-h1 27 / 27, zb-h2 27 / 24.
 """
 from __future__ import annotations
@@ -32,6 +35,11 @@ from .simulate import Plain, SimResult, Timed, simulate
 # (a multiple of 1, 2, 3, 4 and 6 so a periodic steady state of that length averages exactly)
 ITERATIONS = 16
 AVERAGE_OVER = 12
+
+#: the post-validated optimizer step (the eager step, its rollback copy, its validation) over
+#: Megatron's synchronous one, where it is not measured: the GPU check's postval section on an H200
+#: (bf16, 2 layers h2048 s2048, Adam) measured 1.36x and 1.49x (benchmarks/results/gpu_check_h200/)
+POSTVAL_STEP_FACTOR = 1.4
 
 
 def steady_shift(ends: List[List[float]]) -> Optional[float]:
@@ -66,12 +74,14 @@ class IterationResult:
     # end of its last pass) and the time the validation result of that iteration reaches it
     windows: List[List[Tuple[float, float]]] = field(default_factory=list, repr=False)
     validated_at: List[List[float]] = field(default_factory=list, repr=False)
+    cost_postval: object = None  # the post-validated step's time (one, or one per rank)
 
     def to_dict(self) -> dict:
+        def r(c):
+            return [_r(x) for x in c] if isinstance(c, list) else _r(c or 0.0)
         return {"iteration_time": _r(self.iteration_time),
                 "iteration_time_post_validated": _r(self.iteration_time_post_validated),
-                "cost_optimizer": [_r(x) for x in self.cost_optimizer] if isinstance(self.cost_optimizer, list)
-                else _r(self.cost_optimizer)}
+                "cost_optimizer": r(self.cost_optimizer), "cost_optimizer_post_validated": r(self.cost_postval)}
 
 
 def _r(x: float) -> float:
@@ -94,6 +104,15 @@ def _rank_cost(cost, r: int) -> float:
 
 def _max_cost(cost) -> float:
     return max(cost, default=0.0) if isinstance(cost, list) else cost
+
+
+def postval_cost(cost_optimizer, cost_postval=None):
+    """The post-validated step's time (one, or one per rank): ``cost_postval`` where given, else
+    ``POSTVAL_STEP_FACTOR`` x Megatron's step ``cost_optimizer``."""
+    if cost_postval is not None:
+        return _check_cost(cost_postval)
+    cost = _check_cost(cost_optimizer)
+    return [POSTVAL_STEP_FACTOR * c for c in cost] if isinstance(cost, list) else POSTVAL_STEP_FACTOR * cost
 
 
 def validation_points(schedule: Schedule) -> List[Optional[int]]:
@@ -130,7 +149,8 @@ def simulate_iterations(schedule: Schedule, setting: Setting, iterations: int, c
 
     Returns (one ``SimResult`` per iteration, per iteration the time each rank gets the
     validation result of that iteration's step; empty lists when synchronous). ``steady``: stop
-    once the iterations repeat (``steady_shift``), fewer results then."""
+    once the iterations repeat (``steady_shift``), fewer results then. ``cost_optimizer``: the
+    step's time, Megatron's (synchronous) or the post-validated one's (``postval_cost``)."""
     cost_optimizer = _check_cost(cost_optimizer)
     if not isinstance(iterations, int) or iterations < 1:
         raise ScheduleError(f"iterations must be an integer >= 1, got {iterations!r}")
@@ -168,10 +188,13 @@ def _shifted(res: SimResult, dt: float) -> SimResult:
     return dataclasses.replace(res, timeline=tl)
 
 
-def iteration_times(schedule: Schedule, setting: Setting, cost_optimizer: float = 0.0) -> IterationResult:
-    """Synchronous and post-validated time per training iteration of ``schedule`` (see the module)."""
+def iteration_times(schedule: Schedule, setting: Setting, cost_optimizer: float = 0.0,
+                    cost_postval=None) -> IterationResult:
+    """Synchronous and post-validated time per training iteration of ``schedule`` (see the module):
+    Megatron's step takes ``cost_optimizer``, the post-validated one ``cost_postval`` (``postval_cost``)."""
     cost_optimizer = _check_cost(cost_optimizer)
-    fast = _plain_iterations(schedule, setting, cost_optimizer)
+    post_step = postval_cost(cost_optimizer, cost_postval)
+    fast = _plain_iterations(schedule, setting, cost_optimizer, post_step)
     if fast is not None:
         return fast
     sync_runs, _ = simulate_iterations(schedule, setting, 1, cost_optimizer, post_validated=False)
@@ -179,14 +202,14 @@ def iteration_times(schedule: Schedule, setting: Setting, cost_optimizer: float 
     starts = [tl[0].start for tl in base.timeline if tl]
     ends = [tl[-1].end for tl in base.timeline if tl]
     sync = (max(ends) - min(starts) if ends else 0.0) + _max_cost(cost_optimizer)
-    runs, validated = simulate_iterations(schedule, setting, ITERATIONS, cost_optimizer, post_validated=True,
+    runs, validated = simulate_iterations(schedule, setting, ITERATIONS, post_step, post_validated=True,
                                           steady=True)
     windows = [[_rank_window(tl, 0.0) for tl in res.timeline] for res in runs]
     post = _period([[w[1] for w in run] for run in windows])
-    return IterationResult(schedule.name, cost_optimizer, sync, post, windows, validated)
+    return IterationResult(schedule.name, cost_optimizer, sync, post, windows, validated, post_step)
 
 
-def _plain_iterations(schedule: Schedule, setting: Setting, cost_optimizer: float) -> Optional[IterationResult]:
+def _plain_iterations(schedule: Schedule, setting: Setting, cost_optimizer, post_step) -> Optional[IterationResult]:
     """``iteration_times`` by ``simulate.Plain`` where it applies (the passes coded once, no
     timeline built: the same times as ``simulate_iterations``'); None where it does not."""
     if setting.chunks != schedule.placement.chunks:
@@ -207,8 +230,9 @@ def _plain_iterations(schedule: Schedule, setting: Setting, cost_optimizer: floa
     starts = [w[0] for w, c in zip(first, codes) if c]
     ends = [w[1] for w, c in zip(first, codes) if c]
     sync = (max(ends) - min(starts) if ends else 0.0) + _max_cost(cost_optimizer)
-    if isinstance(cost_optimizer, list) and len(cost_optimizer) != len(codes):
-        raise ScheduleError(f"cost-optimizer: {len(cost_optimizer)} values for {len(codes)} ranks")
+    for cost in (cost_optimizer, post_step):
+        if isinstance(cost, list) and len(cost) != len(codes):
+            raise ScheduleError(f"cost-optimizer: {len(cost)} values for {len(codes)} ranks")
     points = validation_points(schedule)
     runs, validated, history = [first], [], []
     for k in range(1, ITERATIONS + 1):
@@ -220,7 +244,7 @@ def _plain_iterations(schedule: Schedule, setting: Setting, cost_optimizer: floa
             break
         release: Dict[Tuple[int, int], float] = {}
         for r in range(len(codes)):
-            release[(r, 0)] = ends[r] + _rank_cost(cost_optimizer, r)
+            release[(r, 0)] = ends[r] + _rank_cost(post_step, r)
             if points[r] is not None:
                 release[(r, points[r])] = max(release.get((r, points[r]), 0.0), v[r])
         t = plain.times(release)
@@ -228,7 +252,7 @@ def _plain_iterations(schedule: Schedule, setting: Setting, cost_optimizer: floa
             return None
         runs.append(windows(t))
     post = _period([[w[1] for w in run] for run in runs])
-    return IterationResult(schedule.name, cost_optimizer, sync, post, runs, validated)
+    return IterationResult(schedule.name, cost_optimizer, sync, post, runs, validated, post_step)
 
 
 def _period(ends: List[List[float]]) -> float:
@@ -243,10 +267,13 @@ def _period(ends: List[List[float]]) -> float:
 
 
 def back_to_back(schedule: Schedule, setting: Setting, iterations: int, cost_optimizer: float = 0.0,
-                 post_validated: bool = False) -> SimResult:
+                 post_validated: bool = False, measured: bool = False) -> SimResult:
     """One ``SimResult`` holding ``iterations`` iterations back to back (for pictures): its timeline
-    has every pass of every iteration at its absolute time; makespan is the whole stretch."""
-    runs, _ = simulate_iterations(schedule, setting, iterations, cost_optimizer, post_validated)
+    has every pass of every iteration at its absolute time; makespan is the whole stretch.
+    ``cost_optimizer``: Megatron's step (post-validated: ``postval_cost`` of it), or with ``measured``
+    the step's own time."""
+    step = postval_cost(cost_optimizer) if post_validated and not measured else cost_optimizer
+    runs, _ = simulate_iterations(schedule, setting, iterations, step, post_validated)
     first = runs[0]
     tl = [[t for res in runs for t in res.timeline[r]] for r in range(len(first.timeline))]
     start = min((x[0].start for x in tl if x), default=0.0)
