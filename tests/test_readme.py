@@ -116,3 +116,10 @@ def test_readme_quotes_only_the_results_pages_headlines():
         label, value = [c.strip() for c in line.strip("|").split("|")]
         assert heads.get(label) == value, line
         assert line in page, line
+
+
+@pytest.mark.parametrize("command", [c for c in _commands(README) if c.split()[1] == "verify"])
+def test_readme_verify_commands_dry_run(command, capsys):
+    """verify's flags checked and its schedule built as shown (--dry-run: no process starts)."""
+    assert main(shlex.split(command)[1:] + ["--dry-run"]) == 0, command
+    assert "no process started" in capsys.readouterr().out

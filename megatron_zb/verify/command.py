@@ -159,6 +159,8 @@ def _build_parser() -> argparse.ArgumentParser:
                     help="seconds for the whole run (default 300)")
     ap.add_argument("--mcore-path", default=None, help="a directory holding another megatron-core (megatron/core)")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="check the flags and build the schedule (its simulated bubble and peak), start no process")
     return ap
 
 
@@ -300,6 +302,8 @@ def main_verify(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     print(f"megatron-zb verify: {case.describe()} on {case.world_size} CPU process(es), "
           f"{case.iterations} iteration(s)", flush=True)
+    if a.dry_run:
+        return _dry_run(case, a.json)
     res = run_verify_many([case], timeout=a.timeout, mcore_path=a.mcore_path)[0]
     if res.get("error_type") == "MegatronConfigRefused":  # found before any rank started
         print(f"megatron-zb verify: {res['error']}", file=sys.stderr)
@@ -363,6 +367,32 @@ def main_verify(argv: Optional[Sequence[str]] = None) -> int:
     if a.json:
         print(json.dumps(_jsonable(res), sort_keys=True))
     return 0 if res["passed"] else 1
+
+
+def _dry_run(case, as_json: bool) -> int:
+    """--dry-run: the schedule the run would build (a megatron-zb schedule; the pseudo-schedules
+    need none), simulated with unit costs; no process starts."""
+    from ..core import schedules as core_schedules
+    from ..core.build import ScheduleRequest, build
+    from ..core.ir import ScheduleError
+    out = {"dry_run": True, "schedule": case.schedule, "world_size": case.world_size}
+    if case.schedule in core_schedules.names():
+        try:
+            req = ScheduleRequest(case.schedule, chunks=case.chunks if core_schedules.get(case.schedule).chunks is None
+                                  else None, memory_limit=case.memory_limit,
+                                  effort=case.schedule_options.get("effort", "full"))
+            res = build(req, case.pipeline_parallel_size, case.num_microbatches).result
+        except ScheduleError as e:
+            print(f"megatron-zb verify: {str(e).splitlines()[0]}", file=sys.stderr)
+            return 2
+        out.update(bubble_rate=round(res.bubble_rate, 6), peak_memory=[round(x, 6) for x in res.peak_memory])
+        print(f"schedule {case.schedule}: bubble {100 * res.bubble_rate:.1f}% at unit costs, peak activation "
+              f"{max(res.peak_memory):g} microbatches; --dry-run: no process started")
+    else:
+        print("--dry-run: no process started")
+    if as_json:
+        print(json.dumps(out))
+    return 0
 
 
 def _loss(x) -> str:
