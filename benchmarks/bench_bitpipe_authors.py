@@ -32,7 +32,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 from megatron_zb.core.ir import BW, F, Action, Placement, Schedule, Setting  # noqa: E402
 from megatron_zb.core.schedules import generate  # noqa: E402
-from megatron_zb.core.simulate import simulate  # noqa: E402
+from megatron_zb.core.sim.simulate import simulate  # noqa: E402
 
 SOURCE = os.path.join("megatron", "core", "pipeline_parallel", "bitpipe_schedule.py")
 COSTS = {"F=B=W=1": (1.0, 1.0, 1.0, 0.0), "F=1 B=2 W=1": (1.0, 2.0, 1.0, 0.0),

@@ -22,8 +22,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 from megatron_zb.core.ir import Setting  # noqa: E402
 from megatron_zb.core.schedules import generate  # noqa: E402
-from megatron_zb.core.schedules.exact import refine  # noqa: E402
-from megatron_zb.core.simulate import simulate  # noqa: E402
+from megatron_zb.core.schedules.search.exact import refine  # noqa: E402
+from megatron_zb.core.sim.simulate import simulate  # noqa: E402
 
 COSTS = {"unit": (1.0, 1.0, 1.0, 0.0), "B=2F": (1.0, 2.0, 1.0, 0.0),
          "1.5B (ZB Table 5)": (18.522, 18.086, 9.337, 0.601), "H100 measured": (43.8, 59.2, 32.0, 0.5)}

@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from megatron_zb.core.ir import Setting  # noqa: E402
 from megatron_zb.core.plan import GPU_PEAK_TFLOPS, ModelSpec, plan  # noqa: E402
 from megatron_zb.core.schedules import generate, get  # noqa: E402
-from megatron_zb.core.simulate import simulate  # noqa: E402
+from megatron_zb.core.sim.simulate import simulate  # noqa: E402
 
 NAMES = ["1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "dualpipe-v", "interleaved-zb", "zeropp", "bitpipe"]
 

@@ -13,7 +13,7 @@ stage input, what the W queue holds; offloaded parts not counted). Three numbers
 
 * **measured**: the peak of that trace;
 * **simulated**: the simulator's peak for the same order with this run's measured bytes per F
-  (mem-f) and still held after B (mem-w) of each stage (``core.simulate.stage_memory_trace``);
+  (mem-f) and still held after B (mem-w) of each stage (``core.sim.simulate.stage_memory_trace``);
 * **plan**: the same trace with plan's formula bytes per stage instead of measured ones
   (``core.plan.ModelSpec``: per layer, the embedding stage's output, the loss stage's softmax and
   final norm; fp32 elements, no dropout, no flash attention).
@@ -33,8 +33,8 @@ sys.path.insert(0, ROOT)
 
 from megatron_zb import verify as V  # noqa: E402
 from megatron_zb.core.build import build  # noqa: E402
-from megatron_zb.core.model import ModelSpec, stage_activation_bytes  # noqa: E402
-from megatron_zb.core.simulate import stage_memory_trace  # noqa: E402
+from megatron_zb.core.costs.model import ModelSpec, stage_activation_bytes  # noqa: E402
+from megatron_zb.core.sim.simulate import stage_memory_trace  # noqa: E402
 
 CASES = [("1f1b", {}), ("zb-h1", {}), ("zb-h2", {}), ("zb-v", {}), ("v-half", {}), ("v-min", {}),
          ("interleaved-1f1b", {}), ("dualpipe-v", {}), ("zb-v", {"offload_ratio": 1.0})]

@@ -11,12 +11,12 @@ at P = 8 and P = 16 pipeline ranks with M = 4P microbatches. Each setting compar
   ``--overlap-moe-expert-parallel-comm``: one more warm-up forward, then every steady-state F and
   B one overlapped pair (``core.schedules.interleaved.combined_1f1b``);
 * Megatron's interleaved 1F1B without the overlap (all-to-all serial), for reference;
-* **dualpipe-v** and **zb-v** with EP overlap (the pairs the core forms, ``core.pairing``) at their
+* **dualpipe-v** and **zb-v** with EP overlap (the pairs the core forms, ``core.passes.pairing``) at their
   own activation memory, and zb-v with the memory Megatron's combined 1F1B uses as its limit
   (``zb-v @ Megatron's memory``: the core may then move forwards one backward earlier).
 
 An overlapped pair charges each pass's all-to-all only where the other's compute does not hide it
-(``core.simulate.paired_cost``) and starts once both passes have their inputs. Simulated: the
+(``core.sim.simulate.paired_cost``) and starts once both passes have their inputs. Simulated: the
 time of one training iteration (synchronous optimizer step, no p2p cost). Emulated (``--emulate-
 stages``; 0 skips): the same schedules on that many real gloo processes, each pass sleeping its
 cost (``--unit-ms`` per cost unit) and the pairs sleeping what the simulator charges them, real
@@ -36,7 +36,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from megatron_zb.core.ir import Setting  # noqa: E402
-from megatron_zb.core.simulate import simulate  # noqa: E402
+from megatron_zb.core.sim.simulate import simulate  # noqa: E402
 from megatron_zb.verify.emulate import COMBINED_1F1B, Entry, emulate, predicted_iteration, schedule_for  # noqa: E402
 
 SHARES = (0.3, 0.5)  # the all-to-all's share of a pass: a2a / (compute + a2a)

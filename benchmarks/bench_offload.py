@@ -21,10 +21,10 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_zb.core.ir import Setting  # noqa: E402
-from megatron_zb.core.hostlink import OffloadOptions  # noqa: E402
-from megatron_zb.core.offload import add_offload  # noqa: E402
+from megatron_zb.core.sim.hostlink import OffloadOptions  # noqa: E402
+from megatron_zb.core.passes.offload import add_offload  # noqa: E402
 from megatron_zb.core.schedules import generate, get  # noqa: E402
-from megatron_zb.core.simulate import simulate  # noqa: E402
+from megatron_zb.core.sim.simulate import simulate  # noqa: E402
 
 SCHEDULES = ("1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "v-half", "v-min")
 RATIOS = (0.0, 0.25, 0.5, 0.75, 1.0)

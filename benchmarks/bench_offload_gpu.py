@@ -63,9 +63,9 @@ def _chunk(a, device, dtype):
 def run(a, offload: bool):
     import torch
     from megatron_zb.core.ir import B, BW, F, OFFLOAD, OFFLOAD_W, RELOAD, RELOAD_W, W, Setting
-    from megatron_zb.core.lower import lower
-    from megatron_zb.core.hostlink import OffloadOptions
-    from megatron_zb.core.offload import add_offload
+    from megatron_zb.core.sim.lower import lower
+    from megatron_zb.core.sim.hostlink import OffloadOptions
+    from megatron_zb.core.passes.offload import add_offload
     from megatron_zb.core.schedules import generate, get
     from megatron_zb.megatron.execution.wgrad import attach_wgrad_queue
     from megatron_zb.runtime.offload import OffloadManager

@@ -8,7 +8,7 @@ row that fits only with trough offload against the fastest that fits without.
     python benchmarks/bench_optimizer_offload.py        # llama-3-70b TP=8 SP, PP=4, M=16, sequence 20480, 80 GiB
 
 Costs from FLOPs (989 TFLOPS x 0.5), activations by Megatron's per-layer formula; the optimizer's
-speeds are ``core.optimizer_offload.HostCosts``' defaults (host link 25 GB/s per direction, GPU Adam
+speeds are ``core.optimizer.offload.HostCosts``' defaults (host link 25 GB/s per direction, GPU Adam
 2,000 GB/s, CPU Adam 25 GB/s of memory traffic, 34 bytes per parameter). Pure Python (the schedule
 core). Writes benchmarks/results/optimizer_offload.json.
 """
@@ -21,7 +21,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_zb.core.models import spec_kwargs  # noqa: E402
+from megatron_zb.core.costs.models import spec_kwargs  # noqa: E402
 from megatron_zb.core.plan import ModelSpec, plan  # noqa: E402
 
 GIB = 2.0 ** 30

@@ -40,8 +40,8 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from megatron_zb.core import plan as P  # noqa: E402
-from megatron_zb.core import plan_row  # noqa: E402
-from megatron_zb.core.model import ModelSpec  # noqa: E402
+from megatron_zb.core.plan import row as plan_row  # noqa: E402
+from megatron_zb.core.costs.model import ModelSpec  # noqa: E402
 
 SPEC = dict(num_layers=32, hidden_size=4096, num_attention_heads=32, seq_length=4096, vocab_size=128256,
             ffn_hidden_size=14336)
@@ -136,7 +136,7 @@ GAP_MODELS = ["llama-3-8b-flags:8:32", "llama-3.2-1b:8:32", "llama-3-70b:8:32", 
 
 
 def gaps(a) -> int:
-    from megatron_zb.core.models import spec_kwargs
+    from megatron_zb.core.costs.models import spec_kwargs
     out = []
     for item in a.gap_models:
         name, p, m = item.split(":")

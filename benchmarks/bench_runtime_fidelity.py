@@ -24,7 +24,7 @@ of sleep, (a) **synchronous**: after its last pass a rank joins an all-reduce ov
 starts its next iteration; the partial reductions go through ``runtime.postval`` (its own gloo
 links and helper thread) and each rank waits for the result at the executor's validation point
 (before its first backward). The steady-state time per iteration (the slowest rank's) is compared
-with the simulator's ``iteration_time`` and ``iteration_time_post_validated`` (``core.iteration``).
+with the simulator's ``iteration_time`` and ``iteration_time_post_validated`` (``core.sim.iteration``).
 A schedule ``zb-auto@2p`` is zb-auto under a memory limit of 2 x P (2 x 1F1B's). Per mode the
 median over the timed iterations of how far the slowest rank's end moved (the mean is in the JSON);
 ``wait`` is the worst rank's mean wait at its validation point.
@@ -75,7 +75,7 @@ def simulate_case(case, comm=0.0):
     import dataclasses
 
     from megatron_zb.core.schedules import generate
-    from megatron_zb.core.simulate import simulate
+    from megatron_zb.core.sim.simulate import simulate
     st = _setting(case)
     sched = generate(case["schedule"], st)
     st = dataclasses.replace(st, chunks=sched.placement.chunks, cost_comm=comm)
@@ -112,7 +112,7 @@ def rank_main(rank, world, port, cases, unit, iterations, warmup, q):
     import torch
     import torch.distributed as dist
     torch.set_num_threads(1)
-    from megatron_zb.core.lower import lower
+    from megatron_zb.core.sim.lower import lower
     from megatron_zb.core.schedules import generate
     from megatron_zb.runtime.p2p import P2P, PairGroups
     from megatron_zb.runtime.sleep_passes import sleep_passes, time_iterations
@@ -155,7 +155,7 @@ def _iteration_setting(case):
 
 
 def simulate_iterations_case(case, opt_units):
-    from megatron_zb.core.iteration import iteration_times
+    from megatron_zb.core.sim.iteration import iteration_times
     from megatron_zb.core.schedules import generate
     import dataclasses
     name, st = _iteration_setting(case)
@@ -171,7 +171,7 @@ def rank_main_iterations(rank, world, port, cases, unit, opt_s, iterations, warm
     import torch
     import torch.distributed as dist
     torch.set_num_threads(1)
-    from megatron_zb.core.lower import lower
+    from megatron_zb.core.sim.lower import lower
     from megatron_zb.core.schedules import generate
     from megatron_zb.runtime.executor import execute
     from megatron_zb.runtime.hooks import Hook

@@ -11,8 +11,8 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from megatron_zb.core.ir import Setting  # noqa: E402
 from megatron_zb.core.schedules import generate  # noqa: E402
-from megatron_zb.core.simulate import simulate  # noqa: E402
-from megatron_zb.core.validate import validate  # noqa: E402
+from megatron_zb.core.sim.simulate import simulate  # noqa: E402
+from megatron_zb.core.sim.validate import validate  # noqa: E402
 
 CASES = [("1f1b", 32, 256, None), ("zb-h1", 32, 256, None), ("zb-h2", 32, 256, None),
          ("interleaved-1f1b", 32, 256, 4), ("1f1b", 64, 512, None), ("zb-h2", 64, 512, None)]

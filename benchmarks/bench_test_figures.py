@@ -140,10 +140,10 @@ def profiler():
 def quick():
     from megatron_zb.cli import main as cli
     from megatron_zb.core.ir import Setting
-    from megatron_zb.core.pairing import form_pairs
+    from megatron_zb.core.passes.pairing import form_pairs
     from megatron_zb.core.schedules import generate
     from tests.test_plot import one_f_one_b
-    from megatron_zb.core.simulate import simulate
+    from megatron_zb.core.sim.simulate import simulate
     from megatron_zb import plot
     out = []
 

@@ -1,4 +1,4 @@
-"""What the V search's building-block families are worth (``schedules.vsearch._v_searched``): the
+"""What the V search's building-block families are worth (``schedules.search.vsearch._v_searched``): the
 automatic V schedule (v-auto) over the authors' grid (``bench_vs_authors.settings``) searched in full
 as the product does (``full``), and again without the unit-slot blocks (``novs``: ``vslots``),
 without the real-cost blocks (``novb``: ``vblock``) or without both (``none``), each with nothing
@@ -29,9 +29,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 from bench_vs_authors import settings  # noqa: E402
-from megatron_zb.core.memo import Memo  # noqa: E402
-from megatron_zb.core.schedules import auto, generate, vblock, vsearch, vslots  # noqa: E402
-from megatron_zb.core.simulate import simulate  # noqa: E402
+from megatron_zb.core.ir.memo import Memo  # noqa: E402
+from megatron_zb.core.schedules.search import auto, vblock, vsearch, vslots
+from megatron_zb.core.schedules import generate  # noqa: E402
+from megatron_zb.core.sim.simulate import simulate  # noqa: E402
 
 VARIANTS = ("full", "novs", "novb", "none")
 _VS, _VB = vslots.search, vblock.search

@@ -54,10 +54,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from megatron_zb.core.build import ScheduleRequest, build  # noqa: E402
 from megatron_zb.core.ir import B, F  # noqa: E402
-from megatron_zb.core.mb_schedule import end_time  # noqa: E402
-from megatron_zb.core.microbatch_costs import LengthModel  # noqa: E402
-from megatron_zb.core.seqlens import format_seq_lengths  # noqa: E402
-from megatron_zb.core.varlen import Templates, VarlenConfig, assign, plan_batch, plan_replica  # noqa: E402
+from megatron_zb.core.varlen.mb_schedule import end_time  # noqa: E402
+from megatron_zb.core.costs.microbatch_costs import LengthModel  # noqa: E402
+from megatron_zb.core.varlen.seqlens import format_seq_lengths  # noqa: E402
+from megatron_zb.core.varlen.batch import Templates, VarlenConfig, assign, plan_batch, plan_replica  # noqa: E402
 
 LAYER = {"F": 43.8, "B": 59.2, "W": 32.0}  # ms, one H100 transformer layer at h4096 s4096
 LAYERS = 32
@@ -205,7 +205,7 @@ def emulate_rows(p: int, plans, picks, batches: int, unit: float, iterations: in
 
 def figures(out_dir: str, plans, dist: str, best: str):
     """Timelines of batch 0's slowest replica (``megatron_zb.plot``), one PNG per row picked."""
-    from megatron_zb.core.simulate import simulate
+    from megatron_zb.core.sim.simulate import simulate
     from megatron_zb.plot import plot_timeline
     os.makedirs(out_dir, exist_ok=True)
     paths = []

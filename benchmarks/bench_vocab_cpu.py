@@ -32,11 +32,11 @@ import time
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
-from megatron_zb.core import io as sched_io  # noqa: E402
+from megatron_zb.core.ir import io as sched_io  # noqa: E402
 from megatron_zb.core.ir import Setting  # noqa: E402
-from megatron_zb.core.iteration import iteration_times  # noqa: E402
+from megatron_zb.core.sim.iteration import iteration_times  # noqa: E402
 from megatron_zb.core.plan import ModelSpec, plan  # noqa: E402
-from megatron_zb.core.vocab import VocabSetting  # noqa: E402
+from megatron_zb.core.ir.vocab import VocabSetting  # noqa: E402
 
 MODEL = dict(num_layers=4, hidden_size=256, num_attention_heads=4, seq_length=256, ffn_hidden_size=1024,
              vocab_size=12288, micro_batch_size=1, activation_bytes=4, dropout=False)

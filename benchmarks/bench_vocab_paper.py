@@ -1,7 +1,7 @@
 """Vocabulary parallelism (issue 33): the comparison of *Balancing Pipeline Parallelism with
 Vocabulary Parallelism* (Yeung et al., MLSys 2025; code github.com/sail-sg/VocabularyParallelism)
 reproduced in simulation with megatron-zb's model (``core.plan``: FLOPs per model chunk, the
-vocabulary passes placed by ``core.vocab_place``, memory per rank), their reported figures beside.
+vocabulary passes placed by ``core.passes.vocab_place``, memory per rank), their reported figures beside.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_vocab_paper.py [--quick] [--out benchmarks/results/vocab_paper.json]
 
@@ -42,8 +42,8 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from megatron_zb.core.layout import from_counts  # noqa: E402
-from megatron_zb.core.model import ModelSpec  # noqa: E402
+from megatron_zb.core.costs.layout import from_counts  # noqa: E402
+from megatron_zb.core.costs.model import ModelSpec  # noqa: E402
 from megatron_zb.core.plan import plan  # noqa: E402
 
 P, M, LAYERS = 8, 128, 32

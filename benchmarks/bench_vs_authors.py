@@ -34,8 +34,8 @@ sys.path.insert(0, HERE)
 from authors import Authors  # noqa: E402
 from megatron_zb.core.ir import Setting  # noqa: E402
 from megatron_zb.core.schedules import generate  # noqa: E402
-from megatron_zb.core.schedules.auto import TIE  # noqa: E402
-from megatron_zb.core.validate import validate  # noqa: E402
+from megatron_zb.core.schedules.search.auto import TIE  # noqa: E402
+from megatron_zb.core.sim.validate import validate  # noqa: E402
 
 # name: (F, B, W, comm), whole-stage times
 COSTS = {

@@ -363,7 +363,7 @@ FBW_TINY = ((64, 4, 32), (128, 4, 64))
 
 def plan_layer_costs(h, heads, s, dtype_bytes=2):
     """plan's F/B/W of one layer (FLOPs; seconds at its default H100 peak x efficiency)."""
-    from megatron_zb.core.model import ModelSpec
+    from megatron_zb.core.costs.model import ModelSpec
     from megatron_zb.core.plan import GPU_PEAK_TFLOPS
     spec = ModelSpec(num_layers=1, hidden_size=h, num_attention_heads=heads, seq_length=s, micro_batch_size=1,
                      flash_attention=False, activation_bytes=dtype_bytes, dropout=False)

@@ -1,7 +1,7 @@
 """The GPU check's ``trough`` section (``benchmarks/gpu_check.py``): the transfers and updates of
 optimizer states visiting the GPU in the troughs (``--zero-bubble-optimizer-offload trough``),
 measured with the runtime's own code (``runtime.optim_trough.TroughStates``) against what the
-core's cost model assumes (``core.optimizer_offload.HostCosts``).
+core's cost model assumes (``core.optimizer.offload.HostCosts``).
 
 On the GPU: ``SUBGROUPS`` subgroups of Adam state (an fp32 parameter copy, ``exp_avg``,
 ``exp_avg_sq``: 12 bytes per parameter) in page-locked host memory:
@@ -40,7 +40,7 @@ def _adamw(p):
 
 def trough(ctx) -> None:
     import torch
-    from megatron_zb.core.optimizer_offload import HostCosts
+    from megatron_zb.core.optimizer.offload import HostCosts
     from megatron_zb.runtime.optim_trough import TroughStates
     gpu = ctx.device == "cuda"
     n = PARAMS_PER_SUBGROUP if gpu else TINY_PARAMS

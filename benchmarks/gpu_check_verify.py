@@ -53,7 +53,7 @@ def _case_figures(r: dict) -> dict:
 
 def memory(ctx: Context) -> None:
     from megatron_zb import verify as V
-    from megatron_zb.core.simulate import stage_memory_trace
+    from megatron_zb.core.sim.simulate import stage_memory_trace
     BM = bench("bench_memory")
     gpu = ctx.device == "cuda"
     pp, m = (4, 8) if gpu else (2, 4)

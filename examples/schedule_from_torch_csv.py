@@ -3,11 +3,11 @@ check it, simulate it with your costs, and compare it with ZB-H1.
 
     python examples/schedule_from_torch_csv.py
 """
-from megatron_zb.core import io
+from megatron_zb.core.ir import io
 from megatron_zb.core.ir import Setting
 from megatron_zb.core.schedules import generate
-from megatron_zb.core.simulate import simulate
-from megatron_zb.core.validate import validate
+from megatron_zb.core.sim.simulate import simulate
+from megatron_zb.core.sim.validate import validate
 
 # a 2-rank ZB1P-like order as torch writes it: I = input gradient (our B), W = weight gradient
 CSV = """0F0,0F1,0I0,0W0,0F2,0I1,0W1,0F3,0I2,0W2,0I3,0W3

@@ -7,7 +7,7 @@
   chrome://tracing and https://ui.perfetto.dev open; one process per rank, one complete ("X")
   event per pass (``ts``/``dur`` in microseconds, as the format defines them).
 * ``save(result, path)``: picks one of the above from the file extension.
-* With activation offload (``core.offload``) each rank gets a host-link lane under its passes:
+* With activation offload (``core.passes.offload``) each rank gets a host-link lane under its passes:
   offloads (D2H) in its upper half, reloads (H2D) in its lower half; in the trace they are the
   rank's threads 1 and 2.
 
@@ -27,7 +27,7 @@ import os
 from typing import Dict, List, Optional, Tuple
 
 from .core.ir import B, BW, F, W
-from .core.simulate import SimResult, Timed
+from .core.sim.simulate import SimResult, Timed
 
 PICTURE_EXTENSIONS = (".png", ".svg")
 TRACE_EXTENSIONS = (".json",)

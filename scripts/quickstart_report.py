@@ -29,11 +29,11 @@ import sys
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 from megatron_zb import plot  # noqa: E402
-from megatron_zb.core import io as sched_io  # noqa: E402
+from megatron_zb.core.ir import io as sched_io  # noqa: E402
 from megatron_zb.core.ir import Setting  # noqa: E402
-from megatron_zb.core.iteration import iteration_times  # noqa: E402
+from megatron_zb.core.sim.iteration import iteration_times  # noqa: E402
 from megatron_zb.core.schedules import generate  # noqa: E402
-from megatron_zb.core.simulate import simulate  # noqa: E402
+from megatron_zb.core.sim.simulate import simulate  # noqa: E402
 from megatron_zb.verify.emulate import Entry  # noqa: E402
 
 # The schedules the emulated run compares; the first is the baseline. One line per schedule.
@@ -114,16 +114,16 @@ def run_emulation(out, pp, microbatches):
 
 
 def vocab_spec():
-    from megatron_zb.core.model import ModelSpec
-    from megatron_zb.core.models import spec_kwargs
+    from megatron_zb.core.costs.model import ModelSpec
+    from megatron_zb.core.costs.models import spec_kwargs
     return ModelSpec(**spec_kwargs(VOCAB_MODEL[0], seq_length=VOCAB_MODEL[1]))
 
 
 def output_share(spec, layout):
-    """The output layer + loss's share of one microbatch's FLOPs (``core.chunk_costs``), and its
+    """The output layer + loss's share of one microbatch's FLOPs (``core.costs.chunk_costs``), and its
     weight in transformer layers."""
-    from megatron_zb.core.chunk_costs import stage_work
-    from megatron_zb.core.layout import parse
+    from megatron_zb.core.costs.chunk_costs import stage_work
+    from megatron_zb.core.costs.layout import parse
     total = sum(stage_work(spec, parse(layout)))
     out = sum(spec.output_flops())
     return out / total, out / sum(spec.layer_flops(0))

@@ -40,7 +40,7 @@ def drain_case(case):
     import torch.distributed as dist
 
     from megatron_zb.core.ir import Setting
-    from megatron_zb.core.lower import lower
+    from megatron_zb.core.sim.lower import lower
     from megatron_zb.core.schedules import generate
     from megatron_zb.runtime.executor import execute, rank_pairs
     from megatron_zb.runtime.hooks import Hook

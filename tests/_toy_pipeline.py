@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_zb.core.ir import Setting
-from megatron_zb.core.lower import forward_only as fwd_only_schedule
-from megatron_zb.core.lower import lower
+from megatron_zb.core.sim.lower import forward_only as fwd_only_schedule
+from megatron_zb.core.sim.lower import lower
 from megatron_zb.core.schedules import generate, get
 from megatron_zb.runtime.executor import StagePasses, execute, rank_pairs
 from megatron_zb.runtime.p2p import P2P, PairGroups
@@ -67,8 +67,8 @@ def run_rank(rank, world, name, m, chunks, fwd_only, drop_sends_on=None, timeout
     sched = generated(name, world, m, chunks)
     mgr = None
     if offload is not None:  # activation offload at this ratio (copies: synchronous CPU test mode)
-        from megatron_zb.core.hostlink import OffloadOptions
-        from megatron_zb.core.offload import add_offload
+        from megatron_zb.core.sim.hostlink import OffloadOptions
+        from megatron_zb.core.passes.offload import add_offload
         from megatron_zb.runtime.offload import OffloadHook, OffloadManager
         sched = add_offload(sched, st, OffloadOptions(ratio=offload, time=0.1, w_parts=False))
         mgr = OffloadManager("cpu", cpu_test=True, min_elements=0)

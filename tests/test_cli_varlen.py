@@ -8,7 +8,7 @@ import random
 import pytest
 
 from megatron_zb.cli import main
-from megatron_zb.core.seqlens import format_seq_lengths
+from megatron_zb.core.varlen.seqlens import format_seq_lengths
 
 
 def run(capsys, *argv):

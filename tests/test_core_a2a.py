@@ -11,7 +11,7 @@ import pytest
 from megatron_zb.cli import main
 from megatron_zb.core.ir import Action, Placement, Schedule, ScheduleError, Setting
 from megatron_zb.core.schedules import generate
-from megatron_zb.core.simulate import simulate
+from megatron_zb.core.sim.simulate import simulate
 
 
 def test_all_to_all_is_part_of_every_f_b_and_bw_but_not_w():

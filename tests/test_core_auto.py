@@ -4,10 +4,10 @@ import itertools
 import pytest
 
 from megatron_zb.core.ir import BW, F, B, OVERLAP, ScheduleError, Setting
-from megatron_zb.core.lower import lower
+from megatron_zb.core.sim.lower import lower
 from megatron_zb.core.schedules import generate
-from megatron_zb.core.simulate import simulate
-from megatron_zb.core.validate import validate
+from megatron_zb.core.sim.simulate import simulate
+from megatron_zb.core.sim.validate import validate
 
 COSTS = [(1, 1, 1), (1, 2, 1), (2, 1, 1), (1, 1, 0.5), (1.5, 2, 0.75)]
 
@@ -116,7 +116,7 @@ def test_memory_is_the_tie_break_under_a_generous_limit(name, p, m):
     """Issue 26: under a limit far above what the fastest schedule needs, zb-auto / v-auto keep the
     least-memory schedule among the equally fast: never more memory than the same search under
     1F1B's peak, 1.5 or 2 times it, when that one is as fast."""
-    from megatron_zb.core.schedules.auto import TIE
+    from megatron_zb.core.schedules.search.auto import TIE
     kw = dict(cost_f=1.0, cost_b=1.0, cost_w=1.0)
     s, big = sim(name, p, m, memory_limit=10 * p, **kw)
     for lim in (p, 1.5 * p, 2 * p):
@@ -125,8 +125,8 @@ def test_memory_is_the_tie_break_under_a_generous_limit(name, p, m):
             assert max(big.peak_memory) <= max(small.peak_memory) + 1e-9, lim
             break
     # never more than the tie slower than the search at the generous limit alone
-    from megatron_zb.core.schedules.auto import zb_auto
-    from megatron_zb.core.schedules.vsearch import v_auto
+    from megatron_zb.core.schedules.search.auto import zb_auto
+    from megatron_zb.core.schedules.search.vsearch import v_auto
     alone = (v_auto if name == "v-auto" else zb_auto)(Setting(p, m, memory_limit=10 * p, **kw), memory=False)
     st = Setting(p, m, chunks=alone.placement.chunks, **kw)
     assert big.makespan <= simulate(alone, st).makespan * (1 + TIE) + 1e-9
@@ -135,7 +135,7 @@ def test_memory_is_the_tie_break_under_a_generous_limit(name, p, m):
 
 def test_cheapest_of_equally_fast_candidates():
     """``_cheapest``: among the equally fast (makespan and end, within its tie), the least peak wins."""
-    from megatron_zb.core.schedules.auto import _cheapest
+    from megatron_zb.core.schedules.search.auto import _cheapest
     st = Setting(4, 8, cost_f=1.0, cost_b=1.0, cost_w=1.0)
     a, b = generate("zb-h2", st), generate("zb-h1", st)
     ra, rb = simulate(a, st), simulate(b, st)
@@ -152,8 +152,8 @@ def test_cheapest_of_equally_fast_candidates():
 def test_cheapest_keeps_the_least_memory_within_the_tie(p, m, c):
     """Issue 26: of the candidates within 0.1% (``TIE``) of the fastest in makespan and in the end
     of the last pass, the least peak, then the least post-validated iteration time, then makespan."""
-    from megatron_zb.core.iteration import iteration_times
-    from megatron_zb.core.schedules.auto import TIE, _cheapest
+    from megatron_zb.core.sim.iteration import iteration_times
+    from megatron_zb.core.schedules.search.auto import TIE, _cheapest
     st = Setting(p, m, cost_f=c[0], cost_b=c[1], cost_w=c[2], cost_comm=c[3])
     cands = [generate(n, st) for n in ("1f1b", "zb-h1", "zb-h2")]
     cands += [generate("zb-auto", Setting(**{**st.to_dict(), "memory_limit": lim * p})) for lim in (1, 1.5, 2)]
@@ -205,7 +205,7 @@ def test_round_variants_reuse_a_tolerant_try_only_where_exact_comparisons_decide
     try fell in (0, 1e-9]; the variants (orders and policy, in order) are those of running every
     try again. (These settings have comparisons within 1e-9, so the exact reruns happen: all
     reused at P=4 and P=8 M=32, all but one at P=8 M=16.)"""
-    from megatron_zb.core.schedules import vrounds
+    from megatron_zb.core.schedules.search import vrounds
     f, b, w, c = costs
     st = Setting(p, m, chunks=2, cost_f=f, cost_b=b, cost_w=w, cost_comm=c, mem_w=32 * 6144 / (34 * 6144 + 5 * 48 * 1024))
     lim = 2.0 * p

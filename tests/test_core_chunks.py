@@ -9,7 +9,7 @@ import pytest
 
 from megatron_zb.core.build import OffloadRequest, ScheduleRequest, build
 from megatron_zb.core.ir import F, Placement, ScheduleError, Setting
-from megatron_zb.core.simulate import simulate
+from megatron_zb.core.sim.simulate import simulate
 
 
 def _per_chunk(values, placement):

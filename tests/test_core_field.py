@@ -10,14 +10,14 @@ import json
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from megatron_zb.core import io as sched_io
+from megatron_zb.core.ir import io as sched_io
 from megatron_zb.core.ir import B, BW, F, W, Placement, ScheduleError, Setting
-from megatron_zb.core.validate import routes
-from megatron_zb.core.lower import check_pair_order, lower
+from megatron_zb.core.sim.validate import routes
+from megatron_zb.core.sim.lower import check_pair_order, lower
 from megatron_zb.core.schedules import generate, get
 from megatron_zb.core.schedules.bitpipe import interleavings
-from megatron_zb.core.simulate import simulate
-from megatron_zb.core.validate import validate
+from megatron_zb.core.sim.simulate import simulate
+from megatron_zb.core.sim.validate import validate
 
 FIELD = ("bitpipe", "zeropp", "interleaved-zb")
 

@@ -6,8 +6,8 @@ from hypothesis import given, settings, strategies as st
 
 from megatron_zb.core.ir import BW, ScheduleError, Setting
 from megatron_zb.core.schedules import generate, get, names
-from megatron_zb.core.simulate import simulate
-from megatron_zb.core.validate import validate
+from megatron_zb.core.sim.simulate import simulate
+from megatron_zb.core.sim.validate import validate
 
 COSTS = [(1, 1, 1), (1, 2, 1), (2, 1, 1), (1, 1, 0.5), (1.5, 2, 0.75), (1, 3, 1)]
 

@@ -1,4 +1,4 @@
-"""The training-iteration model (core/iteration.py): synchronous optimizer step vs post-validation,
+"""The training-iteration model (core/sim/iteration.py): synchronous optimizer step vs post-validation,
 and how simulate/compare/plan/plot show it."""
 import json
 
@@ -9,9 +9,9 @@ from megatron_zb.cli.plan import post_validation_advice
 from megatron_zb.core import plan as P
 from megatron_zb.core import schedules
 from megatron_zb.core.ir import ScheduleError, Setting
-from megatron_zb.core.iteration import (POSTVAL_STEP_FACTOR, back_to_back, iteration_times, simulate_iterations,
+from megatron_zb.core.sim.iteration import (POSTVAL_STEP_FACTOR, back_to_back, iteration_times, simulate_iterations,
                                         validation_points, validation_times)
-from megatron_zb.core.simulate import simulate
+from megatron_zb.core.sim.simulate import simulate
 
 
 def _it(name, p=4, m=8, cost_optimizer=0.0, **kw):
@@ -145,7 +145,7 @@ def test_cli_plot_iterations(tmp_path, capsys):
 def test_iterations_stop_once_they_repeat_with_the_averaged_period(name, monkeypatch):
     """Issue 32 item 6: once every rank's end moved by the same time twice, the iterations repeat
     (``steady_shift``): the period is that shift, the 16-iteration average to float noise."""
-    import megatron_zb.core.iteration as it
+    import megatron_zb.core.sim.iteration as it
     from megatron_zb.core.build import ScheduleRequest, build
     b = build(ScheduleRequest(name, cost_f=[1.0, 1.2, 1.1, 1.3], cost_b=[2.0], cost_w=[0.7], cost_comm=0.05), 4, 8)
     for cost in (0.0, 0.4, [0.1, 0.9, 0.2, 0.3]):

@@ -5,16 +5,16 @@ import json
 import pytest
 
 from megatron_zb import cli
-from megatron_zb.core import io as sio
-from megatron_zb.core import hostlink as H
-from megatron_zb.core import offload as O
-from megatron_zb.core.offload_search import generate_with_offload
+from megatron_zb.core.ir import io as sio
+from megatron_zb.core.sim import hostlink as H
+from megatron_zb.core.passes import offload as O
+from megatron_zb.core.passes.offload_search import generate_with_offload
 from megatron_zb.core.ir import (B, BW, F, OFFLOAD, OFFLOAD_W, RELOAD, RELOAD_W, W, Action, Placement, Schedule,
                                  ScheduleError, Setting)
-from megatron_zb.core.lower import check_pair_order, lower
+from megatron_zb.core.sim.lower import check_pair_order, lower
 from megatron_zb.core.schedules import generate, get, names
-from megatron_zb.core.simulate import simulate
-from megatron_zb.core.validate import validate
+from megatron_zb.core.sim.simulate import simulate
+from megatron_zb.core.sim.validate import validate
 
 
 def _setting(name, p, m, **kw):
@@ -277,7 +277,7 @@ def test_offload_simulated_hands_back_the_simulation_of_what_it_returns(ratio, l
 
 
 def test_retarget_with_the_sources_simulation_is_the_same():
-    from megatron_zb.core.offload_search import retarget
+    from megatron_zb.core.passes.offload_search import retarget
     st = _setting("v-auto", 4, 16)
     src = generate("v-auto", st)
     for m in (12, 20):

@@ -1,4 +1,4 @@
-"""core.optimizer_offload / core.optimizer_rows: per-rank shares of the Adam states on the host,
+"""core.optimizer.offload / core.optimizer.rows: per-rank shares of the Adam states on the host,
 the trough cost model (what visits the GPU, what is updated on the CPU, what the step costs), the
 iteration model with one step time per rank, and plan's rows with --optimizer-offload."""
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 
 from megatron_zb.core.build import ScheduleRequest, build
 from megatron_zb.core.ir import ScheduleError
-from megatron_zb.core.iteration import iteration_times
-from megatron_zb.core.optimizer_offload import HostCosts, auto_fractions, memory_curve, static_step, trough_step
+from megatron_zb.core.sim.iteration import iteration_times
+from megatron_zb.core.optimizer.offload import HostCosts, auto_fractions, memory_curve, static_step, trough_step
 
 GB = 1e9
 COSTS = HostCosts(link_gbps=10.0, gpu_update_gbps=1000.0, cpu_update_gbps=10.0, subgroups=4)

@@ -1,5 +1,5 @@
 """Overlapped F&B pairs the schedule core forms for MoE's all-to-all (issue 27, item 3):
-``core.pairing`` pairs adjacent forwards and backwards of other microbatches (moving forwards one
+``core.passes.pairing`` pairs adjacent forwards and backwards of other microbatches (moving forwards one
 backward earlier where memory allows, as Megatron's combined 1F1B does) only where the simulated
 iteration gets shorter; the pairs survive lowering in the form the runtime runs; a pair starts when
 both passes have their inputs; Megatron's combined 1F1B is what the post-pass builds from its
@@ -16,11 +16,11 @@ from megatron_zb.cli import main
 from megatron_zb.core.build import ScheduleRequest, build
 from megatron_zb.core.ir import (B, BW, F, OFFLOAD_KINDS, OVERLAP, RECV_B, RECV_F, SEND_B, SEND_F, W, Action,
                                  Placement, Schedule, Setting)
-from megatron_zb.core.lower import check_pair_order
-from megatron_zb.core.pairing import advance_forwards, form_pairs
+from megatron_zb.core.sim.lower import check_pair_order
+from megatron_zb.core.passes.pairing import advance_forwards, form_pairs
 from megatron_zb.core.schedules import generate
 from megatron_zb.core.schedules.interleaved import combined_1f1b
-from megatron_zb.core.simulate import paired_cost, simulate
+from megatron_zb.core.sim.simulate import paired_cost, simulate
 
 COSTS = dict(cost_f=[1.0], cost_b=[1.0], cost_w=[1.0])
 
@@ -134,7 +134,7 @@ def test_the_post_pass_is_quick_at_p16():
 
 
 def test_plan_estimates_the_all_to_all_from_the_moe_flags(capsys):
-    from megatron_zb.core.model import ModelSpec
+    from megatron_zb.core.costs.model import ModelSpec
     spec = ModelSpec(num_layers=8, hidden_size=1024, num_attention_heads=8, seq_length=2048, num_experts=8,
                      moe_router_topk=2, expert_model_parallel_size=4)
     assert spec.layer_a2a_bytes() == 2 * 2048 * 2 * 1024 * 2 * 3 / 4  # 2 x tokens x k x h x e, 3/4 leave
@@ -190,7 +190,7 @@ def test_emulated_pairs_run_as_one_pass_in_the_schedules_order():
     iteration shorter than the plan allows. What holds whatever the host's load; the measured
     speed-up of the hidden all-to-all (measured < the serial prediction, error vs the simulator)
     is a figure: benchmarks/bench_test_figures.py (and bench_moe_overlap.py)."""
-    from megatron_zb.core.iteration import iteration_times
+    from megatron_zb.core.sim.iteration import iteration_times
     from megatron_zb.verify.emulate import Entry, emulate, predicted_iteration, schedule_for
     unit = 2e-3
     entries = [Entry("dualpipe-v"), Entry("zb-v")]

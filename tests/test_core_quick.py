@@ -13,12 +13,12 @@ import pytest
 from megatron_zb.core import plan as P
 from megatron_zb.core.build import ScheduleRequest, build
 from megatron_zb.core.ir import ScheduleError, Setting
-from megatron_zb.core.memo import Memo
-from megatron_zb.core.schedules import auto, vblock, vsearch, vslots
-from megatron_zb.core.simulate import simulate
-from megatron_zb.core.validate import validate
-from megatron_zb.core.vocab import VocabSetting
-from megatron_zb.core.vocab_place import QUICK_VARIANTS, VARIANTS, place_vocab, variants
+from megatron_zb.core.ir.memo import Memo
+from megatron_zb.core.schedules.search import auto, vblock, vsearch, vslots
+from megatron_zb.core.sim.simulate import simulate
+from megatron_zb.core.sim.validate import validate
+from megatron_zb.core.ir.vocab import VocabSetting
+from megatron_zb.core.passes.vocab_place import QUICK_VARIANTS, VARIANTS, place_vocab, variants
 
 
 @pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zb-v"])
@@ -125,8 +125,8 @@ def test_searched_schedules_compare_their_candidates_with_the_vocabulary_passes_
     ZB-H2 among its candidates: with vocabulary parallelism neither may be slower than those (v-auto
     +vocab was 1.5% slower than zb-v +vocab here, 15% on Llama-3-8B at P=8, when the candidates were
     compared without the passes)."""
-    from megatron_zb.core.models import spec_kwargs
-    from megatron_zb.core.schedules.auto import TIE
+    from megatron_zb.core.costs.models import spec_kwargs
+    from megatron_zb.core.schedules.search.auto import TIE
     spec = P.ModelSpec(**spec_kwargs("qwen2.5-7b", 4096))
     rows = {r["schedule"]: r for r in P.plan(spec, 4, 8, 80, schedules=["zb-v", "v-auto", "zb-h1", "zb-h2", "zb-auto"],
                                              vocab_parallel="on", search="full") if "error" not in r}
@@ -140,7 +140,7 @@ def test_the_suggested_rows_memory_limit_is_its_peak_the_others_may_keep_the_roo
     """Issue 26 (the suggested memory limit is the schedule's peak, not the GPU's room) at one search
     more per row only where it counts: the suggested row, and with ``tighten`` every row. A row that
     keeps the room builds the same schedule from its flags (``test_plan_flags``)."""
-    from megatron_zb.core.models import spec_kwargs
+    from megatron_zb.core.costs.models import spec_kwargs
     spec = P.ModelSpec(**spec_kwargs("llama-3.2-1b", 2048))
     kw = dict(schedules=["v-auto", "zb-auto", "1f1b"], vocab_parallel="on")
     planned = P.plan(spec, 4, 24, 80, **kw)

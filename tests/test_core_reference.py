@@ -3,7 +3,7 @@ import pytest
 
 from megatron_zb.core.ir import Setting
 from megatron_zb.core.schedules import generate
-from megatron_zb.core.simulate import simulate
+from megatron_zb.core.sim.simulate import simulate
 
 
 def sim(name, p, m, **kw):

@@ -9,17 +9,18 @@ import pytest
 from hypothesis import given, settings, strategies as stg
 
 from megatron_zb.core.ir import Placement, Schedule, ScheduleError, Setting
-from megatron_zb.core.schedules import generate, vslots
-from megatron_zb.core.schedules.bounds import lower_bound
-from megatron_zb.core.iteration import iteration_times
-from megatron_zb.core.schedules.evaluate import Coder
-from megatron_zb.core.schedules.exact import refine, solve
-from megatron_zb.core.schedules.greedy import capped_variants
-from megatron_zb.core.schedules.improve import improve
-from megatron_zb.core.schedules.rounds import round_variants
-from megatron_zb.core.schedules.vrounds import v_round_variants
-from megatron_zb.core.simulate import simulate
-from megatron_zb.core.validate import validate
+from megatron_zb.core.schedules import generate
+from megatron_zb.core.schedules.search import vslots
+from megatron_zb.core.schedules.search.bounds import lower_bound
+from megatron_zb.core.sim.iteration import iteration_times
+from megatron_zb.core.schedules.search.evaluate import Coder
+from megatron_zb.core.schedules.search.exact import refine, solve
+from megatron_zb.core.schedules.search.greedy import capped_variants
+from megatron_zb.core.schedules.search.improve import improve
+from megatron_zb.core.schedules.search.rounds import round_variants
+from megatron_zb.core.schedules.search.vrounds import v_round_variants
+from megatron_zb.core.sim.simulate import simulate
+from megatron_zb.core.sim.validate import validate
 
 
 def table5(p, m, f, b, w, comm, h, a, s=1024):

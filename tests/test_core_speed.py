@@ -8,17 +8,18 @@ import random
 
 import pytest
 
-from megatron_zb.core import iteration, plan_row, simulate as sim
+from megatron_zb.core.sim import iteration, simulate as sim
+from megatron_zb.core.plan import row as plan_row
 from megatron_zb.core.build import ScheduleRequest, build
 from megatron_zb.core.ir import Placement, Setting
-from megatron_zb.core.iteration import iteration_times
-from megatron_zb.core.model import ModelSpec
+from megatron_zb.core.sim.iteration import iteration_times
+from megatron_zb.core.costs.model import ModelSpec
 from megatron_zb.core.schedules import generate, names
-from megatron_zb.core.schedules.evaluate import Coder
-from megatron_zb.core.schedules.greedy import best_of
-from megatron_zb.core.schedules.improve import _moves
-from megatron_zb.core.schedules.vrounds import v_round_variants
-from megatron_zb.core.validate import validate
+from megatron_zb.core.schedules.search.evaluate import Coder
+from megatron_zb.core.schedules.search.greedy import best_of
+from megatron_zb.core.schedules.search.improve import _moves
+from megatron_zb.core.schedules.search.vrounds import v_round_variants
+from megatron_zb.core.sim.validate import validate
 
 
 def _random_costs(rr: random.Random, n: int) -> dict:
@@ -143,7 +144,7 @@ def _same_times(fast, slow):
 @pytest.mark.parametrize("barriers", [1, 2])
 @pytest.mark.parametrize("embedding", [False, True])
 def test_coded_simulation_of_vocabulary_passes_is_the_simulators(name, barriers, embedding, monkeypatch):
-    from megatron_zb.core.vocab import VocabSetting
+    from megatron_zb.core.ir.vocab import VocabSetting
     rr = random.Random(len(name) + 10 * barriers + 100 * embedding)
     for p, m in ((2, 3), (4, 8)):
         vs = VocabSetting(barriers=barriers, cost_s=[rr.choice([0.1, 0.3]) for _ in range(p)], cost_t=0.2,
@@ -161,8 +162,8 @@ def test_coded_simulation_of_vocabulary_passes_is_the_simulators(name, barriers,
 
 def _every_variant(schedule, setting, memory_limit):
     """place_vocab as it was: every variant placed and simulated."""
-    from megatron_zb.core.vocab import add_vocab, delay_backwards
-    from megatron_zb.core.vocab_place import VARIANTS
+    from megatron_zb.core.passes.vocab import add_vocab, delay_backwards
+    from megatron_zb.core.passes.vocab_place import VARIANTS
     best, best_key = None, None
     for k, cap in VARIANTS:
         try:
@@ -180,8 +181,8 @@ def _every_variant(schedule, setting, memory_limit):
 
 @pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zb-v", "interleaved-1f1b", "gpipe"])
 def test_vocabulary_placement_tries_each_distinct_variant_once(name):
-    from megatron_zb.core.vocab import VocabSetting
-    from megatron_zb.core.vocab_place import place_vocab
+    from megatron_zb.core.ir.vocab import VocabSetting
+    from megatron_zb.core.passes.vocab_place import place_vocab
     rr = random.Random(len(name))
     for p, m in ((2, 3), (4, 8)):
         for barriers in (1, 2):
@@ -201,8 +202,8 @@ def test_vocabulary_placement_tries_each_distinct_variant_once(name):
 
 @pytest.mark.parametrize("p, m", [(4, 8), (4, 5), (4, 11)])
 def test_building_blocks_remembered_across_limits_are_the_blocks(p, m, monkeypatch):
-    from megatron_zb.core.memo import Memo
-    from megatron_zb.core.schedules import vslots
+    from megatron_zb.core.ir.memo import Memo
+    from megatron_zb.core.schedules.search import vslots
     limits = [2 * p, p + 1, p + 3, p]
 
     def fresh(limit):  # every block built anew for this limit alone
@@ -222,7 +223,7 @@ def test_building_blocks_remembered_across_limits_are_the_blocks(p, m, monkeypat
 def test_makespan_and_peak_are_the_simulations(name, barriers):
     """``makespan_and_peak`` (Plain's times, no timeline) gives simulate's floats, with vocabulary
     passes (one barrier: Plain; two: simulate's own loop) and without, replicated stages too."""
-    from megatron_zb.core.vocab import VocabSetting
+    from megatron_zb.core.ir.vocab import VocabSetting
     if barriers is not None and name == "bitpipe":
         pytest.skip("vocabulary parallelism: not with replicated stages")
     rr = random.Random(len(name) + 7 * (barriers or 0))

@@ -8,12 +8,12 @@ from hypothesis import strategies as st
 
 from megatron_zb.cli import main
 from megatron_zb.core.build import ScheduleRequest, build
-from megatron_zb.core.fuse import fuse_adjacent, split_cost
+from megatron_zb.core.passes.fuse import fuse_adjacent, split_cost
 from megatron_zb.core.ir import B, BW, W, Placement, Setting
-from megatron_zb.core.iteration import iteration_times
-from megatron_zb.core.schedules.bounds import lower_bound
-from megatron_zb.core.simulate import simulate
-from megatron_zb.core.split import split_costs, split_free
+from megatron_zb.core.sim.iteration import iteration_times
+from megatron_zb.core.schedules.search.bounds import lower_bound
+from megatron_zb.core.sim.simulate import simulate
+from megatron_zb.core.sim.split import split_costs, split_free
 
 
 def test_a_fused_backward_costs_cost_bw_and_split_passes_their_own():

@@ -1,11 +1,11 @@
 """Validator errors name rank, position and pass; JSON and torch-CSV round trips."""
 import pytest
 
-from megatron_zb.core import io as sio
+from megatron_zb.core.ir import io as sio
 from megatron_zb.core.ir import B, BW, F, W, Action, Placement, Schedule, ScheduleError, Setting
 from megatron_zb.core.schedules import generate, names, get
-from megatron_zb.core.simulate import simulate
-from megatron_zb.core.validate import validate
+from megatron_zb.core.sim.simulate import simulate
+from megatron_zb.core.sim.validate import validate
 
 
 def two_rank(orders, m=1):
@@ -20,7 +20,7 @@ def test_deadlock_named():
 
 def test_deadlock_names_the_pass_that_comes_too_late():
     import pickle
-    from megatron_zb.core.simulate import Deadlock
+    from megatron_zb.core.sim.simulate import Deadlock
     # rank 0 runs F0.1 only after BW0.0, which needs rank 1's B1.0, which rank 1 runs after F1.1,
     # which needs F0.1: a cycle across the two ranks; the message names both waits
     s = two_rank([[Action(F, 0, 0), Action(BW, 0, 0), Action(F, 0, 1), Action(BW, 0, 1)],

@@ -9,15 +9,15 @@ import random
 
 import pytest
 
-from megatron_zb.core.balance import karmarkar_karp, microbatches, refine, sequential, split_replicas
+from megatron_zb.core.varlen.balance import karmarkar_karp, microbatches, refine, sequential, split_replicas
 from megatron_zb.core.build import ScheduleRequest, build
 from megatron_zb.core.ir import B, BW, F, W, ScheduleError, Setting
-from megatron_zb.core.mb_schedule import end_time, list_schedule, per_microbatch, template_caps, within
-from megatron_zb.core.microbatch_costs import LengthModel, MicrobatchCosts, fit, fit_stages, microbatch_shape
-from megatron_zb.core.seqlens import format_seq_lengths, parse_seq_lengths
-from megatron_zb.core.simulate import simulate
-from megatron_zb.core.validate import validate
-from megatron_zb.core.varlen import Templates, VarlenConfig, plan_batch
+from megatron_zb.core.varlen.mb_schedule import end_time, list_schedule, per_microbatch, template_caps, within
+from megatron_zb.core.costs.microbatch_costs import LengthModel, MicrobatchCosts, fit, fit_stages, microbatch_shape
+from megatron_zb.core.varlen.seqlens import format_seq_lengths, parse_seq_lengths
+from megatron_zb.core.sim.simulate import simulate
+from megatron_zb.core.sim.validate import validate
+from megatron_zb.core.varlen.batch import Templates, VarlenConfig, plan_batch
 
 H100 = dict(cost_f=[43.8], cost_b=[59.2], cost_w=[32.0])
 
@@ -167,7 +167,7 @@ def test_list_schedule_is_valid_in_order_and_within_the_templates_memory(name):
     sched, end = list_schedule(name, b.schedule.placement, st, caps, split=b.schedule.uses_split_backward())
     res = validate(sched, st, memory_limit=float("inf"))
     assert end == max(tl[-1].end for tl in res.timeline)
-    from megatron_zb.core.simulate import peak_memory
+    from megatron_zb.core.sim.simulate import peak_memory
     unit, top = dataclasses.replace(st, microbatch_costs=None), max(st.microbatch_costs.factors["mem"])
     for r, o in enumerate(sched.orders):  # each microbatch's activation its own size: never above the template's
         # peak with every one the reference, but where one microbatch alone is larger
@@ -191,7 +191,7 @@ def test_balanced_replicas_keep_within_an_activation_limit():
     for rp in plan.replicas:
         top = max(rp.setting.microbatch_costs.factors["mem"])
         for r, o in enumerate(rp.schedule.orders):
-            from megatron_zb.core.simulate import peak_memory
+            from megatron_zb.core.sim.simulate import peak_memory
             assert peak_memory([a for a in o if a.is_compute], r, rp.setting) <= max(limit[r], top) + 1e-9
 
 

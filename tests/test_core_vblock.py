@@ -1,4 +1,4 @@
-"""Building-block V schedules (core/schedules/vblock.py) and what the V family claims with them."""
+"""Building-block V schedules (core/schedules/search/vblock.py) and what the V family claims with them."""
 import dataclasses
 import itertools
 
@@ -7,9 +7,9 @@ from hypothesis import given, settings, strategies as stg
 
 from megatron_zb.core.ir import B, F, W, Placement, Schedule, Setting
 from megatron_zb.core.schedules import generate
-from megatron_zb.core.schedules import vblock
-from megatron_zb.core.simulate import simulate
-from megatron_zb.core.validate import validate
+from megatron_zb.core.schedules.search import vblock
+from megatron_zb.core.sim.simulate import simulate
+from megatron_zb.core.sim.validate import validate
 
 H100 = dict(cost_f=43.8, cost_b=59.2, cost_w=32.0, cost_comm=0.5)  # measured, README
 

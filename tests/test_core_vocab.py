@@ -8,9 +8,10 @@ import pytest
 
 from megatron_zb.core.build import ScheduleRequest, build
 from megatron_zb.core.ir import B, F, VG, VI, VS, VT, VW, Action, Placement, Schedule, ScheduleError, Setting
-from megatron_zb.core.simulate import simulate
-from megatron_zb.core.validate import validate
-from megatron_zb.core.vocab import VocabSetting, delay_backwards
+from megatron_zb.core.sim.simulate import simulate
+from megatron_zb.core.sim.validate import validate
+from megatron_zb.core.ir.vocab import VocabSetting
+from megatron_zb.core.passes.vocab import delay_backwards
 
 
 def _vs(barriers=1, comm=0.1):
@@ -127,9 +128,9 @@ def test_the_split_embedding_gets_its_passes_and_barriers(name):
 def test_the_split_embedding_leaves_no_whole_embedding_on_the_first_rank():
     """plan's parameters per rank: with the split the first stage's rank holds V / P rows, not V; tied,
     the input shard is the output shard; untied, every rank holds one of each."""
-    from megatron_zb.core.chunk_costs import chunk_costs, vocab_setting
-    from megatron_zb.core.layout import parse
-    from megatron_zb.core.model import ModelSpec
+    from megatron_zb.core.costs.chunk_costs import chunk_costs, vocab_setting
+    from megatron_zb.core.costs.layout import parse
+    from megatron_zb.core.costs.model import ModelSpec
     pl = Placement.single(4)
     lay = parse("Et*2|(t*2|)*2,t*2L", 4)
     for untied in (False, True):
@@ -152,7 +153,7 @@ def test_plan_rows_with_the_split_embedding(untied):
     """plan's '+vocab' rows with the input embedding split: the first stage's rank keeps no whole
     embedding (tied: its output shard is the input shard; untied: every rank holds V / P input rows
     more), and the flags say so."""
-    from megatron_zb.core.model import ModelSpec
+    from megatron_zb.core.costs.model import ModelSpec
     from megatron_zb.core.plan import plan
     spec = ModelSpec(num_layers=8, hidden_size=1024, num_attention_heads=8, seq_length=1024, vocab_size=65536,
                      untie_embeddings_and_output_weights=untied)

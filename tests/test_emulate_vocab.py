@@ -1,5 +1,5 @@
 """Vocabulary parallelism with emulated compute (runtime.sleep_vocab, verify.emulate.emulate_schedules,
-verify.emulate_vocab, core.plan_schedule) and the quickstart's section on it. What holds whatever
+verify.emulate_vocab, core.plan.schedule) and the quickstart's section on it. What holds whatever
 the host's load: each rank runs its schedule's order, a barrier's passes wait for every rank's
 pass before it (one clock for every process), the plan's rows rebuild to the same schedules. How
 close the measured times come to the simulator's is a figure (the quickstart prints it)."""
@@ -13,11 +13,11 @@ import pytest
 
 from megatron_zb.core.build import ScheduleRequest, build
 from megatron_zb.core.ir import B, BW, VS, VT, VW
-from megatron_zb.core.iteration import iteration_times
-from megatron_zb.core.model import ModelSpec
+from megatron_zb.core.sim.iteration import iteration_times
+from megatron_zb.core.costs.model import ModelSpec
 from megatron_zb.core.plan import plan
-from megatron_zb.core.plan_schedule import row_schedule
-from megatron_zb.core.vocab import VocabSetting
+from megatron_zb.core.plan.schedule import row_schedule
+from megatron_zb.core.ir.vocab import VocabSetting
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))

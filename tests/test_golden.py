@@ -12,8 +12,8 @@ import pytest
 
 from megatron_zb.core import plan as P
 from megatron_zb.core.build import ScheduleRequest, build
-from megatron_zb.core.iteration import iteration_times
-from megatron_zb.core.model import ModelSpec
+from megatron_zb.core.sim.iteration import iteration_times
+from megatron_zb.core.costs.model import ModelSpec
 from megatron_zb.core.schedules import get, names
 
 PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "golden.json")

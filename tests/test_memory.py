@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from megatron_zb.core.ir import Action
-from megatron_zb.core.model import ModelSpec, stage_activation_bytes
-from megatron_zb.core.simulate import stage_memory_trace
+from megatron_zb.core.costs.model import ModelSpec, stage_activation_bytes
+from megatron_zb.core.sim.simulate import stage_memory_trace
 from megatron_zb.runtime.memory import ActivationMeter
 
 

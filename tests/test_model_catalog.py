@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from megatron_zb.core import models as M
+from megatron_zb.core.costs import models as M
 from megatron_zb.core.ir import ScheduleError
-from megatron_zb.core.model import ModelSpec, stage_activation_bytes
+from megatron_zb.core.costs.model import ModelSpec, stage_activation_bytes
 
 # a small model worked by hand: h 64, 8 heads of 8, 2 KV groups, SwiGLU ffn 96; layer 0 dense, 1-3 MoE
 # (4 experts of 32, top-2, shared 16); one MTP layer; b 2, s 16, vocab 100

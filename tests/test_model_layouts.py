@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_zb.core.ir import Placement, ScheduleError
-from megatron_zb.core.layout import Layout, from_counts, from_megatron_flags, parse
-from megatron_zb.core.layout_search import balanced, rank_loads
+from megatron_zb.core.costs.layout import Layout, from_counts, from_megatron_flags, parse
+from megatron_zb.core.costs.layout_search import balanced, rank_loads
 from megatron_zb.megatron.errors import ZeroBubbleArgumentError
 from megatron_zb.megatron.launch.flags import validate_zero_bubble_args
 

@@ -12,11 +12,11 @@ import pytest
 
 from megatron_zb import verify as V
 from megatron_zb.core.ir import Setting
-from megatron_zb.core.lower import lower
-from megatron_zb.core.hostlink import OffloadOptions
-from megatron_zb.core.offload import add_offload
+from megatron_zb.core.sim.lower import lower
+from megatron_zb.core.sim.hostlink import OffloadOptions
+from megatron_zb.core.passes.offload import add_offload
 from megatron_zb.core.schedules import generate, get
-from megatron_zb.core.simulate import simulate
+from megatron_zb.core.sim.simulate import simulate
 
 pytestmark = [pytest.mark.megatron, pytest.mark.dist]
 

@@ -1,5 +1,5 @@
 """Optimizer states in the troughs, the parts without a launch: the core's trough plan in a rank's
-pass order (``core.optimizer_trough``) and the host-resident states' moves, commits and rollbacks
+pass order (``core.optimizer.trough``) and the host-resident states' moves, commits and rollbacks
 (``runtime.optim_trough``; host and device are one memory on a CPU-only torch, the copies real).
 The run with Megatron's optimizer under every schedule is tests/test_optimizer_offload_megatron.py."""
 from __future__ import annotations
@@ -11,8 +11,8 @@ import torch
 
 from megatron_zb.core.build import ScheduleRequest, build
 from megatron_zb.core.ir import ScheduleError
-from megatron_zb.core.optimizer_offload import HostCosts, memory_curve
-from megatron_zb.core.optimizer_trough import rank_trough_plan, split_evenly
+from megatron_zb.core.optimizer.offload import HostCosts, memory_curve
+from megatron_zb.core.optimizer.trough import rank_trough_plan, split_evenly
 from megatron_zb.runtime.optim_trough import TroughHook, TroughStates
 
 MB = 1e6

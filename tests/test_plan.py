@@ -263,7 +263,7 @@ def test_quick_search_keeps_the_full_search_leading_rows():
     search adds building blocks (``P.margin``); the others stay quick and say so. The leading row is
     within 0.6% of the leader with every row searched in full (at most what the full search gained
     on seven plans where it adds no block)."""
-    spec = P.ModelSpec(**__import__("megatron_zb.core.models", fromlist=["x"]).spec_kwargs("llama-3.2-1b",
+    spec = P.ModelSpec(**__import__("megatron_zb.core.costs.models", fromlist=["x"]).spec_kwargs("llama-3.2-1b",
                                                                                           seq_length=1024))
     kw = dict(schedules=["1f1b", "zb-h1", "zb-v", "v-half", "v-min", "v-auto", "dualpipe-v"], vocab_parallel="both")
     quick = [r for r in P.plan(spec, 4, 8, 80, **kw) if "error" not in r]

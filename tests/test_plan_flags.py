@@ -7,7 +7,7 @@ import shlex
 import pytest
 
 from megatron_zb.core import plan as P
-from megatron_zb.core.plan_schedule import row_schedule
+from megatron_zb.core.plan.schedule import row_schedule
 from megatron_zb.megatron.execution.options import ScheduleOptions, preview
 from megatron_zb.megatron.launch.args import add_zero_bubble_args
 from megatron_zb.megatron.launch.flags import validate_zero_bubble_args

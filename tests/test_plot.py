@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from megatron_zb.core.ir import B, BW, F, W, Action, Placement, Schedule, Setting
-from megatron_zb.core.simulate import simulate
+from megatron_zb.core.sim.simulate import simulate
 from megatron_zb import plot
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -13,7 +13,7 @@ import torch
 
 from megatron_zb.core.ir import Placement, Setting
 from megatron_zb.core.schedules import generate
-from megatron_zb.core.simulate import simulate
+from megatron_zb.core.sim.simulate import simulate
 from megatron_zb.runtime import profile_data as PD
 from megatron_zb.runtime import profiler as P
 
@@ -142,7 +142,7 @@ def test_instrument_single_process(tmp_path, device):
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from megatron_zb.core.ir import Schedule
-    from megatron_zb.core.lower import lower
+    from megatron_zb.core.sim.lower import lower
     from megatron_zb.runtime.executor import StagePasses, execute
 
     torch.manual_seed(0)
@@ -232,7 +232,7 @@ def _count_collectives(counter):
 
 def _run_case(rank, world, groups, case, iterations, window):
     import torch.distributed as dist
-    from megatron_zb.core.lower import lower
+    from megatron_zb.core.sim.lower import lower
     from megatron_zb.runtime.executor import StagePasses, execute
     from megatron_zb.runtime.p2p import P2P
     from megatron_zb.runtime.sleep_passes import sleep_passes

@@ -122,7 +122,7 @@ def test_report_reads_the_real_compute_rounds(tmp_path, capsys):
         "layer_ms": {"f": 43.8, "b": 59.2, "w": 32.0}, "source": "x.json", "rows": []}))
     ms = {"megatron": 900.0, "zb-h1": 840.0, "zb-v": 820.0}
     from megatron_zb.core.build import ScheduleRequest, build
-    from megatron_zb.core.io import to_json
+    from megatron_zb.core.ir.io import to_json
     for s, t in ms.items():
         for r in (1, 2, 3):
             lines = [LINE.format(i=i, ms=t + (i % 2) + 10 * r, loss="4.0E+00") for i in range(1, 9)]

@@ -9,12 +9,12 @@ import os
 from typing import Optional
 
 from ..argtypes import nonneg, number_list, positive_int, share_or_auto
-from ..core import io as sched_io
+from ..core.ir import io as sched_io
 from ..core import schedules
 from ..core.build import AUTO, Built, OffloadRequest, OverMemoryLimit, ScheduleRequest, build
 from ..core.ir import Schedule
-from ..core.schedules.auto import EFFORTS
-from ..core.schedules.exact import AUTOMATIC
+from ..core.schedules.search.auto import EFFORTS
+from ..core.schedules.search.exact import AUTOMATIC
 
 
 class UsageError(Exception):
@@ -188,7 +188,7 @@ def layout_costs(args, req: ScheduleRequest, p: int) -> dict:
     the output layer + loss (``--embedding-cost`` / ``--output-layer-cost`` layers; the loss's chunk
     also runs each MTP layer's output layer again)."""
     from ..core.ir import ScheduleError
-    from ..core.layout import parse
+    from ..core.costs.layout import parse
     spec = schedules.get(req.name)
     try:
         lay = parse(args.layout)
@@ -218,7 +218,7 @@ def layout_costs(args, req: ScheduleRequest, p: int) -> dict:
     out["cost_bw"] = None if not bw else [u * bw[0] for u in units]
     out["chunks"] = req.chunks
     if vocab:  # each rank's shard: the output layer's (1 + MTP) x o layers over p ranks
-        from ..core.vocab import VocabSetting
+        from ..core.ir.vocab import VocabSetting
         share = (1 + mtp) * o / p
         f, b, w, mf = (getattr(args, k)[0] * share for k in ("cost_f", "cost_b", "cost_w", "mem_f"))
         two = getattr(args, "disable_backward_fusion", False)

@@ -9,8 +9,8 @@ import os
 from typing import List, Optional
 
 from ..argtypes import nonneg, positive_float, positive_int, share_or_auto
-from ..core.model import SPLIT_OVERHEAD_S
-from ..core.models import names as model_names
+from ..core.costs.model import SPLIT_OVERHEAD_S
+from ..core.costs.models import names as model_names
 from .common import UsageError, add_exact_args, add_post_validation_arg, check_size
 from .varlen import DEFAULT_SCHEDULES, add_varlen_args, check_varlen_args
 from .plan_optim import add_optimizer_offload_args, host_costs, print_optimizer_offload
@@ -265,7 +265,7 @@ DEFAULT_SEQ_LENGTH = 4096
 
 def model_kwargs(args) -> dict:
     """ModelSpec keywords: a named model's or a HuggingFace config's shape, the flags given over it."""
-    from ..core import models
+    from ..core.costs import models
     from ..core.ir import ScheduleError
     base = {}
     try:

@@ -1,5 +1,5 @@
 """`megatron-zb plan --optimizer-offload auto|trough`: the options and the lines printed after the
-table (``core.optimizer_rows``, docs/optimizer_offload.md)."""
+table (``core.optimizer.rows``, docs/optimizer_offload.md)."""
 from __future__ import annotations
 
 from typing import List
@@ -29,7 +29,7 @@ def add_optimizer_offload_args(pn) -> None:
 def host_costs(args):
     if getattr(args, "optimizer_offload", None) is None:
         return None
-    from ..core.optimizer_offload import HostCosts
+    from ..core.optimizer.offload import HostCosts
     kw = {}
     for arg, k in (("host_link_gbps", "link_gbps"), ("cpu_adam_gbps", "cpu_update_gbps"),
                    ("gpu_adam_gbps", "gpu_update_gbps"), ("optimizer_subgroups", "subgroups")):

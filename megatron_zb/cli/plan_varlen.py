@@ -1,9 +1,9 @@
 """`megatron-zb plan --seq-lengths FILE`: the model's schedules over a file of variable-length
-global batches, Megatron's sequential microbatches against the balanced ones (``core.varlen``).
+global batches, Megatron's sequential microbatches against the balanced ones (``core.varlen.batch``).
 
-Costs come from the model as for plan's other rows (``core.chunk_costs``: each model chunk's F/B/W
+Costs come from the model as for plan's other rows (``core.costs.chunk_costs``: each model chunk's F/B/W
 seconds and activation bytes at --seq-length, the even layout), the attention share of a layer's F
-and B at --seq-length from its FLOPs (``core.model``), so a sequence of s tokens costs what the
+and B at --seq-length from its FLOPs (``core.costs.model``), so a sequence of s tokens costs what the
 length model says. Every row: ``schedule``, ``balanced``, ``iteration_time_s`` (mean over the
 file's batches), ``bubble_rate`` (idle share of every rank of every replica), ``peak_bytes`` per
 rank (activations of the fullest moment + model states), ``fits``, ``flags``."""
@@ -15,11 +15,11 @@ from typing import List
 
 from ..core import schedules
 from ..core.build import ScheduleRequest
-from ..core.chunk_costs import chunk_costs
+from ..core.costs.chunk_costs import chunk_costs
 from ..core.ir import B, F, ScheduleError
-from ..core.microbatch_costs import LengthModel
-from ..core.plan_row import candidate_layouts, placement_for
-from ..core.varlen import Templates, VarlenConfig
+from ..core.costs.microbatch_costs import LengthModel
+from ..core.plan.row import candidate_layouts, placement_for
+from ..core.varlen.batch import Templates, VarlenConfig
 from .common import UsageError
 from .varlen import batches_of, describe, names_for, varlen_row
 

@@ -8,12 +8,12 @@ import os
 from typing import List, Optional
 
 from ..argtypes import positive_int
-from ..core import io as sched_io
+from ..core.ir import io as sched_io
 from ..core import schedules
 from ..core.build import Built, ScheduleRequest, build
-from ..core.fuse import split_cost
+from ..core.passes.fuse import split_cost
 from ..core.ir import OVERLAP, Schedule, ScheduleError
-from ..core.iteration import back_to_back, iteration_times
+from ..core.sim.iteration import back_to_back, iteration_times
 from ..core.plan import by_memory_among_ties
 from . import varlen
 from .common import (UsageError, add_exact_args, add_post_validation_arg, add_setting_args, build_from_args, fmt,

@@ -1,5 +1,5 @@
 """`simulate` / `compare` / `plan` with ``--seq-lengths FILE``: variable-length batches over
-data-parallel replicas (``core.varlen``): Megatron's sequential microbatches against the balancer
+data-parallel replicas (``core.varlen.batch``): Megatron's sequential microbatches against the balancer
 with per-microbatch schedules, per global batch of the file, the mean over the batches."""
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ from ..argtypes import positive_int
 from ..core import schedules
 from ..core.build import ScheduleRequest
 from ..core.ir import ScheduleError
-from ..core.mb_schedule import cost_table
-from ..core.microbatch_costs import LengthModel
-from ..core.seqlens import parse_seq_lengths
-from ..core.simulate import peak_memory
-from ..core.varlen import BatchPlan, Templates, VarlenConfig, plan_batch
+from ..core.varlen.mb_schedule import cost_table
+from ..core.costs.microbatch_costs import LengthModel
+from ..core.varlen.seqlens import parse_seq_lengths
+from ..core.sim.simulate import peak_memory
+from ..core.varlen.batch import BatchPlan, Templates, VarlenConfig, plan_batch
 from .common import UsageError, read_text
 
 __all__ = ["add_varlen_args", "check_varlen_args", "batches_of", "config_of", "varlen_row", "DEFAULT_SCHEDULES",

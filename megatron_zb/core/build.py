@@ -3,9 +3,12 @@ validated schedule, the setting it was built with and its lowered form out.
 
 Every caller goes through ``build``: the command line (simulate, compare, plot, plan), the
 training flags' start-up preview, the forward-backward function that training runs and the
-verify harness. So "generate, or generate with offload, or refine exactly, form the overlapped F&B
-pairs an all-to-all cost asks for (``core.pairing``), then validate" and the
-meaning of the ``'auto'`` offload options are written once, here.
+verify harness. A build is a declared chain of links (``CHAIN``), each with one signature, a step in
+and a step out: generate, offload (``core.passes.offload``, which generates its own where it
+searches), exact (the MILP), vocabulary (``core.passes.vocab_place``), pairs (MoE's overlapped F&B,
+``core.passes.pairing``), fuse (``core.passes.fuse``); then the schedule is validated. Each link says
+whether it applies and what it cannot combine with (one line, asked of every link before any runs).
+A new lever is one more link. The meaning of the ``'auto'`` offload options is written here too.
 
     req = ScheduleRequest("zb-v", cost_f=[43.8], cost_b=[59.2], cost_w=[32.0],
                           offload=OffloadRequest(ratio=0.5, time=0.5))
@@ -18,23 +21,23 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, Optional, Sequence, Tuple, Union
 
 from . import schedules
-from .fuse import fuse_adjacent
-from .hostlink import OffloadOptions, has_offload
 from .ir import Schedule, ScheduleError, Setting
-from .lower import forward_only as forward_only_schedule
-from .lower import lower
-from .offload import add_offload
-from .offload_search import generate_with_offload
-from .pairing import form_pairs
-from .schedules.auto import check_effort
-from .schedules.exact import AUTOMATIC, refine
-from .simulate import SimResult, makespan_and_peak, simulate
-from .validate import validate
-from .vocab import VocabSetting
-from .vocab_place import place_vocab
+from .ir.vocab import VocabSetting
+from .passes.fuse import fuse_adjacent
+from .passes.offload import add_offload
+from .passes.offload_search import generate_with_offload
+from .passes.pairing import form_pairs
+from .passes.vocab_place import placer, with_vocab
+from .schedules.search.auto import check_effort
+from .schedules.search.exact import AUTOMATIC, refine
+from .sim.hostlink import OffloadOptions, has_offload
+from .sim.lower import forward_only as forward_only_schedule
+from .sim.lower import lower
+from .sim.simulate import SimResult, simulate
+from .sim.validate import validate
 
 __all__ = ["OffloadRequest", "ScheduleRequest", "Built", "OverMemoryLimit", "build", "AUTO"]
 
@@ -127,11 +130,11 @@ class ScheduleRequest:
     memory_limit: Optional[float] = None
     offload: Optional[OffloadRequest] = None
     exact: Optional[Tuple[int, Optional[float]]] = None
-    # vocabulary parallelism (core.vocab): the output layer and loss on every rank's shard, as
+    # vocabulary parallelism (core.ir.vocab): the output layer and loss on every rank's shard, as
     # passes the core places into the schedule; costs above then leave the output layer out
     vocab: Optional[VocabSetting] = None
     # how hard the searched schedules look and how many ways the vocabulary passes are placed
-    # (``schedules.auto.EFFORTS``): 'full' (what training builds) or 'quick' (plan's first pass
+    # (``schedules.search.auto.EFFORTS``): 'full' (what training builds) or 'quick' (plan's first pass
     # over its rows)
     effort: str = "full"
 
@@ -180,13 +183,13 @@ class Built:
 
     @property
     def result(self) -> SimResult:
-        """The simulation of one iteration (``core.simulate``)."""
+        """The simulation of one iteration (``core.sim.simulate``)."""
         if self._result is None:
             self._result = simulate(self.schedule, self.setting)
         return self._result
 
     def lowered(self, forward_only: bool = False) -> Schedule:
-        """With SEND/RECV actions (``core.lower``); ``forward_only``: the forwards alone, as
+        """With SEND/RECV actions (``core.sim.lower``); ``forward_only``: the forwards alone, as
         evaluation runs them."""
         if forward_only not in self._lowered:
             sched = forward_only_schedule(self.schedule) if forward_only else self.schedule
@@ -202,126 +205,131 @@ def _generator(spec: schedules.ScheduleSpec, effort: str):
     return lambda setting: spec.generate(setting, effort=effort)
 
 
-def _placer(st: Setting, limit: Optional[float], effort: str):
-    """zb-auto's and v-auto's ``finish``: a schedule with its vocabulary passes placed, and its
-    (makespan, -, peak)."""
-    def finish(s: Schedule):
-        placed = place_vocab(s, st, memory_limit=limit, effort=effort)
-        makespan, top = makespan_and_peak(placed, st)
-        return placed, (makespan, 0.0, top)
-    return finish
+@dataclass(frozen=True)
+class Step:
+    """What flows through the chain: the request, the setting it is built for, the schedule so far
+    (None before one is generated) and whether it was given (a loaded file: the links that make or
+    remake a schedule leave it as it is)."""
+
+    request: ScheduleRequest
+    setting: Setting
+    schedule: Optional[Schedule] = None
+    given: bool = False
+
+    def with_schedule(self, sched: Schedule) -> "Step":
+        """This step with ``sched`` (the setting takes its chunks per rank)."""
+        return dataclasses.replace(self, schedule=sched,
+                                   setting=dataclasses.replace(self.setting, chunks=sched.placement.chunks))
+
+    @property
+    def own(self) -> Setting:
+        """The setting of the pipeline's own passes (vocabulary passes are placed afterwards)."""
+        return dataclasses.replace(self.setting, vocab=None)
 
 
-def _with_vocab(generate, spec, sched: Schedule, base: Setting, setting: Setting, effort: str = "full") -> Schedule:
-    """The vocabulary passes placed into ``sched`` (``core.vocab.place_vocab``, at ``effort``; where
-    it has them already, as zb-auto and v-auto place them at each limit they search: ``_placer``).
-    A search chose ``sched`` among its candidates without the vocabulary passes, so the passes also
-    go into a few others it builds (``_vocab_alternatives``): the fastest placed (then the least
-    peak), within the memory limit where any is. A searched schedule whose passes then peak over the
-    memory limit is searched again under a limit lowered by what they add (the vocabulary
-    activations and the backwards they delay), until it fits."""
-    st = dataclasses.replace(setting, chunks=sched.placement.chunks)
-    limit = setting.memory_limit
-    out, best, peak = None, None, None
-    for cand in [sched] + _vocab_alternatives(spec, base, effort):
-        placed = cand if any(a.is_vocab for o in cand.orders for a in o) else \
-            place_vocab(cand, st, memory_limit=limit, effort=effort)
-        makespan, top = makespan_and_peak(placed, st)  # (top: simulate's highest peak)
-        key = (limit is not None and top > limit + 1e-9, round(makespan, 9), round(top, 9))
-        if best is None or key < best:
-            out, best, peak = placed, key, top
-    out = dataclasses.replace(out, name=sched.name)
-    if limit is None or not spec.searched:
-        return out
-    # no schedule holds less than one microbatch's activations of its fullest rank (a rank's B waits
-    # for its F's, a V rank's for both chunks'): a search under less fails (after seconds of looking
-    # for the least memory that works)
-    floor = st.stage_peak_unit(sched.placement)
-    for step in range(1, 5):
-        if peak <= limit + 1e-9:
-            break
-        lower = limit - (peak - limit) * step
-        if lower < floor - 1e-9:
-            break
-        try:
-            again = place_vocab(generate(dataclasses.replace(base, memory_limit=lower)), st, memory_limit=limit,
-                                effort=effort)
-        except ScheduleError:
-            break
-        p2 = max(simulate(again, st).peak_memory)
-        if p2 < peak:
-            out, peak = again, p2
-    return out
+def _never(step: Step) -> Optional[str]:
+    return None
 
 
-def _vocab_alternatives(spec: schedules.ScheduleSpec, base: Setting, effort: str):
-    """Schedules a search builds besides the one it returns that may take the vocabulary passes
-    better: the full search's quick one (the V family, zb-auto), zb-auto's hand-crafted ZB-H1 and
-    ZB-H2 (zb-auto and v-auto also place the passes at each limit they search, 1F1B's peak
-    among them, ``_placer``). Without them v-auto with vocabulary parallelism was up to 15% slower
-    than zb-v with it, zb-auto 18% slower than zb-h2 (plan's rows for Llama-3-8B at P=8 and
-    Qwen2.5-7B at P=4)."""
-    out = []
-    if not spec.effort:
-        return out
-    if effort == "full":
-        out.append(spec.generate(base, effort="quick"))
-    if spec.name == "zb-auto":
-        from .schedules.zb_handcrafted import zb_h1, zb_h2
-        for f in (zb_h1, zb_h2):
-            try:
-                out.append(f(dataclasses.replace(base, chunks=1)))
-            except ScheduleError:
-                pass
-    return out
+@dataclass(frozen=True)
+class Link:
+    """One link of the build chain: ``applies(step)`` whether it runs, ``refuses(step)`` what it
+    cannot combine with (one line; every link that applies is asked before any runs), ``run(step)``
+    the step after it."""
+
+    name: str
+    applies: Callable[[Step], bool]
+    run: Callable[[Step], Step]
+    refuses: Callable[[Step], Optional[str]] = _never
+
+
+def _generate(step: Step) -> Step:
+    req, spec = step.request, step.request.spec
+    if req.vocab is not None and spec.searched and req.exact is None:
+        # the limits it searches compared with their vocabulary passes placed
+        sched = spec.generate(step.own, effort=req.effort,
+                              finish=placer(step.setting, step.setting.memory_limit, req.effort))
+    else:
+        sched = _generator(spec, req.effort)(step.own)
+    return step.with_schedule(sched)
+
+
+def _offload(step: Step) -> Step:
+    options = step.request.offload.options(step.setting.memory_limit)
+    if step.schedule is not None:  # a given schedule: its activations offloaded as they are
+        return step.with_schedule(add_offload(step.schedule, step.setting, options))
+    return step.with_schedule(generate_with_offload(step.request.name, step.setting, options))
+
+
+def _offload_refuses(step: Step) -> Optional[str]:
+    off, req, chunks = step.request.offload, step.request, step.setting.chunks
+    if off.chunks is not None and off.chunks > chunks:
+        return (f"offload of the first {off.chunks} model chunk(s) of each rank, but schedule {req.name} runs "
+                f"{chunks} chunk(s) per rank (offload chunks 1..{chunks})")
+    if not step.given and req.exact is not None and req.name in AUTOMATIC:
+        return ("the exact mode solves schedules without activation offload (the MILP has no host link): leave out "
+                "the offload ratio or the exact mode")
+    return None
+
+
+def _exact(step: Step) -> Step:
+    node_limit, time_limit = step.request.exact
+    return step.with_schedule(refine(step.schedule, step.own, node_limit=node_limit, time_limit=time_limit))
+
+
+def _vocabulary(step: Step) -> Step:
+    req = step.request
+    sched = with_vocab(_generator(req.spec, req.effort), req.spec, step.schedule, step.own, step.setting, req.effort)
+    return step.with_schedule(sched)
+
+
+def _vocabulary_refuses(step: Step) -> Optional[str]:
+    if step.request.offload is not None:
+        return "vocabulary parallelism and activation offload together are not supported yet: leave out one of them"
+    return None
+
+
+def _made(step: Step) -> bool:
+    """The schedule is the core's own (not a given one)."""
+    return not step.given
+
+
+#: the build chain, in order: a new lever is one more link
+CHAIN: Tuple[Link, ...] = (
+    Link("generate", lambda s: s.schedule is None and s.request.offload is None, _generate),
+    Link("offload", lambda s: s.request.offload is not None, _offload, _offload_refuses),
+    Link("exact", lambda s: _made(s) and s.request.exact is not None and s.request.name in AUTOMATIC
+         and s.request.offload is None, _exact),
+    Link("vocabulary", lambda s: _made(s) and s.request.vocab is not None, _vocabulary, _vocabulary_refuses),
+    # MoE all-to-all overlap: the F&B pairs that shorten the iteration (none without)
+    Link("pairs", _made, lambda s: s.with_schedule(form_pairs(s.schedule, s.setting))),
+    # a split backward only where the schedule uses it: a back-to-back B;W fused where the split costs
+    Link("fuse", _made, lambda s: s.with_schedule(fuse_adjacent(s.schedule, s.setting))),
+)
 
 
 def build(request: ScheduleRequest, p: int, m: int, *, enforce_limit: bool = True,
           base: Optional[Schedule] = None) -> Built:
-    """Generate ``request`` for ``p`` ranks and ``m`` microbatches (or take ``base``, e.g. a
-    loaded schedule file), add its activation offload, refine it exactly if asked, validate it.
+    """Build ``request`` for ``p`` ranks and ``m`` microbatches (or from ``base``, e.g. a loaded
+    schedule file) through the ``CHAIN`` (generate, offload, exact, vocabulary, pairs, fuse), then
+    validate it.
 
-    Raises ``ScheduleError`` naming what is wrong; ``OverMemoryLimit`` when the schedule peaks over
-    ``request.memory_limit`` (with ``enforce_limit``; compare and plan report it instead)."""
+    Raises ``ScheduleError`` naming what is wrong (a link's refusal before any link runs);
+    ``OverMemoryLimit`` when the schedule peaks over ``request.memory_limit`` (with
+    ``enforce_limit``; compare and plan report it instead)."""
     if base is not None:
-        setting = request.setting(base.num_ranks, base.num_microbatches, chunks=base.placement.chunks)
-        sched = base
-        if request.offload is not None:
-            sched = add_offload(base, setting, request.offload.options(setting.memory_limit))
+        step = Step(request, request.setting(base.num_ranks, base.num_microbatches, chunks=base.placement.chunks),
+                    base, given=True)
     else:
-        spec = request.spec
-        setting = request.setting(p, m, chunks=spec.resolve_chunks(request.chunks))
-        off = request.offload
-        if request.vocab is not None and off is not None:
-            raise ScheduleError("vocabulary parallelism and activation offload together are not supported yet: "
-                                "leave out one of them")
-        if off is not None and off.chunks is not None and off.chunks > setting.chunks:
-            raise ScheduleError(f"offload of the first {off.chunks} model chunk(s) of each rank, but schedule "
-                                f"{request.name} runs {setting.chunks} chunk(s) per rank (offload chunks "
-                                f"1..{setting.chunks})")
-        if off is not None:
-            if request.exact is not None and request.name in AUTOMATIC:
-                raise ScheduleError("the exact mode solves schedules without activation offload (the MILP has no "
-                                    "host link): leave out the offload ratio or the exact mode")
-            sched = generate_with_offload(request.name, setting, request.offload.options(setting.memory_limit))
-        else:
-            own = dataclasses.replace(setting, vocab=None)  # the pipeline's own passes first
-            generate = _generator(spec, request.effort)
-            if request.vocab is not None and spec.searched and request.exact is None:
-                # the limits it searches compared with their vocabulary passes placed
-                sched = spec.generate(own, effort=request.effort,
-                                      finish=_placer(setting, setting.memory_limit, request.effort))
-            else:
-                sched = generate(own)
-            if request.exact is not None and request.name in AUTOMATIC:
-                sched = refine(sched, own, node_limit=request.exact[0], time_limit=request.exact[1])
-            if request.vocab is not None:
-                sched = _with_vocab(generate, spec, sched, own, setting, request.effort)
-    setting = dataclasses.replace(setting, chunks=sched.placement.chunks)
-    if base is None:  # MoE all-to-all overlap: the F&B pairs that shorten the iteration (none without)
-        sched = form_pairs(sched, setting)
-        # a split backward only where the schedule uses it: back-to-back B;W fused where the split costs
-        sched = fuse_adjacent(sched, setting)
+        step = Step(request, request.setting(p, m, chunks=request.spec.resolve_chunks(request.chunks)))
+    links = [link for link in CHAIN if link.applies(step)]
+    for link in links:
+        why = link.refuses(step)
+        if why:
+            raise ScheduleError(why)
+    for link in links:
+        step = link.run(step)
+    sched, setting = step.schedule, step.setting
     result = validate(sched, setting, memory_limit=float("inf"))
     built = Built(request, sched, setting, _result=result)
     limit = setting.memory_limit

@@ -98,7 +98,7 @@ def _target_record(source: dict, schedule: str, chunks: Optional[int], allow_pad
     try:
         placement = make_placement(style, source["pipeline_size"], chunks if style == "looped" else None)
         if layout is not None:  # the loading run's --pipeline-model-parallel-layout, in pipeline order
-            from ..core.layout import parse
+            from ..core.costs.layout import parse
             lay = parse(layout).check(num_layers=source["num_layers"], num_stages=placement.num_logical_stages,
                                       flag="--to-layout")
             return CP.record(placement, source["num_layers"], schedule, layers_per_stage=lay.layers())

@@ -251,7 +251,7 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
         dataset_type, train_val_test_num_samples, partial(_dataset_needed_on, vp_stage), config).build()
     print_rank_0("> finished creating GPT datasets ...")
     if getattr(args, "zero_bubble_mock_seq_lengths", None) and train_ds is not None:  # variable-length samples
-        from ..core.seqlens import length_sampler
+        from ..core.varlen.seqlens import length_sampler
         from .features.varlen_data import VariableLengthDataset, up_to_eod
         spec = args.zero_bubble_mock_seq_lengths
         if spec == "eod":  # the documents' own lengths

@@ -1,6 +1,6 @@
 """Activation memory as measured: what one rank really holds at every pass boundary of an iteration.
 
-The definition is the simulator's (``core.simulate.memory_trace``): an F adds what it keeps for
+The definition is the simulator's (``core.sim.simulate.memory_trace``): an F adds what it keeps for
 its backward, a B releases all of it but what W still needs, a W (or a fused BW) releases the rest;
 offloaded activations do not count while they are on the host. Measured two ways, one meaning:
 
@@ -30,7 +30,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 
 from ..core.ir import B, BW, F, W
-from ..core.simulate import stage_memory_trace
+from ..core.sim.simulate import stage_memory_trace
 from .hooks import Hook
 
 __all__ = ["ActivationMeter", "MemoryHook", "measured_memory"]

@@ -1,5 +1,5 @@
 """The activation offload manager (PipeOffload): moves what a pass keeps for later to host memory
-and back, at the points the lowered schedule says (``core.offload`` places OFFLOAD/RELOAD).
+and back, at the points the lowered schedule says (``core.passes.offload`` places OFFLOAD/RELOAD).
 
     mgr = OffloadManager(device)                   # one per rank; keys are (stage, microbatch)
     mgr.ignore(model.parameters())                 # never offload weights

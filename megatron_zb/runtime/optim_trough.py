@@ -2,7 +2,7 @@
 
 ``TroughStates`` owns the movement; what a subgroup holds (a parameter copy and its optimizer state
 tensors) and when it moves come from outside: the optimizer side names the tensors, the core's
-trough plan (``core.optimizer_trough``) the points, and ``TroughHook`` runs them in the rank's
+trough plan (``core.optimizer.trough``) the points, and ``TroughHook`` runs them in the rank's
 pass order. A tensor moves by swapping its ``.data`` (its identity, the optimizer state's key,
 stays):
 
@@ -202,7 +202,7 @@ class TroughStates:
 class TroughHook(Hook):
     """The executor's side: prefetch after the plan's passes, release before them (the rank's
     order; ``runtime.hooks``). ``points``: [(states, tensors_of(k), prefetch_after, release_before,
-    first pass)] with the fields of ``core.optimizer_trough.TroughPlan``; a prefetch "at the start"
+    first pass)] with the fields of ``core.optimizer.trough.TroughPlan``; a prefetch "at the start"
     runs at the first pass, after the releases there (the last step's copy is written back first)."""
 
     def __init__(self, points: Sequence[tuple]):

@@ -171,7 +171,7 @@ def build_profile(rank_stats: Sequence[dict], *, schedule: Optional[str], placem
 
 def _length_section(by_rank: Dict[int, dict]) -> dict:
     """Variable-length batches: every pass timed with its microbatch's shape, per kind and stage
-    ([tokens, sum of s^2, seconds]; ``core.microbatch_costs.fit_stages`` fits them); none without."""
+    ([tokens, sum of s^2, seconds]; ``core.costs.microbatch_costs.fit_stages`` fits them); none without."""
     out: Dict[str, Dict[str, list]] = {}
     for st in by_rank.values():
         for k, per in (st.get("length_samples") or {}).items():

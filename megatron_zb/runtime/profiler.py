@@ -205,9 +205,9 @@ class PassProfiler:
             everyone = [mine]
         profile = build_profile(everyone, schedule=schedule or self.schedule, placement=placement,
                                 microbatches=num_microbatches, window=(self.start, self.end))
-        if built is not None:  # the schedule that ran (``core.io``), to simulate it with the measured costs
+        if built is not None:  # the schedule that ran (``core.ir.io``), to simulate it with the measured costs
             import json
-            from ..core.io import to_json
+            from ..core.ir.io import to_json
             profile["built_schedule"] = json.loads(to_json(built))
         self.profile = profile
         if self.path and _is_writer(group):

@@ -10,7 +10,7 @@ produces, sends and receives real (small) tensors, so the p2p path is the real o
 MoE's all-to-all (``setting.cost_a2a``) is part of every F, B and BW's sleep, as the simulator
 charges it; an overlapped F&B pair runs as one pass (the executor's pair call, once both inputs
 are in) that sleeps the two computes and only what each all-to-all's partner does not hide
-(``SleepPasses.pair_seconds``: ``core.simulate.paired_cost`` of each), and hands both results on
+(``SleepPasses.pair_seconds``: ``core.sim.simulate.paired_cost`` of each), and hands both results on
 at its end, as the simulator has it.
 
 :func:`time_iterations` runs a lowered schedule several times on every rank of a process group
@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ..core.ir import B, BW, F, W, Action, Placement, Schedule, Setting
-from ..core.simulate import paired_cost
+from ..core.sim.simulate import paired_cost
 from .executor import StagePasses, execute
 
 __all__ = ["SleepPasses", "sleep_passes", "time_iterations", "precise_sleep"]
@@ -55,7 +55,7 @@ def precise_sleep(seconds: float, spin_s: float = 0.0004) -> None:
 class SleepPasses(StagePasses):
     """``StagePasses`` whose passes sleep (``sleep_passes``), plus what an overlapped F&B pair
     sleeps: its two computes and only the part of each all-to-all the other's compute does not
-    hide, exactly as the simulator charges it (``core.simulate.paired_cost``)."""
+    hide, exactly as the simulator charges it (``core.sim.simulate.paired_cost``)."""
 
     seconds: Dict[str, float] = field(default_factory=dict)  # kind -> one plain pass of the rank's first chunk
     stage_seconds: Dict[Tuple[str, int], float] = field(default_factory=dict)  # (kind, stage) -> one plain pass

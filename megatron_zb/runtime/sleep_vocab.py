@@ -1,5 +1,5 @@
 """Vocabulary passes that sleep (emulated compute, ``runtime.sleep_passes``'s companion for
-vocabulary parallelism): VS, VT and VW of every rank wait their costs (``core.vocab.VocabSetting``
+vocabulary parallelism): VS, VT and VW of every rank wait their costs (``core.ir.vocab.VocabSetting``
 times ``unit`` seconds), and everything between the ranks goes through real asynchronous gloo
 collectives over the pipeline ranks, as the real runtime (``runtime.vocab``) moves it:
 
@@ -10,7 +10,7 @@ collectives over the pipeline ranks, as the real runtime (``runtime.vocab``) mov
   millisecond, an accelerator's stream next to nothing); VT(j) waits for it, then until that time
   plus the barrier's modelled transfer time (``cost_comm``: the collective carries a few bytes
   here, the real one the statistics and the input gradient's parts), as the simulator has it
-  (``core.vocab.Barriers``);
+  (``core.ir.vocab.Barriers``);
 * **C1** (two barriers): the same for VT(j) (group ``c1``); the loss stage's backward
   of j waits for it (with one barrier, for C0);
 * the loss stage's rank sends the loss scale at the end of its VT(j) (group ``scale``, tag j);

@@ -1,5 +1,5 @@
 """Vocabulary parallelism at run time: every pipeline rank's shard of the output layer and its
-passes VS, VT, VW (the schedule core places them: ``core.vocab``). No Megatron here: the shard's
+passes VS, VT, VW (the schedule core places them: ``core.ir.vocab``). No Megatron here: the shard's
 weight, the groups and what Megatron's loss step does come from the caller
 (``megatron.features.vocab_parallel``).
 

@@ -1,5 +1,5 @@
 """The input embedding split over the pipeline ranks at run time (``--split-vocab-embedding``; the
-schedule core places its passes: ``core.vocab``). No Megatron here: the shard, the groups and the
+schedule core places its passes: ``core.ir.vocab``). No Megatron here: the shard, the groups and the
 token source come from the caller (``megatron.features.vocab_parallel``).
 
 Every rank holds rows [v0, v1) of the embedding (tied embeddings: the rows of its output-layer

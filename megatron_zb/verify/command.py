@@ -215,7 +215,7 @@ def _layout(a):
           "v": lambda: Placement.vshape(p), "bitpipe": lambda: Placement.bitpipe(p)}[style]()
     ns = argparse.Namespace(**vars(a))
     if ns.num_layers is None and ns.pipeline_model_parallel_layout is not None:
-        from ..core.layout import parse
+        from ..core.costs.layout import parse
         from ..core.ir import ScheduleError
         try:
             ns.num_layers = parse(ns.pipeline_model_parallel_layout).num_layers

@@ -41,9 +41,9 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 from ..core.build import ScheduleRequest, build
 from ..core.ir import Action, Schedule, Setting
-from ..core.iteration import iteration_times
+from ..core.sim.iteration import iteration_times
 from ..core.schedules.interleaved import combined_1f1b
-from ..core.simulate import SimResult, Timed
+from ..core.sim.simulate import SimResult, Timed
 from ..runtime.hooks import Hook
 
 __all__ = ["Entry", "COMBINED_1F1B", "emulate", "emulate_schedules", "predicted_iteration", "schedule_for"]
@@ -120,7 +120,7 @@ def _rank_main(job: dict) -> dict:
     """Runs on every rank (launched by ``verify.launch``): each entry's timed iterations."""
     import torch.distributed as dist
 
-    from ..core.lower import lower
+    from ..core.sim.lower import lower
     from ..runtime.executor import execute, rank_pairs
     from ..runtime.p2p import P2P, PairGroups
     from ..runtime.sleep_passes import sleep_passes
@@ -191,7 +191,7 @@ def emulate(entries: Sequence[Entry], stages: int, microbatches: int, cost_f: Co
     """Run ``entries`` on ``stages`` real processes; one row per entry (see the module doc).
     Costs are per whole stage, in units of ``unit_s`` seconds (default: milliseconds).
     ``cost_a2a``: MoE's all-to-all in every F, B and BW (``ir.Setting``); the schedules get the
-    overlapped F&B pairs it asks for (``core.pairing``), whose passes sleep what the simulator
+    overlapped F&B pairs it asks for (``core.passes.pairing``), whose passes sleep what the simulator
     charges them (``runtime.sleep_passes``; ``a2a_overlap`` False: no hiding)."""
     from .launch import run_cases
 
@@ -242,7 +242,7 @@ def _schedules_rank_main(job: dict) -> list:
     """Runs on every rank: each given (schedule, setting) pair's timed iterations (``emulate_schedules``)."""
     import torch.distributed as dist
 
-    from ..core.lower import lower
+    from ..core.sim.lower import lower
     from ..runtime.executor import execute
     from ..runtime.p2p import P2P, PairGroups
     from ..runtime.sleep_passes import sleep_passes

@@ -18,10 +18,10 @@ import dataclasses
 import statistics
 from typing import List, Optional, Sequence
 
-from ..core.iteration import iteration_times
-from ..core.model import ModelSpec
+from ..core.sim.iteration import iteration_times
+from ..core.costs.model import ModelSpec
 from ..core.plan import plan
-from ..core.plan_schedule import row_schedule
+from ..core.plan.schedule import row_schedule
 
 __all__ = ["pick_rows", "compare"]
 

@@ -1,5 +1,5 @@
 """``megatron-zb verify --optimizer-offload auto``: each pipeline rank's share of its Adam states on
-the host, from ``core.optimizer_offload.auto_fractions`` on the verify model (the CPU test mode
+the host, from ``core.optimizer.offload.auto_fractions`` on the verify model (the CPU test mode
 of ``--zero-bubble-optimizer-offload auto``).
 
 The need of each rank: its parameters (6 bytes each stay, 12 may go to the host) and the
@@ -18,7 +18,7 @@ __all__ = ["check_offload", "rank_needs", "verify_auto_fractions"]
 def rank_needs(case):
     """(offloadable state bytes, fixed bytes, activation peak bytes) per pipeline rank."""
     from ..core.build import ScheduleRequest, build
-    from ..core.model import ModelSpec
+    from ..core.costs.model import ModelSpec
     cfg = case.model_config()
     p = case.pipeline_parallel_size
     h, layers = cfg.hidden_size, cfg.num_layers
@@ -41,7 +41,7 @@ def rank_needs(case):
 
 
 def verify_auto_fractions(case) -> List[float]:
-    from ..core.optimizer_offload import auto_fractions
+    from ..core.optimizer.offload import auto_fractions
     states, fixed, act = rank_needs(case)
     if case.memory_limit is not None:
         budget = float(case.memory_limit) * 1e6

@@ -12,14 +12,14 @@ from typing import Callable, Dict, List, Optional
 
 from ..ir import Schedule, ScheduleError, Setting
 from .basic import gpipe, one_f_one_b
-from .interleaved import interleaved_1f1b
-from .vshape import gpipe_v
-from .auto import zb_auto
-from .vsearch import v_auto, v_half, v_min, zb_v
-from .torch_peers import dualpipe_v, looped_bfs
-from .zb_handcrafted import zb_h1, zb_h2
 from .bitpipe import bitpipe
+from .interleaved import interleaved_1f1b
 from .interleaved_zb import interleaved_zb
+from .search.auto import zb_auto
+from .search.vsearch import v_auto, v_half, v_min, zb_v
+from .torch_peers import dualpipe_v, looped_bfs
+from .vshape import gpipe_v
+from .zb_handcrafted import zb_h1, zb_h2
 from .zeropp import zeropp
 
 

@@ -1,7 +1,7 @@
 """GPipe and 1F1B: one stage per rank, fused backward (BW)."""
 from __future__ import annotations
 
-from ..ir import BW, F, Action, Placement, Schedule, Setting
+from ..ir import BW, Action, F, Placement, Schedule, Setting
 
 
 def gpipe(setting: Setting) -> Schedule:

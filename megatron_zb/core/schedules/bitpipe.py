@@ -42,8 +42,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..ir import BW, F, Action, Placement, Schedule, ScheduleError, Setting
-from ..simulate import simulate
+from ..ir import BW, Action, F, Placement, Schedule, ScheduleError, Setting
+from ..sim.simulate import simulate
 from . import listsched
 
 

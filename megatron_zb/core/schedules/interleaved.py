@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from typing import List, Optional, Tuple
 
-from ..ir import BW, F, Action, Placement, Schedule, ScheduleError, Setting
-from ..simulate import Deadlock, simulate
+from ..ir import BW, Action, F, Placement, Schedule, ScheduleError, Setting
+from ..sim.simulate import Deadlock, simulate
 
 
 def schedule_table(m: int, v: int, group: int) -> List[Tuple[int, int]]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from ..ir import B, F, W, Action, Placement, Schedule, ScheduleError, Setting
+from ..ir import Action, B, F, Placement, Schedule, ScheduleError, Setting, W
 
 
 def rounds_of(p: int, m: int):

@@ -22,7 +22,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ..ir import BW, F, Action, Placement, Schedule, ScheduleError, Setting
+from ..ir import BW, Action, F, Placement, Schedule, ScheduleError, Setting
 
 EPS = 1e-9
 Item = Tuple[int, int]  # (stage, microbatch)

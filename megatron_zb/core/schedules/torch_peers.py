@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from ..ir import B, BW, F, W, Action, Placement, Schedule, ScheduleError, Setting
+from ..ir import BW, Action, B, F, Placement, Schedule, ScheduleError, Setting, W
 
 
 def looped_bfs(setting: Setting) -> Schedule:

@@ -6,7 +6,7 @@ the V turn-around on the last rank and embedding + loss on rank 0 with the plain
 """
 from __future__ import annotations
 
-from ..ir import BW, F, Action, Placement, Schedule, Setting
+from ..ir import BW, Action, F, Placement, Schedule, Setting
 
 
 def gpipe_v(setting: Setting) -> Schedule:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import deque
 from typing import List
 
-from ..ir import B, F, W, Action, Placement, Schedule, Setting
+from ..ir import Action, B, F, Placement, Schedule, Setting, W
 
 
 def rank_order(rank: int, m: int, warm: int, lag: int) -> List[Action]:

@@ -30,8 +30,8 @@ import dataclasses
 from collections import deque
 from typing import List, Optional
 
-from ..ir import B, F, W, Action, Placement, Schedule, ScheduleError, Setting
-from ..simulate import makespan_and_peak
+from ..ir import Action, B, F, Placement, Schedule, ScheduleError, Setting, W
+from ..sim.simulate import makespan_and_peak
 
 
 def unit_table(m: int, v: int, unit: int):

@@ -43,7 +43,7 @@ class ScheduleOptions:
     chunks: Optional[int] = None
     memory_limit: Optional[float] = None  # per rank, in microbatches of one stage's activation
     # how hard the searched schedules look and how many ways vocabulary passes are placed
-    # (``core.schedules.auto.EFFORTS``): 'full', or 'quick' (a plan row's ``search_effort``)
+    # (``core.schedules.search.auto.EFFORTS``): 'full', or 'quick' (a plan row's ``search_effort``)
     effort: str = "full"
     cost_f: Any = 1.0
     cost_b: Any = 1.0
@@ -85,8 +85,8 @@ class ScheduleOptions:
     # optimizer post-validation (runtime.postval; the optimizer side: megatron.optimizer): wrap
     # Megatron's optimizer with handle.post_validated_optimizer(...)
     post_validation: bool = False
-    # vocabulary parallelism (core.vocab, runtime.vocab, megatron.vocab_parallel): 1 or 2 barriers,
-    # None off; ``vocab_costs``: the VS/VT/VW costs and memory (core.vocab.VocabSetting's fields)
+    # vocabulary parallelism (core.ir.vocab, runtime.vocab, megatron.vocab_parallel): 1 or 2 barriers,
+    # None off; ``vocab_costs``: the VS/VT/VW costs and memory (core.ir.vocab.VocabSetting's fields)
     vocab_parallel: Optional[int] = None
     vocab_embedding: bool = False  # the input embedding split over the ranks too (--split-vocab-embedding)
     vocab_costs: Optional[dict] = None
@@ -119,7 +119,7 @@ class ScheduleOptions:
             mem_w = [float(mem_w) * x for x in mem_f]  # a share of each stage's mem_f
         vocab = None
         if self.vocab_parallel is not None:
-            from ...core.vocab import VocabSetting
+            from ...core.ir.vocab import VocabSetting
             costs = dict(cost_s=0.25, cost_t=0.25, cost_w=0.25, mem_s=0.25, mem_w=0.1)  # of a stage's F = 1
             if self.vocab_embedding:
                 costs.update(cost_i=0.02, cost_g=0.02, cost_ci=0.02, cost_cg=0.02, mem_i=0.02)

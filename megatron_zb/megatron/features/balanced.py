@@ -8,7 +8,7 @@ agree without further messages):
 1. the ranks that read data take this iteration's microbatches from their iterators and split
    them into sequences (each row of a microbatch is one sequence of the microbatch's length);
 2. every rank learns every replica's sequence lengths (one all-gather of a few integers);
-3. the balancer and the list scheduler of the schedule core (``core.varlen.plan_batch``) decide
+3. the balancer and the list scheduler of the schedule core (``core.varlen.batch.plan_batch``) decide
    which sequences each replica runs, in which microbatches and order, and the schedule: every
    rank computes the same plan, for its own replica's schedule only;
 4. the data ranks at each pipeline position swap sequences over the data-parallel group (an
@@ -33,8 +33,8 @@ import torch.distributed as dist
 
 from ...core.build import Built, build
 from ...core.ir import B, BW, F, W
-from ...core.microbatch_costs import LengthModel, fit_stages, microbatch_shape
-from ...core.varlen import Templates, VarlenConfig, plan_batch
+from ...core.costs.microbatch_costs import LengthModel, fit_stages, microbatch_shape
+from ...core.varlen.batch import Templates, VarlenConfig, plan_batch
 from ..errors import ZeroBubbleConfigError
 
 __all__ = ["MicrobatchBalancer", "Balanced", "attention_share_of", "check_balance_config", "split_rows", "collate",
@@ -46,7 +46,7 @@ POSITION_KEYS = ("position_ids",)
 
 def attention_share_of(config, seq_length: int) -> float:
     """The share of a transformer layer's F at ``seq_length`` spent in attention (Q.K^T and
-    scores.V over the s x s scores, as ``core.model`` counts them), from Megatron's model config."""
+    scores.V over the s x s scores, as ``core.costs.model`` counts them), from Megatron's model config."""
     h = config.hidden_size
     heads = config.num_attention_heads
     d = getattr(config, "kv_channels", None) or h // heads
@@ -240,7 +240,7 @@ def packed_metadata(lengths: Sequence[int], device) -> dict:
 
 
 def calibration_of(profile: dict, seq_length: int) -> Optional[dict]:
-    """The length cost model fitted to a profile window's passes (``core.microbatch_costs.fit_stages``
+    """The length cost model fitted to a profile window's passes (``core.costs.microbatch_costs.fit_stages``
     on the profile's ``length_samples``): the shares per kind and each stage's reference costs (F,
     B, W, in units of their mean F; the hop time in the same unit), or None where the window's
     microbatches held too few distinct shapes. A schedule that fuses B and W (BW) gives B the

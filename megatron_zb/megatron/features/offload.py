@@ -3,7 +3,7 @@ the model's W queues, and ``--auto-offload-time``'s measurement of K. Functions 
 they make; the forward-backward function keeps it.
 
 The schedule with its OFFLOAD/RELOAD actions comes from ``core.build`` (the policy in
-``core.offload``); the executor reaches the manager through ``runtime.offload.OffloadHook``, and the
+``core.passes.offload``); the executor reaches the manager through ``runtime.offload.OffloadHook``, and the
 W queue reports the tensors its deferred weight-gradient closures keep, so they can travel between
 B and W too.
 """
@@ -49,10 +49,10 @@ def estimate_offload_time(*, hidden_size: int, num_attention_heads: int, seq_len
                           sequence_parallel: bool = False, flash_attention: bool = True, device=None) -> dict:
     """K = one-way transfer time of one layer's activation / its F + B time, from this device's
     measured matmul speed and host-link bandwidth (not a table of GPU names). The layer's FLOPs
-    and activation bytes follow the zero-bubble paper's counts (``core.model.ModelSpec``); per
+    and activation bytes follow the zero-bubble paper's counts (``core.costs.model.ModelSpec``); per
     layer both scale alike, so the ratio holds for a whole stage. On a CPU both measurements
     are CPU stand-ins and say so."""
-    from ...core.model import ModelSpec
+    from ...core.costs.model import ModelSpec
     device = torch.device(device) if device is not None else (
         torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
     spec = ModelSpec(num_layers=1, hidden_size=int(hidden_size), num_attention_heads=int(num_attention_heads),

@@ -162,12 +162,12 @@ def use_rank_shares(shares: List[float]):
 
 def auto_shares(args, peaks: List[float], placement, budget_bytes: float) -> List[float]:
     """``--zero-bubble-optimizer-offload auto``: each pipeline rank's share from its own need
-    (``core.optimizer_offload.auto_fractions``): its parameters (plan's model of the run: the layers
+    (``core.optimizer.offload.auto_fractions``): its parameters (plan's model of the run: the layers
     split evenly, the embedding and the output layer where they sit) at 6 bytes that stay and 12
     (over the data-parallel ranks with the distributed optimizer) that may go, and the schedule's
     activation peak on the rank (``peaks``, in microbatch activations of the fullest rank).
     Raises ValueError where a rank does not fit even with every state on the host."""
-    from ...core.optimizer_offload import ADAM_STATE_BYTES, RESIDENT_BYTES, auto_fractions
+    from ...core.optimizer.offload import ADAM_STATE_BYTES, RESIDENT_BYTES, auto_fractions
     from ..layout.model_args import memory_limit_in_microbatches, model_spec
     spec = model_spec(args)
     p = placement.num_ranks

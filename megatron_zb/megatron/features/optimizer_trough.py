@@ -5,7 +5,7 @@ Megatron's ``--optimizer-cpu-offload --optimizer-offload-fraction F`` keeps the 
 rank's optimizer parameters on the host (``HybridDeviceOptimizer``: a host copy of each, its Adam
 state there, one CPU optimizer per parameter with ``overlap_cpu_optimizer_d2h_h2d``, which this
 mode turns on). Here those CPU optimizers are cut into the core's subgroups
-(``core.optimizer_trough.split_evenly``), and the core's trough plan for this rank
+(``core.optimizer.trough.split_evenly``), and the core's trough plan for this rank
 (``rank_trough_plan``: the rank's simulated passes, its memory, the host link, the update speeds)
 says which visit the GPU:
 
@@ -35,8 +35,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from ...core.ir import OFFLOAD, OFFLOAD_W
-from ...core.optimizer_offload import ADAM_STATE_BYTES, RESIDENT_BYTES, HostCosts, memory_curve
-from ...core.optimizer_trough import TroughPlan, rank_trough_plan, split_evenly
+from ...core.optimizer.offload import ADAM_STATE_BYTES, RESIDENT_BYTES, HostCosts, memory_curve
+from ...core.optimizer.trough import TroughPlan, rank_trough_plan, split_evenly
 from ...runtime.optim_trough import TroughHook, TroughStates
 
 __all__ = ["TroughOptimizer", "TroughOffload", "use_trough"]

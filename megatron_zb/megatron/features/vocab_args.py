@@ -1,6 +1,6 @@
 """``--enable-vocab-parallel`` in training (the VocabularyParallelism fork's flags, with their
 meaning): what it runs with, refused in one line otherwise, and the costs the schedule core places
-the vocabulary passes with (``core.chunk_costs.vocab_setting``, in the units of the schedule's other
+the vocabulary passes with (``core.costs.chunk_costs.vocab_setting``, in the units of the schedule's other
 costs). The runtime side: ``megatron.features.vocab_parallel``.
 
 * ``--enable-vocab-parallel``: every pipeline rank holds V / (P x TP) rows of the output layer (or
@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any, Dict, Optional
 
 from ...core.ir import Placement, ScheduleError
-from ...core.layout import Layout
+from ...core.costs.layout import Layout
 from ..errors import ZeroBubbleArgumentError
 
 __all__ = ["vocab_barriers", "check_vocab_args", "vocab_cost_kwargs", "ASSUMED_TFLOPS", "ASSUMED_LINK_GBPS"]
@@ -93,10 +93,10 @@ def vocab_cost_kwargs(spec, layout: Optional[Layout], placement: Placement, barr
     """``install()``'s per-chunk costs without the output layer (``chunk_cost_kwargs``' units: the
     busiest rank's F, the fullest rank's activation) and ``vocab_costs``: VS, VT, VW and their
     memory in the same units, the barriers' communication at ``ASSUMED_LINK_GBPS`` against a
-    stage computing at ``ASSUMED_TFLOPS`` (``core.chunk_costs.unit_costs``: what plan builds its rows
+    stage computing at ``ASSUMED_TFLOPS`` (``core.costs.chunk_costs.unit_costs``: what plan builds its rows
     with). ``layout`` None: the even split. ``embedding``: the input embedding split too (VI, VG and
     their collectives; --split-vocab-embedding)."""
-    from ...core.chunk_costs import unit_costs
+    from ...core.costs.chunk_costs import unit_costs
     try:
         uc = unit_costs(spec, layout, placement, barriers, embedding, flops_per_s=ASSUMED_TFLOPS * 1e12,
                         link_bytes_per_s=ASSUMED_LINK_GBPS * 1e9)

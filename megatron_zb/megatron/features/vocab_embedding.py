@@ -1,5 +1,5 @@
 """The input embedding split over the pipeline ranks too (``--split-vocab-embedding``, with
-``--enable-vocab-parallel``; the passes: ``runtime.vocab_input``, their place: ``core.vocab``).
+``--enable-vocab-parallel``; the passes: ``runtime.vocab_input``, their place: ``core.ir.vocab``).
 
 * **The rows.** Every rank holds the rows of the embedding its output-layer shard holds
   (``vocab_parallel.shard_rows``). Tied embeddings: the output shard *is* the input shard (one

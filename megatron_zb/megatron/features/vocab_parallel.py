@@ -1,5 +1,5 @@
 """Vocabulary parallelism on megatron-core models (``--enable-vocab-parallel``; the passes:
-``runtime.vocab``, their place in the schedule: ``core.vocab``).
+``runtime.vocab``, their place in the schedule: ``core.ir.vocab``).
 
 * **The shards.** Every pipeline rank holds rows of the output layer: V / (P x TP) of them, rank
   (pp, tp) rows tp x V/TP + pp x V/(P x TP) onwards (within one tensor-parallel slice the pipeline

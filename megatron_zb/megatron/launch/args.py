@@ -48,7 +48,7 @@ from typing import Callable, Dict, Optional
 
 from ...core import schedules as core_schedules
 from ...core.ir import ScheduleError
-from ...core.schedules.auto import EFFORTS as SEARCH_EFFORTS
+from ...core.schedules.search.auto import EFFORTS as SEARCH_EFFORTS
 from ..features.balance_args import add_balance_args
 
 __all__ = ["add_zero_bubble_args", "chain_providers", "has_flag", "zero_bubble_requested", "NOT_AVAILABLE_FLAGS", "WHAT_INSTEAD",

@@ -16,7 +16,7 @@ from typing import Any, Dict, Optional
 
 from ...core import schedules as core_schedules
 from ...core.ir import Placement, ScheduleError
-from ...core.layout import parse as parse_layout
+from ...core.costs.layout import parse as parse_layout
 from .args import DEFAULT_TIMEOUT_S, FORK_TIMERS_DEFAULT, NOT_AVAILABLE_FLAGS, WHAT_INSTEAD
 from ..features.balance_args import BALANCE_FLAGS, balance_kwargs
 from ..errors import ZeroBubbleArgumentError

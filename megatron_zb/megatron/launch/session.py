@@ -177,7 +177,7 @@ class TrainingSession:
         prof, sched = fb.profile, fb.last_training_schedule
         if prof is not None and prof.get("iteration_s") and sched is not None:
             from ...core.ir import Setting
-            from ...core.iteration import iteration_times
+            from ...core.sim.iteration import iteration_times
             try:  # the order that ran, timed with the profiled F/B/W (seconds)
                 st = Setting(sched.num_ranks, sched.num_microbatches, chunks=sched.placement.chunks,
                              cost_f=prof["cost_f"], cost_b=prof["cost_b"], cost_w=prof["cost_w"],

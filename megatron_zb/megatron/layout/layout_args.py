@@ -1,9 +1,9 @@
 """Megatron's layout flags under every megatron-zb schedule: which layers each model chunk holds.
 
-Megatron describes an uneven model cut with ``--pipeline-model-parallel-layout`` (``core.layout``'s
+Megatron describes an uneven model cut with ``--pipeline-model-parallel-layout`` (``core.costs.layout``'s
 grammar), ``--decoder-first/last-pipeline-num-layers`` and ``--account-for-embedding/loss-in-
 pipeline-split`` (the ZB fork adds ``--allow-padding-num-layers``). megatron-zb reads them in
-pipeline order for every placement (``core.layout``): under one chunk per rank and Megatron's
+pipeline order for every placement (``core.costs.layout``): under one chunk per rank and Megatron's
 interleaving that is Megatron's own reading, so Megatron keeps its flags and builds the same layers
 (the placement's layer table says the same); under a V or BitPipe Megatron would read the stages as
 interleaved, so the flags are taken over here before Megatron validates them: the layer counts go
@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import List, Optional
 
 from ...core.ir import Placement, ScheduleError
-from ...core.layout import Layout, from_megatron_flags, parse
+from ...core.costs.layout import Layout, from_megatron_flags, parse
 from ..errors import ZeroBubbleArgumentError
 
 __all__ = ["LAYOUT_FLAGS", "given_layout_flags", "layout_from_args", "apply_layout", "layers_per_stage",
@@ -121,11 +121,11 @@ def layers_per_stage(args) -> Optional[List[int]]:
 
 def chunk_cost_kwargs(spec, layout: Optional[Layout], placement: Placement) -> dict:
     """``install()``'s cost options per model chunk for a laid-out model (``spec``: plan's model of
-    it, ``core.model.ModelSpec``; ``layout`` None: the even split): each chunk's F/B/W in units of the
+    it, ``core.costs.model.ModelSpec``; ``layout`` None: the even split): each chunk's F/B/W in units of the
     busiest rank's F, its activation in units of the fullest rank's (so a memory limit in microbatches
     keeps meaning "this many microbatches of the fullest rank's activation"), and that unit in bytes
-    (``core.chunk_costs.unit_costs``: what plan builds its rows with)."""
-    from ...core.chunk_costs import unit_costs
+    (``core.costs.chunk_costs.unit_costs``: what plan builds its rows with)."""
+    from ...core.costs.chunk_costs import unit_costs
     try:
         uc = unit_costs(spec, layout, placement)
     except ScheduleError as e:

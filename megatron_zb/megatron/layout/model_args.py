@@ -1,4 +1,4 @@
-"""The run's model from Megatron's arguments: plan's ``core.model.ModelSpec`` of it (its per-layer
+"""The run's model from Megatron's arguments: plan's ``core.costs.model.ModelSpec`` of it (its per-layer
 FLOPs and activations, as the run stores them), and a memory budget in GB as microbatches of its
 activation. This module imports neither torch nor megatron.
 """
@@ -17,7 +17,7 @@ def fused_attention(args) -> bool:
 
 def model_spec(args):
     """plan's model of the run's activations (``core.plan.ModelSpec``) from Megatron's arguments."""
-    from ...core.model import ModelSpec
+    from ...core.costs.model import ModelSpec
     rates = [getattr(args, k, None) for k in ("hidden_dropout", "attention_dropout")]
     drop = any((0.1 if r is None else float(r)) > 0 for r in rates)  # Megatron's default rate is 0.1
     return ModelSpec(num_layers=int(args.num_layers), hidden_size=int(args.hidden_size),
