@@ -43,7 +43,8 @@ def row_schedule(spec: ModelSpec, p: int, m: int, row: dict, tflops: float = 989
     ca = chunk_costs(spec, lay, pl, flops_per_s, ep_gbps * 1e9, vocab=barriers is not None,
                      vocab_embedding=split).cost_a2a
     req = ScheduleRequest(row["schedule"], chunks=v if sp.chunks is None else None, cost_f=uc.cost_f,
-                          cost_b=uc.cost_b, cost_w=uc.cost_w, cost_a2a=[x / sec for x in ca], vocab=uc.vocab,
+                          cost_b=uc.cost_b, cost_w=uc.cost_w, cost_bw=uc.cost_bw, cost_a2a=[x / sec for x in ca],
+                          vocab=uc.vocab,
                           mem_f=uc.mem_f, mem_w=uc.mem_w,
                           memory_limit=row.get("memory_limit_microbatches") if sp.searched else None,
                           effort=row.get("search_effort", "full"))
