@@ -25,18 +25,24 @@ or runs out of time, records its error and the next one starts):
   trough      optimizer states visiting the GPU (--zero-bubble-optimizer-offload trough): prefetch
               and write-back bandwidth, the prefetch hidden under matmuls, Adam on the GPU and the
               CPU, a rollback, against the trough cost model's assumptions
+  realpipe    a real pipeline on one GPU: P = 2 and 4 ranks as processes, each in a CUDA green
+              context of 1/P of the SMs, a GPT of h4096 s2048 with 2 layers per rank (bf16, SDPA),
+              M = 2P: Megatron's own 1F1B, zb-h1, zb-v, v-half, zb-v + offload 0.5; time per
+              iteration and allocator peak against the simulator fed by each run's own profile
 
 ``--attention-backend flash`` (or ``fused``): every megatron-core layer the sections build (offload,
 postval, memory, pipeline, ep_overlap, fbw) computes its core attention with torch's
 ``scaled_dot_product_attention`` (``megatron_zb.megatron.features.sdpa_attention``: the layer a GPU
-without Transformer Engine trains with); the default keeps megatron's ``DotProductAttention``.
+without Transformer Engine trains with); the default keeps megatron's ``DotProductAttention``, except
+in realpipe, whose GPT has the SDPA layer unless ``local`` or ``unfused`` is named.
 
 ``--dry-run`` (no GPU needed) runs every section's own argument parsing, builds what it would run
 (schedules, verify cases, command lines, the simulator's predictions from recorded costs), checks
 the wheels to bring and the output paths, and marks every section ``dry-run``; with ``--tiny`` the
 sections also run end to end on the CPU at tiny sizes (no figures worth keeping). Output, in OUTDIR:
 ``gpu_check.json`` (every section: status, budget, seconds, figures, rows, plan or error),
-``gpu_check.md`` (one short table) and ``gpu_check.log`` (every section's output). Exit code 0
+``gpu_check.md`` (one short table), ``gpu_check.log`` (every section's output) and, where realpipe
+ran, ``realpipe_p2.jsonl`` / ``realpipe_p4.jsonl`` (its raw records, profiles included). Exit code 0
 when every section passed, 1 when one did not, 2 on bad input (one line, no traceback).
 """
 from __future__ import annotations
@@ -64,20 +70,20 @@ from gpu_check_sections import OneLineParser, UsageError  # noqa: E402
 from megatron_zb.megatron.features.attention_args import ATTENTION_BACKENDS  # noqa: E402 - no torch
 
 # name -> (module, function, budget in seconds on one GPU); the budgets add up to 450 s of the 480.
-# On an H200 (2026-11-27) env took 19 s, offload 34, postval 34, memory 46, pipeline ~40, ep_overlap
-# 30, trough 12; fbw starts two processes that each import megatron and build a layer (~15 s each).
-# A later H200 run (11:01 UTC): env 14, offload 28, memory 41, pipeline 36, ep_overlap 28, fbw 34,
-# trough 13, and postval ran out of its 50 s (its launch got 26 s: imports, four GPT set-ups, 24
-# steps); postval now has 80 s, taken from fbw (95 -> 70) and pipeline (75 -> 70).
+# The H200 runs kept in benchmarks/results/gpu_check_h200/ took at most: env 19 s, offload 34, postval
+# 34, memory 46, pipeline 39, ep_overlap 30, fbw 34, trough 13 (run5: 209 s in all). Each keeps at
+# least 10 s above that; realpipe (two launches of five cases each) gets the rest, 115 s, and decides
+# inside its ranks which cases still fit (a case skipped for time is recorded as such).
 SECTIONS = {
     "env": ("gpu_check_sections", "env", 25),
-    "offload": ("gpu_check_sections", "offload", 65),
-    "postval": ("gpu_check_sections", "postval", 80),
-    "memory": ("gpu_check_verify", "memory", 65),
-    "pipeline": ("gpu_check_verify", "pipeline", 70),
-    "ep_overlap": ("gpu_check_verify", "ep_overlap", 55),
-    "fbw": ("gpu_check_sections", "fbw", 70),
+    "offload": ("gpu_check_sections", "offload", 45),
+    "postval": ("gpu_check_sections", "postval", 55),
+    "memory": ("gpu_check_verify", "memory", 55),
+    "pipeline": ("gpu_check_verify", "pipeline", 50),
+    "ep_overlap": ("gpu_check_verify", "ep_overlap", 40),
+    "fbw": ("gpu_check_sections", "fbw", 45),
     "trough": ("gpu_check_trough", "trough", 20),
+    "realpipe": ("gpu_check_realpipe", "realpipe", 115),
 }
 DEFAULT_BUDGET_S = 450.0  # the whole run; the issue allows 8 minutes
 CHILD_MARGIN_S = 5.0  # a section's own deadline comes this much before it is stopped
@@ -292,6 +298,7 @@ def child_main(a) -> int:
             a.child, dry=a.dry_run, tiny=a.tiny, deadline=a.deadline or (time.time() + 3600), scratch=a.scratch,
             mcore_path=a.mcore_path, wheels=a.wheels, gpu_python=a.gpu_python, record=rec)
         ctx.attention_backend = a.attention_backend
+        ctx.outdir = os.path.abspath(a.outdir)
         getattr(importlib.import_module(module), fn)(ctx)
         if rec["status"] == "error":  # not set to 'failed' by the section
             rec["status"] = "dry-run" if a.dry_run else "ok"

@@ -51,6 +51,7 @@ class Context:
         self.record = record
         self.figures, self.plan = record["figures"], record["plan"]
         self.attention_backend = "auto"  # --attention-backend: flash/fused = torch's SDPA core attention
+        self.outdir = None  # OUTDIR (a section's own files beside gpu_check.json)
 
     def attention_argv(self) -> list:
         """A benchmark script's ``--attention-backend`` (none for the default)."""

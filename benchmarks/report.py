@@ -6,7 +6,8 @@
     python benchmarks/report.py --results DIR --out FILE [--check]
 
 Every ``*.json`` under the results folder (its subfolders too, e.g. ``gpu_check_h200/``) is read. Each
-section of the page (``report_sections.py``, ``report_sections_more.py``) claims files by name pattern
+section of the page (``report_sections.py``, ``report_sections_more.py``; the GPU check's realpipe table:
+``report_sections_gpu.py``) claims files by name pattern
 and renders headline tables (medians with their spread where the JSON has samples), each under the
 command that wrote its file and the machine kind it ran on. A file no section claims, one whose shape
 its section does not know, or one that is not valid JSON goes to the page's last section, "Other

@@ -116,7 +116,9 @@ def gpu_runs_block(res, names, src):
         figures += [[name, r["what"], r["measured"], r["predicted"] or "-"] for r in sec.get("rows", [])]
     out += ["", f"Figures of `{label(last)}` (the latest run that passed every section), as the check "
             "printed them:", ""]
-    return out + table(["section", "what", "measured", "predicted"], figures)
+    import report_sections_gpu  # its helpers come from here
+    return out + table(["section", "what", "measured", "predicted"], figures) + report_sections_gpu.realpipe_block(
+        res, names)
 
 
 def traces_block(res, names, src):

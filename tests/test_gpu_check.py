@@ -18,7 +18,7 @@ from tests._host import overload
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "benchmarks")
 SCRIPT = os.path.join(ROOT, "scripts", "gpu_check.sh")
-SECTIONS = ("env", "offload", "postval", "memory", "pipeline", "ep_overlap", "fbw", "trough")
+SECTIONS = ("env", "offload", "postval", "memory", "pipeline", "ep_overlap", "fbw", "trough", "realpipe")
 
 
 def _bench_path():
@@ -66,6 +66,17 @@ def test_dry_run_writes_every_section_json_and_markdown(tmp_path):
     assert len(plans["memory"]["cases"]) == 9 and "ep-overlap" in plans["ep_overlap"]["case"]
     assert len(plans["fbw"]["commands"]) == 2 and all("--device cuda" in c for c in plans["fbw"]["commands"])
     assert plans["trough"]["subgroups"] * plans["trough"]["state_bytes_per_subgroup"] >= 2 ** 30  # GiB of states
+    rp = plans["realpipe"]
+    assert list(rp["launches"]) == ["P=2", "P=4"] and all(
+        "realpipe_rank" in v and "megatron-1f1b, zb-h1, zb-v, v-half, zb-v+offload0.5" in v for v in rp["launches"].values())
+    assert rp["model"]["hidden"] == 4096 and rp["model"]["seq"] == 2048 and rp["model"]["attention"] == "flash"
+    assert [os.path.basename(o) for o in rp["outputs"]] == ["realpipe_p2.jsonl", "realpipe_p4.jsonl"]
+    dry = rep["sections"]["realpipe"]["figures"]["flop_prediction"]
+    assert [len(v) for v in dry.values()] == [5, 5]
+    for rows in dry.values():  # the simulator at plan's FLOPs: zb-v beats Megatron's 1F1B, offload lowers zb-v's peak
+        t = {r["case"]: r["iteration_s"] for r in rows}
+        assert t["zb-v"] < t["zb-h1"] < t["megatron-1f1b"]
+    assert max(dry["P=4"][4]["peak_bytes"]) <= max(dry["P=4"][2]["peak_bytes"])
     off = rep["sections"]["offload"]["figures"]
     assert off["dry_prediction_ratio_1"]["peak_mem_f"] < off["dry_prediction_ratio_1"]["peak_mem_f_no_offload"]
     md = (out / "gpu_check.md").read_text()
@@ -190,3 +201,95 @@ def test_point_to_point_staged_through_host_copies():
     assert sent == "_HostSend"
     assert red0 == red1 == ([3.0, 3.0, 3.0], [30.0, 30.0], [2.0, 2.0])
     assert got == ("_HostRecv", [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]], [7.0, 7.0], True)
+
+
+def test_green_context_share_and_refusal():
+    """SMs per rank: 1/P down to the partition granularity; where torch lacks green contexts (this CPU
+    build) the API check and entering one say so in one line."""
+    from megatron_zb.verify.green_context import GreenContextUnavailable, GreenShare, api_problem, sm_share, summarize
+    assert (sm_share(132, 2, 9), sm_share(132, 4, 9), sm_share(108, 4, 8), sm_share(16, 4, 9)) == (64, 32, 26, 8)
+    problem = api_problem()
+    import torch
+    if torch.cuda.is_available():  # pragma: no cover - the GPU machine
+        pytest.skip("a CUDA build: green contexts may be there")
+    assert problem and "\n" not in problem and "torch" in problem
+    with pytest.raises(GreenContextUnavailable) as e:
+        GreenShare.enter(2)
+    assert "\n" not in str(e.value)
+    # ranks one after the other (concurrency 1) against at once (2); a backward that left the share
+    turns = summarize([{"alone": (1.0, 2.0), "together": (2.0, 4.0)}, {"alone": (1.0, 2.0), "together": (2.0, 4.0)}], 0.5)
+    at_once = summarize([{"alone": (1.0, 0.5), "together": (1.0, 0.5)}, {"alone": (1.0, 0.5), "together": (1.0, 0.5)}])
+    assert turns == {"concurrency": 1.0, "backward_ratio": 1.0, "share_speed": 0.5}
+    assert at_once["concurrency"] == 2.0 and at_once["backward_ratio"] == 0.25
+
+
+def test_realpipe_predictions_from_records():
+    """The realpipe section's figures from its ranks' records: a megatron-zb case timed by the simulator
+    with its own profile's costs, Megatron's 1F1B as the core's 1f1b order with its own passes' times (and
+    zb-h1's message time), speed-ups over Megatron's, a skipped case kept."""
+    _bench_path()
+    import gpu_check_realpipe as G
+    from megatron_zb.core import io as sched_io
+    from megatron_zb.core.build import ScheduleRequest, build
+    from megatron_zb.core.iteration import iteration_times
+    from megatron_zb.core.simulate import simulate
+    p, m = 2, 4
+    built = build(ScheduleRequest("zb-h1"), p, m)
+    profile = {"cost_f": [0.01, 0.012], "cost_b": [0.011, 0.013], "cost_w": [0.006, 0.007], "cost_comm": 0.001,
+               "chunk_cost_f": [0.01, 0.012], "chunk_cost_b": [0.011, 0.013], "chunk_cost_w": [0.006, 0.007],
+               "mem_f": [1e9, 1e9], "mem_w": [4e8, 4e8], "chunk_mem_f": [1e9, 1e9], "chunk_mem_w": [4e8, 4e8],
+               "built_schedule": json.loads(sched_io.to_json(built.lowered()))}
+    passes = [{"f": 0.01, "bw": 0.018, "mem_f": 1e9}, {"f": 0.012, "bw": 0.02, "mem_f": 1e9}]
+    records = [{"probe": {"concurrency": 1.95, "ranks": []}, "green": {"num_sms": 64, "total_sms": 132}, "p": p},
+               {"case": "megatron-1f1b", "schedule": "megatron-1f1b", "median_iteration_s": 0.2, "iteration_s": [0.2],
+                "peak_bytes": [3e9, 2e9], "megatron_passes": passes, "loss": 5.0},
+               {"case": "zb-h1", "schedule": "zb-h1", "median_iteration_s": 0.18, "iteration_s": [0.18],
+                "peak_bytes": [3e9, 2e9], "profile": profile, "loss": 5.0},
+               {"case": "zb-v", "skipped": "10 s left, the last case took 9 s"}]
+    run = G.evaluate(records, p, m)
+    mg, zb, skipped = run["cases"]
+    st = built.setting.__class__(p, m, cost_f=[0.01, 0.012], cost_b=[0.011, 0.013], cost_w=[0.006, 0.007],
+                                 cost_comm=0.001, mem_f=[1e9, 1e9], mem_w=[4e8, 4e8])
+    assert zb["simulated_s"] == pytest.approx(iteration_times(built.schedule, st).iteration_time)
+    assert zb["predicted_peak_bytes"] == pytest.approx(simulate(built.schedule, st).peak_memory)
+    assert zb["predicted_peak_bytes"][0] == pytest.approx(2 * 1e9)  # zb-h1's rank 0 holds P microbatches
+    assert mg["cost_comm_s"] == 0.001 and mg["simulated_s"] > zb["simulated_s"]
+    assert zb["speedup_measured"] == pytest.approx(0.2 / 0.18)
+    assert zb["speedup_simulated"] == pytest.approx(mg["simulated_s"] / zb["simulated_s"])
+    assert zb["error_pct"] == pytest.approx(100 * (0.18 / zb["simulated_s"] - 1))
+    assert skipped == {"case": "zb-v", "schedule": None, "offload_ratio": None, "skipped": "10 s left, the last case took 9 s"}
+    assert run["probe"] == {"concurrency": 1.95} and run["green"]["num_sms"] == 64
+    # the probe's verdicts: ranks at once and backwards in the share pass; taking turns, or a backward
+    # outside the share, fail the section with one line each
+    from gpu_check_sections import Context
+    for probe, problems in (({"concurrency": 1.9, "backward_ratio": 1.02}, 0),
+                            ({"concurrency": 1.05, "backward_ratio": 1.0}, 1),
+                            ({"concurrency": 1.02, "backward_ratio": 0.5}, 2)):
+        rec = {"status": "error", "figures": {}, "rows": [], "plan": {}}
+        ctx = Context("realpipe", dry=False, tiny=False, deadline=0.0, scratch="", mcore_path=None, wheels="",
+                      gpu_python="3.12", record=rec)
+        G.probe_row(ctx, {"p": 2, "probe": probe, "green": {"num_sms": 64, "total_sms": 132}})
+        assert len(rec.get("problems", [])) == problems, rec
+        assert all("\n" not in x for x in rec.get("problems", []))
+
+
+@pytest.mark.megatron
+@pytest.mark.dist
+def test_realpipe_tiny_runs_every_case_on_the_cpu(tmp_path):
+    """``--tiny``: Megatron's own 1F1B and megatron-zb's zb-h1, zb-v, v-half and zb-v with offload train
+    the tiny GPT on two CPU ranks (messages staged as on the GPU, no green context), every case timed and
+    predicted, the same loss for every schedule (same weights and data, no step)."""
+    out = tmp_path / "out"
+    p = subprocess.run([sys.executable, os.path.join(BENCH, "gpu_check.py"), "--tiny", "--sections", "realpipe",
+                        "--stretch", str(round(max(1.0, overload()), 2)), str(out)], cwd=ROOT, env=_env(),
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr + (out / "gpu_check.log").read_text()
+    sec = json.loads((out / "gpu_check.json").read_text())["sections"]["realpipe"]
+    (run,) = sec["figures"]["runs"]
+    cases = run["cases"]
+    assert [c["case"] for c in cases] == ["megatron-1f1b", "zb-h1", "zb-v", "v-half", "zb-v+offload0.5"]
+    assert all(c["measured_s"] > 0 and c["simulated_s"] > 0 and not c.get("prediction_error") for c in cases), cases
+    assert max(c["loss"] for c in cases) - min(c["loss"] for c in cases) < 1e-3 * cases[0]["loss"]
+    assert run["green"] is None and run["probe"]["concurrency"] > 0
+    assert (out / "realpipe_p2.jsonl").exists()
+    assert "none on a CPU" in (out / "gpu_check.md").read_text()

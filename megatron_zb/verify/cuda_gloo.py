@@ -76,9 +76,17 @@ class _HostRecv(_HostSend):
     def wait(self, *args, **kwargs):
         out = self.work.wait(*args, **kwargs)
         if not self.copied:
-            self.target.copy_(self.host)
+            _fill(self.target, self.host)
             self.copied = True
         return out
+
+
+def _fill(target, host) -> None:
+    """The received bytes into the caller's tensor (a leaf that requires grad too: megatron's receive
+    buffers are made with ``requires_grad=True``)."""
+    import torch
+    with torch.no_grad():
+        target.copy_(host)
 
 
 def apply(stage_host: bool = False) -> None:
@@ -126,7 +134,7 @@ def apply(stage_host: bool = False) -> None:
             return orig_recv(tensor, src, group=group, tag=tag, **kw)
         host = host_empty(tensor)
         out = orig_recv(host, src, group=group, tag=tag, **kw)
-        tensor.copy_(host)
+        _fill(tensor, host)
         return out
 
     orig_coalesced = dist.ProcessGroup.allreduce_coalesced
