@@ -67,8 +67,8 @@ def make_job(ctx: Context, p: int, m: int, deadline: float, out: str) -> dict:
 # ------------------------------------------------------------------------------------------------
 
 def _timed(sched, st) -> tuple:
-    from megatron_zb.core.iteration import iteration_times
-    from megatron_zb.core.simulate import simulate
+    from megatron_zb.core.sim.iteration import iteration_times
+    from megatron_zb.core.sim.simulate import simulate
     return iteration_times(sched, st, 0.0).iteration_time, list(simulate(sched, st).peak_memory)
 
 
@@ -104,7 +104,7 @@ def flop_prediction(model: dict, p: int, m: int) -> list:
     ``DRY_EFFICIENCY`` of its peak, each rank at its share of the SMs; the output layer left out), K
     from an assumed host link of ``DRY_HOST_GBPS``. Rows: case, iteration seconds, peak bytes per rank."""
     from megatron_zb.core.build import OffloadRequest, ScheduleRequest, build
-    from megatron_zb.core.model import ModelSpec
+    from megatron_zb.core.costs.model import ModelSpec
     from megatron_zb.core.plan import GPU_PEAK_TFLOPS
     from megatron_zb.verify.green_context import sm_share
     gpu, sms, major = DRY_GPU

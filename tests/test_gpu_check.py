@@ -231,8 +231,8 @@ def test_realpipe_predictions_from_records():
     import gpu_check_realpipe as G
     from megatron_zb.core import io as sched_io
     from megatron_zb.core.build import ScheduleRequest, build
-    from megatron_zb.core.iteration import iteration_times
-    from megatron_zb.core.simulate import simulate
+    from megatron_zb.core.sim.iteration import iteration_times
+    from megatron_zb.core.sim.simulate import simulate
     p, m = 2, 4
     built = build(ScheduleRequest("zb-h1"), p, m)
     profile = {"cost_f": [0.01, 0.012], "cost_b": [0.011, 0.013], "cost_w": [0.006, 0.007], "cost_comm": 0.001,
