@@ -74,7 +74,7 @@ def _timed(sched, st) -> tuple:
 
 def predict_profile(profile: dict, p: int, m: int) -> dict:
     """The schedule that ran (the profile's ``built_schedule``) timed with the profile's per-chunk costs."""
-    from megatron_zb.core import io as sched_io
+    from megatron_zb.core.ir import io as sched_io
     from megatron_zb.core.ir import Setting
     from megatron_zb.runtime.profile_data import profile_to_setting_kwargs
     sched = sched_io.from_json(json.dumps(profile["built_schedule"]))

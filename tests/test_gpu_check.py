@@ -229,7 +229,7 @@ def test_realpipe_predictions_from_records():
     zb-h1's message time), speed-ups over Megatron's, a skipped case kept."""
     _bench_path()
     import gpu_check_realpipe as G
-    from megatron_zb.core import io as sched_io
+    from megatron_zb.core.ir import io as sched_io
     from megatron_zb.core.build import ScheduleRequest, build
     from megatron_zb.core.sim.iteration import iteration_times
     from megatron_zb.core.sim.simulate import simulate
