@@ -16,6 +16,7 @@ from typing import Dict, List, NamedTuple, Optional, Tuple
 
 from ..ir import BW, OFFLOAD_KINDS, VG, VI, VS, VT, VW, Action, B, F, Schedule, Setting, W, deps
 from ..ir.memo import Memo, setting_key
+from .worklist import Vocab, run
 
 __all__ = ["Plain", "Timed"]
 
@@ -214,70 +215,16 @@ class Plain:
         return self._times(release)
 
     def _times(self, release):
-        dep, hop, cost, dep2, hop2 = self.dep, self.hop, self.cost, self.dep2, self.hop2
-        feeds, vocab = self.feeds, self.vocab
-        end: List[Optional[float]] = [None] * self.size
-        start = [0.0] * self.n
-        R = len(self.codes)
-        pos, clock = [0] * R, [0.0] * R
-        waiting: Dict[int, List[int]] = {}
-        # per link: passes each barrier still waits for, the latest of their ends, the next barrier to
-        # complete, when the link is free
-        left = [[R if L < 2 else 1] * count for L, (_, count, _) in enumerate(self.links)]
-        latest = [[0.0] * count for _, count, _ in self.links]
-        nxt, free = [0, 0, 0], [0.0, 0.0, 0.0]
-        rel: List[Optional[Dict[int, float]]] = [None] * R  # per rank: position -> release
+        rel: List[Optional[Dict[int, float]]] = [None] * len(self.codes)  # per rank: position -> release
         for (rr, ii), v in (release or {}).items():
             rel[rr] = rel[rr] or {}
             rel[rr][ii] = v
-        stack = list(range(R - 1, -1, -1))
-        while stack:
-            r = stack.pop()
-            o = self.codes[r]
-            i, t = pos[r], clock[r]
-            n, rl = len(o), rel[r]
-            while i < n:
-                x = o[i]
-                if rl is not None and i in rl:
-                    t = max(t, rl[i])
-                d = dep[x]
-                if d >= 0:
-                    e = end[d]
-                    if e is None:
-                        waiting.setdefault(d, []).append(r)
-                        break
-                    e += hop[x]
-                    if e > t:
-                        t = e
-                if vocab:
-                    d = dep2[x]
-                    if d >= 0:
-                        e = end[d]
-                        if e is None:
-                            waiting.setdefault(d, []).append(r)
-                            break
-                        e += hop2[x]
-                        if e > t:
-                            t = e
-                start[x] = t
-                t += cost[x]
-                end[x] = t
-                if x in waiting:
-                    stack.extend(waiting.pop(x))
-                if vocab and x in feeds:
-                    L, j = feeds[x]
-                    base, count, c = self.links[L]
-                    left[L][j] -= 1
-                    latest[L][j] = max(latest[L][j], t)
-                    while nxt[L] < count and not left[L][nxt[L]]:
-                        free[L] = max(latest[L][nxt[L]], free[L]) + c
-                        end[base + nxt[L]] = free[L]
-                        if base + nxt[L] in waiting:
-                            stack.extend(waiting.pop(base + nxt[L]))
-                        nxt[L] += 1
-                i += 1
-            pos[r], clock[r] = i, t
-        if any(pos[r] < len(self.codes[r]) for r in range(R)):
+        end: List[Optional[float]] = [None] * self.size
+        start = [0.0] * self.n
+        vocab = None
+        if self.vocab:
+            vocab = Vocab(self.dep2, self.hop2, self.feeds, self.links, [len(self.codes)] * 2 + [1])
+        if not run(self.codes, self.dep, self.hop, self.cost, end, start, rel, None, vocab):
             return None
         return start, end
 

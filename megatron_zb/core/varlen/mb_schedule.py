@@ -29,6 +29,7 @@ from collections import deque
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..ir import BW, Action, B, F, Placement, Schedule, ScheduleError, Setting, W
+from ..sim.plain import Plain
 from ..sim.simulate import peak_memory, simulate
 
 __all__ = ["list_schedule", "per_microbatch", "template_caps", "end_time", "within"]
@@ -174,6 +175,8 @@ def cost_table(setting: Setting, placement: Placement, kinds: Sequence[str]) -> 
             elif k == W:
                 c = st._at(st.cost_w, r, s)
                 rows.append([c * fk for fk in fac[W]])
+            elif st.cost_bw is not None:  # a fused backward of its own cost (``ir.Setting.pass_cost``)
+                rows.append([st.pass_cost(BW, r, s, j) for j in range(m)])
             else:
                 cb, cw = st._at(st.cost_b, r, s), st._at(st.cost_w, r, s)
                 rows.append([cb * fb + cw * fw + a2a * tk for fb, fw, tk in zip(fac[B], fac[W], fac["tokens"])])
@@ -183,63 +186,18 @@ def cost_table(setting: Setting, placement: Placement, kinds: Sequence[str]) -> 
 
 def end_time(schedule: Schedule, setting: Setting) -> float:
     """End of the last pass, every rank starting at 0 (the synchronous iteration's compute): the
-    simulator's timing (``core.sim.simulate``) of a plain schedule, without its bookkeeping."""
-    if not plain(schedule):
+    simulator's timing of a plain schedule by the one timing engine (``core.sim.plain``), without
+    the simulator's bookkeeping."""
+    if setting.chunks != schedule.placement.chunks:
+        setting = dataclasses.replace(setting, chunks=schedule.placement.chunks)
+    coded = Plain.of([[a for a in o if a.is_compute] for o in schedule.orders], schedule.placement, setting) \
+        if plain(schedule) else None
+    times = coded.times() if coded is not None and coded.ok else None
+    if times is None:  # not plain, or it deadlocks: the simulator times it (or says where it is stuck)
         res = simulate(schedule, setting)
         return max((tl[-1].end for tl in res.timeline if tl), default=0.0)
-    pl = schedule.placement
-    m, nst, p = schedule.num_microbatches, pl.num_stages, pl.num_ranks
-    cost = cost_table(setting, pl, (F, B, W, BW))
-    comm = setting.cost_comm
-    rank_of = pl.stage_to_rank
-    fend = [[None] * m for _ in range(nst)]
-    bend = [[None] * m for _ in range(nst)]
-    orders = [[(a.kind, a.stage, a.mb) for a in o] for o in schedule.orders]
-    pos, clock = [0] * p, [0.0] * p
-    left = sum(len(o) for o in orders)
-    while left:
-        moved = False
-        for r in range(p):
-            o = orders[r]
-            i = pos[r]
-            t = clock[r]
-            while i < len(o):
-                k, s, mb = o[i]
-                if k == F:
-                    if s > 0:
-                        at = fend[s - 1][mb]
-                        if at is None:
-                            break
-                        if rank_of[s - 1] != r:
-                            at += comm
-                        t = at if at > t else t
-                    t += cost[F][s][mb]
-                    fend[s][mb] = t
-                elif k == W:
-                    at = bend[s][mb]
-                    if at is None:
-                        break
-                    t = (at if at > t else t) + cost[W][s][mb]
-                else:
-                    if s + 1 < nst:
-                        at = bend[s + 1][mb]
-                        if at is not None and rank_of[s + 1] != r:
-                            at += comm
-                    else:
-                        at = fend[s][mb]
-                    if at is None:
-                        break
-                    t = (at if at > t else t) + cost[k][s][mb]
-                    bend[s][mb] = t
-                i += 1
-            if i != pos[r]:
-                left -= i - pos[r]
-                pos[r], clock[r] = i, t
-                moved = True
-        if not moved:
-            simulate(schedule, setting)  # raises the simulator's deadlock message
-            raise ScheduleError(f"{schedule.name}: schedule deadlocks")
-    return max(clock)
+    end = times[1]
+    return max((end[c[-1]] for c in coded.codes if c), default=0.0)
 
 
 def plain(schedule: Schedule) -> bool:

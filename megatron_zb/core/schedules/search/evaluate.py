@@ -1,6 +1,7 @@
-"""A fast timing of a schedule for the searches: the simulator's rules (each rank runs its passes
-in order, each at the earliest moment its input and the rank allow; a hop between ranks costs
-``cost_comm``) on integer-coded passes, with a work list instead of rescanning blocked ranks.
+"""A fast timing of a schedule for the searches: a setting's every (kind, stage, microbatch) coded
+once as an integer, timed by the one timing engine (``core.sim.worklist``: the simulator's rules,
+each rank running its passes in order at the earliest moment its input and the rank allow, a hop
+between ranks costing ``cost_comm``), and re-timed incrementally after a local change (``retime``).
 ``core.sim.simulate`` stays the reference; tests check that both agree.
 """
 from __future__ import annotations
@@ -14,6 +15,7 @@ from ...ir import BW, Action, B, F, Placement, Schedule, Setting, W
 from ...ir.memo import Memo, setting_key
 from ...sim.iteration import AVERAGE_OVER, ITERATIONS, validation_times
 from ...sim.simulate import simulate
+from ...sim.worklist import run
 
 KIND = {F: 0, B: 1, W: 2, BW: 3}
 #: the coders made in this process (``Coder.of``)
@@ -80,6 +82,9 @@ class Coder:
                     if d >= 0 and placement.rank_of(src) != r:
                         hop[x] = comm
         self.rank, self.cost, self.dmem, self.dep, self.hop = rank, cost, dmem, dep, hop
+        # a fused backward also ends the B its consumers wait for (they are coded through the B)
+        bw0, two = 3 * S * m, 2 * S * m
+        self.alias = [x - two if x >= bw0 else -1 for x in range(n)]
 
     @classmethod
     def of(cls, setting: Setting, placement: Placement, m: int) -> "Coder":
@@ -126,8 +131,12 @@ class Coder:
         before which the pass at that position may not start (``simulate``'s ``release``)."""
         if not self.forwards_in_order(orders):
             return None
-        R = len(orders)
-        return self._run(orders, [None] * self.n, [0.0] * self.n, [0] * R, [0.0] * R, release)
+        end: List[Optional[float]] = [None] * self.n
+        start = [0.0] * self.n
+        if not run(orders, self.dep, self.hop, self.cost, end, start, release, self.alias):
+            return None
+        spans = [end[o[-1]] - start[o[0]] if o else 0.0 for o in orders]
+        return Timing(start, end, spans, max(spans) if spans else 0.0)
 
     def retime(self, orders: Sequence[Sequence[int]], base: Timing, rank: int, first: int,
                above: Optional[float] = None, last: Optional[int] = None,
@@ -183,7 +192,7 @@ class Coder:
                   fe: Dict[int, float],
                   pos: List[int], clock: List[float], rank: int, left: Optional[List[float]],
                   above: Optional[float]) -> bool:
-        """``_run`` from a base timing: a pass whose base end is before ``cut`` keeps it, the others
+        """The work list from a base timing: a pass whose base end is before ``cut`` keeps it, the others
         are timed again into ``fs`` / ``fe`` (start / end). False on a deadlock or, with ``left``
         (each rank's work still to do), once a rank's span is sure to exceed ``above``. The
         changed ``rank`` goes first: where it was on the longest span, a delay shows there at once."""
@@ -247,55 +256,6 @@ class Coder:
         for x, v in fe.items():
             end[x] = v
         return Timing(start, end, t.spans, t.makespan)
-
-    def _run(self, orders, end: List[Optional[float]], start: List[float], pos: List[int], clock: List[float],
-             release) -> Optional[Timing]:
-        """The work-list simulation from a state: each rank r at position ``pos[r]`` at time
-        ``clock[r]``, ``end`` holding the ends of the passes done (None for the others)."""
-        S, m = self.S, self.m
-        dep, hop, cost = self.dep, self.hop, self.cost
-        R = len(orders)
-        waiting = {}
-        bw0 = 3 * S * m
-        stack = list(range(R - 1, -1, -1))
-        while stack:
-            r = stack.pop()
-            o = orders[r]
-            i, t = pos[r], clock[r]
-            ln = len(o)
-            rel = release[r] if release is not None else None
-            while i < ln:
-                x = o[i]
-                if rel and i in rel and rel[i] > t:
-                    t = rel[i]
-                d = dep[x]
-                if d >= 0:
-                    e = end[d]
-                    if e is None:
-                        if d in waiting:  # a B feeds the next B down and its own W
-                            waiting[d].append(r)
-                        else:
-                            waiting[d] = [r]
-                        break
-                    e += hop[x]
-                    if e > t:
-                        t = e
-                start[x] = t
-                t += cost[x]
-                end[x] = t
-                if x >= bw0:  # a fused backward also counts as the B its consumers wait for
-                    y = x - 2 * S * m
-                    end[y] = t
-                    if y in waiting:
-                        stack.extend(waiting.pop(y))
-                if x in waiting:
-                    stack.extend(waiting.pop(x))
-                i += 1
-            pos[r], clock[r] = i, t
-        if any(pos[r] < len(orders[r]) for r in range(R)):
-            return None
-        spans = [end[o[-1]] - start[o[0]] if o else 0.0 for o in orders]
-        return Timing(start, end, spans, max(spans) if spans else 0.0)
 
     def post_validated(self, orders: Sequence[Sequence[int]], comm: float) -> Optional[float]:
         """``iteration.iteration_times``' post-validated time (optimizer cost 0) of coded orders:
