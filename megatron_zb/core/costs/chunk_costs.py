@@ -50,10 +50,11 @@ class ChunkCosts:
         return out
 
 
-def _flops(spec: ModelSpec, stage: str, layers: range, mtp_total: int, vocab: bool = False):
+def _flops(spec: ModelSpec, stage: str, layers: range, mtp_total: int, vocab: bool = False, recomputed: int = 0):
     """(F, B, W) FLOPs, (M_B, M_W) bytes and all-to-all bytes of one chunk's content. ``vocab``:
     vocabulary parallelism takes the output layer and loss off the loss's chunk (``vocab_setting``);
-    it keeps the final norm's input and output."""
+    it keeps the final norm's input and output. ``recomputed``: the chunk's first that many layers
+    recompute their forward in B (the block method: ``ModelSpec.recomputed_layers``)."""
     f = [0.0, 0.0, 0.0]
     m = [0.0, 0.0]
     a2a = 0.0
@@ -67,8 +68,10 @@ def _flops(spec: ModelSpec, stage: str, layers: range, mtp_total: int, vocab: bo
 
     if "E" in stage:
         add(spec.embedding_flops(), (spec.embedding_activation_bytes(), 0.0))
-    for i in layers:
-        add(spec.layer_flops(i), spec.layer_activation_bytes(i))
+    again = spec.recomputing() if recomputed else None
+    for k, i in enumerate(layers):
+        one = again if k < recomputed else spec
+        add(one.layer_flops(i), one.layer_activation_bytes(i))
         a2a += spec.layer_a2a_bytes(i)
     n_mtp = stage.count("m")
     for _ in range(n_mtp):
@@ -113,8 +116,9 @@ def chunk_costs(spec: ModelSpec, layout: Layout, placement: Placement, flops_per
                             f"{spec.mtp_num_layers} (--mtp-num-layers)")
     over = spec.split_overhead_s if split_overhead is None else split_overhead
     cf, cb, cw, cbw, ca, mf, mw, par = [], [], [], [], [], [], [], []
-    for stage, layers in zip(layout.stages, layout.layer_ranges()):
-        f, m, a2a = _flops(spec, stage, layers, layout.num_mtp_layers, vocab)
+    for lg, (stage, layers) in enumerate(zip(layout.stages, layout.layer_ranges())):
+        f, m, a2a = _flops(spec, stage, layers, layout.num_mtp_layers, vocab,
+                           spec.recomputed_layers(placement.rank_of(_physical(placement, lg)), len(layers)))
         split = over * (len(layers) + stage.count("m") + (0.25 if "L" in stage and not vocab else 0.0)) / 2
         cf.append(f[0] / flops_per_s)
         cb.append(f[1] / flops_per_s + split)
@@ -143,6 +147,13 @@ def chunk_costs(spec: ModelSpec, layout: Layout, placement: Placement, flops_per
         for r in range(placement.num_ranks):
             params[r] += shards * spec.embedding_params() / placement.num_ranks
     return ChunkCosts(layout, cf, cb, cw, ca, mf, mw, params, cbw)
+
+
+def _physical(placement: Placement, logical: int) -> int:
+    """A physical stage of ``placement`` that runs logical stage ``logical`` (itself without replicas)."""
+    if placement.paths is None:
+        return logical
+    return next(s for s in range(placement.num_stages) if placement.logical(s) == logical)
 
 
 def vocab_setting(spec: ModelSpec, p: int, flops_per_s: float, bytes_per_s: float, barriers: int = 1,

@@ -5,8 +5,9 @@ experts, multi-latent attention; with or without activation recompute, per pipel
 Python; formulas in ``ModelSpec``'s methods, the layer's shapes in ``core.costs.model_shapes``."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import List, Optional, Union
+from typing import List, Optional, Tuple, Union
 
 from ..ir import ScheduleError
 from .model_shapes import attention, ffn_size, mlp, moe_ffn_size, moe_pattern, validate_shapes
@@ -45,6 +46,13 @@ class ModelSpec:
     # 'selective' (the attention core is recomputed: no scores kept); blocks of recompute_num_layers
     recompute: Optional[str] = None
     recompute_num_layers: int = 1
+    # full recompute's method (Megatron's --recompute-method): 'uniform' (every layer, in blocks of
+    # recompute_num_layers; None means it) or 'block' (the first recompute_num_layers layers of each
+    # model chunk, each on its own; the rest keep their activations); with 'block', per pipeline rank
+    # its own count (megatron-zb's --zero-bubble-recompute-num-layers: the ranks that hold more
+    # microbatches recompute more), else recompute_num_layers on every rank
+    recompute_method: Optional[str] = None
+    recompute_per_rank: Optional[Tuple[int, ...]] = None
     # shapes beyond a plain GPT (Megatron's flags)
     num_query_groups: Optional[int] = None  # --num-query-groups (GQA); None: one per head
     kv_channels: Optional[int] = None  # --kv-channels: each head's width; None: hidden / heads
@@ -87,6 +95,16 @@ class ModelSpec:
             raise ScheduleError(f"--recompute-granularity must be full or selective, got {self.recompute!r}")
         if not isinstance(self.recompute_num_layers, int) or self.recompute_num_layers < 1:
             raise ScheduleError(f"--recompute-num-layers must be an integer >= 1, got {self.recompute_num_layers!r}")
+        if self.recompute_method not in (None, "uniform", "block"):
+            raise ScheduleError(f"--recompute-method must be uniform or block, got {self.recompute_method!r}")
+        if self.recompute_method is not None and self.recompute != "full":
+            raise ScheduleError("--recompute-method applies to --recompute-granularity full")
+        if self.recompute_per_rank is not None:
+            if self.recompute_method != "block":
+                raise ScheduleError("recompute per rank (--zero-bubble-recompute-num-layers) takes "
+                                    "--recompute-granularity full --recompute-method block")
+            if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in self.recompute_per_rank):
+                raise ScheduleError(f"recompute per rank takes layer counts >= 0, got {list(self.recompute_per_rank)}")
         if not (isinstance(self.split_overhead_s, (int, float)) and 0 <= self.split_overhead_s < 1):
             raise ScheduleError(f"the split backward's overhead must be 0 or more seconds per layer (below 1 s), got "
                                 f"{self.split_overhead_s!r}")
@@ -106,6 +124,27 @@ class ModelSpec:
             raise ScheduleError(f"--seq-length {self.seq_length} is not divisible by --tensor-parallel-size {t} "
                                 "(sequence parallelism splits the sequence over the tensor-parallel ranks)")
         validate_shapes(self)
+
+    # -- recompute by chunk (the block method) ---------------------------------------------------
+    def recomputed_layers(self, rank: int, layers: int) -> int:
+        """How many of a model chunk's ``layers`` transformer layers on pipeline ``rank`` recompute
+        their forward in B, each on its own (the block method: the first N of the chunk; 0 for the
+        other methods, which ``layer_flops`` and ``layer_activation_bytes`` count for every layer)."""
+        if self.recompute != "full" or self.recompute_method != "block":
+            return 0
+        if self.recompute_per_rank is not None:
+            if not 0 <= rank < len(self.recompute_per_rank):
+                raise ScheduleError(f"recompute per rank has {len(self.recompute_per_rank)} values; pipeline rank "
+                                    f"{rank} has none (give one per pipeline rank)")
+            n = self.recompute_per_rank[rank]
+        else:
+            n = self.recompute_num_layers
+        return min(n, layers)
+
+    def recomputing(self) -> "ModelSpec":
+        """This model with every layer recomputed on its own (a block-method chunk's first layers)."""
+        return dataclasses.replace(self, recompute="full", recompute_method=None, recompute_num_layers=1,
+                                   recompute_per_rank=None)
 
     # -- per layer, per microbatch ------------------------------------------------------------
     # i: the global 0-based decoder layer; None: the generic layer of today's callers (every layer
@@ -149,7 +188,7 @@ class ModelSpec:
         core = 2 * b * s * s * att.core
         f = (gemm + core) / t
         bb = (gemm + 2 * core) / t
-        if self.recompute == "full":
+        if self.recompute == "full" and self.recompute_method != "block":
             bb += f
         elif self.recompute == "selective":
             bb += core / t
@@ -195,7 +234,7 @@ class ModelSpec:
         split = e * (att.kept + mlp_.kept) + scores
         m_b = s * b * ((rep + split) / t if self.sequence_parallel else rep + split / t)
         m_w = e * s * b * (att.w_elems + mlp_.w_elems) / t
-        if self.recompute == "full":
+        if self.recompute == "full" and self.recompute_method != "block":
             m_b = e * s * b * h / (t if self.sequence_parallel else 1) / self.recompute_num_layers
         return m_b, m_w
 
