@@ -22,7 +22,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from megatron_zb.core.ir import Setting  # noqa: E402
-from megatron_zb.core.plan import GPU_PEAK_TFLOPS, ModelSpec, plan  # noqa: E402
+from megatron_zb.core.plan import GPU_PEAK_TFLOPS, ModelSpec, PlanRequest, plan  # noqa: E402
 from megatron_zb.core.schedules import generate, get  # noqa: E402
 from megatron_zb.core.sim.simulate import simulate  # noqa: E402
 
@@ -155,7 +155,7 @@ def main():
     md += grid_md
     gib = 1024 ** 3
     for title, spec, p, m in PAPER:
-        rows = plan(spec, p, m, 80.0, tflops=GPU_PEAK_TFLOPS["a100"], efficiency=0.5, schedules=NAMES)
+        rows = plan(PlanRequest(spec, p, m, 80.0, tflops=GPU_PEAK_TFLOPS["a100"], efficiency=0.5, schedules=NAMES))
         rows = [r for r in rows if "error" not in r]
         out["paper"].append({"setting": title, "rows": [{k: v for k, v in r.items() if k != "flags"} for r in rows]})
         md += [f"### {title} (A100 80 GB at 50% of peak, FLOPs model)", "",

@@ -22,7 +22,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_zb.core.costs.models import spec_kwargs  # noqa: E402
-from megatron_zb.core.plan import ModelSpec, plan  # noqa: E402
+from megatron_zb.core.plan import ModelSpec, OptimizerOffload, PlanRequest, plan  # noqa: E402
 
 GIB = 2.0 ** 30
 
@@ -46,10 +46,10 @@ def main(argv=None):
                                                   "optimizer_offload.json"))
     a = ap.parse_args(argv)
     spec = _spec(a)
-    kw = dict(jobs=a.jobs, vocab_parallel="off")
     p, m, gb = a.pipeline_parallel_size, a.num_microbatches, a.gpu_memory_gb
-    modes = {mode: {r["schedule"]: r for r in plan(spec, p, m, gb, optimizer_offload=mode, **kw) if "error" not in r}
-             for mode in ("static", "auto", "trough")}
+    req = PlanRequest(spec, p, m, gb)
+    modes = {mode: {r["schedule"]: r for r in plan(req.replace(optimizer_offload=OptimizerOffload(mode)), jobs=a.jobs)
+                    if "error" not in r} for mode in ("static", "auto", "trough")}
     rows = []
     for name, t in modes["trough"].items():
         o = t.get("optimizer_offload")

@@ -52,16 +52,16 @@ def _one_mode(args) -> dict:
     built = []
     orig = plan_row._one
 
-    def timed(sp, spec, p_, m_, v, pl, lay, *a, **k):
+    def timed(ctx, lay, padded):
         t = time.process_time()
-        r = orig(sp, spec, p_, m_, v, pl, lay, *a, **k)
-        built.append({"schedule": sp.name, "vocab": a[9][0], "layout": str(lay),
+        r = orig(ctx, lay, padded)
+        built.append({"schedule": ctx.sp.name, "vocab": ctx.vocab, "layout": str(lay),
                       "cpu_s": round(time.process_time() - t, 3)})
         return r
 
     plan_row._one = timed
     t = time.process_time()
-    rows = P.plan(ModelSpec(**SPEC), p, m, 80, vocab_parallel=mode, search=search)
+    rows = P.plan(P.PlanRequest(ModelSpec(**SPEC), p, m, 80, vocab=P.VocabLever(mode), search=search))
     total = time.process_time() - t
     per_row: dict = {}
     for b in built:
@@ -144,8 +144,8 @@ def gaps(a) -> int:
         res = {}
         for search in ("quick", "full"):
             t = time.process_time()
-            rows = P.plan(spec, int(p), int(m), 80, vocab_parallel="both", vocab_embedding=True, search=search,
-                          refine=False)
+            rows = P.plan(P.PlanRequest(spec, int(p), int(m), 80, vocab=P.VocabLever("both", embedding=True),
+                                        search=search, refine=False))
             res[search] = ({f"{r['schedule']}{' +vocab' if r.get('vocab_parallel') else ''}":
                             (r["iteration_time_s"], max(r["peak_bytes"])) for r in rows if "error" not in r},
                            time.process_time() - t)

@@ -35,7 +35,7 @@ sys.path.insert(0, ROOT)
 from megatron_zb.core.ir import io as sched_io  # noqa: E402
 from megatron_zb.core.ir import Setting  # noqa: E402
 from megatron_zb.core.sim.iteration import iteration_times  # noqa: E402
-from megatron_zb.core.plan import ModelSpec, plan  # noqa: E402
+from megatron_zb.core.plan import ModelSpec, PlanRequest, VocabLever, plan  # noqa: E402
 from megatron_zb.core.ir.vocab import VocabSetting  # noqa: E402
 
 MODEL = dict(num_layers=4, hidden_size=256, num_attention_heads=4, seq_length=256, ffn_hidden_size=1024,
@@ -49,7 +49,7 @@ SCHEDULES = ["1f1b", "zb-h1", "zb-v", "v-half"]
 
 def pick(spec):
     """(Megatron 1F1B's layout, the best +vocab row) from plan."""
-    rows = plan(spec, 2, 8, 80.0, schedules=SCHEDULES, vocab_parallel="both")
+    rows = plan(PlanRequest(spec, 2, 8, 80.0, schedules=SCHEDULES, vocab=VocabLever("both")))
     ok = [r for r in rows if "error" not in r and r["fits"]]
     base = next(r for r in ok if r["schedule"] == "1f1b" and not r.get("vocab_parallel"))
     best = next(r for r in ok if r.get("vocab_parallel"))

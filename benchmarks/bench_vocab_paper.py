@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from megatron_zb.core.costs.layout import from_counts  # noqa: E402
 from megatron_zb.core.costs.model import ModelSpec  # noqa: E402
-from megatron_zb.core.plan import plan  # noqa: E402
+from megatron_zb.core.plan import PlanRequest, VocabLever, plan  # noqa: E402
 
 P, M, LAYERS = 8, 128, 32
 VOCABS = (32000, 64000, 128000, 256000)
@@ -90,12 +90,10 @@ def redis_counts(last: int):
 
 def one(spec, schedule, layout, vocab, args):
     """plan's row for ``schedule`` (with ``layout`` where given; vocab: None or the barriers)."""
-    kw = dict(tflops=312.0, efficiency=args.efficiency, schedules=[schedule],
-              vocab_parallel="off" if vocab is None else "on", vocab_barriers=vocab or 1, vocab_gbps=args.vocab_gbps,
-              vocab_embedding=vocab is not None and args.split_vocab_embedding)
-    if layout is not None:
-        kw["layout"] = str(layout)
-    rows = plan(spec, P, M, args.gpu_memory_gb, **kw)
+    lever = VocabLever("off" if vocab is None else "on", barriers=vocab or 1, gbps=args.vocab_gbps,
+                       embedding=vocab is not None and args.split_vocab_embedding)
+    rows = plan(PlanRequest(spec, P, M, args.gpu_memory_gb, tflops=312.0, efficiency=args.efficiency,
+                            schedules=[schedule], vocab=lever, layout=None if layout is None else str(layout)))
     r = rows[0]
     if "error" in r:
         raise SystemExit(f"bench_vocab_paper: {schedule} {layout}: {r['error']}")
@@ -113,10 +111,10 @@ def methods(spec, vocab, quick):
 
 
 def best_vocab(spec, args):
-    rows = plan(spec, P, M, args.gpu_memory_gb, tflops=312.0, efficiency=args.efficiency, vocab_parallel="on",
-                vocab_barriers=1, vocab_gbps=args.vocab_gbps, jobs=args.jobs,
-                vocab_embedding=args.split_vocab_embedding,
-                schedules=["1f1b", "zb-h1", "zb-h2", "zb-v", "v-half", "v-min", "interleaved-1f1b"])
+    lever = VocabLever("on", barriers=1, gbps=args.vocab_gbps, embedding=args.split_vocab_embedding)
+    rows = plan(PlanRequest(spec, P, M, args.gpu_memory_gb, tflops=312.0, efficiency=args.efficiency, vocab=lever,
+                            schedules=["1f1b", "zb-h1", "zb-h2", "zb-v", "v-half", "v-min", "interleaved-1f1b"]),
+                jobs=args.jobs)
     return next(r for r in rows if "error" not in r and r["fits"])
 
 

@@ -276,8 +276,8 @@ REAL_MODEL = dict(num_layers=8, hidden_size=256, num_attention_heads=4, seq_leng
 def real_layouts():
     """Shell assignments LAYOUT_<schedule>='...' of the layout plan picks for each real-compute run
     (Megatron's own 1F1B takes 1f1b's: one chunk per rank, as Megatron lays it out)."""
-    from megatron_zb.core.plan import ModelSpec, plan
-    rows = plan(ModelSpec(**REAL_MODEL), 2, 8, 80.0, schedules=["1f1b", "zb-h1", "zb-v"], jobs=1)
+    from megatron_zb.core.plan import ModelSpec, PlanRequest, plan
+    rows = plan(PlanRequest(ModelSpec(**REAL_MODEL), 2, 8, 80.0, schedules=["1f1b", "zb-h1", "zb-v"]), jobs=1)
     got = {r["schedule"]: r["layout"] for r in rows if "layout" in r}
     got["megatron"] = got["1f1b"]
     for s in REAL:

@@ -114,7 +114,7 @@ def test_cli_compare_ranks_by_what_the_user_gets(capsys):
 
 def test_plan_both_times_and_advice(capsys):
     spec = P.ModelSpec(num_layers=16, hidden_size=2048, num_attention_heads=16, seq_length=2048)
-    rows = P.plan(spec, 4, 8, 80, schedules=["1f1b", "zb-h1", "zb-h2"])
+    rows = P.plan(P.PlanRequest(spec, 4, 8, 80, schedules=["1f1b", "zb-h1", "zb-h2"]))
     by = {r["schedule"]: r for r in rows}
     assert by["zb-h2"]["iteration_time_post_validated_s"] < by["zb-h2"]["iteration_time_s"]
     assert by["zb-h1"]["iteration_time_post_validated_s"] <= by["zb-h1"]["iteration_time_s"]
@@ -122,7 +122,7 @@ def test_plan_both_times_and_advice(capsys):
             > by["zb-h1"]["iteration_time_s"] - by["zb-h1"]["iteration_time_post_validated_s"])
     advice = post_validation_advice(rows, False)
     assert advice and "--enable-optimizer-post-validation with zb-h2" in advice
-    rows = P.plan(spec, 4, 8, 80, schedules=["1f1b", "zb-h1", "zb-h2"], post_validation=True)
+    rows = P.plan(P.PlanRequest(spec, 4, 8, 80, schedules=["1f1b", "zb-h1", "zb-h2"], post_validation=True))
     assert rows[0]["schedule"] == "zb-h2" and rows[0]["flags"].endswith("--enable-optimizer-post-validation")
     assert main(["plan", "--num-layers", "16", "--hidden-size", "2048", "--num-attention-heads", "16",
                  "--seq-length", "2048", "--pipeline-parallel-size", "4", "--num-microbatches", "8", "--json"]) == 0

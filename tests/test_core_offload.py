@@ -219,9 +219,10 @@ def test_plan_offloads_what_does_not_fit(capsys):
     from megatron_zb.core import plan as P
     spec = P.ModelSpec(num_layers=16, hidden_size=2048, num_attention_heads=16, seq_length=2048)
     # a 400 GB/s host link (NVLink-C2C class): K ~ 0.35 here; over PCIe (K ~ 3) nothing has time
-    plain = {r["schedule"]: r for r in P.plan(spec, 4, 8, 7.0, schedules=["zb-h2", "1f1b"]) if "error" not in r}
-    off = {r["schedule"]: r for r in P.plan(spec, 4, 8, 7.0, schedules=["zb-h2", "1f1b"], offload_ratio="auto",
-                                            host_link_gbps=400.0) if "error" not in r}
+    req = P.PlanRequest(spec, 4, 8, 7.0, schedules=["zb-h2", "1f1b"])
+    plain = {r["schedule"]: r for r in P.plan(req) if "error" not in r}
+    off = {r["schedule"]: r for r in P.plan(req.replace(offload=P.OffloadLever("auto", host_link_gbps=400.0)))
+           if "error" not in r}
     assert not plain["zb-h2"]["fits"] and off["zb-h2"]["fits"] and plain["1f1b"]["fits"]
     assert off["zb-h2"]["makespan_s"] < off["1f1b"]["makespan_s"]  # the faster schedule now fits
     assert sum(off["1f1b"]["offload"]["offloaded"]) == 0  # it fitted already: nothing moves

@@ -11,7 +11,8 @@ import pytest
 from megatron_zb.core.build import ScheduleRequest, build
 from megatron_zb.core.ir import ScheduleError
 from megatron_zb.core.sim.iteration import iteration_times
-from megatron_zb.core.optimizer.offload import HostCosts, auto_fractions, memory_curve, static_step, trough_step
+from megatron_zb.core.optimizer.offload import (HostCosts, RankShare, auto_fractions, memory_curve, static_step,
+                                               trough_step)
 
 GB = 1e9
 COSTS = HostCosts(link_gbps=10.0, gpu_update_gbps=1000.0, cpu_update_gbps=10.0, subgroups=4)
@@ -34,8 +35,8 @@ def _flat(end):
 
 def test_trough_takes_everything_when_there_is_room_and_time():
     params = 1e9  # 12 GB of state, 4 subgroups of 3 GB, 0.3 s each way at 10 GB/s
-    rs = trough_step(0, params, 0.0, [(0.0, 10 * GB), (5.0, 0.0)], 10.0, resident_bytes=10 * GB,
-                     budget=40 * GB, costs=COSTS)
+    rs = trough_step(RankShare(0, params, 0.0, resident_bytes=10 * GB, budget=40 * GB), [(0.0, 10 * GB), (5.0, 0.0)],
+                     10.0, costs=COSTS)
     assert rs.on_gpu == 4 and rs.on_cpu == 0
     # prefetched before the last pass ended: the step is the GPU update alone
     assert rs.step_time == pytest.approx(COSTS.gpu(params))
@@ -45,7 +46,7 @@ def test_trough_takes_everything_when_there_is_room_and_time():
 
 def test_no_room_in_the_trough_means_cpu_updates_as_megatron_does():
     params = 1e9
-    rs = trough_step(0, params, 0.0, _flat(10.0), 10.0, resident_bytes=10 * GB, budget=12 * GB, costs=COSTS)
+    rs = trough_step(RankShare(0, params, 0.0, resident_bytes=10 * GB, budget=12 * GB), _flat(10.0), 10.0, costs=COSTS)
     assert rs.on_gpu == 0 and rs.on_cpu == 4
     assert rs.step_time == pytest.approx(static_step(params, 0.0, COSTS, end=10.0))
 
@@ -53,9 +54,9 @@ def test_no_room_in_the_trough_means_cpu_updates_as_megatron_does():
 def test_a_busy_link_delays_the_prefetch():
     params = 1e9
     curve = [(0.0, 28 * GB), (9.0, 0.0)]  # room for a subgroup only from 9.0
-    free = trough_step(0, params, 0.0, curve, 10.0, 10 * GB, 40 * GB, COSTS)
-    busy = trough_step(0, params, 0.0, curve, 10.0, 10 * GB, 40 * GB, COSTS,
-                       busy_up=[(8.9, 10.5)])  # activation reloads hold the H2D lane
+    share = RankShare(0, params, 0.0, 10 * GB, 40 * GB)
+    free = trough_step(share, curve, 10.0, COSTS)
+    busy = trough_step(share, curve, 10.0, COSTS, busy=([], [(8.9, 10.5)]))  # activation reloads hold the H2D lane
     assert busy.step_time > free.step_time
     for p in busy.subgroups:
         if p.where == "gpu":
@@ -66,7 +67,7 @@ def test_write_back_waits_for_the_next_iterations_room():
     # the next iteration fills the GPU at once: states still on the GPU hold its start back
     params = 1e9
     curve = [(0.0, 27 * GB), (9.0, 0.0)]
-    rs = trough_step(0, params, 0.0, curve, 10.0, resident_bytes=10 * GB, budget=40 * GB, costs=COSTS)
+    rs = trough_step(RankShare(0, params, 0.0, resident_bytes=10 * GB, budget=40 * GB), curve, 10.0, costs=COSTS)
     last_down = max(p.down[1] for p in rs.subgroups if p.where == "gpu")
     assert rs.on_gpu >= 1
     assert rs.end + rs.step_time >= last_down - 1e-9
@@ -103,11 +104,11 @@ def test_memory_curve_follows_the_passes():
 
 
 def test_plan_rows_fit_with_the_offloaded_states():
-    from megatron_zb.core.plan import ModelSpec, plan
+    from megatron_zb.core.plan import ModelSpec, OptimizerOffload, PlanRequest, plan
     spec = ModelSpec(num_layers=16, hidden_size=4096, num_attention_heads=32, seq_length=8192, vocab_size=32000)
-    kw = dict(schedules=["1f1b", "zb-h1", "zb-h2"], jobs=1, layout_search=False)
-    plain = {r["schedule"]: r for r in plan(spec, 4, 16, 40.0, **kw)}
-    rows = {r["schedule"]: r for r in plan(spec, 4, 16, 40.0, optimizer_offload="trough", **kw)}
+    req = PlanRequest(spec, 4, 16, 40.0, schedules=["1f1b", "zb-h1", "zb-h2"], layout_search=False)
+    plain = {r["schedule"]: r for r in plan(req, jobs=1)}
+    rows = {r["schedule"]: r for r in plan(req.replace(optimizer_offload=OptimizerOffload("trough")), jobs=1)}
     assert not plain["zb-h2"]["fits"]
     o = rows["zb-h2"]["optimizer_offload"]
     assert rows["zb-h2"]["fits"] and max(o["peak_bytes_with"]) <= 40.0 * 2 ** 30
@@ -115,7 +116,7 @@ def test_plan_rows_fit_with_the_offloaded_states():
     assert any(f > 0 for f in o["fractions"]) and "--zero-bubble-optimizer-offload" in rows["zb-h2"]["flags"]
     # a row that fits keeps its states, but its optimizer step is counted as well
     assert "optimizer_offload" not in rows["1f1b"] and rows["1f1b"]["iteration_time_s"] > plain["1f1b"]["iteration_time_s"]
-    static = {r["schedule"]: r for r in plan(spec, 4, 16, 40.0, optimizer_offload="auto", **kw)}
+    static = {r["schedule"]: r for r in plan(req.replace(optimizer_offload=OptimizerOffload("auto")), jobs=1)}
     assert static["zb-h2"]["iteration_time_s"] >= rows["zb-h2"]["iteration_time_s"] - 1e-12
     assert math.isclose(max(static["zb-h2"]["peak_bytes"]), max(rows["zb-h2"]["peak_bytes"]))
 

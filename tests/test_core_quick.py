@@ -95,11 +95,11 @@ def test_margins_and_quick_rows_left_as_they_are():
     assert P.margin({"schedule": "zb-auto"}, 4, 8) is None
     assert P.margin({"schedule": "zb-v"}, 4, 8) == P.FULL_MARGIN  # small: the full search adds blocks
     spec = P.ModelSpec(num_layers=8, hidden_size=1024, num_attention_heads=8, seq_length=1024, vocab_size=32000)
-    kw = dict(schedules=["zb-h1", "zb-v", "zb-auto"], vocab_parallel="both")
-    rows = [r for r in P.plan(spec, 4, 8, 80, refine=False, **kw) if "error" not in r]
+    req = P.PlanRequest(spec, 4, 8, 80, schedules=["zb-h1", "zb-v", "zb-auto"], vocab=P.VocabLever("both"))
+    rows = [r for r in P.plan(req.replace(refine=False)) if "error" not in r]
     assert [r.get("search_effort") for r in rows if r["schedule"] != "zb-h1" or r.get("vocab_parallel")] \
         == ["quick"] * 5
-    refined = [r for r in P.plan(spec, 4, 8, 80, **kw) if "error" not in r]
+    refined = [r for r in P.plan(req) if "error" not in r]
     top = refined[0]["iteration_time_s"]
     for r in refined:
         full = P.margin(r, 4, 8) is not None and r["iteration_time_s"] <= top * (1 + P.FULL_MARGIN)
@@ -112,11 +112,11 @@ def test_quick_placement_rows_stay_quick_and_say_so():
     """A row whose schedule is not searched but whose vocabulary passes were placed the quick ways
     keeps them (the full placement was at most 0.6% faster on seven plans): its flags build it."""
     spec = P.ModelSpec(num_layers=8, hidden_size=1024, num_attention_heads=8, seq_length=1024, vocab_size=128000)
-    rows = [r for r in P.plan(spec, 4, 8, 80, schedules=["zb-h1", "1f1b"], vocab_parallel="on") if "error" not in r]
+    req = P.PlanRequest(spec, 4, 8, 80, schedules=["zb-h1", "1f1b"], vocab=P.VocabLever("on"))
+    rows = [r for r in P.plan(req) if "error" not in r]
     assert rows and all(r["search_effort"] == "quick" and "--zero-bubble-search-effort quick" in r["flags"]
                         for r in rows)
-    full = [r for r in P.plan(spec, 4, 8, 80, schedules=["zb-h1", "1f1b"], vocab_parallel="on", search="full")
-            if "error" not in r]
+    full = [r for r in P.plan(req.replace(search="full")) if "error" not in r]
     assert all(r["search_effort"] == "full" and "--zero-bubble-search-effort" not in r["flags"] for r in full)
 
 
@@ -128,8 +128,9 @@ def test_searched_schedules_compare_their_candidates_with_the_vocabulary_passes_
     from megatron_zb.core.costs.models import spec_kwargs
     from megatron_zb.core.schedules.search.auto import TIE
     spec = P.ModelSpec(**spec_kwargs("qwen2.5-7b", 4096))
-    rows = {r["schedule"]: r for r in P.plan(spec, 4, 8, 80, schedules=["zb-v", "v-auto", "zb-h1", "zb-h2", "zb-auto"],
-                                             vocab_parallel="on", search="full") if "error" not in r}
+    req = P.PlanRequest(spec, 4, 8, 80, schedules=["zb-v", "v-auto", "zb-h1", "zb-h2", "zb-auto"],
+                        vocab=P.VocabLever("on"), search="full")
+    rows = {r["schedule"]: r for r in P.plan(req) if "error" not in r}
     t = {k: r["iteration_time_s"] for k, r in rows.items()}
     assert all(r["fits"] for r in rows.values())
     assert t["v-auto"] <= t["zb-v"] * (1 + TIE)
@@ -142,10 +143,10 @@ def test_the_suggested_rows_memory_limit_is_its_peak_the_others_may_keep_the_roo
     keeps the room builds the same schedule from its flags (``test_plan_flags``)."""
     from megatron_zb.core.costs.models import spec_kwargs
     spec = P.ModelSpec(**spec_kwargs("llama-3.2-1b", 2048))
-    kw = dict(schedules=["v-auto", "zb-auto", "1f1b"], vocab_parallel="on")
-    planned = P.plan(spec, 4, 24, 80, **kw)
+    req = P.PlanRequest(spec, 4, 24, 80, schedules=["v-auto", "zb-auto", "1f1b"], vocab=P.VocabLever("on"))
+    planned = P.plan(req)
     rows, lead = {r["schedule"]: r for r in planned}, planned[0]
-    tight = {r["schedule"]: r for r in P.plan(spec, 4, 24, 80, tighten=True, **kw)}
+    tight = {r["schedule"]: r for r in P.plan(req.replace(tighten=True))}
     assert lead["schedule"] == "v-auto" and not P.room_limit(lead) and lead["memory_limit_microbatches"] < 8
     assert P.room_limit(rows["zb-auto"]) and rows["zb-auto"]["memory_limit_microbatches"] > 100
     assert not P.room_limit(tight["zb-auto"])

@@ -9,6 +9,7 @@ import random
 import pytest
 
 from megatron_zb.core.sim import iteration, simulate as sim
+from megatron_zb.core.plan import PlanRequest
 from megatron_zb.core.plan import row as plan_row
 from megatron_zb.core.build import ScheduleRequest, build
 from megatron_zb.core.ir import Placement, Setting
@@ -113,13 +114,11 @@ def test_remembered_searches_are_the_searches_and_copies():
 def test_plan_builds_only_the_layouts_that_can_win(name, vocab, monkeypatch):
     spec = ModelSpec(num_layers=16, hidden_size=1024, num_attention_heads=16, seq_length=2048, vocab_size=128256,
                      ffn_hidden_size=4096)
-    kw = dict(spec=spec, p=4, m=8, budget=80 * 1024 ** 3, flops_per_s=989e12 * 0.5, profile=None, pad_ends=False,
-              interleave_chunks=2, cost_optimizer=0.0, ranked_by="iteration_time_s", offload=(None, None, None, True),
-              exact=None, a2a=(50.0, True), vocab=vocab)
-    pruned = plan_row.row(name, **kw)
+    req = PlanRequest(spec, 4, 8, 80)
+    pruned = plan_row.row(name, vocab, req)
     monkeypatch.setattr(plan_row._Bounds, "busy", lambda self, k: 0.0)  # every layout built, in order
     monkeypatch.setattr(plan_row._Bounds, "above", lambda self, k, t: False)
-    assert plan_row.row(name, **kw) == pruned
+    assert plan_row.row(name, vocab, req) == pruned
 
 
 def _fast_and_slow(schedule, setting, monkeypatch):

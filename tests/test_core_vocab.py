@@ -154,11 +154,12 @@ def test_plan_rows_with_the_split_embedding(untied):
     embedding (tied: its output shard is the input shard; untied: every rank holds V / P input rows
     more), and the flags say so."""
     from megatron_zb.core.costs.model import ModelSpec
-    from megatron_zb.core.plan import plan
+    from megatron_zb.core.plan import PlanRequest, VocabLever, plan
     spec = ModelSpec(num_layers=8, hidden_size=1024, num_attention_heads=8, seq_length=1024, vocab_size=65536,
                      untie_embeddings_and_output_weights=untied)
-    rows = {e: {r["schedule"]: r for r in plan(spec, 4, 8, 80.0, schedules=["1f1b", "zb-v"], vocab_parallel="on",
-                                                   layout_search=False, vocab_embedding=e)} for e in (False, True)}
+    req = PlanRequest(spec, 4, 8, 80.0, schedules=["1f1b", "zb-v"], layout_search=False)
+    rows = {e: {r["schedule"]: r for r in plan(req.replace(vocab=VocabLever("on", embedding=e)))}
+            for e in (False, True)}
     emb = spec.state_bytes(spec.embedding_params())
     shard = emb / 4 if untied else 0.0
     for name in ("1f1b", "zb-v"):

@@ -15,7 +15,7 @@ from megatron_zb.core.build import ScheduleRequest, build
 from megatron_zb.core.ir import B, BW, VS, VT, VW
 from megatron_zb.core.sim.iteration import iteration_times
 from megatron_zb.core.costs.model import ModelSpec
-from megatron_zb.core.plan import plan
+from megatron_zb.core.plan import PlanRequest, VocabLever, plan
 from megatron_zb.core.plan.schedule import row_schedule
 from megatron_zb.core.ir.vocab import VocabSetting
 
@@ -76,15 +76,16 @@ def test_emulated_vocab_passes_run_the_schedule_and_wait_for_their_barriers():
 def test_row_schedule_rebuilds_plan_rows():
     """Each of plan's rows, with and without vocabulary parallelism, rebuilds to a schedule whose
     simulated iteration is the row's."""
-    rows = plan(TINY, 4, 8, 80.0, schedules=["1f1b", "zb-h1", "zb-v", "v-auto"], vocab_parallel="both")
+    req = PlanRequest(TINY, 4, 8, 80.0, schedules=["1f1b", "zb-h1", "zb-v", "v-auto"], vocab=VocabLever("both"))
+    rows = plan(req)
     ok = [r for r in rows if "error" not in r]
     assert {bool(r.get("vocab_parallel")) for r in ok} == {True, False}
     for r in ok:
-        sched, st = row_schedule(TINY, 4, 8, r)
+        sched, st = row_schedule(req, r)
         assert (st.vocab is not None) == bool(r.get("vocab_parallel"))
         assert iteration_times(sched, st).iteration_time == pytest.approx(r["iteration_time_s"], rel=1e-9)
     with pytest.raises(Exception, match="no schedule"):
-        row_schedule(TINY, 4, 8, {"schedule": "bitpipe", "error": "x"})
+        row_schedule(req, {"schedule": "bitpipe", "error": "x"})
 
 
 def test_pick_rows_takes_megatron_1f1b_and_the_best_vocab_row():

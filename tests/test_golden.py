@@ -59,7 +59,7 @@ def _schedule_record(name: str, kw: dict) -> dict:
 
 
 def _plan_record(case: dict) -> list:
-    rows = P.plan(ModelSpec(**case["spec"]), case["p"], case["m"], 80.0, jobs=1, **case["kw"])
+    rows = P.plan(P.PlanRequest(ModelSpec(**case["spec"]), case["p"], case["m"], 80.0, **case["kw"]), jobs=1)
     return json.loads(json.dumps(rows))
 
 

@@ -146,15 +146,15 @@ def test_a_v_layout_after_megatron_validated_is_refused():
 def test_plan_prints_a_layout_that_reads_back():
     from megatron_zb.core import plan as P
     spec = P.ModelSpec(num_layers=16, hidden_size=1024, num_attention_heads=16, seq_length=2048, vocab_size=128256)
-    rows = P.plan(spec, 4, 8, 80, schedules=["1f1b", "zb-h1"], jobs=1)
+    rows = P.plan(P.PlanRequest(spec, 4, 8, 80, schedules=["1f1b", "zb-h1"]), jobs=1)
     for r in rows:
         assert parse(r["layout"]).layers() == r["layers_per_stage"]
         if "--pipeline-model-parallel-layout" in r["flags"]:
             text = r["flags"].split("--pipeline-model-parallel-layout '")[1].split("'")[0]
             assert parse(text).layers() == r["layers_per_stage"]
-    even = P.plan(spec, 4, 8, 80, schedules=["zb-h1"], jobs=1, layout_search=False)[0]
+    even = P.plan(P.PlanRequest(spec, 4, 8, 80, schedules=["zb-h1"], layout_search=False), jobs=1)[0]
     assert rows[-1]["iteration_time_s"] <= even["iteration_time_s"] + 1e-12
-    fixed = P.plan(spec, 4, 8, 80, schedules=["zb-h1", "zb-v"], jobs=1, layout="Et*3|t*4|t*5|t*4L")
+    fixed = P.plan(P.PlanRequest(spec, 4, 8, 80, schedules=["zb-h1", "zb-v"], layout="Et*3|t*4|t*5|t*4L"), jobs=1)
     assert fixed[0]["layers_per_stage"] == [3, 4, 5, 4]
     assert "8 model chunks" in fixed[-1]["error"] or "4 stages" in fixed[-1]["error"]
 

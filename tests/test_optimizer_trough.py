@@ -11,7 +11,7 @@ import torch
 
 from megatron_zb.core.build import ScheduleRequest, build
 from megatron_zb.core.ir import ScheduleError
-from megatron_zb.core.optimizer.offload import HostCosts, memory_curve
+from megatron_zb.core.optimizer.offload import HostCosts, RankShare, memory_curve
 from megatron_zb.core.optimizer.trough import rank_trough_plan, split_evenly
 from megatron_zb.runtime.optim_trough import TroughHook, TroughStates
 
@@ -36,8 +36,8 @@ def test_plan_points_are_passes_of_the_rank(schedule):
         keys = [(t.action.kind, t.action.stage, t.action.mb) for t in tl]
         state = 16 * 12 * MB  # 16 subgroups of 12 MB, room for half of them at the end of the iteration
         peak = max(x for _, x in memory_curve(tl, r, built.setting))
-        plan = rank_trough_plan(tl, built.setting, r, state / 12, 0.0, 0.0, state / 2, 0.75 * state / 2 / peak,
-                                1e-3, HostCosts(subgroups=16))
+        plan = rank_trough_plan(tl, built.setting, RankShare(r, state / 12, 0.0, 0.0, state / 2),
+                                0.75 * state / 2 / peak, 1e-3, HostCosts(subgroups=16))
         assert 0 < len(plan.on_gpu) <= 8, plan.describe()  # the room decides
         for k in plan.on_gpu:
             assert plan.prefetch_after[k] is None or plan.prefetch_after[k] in keys
@@ -49,9 +49,10 @@ def test_plan_points_are_passes_of_the_rank(schedule):
         assert plan.first == keys[0]
     # no room at all: every subgroup on the CPU; room for everything: every subgroup visits
     tl = res.timeline[0]
-    none = rank_trough_plan(tl, built.setting, 0, 1e6, 0.0, 0.0, 0.0, 1.0, 1e-3, HostCosts(subgroups=4))
+    none = rank_trough_plan(tl, built.setting, RankShare(0, 1e6, 0.0, 0.0, 0.0), 1.0, 1e-3, HostCosts(subgroups=4))
     assert none.on_gpu == () and none.step.on_cpu == 4
-    every = rank_trough_plan(tl, built.setting, 0, 1e6, 0.0, 0.0, math.inf, 1.0, 1e-3, HostCosts(subgroups=4))
+    every = rank_trough_plan(tl, built.setting, RankShare(0, 1e6, 0.0, 0.0, math.inf), 1.0, 1e-3,
+                             HostCosts(subgroups=4))
     assert len(every.on_gpu) == 4
 
 

@@ -141,7 +141,7 @@ def test_jobs_give_the_same_rows(capsys):
     assert main(ARGS + ["--jobs", "0"]) == 2
     assert "--jobs must be an integer >= 1, got 0" in capsys.readouterr().err
     with pytest.raises(ScheduleError, match="jobs must be an integer >= 1"):
-        P.plan(P.ModelSpec(16, 2048, 16, 2048), 4, 16, 80, jobs=0)
+        P.plan(P.PlanRequest(P.ModelSpec(16, 2048, 16, 2048), 4, 16, 80), jobs=0)
 
 
 def test_errors(capsys):
@@ -219,7 +219,8 @@ def test_readme_example_suggests_the_least_memory_of_the_equally_fast(capsys):
     v-auto's --zero-bubble-memory-limit is its real peak, not the GPU's room."""
     spec = P.ModelSpec(num_layers=32, hidden_size=4096, num_attention_heads=32, seq_length=4096,
                        tensor_parallel_size=2, sequence_parallel=True)
-    rows = P.plan(spec, 8, 32, 80, schedules=["v-auto", "zb-v", "dualpipe-v", "zb-auto", "zb-h2", "1f1b"])
+    names = ["v-auto", "zb-v", "dualpipe-v", "zb-auto", "zb-h2", "1f1b"]
+    rows = P.plan(P.PlanRequest(spec, 8, 32, 80, schedules=names))
     fit = [r for r in rows if "error" not in r and r["fits"]]
     fastest = min(r["iteration_time_s"] for r in fit)
     ties = [r for r in fit if r["iteration_time_s"] <= fastest * 1.001]
@@ -265,9 +266,10 @@ def test_quick_search_keeps_the_full_search_leading_rows():
     on seven plans where it adds no block)."""
     spec = P.ModelSpec(**__import__("megatron_zb.core.costs.models", fromlist=["x"]).spec_kwargs("llama-3.2-1b",
                                                                                           seq_length=1024))
-    kw = dict(schedules=["1f1b", "zb-h1", "zb-v", "v-half", "v-min", "v-auto", "dualpipe-v"], vocab_parallel="both")
-    quick = [r for r in P.plan(spec, 4, 8, 80, **kw) if "error" not in r]
-    full = [r for r in P.plan(spec, 4, 8, 80, search="full", **kw) if "error" not in r]
+    req = P.PlanRequest(spec, 4, 8, 80, schedules=["1f1b", "zb-h1", "zb-v", "v-half", "v-min", "v-auto", "dualpipe-v"],
+                        vocab=P.VocabLever("both"))
+    quick = [r for r in P.plan(req) if "error" not in r]
+    full = [r for r in P.plan(req.replace(search="full")) if "error" not in r]
     assert all(r.get("search_effort", "full") == "full" for r in full)
     top = quick[0]["iteration_time_s"]
     for r in quick:
@@ -277,7 +279,7 @@ def test_quick_search_keeps_the_full_search_leading_rows():
                                           not r.get("vocab_parallel") else ("quick", "full"))
     assert quick[0]["iteration_time_s"] <= full[0]["iteration_time_s"] * 1.006
     with pytest.raises(ScheduleError, match="search is one of"):
-        P.plan(spec, 4, 8, 80, search="fast")
+        P.plan(req.replace(search="fast"))
 
 
 def test_within_1f1b_memory_searches_a_quick_choice_in_full():

@@ -33,11 +33,12 @@ def _training(flags: str, p: int, m: int):
 def test_every_rows_flags_build_its_schedule(m):
     spec = P.ModelSpec(flash_attention=False, **MODEL)
     p = 4
-    rows = [r for r in P.plan(spec, p, m, 40, vocab_parallel="both", jobs=1) if "error" not in r]
+    req = P.PlanRequest(spec, p, m, 40, vocab=P.VocabLever("both"))
+    rows = [r for r in P.plan(req, jobs=1) if "error" not in r]
     assert {r.get("search_effort") for r in rows} >= {"quick", None}
     for r in rows:
         built = _training(r["flags"], p, m)
-        sched, setting = row_schedule(spec, p, m, r)
+        sched, setting = row_schedule(req, r)
         assert [list(o) for o in built.schedule.orders] == [list(o) for o in sched.orders], r["flags"]
         # the same schedule, timed in training's units (the busiest rank's F): the row's time
         unit_s = max(setting.rank_values("cost_f", sched.placement))

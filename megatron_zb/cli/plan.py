@@ -203,35 +203,35 @@ def cmd_plan(args) -> int:
         raise UsageError("--num-microbatches is required (or --seq-lengths FILE)")
     check_size(args.pipeline_parallel_size, args.num_microbatches, 2,
                flags=("--pipeline-parallel-size", "--num-microbatches"))
-    kw = dict(tflops=tflops, schedules=_schedules(args.schedules),
-              efficiency=args.efficiency, profile=profile, pad_ends=args.allow_padding_num_layers,
-              cost_optimizer=args.cost_optimizer, post_validation=args.optimizer_post_validation,
-              offload_ratio=args.offload_ratio, offload_time=args.offload_time,
-              host_link_gbps=args.host_link_gbps, offload_overlap=not args.offload_half_duplex,
-              exact=(args.exact_nodes, args.exact_seconds) if args.exact else None,
-              jobs=args.jobs if args.jobs is not None else min(8, _usable_cpus()),
-              ep_bandwidth_gbps=args.ep_bandwidth_gbps if args.ep_bandwidth_gbps is not None else P.EP_BANDWIDTH_GBPS,
-              a2a_overlap=not args.no_overlap, layout=args.pipeline_model_parallel_layout,
-              layout_search=not args.no_layout_search,
-              vocab_parallel="on" if args.enable_vocab_parallel else "off" if args.no_vocab_parallel else "both",
-              vocab_barriers=2 if args.disable_backward_fusion else 1,
-              vocab_gbps=args.vocab_comm_gbps if args.vocab_comm_gbps is not None else P.EP_BANDWIDTH_GBPS,
-              optimizer_offload=args.optimizer_offload, host_costs=host_costs(args),
-              vocab_embedding=not args.whole_vocab_embedding, search="full" if args.full_search else "quick")
-    with P.Workers(kw["jobs"]) as workers:  # one set of worker processes for every plan below
-        kw["workers"] = workers
-        rows = P.plan(spec, args.pipeline_parallel_size, args.num_microbatches, args.gpu_memory_gb, **kw)
+    a, gbps = args, P.EP_BANDWIDTH_GBPS
+    request = P.PlanRequest(
+        spec, a.pipeline_parallel_size, a.num_microbatches, a.gpu_memory_gb, tflops=tflops, efficiency=a.efficiency,
+        profile=profile, schedules=_schedules(a.schedules), pad_ends=a.allow_padding_num_layers,
+        layout=a.pipeline_model_parallel_layout, layout_search=not a.no_layout_search, cost_optimizer=a.cost_optimizer,
+        post_validation=a.optimizer_post_validation,
+        offload=None if a.offload_ratio is None else P.OffloadLever(a.offload_ratio, a.offload_time, a.host_link_gbps,
+                                                                    overlap=not a.offload_half_duplex),
+        vocab=P.VocabLever("on" if a.enable_vocab_parallel else "off" if a.no_vocab_parallel else "both",
+                           barriers=2 if a.disable_backward_fusion else 1, embedding=not a.whole_vocab_embedding,
+                           gbps=gbps if a.vocab_comm_gbps is None else a.vocab_comm_gbps),
+        moe=P.MoeLever(gbps if a.ep_bandwidth_gbps is None else a.ep_bandwidth_gbps, overlap=not a.no_overlap),
+        optimizer_offload=None if a.optimizer_offload is None else P.OptimizerOffload(a.optimizer_offload,
+                                                                                      host_costs(a)),
+        exact=(a.exact_nodes, a.exact_seconds) if a.exact else None, search="full" if a.full_search else "quick")
+    # one set of worker processes for every plan below
+    with P.Workers(args.jobs if args.jobs is not None else min(8, _usable_cpus())) as workers:
+        rows = P.plan(request, workers=workers)
 
         def again(gib, names, **more):  # the quick rows as they are: ``full`` searches the one chosen again
-            return P.plan(spec, args.pipeline_parallel_size, args.num_microbatches,
-                          args.gpu_memory_gb if gib is None else gib, **dict(kw, schedules=names, refine=False, **more))
+            return P.plan(request.replace(gpu_memory_gb=args.gpu_memory_gb if gib is None else gib, schedules=names,
+                                          refine=False, **more), workers=workers)
 
         def full(row, gib):  # a quickly searched row chosen: in full where that adds blocks, else its limit tightened
-            vocab = "on" if row.get("vocab_parallel") else "off"
+            vocab = dataclasses.replace(request.vocab, parallel="on" if row.get("vocab_parallel") else "off")
             if P.margin(row, args.pipeline_parallel_size, args.num_microbatches) is not None:
-                return again(gib, [row["schedule"]], search="full", vocab_parallel=vocab)[0]
+                return again(gib, [row["schedule"]], search="full", vocab=vocab)[0]
             if P.room_limit(row):
-                redone = again(gib, [row["schedule"]], tighten=True, vocab_parallel=vocab)[0]
+                redone = again(gib, [row["schedule"]], tighten=True, vocab=vocab)[0]
                 return None if "error" in redone or P.room_limit(redone) else redone
             return None
 
@@ -454,7 +454,7 @@ def _print_plan(args, spec, rows, profile, tflops, advice, within=None) -> None:
         if lim:
             unit = r["activation_unit_bytes"] / gib
             need = max(r["activation_bytes"]) / r["activation_unit_bytes"]
-            # the limit is its peak rounded up (``plan_row``), or the budget's room where the row was
+            # the limit is its peak rounded up (``core.plan.row``), or the budget's room where the row was
             # searched quickly or a schedule built under its peak is slower
             what = "what it needs" if lim <= P.needed_limit(need) + 1e-9 else \
                 f"the room the budget leaves (its schedule peaks at {need:.2f})"

@@ -61,7 +61,7 @@ def rows_for(args, spec, flops_per_s: float, budget: float) -> List[dict]:
             continue
         for balanced in (False, True):
             try:
-                r = varlen_row(name, req, p, rcfg, batches, balanced, 1.0, templates, args.cost_optimizer)
+                r = varlen_row(req, p, rcfg, batches, balanced, 1.0, templates, args.cost_optimizer)
             except ScheduleError as e:
                 errors.append({"schedule": name, "balanced": balanced, "error": str(e)})
                 continue

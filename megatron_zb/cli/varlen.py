@@ -152,10 +152,10 @@ def plan_batches(req: ScheduleRequest, p: int, config: VarlenConfig, batches: Li
     return [plan_batch(b, req, p, config, balanced, templates, cost_optimizer) for b in batches]
 
 
-def varlen_row(name: str, req: ScheduleRequest, p: int, config: VarlenConfig, batches: List[List[int]],
-               balanced: bool, unit_s: float, templates: Optional[Templates] = None,
-               cost_optimizer: float = 0.0) -> Dict:
-    """One schedule, balanced or Megatron's sequential microbatches, over every batch: a compare row."""
+def varlen_row(req: ScheduleRequest, p: int, config: VarlenConfig, batches: List[List[int]], balanced: bool,
+               unit_s: float, templates: Optional[Templates] = None, cost_optimizer: float = 0.0) -> Dict:
+    """One schedule (``req.name``), balanced or Megatron's sequential microbatches, over every batch:
+    a compare row."""
     t0 = time.perf_counter()
     plans = plan_batches(req, p, config, batches, balanced, templates, cost_optimizer)
     wall = time.perf_counter() - t0
@@ -168,7 +168,7 @@ def varlen_row(name: str, req: ScheduleRequest, p: int, config: VarlenConfig, ba
     idle = _mean([1.0 - _busy(pl) / (p * config.replicas * pl.iteration_time) if pl.iteration_time else 0.0
                   for pl in plans])
     mean = _mean(its)
-    return {"schedule": name, "balanced": balanced, "iteration_time": round(mean, 6),
+    return {"schedule": req.name, "balanced": balanced, "iteration_time": round(mean, 6),
             "iteration_time_s": mean * unit_s, "idle_rate": round(max(0.0, idle), 6),
             "chunks": plans[0].replicas[0].schedule.placement.chunks if plans[0].replicas[0].schedule else None,
             "peak_memory": [round(x, 6) for x in peaks],
@@ -193,7 +193,7 @@ def compare_varlen(args, p: int, request_of, names: Sequence[str], unit_s: float
             continue
         for balanced in (False, True):
             try:
-                rows.append(varlen_row(name, req, p, config, batches, balanced, unit_s, templates, args.cost_optimizer))
+                rows.append(varlen_row(req, p, config, batches, balanced, unit_s, templates, args.cost_optimizer))
             except ScheduleError as e:
                 errors.append({"schedule": name, "balanced": balanced, "error": str(e)})
     base = next((r for r in rows if r["schedule"] == "1f1b" and not r["balanced"]), None)
@@ -244,8 +244,7 @@ def cmd_simulate_varlen(args, request_of) -> int:
     config = config_of(args, batches)
     unit = UNITS[args.varlen_time_unit]
     req = request_of(args.schedule)
-    row = varlen_row(args.schedule, req, p, config, batches, args.balance_microbatches, unit,
-                     cost_optimizer=args.cost_optimizer)
+    row = varlen_row(req, p, config, batches, args.balance_microbatches, unit, cost_optimizer=args.cost_optimizer)
     out = {"schedule": args.schedule, "stages": p, "data_parallel_size": config.replicas,
            "balanced": row["balanced"], "microbatches": None, "makespan": row["iteration_time"] - args.cost_optimizer,
            "iteration_time": row["iteration_time"], "iteration_time_s": row["iteration_time_s"],

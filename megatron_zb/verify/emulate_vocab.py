@@ -20,7 +20,7 @@ from typing import List, Optional, Sequence
 
 from ..core.sim.iteration import iteration_times
 from ..core.costs.model import ModelSpec
-from ..core.plan import plan
+from ..core.plan import PlanRequest, VocabLever, plan
 from ..core.plan.schedule import row_schedule
 
 __all__ = ["pick_rows", "compare"]
@@ -30,8 +30,8 @@ def pick_rows(spec: ModelSpec, p: int, m: int, gpu_memory_gb: float = 80.0, sche
               vocab_barriers: int = 1, tflops: float = 989.0, efficiency: float = 0.5, jobs: int = 1) -> List[dict]:
     """[Megatron's 1F1B row (plan's layout search, no vocabulary parallelism), the best fitting row
     with vocabulary parallelism] from ``plan`` (its ranking: time per iteration, then memory)."""
-    rows = plan(spec, p, m, gpu_memory_gb, tflops=tflops, efficiency=efficiency, schedules=schedules,
-                vocab_parallel="both", vocab_barriers=vocab_barriers, jobs=jobs)
+    rows = plan(PlanRequest(spec, p, m, gpu_memory_gb, tflops=tflops, efficiency=efficiency, schedules=schedules,
+                            vocab=VocabLever("both", barriers=vocab_barriers)), jobs=jobs)
     ok = [r for r in rows if "error" not in r and r["fits"]]
     base = next((r for r in ok if r["schedule"] == "1f1b" and not r.get("vocab_parallel")), None)
     best = next((r for r in ok if r.get("vocab_parallel")), None)
@@ -53,7 +53,8 @@ def compare(spec: ModelSpec, p: int, m: int, slow_down: float = 3.0, iterations:
     if slow_down <= 0:
         raise ValueError(f"slow_down must be > 0, got {slow_down}")
     rows = rows or pick_rows(spec, p, m, tflops=tflops, efficiency=efficiency, **pick)
-    pairs = [row_schedule(spec, p, m, r, tflops=tflops, efficiency=efficiency) for r in rows]
+    request = PlanRequest(spec, p, m, 80.0, tflops=tflops, efficiency=efficiency)  # (the budget plays no part)
+    pairs = [row_schedule(request, r) for r in rows]
     got = emulate_schedules(pairs, unit_s=slow_down, iterations=iterations, warmup=warmup, timeout=timeout,
                             timelines=timelines, interleave=True)
     hop, times = got[0], got[1]

@@ -193,7 +193,11 @@ def from_megatron_flags(num_layers: int, pipeline_parallel_size: int, chunks: in
     evenly, and each rank's layers spread evenly over its chunks.
     ``--account-for-embedding-in-pipeline-split`` / ``--account-for-loss-in-pipeline-split`` count
     the embedding / the loss as one layer of the split: the stage holding it gets one layer less.
-    ``--allow-padding-num-layers`` (the ZB fork's): the first and the last stage one layer less."""
+    ``--allow-padding-num-layers`` (the ZB fork's): the first and the last stage one layer less.
+    Ten parameters, on purpose: the placement's two (``chunks``, ``rank_of_stage``) and one per Megatron
+    flag the split depends on (--num-layers, --pipeline-model-parallel-size, the four uneven-split flags,
+    --allow-padding-num-layers, --mtp-num-layers), each its own keyword as Megatron names it, so that a
+    caller passes Megatron's arguments through one for one."""
     p, v = int(pipeline_parallel_size), int(chunks)
     S = p * v
     stages_of = [[s for s in range(S) if rank_of_stage(s) == r] for r in range(p)]

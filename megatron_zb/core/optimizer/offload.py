@@ -36,7 +36,7 @@ from typing import List, Optional, Sequence, Tuple
 from ..ir import ScheduleError
 
 __all__ = ["ADAM_STATE_BYTES", "RESIDENT_BYTES", "HostCosts", "auto_fractions", "memory_curve",
-           "SubgroupPlan", "RankStep", "trough_step", "static_step", "device_step"]
+           "SubgroupPlan", "RankShare", "RankStep", "trough_step", "static_step", "device_step"]
 
 ADAM_STATE_BYTES = 12.0  # fp32 main parameter, exp_avg, exp_avg_sq
 RESIDENT_BYTES = 6.0  # bf16 parameter, fp32 main gradient (stay on the GPU)
@@ -149,6 +149,20 @@ class RankStep:
                 "offloaded_params": self.offloaded_params}
 
 
+@dataclass(frozen=True)
+class RankShare:
+    """One rank as its optimizer step sees it: ``offloaded`` parameters (their states on the host
+    between steps) and ``resident`` ones (their states on the GPU); ``resident_bytes``: what stays on
+    the GPU throughout (parameters, gradients, the states not offloaded); ``budget``: the GPU's bytes
+    (``math.inf``: no limit)."""
+
+    rank: int
+    offloaded: float
+    resident: float
+    resident_bytes: float
+    budget: float
+
+
 class _Lane:
     """One direction of a rank's host link: busy intervals (activation transfers first), the
     optimizer's copies placed first-fit in the gaps after their ready time."""
@@ -192,17 +206,16 @@ def static_step(offloaded: float, resident: float, costs: HostCosts, end: float 
     return max(gpu_done, ready) - end
 
 
-def trough_step(rank: int, offloaded: float, resident: float, curve: List[Tuple[float, float]], end: float,
-                resident_bytes: float, budget: float, costs: HostCosts,
-                busy_down: Sequence[Tuple[float, float]] = (), busy_up: Sequence[Tuple[float, float]] = ()
-                ) -> RankStep:
-    """Plan one rank's step with its offloaded share (``offloaded`` parameters) visiting the trough.
+def trough_step(share: RankShare, curve: List[Tuple[float, float]], end: float, costs: HostCosts,
+                busy: Tuple[Sequence[Tuple[float, float]], Sequence[Tuple[float, float]]] = ((), ())) -> RankStep:
+    """Plan one rank's step with its offloaded share (``share.offloaded`` parameters) visiting the trough.
 
     ``curve``: the rank's activation bytes over one iteration (``memory_curve``), ``end`` its last
-    pass; the next iteration repeats the curve from when this rank's step is done. ``resident_bytes``:
-    what stays on the GPU throughout (parameters, gradients, the states not offloaded); ``budget``
-    the GPU's bytes. ``busy_*``: the link's activation transfers (start, end) per direction."""
-    down, up = _Lane(busy_down), _Lane(busy_up)
+    pass; the next iteration repeats the curve from when this rank's step is done. ``busy``: the
+    link's activation transfers (start, end), (D2H, H2D)."""
+    rank, offloaded, resident = share.rank, share.offloaded, share.resident
+    resident_bytes, budget = share.resident_bytes, share.budget
+    down, up = _Lane(busy[0]), _Lane(busy[1])
     n = costs.subgroups if offloaded > 0 else 0
     g = offloaded / n if n else 0.0
     sb = g * costs.state_bytes

@@ -13,15 +13,30 @@ the modelled update), so rows with and without offload compare on the same footi
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import List, Optional
 
+from ..ir import ScheduleError
 from ..sim.hostlink import OFFLOAD, OFFLOAD_W
 from ..sim.iteration import iteration_times
-from .offload import ADAM_STATE_BYTES, HostCosts, auto_fractions, device_step, memory_curve, static_step, trough_step
+from .offload import (ADAM_STATE_BYTES, HostCosts, RankShare, auto_fractions, device_step, memory_curve, static_step,
+                      trough_step)
 
-__all__ = ["MODES", "apply"]
+__all__ = ["MODES", "OptimizerOffload", "apply"]
 
 MODES = ("static", "auto", "trough")
+
+
+@dataclass(frozen=True)
+class OptimizerOffload:
+    """plan's optimizer-offload lever: ``mode`` (``MODES``) and the cost model's speeds."""
+
+    mode: str
+    costs: HostCosts = HostCosts()
+
+    def check(self) -> None:
+        if self.mode not in MODES:
+            raise ScheduleError(f"optimizer offload is one of {', '.join(MODES)}, got {self.mode!r}")
 
 
 def _busy(res, r: int):
@@ -35,8 +50,9 @@ def _busy(res, r: int):
 
 
 def apply(out: dict, built, spec, params: List[float], unit: float, budget: float, cost_optimizer: float,
-          mode: str, costs: HostCosts) -> dict:
-    """Update row ``out`` (``plan_row``) in place for ``mode`` and return it."""
+          lever: OptimizerOffload) -> dict:
+    """Update row ``out`` (``core.plan.row``) in place for ``lever.mode`` and return it."""
+    mode, costs = lever.mode, lever.costs
     sched, setting, res = built.schedule, built.setting, built.result
     p = len(params)
     per_param = ADAM_STATE_BYTES / (spec.data_parallel_size if spec.distributed_optimizer else 1)
@@ -71,8 +87,8 @@ def apply(out: dict, built, spec, params: List[float], unit: float, budget: floa
         end = tl[-1].end if tl else 0.0
         if mode == "trough" and off > 0:
             curve = memory_curve(tl, r, setting, unit)
-            rs = trough_step(r, off, keep, curve, end, fixed[r] + (1 - fractions[r]) * offloadable[r], budget, costs,
-                             down, up)
+            share = RankShare(r, off, keep, fixed[r] + (1 - fractions[r]) * offloadable[r], budget)
+            rs = trough_step(share, curve, end, costs, (down, up))
             steps.append(cost_optimizer + rs.step_time)
             ranks.append(rs.to_dict())
         else:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..ir import ScheduleError
-from .offload import HostCosts, RankStep, memory_curve, trough_step
+from .offload import HostCosts, RankShare, RankStep, memory_curve, trough_step
 
 __all__ = ["PassKey", "TroughPlan", "rank_trough_plan", "split_evenly"]
 
@@ -69,23 +69,22 @@ def split_evenly(sizes: Sequence[int], n: int) -> List[List[int]]:
     return groups
 
 
-def rank_trough_plan(timeline, setting, rank: int, offloaded_params: float, resident_params: float,
-                     resident_bytes: float, budget_bytes: float, unit_bytes: float, unit_s: float,
-                     costs: HostCosts, busy: Tuple[Sequence, Sequence] = ((), ())) -> TroughPlan:
-    """The trough plan of rank ``rank`` in its pass order.
+def rank_trough_plan(timeline, setting, share: RankShare, unit_bytes: float, unit_s: float, costs: HostCosts,
+                     busy: Tuple[Sequence, Sequence] = ((), ())) -> TroughPlan:
+    """The trough plan of rank ``share.rank`` in its pass order (``share``: its parameters, what
+    stays on the GPU and the GPU's bytes, ``RankShare``).
 
     ``timeline``: the rank's simulated passes (``Timed``, in the setting's time units),
     ``unit_s`` seconds per time unit; ``unit_bytes`` bytes per unit of the setting's memory;
-    ``resident_bytes``: what stays on the GPU; ``budget_bytes``: the GPU's bytes (``math.inf``:
-    no limit); ``busy``: the host link's activation transfers (D2H, H2D) in time units."""
+    ``busy``: the host link's activation transfers (D2H, H2D) in time units."""
+    rank = share.rank
     if not (unit_s > 0):
         raise ScheduleError(f"unit_s must be positive, got {unit_s!r}")
     tl = sorted(timeline, key=lambda t: (t.start, t.end))
     end = tl[-1].end * unit_s if tl else 0.0
     curve = [(t * unit_s, x) for t, x in memory_curve(tl, rank, setting, unit_bytes)]
     down, up = ([(a * unit_s, b * unit_s) for a, b in lane] for lane in busy)
-    step = trough_step(rank, offloaded_params, resident_params, curve, end, resident_bytes, budget_bytes, costs,
-                       down, up)
+    step = trough_step(share, curve, end, costs, (down, up))
     on_gpu = tuple(k for k, sg in enumerate(step.subgroups) if sg.where == "gpu")
     pre: Dict[int, Optional[PassKey]] = {}
     rel: Dict[int, Optional[PassKey]] = {}

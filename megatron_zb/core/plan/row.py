@@ -13,19 +13,21 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from typing import List, Optional
 
 from ..build import Built, OffloadRequest, ScheduleRequest, build
 from ..costs.chunk_costs import chunk_costs, in_seconds, unit_costs
-from ..costs.layout import Layout, from_counts
+from ..costs.layout import Layout, from_counts, parse
 from ..costs.layout_search import balanced, even_counts
 from ..costs.model import ModelSpec, layer_split
 from ..ir import OVERLAP, Placement, ScheduleError, Setting
 from ..passes.fuse import split_cost
-from ..schedules import get
+from ..schedules import ScheduleSpec, get
 from ..schedules.search.auto import TIE
 from ..schedules.search.bounds import lower_bound
 from ..sim.iteration import iteration_times
+from .request import OffloadLever, PlanRequest
 
 __all__ = ["placement_for", "candidate_layouts", "row", "profile_costs", "load_profile"]
 
@@ -62,20 +64,35 @@ def candidate_layouts(spec: ModelSpec, pl: Placement, pad_ends: bool, layout: Op
     return out
 
 
-def row(name: str, spec: ModelSpec, p: int, m: int, budget: float, flops_per_s: float, profile: Optional[dict],
-        pad_ends: bool, interleave_chunks: int, cost_optimizer: float, ranked_by: str, offload: tuple,
-        exact: Optional[tuple], a2a: tuple, layout: Optional[Layout] = None, search: bool = True,
-        vocab: Optional[int] = None, vocab_gbps: float = 50.0, optim: Optional[tuple] = None,
-        vocab_embedding: bool = False, effort: str = "full", tighten: bool = True) -> dict:
-    """The best row over the candidate layouts (fits first, then ``ranked_by``), or {schedule, error}.
-    ``vocab``: with vocabulary parallelism, that many barriers (``core.ir.vocab``); ``vocab_embedding``:
-    the input embedding split over the ranks too. ``effort``: how hard the searched schedules look
-    (``schedules.search.auto.EFFORTS``; the row says which in ``search_effort``). ``tighten``: a searched
-    schedule's memory limit is its peak where the schedule built under that is as fast (else, and
-    without ``tighten``, the budget's room: a search more)."""
+@dataclass(frozen=True)
+class _Row:
+    """What every layout of one row shares: the request, the schedule (``sp``, ``chunks`` per
+    rank, its placement ``pl``), the vocabulary barriers (None: without vocabulary parallelism),
+    the search ``effort`` and whether a searched schedule's limit is ``tighten``-ed."""
+
+    request: PlanRequest
+    sp: ScheduleSpec
+    chunks: int
+    pl: Placement
+    vocab: Optional[int]
+    effort: str
+    tighten: bool
+
+
+def row(name: str, vocab: Optional[int], request: PlanRequest, effort: str = "full", tighten: bool = True) -> dict:
+    """Schedule ``name``'s best row over the candidate layouts (fits first, then ``request.ranked_by``),
+    or {schedule, error}. ``vocab``: with vocabulary parallelism, that many barriers (``core.ir.vocab``;
+    ``request.vocab.embedding``: the input embedding split over the ranks too). ``effort``: how hard
+    the searched schedules look (``schedules.search.auto.EFFORTS``; the row says which in
+    ``search_effort``). ``tighten``: a searched schedule's memory limit is its peak where the
+    schedule built under that is as fast (else, and without ``tighten``, the budget's room: a
+    search more)."""
+    spec, p, m, profile = request.model, request.pipeline_parallel_size, request.microbatches, request.profile
+    layout = parse(request.layout, p) if request.layout is not None else None
+    ranked_by, flops_per_s = request.ranked_by, request.flops_per_s
     sp = get(name)
     try:
-        v = sp.resolve_chunks(interleave_chunks if sp.chunks is None else None)
+        v = sp.resolve_chunks(request.interleave_chunks if sp.chunks is None else None)
         pl = placement_for(sp.placement, p, v)
     except ScheduleError as e:  # a schedule that cannot run this setting gets its row with the reason
         return {"schedule": name, "error": str(e)}
@@ -87,19 +104,19 @@ def row(name: str, spec: ModelSpec, p: int, m: int, budget: float, flops_per_s: 
                 "error": "vocabulary parallelism: not with replicated stages (bitpipe)" if pl.replicated
                 else "vocabulary parallelism: plan's profile rows do not model it"}
     try:
-        layouts = candidate_layouts(spec, pl, pad_ends, layout, search and profile is None, vocab is not None)
+        layouts = candidate_layouts(spec, pl, request.pad_ends, layout, request.layout_search and profile is None,
+                                    vocab is not None)
     except ScheduleError as e:
         return {"schedule": name, "error": str(e)}
+    ctx = _Row(request, sp, v, pl, vocab, effort, tighten)
 
     def one(k: int) -> dict:
-        return _one(sp, spec, p, m, v, pl, layouts[k], budget, flops_per_s, profile, cost_optimizer, ranked_by,
-                    offload, exact, a2a, pad_ends and layout is None and k == 0, (vocab, vocab_gbps, vocab_embedding), optim,
-                    effort, tighten)
+        return _one(ctx, layouts[k], request.pad_ends and layout is None and k == 0)
 
     # A layout whose lower bound (no schedule's iteration is shorter) lies above a fitting row's
     # time by more than TIE cannot be the one kept below: it is not built (the same row, sooner)
-    bound = _Bounds(spec, layouts, pl, m, flops_per_s, vocab_work(spec, p, flops_per_s, vocab, vocab_gbps)) \
-        if len(layouts) > 1 and offload[0] is None and profile is None and not pl.replicated else None
+    bound = _Bounds(spec, layouts, pl, m, flops_per_s, vocab_work(spec, p, flops_per_s, vocab, request.vocab.gbps)) \
+        if len(layouts) > 1 and request.offload is None and profile is None and not pl.replicated else None
     done = {}
     if bound is not None and len(layouts) == 2 and bound.busy(1) < bound.busy(0):
         # the second looks better: built first, the first only where it could still be kept
@@ -172,13 +189,14 @@ def vocab_work(spec: ModelSpec, p: int, flops_per_s: float, barriers: Optional[i
     return [sum(vs.cost(k, r) for k in ("VS", "VT", "VW")) for r in range(p)]
 
 
-def _one(sp, spec, p, m, v, pl, lay: Layout, budget, flops_per_s, profile, cost_optimizer, ranked_by, offload,
-         exact, a2a, padded: bool, vocab=(None, 50.0, False), optim: Optional[tuple] = None,
-         effort: str = "full", tighten: bool = True) -> dict:
-    offload_ratio, offload_time, host_link_gbps, offload_overlap = offload
-    ep_gbps, a2a_overlap = a2a
-    barriers, vocab_gbps, split = vocab
-    split = split and barriers is not None
+def _one(ctx: _Row, lay: Layout, padded: bool) -> dict:
+    """The row of one layout ``lay`` (``padded``: the even split with ``pad_ends``)."""
+    asked = ctx.request
+    sp, v, pl, effort, tighten, barriers = ctx.sp, ctx.chunks, ctx.pl, ctx.effort, ctx.tighten, ctx.vocab
+    spec, p, m, profile = asked.model, asked.pipeline_parallel_size, asked.microbatches, asked.profile
+    budget, flops_per_s, cost_optimizer = asked.budget_bytes, asked.flops_per_s, asked.cost_optimizer
+    ranked_by, offload, ep_gbps, vocab_gbps = asked.ranked_by, asked.offload, asked.moe.ep_gbps, asked.vocab.gbps
+    split = asked.vocab.embedding and barriers is not None
     name = sp.name
     try:
         cc = chunk_costs(spec, lay, pl, flops_per_s, ep_gbps * 1e9, vocab=barriers is not None, vocab_embedding=split)
@@ -199,7 +217,7 @@ def _one(sp, spec, p, m, v, pl, lay: Layout, budget, flops_per_s, profile, cost_
     unit = max(rank_mf)  # simulate in units of the largest whole-stage activation of a rank
     act_budget = [max(0.0, budget - states[r]) for r in range(p)]
     limit_units = min(act_budget) / unit if unit > 0 else None
-    if sp.searched and limit_units is not None and limit_units < 1 - 1e-9 and offload_ratio is None:
+    if sp.searched and limit_units is not None and limit_units < 1 - 1e-9 and offload is None:
         # no schedule holds less than one microbatch's activations of a rank (a B waits for its F's,
         # on a V rank for both chunks'), and the search's limit is the least room of any rank: its
         # search for the least memory that works (seconds at P=16) would only say so
@@ -229,11 +247,11 @@ def _one(sp, spec, p, m, v, pl, lay: Layout, budget, flops_per_s, profile, cost_
     try:
         req = ScheduleRequest(name, chunks=v if sp.chunks is None else None, cost_f=rf, cost_b=rb, cost_w=rw,
                               cost_bw=rbw, vocab=vs,
-                              cost_comm=comm / sec, cost_a2a=[x / sec for x in ca], a2a_overlap=a2a_overlap,
-                              mem_f=rmf, mem_w=rmw, memory_limit=limit_units if sp.searched else None, exact=exact,
-                              offload=_offload_request(offload_ratio, offload_time, host_link_gbps, offload_overlap,
-                                                       rank_mf, _rank_sum(cf, pl, p), _rank_sum(cb, pl, p),
-                                                       limit_units), effort=effort)
+                              cost_comm=comm / sec, cost_a2a=[x / sec for x in ca], a2a_overlap=asked.moe.overlap,
+                              mem_f=rmf, mem_w=rmw, memory_limit=limit_units if sp.searched else None,
+                              exact=asked.exact, offload=_offload_request(offload, rank_mf, _rank_sum(cf, pl, p),
+                                                                         _rank_sum(cb, pl, p), limit_units),
+                              effort=effort)
         built = build(req, p, m, enforce_limit=False)
         it = iteration_times(built.schedule, built.setting, cost_optimizer / sec)
         if sp.searched and limit_units and req.offload is None and tighten:
@@ -268,7 +286,7 @@ def _one(sp, spec, p, m, v, pl, lay: Layout, budget, flops_per_s, profile, cost_
         out["fused_backwards"] = sched.meta.get("fused_backwards", 0)
         if sp.split_backward and profile is None:  # training models the same overhead: the same schedule
             out["flags"] += f" --zero-bubble-split-overhead-ms {1e3 * spec.split_overhead_s:g}"
-    if (sp.effort or barriers is not None) and offload_ratio is None:  # the effort changed the row
+    if (sp.effort or barriers is not None) and offload is None:  # the effort changed the row
         out["search_effort"] = effort
         if effort != "full":  # training builds the row's own schedule
             out["flags"] += f" --zero-bubble-search-effort {effort}"
@@ -294,11 +312,11 @@ def _one(sp, spec, p, m, v, pl, lay: Layout, budget, flops_per_s, profile, cost_
         share = max(o["offloaded_share"]) if o["offloaded_share"] else 0.0
         out["flags"] += (f" --cpu-offload --zero-bubble-offload-ratio {share:.2f} --offload-time "
                          f"{max(ks):.3g}")
-    if optim is not None:  # optimizer states: every rank's step, and offload where the row does not fit
+    if asked.optimizer_offload is not None:  # every rank's optimizer step, and offload where the row does not fit
         from ..optimizer.rows import apply
         if sec != 1.0:  # its step's costs are seconds: the schedule timed in seconds
             built = Built(built.request, sched, in_seconds(built.setting, sec))
-        apply(out, built, spec, cc.params, unit, budget, cost_optimizer, optim[0], optim[1])
+        apply(out, built, spec, cc.params, unit, budget, cost_optimizer, asked.optimizer_offload)
     return out
 
 
@@ -320,11 +338,12 @@ def _rank_sum(values: List[float], pl: Placement, p: int) -> List[float]:
     return out
 
 
-def _offload_request(ratio, time, gbps, overlap, mf, cf, cb, limit_units) -> Optional[OffloadRequest]:
+def _offload_request(lever: Optional[OffloadLever], mf, cf, cb, limit_units) -> Optional[OffloadRequest]:
     """The plan's offload options: 'auto' offloads under the activation budget (``limit_units``),
-    whatever limit a schedule searches under; K from ``time`` or, per rank, from ``gbps``."""
-    if ratio is None:
+    whatever limit a schedule searches under; K from ``time`` or, per rank, from ``host_link_gbps``."""
+    if lever is None:
         return None
+    ratio, time, gbps, overlap = lever.ratio, lever.time, lever.host_link_gbps, lever.overlap
     if time is None:
         if gbps is None:
             time = 1.0

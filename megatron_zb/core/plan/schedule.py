@@ -2,8 +2,9 @@
 layout's chunk costs, vocabulary passes and memory limit, built as the row was. For running a
 plan's choice elsewhere (emulated compute: ``verify.emulate.emulate_schedules``). Pure Python.
 
-    rows = plan(spec, 4, 8, 80.0, vocab_parallel="both")
-    sched, setting = row_schedule(spec, 4, 8, rows[0])       # costs in seconds
+    request = PlanRequest(spec, 4, 8, 80.0, vocab=VocabLever("both"))
+    rows = plan(request)
+    sched, setting = row_schedule(request, rows[0])       # costs in seconds
 """
 from __future__ import annotations
 
@@ -12,35 +13,35 @@ from typing import Tuple
 from ..build import ScheduleRequest, build
 from ..costs.chunk_costs import chunk_costs, in_seconds, unit_costs
 from ..costs.layout import parse
-from ..costs.model import ModelSpec
 from ..ir import Schedule, ScheduleError, Setting
 from ..schedules import get
+from .request import PlanRequest
 from .row import placement_for
 
 __all__ = ["row_schedule"]
 
 
-def row_schedule(spec: ModelSpec, p: int, m: int, row: dict, tflops: float = 989.0, efficiency: float = 0.5,
-                 vocab_gbps: float = 50.0, ep_gbps: float = 50.0,
-                 interleave_chunks: int = 2) -> Tuple[Schedule, Setting]:
-    """(schedule, setting) of ``row`` (one of ``plan``'s rows, made with the same ``tflops``,
-    ``efficiency``, ``vocab_gbps`` and ``ep_gbps``): the row's layout and schedule, its memory
-    limit (the searched schedules), with vocabulary parallelism where the row has it. Costs in
-    seconds, memory in the row's unit (one microbatch's activations on the fullest rank). A row
-    searched quickly (``search_effort``) is rebuilt by the same search."""
+def row_schedule(request: PlanRequest, row: dict) -> Tuple[Schedule, Setting]:
+    """(schedule, setting) of ``row`` (one of ``plan(request)``'s rows; what it takes of ``request``:
+    the model, P, M, ``tflops``, ``efficiency``, ``interleave_chunks``, the vocabulary's and the
+    all-to-all's GB/s): the row's layout and schedule, its memory limit (the searched schedules),
+    with vocabulary parallelism where the row has it. Costs in seconds, memory in the row's unit (one
+    microbatch's activations on the fullest rank). A row searched quickly (``search_effort``) is
+    rebuilt by the same search."""
     if "error" in row:
         raise ScheduleError(f"plan row {row['schedule']} has no schedule: {row['error']}")
+    spec, p, m = request.model, request.pipeline_parallel_size, request.microbatches
     sp = get(row["schedule"])
-    v = sp.resolve_chunks(interleave_chunks if sp.chunks is None else None)
+    v = sp.resolve_chunks(request.interleave_chunks if sp.chunks is None else None)
     pl = placement_for(sp.placement, p, v)
     lay = parse(row["layout"], p)
     barriers = row.get("vocab_parallel")
-    flops_per_s = tflops * 1e12 * efficiency
+    flops_per_s = request.flops_per_s
     split = bool(row.get("vocab_embedding"))
-    # built in the units the row was (``plan_row``: what training plans with), timed in seconds
-    uc = unit_costs(spec, lay, pl, barriers, split, flops_per_s, vocab_gbps * 1e9)
+    # built in the units the row was (``core.plan.row``: what training plans with), timed in seconds
+    uc = unit_costs(spec, lay, pl, barriers, split, flops_per_s, request.vocab.gbps * 1e9)
     sec = uc.seconds(flops_per_s)
-    ca = chunk_costs(spec, lay, pl, flops_per_s, ep_gbps * 1e9, vocab=barriers is not None,
+    ca = chunk_costs(spec, lay, pl, flops_per_s, request.moe.ep_gbps * 1e9, vocab=barriers is not None,
                      vocab_embedding=split).cost_a2a
     req = ScheduleRequest(row["schedule"], chunks=v if sp.chunks is None else None, cost_f=uc.cost_f,
                           cost_b=uc.cost_b, cost_w=uc.cost_w, cost_bw=uc.cost_bw, cost_a2a=[x / sec for x in ca],

@@ -35,7 +35,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from ...core.ir import OFFLOAD, OFFLOAD_W
-from ...core.optimizer.offload import ADAM_STATE_BYTES, RESIDENT_BYTES, HostCosts, memory_curve
+from ...core.optimizer.offload import ADAM_STATE_BYTES, RESIDENT_BYTES, HostCosts, RankShare, memory_curve
 from ...core.optimizer.trough import TroughPlan, rank_trough_plan, split_evenly
 from ...runtime.optim_trough import TroughHook, TroughStates
 
@@ -208,7 +208,7 @@ class TroughOffload:
         if unit == "room":
             peak = max((x for _, x in memory_curve(res.timeline[me], me, built.setting)), default=0.0)
             unit = 0.75 * (budget - fixed) / peak if peak > 0 and math.isfinite(budget) else 0.0
-        plan = rank_trough_plan(res.timeline[me], built.setting, me, off, keep, fixed, budget, unit,
+        plan = rank_trough_plan(res.timeline[me], built.setting, RankShare(me, off, keep, fixed, budget), unit,
                                 self.unit_s, dataclasses.replace(self.costs, subgroups=max(1, len(opt.groups))), busy)
         opt.on_gpu, opt.plan = set(plan.on_gpu) if off else set(), plan
         if self.log is not None:

@@ -156,24 +156,34 @@ def rank_candidates(cands: List[Schedule], setting: Setting, limit: Optional[flo
     return out
 
 
-def finish_search(best: Schedule, setting: Setting, limit: Optional[float], name: str, claim,
-            ranked: Optional[List[Tuple[tuple, Schedule]]] = None, top: int = 3,
-            lb: Optional[float] = None, work: int = 250_000, sim: Optional[list] = None,
-            tie: float = TIE) -> Schedule:
-    """Local search (``_evals(setting, work)`` timings each) on the best ``top`` distinct
-    candidates (``ranked``, best first; default: ``best`` alone) unless the best already meets
-    the lower bound; of the results and the candidates, the one with the least peak memory among
-    those as short as the shortest (``_cheapest``), with its gap to the bound. A candidate
-    that starts worse often ends better (a different basin), hence several. ``sim``: a list the
-    chosen schedule's simulation (with ``setting``) is appended to, for a caller that needs it."""
+@dataclasses.dataclass(frozen=True)
+class Finish:
+    """How hard ``finish_search`` looks: local searches from the best ``top`` candidates,
+    ``_evals(setting, work)`` pass timings each; schedules within ``tie`` of the shortest count as
+    equally short."""
+
+    top: int = 3
+    work: int = 250_000
+    tie: float = TIE
+
+
+def finish_search(ranked: List[Tuple[tuple, Schedule]], setting: Setting, limit: Optional[float], name: str,
+                  how: Finish = Finish(), lb: Optional[float] = None, sim: Optional[list] = None) -> Schedule:
+    """Local search (``how``) on the best ``how.top`` distinct candidates (``ranked``, best first,
+    at least one: ``rank_candidates`` / ``search_candidates``) unless the best already meets the
+    lower bound ``lb`` (default: ``lower_bound`` under ``limit``); of the results and the
+    candidates, the one with the least peak memory among those as short as the shortest
+    (``_cheapest``), with its gap to the bound, named ``name``. A candidate that starts worse often
+    ends better (a different basin), hence several. ``sim``: a list the chosen schedule's
+    simulation (with ``setting``) is appended to, for a caller that needs it."""
     if lb is None:
-        lb = lower_bound(setting, best.placement, limit)
-    ranked = ranked or rank_candidates([best], setting, limit) or [((0,), best)]
+        lb = lower_bound(setting, ranked[0][1].placement, limit)
     pool = list(ranked)
-    evals = _evals(setting, work)
+    evals = _evals(setting, how.work)
     if ranked[0][0][0] > lb + 1e-9 and evals > 0:
-        pool += rank_candidates([improve(s, setting, limit, max_evals=evals) for _, s in ranked[:top]], setting, limit)
-    chosen = _cheapest(pool, setting, tie)[1] if len(pool[0][0]) == 3 else pool[0][1]
+        pool += rank_candidates([improve(s, setting, limit, max_evals=evals) for _, s in ranked[:how.top]], setting,
+                                limit)
+    chosen = _cheapest(pool, setting, how.tie)[1] if len(pool[0][0]) == 3 else pool[0][1]
     if sim is not None:  # (the caller builds on its simulation: validated here)
         res = validate(chosen, setting, memory_limit=float("inf") if limit is None else limit)
         sim.append(res)
@@ -181,7 +191,7 @@ def finish_search(best: Schedule, setting: Setting, limit: Optional[float], name
     else:  # (every schedule ``build`` returns is validated there)
         makespan = Run(Coder.of(setting, chosen.placement, setting.microbatches), chosen, setting).makespan
     meta = {k: v for k, v in chosen.meta.items() if k not in ("timing", "near_ties")}
-    meta = dict(meta, memory_limit=limit, memory_claim=claim, lower_bound=round(lb, 9),
+    meta = dict(meta, memory_limit=limit, memory_claim=limit, lower_bound=round(lb, 9),
                 gap_to_lower_bound=round(max(0.0, makespan / lb - 1.0), 6) if lb > 0 else 0.0)
     return dataclasses.replace(chosen, name=name, meta=meta)
 
@@ -191,12 +201,12 @@ def _pick(cands: List[Schedule], setting: Setting, limit: Optional[float]) -> Op
     return ranked[0][1] if ranked else None
 
 
-def search_candidates(name: str, st: Setting, pl: Placement, limit: float, cands: List[Schedule], lo: float,
-            hi: float, other: Optional[Callable[[float], Optional[Schedule]]] = None,
-            greedy_too: bool = True) -> List[Tuple[tuple, Schedule]]:
+def search_candidates(name: str, st: Setting, pl: Placement, limit: float, cands: List[Schedule],
+                      bracket: Tuple[float, float], other: Optional[Callable[[float], Optional[Schedule]]] = None,
+                      greedy_too: bool = True) -> List[Tuple[tuple, Schedule]]:
     """``cands`` and (``greedy_too``, or when none fits) the greedy variants under ``limit``,
     ranked best first; an infeasible limit is an error naming the least memory at which the
-    greedy variants or ``other`` find a schedule (searched between lo and hi)."""
+    greedy variants or ``other`` find a schedule (searched within ``bracket``, (lo, hi))."""
     ranked = rank_candidates(cands, st, limit)
     if greedy_too or not ranked:
         try:
@@ -214,7 +224,7 @@ def search_candidates(name: str, st: Setting, pl: Placement, limit: float, cands
                 if found is None:
                     raise
                 return found
-        need = _least_memory(attempt, st, lo, hi)
+        need = _least_memory(attempt, st, *bracket)
         raise ScheduleError(f"{name}: no schedule fits memory limit {limit:g}; the least that works is about "
                             f"{need:g} (units of mem-f)")
     return ranked
@@ -268,11 +278,10 @@ def _zb_auto_search(setting: Setting, sim: Optional[list], tie: float, effort: s
         cands += remembered(_rounds_kept, st, limit, name="zb-auto")
         if small:
             cands += remembered(capped_variants, st, limit, name="zb-auto")
-    ranked = search_candidates("zb-auto", st, pl, limit, cands, unit(st, pl), 2 * p * unit(st, pl),
-                     greedy_too=small)
-    if effort == "quick":
-        return finish_search(ranked[0][1], st, limit, "zb-auto", limit, ranked, top=1, work=100_000, sim=sim, tie=tie)
-    return finish_search(ranked[0][1], st, limit, "zb-auto", limit, ranked, sim=sim, tie=tie)
+    ranked = search_candidates("zb-auto", st, pl, limit, cands, (unit(st, pl), 2 * p * unit(st, pl)),
+                               greedy_too=small)
+    how = Finish(top=1, work=100_000, tie=tie) if effort == "quick" else Finish(tie=tie)
+    return finish_search(ranked, st, limit, "zb-auto", how, sim=sim)
 
 
 def zb_auto(setting: Setting, memory: bool = True, sim: Optional[list] = None, effort: str = "full",

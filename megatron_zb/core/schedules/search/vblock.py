@@ -244,7 +244,7 @@ def search(setting: Setting, placement: Placement, limit: float, name: str, prob
     base = (setting_key(dataclasses.replace(st, memory_limit=None)), placement, short)
     for k, (label, timing) in enumerate(starts):
         s, res = _polished(base + (label, "short"), limit, name, states[k] if short == m else None, None,
-                           lambda w, k=k, timing=timing: polish_run(short_st, placement, timing(short), limit, name, 2,
+                           lambda w, k=k, timing=timing: polish_run(short_st, placement, timing(short), limit, 2,
                                                                     states[k] if short == m else None, acts[short], w))
         if s is not None:
             scored.append((score(res), k))
@@ -256,10 +256,10 @@ def search(setting: Setting, placement: Placement, limit: float, name: str, prob
         label, timing = starts[k]
         if short == m:
             s, res = _polished(base + (label, "more"), limit, name, states[k], base + (label, "short"),
-                               lambda w, k=k: polish_run(st, placement, None, limit, name, 1, states[k], acts[m], w))
+                               lambda w, k=k: polish_run(st, placement, None, limit, 1, states[k], acts[m], w))
         else:
             s, res = _polished(base + (label, "long"), limit, name, None, None,
-                               lambda w, timing=timing: polish_run(st, placement, timing(m), limit, name, 3, None,
+                               lambda w, timing=timing: polish_run(st, placement, timing(m), limit, 3, None,
                                                                    acts[m], w))
         if s is None:
             continue

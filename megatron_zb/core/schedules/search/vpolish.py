@@ -280,16 +280,18 @@ def score(res) -> Tuple[float, float]:
 def polish(setting: Setting, placement: Placement, times: Dict[Key, float], limit: float, name: str,
            rounds: int = 3) -> Optional[Schedule]:
     """Squeeze, reorder warm-up/cool-down and refill W's until the makespan stops falling."""
-    return polish_run(setting, placement, times, limit, name, rounds)[0]
+    best = polish_run(setting, placement, times, limit, rounds)[0]
+    return None if best is None else dataclasses.replace(best, name=name)
 
 
-def polish_run(setting: Setting, placement: Placement, times: Dict[Key, float], limit: float, name: str,
-               rounds: int, state: Optional[list] = None, actions: Optional[Dict[Key, Action]] = None,
+def polish_run(setting: Setting, placement: Placement, times: Dict[Key, float], limit: float, rounds: int,
+               state: Optional[list] = None, actions: Optional[Dict[Key, Action]] = None,
                window: Optional[Window] = None) -> Tuple[Optional[Schedule], Optional[Run]]:
-    """``polish`` and its run. ``state``: a list that holds, after the call, what lets a later call
-    go on for more rounds (passed again with ``times`` None: the same as asking for all the
-    rounds at once). ``actions``: as ``orders_by_time``'s. ``window``: where its memory checks are
-    noted (``Window``: under which other limits it gives the same)."""
+    """``polish`` and its run (the schedule named "polish": its caller names it). ``state``: a list
+    that holds, after the call, what lets a later call go on for more rounds (passed again with
+    ``times`` None: the same as asking for all the rounds at once). ``actions``: as
+    ``orders_by_time``'s. ``window``: where its memory checks are noted (``Window``: under which
+    other limits it gives the same)."""
     actions = {} if actions is None else actions
     window = Window() if window is None else window
     if times is None:
@@ -312,7 +314,7 @@ def polish_run(setting: Setting, placement: Placement, times: Dict[Key, float], 
         cands = cands or [orders]
         improved = False
         for o in cands:
-            s = Schedule(name, placement, m, o)
+            s = Schedule("polish", placement, m, o)
             res = Run(coder, s, setting)
             if not window.check(res.peak, limit + 1e-9):
                 continue

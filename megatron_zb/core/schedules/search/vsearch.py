@@ -25,8 +25,8 @@ from ...ir import Action, B, F, Placement, Schedule, ScheduleError, Setting, W
 from ...ir.memo import Memo, copy_schedule, setting_key
 from ...sim.simulate import simulate
 from . import vblock, vslots
-from .auto import (NOISE, TIE, check_effort, finish_search, least_memory_of, pass_count, rank_candidates, remembered,
-                   search_candidates, unit)
+from .auto import (NOISE, TIE, Finish, check_effort, finish_search, least_memory_of, pass_count, rank_candidates,
+                   remembered, search_candidates, unit)
 from .bounds import lower_bound
 from .evaluate import Coder
 from .greedy import best_of
@@ -162,17 +162,15 @@ def _v_searched(name: str, setting: Setting, limit: Optional[float], sim: Option
     if not optimal() and unit_slots:
         cands += vslots.search(st, limit, name, keep=4)
     chunk = max(st.pass_mem(F, pl.rank_of(s), s) for s in range(pl.num_stages))
-    ranked = search_candidates(name, st, pl, limit, cands, chunk, p * unit(st, pl),
-                     other=lambda x: vblock.search(st, pl, x, name),
-                     greedy_too=greedy and not optimal())
+    ranked = search_candidates(name, st, pl, limit, cands, (chunk, p * unit(st, pl)),
+                               other=lambda x: vblock.search(st, pl, x, name), greedy_too=greedy and not optimal())
     # on small settings V searches end in narrow basins: more starting points and a longer
     # search than zb-auto's (at p=16 m=16 a start 0.3% worse ends 0.3% better); the quick effort
     # searches from the best two (its third start never ended best: 144 settings of P 4..16, M
     # 8..64, three cost shapes, zb-v, v-half, v-min and v-auto at 2P, and six plans, the same
     # schedules for 7% less time; from one alone 9 of them up to 3.9% slower)
     top = 5 if small else 3 if effort == "full" else 2
-    return finish_search(ranked[0][1], st, limit, name, limit, ranked, top=top, lb=lb,
-                   work=1_000_000 if small else 250_000, sim=sim, tie=tie)
+    return finish_search(ranked, st, limit, name, Finish(top, 1_000_000 if small else 250_000, tie), lb=lb, sim=sim)
 
 
 def zb_v(setting: Setting, effort: str = "full") -> Schedule:
