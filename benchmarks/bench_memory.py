@@ -7,7 +7,7 @@ simulator and plan promised.
 Every schedule trains the tiny megatron-core GPT of ``megatron-zb verify`` (fp32, hidden 64, 4 heads,
 sequence 32, micro-batch 2, vocabulary 128, one layer per stage, no dropout, no flash attention,
 Megatron's ``deallocate_pipeline_outputs`` as in training) on P CPU processes; its losses and
-gradients are checked against the reference as usual. ``runtime.memory`` measures each rank's live
+gradients are checked against the reference as usual. ``runtime.observe.memory`` measures each rank's live
 activation bytes after every pass of the last iteration (what autograd saved for backward, the
 stage input, what the W queue holds; offloaded parts not counted). Three numbers per rank:
 

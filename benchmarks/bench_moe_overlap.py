@@ -20,7 +20,7 @@ An overlapped pair charges each pass's all-to-all only where the other's compute
 time of one training iteration (synchronous optimizer step, no p2p cost). Emulated (``--emulate-
 stages``; 0 skips): the same schedules on that many real gloo processes, each pass sleeping its
 cost (``--unit-ms`` per cost unit) and the pairs sleeping what the simulator charges them, real
-point-to-point messages between them (``megatron_zb.verify.emulate``); the prediction then
+point-to-point messages between them (``megatron_zb.verify.timing.emulate``); the prediction then
 includes the measured message time. Peak activation: the largest over the ranks, in units of one
 microbatch's activation of a whole 1F1B stage.
 """
@@ -37,7 +37,7 @@ sys.path.insert(0, ROOT)
 
 from megatron_zb.core.ir import Setting  # noqa: E402
 from megatron_zb.core.sim.simulate import simulate  # noqa: E402
-from megatron_zb.verify.emulate import COMBINED_1F1B, Entry, emulate, predicted_iteration, schedule_for  # noqa: E402
+from megatron_zb.verify.timing.emulate import COMBINED_1F1B, Entry, emulate, predicted_iteration, schedule_for  # noqa: E402
 
 SHARES = (0.3, 0.5)  # the all-to-all's share of a pass: a2a / (compute + a2a)
 STAGES = (8, 16)

@@ -68,7 +68,7 @@ def run(a, offload: bool):
     from megatron_zb.core.passes.offload import add_offload
     from megatron_zb.core.schedules import generate, get
     from megatron_zb.megatron.execution.wgrad import attach_wgrad_queue
-    from megatron_zb.runtime.offload import OffloadManager
+    from megatron_zb.runtime.features.offload import OffloadManager
     from megatron_zb.runtime.wqueue import WQueue
 
     device = torch.device(a.device)
@@ -184,7 +184,7 @@ def measured_k(a, res_off):
     """K from this GPU: one microbatch's captured bytes over the measured link, over F + B."""
     import torch
     from megatron_zb.megatron.features.offload import estimate_offload_time
-    from megatron_zb.runtime.measure import measure_host_link
+    from megatron_zb.runtime.observe.measure import measure_host_link
     device = torch.device(a.device)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[a.dtype]
     chunk = _chunk(a, device, dtype)

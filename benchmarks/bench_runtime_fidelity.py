@@ -5,7 +5,7 @@ costs; and the measured speed-up of every schedule over 1F1B.
     OMP_NUM_THREADS=1 python benchmarks/bench_runtime_fidelity.py [--unit-ms 1] [--iterations 5]
         [--pp 4 2] [--schedules 1f1b zb-h1 ...] [--out benchmarks/results/runtime_fidelity.json]
 
-Every pass sleeps ``cost * unit`` (``megatron_zb.runtime.sleep_passes``) and real small tensors
+Every pass sleeps ``cost * unit`` (``megatron_zb.runtime.emulate.sleep_passes``) and real small tensors
 travel through the runtime's p2p (pairwise gloo groups), so what is measured is the executor's
 ordering, the ranks waiting on each other, and the runtime's own overhead. Per case: one warm-up
 iteration, then ``--iterations`` timed ones, a barrier before each; an iteration's time is the
@@ -21,7 +21,7 @@ Sleeping ranks need no CPU, so P=4 ranks are fine on a 2-core machine.
 iterations back to back after ``--warmup`` ones, with the optimizer step as ``--optimizer-step-ms``
 of sleep, (a) **synchronous**: after its last pass a rank joins an all-reduce over every rank
 (Megatron's global norm / inf check), then steps; (b) **post-validated**: a rank steps at once and
-starts its next iteration; the partial reductions go through ``runtime.postval`` (its own gloo
+starts its next iteration; the partial reductions go through ``runtime.features.postval`` (its own gloo
 links and helper thread) and each rank waits for the result at the executor's validation point
 (before its first backward). The steady-state time per iteration (the slowest rank's) is compared
 with the simulator's ``iteration_time`` and ``iteration_time_post_validated`` (``core.sim.iteration``).
@@ -115,7 +115,7 @@ def rank_main(rank, world, port, cases, unit, iterations, warmup, q):
     from megatron_zb.core.sim.lower import lower
     from megatron_zb.core.schedules import generate
     from megatron_zb.runtime.p2p import P2P, PairGroups
-    from megatron_zb.runtime.sleep_passes import sleep_passes, time_iterations
+    from megatron_zb.runtime.emulate.sleep_passes import sleep_passes, time_iterations
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     groups = PairGroups(list(range(world)), {(a, b) for a in range(world) for b in range(a + 1, world)})
@@ -176,8 +176,8 @@ def rank_main_iterations(rank, world, port, cases, unit, opt_s, iterations, warm
     from megatron_zb.runtime.executor import execute
     from megatron_zb.runtime.hooks import Hook
     from megatron_zb.runtime.p2p import P2P, PairGroups
-    from megatron_zb.runtime.postval import PostValidation
-    from megatron_zb.runtime.sleep_passes import precise_sleep, sleep_passes
+    from megatron_zb.runtime.features.postval import PostValidation
+    from megatron_zb.runtime.emulate.sleep_passes import precise_sleep, sleep_passes
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     groups = PairGroups(list(range(world)), {(a, b) for a in range(world) for b in range(a + 1, world)})

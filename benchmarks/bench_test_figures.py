@@ -52,7 +52,7 @@ def _fig(name, value, ok, bound):
 
 
 def emulated():
-    from megatron_zb.verify.emulate import Entry, emulate
+    from megatron_zb.verify.timing.emulate import Entry, emulate
     entries = [Entry("1f1b"), Entry("zb-h1"), Entry("1f1b", post_validation=True, label="1f1b back to back")]
     rows = emulate(entries, 2, 4, 10.0, 10.0, 10.0, unit_s=1e-3, iterations=2, warmup=1, timeout=300)
     by = {r["label"]: r for r in rows}
@@ -68,7 +68,7 @@ def emulated():
 
 def pairs():
     from megatron_zb.core.ir import Setting
-    from megatron_zb.verify.emulate import Entry, emulate, predicted_iteration
+    from megatron_zb.verify.timing.emulate import Entry, emulate, predicted_iteration
     rows = emulate([Entry("dualpipe-v"), Entry("zb-v")], 4, 8, 10.0, 10.0, 6.0, unit_s=2e-3, iterations=2,
                    warmup=1, timeout=300, cost_a2a=6.0)
     by = {r["label"]: r for r in rows}
@@ -88,7 +88,7 @@ def fidelity():
     import bench_runtime_fidelity as bench
 
     from megatron_zb.core.ir import Placement, Setting
-    from megatron_zb.runtime.sleep_passes import precise_sleep, sleep_passes
+    from megatron_zb.runtime.emulate.sleep_passes import precise_sleep, sleep_passes
     k = _overload()
     cases = [{"schedule": s, "p": 2, "m": 4, "chunks": None, "costs": "F=B=W=10",
               "kw": dict(cost_f=10, cost_b=10, cost_w=10)} for s in ("zb-h1", "1f1b")]

@@ -174,7 +174,7 @@ def planning_costs(p: int, d: int, data, name: str, repeats: int = 3):
 
 
 def emulate_rows(p: int, plans, picks, batches: int, unit: float, iterations: int):
-    from megatron_zb.verify.emulate import emulate_schedules
+    from megatron_zb.verify.timing.emulate import emulate_schedules
     pairs, index = [], []
     for name, balanced in picks:
         for k in range(batches):

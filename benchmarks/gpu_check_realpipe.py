@@ -1,12 +1,12 @@
 """The GPU check's ``realpipe`` section (``benchmarks/gpu_check.py``): a real pipeline on one GPU.
 
 P = 2 and 4 pipeline ranks as processes on the one GPU, each in a CUDA green context of 1/P of the
-SMs (``megatron_zb.verify.green_context``; refused in one line where torch or the driver lacks them),
+SMs (``megatron_zb.verify.processes.green_context``; refused in one line where torch or the driver lacks them),
 train a GPT of h4096 s2048 with 2 layers per rank (bf16, torch's scaled_dot_product_attention unless
 ``--attention-backend`` names megatron's local one, untied vocabulary 8192), M = 2P: Megatron's own
 1F1B (megatron-core's ``get_forward_backward_func``, no megatron-zb), megatron-zb's zb-h1, zb-v,
 v-half and zb-v with activation offload 0.5 (K measured at start-up). Messages go over gloo, staged
-through the host (as the ``pipeline`` section's). The rank side is ``megatron_zb.verify.realpipe``.
+through the host (as the ``pipeline`` section's). The rank side is ``megatron_zb.verify.timing.realpipe``.
 
 Measured per case: time per iteration (median of the iterations after the profiler's window, the
 slowest rank's, each after a barrier) and each rank's CUDA allocator peak above the iteration's start.
@@ -52,7 +52,7 @@ def _attention(ctx: Context) -> str:
 
 
 def make_job(ctx: Context, p: int, m: int, deadline: float, out: str) -> dict:
-    """The one 'case' every rank of a launch gets (``verify.realpipe.realpipe_rank``)."""
+    """The one 'case' every rank of a launch gets (``verify.timing.realpipe.realpipe_rank``)."""
     gpu = ctx.device == "cuda"
     cases = [{"name": n, "schedule": s, **({"offload_ratio": r, "offload_time": "auto" if gpu else 0.5}
                                            if r is not None else {})} for n, s, r in CASES]
@@ -76,7 +76,7 @@ def predict_profile(profile: dict, p: int, m: int) -> dict:
     """The schedule that ran (the profile's ``built_schedule``) timed with the profile's per-chunk costs."""
     from megatron_zb.core.ir import io as sched_io
     from megatron_zb.core.ir import Setting
-    from megatron_zb.runtime.profile_data import profile_to_setting_kwargs
+    from megatron_zb.runtime.observe.profile_data import profile_to_setting_kwargs
     sched = sched_io.from_json(json.dumps(profile["built_schedule"]))
     kw = profile_to_setting_kwargs(profile, per_chunk=True)
     st = Setting(p, m, chunks=sched.placement.chunks,
@@ -106,7 +106,7 @@ def flop_prediction(model: dict, p: int, m: int) -> list:
     from megatron_zb.core.build import OffloadRequest, ScheduleRequest, build
     from megatron_zb.core.costs.model import ModelSpec
     from megatron_zb.core.plan import GPU_PEAK_TFLOPS
-    from megatron_zb.verify.green_context import sm_share
+    from megatron_zb.verify.processes.green_context import sm_share
     gpu, sms, major = DRY_GPU
     spec = ModelSpec(num_layers=model["layers_per_rank"] * p, hidden_size=model["hidden"],
                      num_attention_heads=model["heads"], seq_length=model["seq"], micro_batch_size=model["mbs"],
@@ -238,7 +238,7 @@ def realpipe(ctx: Context) -> None:
     outs = {p: os.path.join(outdir, f"realpipe_p{p}.jsonl") for p, _ in runs}
     jobs = {p: make_job(ctx, p, m, 0.0, outs[p]) for p, m in runs}
     ctx.plan.update(
-        launches={f"P={p}": f"verify.launch.run_cases(megatron_zb.verify.realpipe.realpipe_rank, [job], {p}, "
+        launches={f"P={p}": f"verify.processes.launch.run_cases(megatron_zb.verify.timing.realpipe.realpipe_rank, [job], {p}, "
                             f"backend='gloo'): {', '.join(c['name'] for c in jobs[p]['cases'])} at M={m}"
                   for p, m in runs},
         model=dict(model, dtype="bf16", attention=_attention(ctx), ranks="processes sharing one GPU"),
@@ -261,9 +261,9 @@ def realpipe(ctx: Context) -> None:
                         f"({_x(r.get('speedup_iteration'))} 1F1B); {_gib_list(r['peak_bytes'])}")
         return
     ctx.need_cuda()
-    from megatron_zb.verify import launch as L
-    from megatron_zb.verify.green_context import api_problem
-    from megatron_zb.verify.realpipe import realpipe_rank
+    from megatron_zb.verify.processes import launch as L
+    from megatron_zb.verify.processes.green_context import api_problem
+    from megatron_zb.verify.timing.realpipe import realpipe_rank
     if gpu:
         problem = api_problem()
         if problem:

@@ -311,7 +311,7 @@ def offload(ctx: Context) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# postval: the eager step and the rollback against Megatron's step (verify.step_timing)
+# postval: the eager step and the rollback against Megatron's step (verify.model.step_timing)
 # ------------------------------------------------------------------------------------------------
 
 POSTVAL_SIZE = {"layers": 2, "hidden": 2048, "seq": 2048, "iterations": 6}
@@ -319,14 +319,14 @@ POSTVAL_TINY = {"layers": 2, "hidden": 64, "seq": 32, "iterations": 3, "device":
 
 
 def postval(ctx: Context) -> None:
-    from megatron_zb.verify import launch as L
-    from megatron_zb.verify.step_timing import gpu_step_timing
+    from megatron_zb.verify.processes import launch as L
+    from megatron_zb.verify.model.step_timing import gpu_step_timing
     size = POSTVAL_TINY if ctx.device == "cpu" else POSTVAL_SIZE
     # clip 0: every step stands (the eager path); clip 1e-3: every step is clipped (the rollback path)
     cases = [dict(size, clip=c, compare_in_rank=True, attention_backend=ctx.attention_backend) for c in (0.0, 1e-3)]
     gpu = ctx.device == "cuda"
     ctx.plan.update(cases=cases, ranks=1, backend="nccl" if gpu else "gloo", model="megatron GPT, bf16, "
-                    "Megatron's Adam, vocabulary 32000", function="megatron_zb.verify.step_timing.gpu_step_timing")
+                    "Megatron's Adam, vocabulary 32000", function="megatron_zb.verify.model.step_timing.gpu_step_timing")
     shape = f"{size['layers']} layers h{size['hidden']} s{size['seq']}"
     if not ctx.runs:
         ctx.row(f"Megatron's step / eager step + validation / rollback ({shape}, one rank, {size['iterations']} "

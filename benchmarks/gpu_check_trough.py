@@ -1,6 +1,6 @@
 """The GPU check's ``trough`` section (``benchmarks/gpu_check.py``): the transfers and updates of
 optimizer states visiting the GPU in the troughs (``--zero-bubble-optimizer-offload trough``),
-measured with the runtime's own code (``runtime.optim_trough.TroughStates``) against what the
+measured with the runtime's own code (``runtime.features.optim_trough.TroughStates``) against what the
 core's cost model assumes (``core.optimizer.offload.HostCosts``).
 
 On the GPU: ``SUBGROUPS`` subgroups of Adam state (an fp32 parameter copy, ``exp_avg``,
@@ -41,13 +41,13 @@ def _adamw(p):
 def trough(ctx) -> None:
     import torch
     from megatron_zb.core.optimizer.offload import HostCosts
-    from megatron_zb.runtime.optim_trough import TroughStates
+    from megatron_zb.runtime.features.optim_trough import TroughStates
     gpu = ctx.device == "cuda"
     n = PARAMS_PER_SUBGROUP if gpu else TINY_PARAMS
     costs = HostCosts()
     state = 12 * n  # bytes of one subgroup's state
     ctx.plan.update(subgroups=SUBGROUPS, params_per_subgroup=n, state_bytes_per_subgroup=state,
-                    function="runtime.optim_trough.TroughStates (prefetch, visit, write_back, release, rollback)",
+                    function="runtime.features.optim_trough.TroughStates (prefetch, visit, write_back, release, rollback)",
                     cost_model={"link_gbps": costs.link_gbps, "gpu_update_gbps": costs.gpu_update_gbps,
                                 "cpu_update_gbps": costs.cpu_update_gbps, "update_bytes": costs.update_bytes})
     predicted = {"link_GBps": costs.link_gbps, "gpu_update_ms": costs.gpu(n) * 1e3, "cpu_update_ms": costs.cpu(n) * 1e3}

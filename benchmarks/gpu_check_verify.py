@@ -4,7 +4,7 @@ a torch profiler trace.
 
 Every rank is a process of its own on the one GPU (``VerifyCase(device="cuda")``): NCCL refuses two
 ranks on one device, so they talk over gloo, point-to-point messages staged through host copies
-(``megatron_zb.verify.cuda_gloo``). The single-process reference runs on the same GPU. With
+(``megatron_zb.verify.processes.cuda_gloo``). The single-process reference runs on the same GPU. With
 ``--tiny`` the same cases run on the CPU at verify's tiny sizes, the staging included
 (``MZB_VERIFY_STAGE_P2P=1``)."""
 from __future__ import annotations
@@ -27,7 +27,7 @@ GPU_EVENT_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 
 def _stage_on_cpu(ctx: Context) -> None:
     if ctx.device == "cpu":  # the CPU check runs the GPU path's message staging too
-        from megatron_zb.verify.cuda_gloo import STAGE_ENV
+        from megatron_zb.verify.processes.cuda_gloo import STAGE_ENV
         os.environ[STAGE_ENV] = "1"
 
 
@@ -64,7 +64,7 @@ def memory(ctx: Context) -> None:
              for name, kw in chosen]
     plans = [[max([0.0] + stage_memory_trace(o, BM.formula_stage_mem(c))) for o in BM.orders(c)] for c in cases]
     ctx.plan.update(cases=[c.describe() for c in cases], model=MEMORY_MODEL if gpu else "verify's tiny GPT",
-                    measured="torch.cuda.memory_allocated over the iteration's start, after every pass (runtime.memory)")
+                    measured="torch.cuda.memory_allocated over the iteration's start, after every pass (runtime.observe.memory)")
     if not ctx.runs:
         for c, p in zip(cases, plans):
             ctx.row(f"activation peak per rank, {c.schedule}" + (" + offload" if c.offload_ratio else ""),

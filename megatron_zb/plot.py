@@ -105,7 +105,7 @@ def plot_timeline(result: SimResult, path: str, title: Optional[str] = None, tim
                   memory: Optional[List[List[dict]]] = None) -> None:
     """Draw ``result`` as a timeline picture; the format (.png or .svg) follows ``path``.
     ``time_unit``: the unit of the result's times (the axis shows ms for "s" and "ms").
-    ``memory``: per rank, a run's measured activation trace (``runtime.memory``: one
+    ``memory``: per rank, a run's measured activation trace (``runtime.observe.memory``: one
     ``{"pass": "F3.0", "bytes": ..., "predicted": ...}`` per pass): drawn under the timeline, each
     value at the end of its pass on this timeline, the prediction dashed."""
     ext = os.path.splitext(path)[1].lower()

@@ -3,11 +3,11 @@
     python scripts/quickstart_report.py out/quickstart [--mode cpu|gpu] [--pp 4] [--schedules zb-v 1f1b]
 
 cpu: the losses of the tiny GPT trained on CPU with each schedule (they must be identical), then
-     the same pipeline with emulated compute (``megatron_zb.verify.emulate``: real processes and
+     the same pipeline with emulated compute (``megatron_zb.verify.timing.emulate``: real processes and
      real point-to-point messages, each pass a wait of the F/B/W time measured for a transformer
      layer on an H100) for the schedules in EMULATED, against the simulator's prediction, read from
      <out>/emulated.json, which ``--emulate`` writes (the quickstart runs it during the training);
-     then vocabulary parallelism with emulated compute (``megatron_zb.verify.emulate_vocab``) for a
+     then vocabulary parallelism with emulated compute (``megatron_zb.verify.timing.emulate_vocab``) for a
      model whose output layer has Llama-3.2-1B's share of the FLOPs: Megatron's 1F1B with the best
      layout plan finds for it against plan's best schedule with vocabulary parallelism, measured
      and simulated (<out>/emulated_vocab.json, also written by ``--emulate``).
@@ -34,7 +34,7 @@ from megatron_zb.core.ir import Setting  # noqa: E402
 from megatron_zb.core.sim.iteration import iteration_times  # noqa: E402
 from megatron_zb.core.schedules import generate  # noqa: E402
 from megatron_zb.core.sim.simulate import simulate  # noqa: E402
-from megatron_zb.verify.emulate import Entry  # noqa: E402
+from megatron_zb.verify.timing.emulate import Entry  # noqa: E402
 
 # The schedules the emulated run compares; the first is the baseline. One line per schedule.
 EMULATED = [
@@ -92,7 +92,7 @@ def correctness(out, schedules):
 
 def run_emulation(out, pp, microbatches):
     """Run the emulated-compute comparison; write <out>/emulated.json and the timeline pictures."""
-    from megatron_zb.verify.emulate import emulate
+    from megatron_zb.verify.timing.emulate import emulate
 
     layer = json.load(open(H100_LAYER))
     f, b, w = (layer["median_s"][k] * 1e3 for k in ("f", "b", "w"))
@@ -130,9 +130,9 @@ def output_share(spec, layout):
 
 
 def run_vocab_emulation(out, pp, microbatches):
-    """Vocabulary parallelism with emulated compute (``verify.emulate_vocab.compare``); writes
+    """Vocabulary parallelism with emulated compute (``verify.timing.emulate_vocab.compare``); writes
     <out>/emulated_vocab.json and the timeline picture of the schedule with vocabulary parallelism."""
-    from megatron_zb.verify.emulate_vocab import compare
+    from megatron_zb.verify.timing.emulate_vocab import compare
 
     spec = vocab_spec()
     rows = compare(spec, pp, microbatches, slow_down=VOCAB_SLOW_DOWN, iterations=VOCAB_ITERATIONS)

@@ -191,10 +191,10 @@ def resume_case(case):
     from megatron.core.utils import unwrap_model
     from megatron_zb.megatron.execution import finalize as F
     from megatron_zb.megatron.layout import placement as P
-    from megatron_zb.verify import tinygpt as M
+    from megatron_zb.verify.model import tinygpt as M
     from megatron_zb.megatron.install import install
     from megatron_zb.megatron.launch.shutdown import stop_checkpoint_writer
-    from megatron_zb.verify.launch import set_status
+    from megatron_zb.verify.processes.launch import set_status
 
     _allow_save_without_psutil()
     rank = dist.get_rank()

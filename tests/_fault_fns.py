@@ -23,7 +23,7 @@ def stop_one_rank(case):
 
     import megatron_zb.megatron.execution.finalize as F
     import megatron_zb.megatron.layout.placement as P
-    import megatron_zb.verify.tinygpt as M
+    import megatron_zb.verify.model.tinygpt as M
     from megatron_zb.megatron.install import install
 
     rank = dist.get_rank()
@@ -53,7 +53,7 @@ def stop_one_rank(case):
                 t = time.time()
                 with open(os.path.join(case["out"], f"rank{rank}.txt"), "w") as f:
                     f.write(f"{t}\n{type(e).__name__}: {e}")
-                from megatron_zb.runtime.progress import finish_kills
+                from megatron_zb.runtime.observe.progress import finish_kills
                 finish_kills()
                 raise
             M.sgd_step_(chunks, 0.1)
@@ -74,16 +74,16 @@ def stop_outside_schedule(case):
     """Like ``stop_one_rank``, but ``stop_rank`` stops itself between iterations (after its
     forward-backward returned), while the others enter an all-reduce (a collective outside the
     schedule, as Megatron's optimizer step and loss reductions are). The others' stall watch
-    (``runtime.progress.enable_stall_watch``) writes its message to ``out/rank<r>.txt`` and ends
+    (``runtime.observe.progress.enable_stall_watch``) writes its message to ``out/rank<r>.txt`` and ends
     the process."""
     import torch
     import torch.distributed as dist
 
     import megatron_zb.megatron.execution.finalize as F
     import megatron_zb.megatron.layout.placement as P
-    import megatron_zb.verify.tinygpt as M
+    import megatron_zb.verify.model.tinygpt as M
     from megatron_zb.megatron.install import install
-    from megatron_zb.runtime import progress
+    from megatron_zb.runtime.observe import progress
 
     rank = dist.get_rank()
 
@@ -121,7 +121,7 @@ def slow_forward_on_one_rank(case):
 
     import megatron_zb.megatron.execution.finalize as F
     import megatron_zb.megatron.layout.placement as P
-    import megatron_zb.verify.tinygpt as M
+    import megatron_zb.verify.model.tinygpt as M
     from megatron_zb.megatron.install import install
 
     rank = dist.get_rank()
@@ -157,9 +157,9 @@ def stop_while_saving(case):
 
     import megatron_zb.megatron.execution.finalize as F
     import megatron_zb.megatron.layout.placement as P
-    import megatron_zb.verify.tinygpt as M
+    import megatron_zb.verify.model.tinygpt as M
     from megatron_zb.megatron.install import install
-    from megatron_zb.runtime import progress
+    from megatron_zb.runtime.observe import progress
 
     rank = dist.get_rank()
 

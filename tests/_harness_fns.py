@@ -28,7 +28,7 @@ def raise_on_rank1_in_case1(case):
 def hang_on_rank1(case):
     import torch
     import torch.distributed as dist
-    from megatron_zb.verify.launch import set_status
+    from megatron_zb.verify.processes.launch import set_status
     if dist.get_rank() == 1:
         set_status("waiting RECV_F stage 1 mb 0 from rank 0")
         t = torch.zeros(1)
@@ -77,7 +77,7 @@ def placement_report(case):
     from megatron.core import parallel_state
     from megatron_zb.megatron.execution import finalize as F
     from megatron_zb.megatron.layout import placement as P
-    from megatron_zb.verify import tinygpt as M
+    from megatron_zb.verify.model import tinygpt as M
 
     out = {"megatron_version": M.megatron_version(), "placements": []}
     specs = [
@@ -177,10 +177,10 @@ def _stub_install(schedule, *, chunks=None, memory_limit=None, **options):
     import megatron.core.pipeline_parallel as mpp
     from megatron.core import parallel_state
     from megatron_zb.verify.case import schedule_placement
-    from megatron_zb.verify.sequential import SequentialForwardBackward
+    from megatron_zb.verify.model.sequential import SequentialForwardBackward
     from megatron_zb.megatron.execution import finalize as F
     from megatron_zb.megatron.layout import placement as P
-    from megatron_zb.verify import tinygpt as M
+    from megatron_zb.verify.model import tinygpt as M
 
     p = parallel_state.get_pipeline_model_parallel_world_size()
     style, c = schedule_placement(schedule, chunks)
@@ -202,14 +202,14 @@ def rank_case_with_stub_install(case):
     mod = types.ModuleType("megatron_zb.megatron.install")
     mod.install = _stub_install
     sys.modules["megatron_zb.megatron.install"] = mod
-    from megatron_zb.verify.rank import rank_case
+    from megatron_zb.verify.model.rank import rank_case
     del _STUB_CALLS[:]
     r = rank_case(case)
     r["stub_calls"] = list(_STUB_CALLS)
     return r
 
 
-# -- replicated stages (runtime/replica.py, install's first-call check) -------------------------
+# -- replicated stages (runtime/features/replica.py, install's first-call check) -------------------------
 
 def replica_sync_and_check(case):
     """Two ranks, each holding one copy of logical stages 0 and 1: the gradient all-reduce sums
@@ -219,7 +219,7 @@ def replica_sync_and_check(case):
     from megatron_zb.core.ir import Placement
     from megatron_zb.megatron.errors import ZeroBubbleConfigError
     from megatron_zb.megatron.layout.routing import check_replicas_equal
-    from megatron_zb.runtime.replica import ReplicaGradSync, ReplicaGroups
+    from megatron_zb.runtime.features.replica import ReplicaGradSync, ReplicaGroups
     me = dist.get_rank()
     pl = Placement.bitpipe(2)
     groups = ReplicaGroups([0, 1], {l: [pl.rank_of(pl.path(k)[l]) for k in range(2)] for l in range(4)})

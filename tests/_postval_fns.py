@@ -6,7 +6,7 @@ def channel_case(case):
     import torch
     import torch.distributed as dist
 
-    from megatron_zb.runtime.postval import PostValidation, ValidationTimeout
+    from megatron_zb.runtime.features.postval import PostValidation, ValidationTimeout
     world, me = dist.get_world_size(), dist.get_rank()
     pp = dist.new_group(list(range(world)))
     pv = PostValidation(timeout_s=case["timeout"])
@@ -45,7 +45,7 @@ def drain_case(case):
     from megatron_zb.runtime.executor import execute, rank_pairs
     from megatron_zb.runtime.hooks import Hook
     from megatron_zb.runtime.p2p import P2P, PairGroups
-    from megatron_zb.runtime.sleep_passes import sleep_passes
+    from megatron_zb.runtime.emulate.sleep_passes import sleep_passes
     world, me = dist.get_world_size(), dist.get_rank()
     st = Setting(world, case["m"], chunks=2)
     low = lower(generate(case["schedule"], st))

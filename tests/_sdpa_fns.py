@@ -30,7 +30,7 @@ def compare_with_megatron(case):
 
     from megatron_zb.megatron.cpu.local_spec import packed_attention
     from megatron_zb.megatron.features.sdpa_attention import SDPAttention
-    from megatron_zb.verify.tinygpt import TinyGPTConfig, init_parallel_state, make_transformer_config
+    from megatron_zb.verify.model.tinygpt import TinyGPTConfig, init_parallel_state, make_transformer_config
 
     tp = case["tp"]
     init_parallel_state(tensor_parallel_size=tp)
@@ -78,7 +78,7 @@ def compare_with_megatron(case):
 
 def core_attention_of_model(case):
     """The core-attention classes of the tiny GPT verify builds with ``case["backend"]``."""
-    from megatron_zb.verify.tinygpt import TinyGPTConfig, build_reference_model, init_parallel_state
+    from megatron_zb.verify.model.tinygpt import TinyGPTConfig, build_reference_model, init_parallel_state
     init_parallel_state()
     model = build_reference_model(TinyGPTConfig(num_layers=2, attention_backend=case["backend"]))
     return sorted({type(layer.self_attention.core_attention).__name__ for layer in model.decoder.layers})

@@ -69,7 +69,7 @@ def run_rank(rank, world, name, m, chunks, fwd_only, drop_sends_on=None, timeout
     if offload is not None:  # activation offload at this ratio (copies: synchronous CPU test mode)
         from megatron_zb.core.sim.hostlink import OffloadOptions
         from megatron_zb.core.passes.offload import add_offload
-        from megatron_zb.runtime.offload import OffloadHook, OffloadManager
+        from megatron_zb.runtime.features.offload import OffloadHook, OffloadManager
         sched = add_offload(sched, st, OffloadOptions(ratio=offload, time=0.1, w_parts=False))
         mgr = OffloadManager("cpu", cpu_test=True, min_elements=0)
     if fwd_only:
@@ -144,7 +144,7 @@ def _groups(world):
 
 
 def rank_case(case):
-    """One case on a rank of a verify launch (``verify.launch.run_cases``: the process group is up,
+    """One case on a rank of a verify launch (``verify.processes.launch.run_cases``: the process group is up,
     the rank forked from the warm torch-only server): ("ok", what ``run_rank`` returns) or ("err", its
     traceback), so that one failing case leaves the group to the next.
     ``case``: {"args": run_rank's arguments after rank and world, "schedules": the parent's}."""

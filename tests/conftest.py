@@ -4,7 +4,7 @@
   ``installed``) = the one installed in the venv (0.16.1 here); a version such as ``0.19.2`` =
   ``<repo>/.venv/mcore-0.19.2``; or a directory holding ``megatron/core``. The chosen directory is
   put first on ``sys.path`` in this process and on ``PYTHONPATH`` for every subprocess, and
-  ``megatron_zb.verify.launch`` puts it first in every rank it starts.
+  ``megatron_zb.verify.processes.launch`` puts it first in every rank it starts.
 * This checkout's own package comes first on ``sys.path`` and ``PYTHONPATH`` (a shared venv's
   editable install may point at another checkout).
 * Multi-process tests are marked ``dist`` (``pytest -m dist``), tests that import megatron
@@ -13,7 +13,7 @@
   ranks must report, or None when it is "whatever is installed"), and ``rank_pool``: a callable
   ``rank_pool(fn, cases, world_size, timeout=...)`` -> ``results[case][rank]`` that runs
   ``fn(case)`` on ``world_size`` real gloo processes (one launch for all cases; see
-  ``megatron_zb.verify.launch.run_cases``).
+  ``megatron_zb.verify.processes.launch.run_cases``).
 
 * No process left behind: the pytest process is a child subreaper (Linux), so whatever a test
   starts stays its descendant even when orphaned; after every test, a process that the test
@@ -21,7 +21,7 @@
   naming the processes (they are then killed), and the session ends with the same check.
 
 * Two warm zygote servers per pytest process that runs ``dist`` tests
-  (``megatron_zb.verify.zygote_server``, their sockets in ``$MZB_ZYGOTE_SERVER``): one imports torch,
+  (``megatron_zb.verify.processes.zygote_server``, their sockets in ``$MZB_ZYGOTE_SERVER``): one imports torch,
   the CPU shims and megatron-core once, the other torch alone, and each forks the zygote of every
   launch it fits (this process's and its CLIs'): the launch's megatron-core, checkout and
   environment are the server's; ``MZB_ZYGOTE_SERVER=0``: none (every launch imports for itself).
@@ -139,7 +139,7 @@ def mcore_version():
 @pytest.fixture(scope="session")
 def rank_pool():
     """``rank_pool(fn, cases, world_size, timeout=300, **kw)`` -> results[case][rank]."""
-    from megatron_zb.verify.launch import run_cases
+    from megatron_zb.verify.processes.launch import run_cases
 
     def run(fn, cases, world_size, timeout=300.0, **kw):
         kw.setdefault("mcore_path", MCORE_PATH)
@@ -170,7 +170,7 @@ def _own_helpers() -> set:
 
 
 # -- warm zygote servers for the pytest processes that run multi-process tests ---------------------
-# (megatron_zb.verify.zygote_server: one imports torch, the CPU shims and megatron-core once, the
+# (megatron_zb.verify.processes.zygote_server: one imports torch, the CPU shims and megatron-core once, the
 # other torch alone, and each forks the zygotes of the launches it fits, of this process and of the
 # CLIs it runs, so those launches cost no import; MZB_ZYGOTE_SERVER=0: none)
 
@@ -191,7 +191,7 @@ def pytest_collection_finish(session):
         d = tempfile.mkdtemp(prefix="mzb-zygote-server-")
         paths.append(os.path.join(d, "socket"))
         with open(os.path.join(d, "server.log"), "wb") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "megatron_zb.verify.zygote_server", paths[-1],
+            proc = subprocess.Popen([sys.executable, "-m", "megatron_zb.verify.processes.zygote_server", paths[-1],
                                      str(os.getpid()), MCORE_PATH or "", shims], env=env, stdout=log,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         _ZYGOTE_SERVERS.append((proc, d))

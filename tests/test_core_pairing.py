@@ -157,8 +157,8 @@ def test_plan_estimates_the_all_to_all_from_the_moe_flags(capsys):
 
 @pytest.mark.timing
 def test_sleep_passes_charge_a_pair_what_the_simulator_does(monkeypatch):
-    from megatron_zb.runtime import sleep_passes as SP
-    from megatron_zb.runtime.sleep_passes import precise_sleep, sleep_passes
+    from megatron_zb.runtime.emulate import sleep_passes as SP
+    from megatron_zb.runtime.emulate.sleep_passes import precise_sleep, sleep_passes
     st = Setting(2, 4, cost_f=2, cost_b=3, cost_w=1, cost_a2a=1.5)  # per chunk (V): F 1, B 1.5, W .5, a2a .75
     pl = Placement.vshape(2)
     f, b = Action(F, 1, 1), Action(B, 2, 0)
@@ -191,7 +191,7 @@ def test_emulated_pairs_run_as_one_pass_in_the_schedules_order():
     speed-up of the hidden all-to-all (measured < the serial prediction, error vs the simulator)
     is a figure: benchmarks/bench_test_figures.py (and bench_moe_overlap.py)."""
     from megatron_zb.core.sim.iteration import iteration_times
-    from megatron_zb.verify.emulate import Entry, emulate, predicted_iteration, schedule_for
+    from megatron_zb.verify.timing.emulate import Entry, emulate, predicted_iteration, schedule_for
     unit = 2e-3
     entries = [Entry("dualpipe-v"), Entry("zb-v")]
     # timeout: a hang guard (the 4 ranks start in seconds on a quiet host, minutes at a load of 50)

@@ -1,5 +1,5 @@
-"""Vocabulary parallelism with emulated compute (runtime.sleep_vocab, verify.emulate.emulate_schedules,
-verify.emulate_vocab, core.plan.schedule) and the quickstart's section on it. What holds whatever
+"""Vocabulary parallelism with emulated compute (runtime.emulate.sleep_vocab, verify.timing.emulate.emulate_schedules,
+verify.timing.emulate_vocab, core.plan.schedule) and the quickstart's section on it. What holds whatever
 the host's load: each rank runs its schedule's order, a barrier's passes wait for every rank's
 pass before it (one clock for every process), the plan's rows rebuild to the same schedules. How
 close the measured times come to the simulator's is a figure (the quickstart prints it)."""
@@ -38,7 +38,7 @@ def test_emulated_vocab_passes_run_the_schedule_and_wait_for_their_barriers():
     runs its schedule's order (VS, VT, VW included), one pass at a time; every VT of a microbatch
     ends after every rank's VS of it was due to end plus the barrier's time, the loss stage's
     backward starts after the last barrier; every pass lasts at least its cost."""
-    from megatron_zb.verify.emulate import emulate_schedules
+    from megatron_zb.verify.timing.emulate import emulate_schedules
 
     pairs = [_built("1f1b", 4, 4, 1), _built("zb-h1", 4, 4, 2)]
     hop, times, tls = emulate_schedules(pairs, unit_s=1e-3, iterations=1, warmup=1, timeout=900, timelines=True,
@@ -89,7 +89,7 @@ def test_row_schedule_rebuilds_plan_rows():
 
 
 def test_pick_rows_takes_megatron_1f1b_and_the_best_vocab_row():
-    from megatron_zb.verify.emulate_vocab import pick_rows
+    from megatron_zb.verify.timing.emulate_vocab import pick_rows
     base, best = pick_rows(TINY, 4, 8, schedules=["1f1b", "zb-h1", "zb-v"])
     assert base["schedule"] == "1f1b" and not base.get("vocab_parallel")
     assert best["vocab_parallel"] == 1 and best["fits"]

@@ -1,8 +1,8 @@
 """Faults: the rank that stopped is named by every rank; no rank outlives its launcher.
 
-* ``runtime.progress``'s diagnosis on fabricated records (a stopped rank, a rank stuck in a pass
+* ``runtime.observe.progress``'s diagnosis on fabricated records (a stopped rank, a rank stuck in a pass
   found by following who waits for whom, a deadlock cycle, a rank that never published);
-* real gloo ranks (``verify.launch``) training a tiny GPT with zb-v at PP=4: one rank stops itself
+* real gloo ranks (``verify.processes.launch``) training a tiny GPT with zb-v at PP=4: one rank stops itself
   with SIGSTOP in the middle of an iteration; every other rank's PipelineTimeout names it, within
   the timeout plus a few seconds;
 * killing the verify launcher's process with SIGKILL ends its ranks.
@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from megatron_zb.runtime.progress import diagnose_records
+from megatron_zb.runtime.observe.progress import diagnose_records
 from tests._host import overload
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -82,7 +82,7 @@ TIMEOUT_S = 3.0
 @pytest.mark.dist
 @pytest.mark.timing
 def test_the_stopped_rank_is_named_by_every_rank(rank_pool, tmp_path):
-    from megatron_zb.verify.launch import RankError
+    from megatron_zb.verify.processes.launch import RankError
     from tests import _fault_fns
 
     case = dict(schedule="zb-v", placement="v", pp=4, chunks=2, timeout=TIMEOUT_S, stop_rank=1, stop_at=2,
@@ -107,7 +107,7 @@ def test_the_stopped_rank_is_named_by_every_rank(rank_pool, tmp_path):
 
 _LAUNCHER = textwrap.dedent("""
     import sys
-    from megatron_zb.verify.launch import launch
+    from megatron_zb.verify.processes.launch import launch
     from tests import _fault_fns
     launch(_fault_fns.write_pid_and_sleep, 2, {"out": sys.argv[1]}, timeout=600, cpu_shims=False)
 """)
@@ -162,7 +162,7 @@ def test_ranks_end_when_the_verify_launcher_is_killed(tmp_path, served):
 @pytest.mark.dist
 @pytest.mark.timing
 def test_a_rank_stopped_outside_the_schedule_is_named_by_the_stall_watch(rank_pool, tmp_path):
-    from megatron_zb.verify.launch import LaunchError
+    from megatron_zb.verify.processes.launch import LaunchError
     from tests import _fault_fns
 
     case = dict(schedule="1f1b", placement="single", pp=4, timeout=TIMEOUT_S, stop_rank=2, stop_at=1,
@@ -191,7 +191,7 @@ def test_a_rank_stopped_during_a_checkpoint_save_is_named(rank_pool, tmp_path):
     """The stall watch covers saves: a rank stopped while every rank saves is named, with what it
     was doing, by the ranks waiting inside the save (no silent hang until Megatron's distributed
     timeout)."""
-    from megatron_zb.verify.launch import LaunchError
+    from megatron_zb.verify.processes.launch import LaunchError
     from tests import _fault_fns
 
     case = dict(pp=4, timeout=TIMEOUT_S, stop_rank=1, out=str(tmp_path))
@@ -214,7 +214,7 @@ def test_a_rank_stopped_during_a_checkpoint_save_is_named(rank_pool, tmp_path):
 @pytest.mark.version_free  # verify's launcher and its 45 s timeout: the same on every megatron-core
 @pytest.mark.timing
 def test_the_launch_timeout_names_a_rank_stuck_in_a_pass(rank_pool):
-    from megatron_zb.verify.launch import LaunchTimeout
+    from megatron_zb.verify.processes.launch import LaunchTimeout
     from tests import _fault_fns
 
     case = dict(schedule="1f1b", placement="single", pp=4, timeout=300.0, slow_rank=2, slow_at=0, sleep=600.0)

@@ -165,12 +165,12 @@ def test_wheel_check(tmp_path):
 
 
 def staged_exchange(_case):
-    """Rank code: isend/irecv and send/recv through ``verify.cuda_gloo``'s host staging, then a
+    """Rank code: isend/irecv and send/recv through ``verify.processes.cuda_gloo``'s host staging, then a
     coalesced all-reduce as megatron-core's DDP issues it (reduced one tensor at a time)."""
     import torch
     import torch.distributed as dist
     from torch.distributed import _coalescing_manager
-    from megatron_zb.verify import cuda_gloo
+    from megatron_zb.verify.processes import cuda_gloo
     cuda_gloo.apply(stage_host=True)
     r = dist.get_rank()
     a, b = torch.full((3,), r + 1.0), torch.full((2,), 10.0 * (r + 1))
@@ -196,7 +196,7 @@ def staged_exchange(_case):
 
 @pytest.mark.dist
 def test_point_to_point_staged_through_host_copies():
-    from megatron_zb.verify.launch import run_cases
+    from megatron_zb.verify.processes.launch import run_cases
     (sent, red0), (got, red1) = run_cases(staged_exchange, [None], 2, cpu_shims=False, timeout=120)[0]
     assert sent == "_HostSend"
     assert red0 == red1 == ([3.0, 3.0, 3.0], [30.0, 30.0], [2.0, 2.0])
@@ -206,7 +206,7 @@ def test_point_to_point_staged_through_host_copies():
 def test_green_context_share_and_refusal():
     """SMs per rank: 1/P down to the partition granularity; where torch lacks green contexts (this CPU
     build) the API check and entering one say so in one line."""
-    from megatron_zb.verify.green_context import GreenContextUnavailable, GreenShare, api_problem, sm_share, summarize
+    from megatron_zb.verify.processes.green_context import GreenContextUnavailable, GreenShare, api_problem, sm_share, summarize
     assert (sm_share(132, 2, 9), sm_share(132, 4, 9), sm_share(108, 4, 8), sm_share(16, 4, 9)) == (64, 32, 26, 8)
     problem = api_problem()
     import torch

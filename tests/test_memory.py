@@ -1,4 +1,4 @@
-"""Memory as measured (``runtime.memory``): each rank's activation bytes at every pass boundary of a
+"""Memory as measured (``runtime.observe.memory``): each rank's activation bytes at every pass boundary of a
 real run, against the simulator's prediction from the run's measured mem-f / mem-w and against
 plan's formula for the same model."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 from megatron_zb.core.ir import Action
 from megatron_zb.core.costs.model import ModelSpec, stage_activation_bytes
 from megatron_zb.core.sim.simulate import stage_memory_trace
-from megatron_zb.runtime.memory import ActivationMeter
+from megatron_zb.runtime.observe.memory import ActivationMeter
 
 
 def test_stage_memory_trace_follows_passes_and_copies():

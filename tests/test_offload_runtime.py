@@ -1,11 +1,11 @@
-"""The activation offload manager (runtime/offload.py) in one process: what it captures, what it
+"""The activation offload manager (runtime/features/offload.py) in one process: what it captures, what it
 moves, that gradients are unchanged, byte accounting, buffer reuse, errors. The CPU test mode
 runs everywhere; the CUDA-stream path runs where a GPU is present (skipped otherwise)."""
 import pytest
 import torch
 
-from megatron_zb.runtime.measure import measure_host_link, measure_matmul
-from megatron_zb.runtime.offload import OffloadError, OffloadManager
+from megatron_zb.runtime.observe.measure import measure_host_link, measure_matmul
+from megatron_zb.runtime.features.offload import OffloadError, OffloadManager
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -1,6 +1,6 @@
 """Optimizer states in the troughs, the parts without a launch: the core's trough plan in a rank's
 pass order (``core.optimizer.trough``) and the host-resident states' moves, commits and rollbacks
-(``runtime.optim_trough``; host and device are one memory on a CPU-only torch, the copies real).
+(``runtime.features.optim_trough``; host and device are one memory on a CPU-only torch, the copies real).
 The run with Megatron's optimizer under every schedule is tests/test_optimizer_offload_megatron.py."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from megatron_zb.core.build import ScheduleRequest, build
 from megatron_zb.core.ir import ScheduleError
 from megatron_zb.core.optimizer.offload import HostCosts, RankShare, memory_curve
 from megatron_zb.core.optimizer.trough import rank_trough_plan, split_evenly
-from megatron_zb.runtime.optim_trough import TroughHook, TroughStates
+from megatron_zb.runtime.features.optim_trough import TroughHook, TroughStates
 
 MB = 1e6
 

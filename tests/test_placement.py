@@ -11,7 +11,7 @@ import pytest
 
 from megatron_zb.core.ir import Placement, ScheduleError
 from megatron_zb.megatron.layout import placement as P
-from megatron_zb.verify import tinygpt as M
+from megatron_zb.verify.model import tinygpt as M
 
 
 # -- pure Python -------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Optimizer post-validation, pipeline side (runtime/postval.py, the executor's validation point)
+"""Optimizer post-validation, pipeline side (runtime/features/postval.py, the executor's validation point)
 with real gloo processes and no megatron; Megatron's optimizer with it: tests/test_postval_megatron.py."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from megatron_zb.runtime.postval import Replay, combine, replayable
+from megatron_zb.runtime.features.postval import Replay, combine, replayable
 from tests import _postval_fns as F
 from tests._host import overload
 

@@ -12,7 +12,7 @@ import statistics
 import pytest
 import torch
 
-from megatron_zb.verify.step_timing import gpu_step_timing
+from megatron_zb.verify.model.step_timing import gpu_step_timing
 
 pytestmark = [pytest.mark.megatron, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

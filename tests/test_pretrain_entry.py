@@ -437,7 +437,7 @@ def test_numpy_blending_indices_match_the_cpp_loops():
     ("zb-v", 0.00123, "--zero-bubble-offload-ratio auto --zero-bubble-offload-cpu-test")])
 def test_a_memory_limit_in_gib_holds_as_measured(schedule, limit_gib, extra):
     """--zero-bubble-memory-limit in GiB: every rank's activation peak, as measured in the profile
-    window (runtime.memory), is at most that; the measurement is in the profile JSON too."""
+    window (runtime.observe.memory), is at most that; the measurement is in the profile JSON too."""
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "profile.json")
         rc, text = run_script(SCHEDULE=schedule, PP=2, ITERS=3, PREFLIGHT=0,  # the window ends the run

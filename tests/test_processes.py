@@ -30,7 +30,7 @@ def _running(pids):
 @pytest.mark.dist
 @pytest.mark.parametrize("served", [False, True], ids=["own-zygote", "warm-server"])
 def test_launch_reaps_what_ranks_leave_behind(served):
-    from megatron_zb.verify.launch import launch
+    from megatron_zb.verify.processes.launch import launch
     env = None if served else {"MZB_ZYGOTE_SERVER": ""}  # (tests/conftest.py names the servers)
     started = launch(_proc_fns.leave_things_behind, 1, cpu_shims=False, timeout=600, env=env)[0]
     assert len(set(started)) >= 4  # a Manager, its resource tracker, a detached sleeper and its child
@@ -39,17 +39,17 @@ def test_launch_reaps_what_ranks_leave_behind(served):
 
 @pytest.mark.dist
 def test_a_launch_forks_from_the_warm_server_where_it_can_serve_it():
-    """tests/conftest.py starts two servers (verify.zygote_server) for the dist tests: a launch
+    """tests/conftest.py starts two servers (verify.processes.zygote_server) for the dist tests: a launch
     with the CPU shims forks its zygote from the one that imported megatron-core, one without them
     from the one that imported torch alone (no import of their own), and one whose environment
     differs in a variable the imports may read starts its own zygote."""
-    from megatron_zb.verify.launch import launch
+    from megatron_zb.verify.processes.launch import launch
     assert len(os.environ.get("MZB_ZYGOTE_SERVER", "").split(os.pathsep)) == 2, "tests/conftest.py names two"
     for shims in (True, False):
         served = launch(_proc_fns.zygote_parent, 2, cpu_shims=shims, timeout=600)
         (pid, cmd), other = served
         assert other == (pid, cmd) and pid != os.getpid(), served
-        assert "megatron_zb.verify.zygote_server" in cmd and cmd.split()[-1] == str(int(shims)), cmd
+        assert "megatron_zb.verify.processes.zygote_server" in cmd and cmd.split()[-1] == str(int(shims)), cmd
     own = launch(_proc_fns.zygote_parent, 2, timeout=600, env={"MZB_ANYTHING": "1"})
     assert [pid for pid, _ in own] == [os.getpid()] * 2, own
 
@@ -77,7 +77,7 @@ def test_the_suite_fails_a_test_that_leaves_a_process(tmp_path):
 _STUCK_PASS = textwrap.dedent("""
     import datetime, subprocess, sys, time
     import torch.distributed as dist
-    from megatron_zb.runtime.progress import Progress
+    from megatron_zb.runtime.observe.progress import Progress
     store = dist.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30))
     p = Progress(0, ("127.0.0.1", store.port), period_s=0.1)
     p.pp_rank = 0
@@ -98,7 +98,7 @@ _STUCK_PASS = textwrap.dedent("""
 
 
 def test_a_rank_stuck_in_a_pass_writes_its_stacks_once():
-    """runtime.stack_dump through the progress thread: one header naming the rank, the pass and its
+    """runtime.observe.stack_dump through the progress thread: one header naming the rank, the pass and its
     child processes (e.g. data-loader workers), then every thread's stack, once per pass."""
     env = dict(os.environ, MZB_STACK_DUMP_S="0.5", PYTHONPATH=ROOT)
     out = subprocess.run([sys.executable, "-c", _STUCK_PASS, "1.0"], env=env, capture_output=True, text=True,

@@ -14,8 +14,8 @@ import torch
 from megatron_zb.core.ir import Placement, Setting
 from megatron_zb.core.schedules import generate
 from megatron_zb.core.sim.simulate import simulate
-from megatron_zb.runtime import profile_data as PD
-from megatron_zb.runtime import profiler as P
+from megatron_zb.runtime.observe import profile_data as PD
+from megatron_zb.runtime.observe import profiler as P
 
 
 def _stats(rank, stages, f, b=None, w=None, bw=None, mem_f=None, mem_w=None, probe=(), n=3, waits=()):
@@ -235,7 +235,7 @@ def _run_case(rank, world, groups, case, iterations, window):
     from megatron_zb.core.sim.lower import lower
     from megatron_zb.runtime.executor import StagePasses, execute
     from megatron_zb.runtime.p2p import P2P
-    from megatron_zb.runtime.sleep_passes import sleep_passes
+    from megatron_zb.runtime.emulate.sleep_passes import sleep_passes
 
     name, kind = case
     m = 2 * world

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from megatron_zb.core.ir import Placement, Setting
-from megatron_zb.runtime.sleep_passes import precise_sleep, sleep_passes
+from megatron_zb.runtime.emulate.sleep_passes import precise_sleep, sleep_passes
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import bench_runtime_fidelity as bench  # noqa: E402
@@ -22,7 +22,7 @@ def test_sleep_passes_durations(monkeypatch):
     """Each pass sleeps its per-chunk cost: never less (measured), and it never asks for more (the
     sleep it requests, recorded): both hold whatever the host's load. How late a sleep ends on a
     busy host is a figure: benchmarks/bench_test_figures.py."""
-    from megatron_zb.runtime import sleep_passes as SP
+    from megatron_zb.runtime.emulate import sleep_passes as SP
     st = Setting(2, 4, cost_f=2, cost_b=3, cost_w=1)
     ps = sleep_passes(st, 1, Placement.vshape(2), shape=(2, 3), unit=0.002)  # 2 chunks: half each
     assert ps.seconds == {"F": pytest.approx(0.002), "B": pytest.approx(0.003), "W": pytest.approx(0.001),

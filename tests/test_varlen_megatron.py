@@ -122,7 +122,7 @@ def test_the_profile_windows_passes_calibrate_the_length_model():
     stage's reference costs (units of their mean F) and the shares; B and W fused (BW) count as B;
     every pipeline's fit agreed as their mean."""
     from megatron_zb.megatron.features.balanced import agree, calibration_of
-    from megatron_zb.runtime.profile_data import build_profile
+    from megatron_zb.runtime.observe.profile_data import build_profile
     from megatron_zb.core.ir import Placement
 
     def t(c, tok, q):

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from megatron_zb import verify as V
-from megatron_zb.verify import launch as L
+from megatron_zb.verify.processes import launch as L
 from tests import _harness_fns as H
 from tests._host import overload
 

@@ -38,7 +38,7 @@ class InstallHandle:
 
     @property
     def post_validation(self):
-        """The pipeline side of optimizer post-validation (``runtime.postval.PostValidation``), or
+        """The pipeline side of optimizer post-validation (``runtime.features.postval.PostValidation``), or
         None when installed without ``post_validation=True``."""
         return self.forward_backward.post_validation
 
@@ -72,7 +72,7 @@ def install(schedule: str, *, chunks: Optional[int] = None, memory_limit: Option
     Raises ``ZeroBubbleConfigError`` for an unknown schedule or bad options (before anything is
     patched). ``options``: cost_f, cost_b, cost_w, cost_comm, mem_w (schedule tuning),
     timeout_s (how long a rank waits for a message before failing with its rank, pass and peer),
-    profile_window=(start, end) and profile_path (``runtime.profiler``: time F/B/W/p2p over those
+    profile_window=(start, end) and profile_path (``runtime.observe.profiler``: time F/B/W/p2p over those
     training iterations, write the profile JSON; zb-auto*/v-auto* re-plan from it afterwards),
     post_validation=True (optimizer post-validation: then attach it to Megatron's optimizer with
     ``handle.post_validated_optimizer(optimizer, model_chunks)``).

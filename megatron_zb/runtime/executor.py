@@ -27,8 +27,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..core.ir import (B, BW, F, OFFLOAD, OFFLOAD_KINDS, OFFLOAD_W, RECV_B, RECV_F, RELOAD, RELOAD_W, SEND_B, SEND_F,
-                       VOCAB_KINDS, W, Action, Placement)
+from ..core.ir import (BW, OFFLOAD, OFFLOAD_KINDS, OFFLOAD_W, RECV_B, RECV_F, RELOAD, RELOAD_W, SEND_B, SEND_F,
+                       VOCAB_KINDS, Action, B, F, Placement, W)
 from .hooks import Hook, Hooks
 from .p2p import P2P, PipelineTimeout
 
@@ -55,7 +55,7 @@ class StagePasses:
     # f = (stage, mb, input), b = (stage, mb, input, output, output_grad, split) as for forward and
     # backward; returns (F's output, B's input grad). Without it the two run one after the other.
     overlap: Optional[Callable[[tuple, tuple], Tuple[torch.Tensor, Optional[torch.Tensor]]]] = None
-    # vocabulary parallelism (runtime.vocab.VocabRuntime): runs VS/VT/VW; the loss stage's output goes to
+    # vocabulary parallelism (runtime.features.vocab.VocabRuntime): runs VS/VT/VW; the loss stage's output goes to
     # it (``loss_output(mb, out)``) and its backward takes the output gradient from it (``loss_grad(mb)``)
     vocab: Optional[object] = None
 
@@ -234,7 +234,7 @@ def _step(a: Action, i: int, rank: int, pl: Placement, ps: StagePasses, p2p: Opt
             hk.after_last_backward(a.stage)
     elif k in OFFLOAD_KINDS:
         hk.transfer(a)
-    elif k in VOCAB_KINDS:  # this rank's vocabulary shard (runtime.vocab)
+    elif k in VOCAB_KINDS:  # this rank's vocabulary shard (runtime.features.vocab)
         with hk.compute(a, ()):
             ps.vocab.run(k, a.mb)
     else:

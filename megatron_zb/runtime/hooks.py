@@ -21,12 +21,12 @@ is the outermost):
 ``finish(completed)``       the list ran to its end; ``completed`` is False after a drain
 ==========================  ===============================================================
 
-Features that use them: progress (``runtime.progress``: begin/end), activation offload
-(``runtime.offload.OffloadHook``: prepare/compute/transfer/finish), optimizer post-validation
-(``runtime.postval.ValidationPoint``: validate), the profiler (``runtime.profiler``: wait/compute),
+Features that use them: progress (``runtime.observe.progress``: begin/end), activation offload
+(``runtime.features.offload.OffloadHook``: prepare/compute/transfer/finish), optimizer post-validation
+(``runtime.features.postval.ValidationPoint``: validate), the profiler (``runtime.observe.profiler``: wait/compute),
 pass timing (``PassTimes`` below), gradient synchronisation (Megatron's DDP and replicated stages,
 ``megatron.execution.gradsync``: before/after_last_backward) and optimizer states visiting the GPU in
-the troughs (``runtime.optim_trough.TroughHook``: begin/end at its plan's passes).
+the troughs (``runtime.features.optim_trough.TroughHook``: begin/end at its plan's passes).
 """
 from __future__ import annotations
 

@@ -83,7 +83,7 @@ class P2P:
         self.me = my_pp_rank
         self.timeout_s = timeout_s
         self.exchange_shapes = exchange_shapes
-        # runtime.progress.Progress: waits are published, and a timeout names the rank that
+        # runtime.observe.progress.Progress: waits are published, and a timeout names the rank that
         # stopped first (the executor also reports its actions to it)
         self.progress = progress
         # (work, doing, peer) of sends not yet known complete. The work keeps its buffer alive
@@ -127,7 +127,7 @@ class P2P:
 
     def _wait(self, work, what: str, peer: int):
         """Wait (at most the timeout) for the receive of ``what`` from ``peer``, published as this
-        rank's wait (runtime.progress) while it lasts."""
+        rank's wait (runtime.observe.progress) while it lasts."""
         prog = self.progress
         if prog is not None:
             prog.waiting(what, peer, self._peer_global(peer))

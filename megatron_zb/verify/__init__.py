@@ -13,9 +13,9 @@ Tests and benchmarks import their helpers from here; the product's Megatron adap
 ``megatron_zb.megatron`` and never import this package.
 """
 from .case import DEFAULT_GRAD_RTOL, DEFAULT_LOSS_ATOL, PSEUDO_SCHEDULES, VerifyCase, VerifyUsageError, make_case
-from .harness import compare, run_verify, run_verify_many
-from .sequential import SequentialForwardBackward
 from .command import main_verify
+from .harness import compare, run_verify, run_verify_many
+from .model.sequential import SequentialForwardBackward
 
 __all__ = ["VerifyCase", "VerifyUsageError", "make_case", "run_verify", "run_verify_many", "compare", "main_verify",
            "PSEUDO_SCHEDULES", "DEFAULT_GRAD_RTOL", "DEFAULT_LOSS_ATOL", "SequentialForwardBackward"]

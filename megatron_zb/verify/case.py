@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from .feature_checks import balance_problem, check_ep_overlap
+from .model.feature_checks import balance_problem, check_ep_overlap
 
 __all__ = ["VerifyCase", "VerifyUsageError", "make_case", "schedule_placement", "reference_overrides",
            "reference_key", "PSEUDO_SCHEDULES", "DEFAULT_GRAD_RTOL", "DEFAULT_LOSS_ATOL", "DEFAULT_PARAM_RTOL",
@@ -75,7 +75,7 @@ class VerifyCase:
     grad_rtol: float = DEFAULT_GRAD_RTOL
     loss_atol: float = DEFAULT_LOSS_ATOL
     label: Optional[str] = None
-    # Megatron's optimizer instead of the plain SGD step (verify.optimizer_cases): 'adam' | 'sgd'
+    # Megatron's optimizer instead of the plain SGD step (verify.model.optimizer_cases): 'adam' | 'sgd'
     optimizer: Optional[str] = None
     optimizer_lr: float = 1e-3
     clip_grad: float = 0.0
@@ -119,7 +119,7 @@ class VerifyCase:
     balance_microbatches: bool = False  # skewed lengths balanced over replicas and microbatches (feature_checks)
     pack_sequences: bool = False  # balanced microbatches in Megatron's packed-sequence format (THD)
     attention_backend: str = "auto"  # Megatron's --attention-backend: flash/fused = torch's SDPA core attention
-    device: str = "cpu"  # "cuda": every rank and the reference on a GPU, which ranks may share (verify.cuda_gloo)
+    device: str = "cpu"  # "cuda": every rank and the reference on a GPU, which ranks may share (verify.processes.cuda_gloo)
     profile_dir: Optional[str] = None  # torch profiler's Chrome trace of the last pipelined iteration, per rank
 
     def model_overrides(self) -> Dict[str, Any]:
@@ -158,7 +158,7 @@ class VerifyCase:
         return self.pipeline_parallel_size * self.tensor_parallel_size * self.data_parallel_size
 
     def model_config(self):
-        from .tinygpt import TinyGPTConfig
+        from .model.tinygpt import TinyGPTConfig
         return TinyGPTConfig(num_layers=self.num_layers, hidden_size=self.hidden_size,
                              position_embedding_type="rope" if self.mtp_num_layers else "learned_absolute",
                              num_attention_heads=self.num_attention_heads, vocab_size=self.vocab_size,
@@ -443,7 +443,7 @@ def _check_optimizer_options(case: VerifyCase) -> None:
         case.loss_atol = HALF_LOSS_ATOL
     if case.clip_grad < 0 or not math.isfinite(case.clip_grad):
         raise VerifyUsageError(f"--clip-grad must be a number >= 0, got {case.clip_grad}")
-    from .offload_auto import check_offload
+    from .model.offload_auto import check_offload
     check_offload(case, VerifyUsageError)
     if case.inject_nonfinite_at is not None:
         if not 0 <= case.inject_nonfinite_at < case.iterations:

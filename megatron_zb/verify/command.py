@@ -251,7 +251,7 @@ def main_verify(argv: Optional[Sequence[str]] = None) -> int:
             raise VerifyUsageError("--placement only applies to --schedule sequential")
         _check_size(a)
         if a.mcore_path is not None:
-            from .launch import LaunchError, resolve_mcore_path
+            from .processes.launch import LaunchError, resolve_mcore_path
             try:
                 resolve_mcore_path(a.mcore_path)
             except LaunchError as e:

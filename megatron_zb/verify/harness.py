@@ -1,13 +1,13 @@
 """The verification harness: train a tiny real megatron-core GPT with a pipeline schedule and check it
 against the non-pipelined single-process reference.
 
-One launch of P x T CPU processes (gloo; see ``verify.launch``) runs, per case:
+One launch of P x T CPU processes (gloo; see ``verify.processes.launch``) runs, per case:
 
 1. **Reference** (rank 0 only): PP=1, TP=1, full weights, megatron's
    ``forward_backward_no_pipelining``; ``iterations`` steps of plain SGD, recording the loss and
    every parameter's gradient (by global name) at every iteration.
 2. **Pipelined run** (all ranks): megatron ``parallel_state`` for PP x TP, this rank's model
-   chunks for the schedule's placement (``verify.tinygpt`` on ``megatron.layout.placement``), identical initial weights (hashed
+   chunks for the schedule's placement (``verify.model.tinygpt`` on ``megatron.layout.placement``), identical initial weights (hashed
    from global parameter names) and identical data; the schedule is picked the way a Megatron
    user would get it: ``megatron_zb.megatron.install.install(schedule)`` and then megatron's own
    ``get_forward_backward_func()``. Gradients are gathered per global name (TP shards
@@ -27,7 +27,7 @@ Pseudo-schedules that need no ``install()`` (useful to check this harness itself
   real p2p between ranks. It checks model placement (e.g. V) independently of any schedule.
 
 It never hangs: the launch has a timeout; a stuck rank is reported with its last status (the
-pass it was in, as set through ``verify.launch.set_status``) and its Python stack.
+pass it was in, as set through ``verify.processes.launch.set_status``) and its Python stack.
 """
 from __future__ import annotations
 
@@ -56,8 +56,8 @@ def run_verify(schedule: str, pipeline_parallel_size: int, tensor_parallel_size:
 def run_verify_many(cases: Sequence[VerifyCase], *, timeout: float = 600.0, mcore_path: Optional[str] = None,
                     raise_errors: bool = False) -> List[dict]:
     """Run several cases (same P x T) in one launch, paying process start and imports once."""
-    from . import launch as L
-    from .rank import rank_case
+    from .model.rank import rank_case
+    from .processes import launch as L
     cases = list(cases)
     if not cases:
         return []
@@ -109,8 +109,8 @@ def _check_devices(cases: Sequence[VerifyCase]) -> bool:
 
 def _optimizer_references(cases, timeout, mcore_path) -> Dict[tuple, dict]:
     """The non-pipelined references of the optimizer cases: one launch of world size 1."""
-    from . import launch as L
-    from .optimizer_cases import reference_case
+    from .model.optimizer_cases import reference_case
+    from .processes import launch as L
     todo = {}
     for c in cases:
         if c.optimizer is not None:
@@ -138,7 +138,7 @@ def check_megatron_configs(cases: Sequence[VerifyCase]) -> None:
     """Build every case's TransformerConfig as its ranks will (in the launch's zygote, megatron
     imported, before any rank is forked): a model Megatron refuses fails here in one line instead of
     inside every rank."""
-    from .tinygpt import make_transformer_config
+    from .model.tinygpt import make_transformer_config
     for c in cases:
         overrides = {**c.model_overrides(), **c.run_overrides(), **c.config_overrides}
         try:
@@ -357,7 +357,7 @@ def _balance_report(ranks: List[dict]) -> dict:
 def _memory_report(ranks: List[dict]) -> dict:
     """Per pipeline rank (its first tensor- and data-parallel rank): the activation peak measured in
     the last iteration and the simulator's for the same order with that run's measured mem-f/mem-w
-    (``runtime.memory``); empty where nothing was measured (Megatron's own schedules)."""
+    (``runtime.observe.memory``); empty where nothing was measured (Megatron's own schedules)."""
     mine = sorted((r["pp_rank"], r["memory"]) for r in ranks
                   if r.get("memory") and r.get("tp_rank", 0) == 0 and r.get("dp_rank", 0) == 0)
     if not mine:
@@ -377,7 +377,7 @@ def _offload_report(ranks: List[dict]) -> dict:
 
 
 def _compare_optimizer(case: VerifyCase, ranks: List[dict]) -> dict:
-    from .optimizer_cases import compare_optimizer_case
+    from .model.optimizer_cases import compare_optimizer_case
     ref = ranks[0]["reference"]
     o = compare_optimizer_case(case, ranks, ref)
     problems = o.pop("problems_optimizer")

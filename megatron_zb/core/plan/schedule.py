@@ -1,6 +1,6 @@
 """The schedule and setting behind one row of ``core.plan`` (for a model without a profile): its
 layout's chunk costs, vocabulary passes and memory limit, built as the row was. For running a
-plan's choice elsewhere (emulated compute: ``verify.emulate.emulate_schedules``). Pure Python.
+plan's choice elsewhere (emulated compute: ``verify.timing.emulate.emulate_schedules``). Pure Python.
 
     request = PlanRequest(spec, 4, 8, 80.0, vocab=VocabLever("both"))
     rows = plan(request)

@@ -13,7 +13,7 @@ measured on this 2-core box, the ``gloo_tcp_loop`` threads took 29% of all CPU s
 created with explicit options keeps them. A device made before a fork is not used after it (its
 thread is not in the child): the child makes its own.
 
-Applied in verify's ranks (``verify.zygote``), which end with ``os._exit``. Not in training ranks,
+Applied in verify's ranks (``verify.processes.zygote``), which end with ``os._exit``. Not in training ranks,
 which end through the interpreter's clean-up: one torchrun job of the test suite's (fork/vocab,
 Megatron's own 1F1B) ended with "terminate called without an active exception" (SIGABRT) after
 training had finished, once in four full runs, and the shared device's tear-down is the suspect.

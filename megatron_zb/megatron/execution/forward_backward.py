@@ -24,14 +24,14 @@ import torch.distributed as dist
 from ...core.build import Built, build
 from ...core.ir import F, Placement, Schedule, ScheduleError
 from ...runtime.executor import execute, rank_pairs
-from ...runtime.memory import ActivationMeter, MemoryHook, measured_memory
-from ...runtime.offload import OffloadHook
+from ...runtime.observe.memory import ActivationMeter, MemoryHook, measured_memory
+from ...runtime.features.offload import OffloadHook
 from ...runtime.p2p import P2P, PairGroups
-from ...runtime.postval import PostValidation, ValidationPoint, replayable
-from ...runtime.profile_data import ProfileError, auto_replans, profile_to_setting_kwargs
-from ...runtime.profiler import PassProfiler
-from ...runtime.progress import tracker as progress_tracker
-from ...runtime.replica import ReplicaGradSync, ReplicaGroups
+from ...runtime.features.postval import PostValidation, ValidationPoint, replayable
+from ...runtime.observe.profile_data import ProfileError, auto_replans, profile_to_setting_kwargs
+from ...runtime.observe.profiler import PassProfiler
+from ...runtime.observe.progress import tracker as progress_tracker
+from ...runtime.features.replica import ReplicaGradSync, ReplicaGroups
 from ...runtime.wqueue import WQueue
 from ..errors import ZeroBubbleConfigError
 from .finalize import call_finalize
@@ -97,9 +97,9 @@ class ZeroBubbleForwardBackward:
             PostValidation(options.timeout_s) if options.post_validation else None)
         self.iterations = 0  # forward-backward calls with forward_only=False
         self.profile: Optional[dict] = None  # the gathered profile once the window has ended
-        self.offload = None  # runtime.offload.OffloadManager, made at the first training call
+        self.offload = None  # runtime.features.offload.OffloadManager, made at the first training call
         self.offload_stats: Optional[dict] = None  # the manager's counts of the last iteration
-        self.memory: Optional[dict] = None  # runtime.memory: the last measured training iteration
+        self.memory: Optional[dict] = None  # runtime.observe.memory: the last measured training iteration
         self.overlapped_pairs = 0  # --overlap-moe-expert-parallel-comm: pairs run as one pass, last iteration
         self.offload_time_measured: Optional[dict] = None  # --auto-offload-time's measurement
         self.vocab = None  # vocabulary parallelism: megatron.vocab_parallel.VocabParallel, made at the first call

@@ -6,7 +6,7 @@ until the chunk's last backward, and starts it (``config.grad_sync_func``, or th
 ``no_sync`` is left) right after; the distributed optimizer's parameter all-gather of a later
 chunk (``config.param_sync_func``) is launched before that chunk's first forward. With
 replicated stages (BitPipe) the copies of a stage first sum their gradients
-(``runtime.replica.ReplicaGradSync``, started after the stage's last backward pass); the
+(``runtime.features.replica.ReplicaGradSync``, started after the stage's last backward pass); the
 data-parallel reduction of such a chunk starts only after that sum (``finish``).
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Dict, List, Optional
 
 from ...core.ir import F, Placement
 from ...runtime.hooks import Hook
-from ...runtime.replica import ReplicaGradSync, grads_of
+from ...runtime.features.replica import ReplicaGradSync, grads_of
 from ..errors import ZeroBubbleConfigError
 from .finalize import grad_of
 

@@ -63,11 +63,11 @@ class ScheduleOptions:
     # config has it): every training pass through megatron-core's schedule plans, the schedule's
     # overlapped F&B pairs as one pass (megatron.ep_overlap); schedules with pairs only
     ep_overlap: bool = False
-    # profiler (runtime.profiler): time passes over iterations [start, end] (counted from 1, calls
+    # profiler (runtime.observe.profiler): time passes over iterations [start, end] (counted from 1, calls
     # with forward_only=False) and write the profile JSON to profile_path at the window's end
     profile_window: Optional[tuple] = None
     profile_path: Optional[str] = None
-    # runtime.memory: measure each rank's activation memory at every pass boundary of every training
+    # runtime.observe.memory: measure each rank's activation memory at every pass boundary of every training
     # iteration (always inside a profile window); ``memory`` of the forward-backward object holds the
     # last iteration's peak, measured and as the simulator predicts it from the measured mem-f / mem-w
     measure_memory: bool = False
@@ -82,10 +82,10 @@ class ScheduleOptions:
     offload_chunks: Optional[int] = None
     offload_cpu_test: bool = False
     offload_min_elements: int = 1024
-    # optimizer post-validation (runtime.postval; the optimizer side: megatron.optimizer): wrap
+    # optimizer post-validation (runtime.features.postval; the optimizer side: megatron.optimizer): wrap
     # Megatron's optimizer with handle.post_validated_optimizer(...)
     post_validation: bool = False
-    # vocabulary parallelism (core.ir.vocab, runtime.vocab, megatron.vocab_parallel): 1 or 2 barriers,
+    # vocabulary parallelism (core.ir.vocab, runtime.features.vocab, megatron.vocab_parallel): 1 or 2 barriers,
     # None off; ``vocab_costs``: the VS/VT/VW costs and memory (core.ir.vocab.VocabSetting's fields)
     vocab_parallel: Optional[int] = None
     vocab_embedding: bool = False  # the input embedding split over the ranks too (--split-vocab-embedding)

@@ -3,7 +3,7 @@ the model's W queues, and ``--auto-offload-time``'s measurement of K. Functions 
 they make; the forward-backward function keeps it.
 
 The schedule with its OFFLOAD/RELOAD actions comes from ``core.build`` (the policy in
-``core.passes.offload``); the executor reaches the manager through ``runtime.offload.OffloadHook``, and the
+``core.passes.offload``); the executor reaches the manager through ``runtime.features.offload.OffloadHook``, and the
 W queue reports the tensors its deferred weight-gradient closures keep, so they can travel between
 B and W too.
 """
@@ -14,8 +14,8 @@ from typing import Dict, Optional
 import torch
 import torch.distributed as dist
 
-from ...runtime.measure import measure_host_link, measure_matmul
-from ...runtime.offload import OffloadError, OffloadManager
+from ...runtime.observe.measure import measure_host_link, measure_matmul
+from ...runtime.features.offload import OffloadError, OffloadManager
 from ..errors import ZeroBubbleConfigError
 
 __all__ = ["make_manager", "point_manager", "measure_offload_time", "estimate_offload_time"]

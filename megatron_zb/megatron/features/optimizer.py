@@ -16,7 +16,7 @@ of the model, pipeline ranks included: a barrier at the end of each iteration. P
    local part already proves the step must be skipped or clipped, the bytes the step will change
    are saved (model parameters, main parameters, optimizer state), the main gradients are kept,
    and the optimizer steps without clipping. The local values go into the pipeline reduction
-   (``runtime.postval``) and ``step()`` returns at once.
+   (``runtime.features.postval``) and ``step()`` returns at once.
 2. **Validation**, before this rank's first backward of the next iteration: the fully reduced
    norm and flags say what Megatron's synchronous step would have done. If that is what the eager
    step did (no non-finite gradient where Megatron checks, no clipping, no norm-based skip), it
@@ -46,7 +46,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ...runtime.postval import PostValidation
+from ...runtime.features.postval import PostValidation
 from .optimizer_offload import is_hybrid, offload_tensors, sub_optimizers
 
 __all__ = ["PostValidator", "post_validated", "PostValidationError", "MARGIN"]

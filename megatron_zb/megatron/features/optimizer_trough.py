@@ -9,7 +9,7 @@ mode turns on). Here those CPU optimizers are cut into the core's subgroups
 (``rank_trough_plan``: the rank's simulated passes, its memory, the host link, the update speeds)
 says which visit the GPU:
 
-* a visiting subgroup's host copy and state are prefetched (``runtime.optim_trough``) at the
+* a visiting subgroup's host copy and state are prefetched (``runtime.features.optim_trough``) at the
   plan's point in the rank's pass order (once its activations have fallen, after its last W),
   updated on the GPU by the same torch optimizer the CPU would run (its gradient taken on the GPU,
   no copy down; the updated parameter copied to the model's parameter by Megatron's own hook), and
@@ -37,7 +37,7 @@ import torch
 from ...core.ir import OFFLOAD, OFFLOAD_W
 from ...core.optimizer.offload import ADAM_STATE_BYTES, RESIDENT_BYTES, HostCosts, RankShare, memory_curve
 from ...core.optimizer.trough import TroughPlan, rank_trough_plan, split_evenly
-from ...runtime.optim_trough import TroughHook, TroughStates
+from ...runtime.features.optim_trough import TroughHook, TroughStates
 
 __all__ = ["TroughOptimizer", "TroughOffload", "use_trough"]
 

@@ -1,5 +1,5 @@
 """The input embedding split over the pipeline ranks too (``--split-vocab-embedding``, with
-``--enable-vocab-parallel``; the passes: ``runtime.vocab_input``, their place: ``core.ir.vocab``).
+``--enable-vocab-parallel``; the passes: ``runtime.features.vocab_input``, their place: ``core.ir.vocab``).
 
 * **The rows.** Every rank holds the rows of the embedding its output-layer shard holds
   (``vocab_parallel.shard_rows``). Tied embeddings: the output shard *is* the input shard (one
@@ -7,7 +7,7 @@
   (``mzb_vocab_input.weight``, global name ``embedding.word_embeddings.weight``).
 * **The first stage** keeps no embedding weight: its ``embedding.word_embeddings`` becomes a
   stand-in (``_SplitLookup``) that returns the summed lookups of the current microbatch
-  (``runtime.vocab_input.InputRuntime.output``), before Megatron's DDP and optimizer see the chunk
+  (``runtime.features.vocab_input.InputRuntime.output``), before Megatron's DDP and optimizer see the chunk
   (``drop_embedding``); its position embeddings and dropout stay.
 * **The tokens** are read at VI, before the first stage's forward: the token source's chunk-0 data
   iterator is wrapped (``PrefetchIterator``) so that VI reads item j and F(0, j)'s forward step gets
@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 import torch
 
 from ...core.ir import Placement
-from ...runtime.vocab_input import InputGroups, InputRuntime
+from ...runtime.features.vocab_input import InputGroups, InputRuntime
 from ..errors import ZeroBubbleConfigError
 from .vocab_parallel import SHARD_ATTR, VocabShard, find_shard, shard_rows
 

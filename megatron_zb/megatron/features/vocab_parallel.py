@@ -1,5 +1,5 @@
 """Vocabulary parallelism on megatron-core models (``--enable-vocab-parallel``; the passes:
-``runtime.vocab``, their place in the schedule: ``core.ir.vocab``).
+``runtime.features.vocab``, their place in the schedule: ``core.ir.vocab``).
 
 * **The shards.** Every pipeline rank holds rows of the output layer: V / (P x TP) of them, rank
   (pp, tp) rows tp x V/TP + pp x V/(P x TP) onwards (within one tensor-parallel slice the pipeline
@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ...core.ir import Placement
-from ...runtime.vocab import VocabGroups, VocabRuntime
+from ...runtime.features.vocab import VocabGroups, VocabRuntime
 from ..errors import ZeroBubbleConfigError
 
 __all__ = ["VocabShard", "shard_rows", "prepare_loss_chunk", "attach_shard", "find_shard", "VocabParallel",
@@ -246,7 +246,7 @@ class VocabParallel:
             if me in g:
                 made[kind] = pg
         self.input_groups = {k: v for k, v in made.items() if k.startswith("i")}
-        self.inputs = None  # the split embedding's runtime (runtime.vocab_input.InputRuntime), bound per call
+        self.inputs = None  # the split embedding's runtime (runtime.features.vocab_input.InputRuntime), bound per call
         self.token_src: Optional[int] = None
         self.pp_rank = ps.get_pipeline_model_parallel_rank()
         loss_pp = placement.rank_of(placement.num_stages - 1)

@@ -115,7 +115,7 @@ class TrainingSession:
         except ScheduleError:  # a layout our tables do not describe (Megatron's own uneven splits): no record
             pass
         if zb is not None:
-            from ...runtime import progress
+            from ...runtime.observe import progress
             progress.enable_stall_watch(zb["timeout_s"], on_stall=_on_stall)
             self._undos.append(progress.stop)
             self._undos.append(_watch_saves())
@@ -221,11 +221,11 @@ def supervise() -> None:
 
 
 def _watch_saves() -> Callable[[], None]:
-    """Checkpoint saving may take long: the stall watch (runtime.progress) counts its writes as
+    """Checkpoint saving may take long: the stall watch (runtime.observe.progress) counts its writes as
     progress, and a rank stuck in a save is named like a stuck pass."""
     import megatron.training.training as T
 
-    from ...runtime import progress
+    from ...runtime.observe import progress
     inner = T.save_checkpoint
 
     def save_checkpoint(*args, **kwargs):
@@ -274,7 +274,7 @@ def run_reporting(fn: Callable[[], None]) -> int:
     except Exception as e:  # noqa: BLE001
         from ...runtime.p2p import PipelineTimeout
         if isinstance(e, PipelineTimeout):  # a timeout, a lost peer, a validation timeout
-            from ...runtime.progress import finish_kills
+            from ...runtime.observe.progress import finish_kills
             line = f"megatron-zb: error: {e}"
             record_for_torchrun(line)
             print(line, file=sys.stderr, flush=True)

@@ -1,0 +1,86 @@
+"""Vocabulary parallelism with emulated compute: Megatron's 1F1B with the best layout ``plan`` finds
+for it (the output layer and loss on the last stage) against ``plan``'s best schedule with
+vocabulary parallelism, both run on real processes (``emulate.emulate_schedules``: every pass,
+VS/VT/VW included, waits its cost; the barriers are real gloo collectives,
+``runtime.emulate.sleep_vocab``), next to the simulator's prediction for the same schedules.
+
+    rows = compare(spec, p=4, m=8, slow_down=3.0)
+
+Costs are ``plan``'s (FLOPs at a GPU's peak x efficiency, per model chunk as the layout holds
+it); a pass of c seconds sleeps ``slow_down`` x c (the runtime's own overheads -- a message, a
+wake-up -- then weigh 1/slow_down of what they would at the GPU's speed); times are reported back
+in the GPU's seconds. The prediction: the simulator for the same schedule and costs, with the
+one-way time of a small message measured on this machine (``hop``) between neighbouring stages.
+"""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from typing import List, Optional, Sequence
+
+from ...core.costs.model import ModelSpec
+from ...core.plan import PlanRequest, VocabLever, plan
+from ...core.plan.schedule import row_schedule
+from ...core.sim.iteration import iteration_times
+
+__all__ = ["pick_rows", "compare"]
+
+
+def pick_rows(spec: ModelSpec, p: int, m: int, gpu_memory_gb: float = 80.0, schedules: Optional[Sequence[str]] = None,
+              vocab_barriers: int = 1, tflops: float = 989.0, efficiency: float = 0.5, jobs: int = 1) -> List[dict]:
+    """[Megatron's 1F1B row (plan's layout search, no vocabulary parallelism), the best fitting row
+    with vocabulary parallelism] from ``plan`` (its ranking: time per iteration, then memory)."""
+    rows = plan(PlanRequest(spec, p, m, gpu_memory_gb, tflops=tflops, efficiency=efficiency, schedules=schedules,
+                            vocab=VocabLever("both", barriers=vocab_barriers)), jobs=jobs)
+    ok = [r for r in rows if "error" not in r and r["fits"]]
+    base = next((r for r in ok if r["schedule"] == "1f1b" and not r.get("vocab_parallel")), None)
+    best = next((r for r in ok if r.get("vocab_parallel")), None)
+    if base is None or best is None:
+        raise ValueError("plan has no fitting 1f1b row or no fitting row with vocabulary parallelism")
+    return [base, best]
+
+
+def compare(spec: ModelSpec, p: int, m: int, slow_down: float = 3.0, iterations: int = 8, warmup: int = 1,
+            rows: Optional[List[dict]] = None, timeout: float = 600.0, tflops: float = 989.0,
+            efficiency: float = 0.5, timelines: bool = True, **pick) -> List[dict]:
+    """Emulate ``rows`` (default ``pick_rows``) on ``p`` processes; one dict per row: label,
+    schedule, layout, vocab_parallel, flags, per_iteration / measured (median) / predicted, in
+    milliseconds of the GPU, error_pct, speedup_measured (median over the iterations of the first
+    row's time over this row's, paired by index) / speedup_predicted, hop_ms, timeline (a
+    ``SimResult`` of the last iteration as it ran, in ms) where ``timelines``."""
+    from .emulate import emulate_schedules
+
+    if slow_down <= 0:
+        raise ValueError(f"slow_down must be > 0, got {slow_down}")
+    rows = rows or pick_rows(spec, p, m, tflops=tflops, efficiency=efficiency, **pick)
+    request = PlanRequest(spec, p, m, 80.0, tflops=tflops, efficiency=efficiency)  # (the budget plays no part)
+    pairs = [row_schedule(request, r) for r in rows]
+    got = emulate_schedules(pairs, unit_s=slow_down, iterations=iterations, warmup=warmup, timeout=timeout,
+                            timelines=timelines, interleave=True)
+    hop, times = got[0], got[1]
+    out = []
+    for k, (r, (sched, st)) in enumerate(zip(rows, pairs)):
+        pred = iteration_times(sched, dataclasses.replace(st, cost_comm=hop)).iteration_time * 1e3
+        per = [t * 1e3 for t in times[k]]
+        meas = statistics.median(per)
+        vp = r.get("vocab_parallel")
+        label = ("Megatron 1F1B" if r["schedule"] == "1f1b" and not vp else r["schedule"]) + \
+            (f" + vocab-{vp}" if vp else "")
+        row = {"label": label, "schedule": r["schedule"], "layout": r["layout"], "vocab_parallel": vp,
+               "flags": r["flags"], "plan_ms": r["iteration_time_s"] * 1e3, "per_iteration": per, "measured": meas,
+               "predicted": pred, "error_pct": 100.0 * (meas - pred) / pred, "hop_ms": hop * 1e3,
+               "peak_gib": [x / 2 ** 30 for x in r["peak_bytes"]], "slow_down": slow_down}
+        if timelines:
+            tl = got[2][k]
+            row["timeline"] = dataclasses.replace(
+                tl, makespan=tl.makespan * 1e3, spans=[x * 1e3 for x in tl.spans], busy=[x * 1e3 for x in tl.busy],
+                timeline=[[t._replace(start=t.start * 1e3, end=t.end * 1e3) for t in x]
+                          for x in tl.timeline])
+        out.append(row)
+    base = out[0]
+    for r in out:
+        ratios = [b / x for b, x in zip(base["per_iteration"], r["per_iteration"])]
+        r["speedup_measured"] = statistics.median(ratios)
+        r["speedup_measured_range"] = [min(ratios), max(ratios)]
+        r["speedup_predicted"] = base["predicted"] / r["predicted"]
+    return out
