@@ -22,7 +22,7 @@ import megatron.core.pipeline_parallel as mpp  # noqa: E402
 
 from megatron_zb.megatron.execution import finalize  # noqa: E402
 from megatron_zb.megatron.layout import placement as P  # noqa: E402
-from megatron_zb.verify import tinygpt as M  # noqa: E402
+from megatron_zb.verify.model import tinygpt as M  # noqa: E402
 from megatron_zb.megatron.install import install  # noqa: E402
 
 SCHEDULE = os.environ.get("SCHEDULE", "zb-h1")

@@ -69,7 +69,8 @@ def run_rank(rank, world, name, m, chunks, fwd_only, drop_sends_on=None, timeout
     if offload is not None:  # activation offload at this ratio (copies: synchronous CPU test mode)
         from megatron_zb.core.sim.hostlink import OffloadOptions
         from megatron_zb.core.passes.offload import add_offload
-        from megatron_zb.runtime.features.offload import OffloadHook, OffloadManager
+        from megatron_zb.runtime.features.offload import OffloadManager
+        from megatron_zb.runtime.features.offload_hook import OffloadHook
         sched = add_offload(sched, st, OffloadOptions(ratio=offload, time=0.1, w_parts=False))
         mgr = OffloadManager("cpu", cpu_test=True, min_elements=0)
     if fwd_only:

@@ -11,7 +11,8 @@ is the outermost):
                             e.g. "the input of F3.1"): the receive's posting and its wait
 ``compute(a, inputs)``      context around the computation of a pass (F, B, BW, W), after its
                             inputs arrived; ``inputs`` are the stage's input tensors
-``transfer(a)``             an OFFLOAD / RELOAD / OFFLOAD_W / RELOAD_W action
+``handlers()``              the action kinds the feature runs itself (kind -> handler): they join
+                            the executor's dispatch table (offload's OFFLOAD / RELOAD / ..._W)
 ``validate()``              once, right before the rank's first backward; False drains the rest
                             of the iteration (messages still flow, nothing is computed)
 ``before_last_backward(s)`` right before the last B/BW of stage ``s`` (its gradients' last pass
@@ -22,7 +23,7 @@ is the outermost):
 ==========================  ===============================================================
 
 Features that use them: progress (``runtime.observe.progress``: begin/end), activation offload
-(``runtime.features.offload.OffloadHook``: prepare/compute/transfer/finish), optimizer post-validation
+(``runtime.features.offload.OffloadHook``: prepare/compute/handlers/finish), optimizer post-validation
 (``runtime.features.postval.ValidationPoint``: validate), the profiler (``runtime.observe.profiler``: wait/compute),
 pass timing (``PassTimes`` below), gradient synchronisation (Megatron's DDP and replicated stages,
 ``megatron.execution.gradsync``: before/after_last_backward) and optimizer states visiting the GPU in
@@ -55,8 +56,10 @@ class Hook:
     def compute(self, action, inputs):
         return None  # a context manager, or None
 
-    def transfer(self, action) -> None:
-        raise NotImplementedError(f"{type(self).__name__} does not move activations ({action})")
+    def handlers(self) -> dict:
+        """The action kinds this feature runs itself: kind -> handler(run, action, position)
+        (``runtime.executor``'s dispatch table takes them; activation offload's OFFLOAD/RELOAD)."""
+        return {}
 
     def validate(self) -> bool:
         return True
@@ -82,7 +85,7 @@ class Hooks:
     def __init__(self, hooks: Sequence[Optional[Hook]] = ()):
         self.all: List[Hook] = [h for h in hooks if h is not None]
         self._by = {name: [h for h in self.all if _overrides(h, name)]
-                    for name in ("prepare", "begin", "end", "wait", "compute", "transfer", "validate",
+                    for name in ("prepare", "begin", "end", "wait", "compute", "validate",
                                  "before_last_backward", "after_last_backward", "finish")}
 
     def has(self, name: str) -> bool:
@@ -106,11 +109,15 @@ class Hooks:
     def compute(self, action, inputs):
         return self._nest([h.compute(action, inputs) for h in self._by["compute"]])
 
-    def transfer(self, action) -> None:
-        if not self._by["transfer"]:
-            raise RuntimeError(f"the schedule has {action} but no hook moves activations (an offload manager)")
-        for h in self._by["transfer"]:
-            h.transfer(action)
+    def handlers(self) -> dict:
+        """Every hook's own action kinds (``Hook.handlers``); a kind two hooks claim is refused."""
+        out: dict = {}
+        for h in self.all:
+            for kind, fn in h.handlers().items():
+                if kind in out:
+                    raise RuntimeError(f"two runtime features run {kind} actions")
+                out[kind] = fn
+        return out
 
     def validate(self) -> bool:
         ok = True

@@ -25,7 +25,7 @@ from ...core.build import Built, build
 from ...core.ir import F, Placement, Schedule, ScheduleError
 from ...runtime.executor import execute, rank_pairs
 from ...runtime.observe.memory import ActivationMeter, MemoryHook, measured_memory
-from ...runtime.features.offload import OffloadHook
+from ...runtime.features.offload_hook import OffloadHook
 from ...runtime.p2p import P2P, PairGroups
 from ...runtime.features.postval import PostValidation, ValidationPoint, replayable
 from ...runtime.observe.profile_data import ProfileError, auto_replans, profile_to_setting_kwargs

@@ -12,7 +12,7 @@ and back, at the points the lowered schedule says (``core.passes.offload`` place
     backward(...)
     mgr.offload_w(stage, mb) / reload_w / wait_w   # the same for what W still needs (W queue tensors)
 
-The executor reaches it through ``OffloadHook`` (``runtime.hooks``), which makes exactly those calls.
+The executor reaches it through ``runtime.features.offload_hook.OffloadHook``, which makes exactly those calls.
 
 How:
 
@@ -47,10 +47,8 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from ...core.ir import BW, OFFLOAD, OFFLOAD_W, RELOAD, RELOAD_W, B, F, W
-from ..hooks import Hook
 
-__all__ = ["OffloadManager", "OffloadError", "OffloadHook"]
+__all__ = ["OffloadManager", "OffloadError"]
 
 _ALIGN = 512  # bytes: every storage starts at a multiple of this inside a host buffer
 
@@ -463,38 +461,3 @@ class OffloadManager:
         if slot.state == "coming":
             self._arrive(slot)
         # state 'device' (captured, never offloaded): nothing to do
-
-
-class OffloadHook(Hook):
-    """The executor's side of activation offload: each F runs under ``capture`` (offloaded when
-    the list holds its OFFLOAD), OFFLOAD/RELOAD(_W) start the copies, B/BW first ``wait`` for
-    their reload and W for its ``reload_w``; at the end the iteration's counts are kept
-    (``stats``), or, after a post-validation drain, what is still captured is dropped."""
-
-    def __init__(self, manager: OffloadManager):
-        self.manager = manager
-        self.offloaded: set = set()
-        self.stats: Optional[dict] = None  # the manager's counts of the last completed iteration
-
-    def prepare(self, actions) -> None:
-        self.offloaded = {(a.stage, a.mb) for a in actions if a.kind == OFFLOAD}
-
-    def compute(self, a, inputs):
-        m = self.manager
-        if a.kind == F:
-            return m.capture(a.stage, a.mb, (a.stage, a.mb) in self.offloaded, inputs)
-        if a.kind in (B, BW):
-            m.wait(a.stage, a.mb)
-        elif a.kind == W:
-            m.wait_w(a.stage, a.mb)
-        return None
-
-    def transfer(self, a) -> None:
-        m = self.manager
-        {OFFLOAD: m.offload, RELOAD: m.reload, OFFLOAD_W: m.offload_w, RELOAD_W: m.reload_w}[a.kind](a.stage, a.mb)
-
-    def finish(self, completed: bool) -> None:
-        if completed:
-            self.stats = self.manager.end_iteration()
-        else:
-            self.manager.discard()

@@ -42,9 +42,9 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ...core.ir import VS, VT, VW
+from ...core.ir import VOCAB_KINDS, VS, VT, VW
 
-__all__ = ["VocabGroups", "VocabRuntime"]
+__all__ = ["VocabGroups", "VocabRuntime", "handlers"]
 
 
 @dataclass
@@ -247,3 +247,13 @@ class VocabRuntime:
         if any(self.mb[mb].handles or self.mb[mb].d is not None for mb in left):
             raise RuntimeError(f"vocabulary passes of microbatch(es) {left} did not finish")
         self.mb.clear()
+
+
+def handlers(vocab) -> dict:
+    """The executor's handlers of the vocabulary passes (VS, VT, VW, VI, VG): each runs on this
+    rank's shard through ``vocab.run(kind, mb)`` (``StagePasses.vocab``) inside the passes' compute
+    hooks."""
+    def one(run, a, i):
+        with run.hooks.compute(a, ()):
+            vocab.run(a.kind, a.mb)
+    return {kind: one for kind in VOCAB_KINDS}
