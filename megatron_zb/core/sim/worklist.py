@@ -43,8 +43,8 @@ def run(orders: Sequence[Sequence[int]], dep: Sequence[int], hop: Sequence[float
     """Time ``orders`` (per rank, codes) into ``start`` / ``end`` (indexed by code; ``end`` None
     for a pass not run yet, and for every barrier code). ``release``: per rank, {position: time}
     before which the pass at that position may not start, or None. False where the orders
-    deadlock (some rank cannot finish). Eight parameters: the coding's tables, the timing's two
-    outputs and the three optional parts, kept apart so that the loop reads plain lists."""
+    deadlock (some rank cannot finish). Nine parameters: the coding's four tables, the timing's
+    two outputs and the three optional parts, kept apart so that the hot loop reads plain lists."""
     R = len(orders)
     pos, clock = [0] * R, [0.0] * R
     waiting: Dict[int, List[int]] = {}

@@ -192,7 +192,8 @@ class Coder:
                   fe: Dict[int, float],
                   pos: List[int], clock: List[float], rank: int, left: Optional[List[float]],
                   above: Optional[float]) -> bool:
-        """The work list from a base timing: a pass whose base end is before ``cut`` keeps it, the others
+        """The work list from a base timing (eleven parameters: the state of the searches' hottest
+        loop, every local-search move's re-timing, handed over as the plain lists it reads): a pass whose base end is before ``cut`` keeps it, the others
         are timed again into ``fs`` / ``fe`` (start / end). False on a deadlock or, with ``left``
         (each rank's work still to do), once a rank's span is sure to exceed ``above``. The
         changed ``rank`` goes first: where it was on the longest span, a delay shows there at once."""
