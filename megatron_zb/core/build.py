@@ -4,9 +4,10 @@ validated schedule, the setting it was built with and its lowered form out.
 Every caller goes through ``build``: the command line (simulate, compare, plot, plan), the
 training flags' start-up preview, the forward-backward function that training runs and the
 verify harness. A build is a declared chain of links (``CHAIN``), each with one signature, a step in
-and a step out: generate, offload (``core.passes.offload``, which generates its own where it
-searches), exact (the MILP), vocabulary (``core.passes.vocab_place``), pairs (MoE's overlapped F&B,
-``core.passes.pairing``), fuse (``core.passes.fuse``); then the schedule is validated. Each link says
+and a step out: generate (or the offload search, ``core.passes.offload_search``, which chooses the
+schedule it offloads), exact (the MILP), vocabulary (``core.passes.vocab_place``), offload
+(``core.passes.offload``: a given schedule's, or one with vocabulary passes), pairs (MoE's
+overlapped F&B, ``core.passes.pairing``), fuse (``core.passes.fuse``); then the schedule is validated. Each link says
 whether it applies and what it cannot combine with (one line, asked of every link before any runs).
 A new lever is one more link. The meaning of the ``'auto'`` offload options is written here too.
 
@@ -254,11 +255,14 @@ def _generate(step: Step) -> Step:
     return step.with_schedule(sched)
 
 
+def _offload_search(step: Step) -> Step:
+    options = step.request.offload.options(step.setting.memory_limit)
+    return step.with_schedule(generate_with_offload(step.request.name, step.setting, options))
+
+
 def _offload(step: Step) -> Step:
     options = step.request.offload.options(step.setting.memory_limit)
-    if step.schedule is not None:  # a given schedule: its activations offloaded as they are
-        return step.with_schedule(add_offload(step.schedule, step.setting, options))
-    return step.with_schedule(generate_with_offload(step.request.name, step.setting, options))
+    return step.with_schedule(add_offload(step.schedule, step.setting, options))
 
 
 def _offload_refuses(step: Step) -> Optional[str]:
@@ -283,24 +287,27 @@ def _vocabulary(step: Step) -> Step:
     return step.with_schedule(sched)
 
 
-def _vocabulary_refuses(step: Step) -> Optional[str]:
-    if step.request.offload is not None:
-        return "vocabulary parallelism and activation offload together are not supported yet: leave out one of them"
-    return None
-
-
 def _made(step: Step) -> bool:
     """The schedule is the core's own (not a given one)."""
     return not step.given
 
 
+def _searches_offload(step: Step) -> bool:
+    """Offload without vocabulary passes on a schedule still to generate: the offload search
+    chooses the schedule it offloads (``core.passes.offload_search``); otherwise the offload link
+    offloads the schedule it is given (vocabulary passes placed first: the policy times them)."""
+    return step.request.offload is not None and step.request.vocab is None and step.schedule is None
+
+
 #: the build chain, in order: a new lever is one more link
 CHAIN: Tuple[Link, ...] = (
-    Link("generate", lambda s: s.schedule is None and s.request.offload is None, _generate),
-    Link("offload", lambda s: s.request.offload is not None, _offload, _offload_refuses),
+    Link("generate", lambda s: s.schedule is None and not _searches_offload(s), _generate),
+    Link("offload search", _searches_offload, _offload_search, _offload_refuses),
     Link("exact", lambda s: _made(s) and s.request.exact is not None and s.request.name in AUTOMATIC
          and s.request.offload is None, _exact),
-    Link("vocabulary", lambda s: _made(s) and s.request.vocab is not None, _vocabulary, _vocabulary_refuses),
+    Link("vocabulary", lambda s: _made(s) and s.request.vocab is not None, _vocabulary),
+    Link("offload", lambda s: s.request.offload is not None and (s.given or s.request.vocab is not None), _offload,
+         _offload_refuses),
     # MoE all-to-all overlap: the F&B pairs that shorten the iteration (none without)
     Link("pairs", _made, lambda s: s.with_schedule(form_pairs(s.schedule, s.setting))),
     # a split backward only where the schedule uses it: a back-to-back B;W fused where the split costs

@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from ..ir import BW, OVERLAP, Action, B, F, Schedule, ScheduleError, Setting
+from ..ir import BW, OVERLAP, Action, B, F, Schedule, ScheduleError, Setting, W
 from ..sim.hostlink import (EPS, PAIR_OF, PART_OF, OffloadOptions, amounts, durations, setting_for, strip_offload,
                             transfer_times)
 from ..sim.simulate import simulate
@@ -84,7 +84,7 @@ def _units(schedule: Schedule, setting: Setting, res=None) -> List[_Units]:
                     u.dst[("B", p.stage, p.mb)] = (ui, t.start)
                     if p.kind == B:
                         u.src[("W", p.stage, p.mb)] = (ui, t.end)
-                else:
+                elif p.kind == W:  # (vocabulary passes keep what they hold: nothing of theirs travels)
                     u.dst[("W", p.stage, p.mb)] = (ui, t.start)
                     u.weights += 1
         out.append(u)
