@@ -225,7 +225,7 @@ def test_plan_offloads_what_does_not_fit(capsys):
            if "error" not in r}
     assert not plain["zb-h2"]["fits"] and off["zb-h2"]["fits"] and plain["1f1b"]["fits"]
     assert off["zb-h2"]["makespan_s"] < off["1f1b"]["makespan_s"]  # the faster schedule now fits
-    assert sum(off["1f1b"]["offload"]["offloaded"]) == 0  # it fitted already: nothing moves
+    assert "offload" not in off["1f1b"]  # it fitted already: offload 'auto' is a lever it does not need
     assert max(off["zb-h2"]["activation_bytes"]) < max(plain["zb-h2"]["activation_bytes"])
     assert "--cpu-offload" in off["zb-h2"]["flags"] and off["zb-h2"]["offload"]["offloaded"][0] > 0
     assert cli.main(["plan", "--num-layers", "16", "--hidden-size", "2048", "--num-attention-heads", "16",

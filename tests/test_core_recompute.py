@@ -37,29 +37,34 @@ def test_uniform_method_recomputes_every_layer():
     assert uni == old and uni.cost_b[0] > _costs(BASE).cost_b[0]
 
 
-def test_recompute_per_rank():
-    spec = dataclasses.replace(BASE, recompute="full", recompute_method="block", recompute_per_rank=(3, 0))
+def test_recompute_counts():
+    spec = dataclasses.replace(BASE, recompute="full", recompute_method="block", recompute_counts=(3, 0))
     per = _costs(spec)
     plain = _costs(BASE)
     f = BASE.layer_flops(0)[0]
     assert per.cost_b[0] == pytest.approx(plain.cost_b[0] + 3 * f) and per.cost_b[1] == plain.cost_b[1]
-    v = _costs(dataclasses.replace(spec, recompute_per_rank=(1, 2)), Placement.vshape(2))  # rank 0: chunks 0 and 3
+    v = _costs(dataclasses.replace(spec, recompute_counts=(1, 2)), Placement.vshape(2))  # rank 0: chunks 0 and 3
     pv = _costs(BASE, Placement.vshape(2))
     assert [round(x - y, 3) for x, y in zip(v.cost_b, pv.cost_b)] == [round(k * f, 3) for k in (1, 2, 2, 1)]
+    # one count per model chunk, pipeline order (a V's rank 0 holds chunks 0 and 3)
+    c = _costs(dataclasses.replace(spec, recompute_counts=(2, 0, 1, 0)), Placement.vshape(2))
+    assert [round(x - y, 3) for x, y in zip(c.cost_b, pv.cost_b)] == [round(k * f, 3) for k in (2, 0, 1, 0)]
 
 
 @pytest.mark.parametrize("kw, match", [
     (dict(recompute="selective", recompute_method="block"), "applies to --recompute-granularity full"),
     (dict(recompute="full", recompute_method="blocky"), "uniform or block"),
-    (dict(recompute="full", recompute_method="uniform", recompute_per_rank=(1, 1)), "--recompute-method block"),
-    (dict(recompute="full", recompute_method="block", recompute_per_rank=(1, -1)), "counts >= 0"),
+    (dict(recompute="full", recompute_method="uniform", recompute_counts=(1, 1)), "--recompute-method block"),
+    (dict(recompute="full", recompute_method="block", recompute_counts=(1, -1)), "counts >= 0"),
 ])
 def test_bad_recompute_is_refused(kw, match):
     with pytest.raises(ScheduleError, match=match):
         dataclasses.replace(BASE, **kw).validate()
 
 
-def test_per_rank_values_must_cover_every_rank():
-    spec = dataclasses.replace(BASE, recompute="full", recompute_method="block", recompute_per_rank=(1,))
+def test_per_rank_values_must_cover_every_rank_and_fit_the_chunks():
+    spec = dataclasses.replace(BASE, recompute="full", recompute_method="block", recompute_counts=(1,))
     with pytest.raises(ScheduleError, match="one per pipeline rank"):
         _costs(spec)
+    with pytest.raises(ScheduleError, match="asks 5 layers of model chunk 1, which holds 4"):
+        _costs(dataclasses.replace(spec, recompute_counts=(1, 5)))

@@ -118,7 +118,8 @@ def chunk_costs(spec: ModelSpec, layout: Layout, placement: Placement, flops_per
     cf, cb, cw, cbw, ca, mf, mw, par = [], [], [], [], [], [], [], []
     for lg, (stage, layers) in enumerate(zip(layout.stages, layout.layer_ranges())):
         f, m, a2a = _flops(spec, stage, layers, layout.num_mtp_layers, vocab,
-                           spec.recomputed_layers(placement.rank_of(_physical(placement, lg)), len(layers)))
+                           spec.recomputed_layers(placement.rank_of(_physical(placement, lg)), lg, layout.num_stages,
+                                                  len(layers)))
         split = over * (len(layers) + stage.count("m") + (0.25 if "L" in stage and not vocab else 0.0)) / 2
         cf.append(f[0] / flops_per_s)
         cb.append(f[1] / flops_per_s + split)

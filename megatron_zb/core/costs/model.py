@@ -48,11 +48,12 @@ class ModelSpec:
     recompute_num_layers: int = 1
     # full recompute's method (Megatron's --recompute-method): 'uniform' (every layer, in blocks of
     # recompute_num_layers; None means it) or 'block' (the first recompute_num_layers layers of each
-    # model chunk, each on its own; the rest keep their activations); with 'block', per pipeline rank
-    # its own count (megatron-zb's --zero-bubble-recompute-num-layers: the ranks that hold more
-    # microbatches recompute more), else recompute_num_layers on every rank
+    # model chunk, each on its own; the rest keep their activations); with 'block', counts of its own
+    # per pipeline rank (each of its chunks) or per model chunk in pipeline order (megatron-zb's
+    # --zero-bubble-recompute-num-layers: the ranks that hold more microbatches recompute more), else
+    # recompute_num_layers in every chunk
     recompute_method: Optional[str] = None
-    recompute_per_rank: Optional[Tuple[int, ...]] = None
+    recompute_counts: Optional[Tuple[int, ...]] = None
     # shapes beyond a plain GPT (Megatron's flags)
     num_query_groups: Optional[int] = None  # --num-query-groups (GQA); None: one per head
     kv_channels: Optional[int] = None  # --kv-channels: each head's width; None: hidden / heads
@@ -99,12 +100,12 @@ class ModelSpec:
             raise ScheduleError(f"--recompute-method must be uniform or block, got {self.recompute_method!r}")
         if self.recompute_method is not None and self.recompute != "full":
             raise ScheduleError("--recompute-method applies to --recompute-granularity full")
-        if self.recompute_per_rank is not None:
+        if self.recompute_counts is not None:
             if self.recompute_method != "block":
                 raise ScheduleError("recompute per rank (--zero-bubble-recompute-num-layers) takes "
                                     "--recompute-granularity full --recompute-method block")
-            if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in self.recompute_per_rank):
-                raise ScheduleError(f"recompute per rank takes layer counts >= 0, got {list(self.recompute_per_rank)}")
+            if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in self.recompute_counts):
+                raise ScheduleError(f"recompute per rank takes layer counts >= 0, got {list(self.recompute_counts)}")
         if not (isinstance(self.split_overhead_s, (int, float)) and 0 <= self.split_overhead_s < 1):
             raise ScheduleError(f"the split backward's overhead must be 0 or more seconds per layer (below 1 s), got "
                                 f"{self.split_overhead_s!r}")
@@ -126,25 +127,30 @@ class ModelSpec:
         validate_shapes(self)
 
     # -- recompute by chunk (the block method) ---------------------------------------------------
-    def recomputed_layers(self, rank: int, layers: int) -> int:
-        """How many of a model chunk's ``layers`` transformer layers on pipeline ``rank`` recompute
-        their forward in B, each on its own (the block method: the first N of the chunk; 0 for the
-        other methods, which ``layer_flops`` and ``layer_activation_bytes`` count for every layer)."""
+    def recomputed_layers(self, rank: int, chunk: int, chunks: int, layers: int) -> int:
+        """How many of model chunk ``chunk``'s ``layers`` transformer layers (of ``chunks`` chunks in
+        pipeline order) on pipeline ``rank`` recompute their forward in B, each on its own (the block
+        method: the chunk's first N; 0 for the other methods, which ``layer_flops`` and
+        ``layer_activation_bytes`` count for every layer). Counts of one's own (``recompute_counts``):
+        one per rank or one per chunk; else ``recompute_num_layers``. A count above the chunk's
+        layers is refused."""
         if self.recompute != "full" or self.recompute_method != "block":
             return 0
-        if self.recompute_per_rank is not None:
-            if not 0 <= rank < len(self.recompute_per_rank):
-                raise ScheduleError(f"recompute per rank has {len(self.recompute_per_rank)} values; pipeline rank "
-                                    f"{rank} has none (give one per pipeline rank)")
-            n = self.recompute_per_rank[rank]
-        else:
-            n = self.recompute_num_layers
-        return min(n, layers)
+        counts = self.recompute_counts
+        if counts is None:
+            return min(self.recompute_num_layers, layers)
+        if len(counts) != chunks and not 0 <= rank < len(counts):
+            raise ScheduleError(f"recompute per rank has {len(counts)} values; give one per pipeline rank or one per "
+                                f"model chunk ({chunks})")
+        n = counts[chunk] if len(counts) == chunks else counts[rank]
+        if n > layers:
+            raise ScheduleError(f"recompute per rank asks {n} layers of model chunk {chunk}, which holds {layers}")
+        return n
 
     def recomputing(self) -> "ModelSpec":
         """This model with every layer recomputed on its own (a block-method chunk's first layers)."""
         return dataclasses.replace(self, recompute="full", recompute_method=None, recompute_num_layers=1,
-                                   recompute_per_rank=None)
+                                   recompute_counts=None)
 
     # -- per layer, per microbatch ------------------------------------------------------------
     # i: the global 0-based decoder layer; None: the generic layer of today's callers (every layer

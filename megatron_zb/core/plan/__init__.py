@@ -17,6 +17,7 @@ from ..costs.model import ModelSpec, layer_split, stage_activation_bytes  # noqa
 from ..ir import ScheduleError
 from ..schedules import names
 from ..schedules.search.auto import TIE
+from .levers import fit_rows
 from .request import (EP_BANDWIDTH_GBPS, GPU_PEAK_TFLOPS, SEARCHES, MoeLever, OffloadLever,  # noqa: F401 (re-exported)
                       OptimizerOffload, PlanRequest, VocabLever)
 from .row import load_profile, needed_limit, profile_costs  # noqa: F401 (re-exported)
@@ -84,11 +85,14 @@ def plan(request: PlanRequest, workers: Optional["Workers"] = None, jobs: int = 
     request.check()
     key, p, m = request.ranked_by, request.pipeline_parallel_size, request.microbatches
     vocab_parallel = request.vocab.parallel
-    if vocab_parallel == "both" and (request.offload is not None or request.profile is not None
-                                     or request.exact is not None):
+    if vocab_parallel == "both" and (request.profile is not None or request.exact is not None):
         vocab_parallel = "off"  # rows with vocabulary parallelism are not modelled with these
     full = request.search == "full"
-    one = functools.partial(_job, request=request, effort=request.search, tighten=request.tighten or full)
+    # offload 'auto' is a lever (``levers.fit_rows``): the rows are built without it, then the ones
+    # that do not fit try it; a given ratio is the user's for every row
+    lever = request.offload is not None and request.offload.ratio == "auto"
+    built = request.replace(offload=None) if lever else request
+    one = functools.partial(_job, request=built, effort=request.search, tighten=request.tighten or full)
     variants = {"off": [None], "on": [request.vocab.barriers], "both": [None, request.vocab.barriers]}[vocab_parallel]
     todo = [(name, v) for name in (request.schedules or names()) for v in variants]
     with own as pool:
@@ -107,6 +111,9 @@ def plan(request: PlanRequest, workers: Optional["Workers"] = None, jobs: int = 
                 break
             tight.add(i)
             rows[i] = pool.run(functools.partial(one, tighten=True), [todo[i]])[0]
+    efforts = {(r["schedule"], r.get("vocab_parallel")): r.get("search_effort", "full") for r in rows if "error" not in r}
+    rows = fit_rows(rows, request, lambda name, vocab, req: one_row(name, vocab, req, efforts.get((name, vocab), "full"),
+                                                                     True))
     base = next((r for r in rows if r["schedule"] == "1f1b" and "error" not in r and not r.get("vocab_parallel")),
                 None)
     ok = [r for r in rows if "error" not in r]

@@ -30,7 +30,7 @@ def _recomputes(spec: ModelSpec, most: int) -> List[Tuple[str, ModelSpec]]:
     """(the recompute flags, the model with them), from none to the most: none, selective, block
     1..``most`` (layers per chunk), uniform (every layer)."""
     base = dataclasses.replace(spec, recompute=None, recompute_method=None, recompute_num_layers=1,
-                               recompute_per_rank=None)
+                               recompute_counts=None)
     out = [("", base), (" --recompute-granularity selective", dataclasses.replace(base, recompute="selective"))]
     for n in range(1, most + 1):
         out.append((f" --recompute-granularity full --recompute-method block --recompute-num-layers {n}",

@@ -147,8 +147,5 @@ class PlanRequest:
             raise ScheduleError(f"search is one of {', '.join(SEARCHES)}, got {self.search!r}")
         if self.vocab.parallel not in ("off", "on", "both"):
             raise ScheduleError(f"vocab_parallel is 'off', 'on' or 'both', got {self.vocab.parallel!r}")
-        if self.vocab.parallel == "on" and self.offload is not None:
-            raise ScheduleError("vocabulary parallelism and activation offload together are not supported yet: leave "
-                                "out one of them")
         if self.optimizer_offload is not None:
             self.optimizer_offload.check()

@@ -1,0 +1,157 @@
+"""The memory levers searched together (issue 55): a row that does not fit the budget is made to fit
+by recomputing layers (each model chunk its own count: ``ModelSpec.recompute_counts``, Megatron's
+block method: the chunk's first layers) and, where the request asks for it, offloading activations as little as
+fits (``--offload-ratio auto``), or both. Pure Python.
+
+A lever only ever costs time (a recomputed forward in B, a copy over the host link), so a row's
+time without levers bounds every variant of it: the rows that do not fit are tried fastest first,
+and only while they could still beat the fastest row that fits. Every variant is one more
+candidate, never a replacement of one that fits: a lever added to the search cannot make the best
+fitting row worse.
+
+Recompute per rank: each rank over the budget recomputes the fewest layers that close its gap, its
+earliest chunk first (it holds the most microbatches), estimated from what one recomputed layer saves
+(its activation less its kept input, for every microbatch of that chunk the rank holds at its peak),
+then checked by building the row again and raised by one layer on a rank still over, a few times.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, List, Optional, Sequence, Tuple
+
+from ..costs.chunk_costs import chunk_costs
+from ..costs.layout import parse
+from ..costs.model import ModelSpec
+from ..ir import ScheduleError
+from ..schedules import get
+from .request import PlanRequest
+from .row import placement_for
+
+__all__ = ["fit_rows", "recompute_flags", "RAISES"]
+
+#: how many times a recompute estimate is raised by one layer on the ranks still over the budget
+RAISES = 3
+
+
+def recompute_flags(counts: Sequence[int]) -> str:
+    """The flags of a recompute per model chunk (pipeline order): Megatron's own where every chunk
+    recomputes alike, else megatron-zb's counts."""
+    flags = " --recompute-granularity full --recompute-method block"
+    if len(set(counts)) == 1:
+        return flags + f" --recompute-num-layers {counts[0]}"
+    return flags + f" --recompute-num-layers {max(counts)} --zero-bubble-recompute-num-layers " + \
+        ",".join(str(n) for n in counts)
+
+
+def fit_rows(rows: List[dict], request: PlanRequest, build_row: Callable[[str, Optional[int], PlanRequest], dict]) \
+        -> List[dict]:
+    """``rows`` (built without offload where ``request.offload`` is 'auto') with each row that does not
+    fit replaced by its fastest variant that fits (recompute per rank; with ``--offload-ratio auto``,
+    offload as little as fits, alone and with recompute), tried fastest first while it could beat
+    the fastest fitting row. ``build_row(name, vocab, request)`` builds one row."""
+    key = request.ranked_by
+    fitting = [r[key] for r in rows if "error" not in r and r["fits"]]
+    best = min(fitting) if fitting else math.inf
+    out = list(rows)
+    for i in sorted((i for i, r in enumerate(rows) if "error" not in r and not r["fits"]), key=lambda i: rows[i][key]):
+        if rows[i][key] >= best:
+            break  # a lever only costs time: no variant of this row or of a slower one can beat ``best``
+        fit = [v for v in _variants(rows[i], request, build_row) if "error" not in v and v["fits"]]
+        if fit:
+            out[i] = min(fit, key=lambda v: v[key])
+            best = min(best, out[i][key])
+    return out
+
+
+def _variants(r: dict, request: PlanRequest, build_row) -> List[dict]:
+    """The row's variants with levers, each built: offload 'auto' (where asked), recompute per rank,
+    and both."""
+    name, vocab = r["schedule"], r.get("vocab_parallel")
+    auto = request.offload is not None and request.offload.ratio == "auto"
+    out = [build_row(name, vocab, request)] if auto else []
+    rc = _recompute(r, request.replace(offload=None), build_row)
+    if rc is not None:
+        row, counts = rc
+        out.append(row)
+        if auto and not row["fits"]:
+            both = build_row(name, vocab, request.replace(model=_recomputing(request.model, counts)))
+            if "error" not in both:
+                both["flags"] += recompute_flags(counts)
+                both["recompute_layers"] = list(counts)
+            out.append(both)
+    return out
+
+
+def _recomputing(spec: ModelSpec, counts: Sequence[int]) -> ModelSpec:
+    return dataclasses.replace(spec, recompute="full", recompute_method="block", recompute_num_layers=max(counts),
+                               recompute_counts=tuple(counts))
+
+
+def _recompute(r: dict, request: PlanRequest, build_row) -> Optional[Tuple[dict, List[int]]]:
+    """(the row with the least recompute per model chunk that fits, or the last tried where none
+    does; the counts, one per chunk in pipeline order); None where the model or the schedule take
+    none (the user's own recompute, measured costs, replicated stages)."""
+    spec = request.model
+    if spec.recompute is not None or request.profile is not None:
+        return None
+    sp = get(r["schedule"])
+    try:
+        v = sp.resolve_chunks(request.interleave_chunks if sp.chunks is None else None)
+        pl = placement_for(sp.placement, request.pipeline_parallel_size, v)
+        layout = parse(r["layout"], request.pipeline_parallel_size)
+        cc = chunk_costs(spec, layout, pl, 1.0, 1.0, vocab=r.get("vocab_parallel") is not None,
+                         vocab_embedding=bool(r.get("vocab_embedding")))
+    except ScheduleError:
+        return None
+    saved = _saved_per_layer(spec)
+    if saved <= 0 or pl.replicated:
+        return None
+    p = request.pipeline_parallel_size
+    chunks = [sorted(s for s in range(pl.num_stages) if pl.rank_of(s) == q) for q in range(p)]  # earliest first
+    room = layout.layers()
+    counts: List[int] = [0] * pl.num_stages
+    row = r
+    for attempt in range(1 + RAISES):
+        over = [row["peak_bytes"][q] - request.budget_bytes for q in range(p)]
+        if not any(x > 0 for x in over):
+            break
+        before = list(counts)
+        for q in range(p):
+            if over[q] > 0:
+                held = _held(row["activation_bytes"][q], [cc.mem_f[s] for s in chunks[q]])
+                layers = max(1, math.ceil(over[q] / (saved * held) - 1e-9)) if attempt == 0 else 1
+                _add(counts, chunks[q], room, layers)
+        if counts == before:
+            break
+        row = build_row(r["schedule"], r.get("vocab_parallel"), request.replace(model=_recomputing(spec, counts)))
+        if "error" in row:
+            return None
+        row["flags"] += recompute_flags(counts)
+        row["recompute_layers"] = list(counts)
+    if not any(counts):
+        return None
+    return row, counts
+
+
+def _held(act_peak: float, chunk_mem: Sequence[float]) -> float:
+    """Chunk activations a rank holds at its peak, per chunk: its peak over its chunks' activations."""
+    total = sum(chunk_mem)
+    return act_peak / total if total > 0 else 1.0
+
+
+def _add(counts: List[int], chunks: Sequence[int], room: Sequence[int], layers: int) -> None:
+    """``layers`` more recomputed layers on a rank, its earliest chunk first (it holds the most
+    microbatches), each chunk up to the layers it has."""
+    for s in chunks:
+        take = min(layers, room[s] - counts[s])
+        counts[s] += take
+        layers -= take
+        if layers <= 0:
+            return
+
+
+def _saved_per_layer(spec: ModelSpec) -> float:
+    """Bytes one microbatch's layer keeps less when it recomputes its forward (its activation less
+    its kept input)."""
+    return spec.layer_activation_bytes()[0] - spec.recomputing().layer_activation_bytes()[0]
