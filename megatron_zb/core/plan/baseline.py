@@ -9,7 +9,8 @@ with ``--recompute-method block --recompute-num-layers N``: the first N layers o
 ``full`` with the ``uniform`` method: every layer), a fused backward (no B/W split, no
 vocabulary parallelism, no offload). Each candidate is costed and timed as plan's rows are
 (``plan.row``); the fastest that fits is the baseline (of equally fast ones the one met first:
-the least recompute, 1F1B before interleaving). Megatron has no post-validation: the baseline is
+the least recompute, 1F1B before interleaving). Each schedule's recompute is tried from the least
+(none, selective, block 1, 2, ..., uniform) to the first that fits: more only costs time. Megatron has no post-validation: the baseline is
 timed with its synchronous step, and ``speedup_vs_megatron`` compares a row's time as plan ranks it
 with that.
 """
@@ -82,6 +83,7 @@ def megatron_baseline(request: PlanRequest) -> Tuple[Optional[dict], Optional[st
             cand = dict(r, flags=_megatron_flags(r, request.pipeline_parallel_size, flags), recompute=flags.strip())
             if best is None or cand[key] < best[key] * (1 - TIE):
                 best = cand
+            break  # more recompute of the same schedule only costs time
     if best is None:
         gib = 1024 ** 3
         why = ("no configuration of Megatron's own (1F1B, interleaved 1F1B, its layouts, full recompute of every "
