@@ -17,7 +17,7 @@ from ..costs.model import ModelSpec, layer_split, stage_activation_bytes  # noqa
 from ..ir import ScheduleError
 from ..schedules import names
 from ..schedules.search.auto import TIE
-from .levers import fit_rows
+from .levers import fit_rows, vocab_twins
 from .request import (EP_BANDWIDTH_GBPS, GPU_PEAK_TFLOPS, SEARCHES, MoeLever, OffloadLever,  # noqa: F401 (re-exported)
                       OptimizerOffload, PlanRequest, VocabLever)
 from .row import load_profile, needed_limit, profile_costs  # noqa: F401 (re-exported)
@@ -114,6 +114,7 @@ def plan(request: PlanRequest, workers: Optional["Workers"] = None, jobs: int = 
     efforts = {(r["schedule"], r.get("vocab_parallel")): r.get("search_effort", "full") for r in rows if "error" not in r}
     rows = fit_rows(rows, request, lambda name, vocab, req: one_row(name, vocab, req, efforts.get((name, vocab), "full"),
                                                                      True))
+    rows = vocab_twins(rows, request, lambda name, vocab, effort: one_row(name, vocab, built, effort, True))
     base = next((r for r in rows if r["schedule"] == "1f1b" and "error" not in r and not r.get("vocab_parallel")),
                 None)
     ok = [r for r in rows if "error" not in r]

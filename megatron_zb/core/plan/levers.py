@@ -28,7 +28,7 @@ from ..schedules import get
 from .request import PlanRequest
 from .row import placement_for
 
-__all__ = ["fit_rows", "recompute_flags", "RAISES"]
+__all__ = ["fit_rows", "vocab_twins", "recompute_flags", "RAISES"]
 
 #: how many times a recompute estimate is raised by one layer on the ranks still over the budget
 RAISES = 3
@@ -155,3 +155,22 @@ def _saved_per_layer(spec: ModelSpec) -> float:
     """Bytes one microbatch's layer keeps less when it recomputes its forward (its activation less
     its kept input)."""
     return spec.layer_activation_bytes()[0] - spec.recomputing().layer_activation_bytes()[0]
+
+
+def vocab_twins(rows: List[dict], request: PlanRequest, build_row: Callable[[str, Optional[int], str], dict]) \
+        -> List[dict]:
+    """A +vocab row of a schedule whose memory is its own (not searched under a limit) slower than its
+    plain twin where both fit: its vocabulary passes placed every way (the full effort), where it was
+    searched quickly (``build_row(name, vocab, effort)``); kept where that is faster."""
+    key = request.ranked_by
+    plain = {r["schedule"]: r for r in rows if "error" not in r and not r.get("vocab_parallel") and r["fits"]}
+    out = list(rows)
+    for i, r in enumerate(rows):
+        twin = plain.get(r["schedule"]) if "error" not in r and r.get("vocab_parallel") and r["fits"] else None
+        if twin is None or get(r["schedule"]).searched or r.get("search_effort") != "quick" \
+                or r[key] <= twin[key] * (1 + 1e-3):
+            continue
+        again = build_row(r["schedule"], r["vocab_parallel"], "full")
+        if "error" not in again and again["fits"] and again[key] < r[key]:
+            out[i] = again
+    return out

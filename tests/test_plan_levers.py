@@ -1,0 +1,105 @@
+"""The memory levers searched together (issue 55): properties of plan's answer on a public model
+shape under budgets from roomy to tight, and Megatron's best fitting configuration as the reference."""
+import dataclasses
+
+import pytest
+
+from megatron_zb.core import plan as P
+from megatron_zb.core.costs.model import ModelSpec
+from megatron_zb.core.costs.models import spec_kwargs
+from megatron_zb.core.plan.baseline import megatron_baseline
+from megatron_zb.core.schedules import get
+from megatron_zb.core.schedules.search.auto import TIE
+
+SPEC = ModelSpec(**spec_kwargs("llama-3.2-1b", seq_length=4096), split_overhead_s=0.4e-3)
+KEY = "iteration_time_s"
+# a fixed-memory schedule of each family, one searched under the limit, Megatron's two
+SCHEDULES = ("1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "v-half", "dualpipe-v", "v-auto")
+
+
+def _plan(gb, **kw):
+    return P.plan(P.PlanRequest(SPEC, 4, 8, gb, schedules=SCHEDULES, vocab=P.VocabLever("both", embedding=True), **kw),
+                  jobs=1)
+
+
+def _best(rows):
+    fit = [r for r in rows if "error" not in r and r["fits"]]
+    return fit[0] if fit else None
+
+
+@pytest.fixture(scope="module")
+def plans():
+    out = {}
+    for gb in (12.0, 8.0):
+        out[gb, "plain"] = _plan(gb)
+        out[gb, "offload"] = _plan(gb, offload=P.OffloadLever("auto", host_link_gbps=50.0))
+    return out
+
+
+@pytest.mark.parametrize("gb", [12.0, 8.0])
+def test_a_lever_added_never_makes_the_best_fitting_row_worse(plans, gb):
+    plain, off = _best(plans[gb, "plain"]), _best(plans[gb, "offload"])
+    assert plain is not None and off is not None
+    assert off[KEY] <= plain[KEY] * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("gb", [12.0, 8.0])
+@pytest.mark.parametrize("how", ["plain", "offload"])
+def test_the_suggested_row_is_the_fastest_that_fits(plans, gb, how):
+    rows = [r for r in plans[gb, how] if "error" not in r]
+    fit = [r for r in rows if r["fits"]]
+    assert rows[0] is fit[0] and all(fit[0][KEY] <= r[KEY] * (1 + TIE) for r in fit)
+
+
+@pytest.mark.parametrize("gb", [12.0, 8.0])
+def test_a_vocab_row_of_a_fixed_memory_schedule_is_never_slower_than_its_plain_twin(plans, gb):
+    rows = [r for r in plans[gb, "plain"] if "error" not in r and r["fits"]]
+    plain = {r["schedule"]: r for r in rows if not r.get("vocab_parallel") and not r.get("recompute_layers")}
+    for r in rows:
+        twin = plain.get(r["schedule"])
+        if r.get("vocab_parallel") and twin is not None and not get(r["schedule"]).searched \
+                and not r.get("recompute_layers"):
+            assert r[KEY] <= twin[KEY] * (1 + TIE), (r["schedule"], r[KEY], twin[KEY])
+
+
+def test_recompute_makes_a_row_fit_and_its_flags_say_so(plans):
+    rc = [r for r in plans[8.0, "plain"] if "error" not in r and r.get("recompute_layers") and r["fits"]]
+    assert rc
+    for r in rc:
+        assert "--recompute-granularity full --recompute-method block" in r["flags"]
+        counts = r["recompute_layers"]
+        assert (f"--zero-bubble-recompute-num-layers {','.join(map(str, counts))}" in r["flags"]) == \
+            (len(set(counts)) > 1)
+
+
+def test_megatron_baseline_between_full_recompute_and_no_memory_limit():
+    for gb in (12.0, 10.0):
+        req = P.PlanRequest(SPEC, 4, 8, gb)
+        base, why = megatron_baseline(req)
+        assert base is not None and why is None and base["fits"]
+        assert "--zero-bubble" not in base["flags"]
+        full = dataclasses.replace(SPEC, recompute="full", recompute_method="uniform")
+        slowest = P.one_row("1f1b", None, req.replace(model=full), "full", False)
+        assert base[KEY] <= slowest[KEY] * (1 + 1e-9)
+        roomy = min(P.one_row(n, None, req.replace(gpu_memory_gb=1000.0, interleave_chunks=v), "full", False)[KEY]
+                    for n, v in (("1f1b", 2), ("interleaved-1f1b", 2), ("interleaved-1f1b", 4)))
+        assert base[KEY] >= roomy * (1 - 1e-9)
+    base, why = megatron_baseline(P.PlanRequest(SPEC, 4, 8, 6.0))
+    assert base is None and "no configuration of Megatron's own" in why
+
+
+def test_plan_json_has_the_baseline_and_each_rows_speedup_over_it(capsys):
+    import json
+
+    from megatron_zb.cli import main
+    assert main(["plan", "--model", "llama-3.2-1b", "--pipeline-parallel-size", "4", "--num-microbatches", "8",
+                 "--gpu-memory-gb", "12", "--jobs", "1", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    base = d["megatron_baseline"]
+    assert set(base) >= {"schedule", "flags", "iteration_time_s", "peak_bytes", "fits"} and d["megatron_baseline_reason"] is None
+    for r in d["rows"]:
+        if "error" not in r:
+            assert r["speedup_vs_megatron"] == round(base["iteration_time_s"] / r["iteration_time_s"], 4)
+    assert main(["plan", "--model", "llama-3.2-1b", "--pipeline-parallel-size", "4", "--num-microbatches", "8",
+                 "--gpu-memory-gb", "12", "--jobs", "1"]) == 0
+    assert "vs Megatron: against Megatron's best configuration that fits" in capsys.readouterr().out
