@@ -86,7 +86,7 @@ def _result_dict(built: Built, it) -> dict:
     sched, setting = built.schedule, built.setting
     d = built.result.to_dict()
     d.update(it.to_dict())
-    d.update(_split(built, it.cost_optimizer))
+    d.update(_split(built))
     for k in ("lower_bound", "gap_to_lower_bound", "exact"):
         if k in sched.meta:
             d[k] = sched.meta[k]
@@ -100,11 +100,11 @@ def _result_dict(built: Built, it) -> dict:
     return d
 
 
-def _split(built: Built, cost_optimizer: float) -> dict:
+def _split(built: Built) -> dict:
     """What the split backward costs the built schedule (only where --cost-bw makes it cost)."""
     if built.setting.cost_bw is None:
         return {}
-    return {"split_cost": round(split_cost(built.schedule, built.setting, cost_optimizer), 10),
+    return {"split_cost": round(split_cost(built.schedule, built.setting), 10),
             "fused_backwards": built.schedule.meta.get("fused_backwards", 0)}
 
 
@@ -206,7 +206,7 @@ def compare_rows(base: ScheduleRequest, p: int, m: int, names: Optional[List[str
         res = built.result
         limit = base.memory_limit
         fits = limit is None or max(res.peak_memory) <= limit + 1e-9
-        rows.append({**res.to_dict(), **it.to_dict(), "fits": fits, "ranked_by": key, **_split(built, cost_optimizer)})
+        rows.append({**res.to_dict(), **it.to_dict(), "fits": fits, "ranked_by": key, **_split(built)})
     top = next((r for r in rows if r.get("schedule") == "1f1b" and "error" not in r), None)
     for r in rows:
         if "error" not in r and top:

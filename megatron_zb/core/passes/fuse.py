@@ -18,7 +18,6 @@ import dataclasses
 from typing import Dict, List, Tuple
 
 from ..ir import BW, OVERLAP, Action, B, Schedule, Setting, W, deps
-from ..sim.iteration import iteration_times
 from ..sim.simulate import simulate
 from ..sim.split import split_costs, split_free
 
@@ -84,12 +83,17 @@ def _waiting(timeline, sched: Schedule, setting: Setting) -> Dict[Tuple[int, int
     return out
 
 
-def split_cost(sched: Schedule, setting: Setting, cost_optimizer: float = 0.0) -> float:
+def split_cost(sched: Schedule, setting: Setting) -> float:
     """The time per training iteration (Megatron's synchronous step) ``sched``'s split backwards cost
     it: its time against its time with every split pass costing what the fused backward does
     (``Setting.split_free``). 0 where the split costs nothing or the schedule runs no W."""
     pl = sched.placement
     if not split_costs(setting, pl) or not any(a.kind == W for o in sched.orders for a in o):
         return 0.0
-    with_split = iteration_times(sched, setting, cost_optimizer).iteration_time
-    return with_split - iteration_times(sched, split_free(setting, pl), cost_optimizer).iteration_time
+    return _compute_span(sched, setting) - _compute_span(sched, split_free(setting, pl))  # (the step cancels)
+
+
+def _compute_span(sched: Schedule, setting: Setting) -> float:
+    """The synchronous iteration's compute: the last pass's end less the first's start, any rank."""
+    tl = [line for line in simulate(sched, setting).timeline if line]
+    return max(line[-1].end for line in tl) - min(line[0].start for line in tl) if tl else 0.0

@@ -1,13 +1,13 @@
 """The memory levers searched together (issue 55): a row that does not fit the budget is made to fit
 by recomputing layers (each model chunk its own count: ``ModelSpec.recompute_counts``, Megatron's
-block method: the chunk's first layers) and, where the request asks for it, offloading activations as little as
-fits (``--offload-ratio auto``), or both. Pure Python.
+block method: the chunk's first layers) and, where the request asks for it, offloading activations
+as little as fits (``--offload-ratio auto``), or both. Pure Python.
 
-A lever only ever costs time (a recomputed forward in B, a copy over the host link), so a row's
-time without levers bounds every variant of it: the rows that do not fit are tried fastest first,
-and only while they could still beat the fastest row that fits. Every variant is one more
-candidate, never a replacement of one that fits: a lever added to the search cannot make the best
-fitting row worse.
+A lever only ever costs time (a recomputed forward in B, a copy over the host link), so a row's time
+without levers bounds every variant of it: the rows that do not fit are tried likeliest first (their
+time, plus what recomputing away their worst rank's excess would add), ``MOST_TRIED`` of them, each
+only where it could still beat the fastest row that fits. Every variant is one more candidate, never
+a replacement of one that fits: a lever added to the search cannot make the best fitting row worse.
 
 Recompute per rank: each rank over the budget recomputes the fewest layers that close its gap, its
 earliest chunk first (it holds the most microbatches), estimated from what one recomputed layer saves
@@ -32,6 +32,8 @@ __all__ = ["fit_rows", "vocab_twins", "recompute_flags", "RAISES"]
 
 #: how many times a recompute estimate is raised by one layer on the ranks still over the budget
 RAISES = 3
+#: the rows that do not fit tried with levers, likeliest first (each variant is a row built again)
+MOST_TRIED = 6
 
 
 def recompute_flags(counts: Sequence[int]) -> str:
@@ -48,20 +50,29 @@ def fit_rows(rows: List[dict], request: PlanRequest, build_row: Callable[[str, O
         -> List[dict]:
     """``rows`` (built without offload where ``request.offload`` is 'auto') with each row that does not
     fit replaced by its fastest variant that fits (recompute per rank; with ``--offload-ratio auto``,
-    offload as little as fits, alone and with recompute), tried fastest first while it could beat
+    offload as little as fits, alone and with recompute), tried likeliest first where it could beat
     the fastest fitting row. ``build_row(name, vocab, request)`` builds one row."""
     key = request.ranked_by
     fitting = [r[key] for r in rows if "error" not in r and r["fits"]]
     best = min(fitting) if fitting else math.inf
     out = list(rows)
-    for i in sorted((i for i, r in enumerate(rows) if "error" not in r and not r["fits"]), key=lambda i: rows[i][key]):
+    over = [i for i, r in enumerate(rows) if "error" not in r and not r["fits"]]
+    for i in sorted(over, key=lambda i: _promise(rows[i], request))[:MOST_TRIED]:
         if rows[i][key] >= best:
-            break  # a lever only costs time: no variant of this row or of a slower one can beat ``best``
+            continue  # a lever only costs time: no variant of this row can beat ``best``
         fit = [v for v in _variants(rows[i], request, build_row) if "error" not in v and v["fits"]]
         if fit:
             out[i] = min(fit, key=lambda v: v[key])
             best = min(best, out[i][key])
     return out
+
+
+def _promise(r: dict, request: PlanRequest) -> float:
+    """What a row may cost once it fits, to try the likeliest first: its time, plus a third of it (a
+    forward's share of F + B + W) for the share of its worst rank's activations recomputed away."""
+    need = max(max(0.0, p - request.budget_bytes) / a if a > 0 else 1.0
+               for p, a in zip(r["peak_bytes"], r["activation_bytes"]))
+    return r[request.ranked_by] * (1 + min(1.0, need) / 3)
 
 
 def _variants(r: dict, request: PlanRequest, build_row) -> List[dict]:

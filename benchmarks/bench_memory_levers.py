@@ -1,0 +1,109 @@
+"""The memory-bound regime (issue 55): for public model shapes under tight GPU memory, plan's best
+row that fits (every lever searched together), Megatron's best configuration that fits (its own
+schedules, layouts and recompute), and the best row with no memory limit (1000 GiB), each with and
+without --offload-ratio auto over a 50 GB/s host link. Simulated (H100 at 0.5 efficiency).
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_memory_levers.py [--shapes A B ...] \\
+        [--out benchmarks/results/memory_levers.json]
+
+Each plan runs as the command line runs it (``megatron-zb plan ... --json``, in this process with
+``--jobs 1``); its CPU seconds are recorded beside it.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from megatron_zb.cli import main  # noqa: E402
+
+#: name -> (plan flags of the model and parallelism, GPU memory GiB)
+SHAPES = {
+    "A": (["--model", "llama-3-70b", "--tensor-parallel-size", "4", "--sequence-parallel",
+           "--pipeline-parallel-size", "8", "--seq-length", "8192", "--num-microbatches", "32"], 80),
+    "B": (["--model", "llama-3-8b", "--pipeline-parallel-size", "8", "--num-microbatches", "32"], 27),
+    "llama-3-8b s16k P=8": (["--model", "llama-3-8b", "--pipeline-parallel-size", "8", "--seq-length", "16384",
+                             "--num-microbatches", "32", "--tensor-parallel-size", "2", "--sequence-parallel"], 40),
+    "qwen2.5-72b P=16": (["--model", "qwen2.5-72b", "--tensor-parallel-size", "4", "--sequence-parallel",
+                          "--pipeline-parallel-size", "16", "--seq-length", "4096", "--num-microbatches", "64"], 48),
+}
+OFFLOAD = ["--offload-ratio", "auto", "--host-link-gbps", "50"]
+
+
+def _plan(flags) -> tuple:
+    out = io.StringIO()
+    t = time.process_time()
+    with contextlib.redirect_stdout(out):
+        rc = main(["plan"] + flags + ["--jobs", "1", "--json"])
+    cpu = time.process_time() - t
+    if rc != 0:
+        raise SystemExit(f"plan {' '.join(flags)} failed ({rc})")
+    return json.loads(out.getvalue()), cpu
+
+
+def _row(r) -> dict:
+    if r is None:
+        return None
+    keep = ("schedule", "vocab_parallel", "vocab_embedding", "recompute_layers", "iteration_time_s", "bubble_rate",
+            "peak_bytes", "flags", "speedup_vs_megatron")
+    out = {k: r[k] for k in keep if k in r}
+    out["offload"] = bool(r.get("offload"))
+    out["peak_gib"] = round(max(r["peak_bytes"]) / 1024 ** 3, 2)
+    return out
+
+
+def _best(d) -> dict:
+    return next((r for r in d["rows"] if "error" not in r and r["fits"]), None)
+
+
+def shape(name: str) -> dict:
+    flags, gb = SHAPES[name]
+    rec = {"shape": name, "flags": flags, "gpu_memory_gb": gb}
+    roomy, cpu = _plan(flags + ["--gpu-memory-gb", "1000"])
+    rec["unlimited"] = _row(_best(roomy))
+    for label, extra in (("plain", []), ("offload", OFFLOAD)):
+        d, cpu = _plan(flags + ["--gpu-memory-gb", str(gb)] + extra)
+        best = _best(d)
+        base = d["megatron_baseline"]
+        rec[label] = {"best": _row(best), "cpu_s": round(cpu, 2),
+                      "megatron_baseline": None if base is None else {k: base[k] for k in (
+                          "schedule", "chunks", "recompute", "iteration_time_s", "flags") if k in base}
+                      | {"peak_gib": round(max(base["peak_bytes"]) / 1024 ** 3, 2)},
+                      "megatron_baseline_reason": d["megatron_baseline_reason"]}
+        if best is not None:
+            rec[label]["over_unlimited"] = round(best["iteration_time_s"] / rec["unlimited"]["iteration_time_s"], 4)
+            rec[label]["over_megatron"] = best.get("speedup_vs_megatron")
+    return rec
+
+
+def main_(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                                  "memory_levers.json"))
+    a = ap.parse_args(argv)
+    rows = []
+    for name in a.shapes:
+        rows.append(shape(name))
+        r = rows[-1]
+        for label in ("plain", "offload"):
+            x = r[label]
+            print(f"{name:<22} {label:<8} best {x['best'] and x['best']['schedule']} "
+                  f"{x['best'] and round(1e3 * x['best']['iteration_time_s'], 1)} ms, "
+                  f"x{x.get('over_unlimited')} of unlimited, {x.get('over_megatron')}x Megatron, {x['cpu_s']} CPU s",
+                  flush=True)
+    with open(a.out, "w") as f:
+        json.dump({"benchmark": "memory_levers", "machine": "2-core CPU (simulated H100 at 0.5 efficiency)",
+                   "command": "python benchmarks/bench_memory_levers.py", "shapes": rows}, f, indent=1)
+    print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main_())
