@@ -183,6 +183,7 @@ def _elapsed(t_start, t_end) -> float:
 def measured_k(a, res_off):
     """K from this GPU: one microbatch's captured bytes over the measured link, over F + B."""
     import torch
+    from megatron_zb.core.costs.model import ModelSpec
     from megatron_zb.megatron.features.offload import estimate_offload_time
     from megatron_zb.runtime.observe.measure import measure_host_link
     device = torch.device(a.device)
@@ -204,8 +205,9 @@ def measured_k(a, res_off):
     link = measure_host_link(device)
     nbytes = res_off["manager"]["captured_bytes_per_forward"]
     one_way = 0.5 * (nbytes / (link["d2h_gbps"] * 1e9) + nbytes / (link["h2d_gbps"] * 1e9))
-    est = estimate_offload_time(hidden_size=a.hidden, num_attention_heads=a.heads, seq_length=a.seq,
-                                micro_batch_size=a.micro_batch, flash_attention=False, device=device)
+    est = estimate_offload_time(ModelSpec(num_layers=1, hidden_size=a.hidden, num_attention_heads=a.heads,
+                                          seq_length=a.seq, micro_batch_size=a.micro_batch, flash_attention=False),
+                                device=device)
     return {"measured_k": one_way / statistics.median(fb[1:]), "fb_s": statistics.median(fb[1:]),
             "captured_bytes_per_forward": nbytes, "host_link": link,
             "auto_offload_time_estimate": est["offload_time"], "estimate": {k: est[k] for k in

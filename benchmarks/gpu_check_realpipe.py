@@ -282,8 +282,8 @@ def realpipe(ctx: Context) -> None:
         job = make_job(ctx, p, m, time.time() + budget - 8.0, outs[p])  # the ranks' last case start
         t0 = time.time()
         try:
-            L.run_cases(realpipe_rank, [job], p, timeout=budget, backend="gloo", cpu_shims=not gpu,
-                        mcore_path=ctx.mcore_path)
+            L.run_cases(realpipe_rank, [job], p, L.LaunchOptions(timeout=budget, backend="gloo", cpu_shims=not gpu,
+                                                                 mcore_path=ctx.mcore_path))
             error = None
         except L.LaunchError as e:
             error = (str(e).strip().splitlines() or [type(e).__name__])[0][:400]

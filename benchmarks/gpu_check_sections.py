@@ -333,9 +333,8 @@ def postval(ctx: Context) -> None:
                 "iterations each)", "(GPU run)", "the eager step does the step's work; a rollback costs one step")
         return
     ctx.need_cuda()
-    eager, rollback = [r[0] for r in L.run_cases(gpu_step_timing, cases, 1, timeout=ctx.launch_timeout(),
-                                                 backend="nccl" if gpu else "gloo", cpu_shims=not gpu,
-                                                 mcore_path=ctx.mcore_path)]
+    eager, rollback = [r[0] for r in L.run_cases(gpu_step_timing, cases, 1, L.LaunchOptions(
+        timeout=ctx.launch_timeout(), backend="nccl" if gpu else "gloo", cpu_shims=not gpu, mcore_path=ctx.mcore_path))]
     meg, pv = _med(eager["megatron"]["times"]), _med(eager["post-validated"]["times"])
     meg_clipped, redo = _med(rollback["megatron"]["times"]), _med(rollback["post-validated"]["redo"])
     ctx.figures.update(eager=eager, rollback=rollback, megatron_step_s=meg, eager_step_and_validation_s=pv,

@@ -53,7 +53,8 @@ def _setup(case, M, vocab=None, emb=False):
     placement = P.make_placement(case["placement"], case["pp"], case.get("chunks"))
     M.init_parallel_state(case["tp"], case["pp"], placement, seed=1234, vocab_parallel=bool(vocab))
     cfg = M.TinyGPTConfig(num_layers=case.get("num_layers", 4), tie_embeddings=not case.get("untied"))
-    chunks = M.build_model_chunks(cfg, placement, vocab_parallel=bool(vocab), vocab_embedding=bool(vocab and emb))
+    chunks = M.build_model_chunks(cfg, placement, M.ChunkOptions(vocab_parallel=bool(vocab),
+                                                                 vocab_embedding=bool(vocab and emb)))
     config = chunks[0].config
     ddp = bool(case.get("ddp") or case.get("optimizer"))
     if ddp:

@@ -105,8 +105,9 @@ def placement_report(case):
         by_stage = {}
         chunks_of_rank = {}
         for r in range(pl.num_ranks):
-            chunks = M.build_model_chunks(cfg, pl, pp_rank=r, layers_per_stage=spec.get("layers_per_stage"),
-                                          allow_padding_num_layers=spec.get("allow_padding_num_layers", False))
+            chunks = M.build_model_chunks(cfg, pl, M.ChunkOptions(
+                pp_rank=r, layers_per_stage=spec.get("layers_per_stage"),
+                allow_padding_num_layers=spec.get("allow_padding_num_layers", False)))
             chunks_of_rank[r] = chunks
             for c in chunks:
                 by_stage[c.mzb_chunk_info.stage] = c

@@ -139,11 +139,11 @@ def mcore_version():
 @pytest.fixture(scope="session")
 def rank_pool():
     """``rank_pool(fn, cases, world_size, timeout=300, **kw)`` -> results[case][rank]."""
-    from megatron_zb.verify.processes.launch import run_cases
+    from megatron_zb.verify.processes.launch import LaunchOptions, run_cases
 
     def run(fn, cases, world_size, timeout=300.0, **kw):
         kw.setdefault("mcore_path", MCORE_PATH)
-        return run_cases(fn, cases, world_size, timeout=timeout, **kw)
+        return run_cases(fn, cases, world_size, LaunchOptions(timeout=timeout, **kw))
     return run
 
 

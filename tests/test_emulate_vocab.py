@@ -89,8 +89,8 @@ def test_row_schedule_rebuilds_plan_rows():
 
 
 def test_pick_rows_takes_megatron_1f1b_and_the_best_vocab_row():
-    from megatron_zb.verify.timing.emulate_vocab import pick_rows
-    base, best = pick_rows(TINY, 4, 8, schedules=["1f1b", "zb-h1", "zb-v"])
+    from megatron_zb.verify.timing.emulate_vocab import RowChoice, pick_rows
+    base, best = pick_rows(TINY, 4, 8, RowChoice(schedules=["1f1b", "zb-h1", "zb-v"]))
     assert base["schedule"] == "1f1b" and not base.get("vocab_parallel")
     assert best["vocab_parallel"] == 1 and best["fits"]
     assert "--enable-vocab-parallel" in best["flags"]

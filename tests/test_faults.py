@@ -107,9 +107,9 @@ def test_the_stopped_rank_is_named_by_every_rank(rank_pool, tmp_path):
 
 _LAUNCHER = textwrap.dedent("""
     import sys
-    from megatron_zb.verify.processes.launch import launch
+    from megatron_zb.verify.processes.launch import LaunchOptions, launch
     from tests import _fault_fns
-    launch(_fault_fns.write_pid_and_sleep, 2, {"out": sys.argv[1]}, timeout=600, cpu_shims=False)
+    launch(_fault_fns.write_pid_and_sleep, 2, {"out": sys.argv[1]}, options=LaunchOptions(timeout=600, cpu_shims=False))
 """)
 
 

@@ -35,9 +35,9 @@ def groups_and_threads(share):
 
 @pytest.mark.dist
 def test_groups_share_one_loop_thread_and_still_reduce():
-    from megatron_zb.verify.processes.launch import run_cases
+    from megatron_zb.verify.processes.launch import LaunchOptions, run_cases
     # torch's default first (the patch, once applied, stays for the rank's life)
-    own, shared = run_cases(groups_and_threads, [False, True], 2, cpu_shims=False, timeout=120)
+    own, shared = run_cases(groups_and_threads, [False, True], 2, LaunchOptions(cpu_shims=False, timeout=120))
     for before, after, x in own:  # a device, and its thread, per group
         assert x == [3.0] * 3 and after >= before + 5, (before, after)
     for before, after, x in shared:  # one device for the five

@@ -196,8 +196,8 @@ def staged_exchange(_case):
 
 @pytest.mark.dist
 def test_point_to_point_staged_through_host_copies():
-    from megatron_zb.verify.processes.launch import run_cases
-    (sent, red0), (got, red1) = run_cases(staged_exchange, [None], 2, cpu_shims=False, timeout=120)[0]
+    from megatron_zb.verify.processes.launch import LaunchOptions, run_cases
+    (sent, red0), (got, red1) = run_cases(staged_exchange, [None], 2, LaunchOptions(cpu_shims=False, timeout=120))[0]
     assert sent == "_HostSend"
     assert red0 == red1 == ([3.0, 3.0, 3.0], [30.0, 30.0], [2.0, 2.0])
     assert got == ("_HostRecv", [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]], [7.0, 7.0], True)

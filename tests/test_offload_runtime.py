@@ -216,9 +216,10 @@ def test_install_offload_options_checked(kw, msg):
 
 
 def test_auto_offload_time_estimate_on_cpu_is_labelled():
+    from megatron_zb.core.costs.model import ModelSpec
     from megatron_zb.megatron.features.offload import estimate_offload_time
-    est = estimate_offload_time(hidden_size=256, num_attention_heads=4, seq_length=128, micro_batch_size=1,
-                                device="cpu")
+    est = estimate_offload_time(ModelSpec(num_layers=1, hidden_size=256, num_attention_heads=4, seq_length=128,
+                                          micro_batch_size=1), device="cpu")
     assert est["offload_time"] > 0 and est["transfer_s"] > 0 and est["compute_s"] > 0
     assert "CPU memcpy" in est["host_link"]["what"] and "CPU matmul" in est["matmul"]["what"]
 

@@ -30,9 +30,9 @@ def _running(pids):
 @pytest.mark.dist
 @pytest.mark.parametrize("served", [False, True], ids=["own-zygote", "warm-server"])
 def test_launch_reaps_what_ranks_leave_behind(served):
-    from megatron_zb.verify.processes.launch import launch
+    from megatron_zb.verify.processes.launch import LaunchOptions, launch
     env = None if served else {"MZB_ZYGOTE_SERVER": ""}  # (tests/conftest.py names the servers)
-    started = launch(_proc_fns.leave_things_behind, 1, cpu_shims=False, timeout=600, env=env)[0]
+    started = launch(_proc_fns.leave_things_behind, 1, options=LaunchOptions(cpu_shims=False, timeout=600, env=env))[0]
     assert len(set(started)) >= 4  # a Manager, its resource tracker, a detached sleeper and its child
     assert _running(started) == [], "still running after launch() returned"
 
@@ -43,14 +43,14 @@ def test_a_launch_forks_from_the_warm_server_where_it_can_serve_it():
     with the CPU shims forks its zygote from the one that imported megatron-core, one without them
     from the one that imported torch alone (no import of their own), and one whose environment
     differs in a variable the imports may read starts its own zygote."""
-    from megatron_zb.verify.processes.launch import launch
+    from megatron_zb.verify.processes.launch import LaunchOptions, launch
     assert len(os.environ.get("MZB_ZYGOTE_SERVER", "").split(os.pathsep)) == 2, "tests/conftest.py names two"
     for shims in (True, False):
-        served = launch(_proc_fns.zygote_parent, 2, cpu_shims=shims, timeout=600)
+        served = launch(_proc_fns.zygote_parent, 2, options=LaunchOptions(cpu_shims=shims, timeout=600))
         (pid, cmd), other = served
         assert other == (pid, cmd) and pid != os.getpid(), served
         assert "megatron_zb.verify.processes.zygote_server" in cmd and cmd.split()[-1] == str(int(shims)), cmd
-    own = launch(_proc_fns.zygote_parent, 2, timeout=600, env={"MZB_ANYTHING": "1"})
+    own = launch(_proc_fns.zygote_parent, 2, options=LaunchOptions(timeout=600, env={"MZB_ANYTHING": "1"}))
     assert [pid for pid, _ in own] == [os.getpid()] * 2, own
 
 

@@ -26,19 +26,19 @@ from tests._host import overload
 @pytest.mark.dist
 @pytest.mark.timing
 def test_launch_results_per_rank_and_cases():
-    res = L.run_cases(H.allreduce_rank, [{"add": 0}, {"add": 10}], 3, cpu_shims=False, timeout=120)
+    res = L.run_cases(H.allreduce_rank, [{"add": 0}, {"add": 10}], 3, L.LaunchOptions(cpu_shims=False, timeout=120))
     assert [[r["rank"] for r in case] for case in res] == [[0, 1, 2], [0, 1, 2]]
     assert [r["pid"] for r in res[0]] == [r["pid"] for r in res[1]]  # one launch runs every case
     assert [case[0]["sum"] for case in res] == [3.0, 33.0]
     assert all(r["world"] == 3 and r["threads"] == 1 for case in res for r in case)
     assert str(res[0][2]["tensor"].dtype) == "torch.bfloat16" and res[0][2]["tensor"].tolist() == [0.0, 2.0, 4.0]
-    assert L.launch(H.sleep_then_return, 2, 0.01, cpu_shims=False) == [0.01, 0.01]
+    assert L.launch(H.sleep_then_return, 2, 0.01, options=L.LaunchOptions(cpu_shims=False)) == [0.01, 0.01]
 
 
 @pytest.mark.dist
 def test_launch_reraises_rank_exception_with_its_traceback():
     with pytest.raises(L.RankError) as ei:
-        L.run_cases(H.raise_on_rank1_in_case1, [0, 1, 2], 2, cpu_shims=False, timeout=120)
+        L.run_cases(H.raise_on_rank1_in_case1, [0, 1, 2], 2, L.LaunchOptions(cpu_shims=False, timeout=120))
     e = ei.value
     assert e.rank == 1 and e.case == 1 and e.exc_type == "ValueError"
     assert "boom from rank one" in str(e) and "raise_on_rank1_in_case1" in e.rank_traceback
@@ -54,7 +54,7 @@ def test_launch_reports_a_failure_before_the_ranks_start(monkeypatch):
     exec("def fn(case):\n    return case\n", mod.__dict__)
     monkeypatch.setitem(sys.modules, mod.__name__, mod)
     with pytest.raises(L.RankError) as ei:  # not a LaunchTimeout: nothing hung until the 60 s timeout
-        L.run_cases(mod.fn, [0], 2, cpu_shims=False, timeout=60)
+        L.run_cases(mod.fn, [0], 2, L.LaunchOptions(cpu_shims=False, timeout=60))
     assert ei.value.exc_type == "ModuleNotFoundError" and "before the rank started" in str(ei.value)
     assert "rank 1 also failed" in str(ei.value)
 
@@ -67,7 +67,7 @@ def test_launch_timeout_names_the_stuck_rank_and_its_status():
     timeout = 5 * min(overload(), 8)
     t = time.time()
     with pytest.raises(L.LaunchTimeout) as ei:
-        L.run_cases(H.hang_on_rank1, [None], 2, cpu_shims=False, timeout=timeout)
+        L.run_cases(H.hang_on_rank1, [None], 2, L.LaunchOptions(cpu_shims=False, timeout=timeout))
     e = ei.value
     assert time.time() - t < 40 * overload()  # killed, not hung (slack for a busy host)
     assert 1 in e.ranks

@@ -76,8 +76,9 @@ def run_verify_many(cases: Sequence[VerifyCase], *, timeout: float = 600.0, mcor
     try:
         references = _optimizer_references(cases, timeout, mcore_path)
         # CUDA ranks: nothing touches megatron (or CUDA) before the launch forks them, no CPU shims
-        per_case = L.run_cases(rank_case, cases, ws.pop(), timeout=timeout, mcore_path=mcore_path,
-                               precheck=None if cuda else check_megatron_configs, cpu_shims=not cuda)
+        per_case = L.run_cases(rank_case, cases, ws.pop(), L.LaunchOptions(
+            timeout=timeout, mcore_path=mcore_path, precheck=None if cuda else check_megatron_configs,
+            cpu_shims=not cuda))
     except L.LaunchError as e:
         if raise_errors:
             raise
@@ -118,7 +119,8 @@ def _optimizer_references(cases, timeout, mcore_path) -> Dict[tuple, dict]:
     if not todo:
         return {}
     keys = list(todo)
-    results = L.run_cases(reference_case, [todo[k] for k in keys], 1, timeout=timeout, mcore_path=mcore_path)
+    results = L.run_cases(reference_case, [todo[k] for k in keys], 1,
+                          L.LaunchOptions(timeout=timeout, mcore_path=mcore_path))
     return {k: r[0] for k, r in zip(keys, results)}
 
 

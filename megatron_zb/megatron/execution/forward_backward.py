@@ -37,7 +37,7 @@ from ..errors import ZeroBubbleConfigError
 from .finalize import call_finalize
 from .gradsync import GradSync
 from .options import ScheduleOptions, check_ep_overlap
-from .passes import MegatronPasses, device
+from .passes import MegatronPasses, MegatronStep, device
 from ..layout.routing import check_replicas_equal, merge_losses
 from .wgrad import attach_wgrad_queue, fused_weights
 
@@ -48,14 +48,7 @@ __all__ = ["ZeroBubbleForwardBackward"]
 class _Call:
     """One call of the forward-backward function: what every attempt at it needs."""
 
-    forward_step_func: Callable
-    iterators: List[Any]
-    models: List[Any]
-    num_microbatches: int
-    forward_only: bool
-    collect_non_loss_data: bool
-    first_val_step: Optional[bool]
-    config: Any
+    step: MegatronStep  # what Megatron passed, as the passes read it
     schedule: Schedule  # lowered
     me: int  # pipeline rank
     pp_group: Any
@@ -63,7 +56,6 @@ class _Call:
     p2p: P2P
     queues: List[WQueue]
     shape: List[int]
-    cp_size: int
     # the features of every attempt, as executor hooks (runtime.hooks); None where off
     progress: Any = None
     offload: Optional[OffloadHook] = None
@@ -206,6 +198,8 @@ class ZeroBubbleForwardBackward:
                  first_val_step: Optional[bool] = None, adjust_tensor_shapes_fn: Optional[Callable] = None,
                  p2p_communicator=None, pg_collection=None, force_all_reduce: Optional[bool] = False,
                  **unsupported):
+        """One iteration. The keywords are megatron-core's own forward-backward signature, as Megatron's
+        training loop calls ``get_forward_backward_func()``'s result: they cannot be grouped."""
         from megatron.core.pipeline_parallel import schedules as S
         from megatron.core.utils import get_model_config
 
@@ -217,7 +211,7 @@ class ZeroBubbleForwardBackward:
         models = model if isinstance(model, list) else [model]
         config = get_model_config(models[0])
         pp_group, tp_group, cp_group = _groups_of(pg_collection, p2p_communicator)
-        p, me = pp_group.size(), pp_group.rank()
+        p = pp_group.size()
         if p == 1:
             return S.forward_backward_no_pipelining(
                 forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
@@ -238,12 +232,21 @@ class ZeroBubbleForwardBackward:
             self._replace_options(offload_time=self.offload_time_measured["offload_time"])
         balanced = None
         if o.balance_microbatches and not forward_only:  # this iteration's batch over replicas and microbatches
-            balanced = self._balance(data_iterator, models, num_microbatches, config, p, me, seq_length)
+            balanced = self._balance(data_iterator, models, num_microbatches, config, p, seq_length)
             data_iterator, num_microbatches = balanced.iterators, balanced.num_microbatches
-        call = self._call(forward_step_func, data_iterator, models, num_microbatches, forward_only,
-                          collect_non_loss_data, first_val_step, config, p, me, pp_group, cp_group,
-                          self._shape(config, seq_length, decoder_seq_length, micro_batch_size, tp_group, cp_group,
-                                      adjust_tensor_shapes_fn), built=balanced.built if balanced else None)
+        shape = self._shape(config, seq_length, decoder_seq_length, micro_batch_size, tp_group, cp_group,
+                            adjust_tensor_shapes_fn)
+        built = (balanced.built if balanced is not None
+                 else self.built_for(p, num_microbatches, len(models), forward_only))
+        if built.schedule.placement.replicated and not isinstance(data_iterator, list) and len(models) > 1 \
+                and data_iterator is not None:
+            raise ZeroBubbleConfigError(f"{o.schedule}: replicated stages need one data iterator per model chunk "
+                                        "(a list, as Megatron passes for virtual pipelines)")
+        iters = data_iterator if isinstance(data_iterator, list) else [data_iterator] * len(models)
+        step = MegatronStep(forward_step_func, list(iters), models, num_microbatches, config,
+                            cp_group.size() if cp_group is not None else 1, forward_only, collect_non_loss_data,
+                            first_val_step)
+        call = self._call(step, pp_group, shape, built)
         if balanced is not None and call.profiling is not None:  # the window times passes of several lengths
             self.profiler.shapes = balanced.shapes()
         pv = self.post_validation
@@ -251,7 +254,7 @@ class ZeroBubbleForwardBackward:
             pv.finish()  # evaluation sees validated weights
         point = ValidationPoint(pv) if (pv is not None and pv.due and not forward_only) else None
         if point is not None:
-            call.iterators = replayable(call.iterators)  # a rolled-back iteration runs again on the same data
+            call.step.iterators = replayable(call.step.iterators)  # a rolled-back iteration: the same data again
         if config.timers is not None:
             config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
         while True:  # one attempt; a second one only after a post-validation rollback
@@ -262,7 +265,7 @@ class ZeroBubbleForwardBackward:
             for m in models:
                 if hasattr(m, "zero_grad_buffer"):
                     m.zero_grad_buffer()
-            for it in call.iterators:
+            for it in call.step.iterators:
                 if it is not None:
                     it.rewind()
             point = None
@@ -286,7 +289,7 @@ class ZeroBubbleForwardBackward:
             shape = list(recv_shapes[0])
         return shape
 
-    def _balance(self, data_iterator, models, m, config, p, me, seq_length):
+    def _balance(self, data_iterator, models, m, config, p, seq_length):
         from megatron.core import parallel_state as ps
 
         from ..features.balanced import MicrobatchBalancer, check_balance_config
@@ -297,16 +300,16 @@ class ZeroBubbleForwardBackward:
             raise ZeroBubbleConfigError("--zero-bubble-balance-microbatches with several model chunks per rank needs one "
                                         "data iterator per chunk (a list, as Megatron passes for virtual pipelines)")
         iters = data_iterator if isinstance(data_iterator, list) else [data_iterator]
-        out = self.balancer(iters, m, p, me, config, seq_length, ps.get_data_parallel_group(),
+        out = self.balancer(iters, m, p, config, seq_length, ps.get_data_parallel_group(),
                             ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
         _check_forward_order(out.built.schedule)
         if not isinstance(data_iterator, list):
             out.iterators = out.iterators[0]
         return out
 
-    def _call(self, forward_step_func, data_iterator, models, m, forward_only, collect_non_loss_data,
-              first_val_step, config, p, me, pp_group, cp_group, shape, built: Optional[Built] = None) -> _Call:
-        built = built if built is not None else self.built_for(p, m, len(models), forward_only)
+    def _call(self, step: MegatronStep, pp_group, shape: List[int], built: Built) -> _Call:
+        """This call's context: the lowered schedule of ``built``, the groups, the hooks of its features."""
+        models, forward_only, config, me = step.models, step.forward_only, step.config, pp_group.rank()
         sched = built.lowered(forward_only)
         self.last_schedule = sched
         if not forward_only:
@@ -319,9 +322,6 @@ class ZeroBubbleForwardBackward:
         p2p = P2P(self.groups(pp_ranks, pl), me, timeout_s=self.options.timeout_s,
                   exchange_shapes=bool(config.variable_seq_lengths), progress=prog)
         if pl.replicated:
-            if not isinstance(data_iterator, list) and len(models) > 1 and data_iterator is not None:
-                raise ZeroBubbleConfigError(f"{self.options.schedule}: replicated stages need one data iterator per "
-                                            "model chunk (a list, as Megatron passes for virtual pipelines)")
             if self.post_validation is not None:
                 raise ZeroBubbleConfigError(f"{self.options.schedule}: optimizer post-validation is not supported "
                                             "with replicated stages yet; train it with the synchronous optimizer step")
@@ -341,11 +341,9 @@ class ZeroBubbleForwardBackward:
                 # the F's saved tensors are already captured (nested capture hooks hide each other)
                 source = offload.manager if offload is not None else memory.meter
                 profiling = prof.hook(device(), offload=source)
-        iters = data_iterator if isinstance(data_iterator, list) else [data_iterator] * len(models)
         attached = [h for f in self.attached for h in [f(built, me)] if h is not None] if not forward_only else []
-        return _Call(forward_step_func, list(iters), models, m, forward_only, collect_non_loss_data, first_val_step,
-                     config, sched, me, pp_group, pp_ranks, p2p, queues, shape,
-                     cp_group.size() if cp_group is not None else 1, prog, offload, profiling, memory, attached)
+        return _Call(step, sched, me, pp_group, pp_ranks, p2p, queues, shape, prog, offload, profiling, memory,
+                     attached)
 
     def _memory_hook(self, models, queues, pl: Placement, me: int, offload: Optional[OffloadHook]) -> MemoryHook:
         meter = ActivationMeter()
@@ -366,29 +364,25 @@ class ZeroBubbleForwardBackward:
 
     def _attempt(self, call: _Call, point: Optional[ValidationPoint]):
         """Run this rank's list once; returns (forward data, token count, completed)."""
-        pl, me = call.placement, call.me
+        pl, me, step = call.placement, call.me, call.step
         chunk_of = {s: i for i, s in enumerate(pl.stages_of(me))}
-        passes = MegatronPasses(forward_step_func=call.forward_step_func, iterators=call.iterators,
-                                models=call.models, queues=call.queues, chunk_of=chunk_of, placement=pl,
-                                num_microbatches=call.num_microbatches, config=call.config, cp_size=call.cp_size,
-                                forward_only=call.forward_only, collect_non_loss_data=call.collect_non_loss_data,
-                                first_val_step=call.first_val_step,
+        passes = MegatronPasses(step, queues=call.queues, chunk_of=chunk_of, placement=pl,
                                 ep_overlap=self.options.ep_overlap)
         sync = None
         if self.options.vocab_parallel is not None:  # every rank's vocabulary shard (evaluating too)
             from ..features.vocab_embedding import setup_vocab_passes  # (the input embedding's rows too)
-            self.vocab = setup_vocab_passes(self.vocab, self.options, pl, call.models, call.config, passes, device(),
-                                            call.forward_only)
-        if not call.forward_only:
+            self.vocab = setup_vocab_passes(self.vocab, self.options, pl, step.models, step.config, passes, device(),
+                                            step.forward_only)
+        if not step.forward_only:
             replicas = (ReplicaGradSync(self.replica_groups(call.pp_ranks, pl), timeout_s=self.options.timeout_s)
                         if pl.replicated else None)
-            sync = GradSync(call.config, call.models, chunk_of, pl, replicas)
+            sync = GradSync(step.config, step.models, chunk_of, pl, replicas)
         # the profiler reads the captured bytes after the inner capture (memory around offload) finished
         hooks = [call.progress, sync, point, call.profiling, call.memory, call.offload] + call.attached
         pairs = rank_pairs(call.schedule, me)
         try:
             completed = execute(call.schedule.orders[me], me, pl, passes.stage_passes(call.shape),
-                                call.p2p, forward_only=call.forward_only, overlap_pairs=pairs, hooks=hooks)
+                                call.p2p, forward_only=step.forward_only, overlap_pairs=pairs, hooks=hooks)
         finally:
             if sync is not None:
                 sync.close()
@@ -418,7 +412,7 @@ class ZeroBubbleForwardBackward:
             if sync is not None:
                 sync.finish_replicas()
             store = merge_losses(store, passes.mb_of_entry, pl, me, call.pp_group)
-            if call.config.calculate_per_token_loss and not call.forward_only:
+            if step.config.calculate_per_token_loss and not step.forward_only:
                 dist.all_reduce(passes.total_num_tokens, group=call.pp_group)  # the loss stages of every path
         return store, passes.total_num_tokens, completed
 
@@ -428,8 +422,8 @@ class ZeroBubbleForwardBackward:
             return
         prof.memory = self.memory
         profile = prof.end_iteration(self.iterations, placement=call.placement,
-                                     num_microbatches=call.num_microbatches, rank=call.me, group=call.pp_group,
-                                     p2p=call.p2p, shape=call.shape, dtype=call.config.pipeline_dtype,
+                                     num_microbatches=call.step.num_microbatches, rank=call.me, group=call.pp_group,
+                                     p2p=call.p2p, shape=call.shape, dtype=call.step.config.pipeline_dtype,
                                      device=device(), schedule=self.options.schedule,
                                      built=call.schedule)
         if profile is not None:

@@ -6,8 +6,9 @@ A split backward (B) runs with the chunk's W queue deferring the weight-gradient
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
-from typing import Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -15,29 +16,45 @@ from ...core.ir import Placement
 from ...runtime.executor import StagePasses
 from ..layout.routing import RoutedIterator
 
-__all__ = ["MegatronPasses", "device"]
+__all__ = ["MegatronStep", "MegatronPasses", "device"]
 
 
 def device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
+@dataclasses.dataclass
+class MegatronStep:
+    """What Megatron's forward-backward call hands every pass of this rank: its forward step, one
+    data iterator per model chunk, the chunks, the model config and the call's flags."""
+
+    forward_step_func: Callable
+    iterators: List[Any]  # one per model chunk (Megatron's one iterator repeated where it passed one)
+    models: List[Any]
+    num_microbatches: int
+    config: Any  # the model's TransformerConfig
+    cp_size: int = 1  # the context-parallel group's size
+    forward_only: bool = False
+    collect_non_loss_data: bool = False
+    first_val_step: Optional[bool] = None
+
+
 class MegatronPasses:
     """What each pass does on this rank, and what the forwards collect: Megatron's loss dicts
     (``forward_data_store``, with the microbatch of each entry), and the token count."""
 
-    def __init__(self, *, forward_step_func, iterators: Sequence, models: Sequence, queues: Sequence,
-                 chunk_of: Dict[int, int], placement: Placement, num_microbatches: int, config, cp_size: int,
-                 forward_only: bool, collect_non_loss_data: bool, first_val_step, ep_overlap: bool = False):
+    def __init__(self, step: MegatronStep, *, queues: Sequence, chunk_of: Dict[int, int], placement: Placement,
+                 ep_overlap: bool = False):
         from megatron.core.pipeline_parallel import schedules as S
         from megatron.core.utils import get_attr_wrapped_model, get_model_type
         self.S, self._wrapped = S, get_attr_wrapped_model
-        self.forward_step_func, self.models, self.queues = forward_step_func, models, queues
-        self.chunk_of, self.placement, self.m, self.config = chunk_of, placement, num_microbatches, config
-        self.cp_size, self.forward_only = cp_size, forward_only
-        self.collect_non_loss_data, self.first_val_step = collect_non_loss_data, first_val_step
+        models, forward_only = step.models, step.forward_only
+        self.forward_step_func, self.models, self.queues = step.forward_step_func, models, queues
+        self.chunk_of, self.placement, self.m, self.config = chunk_of, placement, step.num_microbatches, step.config
+        self.cp_size, self.forward_only = step.cp_size, forward_only
+        self.collect_non_loss_data, self.first_val_step = step.collect_non_loss_data, step.first_val_step
         # replicated stages: each chunk reads only the microbatches of its path
-        self.iterators = [RoutedIterator(it) for it in iterators] if placement.replicated else list(iterators)
+        self.iterators = [RoutedIterator(it) for it in step.iterators] if placement.replicated else list(step.iterators)
         self.vocab = None  # vocabulary parallelism (megatron.vocab_parallel.VocabParallel), set by the caller
         self.forward_data_store: List = []
         self.mb_of_entry: List[int] = []  # microbatch of each forward_data_store entry

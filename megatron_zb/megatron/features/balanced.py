@@ -336,7 +336,7 @@ class MicrobatchBalancer:
         att = self.options.balance_attention_share
         return LengthModel.simple(seq_length, attention=attention_share_of(config, seq_length) if att is None else att)
 
-    def __call__(self, iterators: List[Any], num_microbatches: int, p: int, me: int, config, seq_length: int,
+    def __call__(self, iterators: List[Any], num_microbatches: int, p: int, config, seq_length: int,
                  dp_group, dp_rank: int, dp_size: int) -> Balanced:
         t0 = time.perf_counter()
         readers = [i for i, it in enumerate(iterators) if it is not None]

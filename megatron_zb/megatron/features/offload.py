@@ -9,11 +9,12 @@ B and W too.
 """
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Dict
 
 import torch
 import torch.distributed as dist
 
+from ...core.costs.model import ModelSpec
 from ...runtime.observe.measure import measure_host_link, measure_matmul
 from ...runtime.features.offload import OffloadError, OffloadManager
 from ..errors import ZeroBubbleConfigError
@@ -44,23 +45,16 @@ def point_manager(manager: OffloadManager, models, queues, chunk_of: Dict[int, i
                     manager.ignore([t])
 
 
-def estimate_offload_time(*, hidden_size: int, num_attention_heads: int, seq_length: int, micro_batch_size: int,
-                          ffn_hidden_size: Optional[int] = None, tensor_parallel_size: int = 1,
-                          sequence_parallel: bool = False, flash_attention: bool = True, device=None) -> dict:
+def estimate_offload_time(layer: ModelSpec, device=None) -> dict:
     """K = one-way transfer time of one layer's activation / its F + B time, from this device's
     measured matmul speed and host-link bandwidth (not a table of GPU names). The layer's FLOPs
-    and activation bytes follow the zero-bubble paper's counts (``core.costs.model.ModelSpec``); per
-    layer both scale alike, so the ratio holds for a whole stage. On a CPU both measurements
-    are CPU stand-ins and say so."""
-    from ...core.costs.model import ModelSpec
+    and activation bytes follow the zero-bubble paper's counts (``layer``: the model's shape, its
+    sequence length per context-parallel rank; its layer count is not read); per layer both scale
+    alike, so the ratio holds for a whole stage. On a CPU both measurements are CPU stand-ins and say so."""
     device = torch.device(device) if device is not None else (
         torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
-    spec = ModelSpec(num_layers=1, hidden_size=int(hidden_size), num_attention_heads=int(num_attention_heads),
-                     seq_length=int(seq_length), micro_batch_size=int(micro_batch_size),
-                     ffn_hidden_size=ffn_hidden_size, tensor_parallel_size=int(tensor_parallel_size),
-                     sequence_parallel=bool(sequence_parallel), flash_attention=flash_attention)
-    f, b, _ = spec.layer_flops()
-    act, _ = spec.layer_activation_bytes()
+    f, b, _ = layer.layer_flops()
+    act, _ = layer.layer_activation_bytes()
     link = measure_host_link(device)
     mm = measure_matmul(device)
     compute_s = (f + b) / (mm["tflops"] * 1e12)
@@ -75,11 +69,11 @@ def measure_offload_time(config, seq_length: int, micro_batch_size: int, tp_grou
     ``offload_time_local`` this rank's own."""
     tp = tp_group.size() if tp_group is not None else 1
     cp = cp_group.size() if cp_group is not None else 1
-    est = estimate_offload_time(hidden_size=config.hidden_size, num_attention_heads=config.num_attention_heads,
-                                seq_length=max(1, seq_length // cp), micro_batch_size=micro_batch_size,
-                                ffn_hidden_size=getattr(config, "ffn_hidden_size", None), tensor_parallel_size=tp,
-                                sequence_parallel=bool(getattr(config, "sequence_parallel", False)),
-                                flash_attention=torch.cuda.is_available())
+    est = estimate_offload_time(ModelSpec(
+        num_layers=1, hidden_size=int(config.hidden_size), num_attention_heads=int(config.num_attention_heads),
+        seq_length=max(1, seq_length // cp), micro_batch_size=int(micro_batch_size),
+        ffn_hidden_size=getattr(config, "ffn_hidden_size", None), tensor_parallel_size=int(tp),
+        sequence_parallel=bool(getattr(config, "sequence_parallel", False)), flash_attention=torch.cuda.is_available()))
     if dist.is_available() and dist.is_initialized():
         nccl = torch.cuda.is_available() and "nccl" in str(dist.get_backend())
         k = torch.tensor([est["offload_time"]], dtype=torch.float64, device="cuda" if nccl else "cpu")

@@ -23,7 +23,7 @@ import torch
 from ...core.ir import Placement
 from ...runtime.features.vocab_input import InputGroups, InputRuntime
 from ..errors import ZeroBubbleConfigError
-from .vocab_parallel import SHARD_ATTR, VocabShard, find_shard, shard_rows
+from .vocab_parallel import SHARD_ATTR, ShardSpec, VocabShard, find_shard
 
 __all__ = ["INPUT_ATTR", "attach_input_shard", "adopt_first_chunk", "finish_rank", "find_input_shard",
            "drop_embedding", "PrefetchIterator",
@@ -32,21 +32,21 @@ __all__ = ["INPUT_ATTR", "attach_input_shard", "adopt_first_chunk", "finish_rank
 INPUT_ATTR = "mzb_vocab_input"
 
 
-def attach_input_shard(chunk, *, vocab_size: int, hidden: int, p: int, tp: int, pp_rank: int, tp_rank: int,
-                       tied: bool, dtype: torch.dtype, device) -> None:
+def attach_input_shard(chunk, spec: ShardSpec) -> None:
     """Untied: this rank's rows of the input embedding as a submodule of ``chunk`` (the rank's first
     chunk, which holds the output shard); tied: the output shard serves (nothing to add)."""
-    if tied:  # saved as the input embedding's rows too (a run with the whole embedding loads them)
+    if spec.tied:  # saved as the input embedding's rows too (a run with the whole embedding loads them)
         out = getattr(chunk, SHARD_ATTR)
         out.mzb_keys = ("output_layer.weight", "embedding.word_embeddings.weight")
         out.weight.shared = False  # no other copy of its rows is left: the gradient norm counts it here
         return
-    v0, rows = shard_rows(vocab_size, p, tp, pp_rank, tp_rank)
-    shard = VocabShard(rows, hidden, dtype, device, keys=("embedding.word_embeddings.weight",), attr=INPUT_ATTR)
+    v0, rows = spec.rows()
+    shard = VocabShard(rows, spec.hidden, spec.dtype, spec.device, keys=("embedding.word_embeddings.weight",),
+                       attr=INPUT_ATTR)
     setattr(chunk, INPUT_ATTR, shard)
     w = shard.weight
     w.mzb_global_name = "embedding.word_embeddings.weight"
-    w.mzb_vocab_rows = (v0, v0 + rows, vocab_size)
+    w.mzb_vocab_rows = (v0, v0 + rows, spec.vocab_size)
     w.tensor_model_parallel = True
     w.partition_dim, w.partition_stride = 0, 1
     w.allreduce = True
@@ -59,11 +59,11 @@ def adopt_first_chunk(model, info, placement: Placement, args) -> None:
     if info.vp_stage != 0:
         return
     param = getattr(model, SHARD_ATTR).weight
-    attach_input_shard(model, vocab_size=param.mzb_vocab_rows[2], hidden=int(args.hidden_size), p=placement.num_ranks,
-                       tp=ps.get_tensor_model_parallel_world_size(), pp_rank=info.rank,
-                       tp_rank=ps.get_tensor_model_parallel_rank(),
-                       tied=not bool(getattr(args, "untie_embeddings_and_output_weights", False)),
-                       dtype=param.dtype, device=param.device)
+    attach_input_shard(model, ShardSpec(
+        vocab_size=param.mzb_vocab_rows[2], hidden=int(args.hidden_size), p=placement.num_ranks,
+        tp=ps.get_tensor_model_parallel_world_size(), pp_rank=info.rank, tp_rank=ps.get_tensor_model_parallel_rank(),
+        tied=not bool(getattr(args, "untie_embeddings_and_output_weights", False)), dtype=param.dtype,
+        device=param.device))
 
 
 def finish_rank(chunks: Sequence[torch.nn.Module], placement: Placement, deterministic: bool) -> None:
@@ -186,18 +186,16 @@ def setup_inputs(state, placement: Placement, models, passes, device, forward_on
     """The split embedding's runtime for this call (``state.inputs``; ``state``: the run's
     ``VocabParallel``, made with ``embedding=True``)."""
     from .vocab_parallel import deliver_grad
-    made = state.input_groups
     if state.token_src is None:
-        state.token_src = token_source(made, state.pp_rank, placement.rank_of(0))
-    state.inputs = bind_inputs(state, made, state.token_src, placement, models, passes, device, deliver_grad,
-                               forward_only)
+        state.token_src = token_source(state.input_groups, state.pp_rank, placement.rank_of(0))
+    state.inputs = bind_inputs(state, placement, models, passes, device, deliver_grad, forward_only)
     return state.inputs
 
 
-def bind_inputs(state, made: dict, src: int, placement: Placement, models, passes, device, deliver,
-                forward_only: bool) -> InputRuntime:
+def bind_inputs(state, placement: Placement, models, passes, device, deliver, forward_only: bool) -> InputRuntime:
     """This call's input runtime over the rank's input rows; the token source's chunk-0 iterator
-    wrapped; the first stage's stand-in fed. ``state``: the run's ``VocabParallel``."""
+    wrapped; the first stage's stand-in fed. ``state``: the run's ``VocabParallel`` (its input groups
+    and token source known)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     weight = find_input_shard(models)
@@ -206,6 +204,7 @@ def bind_inputs(state, made: dict, src: int, placement: Placement, models, passe
     pp_ranks = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())
     first = placement.rank_of(0)
     is_first = state.pp_rank == first
+    made, src = state.input_groups, state.token_src
     read = None
     if dist.get_rank() == src:
         c = passes.chunk_of[0]

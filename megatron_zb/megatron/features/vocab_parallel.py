@@ -19,18 +19,19 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import types
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ...core.ir import Placement
-from ...runtime.features.vocab import VocabGroups, VocabRuntime
+from ...runtime.features.vocab import VocabConfig, VocabGroups, VocabRuntime
 from ..errors import ZeroBubbleConfigError
 
-__all__ = ["VocabShard", "shard_rows", "prepare_loss_chunk", "attach_shard", "find_shard", "VocabParallel",
+__all__ = ["VocabShard", "ShardSpec", "shard_rows", "prepare_loss_chunk", "attach_shard", "find_shard", "VocabParallel",
            "sync_tied_gradients", "adopt_chunk", "init_shard", "scatter_embedding_rows", "SHARD_ATTR"]
 
 SHARD_ATTR = "mzb_vocab_shard"
@@ -80,6 +81,26 @@ def shard_rows(vocab_size: int, p: int, tp: int, pp_rank: int, tp_rank: int):
     return tp_rank * (vocab_size // tp) + pp_rank * rows, rows
 
 
+@dataclasses.dataclass(frozen=True)
+class ShardSpec:
+    """This rank's vocabulary shard: the (padded) vocabulary, the hidden size, the pipeline x
+    tensor-parallel grid and the rank's place in it, tied embeddings or not, the weight's dtype and device."""
+
+    vocab_size: int
+    hidden: int
+    p: int
+    tp: int
+    pp_rank: int
+    tp_rank: int
+    tied: bool
+    dtype: torch.dtype
+    device: Any
+
+    def rows(self):
+        """(first row, rows) of the shard (``shard_rows``)."""
+        return shard_rows(self.vocab_size, self.p, self.tp, self.pp_rank, self.tp_rank)
+
+
 class _HiddenOut(torch.nn.Module):
     """Stands in for the loss chunk's output layer: the hidden states pass through."""
 
@@ -125,15 +146,15 @@ def prepare_loss_chunk(model) -> None:
     model.sharded_state_dict = types.MethodType(sharded_state_dict, model)
 
 
-def attach_shard(chunk, *, vocab_size: int, hidden: int, p: int, tp: int, pp_rank: int, tp_rank: int,
-                 tied: bool, dtype: torch.dtype, device) -> VocabShard:
+def attach_shard(chunk, spec: ShardSpec) -> VocabShard:
     """This rank's shard as a submodule of ``chunk`` (the rank's first model chunk)."""
-    v0, rows = shard_rows(vocab_size, p, tp, pp_rank, tp_rank)
-    shard = VocabShard(rows, hidden, dtype, device)
+    v0, rows = spec.rows()
+    tied = spec.tied
+    shard = VocabShard(rows, spec.hidden, spec.dtype, spec.device)
     setattr(chunk, SHARD_ATTR, shard)
     w = shard.weight
     w.mzb_global_name = "embedding.word_embeddings.weight" if tied else "output_layer.weight"
-    w.mzb_vocab_rows = (v0, v0 + rows, vocab_size)
+    w.mzb_vocab_rows = (v0, v0 + rows, spec.vocab_size)
     w.tensor_model_parallel = True  # every TP rank holds different rows: clipping counts each
     w.partition_dim, w.partition_stride = 0, 1
     w.allreduce = True
@@ -154,9 +175,10 @@ def adopt_chunk(model, info, placement: Placement, args) -> None:
         return
     vocab = int(getattr(args, "padded_vocab_size", None) or model.vocab_size)
     param = next(model.parameters())
-    attach_shard(model, vocab_size=vocab, hidden=int(args.hidden_size), p=placement.num_ranks,
-                 tp=ps.get_tensor_model_parallel_world_size(), pp_rank=info.rank,
-                 tp_rank=ps.get_tensor_model_parallel_rank(), tied=tied, dtype=param.dtype, device=param.device)
+    attach_shard(model, ShardSpec(vocab_size=vocab, hidden=int(args.hidden_size), p=placement.num_ranks,
+                                  tp=ps.get_tensor_model_parallel_world_size(), pp_rank=info.rank,
+                                  tp_rank=ps.get_tensor_model_parallel_rank(), tied=tied, dtype=param.dtype,
+                                  device=param.device))
 
 
 def init_shard(chunks: Sequence[torch.nn.Module], placement: Placement, *, seed: int, std: float) -> None:
@@ -264,8 +286,8 @@ class VocabParallel:
         """The runtime over this rank's shard (once the chunks are known)."""
         weight.mzb_vocab_group = self.groups.stats  # every shard of the replica (verify gathers them)
         if self.runtime is None or self.runtime.weight is not weight:
-            self.runtime = VocabRuntime(weight, weight.mzb_vocab_rows[0], self.groups, self.barriers,
-                                        self.is_loss_rank, loss_step, deliver, hidden, dtype, device, wait=self._wait)
+            config = VocabConfig(self.groups, self.barriers, self.is_loss_rank, hidden, dtype, device)
+            self.runtime = VocabRuntime(weight, weight.mzb_vocab_rows[0], config, loss_step, deliver, wait=self._wait)
         else:
             self.runtime.loss_step = loss_step
         return self

@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from ...core.ir import VOCAB_KINDS, VS, VT, VW
 
-__all__ = ["VocabGroups", "VocabRuntime", "handlers"]
+__all__ = ["VocabGroups", "VocabConfig", "VocabRuntime", "handlers"]
 
 
 @dataclass
@@ -59,6 +59,19 @@ class VocabGroups:
     loss_src: int  # global rank of this TP slice's loss-stage rank
     num_shards: int
     slice_shards: List[int]  # one barrier: the shard index of each rank of ``grad``, in its rank order
+
+
+@dataclass
+class VocabConfig:
+    """One rank's side of the vocabulary passes: its groups, the barriers per microbatch (1 or 2),
+    whether it holds the loss stage, and the hidden states' width, dtype and device."""
+
+    groups: VocabGroups
+    barriers: int
+    is_loss_rank: bool
+    hidden_size: int
+    dtype: torch.dtype
+    device: object
 
 
 @dataclass
@@ -82,12 +95,11 @@ class VocabRuntime:
     loss stage's rank; ``deliver(weight, grad)`` gives the shard's weight gradient to its parameter.
     ``wait(handle, what)`` waits for a collective (the caller's timeout and message)."""
 
-    def __init__(self, weight: torch.nn.Parameter, vocab_start: int, groups: VocabGroups, barriers: int,
-                 is_loss_rank: bool, loss_step: Optional[Callable], deliver: Callable, hidden_size: int,
-                 dtype: torch.dtype, device, wait: Optional[Callable] = None):
-        self.weight, self.v0, self.groups, self.barriers = weight, int(vocab_start), groups, int(barriers)
-        self.is_loss_rank, self.loss_step, self.deliver = is_loss_rank, loss_step, deliver
-        self.h, self.dtype, self.device = int(hidden_size), dtype, device
+    def __init__(self, weight: torch.nn.Parameter, vocab_start: int, config: VocabConfig,
+                 loss_step: Optional[Callable], deliver: Callable, wait: Optional[Callable] = None):
+        self.weight, self.v0, self.groups, self.barriers = weight, int(vocab_start), config.groups, int(config.barriers)
+        self.is_loss_rank, self.loss_step, self.deliver = config.is_loss_rank, loss_step, deliver
+        self.h, self.dtype, self.device = int(config.hidden_size), config.dtype, config.device
         self.wait = wait or (lambda handle, what: handle.wait())
         self.mb: Dict[int, _Micro] = {}
         self.forward_only = False  # this call evaluates: statistics and losses only

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Dict, List
+from dataclasses import dataclass
+from typing import Dict, List, Optional
 
 NONFINITE_PARAM = "decoder.final_layernorm.weight"
 
@@ -60,11 +61,12 @@ def build(case, placement, overrides: dict):
     from ...megatron.layout import placement as _pl
     from . import tinygpt as M
     cfg = case.model_config()
-    chunks = M.build_model_chunks(cfg, placement, layers_per_stage=case.layers_per_stage,
-                                  allow_padding_num_layers=case.allow_padding_num_layers,
+    chunks = M.build_model_chunks(cfg, placement, M.ChunkOptions(
+                                      layers_per_stage=case.layers_per_stage,
+                                      allow_padding_num_layers=case.allow_padding_num_layers,
+                                      vocab_parallel=bool(case.vocab_parallel) and placement.num_ranks > 1,
+                                      vocab_embedding=case.vocab_embedding and placement.num_ranks > 1),
                                   sequence_parallel=case.sequence_parallel,
-                                  vocab_parallel=bool(case.vocab_parallel) and placement.num_ranks > 1,
-                                  vocab_embedding=case.vocab_embedding and placement.num_ranks > 1,
                                   gradient_accumulation_fusion=case.gradient_accumulation_fusion,
                                   **_dtype_kw(case), **overrides)
     config = chunks[0].config
@@ -131,20 +133,28 @@ def inject_nonfinite(chunks) -> int:
     return n
 
 
-def train(case, chunks, opt, fb, holds_loss: bool, tag: str, validator=None, replica=(0, 1),
-          microbatches=None) -> dict:
-    """``case.iterations`` training iterations; losses (per iteration: the masked loss sum and the
-    token count of this rank's microbatches), step results, final parameters. ``replica``: (data-
-    parallel rank, size); replica d trains on the d-th slice of every iteration's
-    ``microbatches x size`` microbatches (default ``case.num_microbatches``; the reference: one
-    replica and every replica's microbatches)."""
+@dataclass(frozen=True)
+class DataSlice:
+    """The microbatches one rank trains on: data-parallel replica ``replica`` of ``replicas`` takes
+    the ``replica``-th slice of every iteration's ``microbatches`` x ``replicas`` microbatches
+    (None: ``case.num_microbatches``; the reference: one replica and every replica's microbatches)."""
+
+    replica: int = 0
+    replicas: int = 1
+    microbatches: Optional[int] = None
+
+
+def train(case, chunks, opt, fb, holds_loss: bool, tag: str, validator=None,
+          data: DataSlice = DataSlice()) -> dict:
+    """``case.iterations`` training iterations on ``data``; losses (per iteration: the masked loss sum
+    and the token count of this rank's microbatches), step results, final parameters."""
     import torch.distributed as dist
 
     from ..processes.rankio import set_status
     from . import tinygpt as M
     cfg = case.model_config()
-    d, n_rep = replica
-    m = microbatches or case.num_microbatches
+    d, n_rep = data.replica, data.replicas
+    m = data.microbatches or case.num_microbatches
     losses, steps, times = [], [], []
     for it in range(case.iterations):
         set_status(f"[{tag}] iteration {it}")
@@ -202,7 +212,8 @@ def reference_case(case) -> dict:
 
     def fb(*, model, **kw):
         return forward_backward_no_pipelining(model=model[0], **kw)
-    res = train(case, chunks, opt, fb, True, "reference", microbatches=case.num_microbatches * case.data_parallel_size)
+    res = train(case, chunks, opt, fb, True, "reference",
+                data=DataSlice(microbatches=case.num_microbatches * case.data_parallel_size))
     M.destroy_parallel_state()
     return res
 
@@ -229,9 +240,9 @@ def rank_runs(case, placement, install_fn, fb_fn) -> Dict[str, dict]:
                                                             log=lambda msg: None)
             infos = [_pl.unwrap(c).mzb_chunk_info for c in chunks]
             holds = any(i.post_process for i in infos) and parallel_state.get_tensor_model_parallel_rank() == 0
-            replica = (parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size())
+            data = DataSlice(parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size())
             out[mode] = train(case, chunks, opt, fb_fn(case, placement), holds, f"{case.describe()} {mode}",
-                              validator, replica=replica)
+                              validator, data)
             if validator is not None:
                 out[mode]["validated"] = handle.post_validation.validated
             if trough is not None:

@@ -152,9 +152,11 @@ def rank_case(case: VerifyCase) -> dict:
             set_status(f"[{tag}] installing schedule {case.schedule}")
             handle = install_case(case)
         set_status(f"[{tag}] building model chunks")
-        chunks = M.build_model_chunks(cfg, placement, layers_per_stage=case.layers_per_stage,
-                                      allow_padding_num_layers=case.allow_padding_num_layers,
-                                      vocab_parallel=bool(case.vocab_parallel), vocab_embedding=case.vocab_embedding,
+        chunks = M.build_model_chunks(cfg, placement, M.ChunkOptions(
+                                          layers_per_stage=case.layers_per_stage,
+                                          allow_padding_num_layers=case.allow_padding_num_layers,
+                                          vocab_parallel=bool(case.vocab_parallel),
+                                          vocab_embedding=case.vocab_embedding),
                                       sequence_parallel=case.sequence_parallel,
                                       gradient_accumulation_fusion=case.gradient_accumulation_fusion, **overrides)
         config = chunks[0].config

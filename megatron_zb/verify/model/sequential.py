@@ -21,6 +21,8 @@ class SequentialForwardBackward:
     def __call__(self, *, forward_step_func, data_iterator, model, num_microbatches, seq_length=None,
                  micro_batch_size=None, decoder_seq_length=None, forward_only=False, collect_non_loss_data=False,
                  first_val_step=None, **_ignored):
+        """One iteration. The keywords are megatron-core's forward-backward signature (it stands in for
+        ``get_forward_backward_func()``'s result, called as Megatron calls it): they cannot be grouped."""
         import contextlib
 
         import torch

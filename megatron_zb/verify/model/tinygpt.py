@@ -27,7 +27,7 @@ from ...megatron.layout.placement import (ChunkInfo, attach_layer_table, chunk_i
 
 __all__ = [
     "TinyGPTConfig", "megatron_version", "init_parallel_state", "destroy_parallel_state",
-    "make_transformer_config", "build_model_chunks", "build_reference_model", "wrap_ddp",
+    "make_transformer_config", "ChunkOptions", "build_model_chunks", "build_reference_model", "wrap_ddp",
     "collect_full_grads", "take_aux_losses", "zero_grads_", "sgd_step_", "make_batches", "batch_iterators", "loss_func",
     "forward_step_func", "iteration_loss", "iteration_loss_parts",
 ]
@@ -155,25 +155,39 @@ def make_transformer_config(model_cfg: TinyGPTConfig, *, tensor_parallel_size: i
 
 # -- building ----------------------------------------------------------------------------------
 
-def build_model_chunks(model_cfg: TinyGPTConfig, placement: Placement, *, config=None,
-                       pp_rank: Optional[int] = None, layers_per_stage: Optional[Sequence[int]] = None,
-                       allow_padding_num_layers: bool = False, init: bool = True, vocab_parallel: bool = False,
-                       vocab_embedding: bool = False, **config_kw) -> List[torch.nn.Module]:
+@dataclass(frozen=True)
+class ChunkOptions:
+    """Which chunks ``build_model_chunks`` builds and how: for placement rank ``pp_rank`` (None: this
+    process's pipeline rank; a single process may build any rank's chunks, e.g. to check a
+    placement), the layers of each stage (None: even; ``allow_padding_num_layers``: Megatron's
+    padding), initialised (``init``), the output layer split over the ranks (``vocab_parallel``;
+    ``vocab_embedding``: the input embedding too)."""
+
+    pp_rank: Optional[int] = None
+    layers_per_stage: Optional[Sequence[int]] = None
+    allow_padding_num_layers: bool = False
+    init: bool = True
+    vocab_parallel: bool = False
+    vocab_embedding: bool = False
+
+
+def build_model_chunks(model_cfg: TinyGPTConfig, placement: Placement, options: Optional[ChunkOptions] = None, *,
+                       config=None, **config_kw) -> List[torch.nn.Module]:
     """Build this rank's model chunks (``GPTModel`` each, ordered by stage) and initialise them.
 
+    ``options``: which rank's chunks, their layers, initialised, vocabulary parallelism (``ChunkOptions``).
     ``config``: a TransformerConfig (default: ``make_transformer_config(model_cfg, ...)`` with the
-    current TP/PP sizes and ``config_kw``). ``pp_rank``: the placement rank to build for (default:
-    this process's pipeline rank; a single process may build any rank's chunks, e.g. to check a
-    placement). Each chunk gets ``chunk.mzb_chunk_info`` (a ``ChunkInfo``) and each parameter a
-    ``mzb_global_name``. The chunks share one config, which carries the layer table.
+    current TP/PP sizes and ``config_kw``). Each chunk gets ``chunk.mzb_chunk_info`` (a ``ChunkInfo``) and
+    each parameter a ``mzb_global_name``. The chunks share one config, which carries the layer table.
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
+    o = options if options is not None else ChunkOptions()
+    vocab_parallel, vocab_embedding = o.vocab_parallel, o.vocab_embedding
     own_rank = parallel_state.get_pipeline_model_parallel_rank()
-    if pp_rank is None:
-        pp_rank = own_rank
-    layer_kw = dict(layers_per_stage=layers_per_stage, allow_padding_num_layers=allow_padding_num_layers)
+    pp_rank = own_rank if o.pp_rank is None else o.pp_rank
+    layer_kw = dict(layers_per_stage=o.layers_per_stage, allow_padding_num_layers=o.allow_padding_num_layers)
     infos = chunk_infos(placement, model_cfg.num_layers, pp_rank, **layer_kw)
     if config is None:
         config = make_transformer_config(
@@ -210,19 +224,15 @@ def build_model_chunks(model_cfg: TinyGPTConfig, placement: Placement, *, config
         for m, info in zip(chunks, infos):
             if info.post_process:
                 VP.prepare_loss_chunk(m)
-        VP.attach_shard(chunks[0], vocab_size=model_cfg.vocab_size, hidden=model_cfg.hidden_size,
-                        p=placement.num_ranks, tp=parallel_state.get_tensor_model_parallel_world_size(),
-                        pp_rank=pp_rank, tp_rank=parallel_state.get_tensor_model_parallel_rank(),
-                        tied=model_cfg.tie_embeddings, dtype=config.params_dtype,
-                        device=next(chunks[0].parameters()).device)
+        shard = VP.ShardSpec(vocab_size=model_cfg.vocab_size, hidden=model_cfg.hidden_size, p=placement.num_ranks,
+                             tp=parallel_state.get_tensor_model_parallel_world_size(), pp_rank=pp_rank,
+                             tp_rank=parallel_state.get_tensor_model_parallel_rank(), tied=model_cfg.tie_embeddings,
+                             dtype=config.params_dtype, device=next(chunks[0].parameters()).device)
+        VP.attach_shard(chunks[0], shard)
     if vocab_parallel and vocab_embedding:  # the input embedding's rows on every rank (megatron.vocab_embedding)
         from ...megatron.features import vocab_embedding as VE
-        VE.attach_input_shard(chunks[0], vocab_size=model_cfg.vocab_size, hidden=model_cfg.hidden_size,
-                              p=placement.num_ranks, tp=parallel_state.get_tensor_model_parallel_world_size(),
-                              pp_rank=pp_rank, tp_rank=parallel_state.get_tensor_model_parallel_rank(),
-                              tied=model_cfg.tie_embeddings, dtype=config.params_dtype,
-                              device=next(chunks[0].parameters()).device)
-    if init:
+        VE.attach_input_shard(chunks[0], shard)
+    if o.init:
         deterministic_init_(chunks, model_cfg.seed, model_cfg.init_std)
     if vocab_parallel and vocab_embedding:  # the first stage keeps no whole embedding
         VE.drop_embedding(chunks)

@@ -1,8 +1,9 @@
 """Run a Python function on N real processes (one torch.distributed rank each), never hanging.
 
-    from megatron_zb.verify.processes.launch import launch, run_cases
+    from megatron_zb.verify.processes.launch import LaunchOptions, launch, run_cases
     results = launch(fn, 2, "arg")                  # fn("arg") on ranks 0 and 1 -> [r0, r1]
     per_case = run_cases(fn, [c1, c2, c3], 4)        # one process group, fn(c) for each case
+    run_cases(fn, cases, 2, LaunchOptions(timeout=60, cpu_shims=False))  # how the ranks start, are watched
 
 * One fresh ``python`` subprocess per launch (the *zygote*) gets ``OMP_NUM_THREADS=1``, the
   parent's ``sys.path`` (so functions defined in test modules resolve) and, first of all, the
@@ -16,7 +17,7 @@
   127.0.0.1 with a port the OS picks, so there is no port race.
 * ``fn`` and the cases must be picklable (module-level functions); results must be picklable.
 * An exception in a rank is re-raised here as ``RankError`` carrying that rank's traceback; the
-  other ranks are killed after a short grace period. If the whole launch runs past ``timeout``
+  other ranks are killed after a short grace period (``grace``). If the whole launch runs past ``timeout``
   seconds, every rank still running is sent SIGUSR1 (faulthandler dumps its Python stacks into
   its log), then killed, and ``LaunchTimeout`` names the ranks that did not finish, the case they
   were in, their last ``set_status()`` text and the tail of their logs.
@@ -45,7 +46,7 @@ from .rankio import (STATUS_BYTES, TensorPickler, get_status, load_result, log_t
                      set_status, status_file, td)
 from .zygote_server import ServedZygote, ask_server
 
-__all__ = ["launch", "run_cases", "set_status", "get_status", "RankError", "LaunchTimeout",
+__all__ = ["LaunchOptions", "launch", "run_cases", "set_status", "get_status", "RankError", "LaunchTimeout",
            "LaunchError", "resolve_mcore_path", "repo_root"]
 
 _ZYGOTE_EXIT_S = 15.0  # how long the parent waits for the zygote to reap everything before killing it
@@ -117,12 +118,26 @@ def resolve_mcore_path(mcore_path: Optional[str] = None) -> Optional[str]:
 # parent side
 # --------------------------------------------------------------------------------------------
 
-def launch(fn: Callable, world_size: int, *args, timeout: float = 300.0, mcore_path: Optional[str] = None,
-           backend: str = "gloo", cpu_shims: bool = True, env: Optional[Dict[str, str]] = None,
-           grace: float = 3.0, keep_logs: bool = False, **kwargs) -> List[Any]:
+@dataclass(frozen=True)
+class LaunchOptions:
+    """How a launch starts its ranks and watches them."""
+
+    timeout: float = 300.0  # seconds for the whole launch
+    mcore_path: Optional[str] = None  # megatron-core's directory (``resolve_mcore_path``)
+    backend: str = "gloo"
+    cpu_shims: bool = True  # gloo: the zygote applies the CPU shims before importing megatron-core
+    env: Optional[Dict[str, str]] = None  # added to the ranks' environment
+    grace: float = 3.0  # seconds the other ranks get once one has raised
+    keep_logs: bool = False  # keep the launch's folder (the ranks' logs) and say where
+    barrier_between: bool = True  # a barrier between cases
+    # called with the cases once megatron is imported, before any rank is forked (gloo); what it raises
+    # fails every rank (a ``RankError`` naming its type), e.g. a model config Megatron refuses
+    precheck: Optional[Callable] = None
+
+
+def launch(fn: Callable, world_size: int, *args, options: Optional[LaunchOptions] = None, **kwargs) -> List[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return the per-rank results."""
-    return run_cases(_CallWith(fn, args, kwargs), [None], world_size, timeout=timeout, mcore_path=mcore_path,
-                     backend=backend, cpu_shims=cpu_shims, env=env, grace=grace, keep_logs=keep_logs)[0]
+    return run_cases(_CallWith(fn, args, kwargs), [None], world_size, options)[0]
 
 
 @dataclass
@@ -135,23 +150,22 @@ class _CallWith:
         return self.fn(*self.args, **self.kwargs)
 
 
-def run_cases(fn: Callable, cases: Sequence[Any], world_size: int, *, timeout: float = 300.0,
-              mcore_path: Optional[str] = None, backend: str = "gloo", cpu_shims: bool = True,
-              env: Optional[Dict[str, str]] = None, grace: float = 3.0, keep_logs: bool = False,
-              barrier_between: bool = True, precheck: Optional[Callable] = None) -> List[List[Any]]:
+def run_cases(fn: Callable, cases: Sequence[Any], world_size: int,
+              options: Optional[LaunchOptions] = None) -> List[List[Any]]:
     """Run ``fn(case)`` on every rank for each case, in order, in one process group.
 
     Returns ``results[case_index][rank]``. Paying the process start and the megatron import once
-    for many cases is the point. ``timeout`` bounds the whole launch (seconds). ``precheck``: called
-    with the cases once megatron is imported, before any rank is forked (gloo); what it raises
-    fails every rank (a ``RankError`` naming its type), e.g. a model config Megatron refuses.
+    for many cases is the point. ``options``: how the ranks start and are watched (``LaunchOptions``;
+    its ``timeout`` bounds the whole launch).
     """
     import torch.distributed as dist  # parent needs only torch (for the store)
 
+    o = options if options is not None else LaunchOptions()
+    timeout, backend, cpu_shims = o.timeout, o.backend, o.cpu_shims
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     cases = list(cases)
-    mpath = resolve_mcore_path(mcore_path)
+    mpath = resolve_mcore_path(o.mcore_path)
     workdir = tempfile.mkdtemp(prefix="mzb-launch-")
     procs: List[_Rank] = []
     zygote = None  # subprocess.Popen, or the warm server's zygote (the same calls)
@@ -171,7 +185,7 @@ def run_cases(fn: Callable, cases: Sequence[Any], world_size: int, *, timeout: f
             pickle.dump(header, f)
             TensorPickler(f, protocol=pickle.HIGHEST_PROTOCOL).dump(
                 {"fn": fn, "cases": cases, "port": port, "timeout": timeout,
-                 "barrier_between": barrier_between, "precheck": precheck})
+                 "barrier_between": o.barrier_between, "precheck": o.precheck})
         child_env = dict(os.environ)
         child_env.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world_size),
@@ -179,8 +193,8 @@ def run_cases(fn: Callable, cases: Sequence[Any], world_size: int, *, timeout: f
                           "MZB_LAUNCHER_PID": str(os.getpid())})
         old = child_env.get("PYTHONPATH")
         child_env["PYTHONPATH"] = os.pathsep.join(([mpath] if mpath else []) + [repo_root()] + ([old] if old else []))
-        if env:
-            child_env.update(env)
+        if o.env:
+            child_env.update(o.env)
         for r in range(world_size):
             with open(status_file(workdir, r), "wb") as f:
                 f.write(b"\0" * STATUS_BYTES)
@@ -193,7 +207,7 @@ def run_cases(fn: Callable, cases: Sequence[Any], world_size: int, *, timeout: f
             zygote = subprocess.Popen(cmd, env=child_env, stdout=log, stderr=subprocess.STDOUT,
                                       stdin=subprocess.DEVNULL, start_new_session=True)
         procs = [_Rank(workdir, r, zygote) for r in range(world_size)]
-        return _wait(procs, workdir, world_size, timeout, grace, store)
+        return _wait(procs, workdir, world_size, timeout, o.grace, store)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -217,7 +231,7 @@ def run_cases(fn: Callable, cases: Sequence[Any], world_size: int, *, timeout: f
             except Exception:
                 pass
         del store
-        if keep_logs:
+        if o.keep_logs:
             sys.stderr.write(f"[megatron-zb launch] rank logs kept in {workdir}\n")
         else:
             shutil.rmtree(workdir, ignore_errors=True)

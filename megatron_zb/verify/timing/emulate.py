@@ -193,7 +193,7 @@ def emulate(entries: Sequence[Entry], stages: int, microbatches: int, cost_f: Co
     ``cost_a2a``: MoE's all-to-all in every F, B and BW (``ir.Setting``); the schedules get the
     overlapped F&B pairs it asks for (``core.passes.pairing``), whose passes sleep what the simulator
     charges them (``runtime.emulate.sleep_passes``; ``a2a_overlap`` False: no hiding)."""
-    from ..processes.launch import run_cases
+    from ..processes.launch import LaunchOptions, run_cases
 
     if iterations < 1 or warmup < 1:
         raise ValueError(f"need iterations >= 1 and warmup >= 1, got {iterations}, {warmup}")
@@ -204,7 +204,7 @@ def emulate(entries: Sequence[Entry], stages: int, microbatches: int, cost_f: Co
            "cost_f": st.cost_f, "cost_b": st.cost_b, "cost_w": st.cost_w, "cost_a2a": st.cost_a2a,
            "a2a_overlap": st.a2a_overlap, "unit_s": unit_s,
            "iterations": iterations, "warmup": warmup, "timeout": timeout}
-    per_rank = run_cases(_rank_main, [job], stages, timeout=timeout, cpu_shims=False)[0]
+    per_rank = run_cases(_rank_main, [job], stages, LaunchOptions(timeout=timeout, cpu_shims=False))[0]
     hop = per_rank[0][0]
     st = dataclasses.replace(st, cost_comm=hop / unit_s)
     rows = []
@@ -301,7 +301,7 @@ def emulate_schedules(pairs: Sequence[Tuple[Schedule, Setting]], unit_s: float =
     ``timelines``: also, per pair, the last timed iteration as it ran (a ``SimResult`` as
     ``emulate``'s rows carry: each rank's passes in the order it ran them, measured times).
     ``interleave``: iteration i of every pair, then iteration i + 1 (else each pair's in turn)."""
-    from ..processes.launch import run_cases
+    from ..processes.launch import LaunchOptions, run_cases
 
     pairs = list(pairs)
     ranks = {s.num_ranks for s, _ in pairs}
@@ -309,7 +309,7 @@ def emulate_schedules(pairs: Sequence[Tuple[Schedule, Setting]], unit_s: float =
         raise ValueError(f"one launch runs one pipeline size, got {sorted(ranks)}")
     job = {"pairs": pairs, "unit_s": unit_s, "iterations": iterations, "warmup": warmup, "timeout": timeout,
            "timelines": timelines, "interleave": interleave}
-    per_rank = run_cases(_schedules_rank_main, [job], ranks.pop(), timeout=timeout, cpu_shims=False)[0]
+    per_rank = run_cases(_schedules_rank_main, [job], ranks.pop(), LaunchOptions(timeout=timeout, cpu_shims=False))[0]
     times, tls = [], []
     for k, (sched, st) in enumerate(pairs):
         rs = [r[k + 1] for r in per_rank]

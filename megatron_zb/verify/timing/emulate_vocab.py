@@ -23,15 +23,40 @@ from ...core.plan import PlanRequest, VocabLever, plan
 from ...core.plan.schedule import row_schedule
 from ...core.sim.iteration import iteration_times
 
-__all__ = ["pick_rows", "compare"]
+__all__ = ["RowChoice", "Emulation", "pick_rows", "compare"]
 
 
-def pick_rows(spec: ModelSpec, p: int, m: int, gpu_memory_gb: float = 80.0, schedules: Optional[Sequence[str]] = None,
-              vocab_barriers: int = 1, tflops: float = 989.0, efficiency: float = 0.5, jobs: int = 1) -> List[dict]:
+@dataclasses.dataclass(frozen=True)
+class RowChoice:
+    """The plan rows are chosen from: a GPU of ``gpu_memory_gb`` running at ``tflops`` x ``efficiency``
+    (the rows' costs), the ``schedules`` plan weighs (None: its own), vocabulary parallelism with
+    ``vocab_barriers`` barriers, plan on ``jobs`` processes."""
+
+    gpu_memory_gb: float = 80.0
+    schedules: Optional[Sequence[str]] = None
+    vocab_barriers: int = 1
+    tflops: float = 989.0
+    efficiency: float = 0.5
+    jobs: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Emulation:
+    """How ``compare`` runs the rows besides their slow-down and timed iterations: ``warmup``
+    iterations first, the launch's ``timeout`` (seconds), each row's last iteration as it ran kept
+    (``timelines``)."""
+
+    warmup: int = 1
+    timeout: float = 600.0
+    timelines: bool = True
+
+
+def pick_rows(spec: ModelSpec, p: int, m: int, choice: Optional[RowChoice] = None) -> List[dict]:
     """[Megatron's 1F1B row (plan's layout search, no vocabulary parallelism), the best fitting row
     with vocabulary parallelism] from ``plan`` (its ranking: time per iteration, then memory)."""
-    rows = plan(PlanRequest(spec, p, m, gpu_memory_gb, tflops=tflops, efficiency=efficiency, schedules=schedules,
-                            vocab=VocabLever("both", barriers=vocab_barriers)), jobs=jobs)
+    c = choice if choice is not None else RowChoice()
+    rows = plan(PlanRequest(spec, p, m, c.gpu_memory_gb, tflops=c.tflops, efficiency=c.efficiency,
+                            schedules=c.schedules, vocab=VocabLever("both", barriers=c.vocab_barriers)), jobs=c.jobs)
     ok = [r for r in rows if "error" not in r and r["fits"]]
     base = next((r for r in ok if r["schedule"] == "1f1b" and not r.get("vocab_parallel")), None)
     best = next((r for r in ok if r.get("vocab_parallel")), None)
@@ -40,22 +65,26 @@ def pick_rows(spec: ModelSpec, p: int, m: int, gpu_memory_gb: float = 80.0, sche
     return [base, best]
 
 
-def compare(spec: ModelSpec, p: int, m: int, slow_down: float = 3.0, iterations: int = 8, warmup: int = 1,
-            rows: Optional[List[dict]] = None, timeout: float = 600.0, tflops: float = 989.0,
-            efficiency: float = 0.5, timelines: bool = True, **pick) -> List[dict]:
-    """Emulate ``rows`` (default ``pick_rows``) on ``p`` processes; one dict per row: label,
-    schedule, layout, vocab_parallel, flags, per_iteration / measured (median) / predicted, in
-    milliseconds of the GPU, error_pct, speedup_measured (median over the iterations of the first
-    row's time over this row's, paired by index) / speedup_predicted, hop_ms, timeline (a
-    ``SimResult`` of the last iteration as it ran, in ms) where ``timelines``."""
+def compare(spec: ModelSpec, p: int, m: int, slow_down: float = 3.0, iterations: int = 8,
+            rows: Optional[List[dict]] = None, choice: Optional[RowChoice] = None,
+            emulation: Optional[Emulation] = None) -> List[dict]:
+    """Emulate ``rows`` (default ``pick_rows`` with ``choice``; their costs from ``choice``'s GPU) on
+    ``p`` processes; one dict per row: label, schedule, layout, vocab_parallel, flags, per_iteration /
+    measured (median) / predicted, in milliseconds of the GPU, error_pct, speedup_measured (median
+    over the iterations of the first row's time over this row's, paired by index) /
+    speedup_predicted, hop_ms, timeline (a ``SimResult`` of the last iteration as it ran, in ms)
+    where ``emulation.timelines``."""
     from .emulate import emulate_schedules
 
     if slow_down <= 0:
         raise ValueError(f"slow_down must be > 0, got {slow_down}")
-    rows = rows or pick_rows(spec, p, m, tflops=tflops, efficiency=efficiency, **pick)
-    request = PlanRequest(spec, p, m, 80.0, tflops=tflops, efficiency=efficiency)  # (the budget plays no part)
+    c = choice if choice is not None else RowChoice()
+    e = emulation if emulation is not None else Emulation()
+    timelines = e.timelines
+    rows = rows or pick_rows(spec, p, m, c)
+    request = PlanRequest(spec, p, m, 80.0, tflops=c.tflops, efficiency=c.efficiency)  # (the budget plays no part)
     pairs = [row_schedule(request, r) for r in rows]
-    got = emulate_schedules(pairs, unit_s=slow_down, iterations=iterations, warmup=warmup, timeout=timeout,
+    got = emulate_schedules(pairs, unit_s=slow_down, iterations=iterations, warmup=e.warmup, timeout=e.timeout,
                             timelines=timelines, interleave=True)
     hop, times = got[0], got[1]
     out = []

@@ -210,7 +210,7 @@ def _build(job: dict, case: dict, cfg, dev):
     else:
         placement = Placement.single(p)
     M.init_parallel_state(1, p, placement, seed=1234)
-    chunks = M.build_model_chunks(cfg, placement, init=not cuda, params_dtype=torch.bfloat16,
+    chunks = M.build_model_chunks(cfg, placement, M.ChunkOptions(init=not cuda), params_dtype=torch.bfloat16,
                                   pipeline_dtype=torch.bfloat16, bf16=True, deallocate_pipeline_outputs=True,
                                   batch_p2p_comm=False, use_cpu_initialization=not cuda)
     config = chunks[0].config
