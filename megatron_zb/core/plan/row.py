@@ -282,7 +282,7 @@ def _one(ctx: _Row, lay: Layout, padded: bool) -> dict:
            "weight_copies": res.weight_copies or [1.0] * p,
            "flags": _flags(sp, p, searched_limit, lay, padded, profile is not None)}
     if rbw is not None:  # what the split backward costs the row (its passes as the schedule runs them)
-        out["split_cost_s"] = split_cost(sched, built.setting, cost_optimizer / sec) * sec
+        out["split_cost_s"] = split_cost(sched, built.setting) * sec
         out["fused_backwards"] = sched.meta.get("fused_backwards", 0)
         if sp.split_backward and profile is None:  # training models the same overhead: the same schedule
             out["flags"] += f" --zero-bubble-split-overhead-ms {1e3 * spec.split_overhead_s:g}"
