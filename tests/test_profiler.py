@@ -110,6 +110,18 @@ def test_build_profile_host_costs_cpu_only():
     assert not any(k in cuda for k in PD.HOST_KEYS) and PD.with_host_costs(cuda) is cuda
 
 
+def test_between_iterations_is_the_last_ranks_gap():
+    """Megatron's step as the simulator charges it (after the last pass of any rank): the gap from the end of
+    a forward-backward call to the next one's start on the rank that ended last, i.e. the shortest; a rank
+    that ended earlier also waited for that one (its gap is given per rank beside it)."""
+    pl = Placement.single(2)
+    stats = [_stats(r, [r], {0: 0.01, 1: 0.01}, bw={0: 0.02, 1: 0.02}) for r in (0, 1)]
+    stats[0]["between_s"], stats[1]["between_s"] = [0.05, 0.06], [0.15, 0.16]  # rank 1 ended 0.1 s earlier
+    prof = PD.build_profile(stats, schedule="1f1b", placement=pl, microbatches=4, window=(1, 3))
+    assert prof["between_iterations_s"] == pytest.approx(0.055)
+    assert prof["between_iterations_s_per_rank"] == pytest.approx([0.055, 0.155])
+
+
 def test_json_round_trip_and_setting_kwargs(tmp_path):
     pl = Placement.single(4)
     f = {s: 0.01 * (1 + s / 10) for s in range(4)}

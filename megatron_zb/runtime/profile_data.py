@@ -128,7 +128,9 @@ def build_profile(rank_stats: Sequence[dict], *, schedule: Optional[str], placem
     iters = [by_rank[r].get("iteration_s", []) for r in range(p)]
     per_iter = [max(xs) for xs in zip(*iters)] if all(iters) else []
     gaps = [by_rank[r].get("between_s", []) for r in range(p)]
-    between = [max(xs) for xs in zip(*gaps)] if all(gaps) else []
+    # the synchronous step starts when the last rank arrives: the rank whose forward-backward ended last (the
+    # shortest gap; the others' gaps also hold their wait for it, which the simulated iteration has already)
+    between = [min(xs) for xs in zip(*gaps)] if all(gaps) else []
     first = by_rank[0]
     return {
         "format": PROFILE_FORMAT,
@@ -160,9 +162,11 @@ def build_profile(rank_stats: Sequence[dict], *, schedule: Optional[str], placem
         "p2p_wait_per_iter": [sum(sum(v) for k in (F, B) for v in by_rank[r].get("recv_wait", {}).get(k, {}).values())
                               / max(1, len(by_rank[r].get("iterations", []))) for r in range(p)],
         "iteration_s": median(per_iter),
-        # from the end of one forward-backward call to the next one's start (the slowest rank): Megatron's
-        # optimizer step, gradient finalisation and the rest of its loop; None with a one-iteration window
+        # from the end of one forward-backward call to the next one's start on the rank that ended last (the
+        # shortest gap): Megatron's optimizer step, gradient finalisation and the rest of its loop; per rank
+        # beside it (a rank that ends earlier waits for that one); None with a one-iteration window
         "between_iterations_s": median(between),
+        "between_iterations_s_per_rank": [median(g) for g in gaps],
         "samples": counts,
         "per_chunk": per_chunk,
         "chunk_cost_f": chunk["f"], "chunk_cost_b": chunk["b"], "chunk_cost_w": chunk["w"],
