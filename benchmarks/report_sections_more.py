@@ -1,5 +1,5 @@
 """The later sections of ``docs/results.md``: offload, memory, vocabulary parallelism, variable
-lengths, MoE, optimizer offload, plan speed, faults, exact optimum, the field, the test figures.
+lengths, MoE, optimizer offload, plan speed, faults, exact optimum, the field, the test figures, real compute.
 
 Same conventions as ``report_sections.py`` (whose helpers these blocks use): each block takes
 ``(res, names, src)`` and returns markdown lines, raising on a shape it does not know.
@@ -275,6 +275,55 @@ def test_figures_block(res, names, src):
     return provenance(src, names) + table(head, rows)
 
 
+_ATTR_GROUPS = ("compute", "waits", "messages", "executor", "hooks", "step", "gc")
+_ATTR_LABELS = {"megatron": "Megatron's own 1F1B", "1f1b": "megatron-zb 1f1b", "zb-h1": "megatron-zb zb-h1",
+                "zb-v": "megatron-zb zb-v"}
+
+
+def attribution_block(res, names, src):
+    """bench_attribution.py: a real-compute iteration per rank, measured beside the simulation, per schedule;
+    each schedule's iteration against its simulation; each pass beside Megatron's own."""
+    out = provenance(src, names)
+    for n in names:
+        d = res[n]
+        lo, hi = d["load_average"]
+        out += [f"The host's load average during the rounds: {lo:.1f}-{hi:.1f} (2 cores; the run's own two ranks count 2). "
+                f"Per rank, ms per iteration (median over the iterations from {d['timed_from']} on, median over "
+                f"{d['rounds']} rounds; the groups' medians need not add up); simulated: the run's profile with "
+                "host costs (compute = each pass's median + its handling + interference; waits = idle), the step "
+                "as profiled; off core: time the rank was runnable but another thread or process had its core:", ""]
+        rows = []
+        for s, v in d["schedules"].items():
+            for r, (m, sim) in enumerate(zip(v["measured"], v["simulated"])):
+                rows.append([_ATTR_LABELS.get(s, s), f"rank {r} measured", num(1e3 * m["iteration"], 1)]
+                            + [num(1e3 * m[g], 1) for g in _ATTR_GROUPS] + [num(1e3 * m["off_core"], 1)])
+                rows.append(["", f"rank {r} simulated", num(1e3 * sim["iteration"], 1)]
+                            + [num(1e3 * sim[g], 1) if sim.get(g) is not None else "-" for g in _ATTR_GROUPS] + ["-"])
+        out += table(["schedule", "", "iteration"] + list(_ATTR_GROUPS) + ["off core"], rows) + [""]
+        rows = []
+        for s, v in d["schedules"].items():
+            meas, sim = v["measured"][0]["iteration"], v["simulated"][0]["iteration"]
+            bare = v["simulated_without_host_costs"][0]["iteration"]
+            old = v.get("simulated_from_zb_h1_medians")
+            rows.append([_ATTR_LABELS.get(s, s), spread(v["measured_rounds_ms"], lambda x: num(x, 0)), num(1e3 * sim, 0),
+                         pct(100 * (meas / sim - 1)), num(1e3 * bare, 0), pct(100 * (meas / bare - 1)),
+                         f"{num(1e3 * old[0]['iteration'], 0)} ({pct(100 * (meas / old[0]['iteration'] - 1))})"
+                         if old else "-", times(v["jitter_factor"])])
+        out += ["Each schedule's iteration: measured (median of the rounds, min-max), simulated with the host costs, "
+                "without them, Megatron's own 1F1B as timed with zb-h1's profile (split B and W, medians), and what "
+                "drawing each pass's duration from the window's samples adds to a replay of the schedule:", ""]
+        out += table(["schedule", "measured ms", "simulated", "error", "without host costs", "error",
+                      "from zb-h1's profile", "jitter replay"], rows) + [""]
+        rows = [[_ATTR_LABELS.get(p["schedule"], p["schedule"]), str(p["stage"]), p["kind"], num(p["measured_ms"], 1),
+                 num(p.get("profile_ms"), 1)] + ([num(p["megatron_ms"], 1), pct(p["vs_megatron_pct"])]
+                                                 if p.get("megatron_ms") is not None else ["-", "-"])
+                for p in d["passes"] if p["schedule"] != "megatron"]
+        out += ["Each pass, ms (median per pass, median over rounds), beside the profile's median and Megatron's own "
+                "pass on the same stage (F beside F; BW and B+W beside its fused BW):", ""]
+        out += table(["schedule", "stage", "pass", "measured", "profile", "Megatron's", "vs Megatron's"], rows) + [""]
+    return out[:-1]
+
+
 SECTIONS = (
     ("Activation offload", "Activations streamed to host memory, simulated (memory in units of one "
      "microbatch's stage activation, time in units of F).",
@@ -302,4 +351,8 @@ SECTIONS = (
      (("field.json", field_block),)),
     ("Figures the tests used to assert", "Wall-clock figures measured beside the host's load instead of asserted.",
      (("test_figures.json", test_figures_block),)),
+    ("Real compute: where the time goes", "A real-compute iteration (the main job's CPU run: 2 ranks, 8 microbatches) "
+     "split per rank into compute, waits, message handling, the executor, hooks and Megatron's step, beside the "
+     "simulator fed by the run's profile (docs/real_compute.md).",
+     (("attribution*.json", attribution_block),)),
 )

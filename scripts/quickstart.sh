@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The main job (under 5 minutes on a 2-core CPU box from a fresh clone, set-up included: 4 min 48 s measured):
+# The main job (about 5.5 minutes on a quiet 2-core CPU box from a fresh clone, set-up included: 4 min 48 s
+# measured without the real-compute section's megatron-zb 1f1b runs, which add 3 runs of about 16 s):
 #   1. set-up (scripts/setup_env.sh; its output goes to $OUT/setup.log);
 #   2. correctness: train a tiny GPT for real with megatron-zb's zb-v schedule on 4 pipeline ranks
 #      (gloo processes on a CPU), then the same model, data and seed with 1f1b: identical losses;
@@ -14,12 +15,14 @@
 #      their costs too, its barriers are real gloo all-reduces), measured and simulated. It all runs
 #      in the background during step 2 (its passes wait; they need almost no CPU).
 #   4. speed, with real compute (CPU): Megatron's own 1F1B (no megatron-zb flag) and megatron-zb's
-#      zb-h1 and zb-v train a GPT of 8 layers (hidden 256, sequence 256, vocabulary 7168: its output
-#      layer weighs about 2 layers) on 2 pipeline ranks, each a process on its own core, each with
-#      the layout `megatron-zb plan` picks for it, in interleaved rounds: the median time per
+#      1f1b, zb-h1 and zb-v train a GPT of 8 layers (hidden 256, sequence 256, vocabulary 7168: its
+#      output layer weighs about 2 layers) on 2 pipeline ranks, each a process on its own core, each
+#      with the layout `megatron-zb plan` picks for it, in interleaved rounds: the median time per
 #      iteration over the rounds with their spread, and the speed-up over Megatron's 1F1B next to
-#      the simulator's prediction from each chunk's profiled F/B/W and the measured optimizer step.
-#      REAL_ROUNDS (default 3), REAL_ITERS (8); REAL_ROUNDS=0 skips it.
+#      the simulator's prediction from each chunk's profiled F/B/W, each pass's handling and the
+#      measured optimizer step (Megatron's own 1F1B: megatron-zb's 1f1b profile, the same order with
+#      fused backwards), profiled in the iterations it times (3 to the one before the last; the last holds
+#      the profile's end). REAL_ROUNDS (default 3), REAL_ITERS (8); REAL_ROUNDS=0 skips it.
 # With at least $PP GPUs (nvidia-smi) steps 2 and 3 are one: 1f1b, zb-h1 and zb-v train a small
 # bf16 GPT with real compute, and the report compares their measured iteration times with the
 # simulator's prediction from each run's profiled F/B/W times (FORCE_CPU=1: the CPU path anyway).
@@ -97,14 +100,15 @@ fi
 if [ "$MODE" = cpu ] && [ "${REAL_ROUNDS:-3}" -gt 0 ]; then
     # each schedule with the layout `megatron-zb plan` picks for this model (Megatron's own 1F1B: 1f1b's)
     eval "$(.venv/bin/python scripts/quickstart_report.py --real-layouts)"
-    echo "== real compute (CPU): Megatron's own 1F1B and megatron-zb's zb-h1, zb-v on 2 pipeline ranks, layouts" \
-         "$LAYOUT_megatron / $LAYOUT_zb_h1 / $LAYOUT_zb_v, ${REAL_ROUNDS:-3} rounds (logs: $OUT/real_*.log) =="
+    echo "== real compute (CPU): Megatron's own 1F1B and megatron-zb's 1f1b, zb-h1, zb-v on 2 pipeline ranks, layouts" \
+         "$LAYOUT_megatron / $LAYOUT_1f1b / $LAYOUT_zb_h1 / $LAYOUT_zb_v, ${REAL_ROUNDS:-3} rounds (logs: $OUT/real_*.log) =="
     for R in $(seq 1 "${REAL_ROUNDS:-3}"); do
-        for S in megatron zb-h1 zb-v; do
+        for S in megatron 1f1b zb-h1 zb-v; do
             V="LAYOUT_${S//-/_}"
             FLAGS="--zero-bubble-deterministic-init --pipeline-model-parallel-layout ${!V}"
             if [ "$S" != megatron ]; then
-                FLAGS="$FLAGS --zero-bubble-profile-window 2 4 --zero-bubble-profile-path $OUT/real_profile_${S}_r$R.json"
+                # profiled in the iterations it is timed in (3 on), so that a busy host's moments weigh on both
+                FLAGS="$FLAGS --zero-bubble-profile-window 3 ${REAL_ITERS:-8} --zero-bubble-profile-path $OUT/real_profile_${S}_r$R.json"
             fi
             if ! env SCHEDULE="$S" PP=2 NUM_LAYERS=8 HIDDEN=256 HEADS=4 SEQ_LEN=256 MBS=1 GBS=8 VOCAB=7168 \
                     ITERS="${REAL_ITERS:-8}" LOG_INTERVAL=1 LOG_FILE="$OUT/real_${S}_r$R.log" PREFLIGHT=0 \

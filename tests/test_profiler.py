@@ -80,6 +80,48 @@ def test_build_profile_fused_backward_only_and_missing_rank():
         PD.build_profile(stats[:1], schedule="1f1b", placement=pl, microbatches=4, window=(1, 1))
 
 
+def test_build_profile_host_costs_cpu_only():
+    """On a CPU each chunk carries its passes' host costs: the median handling (messages, executor,
+    hooks around the pass) and the interference (the mean beyond the median, a rare stall capped at
+    the median + 5 MADs); a fused-only chunk splits BW's in halves for B and W. The simulator's costs
+    get them added (per chunk and per rank, once); a CUDA profile has none."""
+    pl = Placement.single(2)
+    f = {0: 0.010, 1: 0.010}
+    stats = [_stats(r, [r], f, bw={0: 0.020, 1: 0.020}) for r in (0, 1)]
+    stats[0]["times"]["F"]["0"] = [0.010, 0.010, 0.011, 0.012, 0.100]  # median 11 ms, MAD 1 ms: 100 ms capped at 16
+    for st in stats:
+        st["handling"] = {"F": {str(st["rank"]): [0.001, 0.002, 0.003]}, "BW": {str(st["rank"]): [0.004] * 3}}
+    prof = PD.build_profile(stats, schedule="1f1b", placement=pl, microbatches=4, window=(1, 1))
+    assert prof["chunk_handling_f"] == pytest.approx([0.002, 0.002])
+    assert prof["chunk_handling_bw"] == pytest.approx([0.004, 0.004])
+    assert prof["chunk_handling_b"] == pytest.approx([0.002, 0.002]) == prof["chunk_handling_w"]
+    assert prof["chunk_interference_f"] == pytest.approx([(0.010 + 0.010 + 0.011 + 0.012 + 0.016) / 5 - 0.011, 0.0])
+    assert prof["chunk_interference_bw"] == [0.0, 0.0]
+    kw = PD.profile_to_setting_kwargs(prof, per_chunk=True)
+    assert kw["cost_f"] == pytest.approx([0.011 + 0.002 + 0.0008, 0.012])
+    assert kw["cost_bw"] == pytest.approx([0.024, 0.024]) and kw["cost_b"] == pytest.approx([0.012, 0.012])
+    assert PD.profile_to_setting_kwargs(prof, per_chunk=True, host_costs=False)["cost_f"] == pytest.approx([0.011, 0.010])
+    assert PD.profile_to_setting_kwargs(prof)["cost_f"] == pytest.approx([0.0138, 0.012])  # per rank
+    once = PD.with_host_costs(prof)
+    assert PD.with_host_costs(once) is once and prof["chunk_cost_f"] == pytest.approx([0.011, 0.010])
+    for st in stats:
+        st["device"] = "cuda"
+    cuda = PD.build_profile(stats, schedule="1f1b", placement=pl, microbatches=4, window=(1, 1))
+    assert not any(k in cuda for k in PD.HOST_KEYS) and PD.with_host_costs(cuda) is cuda
+
+
+def test_between_iterations_is_the_last_ranks_gap():
+    """Megatron's step as the simulator charges it (after the last pass of any rank): the gap from the end of
+    a forward-backward call to the next one's start on the rank that ended last, i.e. the shortest; a rank
+    that ended earlier also waited for that one (its gap is given per rank beside it)."""
+    pl = Placement.single(2)
+    stats = [_stats(r, [r], {0: 0.01, 1: 0.01}, bw={0: 0.02, 1: 0.02}) for r in (0, 1)]
+    stats[0]["between_s"], stats[1]["between_s"] = [0.05, 0.06], [0.15, 0.16]  # rank 1 ended 0.1 s earlier
+    prof = PD.build_profile(stats, schedule="1f1b", placement=pl, microbatches=4, window=(1, 3))
+    assert prof["between_iterations_s"] == pytest.approx(0.055)
+    assert prof["between_iterations_s_per_rank"] == pytest.approx([0.055, 0.155])
+
+
 def test_json_round_trip_and_setting_kwargs(tmp_path):
     pl = Placement.single(4)
     f = {s: 0.01 * (1 + s / 10) for s in range(4)}
@@ -369,6 +411,9 @@ def test_profiles_on_gloo_pipeline(rank_pool):
                 assert extra[len(extra) // 2] < 0.002, (case, r, key, extra)  # not a wait, not a second pass
         p0 = res[0][ci][1]["profile"]
         assert p0 is not None and p0 == res[1][ci][1]["profile"]  # every rank builds the same
+        # each pass's handling on a CPU: its messages' posting and the executor around it (a figure, >= 0)
+        assert all(x >= 0 for k in PD.HOST_KEYS for x in p0[f"chunk_{k}"]), case
+        assert p0["chunk_handling_f"][0] > 0 and p0["chunk_handling_f"][1] > 0  # rank 0 sends, rank 1 receives
         assert p0["window"] == [2, 4] and p0["iterations"] == 3 and p0["pipeline_size"] == 2
         assert p0["samples"]["F"] == 3 * 2 * (2 * world)
         assert p0["samples"]["comm_probe"] == 5 and p0["cost_comm"] > 0

@@ -112,15 +112,16 @@ def test_report_cpu_mode_reads_the_emulated_run(tmp_path, capsys):
 def test_report_reads_the_real_compute_rounds(tmp_path, capsys):
     """The real-compute (CPU) section: Megatron's own 1F1B and megatron-zb's schedules over their
     rounds, the speed-up over Megatron's (median over the rounds, and its spread), and the
-    simulator's prediction from each run's profile: the schedule that ran, each chunk's costs, the
-    optimizer step (Megatron's own 1F1B: 1f1b's order with zb-h1's profile)."""
+    simulator's prediction from each run's profile: the schedule that ran, each chunk's costs (the
+    fused backward as measured, each pass's handling added), the optimizer step (Megatron's own 1F1B:
+    1f1b's order with megatron-zb's 1f1b profile of the same round)."""
     for s in ("zb-v", "1f1b"):
         lines = [LINE.format(i=i, ms=300.0, loss=f"{4.0 - 0.01 * i:.6E}") for i in (1, 5, 10)]
         (tmp_path / f"train_{s}.log").write_text("\n".join(lines) + "\n")
     (tmp_path / "emulated.json").write_text(json.dumps({
         "pp": 4, "microbatches": 8, "layers_per_rank": 2, "layer": {"hidden": 4096, "seq": 4096, "batch": 1},
         "layer_ms": {"f": 43.8, "b": 59.2, "w": 32.0}, "source": "x.json", "rows": []}))
-    ms = {"megatron": 900.0, "zb-h1": 840.0, "zb-v": 820.0}
+    ms = {"megatron": 900.0, "1f1b": 905.0, "zb-h1": 840.0, "zb-v": 820.0}
     from megatron_zb.core.build import ScheduleRequest, build
     from megatron_zb.core.ir.io import to_json
     for s, t in ms.items():
@@ -130,17 +131,55 @@ def test_report_reads_the_real_compute_rounds(tmp_path, capsys):
             if s != "megatron":
                 v = 2 if s == "zb-v" else 1
                 built = build(ScheduleRequest(s), 2, 8).schedule
-                (tmp_path / f"real_profile_{s}_r{r}.json").write_text(json.dumps({
-                    "schedule": s, "pipeline_size": 2, "microbatches": 8, "cost_f": [0.03, 0.03],
-                    "cost_b": [0.03, 0.03], "cost_w": [0.02, 0.02], "cost_comm": 0.0,
-                    "chunk_cost_f": [0.03 / v] * 2 * v, "chunk_cost_b": [0.03 / v] * 2 * v,
-                    "chunk_cost_w": [0.02 / v] * 2 * v, "between_iterations_s": 0.05,
-                    "built_schedule": json.loads(to_json(built))}))
+                prof = {"schedule": s, "pipeline_size": 2, "microbatches": 8, "cost_f": [0.03, 0.03],
+                        "cost_b": [0.03, 0.03], "cost_w": [0.02, 0.02], "cost_comm": 0.0,
+                        "chunk_cost_f": [0.03 / v] * 2 * v, "chunk_cost_b": [0.03 / v] * 2 * v,
+                        "chunk_cost_w": [0.02 / v] * 2 * v, "between_iterations_s": 0.05,
+                        "built_schedule": json.loads(to_json(built))}
+                if s == "1f1b":  # fused backwards measured, cheaper than B + W; 1 ms of handling per F
+                    prof.update(cost_bw=[0.045, 0.045], chunk_cost_bw=[0.045, 0.045],
+                                chunk_handling_f=[0.001, 0.001], chunk_handling_b=[0.0, 0.0],
+                                chunk_handling_w=[0.0, 0.0], chunk_handling_bw=[0.0, 0.0])
+                (tmp_path / f"real_profile_{s}_r{r}.json").write_text(json.dumps(prof))
     rows = report.real_cpu_speed(str(tmp_path))
     out = capsys.readouterr().out
     by = {r["schedule"]: r for r in rows}
+    assert [r["schedule"] for r in rows] == ["megatron", "1f1b", "zb-h1", "zb-v"]
     assert by["megatron"]["speedup_measured"] == 1.0
     assert by["zb-v"]["speedup_measured"] == pytest.approx(900.0 / 820.0, rel=1e-2)  # the median of the rounds' ratios
     assert by["zb-v"]["predicted"] < by["megatron"]["predicted"]  # zb-v's simulated iteration is shorter
-    assert by["megatron"]["predicted"] == pytest.approx(1e3 * (8 * 0.08 + 0.03 + 0.05 + 0.05))  # 1F1B: M(F+B+W) + ramp + step
+    # 1F1B with 1f1b's profile: M(F + BW) + the ramp (F + BW of the other stage) + the step, F with its handling
+    assert by["megatron"]["predicted"] == pytest.approx(1e3 * (8 * 0.076 + 0.076 + 0.05))
+    assert by["1f1b"]["predicted"] == by["megatron"]["predicted"]
+    assert by["zb-h1"]["predicted"] < 1e3 * (8 * 0.08 + 0.08 + 0.05)  # W in 1F1B's bubble
     assert len(by["zb-h1"]["rounds"]) == 3 and "spread" in out
+    summary = "\n".join(report.real_summary(rows))
+    assert "zb-v 1.095x the iteration speed of Megatron's own 1F1B measured (each of 3 rounds faster" in summary, summary
+    assert "not every row within 3% of its simulation" in summary
+
+
+def _row(label, rounds, predicted, base_rounds):
+    ratios = [b / x for b, x in zip(base_rounds, rounds)]
+    med = sorted(rounds)[len(rounds) // 2]
+    return {"label": label, "rounds": rounds, "measured": med, "predicted": predicted,
+            "error_pct": 100 * (med - predicted) / predicted, "spread_pct": 100 * (max(rounds) - min(rounds)) / med,
+            "speedup_measured": sorted(ratios)[len(ratios) // 2], "speedup_measured_rounds": ratios,
+            "speedup_predicted": 900.0 / predicted}
+
+
+def test_real_summary_claims_only_what_the_rounds_show():
+    """A speed-up only where every round shows one; a slowdown said as such; rounds on both sides of
+    1.0x: no speed-up; a simulation farther off than the rounds' spread said in words; the 3% line."""
+    base = [900.0, 905.0, 910.0]
+    rows = [_row("Megatron's own 1F1B", base, 900.0, base),
+            _row("zb-h1", [880.0, 890.0, 915.0], 890.0, base),  # one round slower than Megatron's
+            _row("zb-v", [850.0, 855.0, 860.0], 880.0, base),  # every round faster; 2.8% below its simulation
+            _row("1f1b", [920.0, 925.0, 930.0], 905.0, base)]  # every round slower
+    text = "\n".join(report.real_summary(rows))
+    assert "zb-h1 no speed-up over Megatron's own 1F1B measured: its 3 rounds range 0.995x-1.023x, across" in text
+    assert "zb-v 1.058x the iteration speed of Megatron's own 1F1B measured (each of 3 rounds faster" in text
+    assert "measured 2.8% faster than simulated, more than the rounds' spread (1.2%)" in text
+    assert "1f1b slower than Megatron's own 1F1B measured: 0.978x" in text
+    assert "Megatron's own 1F1B iteration 905 ms measured (rounds 900-910), 900 ms simulated (+0.6%: within the " \
+           "rounds' spread)" in text
+    assert text.splitlines()[-1].startswith("real compute (CPU): every row within 3% of its simulation")

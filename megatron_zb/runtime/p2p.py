@@ -91,13 +91,21 @@ class P2P:
         # host copy), so no tensor is held here: a gloo send reports complete only once waited
         # on, and holding the tensor too kept every sent GPU tensor to the iteration's end
         self._sends: List[Tuple[dist.Work, str, int]] = []
+        self._peers: Dict[int, Tuple[dist.ProcessGroup, int]] = {}  # pp rank -> (pair group, global rank)
+        self._timeouts: Dict[float, datetime.timedelta] = {}
 
     def _peer_global(self, pp_rank: int) -> int:
         return self.groups.pp_ranks[pp_rank]
 
+    def _peer(self, peer: int) -> Tuple[dist.ProcessGroup, int]:
+        """(the pair's process group, the peer's global rank), looked up once per peer."""
+        got = self._peers.get(peer)
+        if got is None:
+            got = self._peers[peer] = (self.groups.group(self.me, peer), self._peer_global(peer))
+        return got
+
     def send(self, tensor: torch.Tensor, peer: int, what: str = "a tensor") -> None:
-        g = self.groups.group(self.me, peer)
-        dst = self._peer_global(peer)
+        g, dst = self._peer(peer)
         tensor = tensor.detach().contiguous()
         doing = f"waited {{s}}s to send {what} to"
         with self._transport(doing, peer):  # gloo raises a broken pair's error when a send is posted
@@ -110,8 +118,7 @@ class P2P:
 
     def recv(self, shape: Sequence[int], dtype: torch.dtype, device, peer: int, what: str):
         """Post a receive; returns a handle whose ``wait()`` gives the tensor."""
-        g = self.groups.group(self.me, peer)
-        src = self._peer_global(peer)
+        g, src = self._peer(peer)
         if self.exchange_shapes:
             n = torch.empty(1, dtype=torch.int64, device=device)
             self._wait(self._irecv(n, src, g, what, peer), what, peer)
@@ -139,10 +146,14 @@ class P2P:
                 prog.wait_over()
 
     def _wait_work(self, work):
-        if self.timeout_s is None:
+        t = self.timeout_s
+        if t is None:
             work.wait()
         else:
-            work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
+            delta = self._timeouts.get(t)
+            if delta is None:
+                delta = self._timeouts[t] = datetime.timedelta(seconds=t)
+            work.wait(timeout=delta)
 
     @contextlib.contextmanager
     def _transport(self, doing: str, peer: int):
@@ -171,7 +182,14 @@ class P2P:
 
     def reap_sends(self, block: bool = False) -> None:
         """Forget completed sends (their buffers may be freed); with block, wait for all (each at
-        most the timeout)."""
+        most the timeout). Without block, one pass over the pending sends' flags (gloo marks a send
+        complete only once waited on: the list holds the iteration's sends until the end)."""
+        if not block:
+            try:
+                self._sends = [x for x in self._sends if not x[0].is_completed()]
+                return
+            except RuntimeError:  # a broken transport: below, each send in turn, its peer named
+                pass
         keep = []
         for work, doing, peer in self._sends:
             with self._transport(doing, peer):

@@ -178,17 +178,17 @@ class TrainingSession:
         if prof is not None and prof.get("iteration_s") and sched is not None:
             from ...core.ir import Setting
             from ...core.sim.iteration import iteration_times
-            try:  # the order that ran, timed with the profiled F/B/W (seconds)
+            from ...runtime.observe.profile_data import profile_to_setting_kwargs
+            try:  # the order that ran, timed with each chunk's profiled costs (seconds; host costs on a CPU)
+                kw = profile_to_setting_kwargs(prof, per_chunk=True)
                 st = Setting(sched.num_ranks, sched.num_microbatches, chunks=sched.placement.chunks,
-                             cost_f=prof["cost_f"], cost_b=prof["cost_b"], cost_w=prof["cost_w"],
-                             cost_bw=prof.get("cost_bw"),
-                             cost_comm=prof.get("cost_comm") or 0.0)
+                             **{k: v for k, v in kw.items() if k in ("cost_f", "cost_b", "cost_w", "cost_bw", "cost_comm")})
                 it = iteration_times(sched, st)
                 sim = it.iteration_time_post_validated if self.zb.get("post_validation") else it.iteration_time
                 meas = prof["iteration_s"]
                 line += (f"; profiled iterations {prof['window'][0]}-{prof['window'][1]}: {1e3 * meas:.1f} ms "
                          f"measured, {1e3 * sim:.1f} ms simulated from their F/B/W ({100 * (meas / sim - 1):+.1f}%)")
-            except (ScheduleError, KeyError, ZeroDivisionError):
+            except (ScheduleError, KeyError, ValueError, ZeroDivisionError):
                 pass
         return line
 

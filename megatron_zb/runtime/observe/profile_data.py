@@ -17,7 +17,7 @@ from ...core.ir import BW, DEFAULT_MEM_W_RATIO, VS, VT, VW, B, F, Placement, W
 
 __all__ = ["ProfileError", "build_profile", "load_profile", "save_profile", "check_profile",
            "profile_to_setting_kwargs", "PROFILE_FORMAT", "PROFILE_VERSION", "AUTO_REPLAN_PREFIXES",
-           "auto_replans", "median"]
+           "auto_replans", "median", "with_host_costs", "HOST_KEYS"]
 
 PROFILE_FORMAT = "megatron-zb-profile"
 PROFILE_VERSION = 1
@@ -59,7 +59,9 @@ def build_profile(rank_stats: Sequence[dict], *, schedule: Optional[str], placem
     mem_f, mem_w = [0.0] * p, [0.0] * p
     mem_w_known = [True] * p
     S = placement.num_logical_stages
-    chunk = {k: [0.0] * S for k in ("f", "b", "w", "bw", "mem_f", "mem_w")}
+    chunk = {k: [0.0] * S for k in ("f", "b", "w", "bw", "mem_f", "mem_w") + HOST_KEYS}
+    host = [0.0] * p  # per rank: its passes' handling and interference (s per microbatch, all chunks)
+    cpu = all(by_rank[r].get("device", "cpu") != "cuda" for r in range(p))
     share = 1.0 / placement.num_paths
     counts = {k: 0 for k in (F, B, W, BW, "recv_wait", "comm_probe")}
     split_sources = set()
@@ -81,6 +83,8 @@ def build_profile(rank_stats: Sequence[dict], *, schedule: Optional[str], placem
                 split_sources.add("assumed")
             else:
                 b = w = 0.0
+            extra = _host_costs(st, key) if cpu else {}
+            host[r] += sum(extra.get(f"{h}_{k}", 0.0) for h in ("handling", "interference") for k in "fbw")
             mf = median(st.get("mem_f", {}).get(key, []))
             mw = median(st.get("mem_w", {}).get(key, []))
             waits = st.get("recv_wait", {})
@@ -100,13 +104,15 @@ def build_profile(rank_stats: Sequence[dict], *, schedule: Optional[str], placem
                 mem_w[r] += mw
             lg = placement.logical(s)
             for k, x in (("f", f), ("b", b), ("w", w), ("bw", bw), ("mem_f", mf or 0.0),
-                         ("mem_w", mw if mw is not None else DEFAULT_MEM_W_RATIO * (mf or 0.0))):
+                         ("mem_w", mw if mw is not None else DEFAULT_MEM_W_RATIO * (mf or 0.0))) + \
+                    tuple(extra.items()):
                 chunk[k][lg] += x * share
             per_chunk.append({
                 "stage": s, "rank": r, "chunk": placement.chunk_of(s),
                 "f": f, "b": med[B], "w": med[W], "bw": med[BW],
                 "samples": n, "mem_f": mf, "mem_w": mw,
                 "recv_wait_f": median(wf), "recv_wait_b": median(wb),
+                **({"host": extra} if extra else {}),
                 "recv_wait_total_per_iter": (sum(wf) + sum(wb)) / max(1, len(st.get("iterations", [])) or 1),
             })
     if placement.replicated:  # a microbatch runs through one path's chunks: the average over paths
@@ -122,7 +128,9 @@ def build_profile(rank_stats: Sequence[dict], *, schedule: Optional[str], placem
     iters = [by_rank[r].get("iteration_s", []) for r in range(p)]
     per_iter = [max(xs) for xs in zip(*iters)] if all(iters) else []
     gaps = [by_rank[r].get("between_s", []) for r in range(p)]
-    between = [max(xs) for xs in zip(*gaps)] if all(gaps) else []
+    # the synchronous step starts when the last rank arrives: the rank whose forward-backward ended last (the
+    # shortest gap; the others' gaps also hold their wait for it, which the simulated iteration has already)
+    between = [min(xs) for xs in zip(*gaps)] if all(gaps) else []
     first = by_rank[0]
     return {
         "format": PROFILE_FORMAT,
@@ -154,19 +162,61 @@ def build_profile(rank_stats: Sequence[dict], *, schedule: Optional[str], placem
         "p2p_wait_per_iter": [sum(sum(v) for k in (F, B) for v in by_rank[r].get("recv_wait", {}).get(k, {}).values())
                               / max(1, len(by_rank[r].get("iterations", []))) for r in range(p)],
         "iteration_s": median(per_iter),
-        # from the end of one forward-backward call to the next one's start (the slowest rank): Megatron's
-        # optimizer step, gradient finalisation and the rest of its loop; None with a one-iteration window
+        # from the end of one forward-backward call to the next one's start on the rank that ended last (the
+        # shortest gap): Megatron's optimizer step, gradient finalisation and the rest of its loop; per rank
+        # beside it (a rank that ends earlier waits for that one); None with a one-iteration window
         "between_iterations_s": median(between),
+        "between_iterations_s_per_rank": [median(g) for g in gaps],
         "samples": counts,
         "per_chunk": per_chunk,
         "chunk_cost_f": chunk["f"], "chunk_cost_b": chunk["b"], "chunk_cost_w": chunk["w"],
         "chunk_cost_bw": chunk["bw"] if any(has_bw) else None,
         "chunk_mem_f": chunk["mem_f"], "chunk_mem_w": chunk["mem_w"],
+        # CPU: what a pass costs the rank beside its typical computation, seconds per pass per model chunk
+        # (``_host_costs``; profile_to_setting_kwargs adds them to the pass's cost): its handling and the
+        # interference it meets; none on CUDA, where the host's work overlaps the device's
+        **({f"chunk_{k}": chunk[k] for k in HOST_KEYS} if cpu else {}),
+        **({"host_per_microbatch": host} if cpu else {}),
         **_offload_section(by_rank, p),
         **_memory_section(by_rank, p),
         **_vocab_section(by_rank, p),
         **_length_section(by_rank),
     }
+
+
+#: the per-pass costs of the host a CPU profile carries per chunk beside each pass kind's median
+HOST_KEYS = tuple(f"{h}_{k}" for h in ("handling", "interference") for k in ("f", "b", "w", "bw"))
+WINSOR_MADS = 5  # interference: samples above the median by more than this many MADs count as this many
+
+
+def _excess(xs: Sequence[float]) -> Optional[float]:
+    """How much a pass costs on average beyond its median: the mean of the samples, each capped at the
+    median + WINSOR_MADS median absolute deviations (a rare stall of the host's other work is not the
+    pass's), minus the median; None without samples."""
+    if not xs:
+        return None
+    m = statistics.median(xs)
+    mad = statistics.median(abs(x - m) for x in xs)
+    return max(0.0, statistics.fmean(min(x, m + WINSOR_MADS * mad) for x in xs) - m)
+
+
+def _host_costs(st: dict, key: str) -> Dict[str, float]:
+    """One chunk's host costs per pass kind (seconds per pass), from one rank's samples:
+    ``handling_*`` the median of the pass's handling (``profiler``: its messages' posting, the executor's
+    bookkeeping, the hooks) and ``interference_*`` what the passes cost on average beyond their median
+    (``_excess``: the rank's other threads, e.g. gloo's, and the host's other processes taking the core).
+    Where only fused backwards ran, B and W each take half of BW's; where only split ones ran, BW takes
+    B's + W's."""
+    out = {}
+    for h, stat, src in (("handling", median, st.get("handling", {})), ("interference", _excess, st.get("times", {}))):
+        v = {k: stat(src.get(k, {}).get(key, [])) for k in (F, B, W, BW)}
+        if v[B] is not None or v[W] is not None:
+            b, w = v[B] or 0.0, v[W] or 0.0
+        else:
+            b = w = (v[BW] or 0.0) / 2
+        out.update({f"{h}_f": v[F] or 0.0, f"{h}_b": b, f"{h}_w": w,
+                    f"{h}_bw": v[BW] if v[BW] is not None else b + w})
+    return out
 
 
 def _length_section(by_rank: Dict[int, dict]) -> dict:
@@ -269,9 +319,14 @@ def check_profile(prof, where="profile"):
 VOCAB_COST_KEYS = ("vocab_cost_s", "vocab_cost_t", "vocab_cost_w")
 
 
-def profile_to_setting_kwargs(profile: dict, normalize: bool = False, per_chunk: bool = False) -> dict:
+def profile_to_setting_kwargs(profile: dict, normalize: bool = False, per_chunk: bool = False,
+                              host_costs: bool = True) -> dict:
     """``cost_f/cost_b/cost_w`` (lists per stage), ``cost_comm``, ``mem_f``, ``mem_w`` for
     ``core.ir.Setting(stages, microbatches, **kwargs)``.
+
+    ``host_costs``: where the profile measured them (CPU), each pass costs its median computation plus
+    its host costs (``with_host_costs``: its handling and the interference it meets), the time the rank
+    spends on the pass on average; False: the median computation alone.
 
     Raw: seconds and bytes, as measured. ``normalize=True``: costs in units of the mean F cost per
     rank, memory in units of the largest rank's ``mem_f`` (so ``memory_limit`` keeps its meaning
@@ -279,6 +334,8 @@ def profile_to_setting_kwargs(profile: dict, normalize: bool = False, per_chunk:
     (the profile's ``chunk_*`` lists, where it has them; the same units).
     """
     check_profile(profile)
+    if host_costs:
+        profile = with_host_costs(profile)
     as_list = lambda v: [float(x) for x in (v if isinstance(v, list) else [v])]  # noqa: E731
     cf, cb, cw = (as_list(profile[k]) for k in _REQUIRED)
     if per_chunk and profile.get("chunk_cost_f"):
@@ -322,4 +379,25 @@ def profile_to_setting_kwargs(profile: dict, normalize: bool = False, per_chunk:
             mu = max(out["mem_f"])
             out["mem_f"] = [x / mu for x in out["mem_f"]]
             out["mem_w"] = [x / mu for x in out["mem_w"]]
+    return out
+
+
+def with_host_costs(profile: dict) -> dict:
+    """The profile with each pass's host costs (``chunk_handling_*`` + ``chunk_interference_*``) added to
+    its cost, in the chunk and per-rank lists (the fused backward's where the profile has one); the same
+    profile without them (a CUDA profile, an older one, one they were added to already)."""
+    if not profile.get("chunk_handling_f") or profile.get("host_costs_added"):
+        return profile
+    extra = {k: [sum(x) for x in zip(profile[f"chunk_handling_{k}"], profile.get(f"chunk_interference_{k}")
+                                     or [0.0] * len(profile[f"chunk_handling_{k}"]))] for k in ("f", "b", "w", "bw")}
+    out = dict(profile, host_costs_added=True)
+    for k in ("f", "b", "w", "bw"):
+        if profile.get(f"chunk_cost_{k}") is not None:
+            out[f"chunk_cost_{k}"] = [c + h for c, h in zip(profile[f"chunk_cost_{k}"], extra[k])]
+    pl = Placement.from_dict(profile["placement"]) if profile.get("placement") else None
+    if pl is not None and not pl.replicated:
+        for k in ("f", "b", "w", "bw"):
+            if isinstance(profile.get(f"cost_{k}"), list):
+                per_rank = [sum(extra[k][pl.logical(s)] for s in pl.stages_of(r)) for r in range(pl.num_ranks)]
+                out[f"cost_{k}"] = [c + h for c, h in zip(profile[f"cost_{k}"], per_rank)]
     return out

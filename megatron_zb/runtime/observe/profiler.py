@@ -27,6 +27,13 @@ What is measured (inside the window only; outside it no hook is given, nothing i
   once at the end of the window: each pair of neighbouring pipeline ranks exchanges one
   activation-shaped tensor ``probe_rounds`` times over its own pair group; one hop = half the
   median round trip.
+* **Handling** (CPU only): per pass, the time of its own action and of its messages' actions
+  (RECV_F/SEND_F an F's, RECV_B/SEND_B its backward's) that is neither its computation nor a wait for
+  a message: posting sends and receives, the executor's bookkeeping, the hooks' entry and exit. The
+  profile's ``chunk_handling_*``, beside ``chunk_interference_*`` (how much the pass's samples cost on
+  average beyond their median: other threads and processes taking the core); ``profile_data.
+  profile_to_setting_kwargs`` adds both to the pass's cost (what the rank spends on the pass on
+  average). On CUDA the host's work overlaps the device's: neither is measured.
 * **Activation bytes per F pass** (``mem_f``) and what is still held from B until W (``mem_w``).
   On CUDA: ``torch.cuda.memory_allocated()`` before/after F (``mem_f``) and before/after W
   (``mem_w`` = what W frees). On CPU (and whenever the passes do not run on a CUDA device): an
@@ -57,7 +64,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from ...core.ir import BW, VOCAB_KINDS, B, F, Placement, W
+from ...core.ir import BW, RECV_B, RECV_F, SEND_B, SEND_F, VOCAB_KINDS, B, F, Placement, W
 from ..hooks import Hook
 from .memory import ActivationMeter
 from .profile_data import ProfileError, build_profile, save_profile
@@ -107,6 +114,10 @@ class PassProfiler:
         self.mem_f: Dict[int, List[int]] = defaultdict(list)  # stage -> bytes per F
         self.mem_w: Dict[int, List[int]] = defaultdict(list)  # stage -> bytes held from B until W
         self.recv_wait: Dict[Tuple[int, str], List[float]] = defaultdict(list)  # (stage, 'F'|'B') -> s
+        # CPU: the rank's time around each pass that is neither its computation nor a wait (its messages'
+        # posting, the executor's bookkeeping, the hooks' entry and exit): (stage, kind) -> s per pass
+        self.handling: Dict[Tuple[int, str], List[float]] = defaultdict(list)
+        self._handling: Dict[Tuple[int, str, int], float] = defaultdict(float)  # this iteration's, per pass
         self.length_samples: Dict[Tuple[int, str], List[list]] = defaultdict(list)  # -> [tokens, sum s^2, s]
         self.iteration_s: List[float] = []
         self.between_s: List[float] = []  # from one window iteration's end to the next one's start
@@ -189,6 +200,9 @@ class PassProfiler:
             self._t_end = time.perf_counter()
             self.iteration_s.append(self._t_end - self._t_iter)
             self._t_iter = None
+        for (stage, kind, _), secs in self._handling.items():
+            self.handling[(stage, kind)].append(secs)
+        self._handling.clear()
         self.iterations.append(iteration)
         self._saved.clear()
         self.shapes = {}
@@ -228,6 +242,7 @@ class PassProfiler:
             "mem_f": {str(s): v for s, v in self.mem_f.items()},
             "mem_w": {str(s): v for s, v in self.mem_w.items()},
             "recv_wait": {k: {str(s): v for (s, kk), v in self.recv_wait.items() if kk == k} for k in (F, B)},
+            "handling": {k: {str(s): v for (s, kk), v in self.handling.items() if kk == k} for k in (F, B, W, BW)},
             "iteration_s": list(self.iteration_s),
             "between_s": list(self.between_s),
             "iterations": list(self.iterations),
@@ -282,11 +297,36 @@ def _is_writer(group) -> bool:
 
 class _ProfileHook(Hook):
     """Times the passes (CUDA events, or perf_counter on a CPU) and the waits for receives, and
-    measures what each F keeps for its backward and what is still held at its W."""
+    measures what each F keeps for its backward and what is still held at its W. On a CPU also each
+    pass's handling: the time of its own action and of its messages' actions (RECV_F/SEND_F an F's,
+    RECV_B/SEND_B its backward's) that is neither the pass's computation nor a wait for a message
+    (on CUDA the host runs ahead of the device: that time overlaps the device's)."""
 
     def __init__(self, prof: PassProfiler, cuda: bool, offload):
         self.prof, self.cuda, self.offload = prof, cuda, offload
         self.posted: Dict[str, float] = {}  # a receive's posting time, added to its wait
+        self.backward_kind: Dict[Tuple[int, int], str] = {}  # (stage, mb) -> B or BW on this rank
+        self._open: Optional[tuple] = None  # (action, start, the timed inner seconds at its start)
+        self._inner = 0.0  # computation and waits timed so far (excluded from handling)
+
+    def prepare(self, actions) -> None:
+        self.backward_kind = {(a.stage, a.mb): a.kind for a in actions if a.kind in (B, BW)}
+
+    def begin(self, a) -> None:
+        if not self.cuda and self._open is None:  # an overlapped pair's second begin is the first's
+            self._open = (a, time.perf_counter(), self._inner)
+
+    def end(self, a) -> None:
+        if self._open is None or self._open[0] is not a:
+            return
+        _, t0, inner = self._open
+        self._open = None
+        kind = _HANDLING_OF.get(a.kind)
+        if kind == B:
+            kind = self.backward_kind.get((a.stage, a.mb), B)
+        if kind is not None:
+            spent = time.perf_counter() - t0 - (self._inner - inner)
+            self.prof._handling[(a.stage, kind, a.mb)] += max(0.0, spent)
 
     @contextlib.contextmanager
     def wait(self, what: str):
@@ -307,6 +347,7 @@ class _ProfileHook(Hook):
         secs = time.perf_counter() - t0
         if what in self.posted:
             prof._record_wait(what, seconds=self.posted.pop(what) + secs)
+            self._inner += secs  # the wait itself (its posting is the message's handling)
         else:
             self.posted[what] = secs
 
@@ -336,7 +377,9 @@ class _ProfileHook(Hook):
             else:
                 yield
             prof.mem_f[stage].append(src.last_captured_bytes)
-            prof._record_pass(stage, F, a.mb, time.perf_counter() - t0)
+            secs = time.perf_counter() - t0
+            prof._record_pass(stage, F, a.mb, secs)
+            self._inner += secs
             prof._saved[(stage, a.mb)] = src
             return
         if kind == W:
@@ -347,4 +390,10 @@ class _ProfileHook(Hook):
             prof._saved.pop((stage, a.mb), None)
         t0 = time.perf_counter()
         yield
-        prof._record_pass(stage, kind, a.mb, time.perf_counter() - t0)
+        secs = time.perf_counter() - t0
+        prof._record_pass(stage, kind, a.mb, secs)
+        self._inner += secs
+
+
+# the pass whose handling an action is: its own, or the pass its message feeds or comes from
+_HANDLING_OF = {F: F, RECV_F: F, SEND_F: F, B: B, BW: B, RECV_B: B, SEND_B: B, W: W}
