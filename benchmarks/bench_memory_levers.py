@@ -99,7 +99,7 @@ def main_(argv=None) -> int:
                   f"x{x.get('over_unlimited')} of unlimited, {x.get('over_megatron')}x Megatron, {x['cpu_s']} CPU s",
                   flush=True)
     with open(a.out, "w") as f:
-        json.dump({"benchmark": "memory_levers", "machine": "2-core CPU (simulated H100 at 0.5 efficiency)",
+        json.dump({"benchmark": "memory_levers", "cores": os.cpu_count(),
                    "command": "python benchmarks/bench_memory_levers.py", "shapes": rows}, f, indent=1)
     print(f"wrote {a.out}")
     return 0

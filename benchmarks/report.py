@@ -6,7 +6,8 @@
     python benchmarks/report.py --results DIR --out FILE [--check]
 
 Every ``*.json`` under the results folder (its subfolders too, e.g. ``gpu_check_h200/``) is read. Each
-section of the page (``report_sections.py``, ``report_sections_more.py``; the GPU check's realpipe table:
+section of the page (``report_sections.py``, ``report_sections_more.py``, ``report_sections_memory.py``; the
+GPU check's realpipe table:
 ``report_sections_gpu.py``) claims files by name pattern
 and renders headline tables (medians with their spread where the JSON has samples), each under the
 command that wrote its file and the machine kind it ran on. A file no section claims, one whose shape
@@ -38,6 +39,7 @@ import os
 import sys
 
 import report_sections
+import report_sections_memory
 import report_sections_more
 from report_sections import label, table, times
 
@@ -288,7 +290,7 @@ def _sections(res):
     def src(name):
         return source(name, res[name])
 
-    sections = report_sections.SECTIONS + report_sections_more.SECTIONS
+    sections = report_sections.SECTIONS + report_sections_more.SECTIONS + report_sections_memory.SECTIONS
     claims, unknown, body = _claims(res, sections), {}, []
     for i, (title, blurb, parts) in enumerate(sections):
         lines = []
