@@ -21,7 +21,8 @@ def _training(flags: str, p: int, m: int):
     ap = argparse.ArgumentParser()
     add_zero_bubble_args(ap)
     for flag, kind in (("--pipeline-model-parallel-size", int), ("--num-virtual-stages-per-pipeline-rank", int),
-                       ("--pipeline-model-parallel-layout", str)):
+                       ("--pipeline-model-parallel-layout", str), ("--recompute-granularity", str),
+                       ("--recompute-method", str), ("--recompute-num-layers", int)):  # Megatron's own flags
         ap.add_argument(flag, type=kind)
     args = argparse.Namespace(micro_batch_size=1, bf16=True, transformer_impl="local", **MODEL,
                               **vars(ap.parse_args(shlex.split(flags))))

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from .model.feature_checks import balance_problem, check_ep_overlap
+from .model.feature_checks import balance_problem, check_ep_overlap, check_recompute
 
 __all__ = ["VerifyCase", "VerifyUsageError", "make_case", "schedule_placement", "reference_overrides",
            "reference_key", "PSEUDO_SCHEDULES", "DEFAULT_GRAD_RTOL", "DEFAULT_LOSS_ATOL", "DEFAULT_PARAM_RTOL",
@@ -107,6 +107,7 @@ class VerifyCase:
     recompute_granularity: Optional[str] = None  # 'full' | 'selective'
     recompute_method: Optional[str] = None  # 'uniform' | 'block' (full recompute)
     recompute_num_layers: Optional[int] = None
+    recompute_counts: Optional[List[int]] = None  # --zero-bubble-recompute-num-layers (per rank or chunk; made per chunk)
     mtp_num_layers: Optional[int] = None
     # Megatron's --overlap-moe-expert-parallel-comm: every pass through megatron-core's schedule plans,
     # overlapped F&B pairs as one pass (megatron.ep_overlap); not a TransformerConfig flag here, since
@@ -203,7 +204,8 @@ class VerifyCase:
         if self.recompute_granularity:
             bits.append(f"recompute={self.recompute_granularity}" + (
                 f"/{self.recompute_method or 'uniform'}/{self.recompute_num_layers or 1}"
-                if self.recompute_granularity == "full" else ""))
+                if self.recompute_granularity == "full" else "")
+                + (f" per-chunk={','.join(map(str, self.recompute_counts))}" if self.recompute_counts else ""))
         if self.config_overrides:
             bits.append(",".join(f"{k}={v}" for k, v in sorted(self.config_overrides.items())))
         if self.optimizer:
@@ -386,15 +388,7 @@ def _check_model_features(case: VerifyCase) -> None:
             raise VerifyUsageError("MoE with --tensor-parallel-size > 1 needs --sequence-parallel (Megatron's rule)")
     if case.ep_overlap:
         check_ep_overlap(case, PSEUDO_SCHEDULES, VerifyUsageError)
-    g = case.recompute_granularity
-    if g is not None and g not in ("full", "selective"):
-        raise VerifyUsageError(f"--recompute-granularity must be full or selective, got {g!r}")
-    if g != "full" and (case.recompute_method is not None or case.recompute_num_layers is not None):
-        raise VerifyUsageError("--recompute-method / --recompute-num-layers need --recompute-granularity full")
-    if case.recompute_method is not None and case.recompute_method not in ("uniform", "block"):
-        raise VerifyUsageError(f"--recompute-method must be uniform or block, got {case.recompute_method!r}")
-    if case.recompute_num_layers is not None:
-        whole("recompute_num_layers", case.recompute_num_layers, 1)
+    check_recompute(case, VerifyUsageError)  # Megatron's flags and the count per model chunk
     if case.mtp_num_layers is not None:
         whole("mtp_num_layers", case.mtp_num_layers, 1)
         if case.placement != "single" or case.chunks != 1:

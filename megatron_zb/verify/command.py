@@ -12,6 +12,7 @@ from typing import Optional, Sequence
 
 from ..argtypes import int_at_least, nonneg, positive_float, positive_int, share_or_auto
 from ..megatron.features.attention_args import ATTENTION_BACKENDS
+from ..megatron.features.recompute_args import parse_counts
 from .case import DEFAULT_GRAD_RTOL, DEFAULT_LOSS_ATOL, PSEUDO_SCHEDULES, VerifyUsageError, make_case
 from .harness import run_verify_many
 
@@ -125,6 +126,9 @@ def _build_parser() -> argparse.ArgumentParser:
     f.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
     f.add_argument("--recompute-method", choices=("uniform", "block"), default=None)
     f.add_argument("--recompute-num-layers", type=positive_int("--recompute-num-layers"), default=None)
+    f.add_argument("--zero-bubble-recompute-num-layers", type=parse_counts, default=None, metavar="N0,N1,...",
+                   help="with --recompute-granularity full --recompute-method block: each model chunk's own number of "
+                        "first layers recomputed in B, one per pipeline rank or one per model chunk in pipeline order")
     f.add_argument("--mtp-num-layers", type=positive_int("--mtp-num-layers"), default=None,
                    help="multi-token prediction layers (one-chunk schedules, with --untied; rotary positions)")
     o = ap.add_argument_group("Megatron's optimizer (instead of the harness's plain SGD step)")
@@ -281,6 +285,7 @@ def main_verify(argv: Optional[Sequence[str]] = None) -> int:
                     moe_shared_expert_intermediate_size=a.moe_shared_expert_intermediate_size,
                     recompute_granularity=a.recompute_granularity,
                     recompute_method=a.recompute_method, recompute_num_layers=a.recompute_num_layers,
+                    recompute_counts=a.zero_bubble_recompute_num_layers and list(a.zero_bubble_recompute_num_layers),
                     mtp_num_layers=a.mtp_num_layers, ep_overlap=a.overlap_moe_expert_parallel_comm,
                     balance_microbatches=a.zero_bubble_balance_microbatches, micro_batch_size=a.micro_batch_size,
                     pack_sequences=a.zero_bubble_pack_sequences, attention_backend=a.attention_backend)

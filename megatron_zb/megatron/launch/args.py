@@ -16,7 +16,7 @@ Two families of flags, both accepted by ``add_zero_bubble_args``:
   ``--zero-bubble-search-effort full|quick``,
   ``--zero-bubble-timeout S``, ``--zero-bubble-profile-window START END``,
   ``--zero-bubble-profile-path FILE``, ``--zero-bubble-cost-f/-b/-w/-bw/-comm``, ``--zero-bubble-mem-w``,
-  ``--zero-bubble-split-overhead-ms``,
+  ``--zero-bubble-split-overhead-ms``, ``--zero-bubble-recompute-num-layers`` (recompute per model chunk),
   ``--allow-padding-num-layers``;
 * **the ZB authors' fork's**, with the same meaning, so an existing script runs unchanged:
   ``--enable-zero-bubble``, ``--zero-bubble-v-schedule``, ``--zero-bubble-v-schedule-mem-setup``,
@@ -50,6 +50,7 @@ from ...core import schedules as core_schedules
 from ...core.ir import ScheduleError
 from ...core.schedules.search.auto import EFFORTS as SEARCH_EFFORTS
 from ..features.balance_args import add_balance_args
+from ..features.recompute_args import add_recompute_args
 
 __all__ = ["add_zero_bubble_args", "chain_providers", "has_flag", "zero_bubble_requested", "NOT_AVAILABLE_FLAGS", "WHAT_INSTEAD",
            "DEFAULT_TIMEOUT_S", "FORK_TIMERS_DEFAULT"]
@@ -284,6 +285,7 @@ def add_zero_bubble_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                    help="Allow activation offload without CUDA: synchronous copies between CPU tensors, to check "
                         "correctness (not speed) on a CPU machine.")
     add_balance_args(g)  # variable-length batches (megatron.balance_args)
+    add_recompute_args(g)  # recompute per model chunk (megatron.features.recompute_args)
     g.add_argument("--allow-padding-num-layers", action="store_true", default=False,
                    help="Allow a layer count that does not split evenly: the first and the last stage (which "
                         "also hold the embedding and the loss) get one layer less, i.e. --num-layers = k x "

@@ -5,7 +5,8 @@ the drop-in route (a user's own ``model_provider`` / Megatron's model builders, 
 * ``ChunkPlan``: for (pipeline rank, vp_stage) the chunk's stage, its pre/post-process and its
   global layers (``placement.chunk_infos``); the layer table on the chunk's config, so Megatron's
   layer count/offset functions number its layers globally (``placement.attach_layer_table``).
-* ``finish``: global parameter names, replica copies marked for clipping, and the initial weights:
+* ``finish``: each chunk's own recompute count (``--zero-bubble-recompute-num-layers``,
+  ``features.recompute``), global parameter names, replica copies marked for clipping, and the initial weights:
   drawn from the global names (``--zero-bubble-deterministic-init``) or, where a V rank holds both
   the embedding and the tied output layer, the output copy set equal to the embedding (Megatron's
   all-reduce over a one-rank embedding group would leave it zero).
@@ -14,11 +15,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import partial
-from typing import List
+from typing import List, Optional, Tuple
 
 from ...core.ir import Placement
 from ..layout import placement as zb_placement
 from ..execution.finalize import finalize_model_grads_for, mark_replica_copies
+from ..features.recompute_args import training_stage_counts
 from .startup import layer_kw, placement_of
 
 __all__ = ["ChunkPlan"]
@@ -31,10 +33,13 @@ class ChunkPlan:
     args: object
     placement: Placement = None
     built: List = field(default_factory=list)  # this rank's chunks so far (the tied copy reads chunk 0)
+    recompute: Optional[Tuple[int, ...]] = None  # each chunk's recomputed layers (--zero-bubble-recompute-num-layers)
 
     def __post_init__(self):
         if self.placement is None:
             self.placement = placement_of(self.args)
+        if self.recompute is None:
+            self.recompute = training_stage_counts(self.args, self.placement)
 
     @property
     def vocab_parallel(self) -> bool:
@@ -70,7 +75,8 @@ class ChunkPlan:
         layers = f"layers {info.layers[0]}-{info.layers[-1]}" if info.layers else "no layers"
         where = (f"stage {pl.logical(info.stage)} of {info.num_stages} (path {pl.path_of(info.stage)})"
                  if pl.replicated else f"stage {info.stage} of {info.num_stages}")
-        return (f"pipeline rank {info.rank} chunk {info.vp_stage}: {where}, {layers}"
+        rc = f", recomputes {self.recompute[info.stage]} of them" if self.recompute is not None else ""
+        return (f"pipeline rank {info.rank} chunk {info.vp_stage}: {where}, {layers}{rc}"
                 f"{', embedding' if pre_process else ''}{', loss' if post_process else ''}")
 
     def finish(self, model, info) -> None:
@@ -83,6 +89,9 @@ class ChunkPlan:
                 raise RuntimeError(f"pipeline rank {info.rank} chunk {info.vp_stage}: megatron built layers {got}, "
                                    f"the placement wants {list(info.layers)} (the model provider must build its "
                                    "layers with the config it is given)")
+        if self.recompute is not None:  # its own count of first layers recomputed in B
+            from ..features.recompute import recompute_chunk
+            recompute_chunk(model, self.recompute[info.stage])
         tied = bool(getattr(model, "share_embeddings_and_output_weights", False))
         zb_placement.name_params(model, info, tied)  # experts by their global index under EP
         model.mzb_chunk_info = info

@@ -23,6 +23,7 @@ from ..errors import ZeroBubbleArgumentError
 from ..layout.layout_args import apply_layout, chunk_cost_kwargs, given_layout_flags, layout_from_args
 from ..layout.model_args import has_model, mem_w_ratio, memory_limit_in_microbatches, model_spec
 from ..features.vocab_args import check_vocab_args, vocab_cost_kwargs
+from ..features.recompute_args import training_stage_counts
 
 __all__ = ["validate_zero_bubble_args", "memory_limit_in_microbatches", "mem_w_ratio", "ZeroBubbleArgumentError"]
 
@@ -127,7 +128,8 @@ def validate_zero_bubble_args(args, *, before_megatron_validation: Optional[bool
                            ("--zero-bubble-pipeline-timers-start-iter", "zero_bubble_pipeline_timers_start_iter"),
                            ("--zero-bubble-pipeline-timers-end-iter", "zero_bubble_pipeline_timers_end_iter"),
                            ("--cpu-offload", "cpu_offload"),
-                           ("--zero-bubble-offload-ratio", "zero_bubble_offload_ratio")) + BALANCE_FLAGS:
+                           ("--zero-bubble-offload-ratio", "zero_bubble_offload_ratio"),
+                           ("--zero-bubble-recompute-num-layers", "zero_bubble_recompute_num_layers")) + BALANCE_FLAGS:
             if _given(args, dest):
                 raise err(f"{flag} needs a megatron-zb schedule: add --zero-bubble-schedule NAME "
                           "(or the fork's --enable-zero-bubble / --zero-bubble-v-schedule)")
@@ -254,6 +256,7 @@ def validate_zero_bubble_args(args, *, before_megatron_validation: Optional[bool
         laid = layout_from_args(args, placement)
         apply_layout(args, laid, placement, before_megatron_validation)
         args.zero_bubble_layout_taken = style in ("v", "bitpipe") and laid is not None
+        training_stage_counts(args, placement)  # recompute per model chunk: refused in one line where it cannot apply
         # the schedule sees each chunk's share of the work and memory (what it holds), unless costs are given
         if barriers is not None:  # the output layer leaves the loss's chunk for every rank's vocabulary passes
             args.zero_bubble_chunk_costs = (vocab_cost_kwargs(model_spec(args), laid, placement, barriers,

@@ -38,10 +38,19 @@ def model_spec(args):
                      untie_embeddings_and_output_weights=bool(getattr(args, "untie_embeddings_and_output_weights",
                                                                       False)),
                      mtp_num_layers=int(getattr(args, "mtp_num_layers", None) or 0),
-                     recompute=getattr(args, "recompute_granularity", None),
-                     recompute_num_layers=int(getattr(args, "recompute_num_layers", None) or 1)
-                     if getattr(args, "recompute_method", None) == "uniform" else 1,
+                     **_recompute(args),
                      split_overhead_s=float(getattr(args, "zero_bubble_split_overhead_ms", None) or 0.0) / 1e3)
+
+
+def _recompute(args) -> dict:
+    """Megatron's recompute flags and megatron-zb's count per model chunk (``--zero-bubble-recompute-num-layers``:
+    one per rank or per chunk, ``ModelSpec.recompute_counts``) as plan's model takes them."""
+    granularity = getattr(args, "recompute_granularity", None)
+    method = getattr(args, "recompute_method", None) if granularity == "full" else None
+    counts = getattr(args, "zero_bubble_recompute_num_layers", None) if method == "block" else None
+    return dict(recompute=granularity, recompute_method=method,
+                recompute_num_layers=max(1, int(getattr(args, "recompute_num_layers", None) or 1)) if method else 1,
+                recompute_counts=tuple(counts) if counts is not None else None)
 
 
 def memory_limit_in_microbatches(gigabytes: float, args, *, gib: bool = False) -> float:

@@ -2,7 +2,7 @@
 each takes the case and raises the given error class with one line naming what is wrong."""
 from __future__ import annotations
 
-__all__ = ["balance_problem", "check_ep_overlap"]
+__all__ = ["balance_problem", "check_ep_overlap", "check_recompute"]
 
 
 def balance_problem(case, pseudo_schedules, error) -> bool:
@@ -62,3 +62,34 @@ def check_ep_overlap(case, pseudo_schedules, error) -> None:
         raise error(str(e)) from None
     except ScheduleError:
         pass  # a schedule that cannot be built says so where it is built
+
+
+def check_recompute(case, error) -> None:
+    """Megatron's recompute flags, and --zero-bubble-recompute-num-layers (``case.recompute_counts``: one
+    count per pipeline rank or per model chunk, made one per model chunk in pipeline order here)."""
+    g, method, n = case.recompute_granularity, case.recompute_method, case.recompute_num_layers
+    if g is not None and g not in ("full", "selective"):
+        raise error(f"--recompute-granularity must be full or selective, got {g!r}")
+    if g != "full" and (method is not None or n is not None):
+        raise error("--recompute-method / --recompute-num-layers need --recompute-granularity full")
+    if method is not None and method not in ("uniform", "block"):
+        raise error(f"--recompute-method must be uniform or block, got {method!r}")
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+        raise error(f"--recompute-num-layers must be an integer >= 1, got {n!r}")
+    if case.recompute_counts is None:
+        return
+    from ...core.ir import ScheduleError
+    from ...megatron.features.recompute_args import FLAG, stage_counts
+    from ...megatron.layout.placement import make_placement, stage_layer_counts
+    if case.optimizer or case.post_validation or case.optimizer_trough:
+        raise error(f"{FLAG} is not covered with Megatron's optimizer here (--optimizer, --optimizer-post-validation)")
+    if any(isinstance(c, bool) or not isinstance(c, int) for c in case.recompute_counts):
+        raise error(f"{FLAG} takes integer layer counts, got {case.recompute_counts!r}")
+    try:
+        placement = make_placement(case.placement, case.pipeline_parallel_size, case.chunks)
+        layers = stage_layer_counts(case.num_layers, placement.num_stages, layers_per_stage=case.layers_per_stage,
+                                    allow_padding_num_layers=case.allow_padding_num_layers)
+        case.recompute_counts = list(stage_counts(case.recompute_counts, placement, layers, granularity=g,
+                                                  method=method))
+    except (ValueError, ScheduleError) as e:
+        raise error(str(e)) from None

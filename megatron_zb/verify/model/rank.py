@@ -156,7 +156,8 @@ def rank_case(case: VerifyCase) -> dict:
                                           layers_per_stage=case.layers_per_stage,
                                           allow_padding_num_layers=case.allow_padding_num_layers,
                                           vocab_parallel=bool(case.vocab_parallel),
-                                          vocab_embedding=case.vocab_embedding),
+                                          vocab_embedding=case.vocab_embedding,
+                                          recompute_layers=case.recompute_counts),
                                       sequence_parallel=case.sequence_parallel,
                                       gradient_accumulation_fusion=case.gradient_accumulation_fusion, **overrides)
         config = chunks[0].config

@@ -161,7 +161,8 @@ class ChunkOptions:
     process's pipeline rank; a single process may build any rank's chunks, e.g. to check a
     placement), the layers of each stage (None: even; ``allow_padding_num_layers``: Megatron's
     padding), initialised (``init``), the output layer split over the ranks (``vocab_parallel``;
-    ``vocab_embedding``: the input embedding too)."""
+    ``vocab_embedding``: the input embedding too), each stage's first layers recomputed in B
+    (``recompute_layers``: one count per stage in pipeline order, ``megatron.features.recompute``)."""
 
     pp_rank: Optional[int] = None
     layers_per_stage: Optional[Sequence[int]] = None
@@ -169,6 +170,7 @@ class ChunkOptions:
     init: bool = True
     vocab_parallel: bool = False
     vocab_embedding: bool = False
+    recompute_layers: Optional[Sequence[int]] = None
 
 
 def build_model_chunks(model_cfg: TinyGPTConfig, placement: Placement, options: Optional[ChunkOptions] = None, *,
@@ -217,6 +219,9 @@ def build_model_chunks(model_cfg: TinyGPTConfig, placement: Placement, options: 
         )
         model.mzb_chunk_info = info
         _check_layers(model, info)
+        if o.recompute_layers is not None:  # the chunk's own count (the chunks share one config)
+            from ...megatron.features.recompute import recompute_chunk
+            recompute_chunk(model, o.recompute_layers[info.stage])
         name_params(model, info, model_cfg.tie_embeddings)
         chunks.append(model)
     if vocab_parallel:  # the output layer as every rank's shard (megatron.vocab_parallel)
