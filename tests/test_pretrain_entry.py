@@ -116,6 +116,9 @@ RUNS = {
     # same weights as 1f1b with megatron's DotProductAttention)
     "zb-v/sdpa/det": dict(SCHEDULE="zb-v", EXTRA_ARGS=DET + " --attention-backend flash"),
     "zb-v/vocab/det": dict(SCHEDULE="zb-v", EXTRA_ARGS="--zero-bubble-deterministic-init --enable-vocab-parallel"),
+    # recompute per model chunk (issue 55): rank 0's two chunks recompute their layer, rank 1's none
+    "zb-v/recompute/det": dict(SCHEDULE="zb-v", EXTRA_ARGS=DET + " --recompute-granularity full --recompute-method block "
+                                                                "--zero-bubble-recompute-num-layers 1,0,0,1"),
     # (and the input embedding split too, as the fork always does: --split-vocab-embedding)
     "fork/vocab": dict(SCHEDULE="megatron", EVAL_INTERVAL=4, EVAL_ITERS=2,
                        EXTRA_ARGS="--enable-vocab-parallel --disable-backward-fusion --split-vocab-embedding"),
@@ -177,6 +180,20 @@ def test_v_placement_equals_1f1b_from_the_same_weights(trainings):
     assert re.search(r"pipeline rank 1 chunk 1: stage 2 of 4, layers 2-2\b", text)
     for (i, _, _, la), (_, _, _, lb) in zip(ref, v):
         assert lb == pytest.approx(la, rel=2e-6), f"iteration {i}: 1f1b {la} vs zb-v {lb}"
+
+
+@pytest.mark.megatron
+@pytest.mark.dist
+@needs_training
+def test_recompute_per_model_chunk_equals_1f1b(trainings):
+    """--zero-bubble-recompute-num-layers: each chunk recomputes its own count (the chunk lines say so),
+    and the losses are 1f1b's from the same weights."""
+    text, v = _check_ok(trainings, "zb-v/recompute/det")
+    _, ref = _check_ok(trainings, "1f1b/det")
+    assert re.search(r"pipeline rank 0 chunk 1: stage 3 of 4, layers 3-3, recomputes 1 of them, loss", text)
+    assert re.search(r"pipeline rank 1 chunk 0: stage 1 of 4, layers 1-1, recomputes 0 of them", text)
+    for (i, _, _, la), (_, _, _, lb) in zip(ref, v):
+        assert lb == pytest.approx(la, rel=2e-6), f"iteration {i}: 1f1b {la} vs zb-v with recompute {lb}"
 
 
 @pytest.mark.megatron
@@ -302,6 +319,9 @@ TINY = ("--pipeline-model-parallel-size 2 --num-layers 6 --hidden-size 64 --num-
      "schedule zb-h2 with pipeline size 2 and 8 microbatches"),
     (["--zero-bubble-schedule", "zb-h1", "--attention-backend", "flash", "--context-parallel-size", "2"],
      "(torch's scaled_dot_product_attention) does not run with --context-parallel-size > 1"),
+    (["--zero-bubble-schedule", "zb-h1", "--recompute-granularity", "full", "--recompute-method", "block",
+      "--zero-bubble-recompute-num-layers", "4,0"], "asks 4 recomputed layers of model chunk 0 (pipeline rank 0), "
+                                                     "which holds 3"),
 ])
 def test_bad_flags_fail_before_training_with_one_line(flags, message):
     proc = _entry(TINY + flags)
