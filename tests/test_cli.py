@@ -64,6 +64,10 @@ def test_save_and_load(tmp_path, capsys):
     (["simulate", "--load", "/nonexistent.json"], "no such file"),
     (["plot", "--schedule", "1f1b", "-p", "2", "-m", "2", "--out", "x.gif"], "use .png, .svg"),
     (["frobnicate"], "invalid choice"),
+    (["plan", "--model", "llama-3-8b", "--pipeline-parallel-size", "8", "--offload-ratio", "auto"],
+     "--offload-ratio needs the host link it copies over: give --host-link-gbps"),
+    (["plan", "--model", "llama-3-8b", "--pipeline-parallel-size", "8", "--host-link-gbps", "50"],
+     "need --offload-ratio R (0..1) or auto"),
 ])
 def test_errors(capsys, argv, needle):
     rc, out, err = run(capsys, *argv)

@@ -160,7 +160,7 @@ def add_parser(sub) -> None:
     og.add_argument("--offload-ratio", type=share_or_auto("--offload-ratio"), default=None, metavar="R|auto",
                     help="offload this share of each schedule's activations; 'auto': as little as fits the budget")
     og.add_argument("--offload-time", type=nonneg("--offload-time"), default=None, metavar="K",
-                    help="one-way transfer of a stage activation takes K x (F + B) (default 1, or from --host-link-gbps)")
+                    help="one-way transfer of a stage activation takes K x (F + B) (or give --host-link-gbps)")
     og.add_argument("--host-link-gbps", type=positive_float("--host-link-gbps"), default=None, metavar="GB/s",
                     help="one-way host link bandwidth per GPU; K follows from the activation bytes and F + B")
     og.add_argument("--offload-half-duplex", action="store_true",
@@ -197,6 +197,9 @@ def cmd_plan(args) -> int:
         raise UsageError("--offload-time / --host-link-gbps need --offload-ratio R (0..1) or auto")
     if args.offload_time is not None and args.host_link_gbps is not None:
         raise UsageError("give --offload-time K or --host-link-gbps B, not both")
+    if args.offload_ratio is not None and args.offload_time is None and args.host_link_gbps is None:
+        raise UsageError("--offload-ratio needs the host link it copies over: give --host-link-gbps B (one-way GB/s "
+                         "per GPU, e.g. 50 for PCIe 5.0 x16, 25 for PCIe 4.0 x16) or --offload-time K")
     check_varlen_args(args, "plan")
     if args.seq_lengths:  # variable-length batches: sequential vs balanced rows (cli.plan_varlen)
         from .plan_varlen import cmd_plan_varlen
