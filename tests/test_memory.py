@@ -80,7 +80,8 @@ def test_measured_peaks_match_the_simulator_and_plan(mcore_path, mcore_version):
 def test_every_pass_measures_as_predicted_at_the_v_turn(mcore_path, mcore_version):
     """zb-v at PP=4 (rank 3 holds stages 3 and 4: the V's turn, where F3's output is handed over to
     F4 on the same rank), with activation offload at ratios 1 and 0.5 and without, at megatron's
-    default ``deallocate_pipeline_outputs=False``, with it, and v-half and dualpipe-v: on every rank
+    default ``deallocate_pipeline_outputs=False``, with it, v-half, dualpipe-v, and zb-v with
+    vocabulary parallelism (the input embedding split too) and offload at ratio 1: on every rank
     the measured bytes after every pass, and the peak, are the simulator's for the run's own
     per-chunk mem-f / mem-w. Bytes, not times. (The turn's output used to stay alive in the
     executor's saved output after the next stage's offload and B: rank 3 measured 657408 B
@@ -88,7 +89,8 @@ def test_every_pass_measures_as_predicted_at_the_v_turn(mcore_path, mcore_versio
     from megatron_zb import verify as V
     runs = [("zb-v", {"offload_ratio": 1.0}), ("zb-v", {"offload_ratio": 0.5}), ("zb-v", {}),
             ("zb-v", {"offload_ratio": 1.0, "config_overrides": {"deallocate_pipeline_outputs": True}}),
-            ("v-half", {"offload_ratio": 1.0}), ("dualpipe-v", {})]
+            ("v-half", {"offload_ratio": 1.0}), ("dualpipe-v", {}),
+            ("zb-v", {"offload_ratio": 1.0, "vocab_parallel": 1, "vocab_embedding": True})]
     cases = [V.make_case(n, 4, num_microbatches=8, iterations=2, **kw) for n, kw in runs]
     for case, r in zip(cases, V.run_verify_many(cases, timeout=900, mcore_path=mcore_path)):
         assert r["passed"], (r["case"], r.get("error") or r.get("problems"))

@@ -39,12 +39,20 @@ def test_any_family_with_it_simulates_with_the_passes():
             assert base is not None and built.result.bubble_rate <= base.bubble_rate + 1e-9, name
 
 
+def test_with_activation_offload_the_passes_and_the_copies_are_placed_together():
+    for extra in ("--cpu-offload", "--zero-bubble-offload-ratio 0.5", "--split-vocab-embedding --cpu-offload"):
+        _, kw = validate(LLAMA + f" --zero-bubble-schedule zb-v --enable-vocab-parallel --offload-time 0.5 {extra}")
+        assert kw["vocab_parallel"] == 1 and kw["offload_ratio"] in (1.0, 0.5), extra
+        built, _ = preview(ScheduleOptions(**kw), 4, 16)
+        kinds = {a.kind for o in built.schedule.orders for a in o}
+        assert {"VS", "VT", "VW", "OFFLOAD", "RELOAD"} <= kinds, (extra, kinds)
+
+
 @pytest.mark.parametrize("extra,message", [
     ("--disable-backward-fusion", "--disable-backward-fusion is a setting of vocabulary parallelism"),
     ("--split-vocab-embedding", "--split-vocab-embedding is a setting of vocabulary parallelism"),
     ("--use-interlaced-schedule", "--use-interlaced-schedule is not available in megatron-zb"),
     ("--enable-vocab-parallel --sequence-parallel", "cannot be combined with --sequence-parallel"),
-    ("--enable-vocab-parallel --zero-bubble-schedule zb-h1 --cpu-offload", "cannot be combined with --cpu-offload"),
     ("--enable-vocab-parallel --zero-bubble-schedule bitpipe", "replicated stages"),
 ])
 def test_what_it_cannot_run_is_refused_in_one_line(extra, message):

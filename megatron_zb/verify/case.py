@@ -478,7 +478,7 @@ def _check_vocab(case: VerifyCase) -> None:
         raise VerifyUsageError(f"vocab_parallel is 1 or 2 barriers, got {case.vocab_parallel!r}")
     blockers = [(case.placement == "bitpipe", "replicated stages (bitpipe)"),
                 (case.schedule in PSEUDO_SCHEDULES, f"the pseudo-schedule {case.schedule}"),
-                (case.offload_ratio is not None, "activation offload"), (bool(case.mtp_num_layers), "--mtp-num-layers"),
+                (bool(case.mtp_num_layers), "--mtp-num-layers"),
                 (case.sequence_parallel, "--sequence-parallel"), (case.overlap_grad_reduce, "--overlap-grad-reduce"),
                 (case.ep_overlap, "--overlap-moe-expert-parallel-comm")]
     for on, what in blockers:

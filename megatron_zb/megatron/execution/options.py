@@ -145,9 +145,9 @@ class ScheduleOptions:
             raise ZeroBubbleConfigError("--split-vocab-embedding is a setting of vocabulary parallelism: add "
                                         "--enable-vocab-parallel")
         if self.vocab_parallel is not None:
-            for on, what in ((req.offload is not None, "activation offload"), (self.post_validation, "optimizer "
-                             "post-validation"), (self.spec.placement == "bitpipe", f"{self.schedule}'s replicated "
-                             "stages"), (self.ep_overlap, "--overlap-moe-expert-parallel-comm")):
+            for on, what in ((self.post_validation, "optimizer post-validation"),
+                             (self.spec.placement == "bitpipe", f"{self.schedule}'s replicated stages"),
+                             (self.ep_overlap, "--overlap-moe-expert-parallel-comm")):
                 if on:
                     raise ZeroBubbleConfigError(f"vocabulary parallelism (--enable-vocab-parallel) cannot be combined "
                                                 f"with {what} yet")

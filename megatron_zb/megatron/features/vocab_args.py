@@ -63,7 +63,6 @@ def check_vocab_args(args, *, name: Optional[str], style: Optional[str], p: int)
         raise err(f"--enable-vocab-parallel cannot be combined with {name}: its replicated stages would each need "
                   "their own output layer's shards")
     blockers = (("sequence_parallel", "--sequence-parallel"), ("mtp_num_layers", "--mtp-num-layers"),
-                ("cpu_offload", "--cpu-offload"), ("zero_bubble_offload_ratio", "--zero-bubble-offload-ratio"),
                 ("enable_optimizer_post_validation", "--enable-optimizer-post-validation"),
                 ("overlap_moe_expert_parallel_comm", "--overlap-moe-expert-parallel-comm"),
                 ("overlap_grad_reduce", "--overlap-grad-reduce"), ("use_megatron_fsdp", "--use-megatron-fsdp"),

@@ -220,7 +220,9 @@ def measured_memory(result: Optional[dict], order) -> Optional[dict]:
         return None
     stage_mem = {s: (float(result["mem_f"].get(s, 0.0)), float(result["mem_w"].get(s, 0.0)))
                  for s in set(result["mem_f"]) | set(result["mem_w"])}
-    predicted = stage_memory_trace(order, stage_mem)
+    # the trace has one row per F/B/W/BW; the vocabulary passes (VS/VT/VW/VI/VG) hold their own
+    # buffers, not a chunk's activation: left out, so each row meets its own pass's prediction
+    predicted = stage_memory_trace([a for a in order if not a.is_vocab], stage_mem)
     trace = [dict(row, predicted=int(round(p))) for row, p in zip(result["trace"], predicted)]
     return {"measured_peak_bytes": int(result["peak_bytes"]),
             "predicted_peak_bytes": int(round(max([0.0] + predicted))),
