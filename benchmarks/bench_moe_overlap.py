@@ -37,7 +37,7 @@ sys.path.insert(0, ROOT)
 
 from megatron_zb.core.ir import Setting  # noqa: E402
 from megatron_zb.core.sim.simulate import simulate  # noqa: E402
-from megatron_zb.verify.timing.emulate import COMBINED_1F1B, Entry, emulate, predicted_iteration, schedule_for  # noqa: E402
+from megatron_zb.verify.timing.emulate import COMBINED_1F1B, Entry, Timing, emulate, predicted_iteration, schedule_for  # noqa: E402
 
 SHARES = (0.3, 0.5)  # the all-to-all's share of a pass: a2a / (compute + a2a)
 STAGES = (8, 16)
@@ -81,8 +81,9 @@ def simulated(p: int, share: float) -> list:
 def emulated(p: int, share: float, unit_ms: float, limit: float) -> list:
     st = setting(p, share)
     labelled = entries(limit)
-    rows = emulate([e for _, e in labelled], p, 4 * p, unit_ms, unit_ms, unit_ms, unit_s=1e-3, iterations=2,
-                   warmup=1, timeout=900, cost_a2a=st.cost_a2a[0] * unit_ms)
+    rows = emulate([e for _, e in labelled],
+                   Setting(p, 4 * p, cost_f=unit_ms, cost_b=unit_ms, cost_w=unit_ms, cost_a2a=st.cost_a2a[0] * unit_ms),
+                   Timing(unit_s=1e-3, iterations=2, warmup=1, timeout=900))
     out = []
     for r in rows:
         out.append({"schedule": r["label"], "measured_ms": r["measured"], "predicted_ms": r["predicted"],

@@ -52,9 +52,11 @@ def _fig(name, value, ok, bound):
 
 
 def emulated():
-    from megatron_zb.verify.timing.emulate import Entry, emulate
+    from megatron_zb.core.ir import Setting
+    from megatron_zb.verify.timing.emulate import Entry, Timing, emulate
     entries = [Entry("1f1b"), Entry("zb-h1"), Entry("1f1b", post_validation=True, label="1f1b back to back")]
-    rows = emulate(entries, 2, 4, 10.0, 10.0, 10.0, unit_s=1e-3, iterations=2, warmup=1, timeout=300)
+    rows = emulate(entries, Setting(2, 4, cost_f=10.0, cost_b=10.0, cost_w=10.0),
+                   Timing(unit_s=1e-3, iterations=2, warmup=1, timeout=300))
     by = {r["label"]: r for r in rows}
     out = [_fig(f"{k} error vs simulator %", by[k]["error_pct"], abs(by[k]["error_pct"]) < 40, "|x| < 40")
            for k in ("1f1b", "zb-h1")]
@@ -68,9 +70,9 @@ def emulated():
 
 def pairs():
     from megatron_zb.core.ir import Setting
-    from megatron_zb.verify.timing.emulate import Entry, emulate, predicted_iteration
-    rows = emulate([Entry("dualpipe-v"), Entry("zb-v")], 4, 8, 10.0, 10.0, 6.0, unit_s=2e-3, iterations=2,
-                   warmup=1, timeout=300, cost_a2a=6.0)
+    from megatron_zb.verify.timing.emulate import Entry, Timing, emulate, predicted_iteration
+    rows = emulate([Entry("dualpipe-v"), Entry("zb-v")], Setting(4, 8, cost_f=10.0, cost_b=10.0, cost_w=6.0, cost_a2a=6.0),
+                   Timing(unit_s=2e-3, iterations=2, warmup=1, timeout=300))
     by = {r["label"]: r for r in rows}
     k = _overload()
     out = [_fig(f"{n} error vs simulator %", by[n]["error_pct"], abs(by[n]["error_pct"]) < 40 * k,

@@ -92,12 +92,14 @@ def correctness(out, schedules):
 
 def run_emulation(out, pp, microbatches):
     """Run the emulated-compute comparison; write <out>/emulated.json and the timeline pictures."""
-    from megatron_zb.verify.timing.emulate import emulate
+    from megatron_zb.core.ir import Setting
+    from megatron_zb.verify.timing.emulate import Timing, emulate
 
     layer = json.load(open(H100_LAYER))
     f, b, w = (layer["median_s"][k] * 1e3 for k in ("f", "b", "w"))
     k = LAYERS_PER_RANK
-    rows = emulate(EMULATED, pp, microbatches, k * f, k * b, k * w, unit_s=1e-3, iterations=5, warmup=1)
+    rows = emulate(EMULATED, Setting(pp, microbatches, cost_f=k * f, cost_b=k * b, cost_w=k * w),
+                   Timing(unit_s=1e-3, iterations=5, warmup=1))
     for r in rows:
         if r["schedule"] in ("zb-v", "1f1b") and not r["post_validation"]:
             base = os.path.join(out, f"timeline_{r['schedule']}")

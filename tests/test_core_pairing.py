@@ -191,11 +191,12 @@ def test_emulated_pairs_run_as_one_pass_in_the_schedules_order():
     speed-up of the hidden all-to-all (measured < the serial prediction, error vs the simulator)
     is a figure: benchmarks/bench_test_figures.py (and bench_moe_overlap.py)."""
     from megatron_zb.core.sim.iteration import iteration_times
-    from megatron_zb.verify.timing.emulate import Entry, emulate, predicted_iteration, schedule_for
+    from megatron_zb.verify.timing.emulate import Entry, Timing, emulate, predicted_iteration, schedule_for
     unit = 2e-3
     entries = [Entry("dualpipe-v"), Entry("zb-v")]
     # timeout: a hang guard (the 4 ranks start in seconds on a quiet host, minutes at a load of 50)
-    rows = emulate(entries, 4, 8, 10.0, 10.0, 6.0, unit_s=unit, iterations=2, warmup=1, timeout=900, cost_a2a=6.0)
+    rows = emulate(entries, Setting(4, 8, cost_f=10.0, cost_b=10.0, cost_w=6.0, cost_a2a=6.0),
+                   Timing(unit_s=unit, iterations=2, warmup=1, timeout=900))
     by = {r["label"]: r for r in rows}
     for name in ("dualpipe-v", "zb-v"):
         r = by[name]

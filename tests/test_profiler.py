@@ -221,7 +221,7 @@ def test_instrument_single_process(tmp_path, device):
         hooks = [prof.hook(device)] if prof.in_window(it) else []
         execute(one.orders[0], 0, pl, passes, None, hooks=hooks)
         if prof.in_window(it):
-            got.append(prof.end_iteration(it, placement=pl, num_microbatches=3, rank=0))
+            got.append(prof.end_iteration(it, P.WindowCall(placement=pl, num_microbatches=3, rank=0)))
     assert got[0] is not None and prof.done and not prof.in_window(2)
     prof_ = got[0]
     assert PD.load_profile(str(tmp_path / "p.json")) == json.loads(json.dumps(prof_))
@@ -332,8 +332,8 @@ def _run_case(rank, world, groups, case, iterations, window):
             if prof.in_window(it):
                 if it == window[1]:  # the profiler's own samples, before it turns them into the profile
                     raw = {f"{k}{s}": list(v) for (s, k), v in prof.times.items()}
-                out = prof.end_iteration(it, placement=pl, num_microbatches=m, rank=rank, group=None,
-                                         p2p=p2p, shape=(MBS, H))
+                out = prof.end_iteration(it, P.WindowCall(placement=pl, num_microbatches=m, rank=rank, group=None,
+                                                        p2p=p2p, shape=(MBS, H)))
                 profile = out or profile
             counts.append(list(calls))
     finally:

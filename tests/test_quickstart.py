@@ -31,9 +31,10 @@ def test_emulated_runs_follow_the_schedule_and_the_simulator():
     benchmarks/bench_test_figures.py, and the quickstart prints them."""
     import dataclasses
 
-    from megatron_zb.verify.timing.emulate import Entry, emulate, predicted_iteration
+    from megatron_zb.verify.timing.emulate import Entry, Timing, emulate, predicted_iteration
     entries = [Entry("1f1b"), Entry("zb-h1"), Entry("1f1b", post_validation=True, label="1f1b back to back")]
-    rows = emulate(entries, 2, 4, 10.0, 10.0, 10.0, unit_s=1e-3, iterations=2, warmup=1, timeout=120)
+    rows = emulate(entries, Setting(2, 4, cost_f=10.0, cost_b=10.0, cost_w=10.0),
+                   Timing(unit_s=1e-3, iterations=2, warmup=1, timeout=120))
     by = {r["label"]: r for r in rows}
     assert set(by) == {"1f1b", "zb-h1", "1f1b back to back"}
     hop = rows[0]["hop"]
@@ -67,7 +68,7 @@ def test_emulate_refuses_a_bad_entry_before_starting_processes():
     from megatron_zb.core.ir import ScheduleError
     from megatron_zb.verify.timing.emulate import Entry, emulate
     with pytest.raises(ScheduleError):
-        emulate([Entry("no-such-schedule")], 2, 4, 1.0, 1.0, 1.0)
+        emulate([Entry("no-such-schedule")], Setting(2, 4, cost_f=1.0, cost_b=1.0, cost_w=1.0))
 
 
 def test_report_reads_megatron_lines_and_compares_gpu_runs(tmp_path, capsys):

@@ -29,7 +29,7 @@ from ...runtime.features.offload_hook import OffloadHook
 from ...runtime.p2p import P2P, PairGroups
 from ...runtime.features.postval import PostValidation, ValidationPoint, replayable
 from ...runtime.observe.profile_data import ProfileError, auto_replans, profile_to_setting_kwargs
-from ...runtime.observe.profiler import PassProfiler
+from ...runtime.observe.profiler import PassProfiler, WindowCall
 from ...runtime.observe.progress import tracker as progress_tracker
 from ...runtime.features.replica import ReplicaGradSync, ReplicaGroups
 from ...runtime.wqueue import WQueue
@@ -421,11 +421,10 @@ class ZeroBubbleForwardBackward:
         if prof is None or forward_only or not prof.in_window(self.iterations):
             return
         prof.memory = self.memory
-        profile = prof.end_iteration(self.iterations, placement=call.placement,
-                                     num_microbatches=call.step.num_microbatches, rank=call.me, group=call.pp_group,
-                                     p2p=call.p2p, shape=call.shape, dtype=call.step.config.pipeline_dtype,
-                                     device=device(), schedule=self.options.schedule,
-                                     built=call.schedule)
+        profile = prof.end_iteration(self.iterations, WindowCall(
+            placement=call.placement, num_microbatches=call.step.num_microbatches, rank=call.me, group=call.pp_group,
+            p2p=call.p2p, shape=call.shape, dtype=call.step.config.pipeline_dtype, device=device(),
+            schedule=self.options.schedule, built=call.schedule))
         if profile is not None:
             self.profile = profile
             _say_memory(call.me, self.memory)

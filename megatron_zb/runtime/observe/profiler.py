@@ -5,8 +5,8 @@
         hooks = [prof.hook(device)] if prof.in_window(it) else []   # this iteration only
         execute(actions, rank, placement, passes, p2p, hooks=hooks)
         if prof.in_window(it):
-            profile = prof.end_iteration(it, placement=pl, num_microbatches=m, rank=me,
-                                         group=pp_group, p2p=p2p, shape=act_shape)
+            profile = prof.end_iteration(it, WindowCall(placement=pl, num_microbatches=m, rank=me,
+                                                        group=pp_group, p2p=p2p, shape=act_shape))
             # ``profile`` is None until the last iteration of the window, then the gathered dict
             # (the same on every pipeline rank; pipeline rank 0 also wrote it to ``path``;
             # ``runtime.observe.profile_data`` builds, reads and converts it)
@@ -56,6 +56,7 @@ No module-level state: everything lives in the :class:`PassProfiler` object.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
 import time
 from collections import defaultdict
@@ -69,7 +70,7 @@ from ..hooks import Hook
 from .memory import ActivationMeter
 from .profile_data import ProfileError, build_profile, save_profile
 
-__all__ = ["PassProfiler", "ProfileError"]
+__all__ = ["PassProfiler", "ProfileError", "WindowCall"]
 
 _WHAT = re.compile(r"\b([FB])(\d+)\.(\d+)\b")
 
@@ -77,6 +78,24 @@ _WHAT = re.compile(r"\b([FB])(\d+)\.(\d+)\b")
 # --------------------------------------------------------------------------------------------
 # the per-rank recorder
 # --------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class WindowCall:
+    """What the window's end needs from the forward-backward call that closes an iteration: the
+    placement, the microbatches, this pipeline rank, its pipeline group and P2P with the activation
+    shape, dtype and device (the hop probe's message; none: no probe), the schedule's name (None:
+    the profiler's own) and the built schedule that ran (recorded in the profile; None: not)."""
+    placement: Placement
+    num_microbatches: int
+    rank: int
+    group: Any = None
+    p2p: Any = None
+    shape: Optional[Sequence[int]] = None
+    dtype: torch.dtype = torch.float32
+    device: Any = None
+    schedule: Optional[str] = None
+    built: Any = None
+
 
 class PassProfiler:
     """Times passes and receives of one pipeline rank while the iteration is inside ``window``.
@@ -178,13 +197,10 @@ class PassProfiler:
             self.recv_wait[(stage, kind)].append(seconds)
 
     # -- end of an iteration / of the window ------------------------------------------------------
-    def end_iteration(self, iteration: int, *, placement: Placement, num_microbatches: int, rank: int,
-                      group=None, p2p=None, shape: Optional[Sequence[int]] = None,
-                      dtype: torch.dtype = torch.float32, device=None,
-                      schedule: Optional[str] = None, built=None) -> Optional[dict]:
+    def end_iteration(self, iteration: int, call: "WindowCall") -> Optional[dict]:
         """Close one window iteration. At the window's last iteration: probe the hop time, gather
-        every pipeline rank's samples (one ``all_gather_object`` over ``group``), build the profile,
-        write it (pipeline rank 0 of the pipeline holding global rank 0) and return it."""
+        every pipeline rank's samples (one ``all_gather_object`` over ``call.group``), build the
+        profile, write it (pipeline rank 0 of the pipeline holding global rank 0) and return it."""
         if not self.in_window(iteration):
             return None
         if self._events:
@@ -208,8 +224,10 @@ class PassProfiler:
         self.shapes = {}
         if iteration < self.end:
             return None
-        probe = self._probe_comm(p2p, placement, rank, shape, dtype, device) if p2p is not None and shape else []
-        mine = self.rank_stats(rank, placement)
+        group, placement = call.group, call.placement
+        probe = (self._probe_comm(call.p2p, placement, call.rank, call.shape, call.dtype, call.device)
+                 if call.p2p is not None and call.shape else [])
+        mine = self.rank_stats(call.rank, placement)
         mine["comm_probe"] = probe
         if group is not None or (dist.is_available() and dist.is_initialized()):
             n = dist.get_world_size(group) if group is not None else dist.get_world_size()
@@ -217,8 +235,9 @@ class PassProfiler:
             dist.all_gather_object(everyone, mine, group=group)
         else:
             everyone = [mine]
-        profile = build_profile(everyone, schedule=schedule or self.schedule, placement=placement,
-                                microbatches=num_microbatches, window=(self.start, self.end))
+        profile = build_profile(everyone, schedule=call.schedule or self.schedule, placement=placement,
+                                microbatches=call.num_microbatches, window=(self.start, self.end))
+        built = call.built
         if built is not None:  # the schedule that ran (``core.ir.io``), to simulate it with the measured costs
             import json
 

@@ -1,9 +1,11 @@
 """Emulated compute: schedules run by the runtime on real processes with real point-to-point
 messages, the compute of each pass replaced by a wait of given F/B/W times.
 
-    from megatron_zb.verify.timing.emulate import Entry, emulate
-    rows = emulate([Entry("1f1b"), Entry("zb-h1"), Entry("zb-v")], stages=4, microbatches=8,
-                   cost_f=87.6, cost_b=118.4, cost_w=64.1)            # ms per whole stage
+    from megatron_zb.core.ir import Setting
+    from megatron_zb.verify.timing.emulate import Entry, Timing, emulate
+    rows = emulate([Entry("1f1b"), Entry("zb-h1"), Entry("zb-v")],
+                   Setting(4, 8, cost_f=87.6, cost_b=118.4, cost_w=64.1),   # ms per whole stage
+                   Timing(unit_s=1e-3, iterations=3))
 
 One launch of ``stages`` gloo processes (``megatron_zb.verify.processes.launch``; no megatron import) runs
 every entry in turn: the core generates and lowers the schedule, the runtime's executor walks each
@@ -12,7 +14,7 @@ to the runtime's p2p), so what is measured is the executor's order, the ranks wa
 other's messages and the runtime's own overhead; what is not measured is compute (none runs) or
 the time of moving a real activation (the messages are small).
 
-Per entry, ``warmup`` (>= 1) iterations, then ``iterations`` timed ones. By default every rank leaves a
+Per entry, ``Timing.warmup`` (>= 1) iterations, then ``Timing.iterations`` timed ones. By default every rank leaves a
 barrier together before each iteration, as after Megatron's synchronous optimizer step; an
 iteration's time is from leaving the barrier to the end of the last rank's last pass (its sends
 completed). ``Entry(..., post_validation=True)`` runs the iterations back to back instead (each
@@ -37,7 +39,7 @@ import dataclasses
 import statistics
 import time
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import List, Optional, Sequence, Tuple
 
 from ...core.build import ScheduleRequest, build
 from ...core.ir import Action, Schedule, Setting
@@ -46,10 +48,7 @@ from ...core.sim.iteration import iteration_times
 from ...core.sim.simulate import SimResult, Timed
 from ...runtime.hooks import Hook
 
-__all__ = ["Entry", "COMBINED_1F1B", "emulate", "emulate_schedules", "predicted_iteration", "schedule_for"]
-
-Costs = Union[float, Sequence[float]]
-
+__all__ = ["Entry", "Timing", "COMBINED_1F1B", "emulate", "emulate_schedules", "predicted_iteration", "schedule_for"]
 
 #: Entry.schedule of Megatron's interleaved 1F1B (2 chunks per rank) with its combined-1F1B
 #: expert-parallel overlap (``core.schedules.interleaved.combined_1f1b``; not a registered schedule)
@@ -73,9 +72,14 @@ class Entry:
         return self.label or (self.schedule + (" + post-validation" if self.post_validation else ""))
 
 
-def _setting(stages, microbatches, cost_f, cost_b, cost_w, cost_comm=0.0, cost_a2a=0.0, a2a_overlap=True) -> Setting:
-    return Setting(stages, microbatches, cost_f=cost_f, cost_b=cost_b, cost_w=cost_w, cost_comm=cost_comm,
-                   cost_a2a=cost_a2a, a2a_overlap=a2a_overlap)
+@dataclass(frozen=True)
+class Timing:
+    """How ``emulate`` runs: the costs' unit in seconds (default: milliseconds), the untimed
+    iterations (>= 1) before the ``iterations`` timed ones, the launch's hang guard in seconds."""
+    unit_s: float = 1e-3
+    iterations: int = 3
+    warmup: int = 1
+    timeout: float = 600.0
 
 
 def schedule_for(entry: Entry, setting: Setting) -> Tuple[Schedule, Setting]:
@@ -137,8 +141,9 @@ def _rank_main(job: dict) -> dict:
         out.append(hop)  # the same value on every rank: every rank generates the same schedules
         for e in job["entries"]:
             entry = Entry(**e)
-            st = _setting(job["stages"], job["microbatches"], job["cost_f"], job["cost_b"], job["cost_w"],
-                          hop / unit, job["cost_a2a"], job["a2a_overlap"])
+            st = Setting(job["stages"], job["microbatches"], cost_f=job["cost_f"], cost_b=job["cost_b"],
+                         cost_w=job["cost_w"], cost_comm=hop / unit, cost_a2a=job["cost_a2a"],
+                         a2a_overlap=job["a2a_overlap"])
             sched, st = schedule_for(entry, st)
             low = lower(sched, st)
             # the simulator runs the pairs as one pass where they hide an all-to-all, else as two
@@ -185,26 +190,26 @@ def _ping_pong(groups, rank: int, world: int, rounds: int = 20) -> List[float]:
     return out
 
 
-def emulate(entries: Sequence[Entry], stages: int, microbatches: int, cost_f: Costs, cost_b: Costs,
-            cost_w: Costs, unit_s: float = 1e-3, iterations: int = 3, warmup: int = 1,
-            timeout: float = 600.0, cost_a2a: Costs = 0.0, a2a_overlap: bool = True) -> List[dict]:
-    """Run ``entries`` on ``stages`` real processes; one row per entry (see the module doc).
-    Costs are per whole stage, in units of ``unit_s`` seconds (default: milliseconds).
-    ``cost_a2a``: MoE's all-to-all in every F, B and BW (``ir.Setting``); the schedules get the
-    overlapped F&B pairs it asks for (``core.passes.pairing``), whose passes sleep what the simulator
-    charges them (``runtime.emulate.sleep_passes``; ``a2a_overlap`` False: no hiding)."""
+def emulate(entries: Sequence[Entry], setting: Setting, timing: Timing = Timing()) -> List[dict]:
+    """Run ``entries`` on ``setting.stages`` real processes; one row per entry (see the module doc).
+    ``setting``: the stages, microbatches and costs per whole stage (F, B, W, and ``cost_a2a``,
+    MoE's all-to-all in every F, B and BW, with ``a2a_overlap``: the schedules get the overlapped
+    F&B pairs it asks for, ``core.passes.pairing``, whose passes sleep what the simulator charges
+    them, ``runtime.emulate.sleep_passes``; False: no hiding), in units of ``timing.unit_s``
+    seconds; its ``cost_comm`` is replaced by the message time measured first."""
     from ..processes.launch import LaunchOptions, run_cases
 
-    if iterations < 1 or warmup < 1:
-        raise ValueError(f"need iterations >= 1 and warmup >= 1, got {iterations}, {warmup}")
-    st = _setting(stages, microbatches, cost_f, cost_b, cost_w, cost_a2a=cost_a2a, a2a_overlap=a2a_overlap)
+    if timing.iterations < 1 or timing.warmup < 1:
+        raise ValueError(f"need iterations >= 1 and warmup >= 1, got {timing.iterations}, {timing.warmup}")
+    st = dataclasses.replace(setting, cost_comm=0.0)
+    stages, unit_s, iterations, warmup = st.stages, timing.unit_s, timing.iterations, timing.warmup
     for e in entries:  # a bad entry fails here, before any process starts
         schedule_for(e, st)
-    job = {"entries": [dataclasses.asdict(e) for e in entries], "stages": stages, "microbatches": microbatches,
+    job = {"entries": [dataclasses.asdict(e) for e in entries], "stages": stages, "microbatches": st.microbatches,
            "cost_f": st.cost_f, "cost_b": st.cost_b, "cost_w": st.cost_w, "cost_a2a": st.cost_a2a,
            "a2a_overlap": st.a2a_overlap, "unit_s": unit_s,
-           "iterations": iterations, "warmup": warmup, "timeout": timeout}
-    per_rank = run_cases(_rank_main, [job], stages, LaunchOptions(timeout=timeout, cpu_shims=False))[0]
+           "iterations": iterations, "warmup": warmup, "timeout": timing.timeout}
+    per_rank = run_cases(_rank_main, [job], stages, LaunchOptions(timeout=timing.timeout, cpu_shims=False))[0]
     hop = per_rank[0][0]
     st = dataclasses.replace(st, cost_comm=hop / unit_s)
     rows = []
