@@ -9,9 +9,11 @@ rank is scanned twice for nothing.
 The simulator's fast path (``sim.plain.Plain``) and the searches' evaluator
 (``schedules.search.evaluate.Coder``) code their passes differently (a schedule's passes by
 position; a setting's every (kind, stage, microbatch)) and both time them here; the variable-length
-batches' end time (``varlen.mb_schedule.end_time``) through ``Plain``. The evaluator's incremental
-re-timing from a base timing (``Coder.retime``) keeps its own loop: it starts from a cut through the
-base's times, not from the start.
+batches' end time (``varlen.mb_schedule.end_time``) through ``Plain``. Two loops stay apart, for
+what they do beyond timing fixed orders: the evaluator's incremental re-timing from a base timing
+(``Coder.retime``, every local-search move's) starts from a cut through the base's times and stops
+once a span must exceed a bound; the list scheduler (``schedules.listsched``) chooses each rank's
+next pass as it times it (its order does not exist before the timing does).
 
 ``alias``: per code, another code that ends with it (the evaluator codes a fused backward's
 consumers through its B: a BW ends its B's code too), or -1. ``Vocab`` (optional): the vocabulary
