@@ -119,6 +119,11 @@ RUNS = {
     # recompute per model chunk (issue 55): rank 0's two chunks recompute their layer, rank 1's none
     "zb-v/recompute/det": dict(SCHEDULE="zb-v", EXTRA_ARGS=DET + " --recompute-granularity full --recompute-method block "
                                                                 "--zero-bubble-recompute-num-layers 1,0,0,1"),
+    # with activation offload (issue 55): zb-h1, the input embedding split too, half the activations
+    # offloaded (CPU test mode) and one layer per stage recomputed (full, block)
+    "zb-h1/vocab-offload/det": dict(SCHEDULE="zb-h1", EXTRA_ARGS=f"{DET} --enable-vocab-parallel --split-vocab-embedding "
+                                    "--zero-bubble-offload-ratio 0.5 --offload-time 0.1 --zero-bubble-offload-cpu-test "
+                                    "--recompute-granularity full --recompute-method block --recompute-num-layers 1"),
     # (and the input embedding split too, as the fork always does: --split-vocab-embedding)
     "fork/vocab": dict(SCHEDULE="megatron", EVAL_INTERVAL=4, EVAL_ITERS=2,
                        EXTRA_ARGS="--enable-vocab-parallel --disable-backward-fusion --split-vocab-embedding"),
@@ -275,6 +280,19 @@ def test_vocabulary_parallelism_trains_like_1f1b(trainings):
     assert "2 barrier(s)" in text
     evals = [float(v) for v in re.findall(r"validation loss at iteration \d+.*?lm loss value: ([0-9.E+-]+)", text)]
     assert len(evals) >= 2 and all(0 < v < 10 for v in evals), evals
+
+
+@pytest.mark.megatron
+@pytest.mark.dist
+@needs_training
+def test_vocabulary_parallelism_with_activation_offload_trains_like_1f1b(trainings):
+    """Vocabulary parallelism (the input embedding split too) with half the activations offloaded and
+    full recomputation: zb-h1 from the same weights gives 1f1b's losses."""
+    text, rows = _check_ok(trainings, "zb-h1/vocab-offload/det")
+    _, ref = _check_ok(trainings, "1f1b/det")
+    assert "vocabulary parallelism with" in text and "megatron-zb: activation offload ratio 0.5, K 0.1" in text
+    for (i, _, _, la), (_, _, _, lb) in zip(ref, rows):
+        assert lb == pytest.approx(la, rel=2e-6), f"iteration {i}: 1f1b {la} vs zb-h1 + vocab + offload {lb}"
 
 
 @pytest.mark.megatron
