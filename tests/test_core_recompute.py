@@ -68,3 +68,25 @@ def test_per_rank_values_must_cover_every_rank_and_fit_the_chunks():
         _costs(spec)
     with pytest.raises(ScheduleError, match="asks 5 layers of model chunk 1, which holds 4"):
         _costs(dataclasses.replace(spec, recompute_counts=(1, 5)))
+
+
+@pytest.mark.parametrize("name", ["zb-v", "v-auto", "zb-auto"])
+def test_split_schedules_build_where_w_holds_more_than_f(name):
+    """Full recompute: F keeps a layer's input, B recreates the layer and W keeps its GEMMs' inputs,
+    so a W holds more than its F. The schedules at 1F1B's depth then take what one B adds before its
+    W (``f1b_peak``); they were refused ('no schedule fits ... about' the same limit)."""
+    from megatron_zb.core.schedules import generate
+    from megatron_zb.core.schedules.search.auto import f1b_peak, unit
+    from megatron_zb.core.ir import Setting
+    from megatron_zb.core.sim.simulate import simulate
+    spec = dataclasses.replace(BASE, recompute="full", recompute_method="uniform", recompute_num_layers=1)
+    pl = Placement.vshape(4) if name != "zb-auto" else Placement.single(4)
+    cc = chunk_costs(spec, from_counts([8 // pl.num_logical_stages] * pl.num_logical_stages, 0), pl, 1.0, 1.0)
+    assert max(w - f for f, w in zip(cc.mem_f, cc.mem_w)) > 0
+    st = Setting(4, 8, chunks=pl.chunks, cost_f=cc.cost_f, cost_b=cc.cost_b, cost_w=cc.cost_w, mem_f=cc.mem_f,
+                 mem_w=cc.mem_w)
+    res = simulate(generate(name, st), st)
+    assert max(res.peak_memory) <= f1b_peak(st, pl) + 1e-9
+    assert f1b_peak(st, pl) > 4 * unit(st, pl)
+    plain = Setting(4, 8, chunks=pl.chunks, mem_f=[1.0], mem_w=[0.5])  # W holds less: 1F1B's P units
+    assert f1b_peak(plain, pl) == pytest.approx(4 * unit(plain, pl))

@@ -108,8 +108,13 @@ def add_parser(sub) -> None:
     pn.add_argument("--recompute-granularity", choices=("full", "selective"), default=None,
                     help="activation recompute: full (F keeps each block's input, B runs the forward again; W then "
                          "holds more than F kept) or selective (no attention scores kept)")
+    pn.add_argument("--recompute-method", choices=("uniform", "block"), default=None,
+                    help="full recompute's method, as Megatron's: uniform (every layer, in blocks of "
+                         "--recompute-num-layers; the default) or block (the first --recompute-num-layers layers of "
+                         "each model chunk). Without --recompute-granularity, plan tries recompute per chunk itself "
+                         "where a row does not fit (docs/memory.md)")
     pn.add_argument("--recompute-num-layers", type=positive_int("--recompute-num-layers"), default=1,
-                    help="layers per recomputed block (full, uniform method)")
+                    help="layers per recomputed block (uniform method) or recomputed per chunk (block method)")
     pn.add_argument("--no-dropout", action="store_true",
                     help="no dropout (--hidden-dropout 0 --attention-dropout 0): no masks, no dropout outputs kept")
     pn.add_argument("--pipeline-parallel-size", type=positive_int("--pipeline-parallel-size"), required=True,
@@ -296,7 +301,7 @@ def model_kwargs(args) -> dict:
                 dropout=not args.no_dropout, recompute=args.recompute_granularity,
                 split_overhead_s=0.0 if getattr(args, "profile", None) else
                 (SPLIT_OVERHEAD_S if args.split_overhead_ms is None else args.split_overhead_ms / 1e3),
-                recompute_num_layers=args.recompute_num_layers)
+                recompute_num_layers=args.recompute_num_layers, recompute_method=args.recompute_method)
     return base
 
 

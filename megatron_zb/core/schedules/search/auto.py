@@ -269,7 +269,7 @@ def _zb_auto_search(setting: Setting, sim: Optional[list], tie: float, effort: s
     from ..zb_handcrafted import zb_h1, zb_h2
     p = setting.stages
     pl = Placement.single(p)
-    limit = setting.memory_limit if setting.memory_limit is not None else p * unit(setting, pl)
+    limit = setting.memory_limit if setting.memory_limit is not None else f1b_peak(setting, pl)
     st = dataclasses.replace(setting, chunks=1)
     cands = [f(st) for f in (zb_h1, zb_h2, one_f_one_b)]
     # the event-driven greedy costs ~ passes x p; it rarely wins
@@ -278,7 +278,7 @@ def _zb_auto_search(setting: Setting, sim: Optional[list], tie: float, effort: s
         cands += remembered(_rounds_kept, st, limit, name="zb-auto")
         if small:
             cands += remembered(capped_variants, st, limit, name="zb-auto")
-    ranked = search_candidates("zb-auto", st, pl, limit, cands, (unit(st, pl), 2 * p * unit(st, pl)),
+    ranked = search_candidates("zb-auto", st, pl, limit, cands, (unit(st, pl), 2 * f1b_peak(st, pl)),
                                greedy_too=small)
     how = Finish(top=1, work=100_000, tie=tie) if effort == "quick" else Finish(tie=tie)
     return finish_search(ranked, st, limit, "zb-auto", how, sim=sim)
@@ -295,7 +295,7 @@ def zb_auto(setting: Setting, memory: bool = True, sim: Optional[list] = None, e
     passes placed)."""
     check_effort(effort)
     st = dataclasses.replace(setting, chunks=1)
-    limit = setting.memory_limit if setting.memory_limit is not None else setting.stages * unit(st)
+    limit = setting.memory_limit if setting.memory_limit is not None else f1b_peak(st, Placement.single(st.stages))
     st = dataclasses.replace(st, memory_limit=limit)
     if not memory:
         return _zb_auto(st, sim, tie=NOISE, effort=effort)
@@ -308,6 +308,16 @@ def unit(setting: Setting, placement: Optional[Placement] = None) -> float:
     peak is P of these): mem-f per rank, or the sum of a rank's chunks where it is given per
     chunk (``placement``: the schedule's; default one stage per rank)."""
     return setting.stage_peak_unit(placement or Placement.single(setting.stages))
+
+
+def f1b_peak(setting: Setting, placement: Placement) -> float:
+    """1F1B's depth of memory on ``placement`` for a schedule that splits its backwards: P whole-stage
+    activations (``unit``), plus what one B adds before its W frees it where a W holds more than
+    its F (full recompute: F keeps the layer's input, B recreates the layer and W keeps its GEMMs'
+    inputs). 1F1B itself fuses the two and peaks at P units; a split schedule cannot go below this."""
+    own = setting if setting.vocab is None else dataclasses.replace(setting, vocab=None)
+    grow = max(own.pass_mem("B", placement.rank_of(s), s) for s in range(placement.num_stages))
+    return setting.stages * unit(setting, placement) + max(0.0, grow)
 
 
 #: the ladder's limits in units of 1F1B's peak (``_ladder``): the full effort's, the quick one's

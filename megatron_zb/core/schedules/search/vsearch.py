@@ -25,8 +25,8 @@ from ...ir import Action, B, F, Placement, Schedule, ScheduleError, Setting, W
 from ...ir.memo import Memo, copy_schedule, setting_key
 from ...sim.simulate import simulate
 from . import vblock, vslots
-from .auto import (NOISE, TIE, Finish, check_effort, finish_search, least_memory_of, pass_count, rank_candidates,
-                   remembered, search_candidates, unit)
+from .auto import (NOISE, TIE, Finish, check_effort, f1b_peak, finish_search, least_memory_of, pass_count,
+                   rank_candidates, remembered, search_candidates, unit)
 from .bounds import lower_bound
 from .evaluate import Coder
 from .greedy import best_of
@@ -162,7 +162,7 @@ def _v_searched(name: str, setting: Setting, limit: Optional[float], sim: Option
     if not optimal() and unit_slots:
         cands += vslots.search(st, limit, name, keep=4)
     chunk = max(st.pass_mem(F, pl.rank_of(s), s) for s in range(pl.num_stages))
-    ranked = search_candidates(name, st, pl, limit, cands, (chunk, p * unit(st, pl)),
+    ranked = search_candidates(name, st, pl, limit, cands, (chunk, f1b_peak(st, pl)),
                                other=lambda x: vblock.search(st, pl, x, name), greedy_too=greedy and not optimal())
     # on small settings V searches end in narrow basins: more starting points and a longer
     # search than zb-auto's (at p=16 m=16 a start 0.3% worse ends 0.3% better); the quick effort
@@ -175,7 +175,7 @@ def _v_searched(name: str, setting: Setting, limit: Optional[float], sim: Option
 
 def zb_v(setting: Setting, effort: str = "full") -> Schedule:
     st = _v_setting(setting)
-    return _v_search("zb-v", setting, setting.stages * unit(st, Placement.vshape(st.stages)), effort=effort)
+    return _v_search("zb-v", setting, f1b_peak(st, Placement.vshape(st.stages)), effort=effort)
 
 
 def v_half(setting: Setting, effort: str = "full") -> Schedule:
@@ -192,7 +192,7 @@ def v_auto(setting: Setting, memory: bool = True, sim: Optional[list] = None, ef
     check_effort(effort)
     st = _v_setting(setting)
     limit = (setting.memory_limit if setting.memory_limit is not None
-             else setting.stages * unit(st, Placement.vshape(st.stages)))
+             else f1b_peak(st, Placement.vshape(st.stages)))
     if not memory:
         return _v_search("v-auto", setting, limit, sim, tie=NOISE, effort=effort)
     return least_memory_of(lambda lim: _v_search("v-auto", setting, lim, effort=effort), st,
