@@ -315,6 +315,18 @@ CHAIN: Tuple[Link, ...] = (
 )
 
 
+def before(request: ScheduleRequest, p: int, m: int, name: str) -> Optional[Step]:
+    """The step link ``name`` of the ``CHAIN`` would be given building ``request`` (the links
+    before it run, no refusals asked), None where that link does not apply."""
+    step = Step(request, request.setting(p, m, chunks=request.spec.resolve_chunks(request.chunks)))
+    for link in CHAIN:
+        if link.applies(step):
+            if link.name == name:
+                return step
+            step = link.run(step)
+    return None
+
+
 def build(request: ScheduleRequest, p: int, m: int, *, enforce_limit: bool = True,
           base: Optional[Schedule] = None) -> Built:
     """Build ``request`` for ``p`` ranks and ``m`` microbatches (or from ``base``, e.g. a loaded

@@ -33,7 +33,7 @@ from ..schedules.search.auto import TIE, zb_auto
 from ..schedules.search.vsearch import v_auto
 from ..sim.hostlink import EPS, OffloadOptions, has_offload, setting_for
 from ..sim.simulate import SimResult, simulate
-from .offload import add_offload, offload_simulated
+from .offload import add_offload, offload_floor, offload_simulated
 
 __all__ = ["generate_with_offload", "retarget"]
 
@@ -118,6 +118,8 @@ def _offloaded(base: Schedule, setting: Setting, opts: OffloadOptions,
         if max(base_result.peak_memory) <= limit + EPS:
             cand = dataclasses.replace(base, meta=dict(base.meta, offload=opts.to_meta()))
             res = simulate(cand, st)
+        elif max(offload_floor(base, st, opts, base_result) or [0.0]) > limit + EPS + 1e-9 * max(1.0, limit):
+            return None  # no selection of its parts brings it under the limit (``offload_floor``)
         else:
             # the link's real timing may leave a rank a little over: aim a little lower
             for aim in AIMS:

@@ -46,12 +46,12 @@ def recompute_flags(counts: Sequence[int]) -> str:
         ",".join(str(n) for n in counts)
 
 
-def fit_rows(rows: List[dict], request: PlanRequest, build_row: Callable[[str, Optional[int], PlanRequest], dict]) \
-        -> List[dict]:
+def fit_rows(rows: List[dict], request: PlanRequest, build_row: Callable[..., dict]) -> List[dict]:
     """``rows`` (built without offload where ``request.offload`` is 'auto') with each row that does not
     fit replaced by its fastest variant that fits (recompute per rank; with ``--offload-ratio auto``,
     offload as little as fits, alone and with recompute), tried likeliest first where it could beat
-    the fastest fitting row. ``build_row(name, vocab, request)`` builds one row."""
+    the fastest fitting row. ``build_row(name, vocab, request, fit_only=False)`` builds one row
+    (``fit_only``: it is wanted only where it fits, ``row.row``)."""
     key = request.ranked_by
     fitting = [r[key] for r in rows if "error" not in r and r["fits"]]
     best = min(fitting) if fitting else math.inf
@@ -80,13 +80,13 @@ def _variants(r: dict, request: PlanRequest, build_row) -> List[dict]:
     and both."""
     name, vocab = r["schedule"], r.get("vocab_parallel")
     auto = request.offload is not None and request.offload.ratio == "auto"
-    out = [build_row(name, vocab, request)] if auto else []
+    out = [build_row(name, vocab, request, True)] if auto else []
     rc = _recompute(r, request.replace(offload=None), build_row)
     if rc is not None:
         row, counts = rc
         out.append(row)
         if auto and not row["fits"]:
-            both = build_row(name, vocab, request.replace(model=_recomputing(request.model, counts)))
+            both = build_row(name, vocab, request.replace(model=_recomputing(request.model, counts)), True)
             if "error" not in both:
                 both["flags"] += recompute_flags(counts)
                 both["recompute_layers"] = list(counts)

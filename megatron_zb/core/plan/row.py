@@ -16,13 +16,14 @@ import math
 from dataclasses import dataclass
 from typing import List, Optional
 
-from ..build import Built, OffloadRequest, ScheduleRequest, build
+from ..build import AUTO, Built, OffloadRequest, ScheduleRequest, before, build
 from ..costs.chunk_costs import chunk_costs, in_seconds, unit_costs
 from ..costs.layout import Layout, from_counts, parse
 from ..costs.layout_search import balanced, even_counts
 from ..costs.model import ModelSpec, layer_split
-from ..ir import OVERLAP, Placement, ScheduleError, Setting
+from ..ir import OVERLAP, B, Placement, ScheduleError, Setting, W
 from ..passes.fuse import split_cost
+from ..passes.offload import offload_floor
 from ..schedules import ScheduleSpec, get
 from ..schedules.search.auto import TIE
 from ..schedules.search.bounds import lower_bound
@@ -77,16 +78,20 @@ class _Row:
     vocab: Optional[int]
     effort: str
     tighten: bool
+    fit_only: bool = False
 
 
-def row(name: str, vocab: Optional[int], request: PlanRequest, effort: str = "full", tighten: bool = True) -> dict:
+def row(name: str, vocab: Optional[int], request: PlanRequest, effort: str = "full", tighten: bool = True,
+        fit_only: bool = False) -> dict:
     """Schedule ``name``'s best row over the candidate layouts (fits first, then ``request.ranked_by``),
     or {schedule, error}. ``vocab``: with vocabulary parallelism, that many barriers (``core.ir.vocab``;
     ``request.vocab.embedding``: the input embedding split over the ranks too). ``effort``: how hard
     the searched schedules look (``schedules.search.auto.EFFORTS``; the row says which in
     ``search_effort``). ``tighten``: a searched schedule's memory limit is its peak where the
     schedule built under that is as fast (else, and without ``tighten``, the budget's room: a
-    search more)."""
+    search more). ``fit_only``: a row wanted only where it fits (a lever's variant,
+    ``levers.fit_rows``): one that offload 'auto' provably cannot bring under the budget is an
+    error row, not built (``_cannot_fit``)."""
     spec, p, m, profile = request.model, request.pipeline_parallel_size, request.microbatches, request.profile
     layout = parse(request.layout, p) if request.layout is not None else None
     ranked_by, flops_per_s = request.ranked_by, request.flops_per_s
@@ -108,7 +113,7 @@ def row(name: str, vocab: Optional[int], request: PlanRequest, effort: str = "fu
                                     vocab is not None)
     except ScheduleError as e:
         return {"schedule": name, "error": str(e)}
-    ctx = _Row(request, sp, v, pl, vocab, effort, tighten)
+    ctx = _Row(request, sp, v, pl, vocab, effort, tighten, fit_only)
 
     def one(k: int) -> dict:
         return _one(ctx, layouts[k], request.pad_ends and layout is None and k == 0)
@@ -252,6 +257,8 @@ def _one(ctx: _Row, lay: Layout, padded: bool) -> dict:
                               exact=asked.exact, offload=_offload_request(offload, rank_mf, _rank_sum(cf, pl, p),
                                                                          _rank_sum(cb, pl, p), limit_units),
                               effort=effort)
+        if ctx.fit_only and _cannot_fit(req, p, m, unit, states, budget):
+            return {"schedule": name, "error": "offload cannot bring it under the memory budget"}
         built = build(req, p, m, enforce_limit=False)
         it = iteration_times(built.schedule, built.setting, cost_optimizer / sec)
         if sp.searched and limit_units and req.offload is None and tighten:
@@ -318,6 +325,26 @@ def _one(ctx: _Row, lay: Layout, padded: bool) -> dict:
             built = Built(built.request, sched, in_seconds(built.setting, sec))
         apply(out, built, spec, cc.params, unit, budget, cost_optimizer, asked.optimizer_offload)
     return out
+
+
+def _cannot_fit(req: ScheduleRequest, p: int, m: int, unit: float, states: List[float], budget: float) -> bool:
+    """Whether offload 'auto' provably leaves some rank over ``budget``: where its link offloads
+    the schedule built before it (vocabulary passes placed, or a schedule that is not searched),
+    ``offload_floor`` bounds what any selection of that schedule's parts leaves (in ``unit`` bytes,
+    beside each rank's ``states``); only where the links after it (MoE pairs, fused backwards)
+    change nothing of it: no all-to-all, no back-to-back B;W where the split costs."""
+    off = req.offload
+    if off is None or off.ratio != AUTO or off.time_measured or any(req.cost_a2a):
+        return False
+    step = before(req, p, m, "offload")
+    if step is None:
+        return False  # (the offload search chooses what it offloads)
+    sched, st = step.schedule, step.setting
+    if req.cost_bw is not None and any(a.kind == B and b.kind == W and (a.stage, a.mb) == (b.stage, b.mb)
+                                       for o in sched.orders for a, b in zip(o, o[1:])):
+        return False
+    floor = offload_floor(sched, st, off.options(st.memory_limit))
+    return floor is not None and any(f * unit + s > budget * (1 + 1e-9) for f, s in zip(floor, states))
 
 
 def needed_limit(peak: float) -> float:
