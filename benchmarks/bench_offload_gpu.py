@@ -233,7 +233,7 @@ def parse_args(argv=None, parser=None):
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="tiny dimensions: checks the code path, no figures")
-    from megatron_zb.megatron.features.attention_args import ATTENTION_BACKENDS
+    from megatron_zb.megatron.features.flags.attention import ATTENTION_BACKENDS
     ap.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
                     help="flash or fused: torch's scaled_dot_product_attention as the core attention")
     ap.add_argument("--out", default=None)

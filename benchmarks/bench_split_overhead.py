@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 
-from megatron_zb.megatron.features.attention_args import ATTENTION_BACKENDS, uses_sdpa  # noqa: E402
+from megatron_zb.megatron.features.flags.attention import ATTENTION_BACKENDS, uses_sdpa  # noqa: E402
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -67,7 +67,7 @@ for _p in (ROOT, HERE):
 
 import gpu_check_report as R  # noqa: E402
 from gpu_check_sections import OneLineParser, UsageError  # noqa: E402
-from megatron_zb.megatron.features.attention_args import ATTENTION_BACKENDS  # noqa: E402 - no torch
+from megatron_zb.megatron.features.flags.attention import ATTENTION_BACKENDS  # noqa: E402 - no torch
 
 # name -> (module, function, budget in seconds on one GPU); the budgets add up to 450 s of the 480.
 # The H200 runs kept in benchmarks/results/gpu_check_h200/ took at most: env 19 s, offload 34, postval

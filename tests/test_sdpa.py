@@ -75,7 +75,7 @@ def test_verify_with_sdpa_is_exact(mcore_path, mcore_version):
 def test_the_flag_in_verify_and_the_gpu_check(tmp_path, capsys):
     """verify and the GPU check take Megatron's names; the GPU check's sections plan with the SDPA layer
     (a dry run of two of them); a name Megatron does not have is one line and exit code 2."""
-    from megatron_zb.megatron.features.attention_args import backend_name, uses_sdpa
+    from megatron_zb.megatron.features.flags.attention import backend_name, uses_sdpa
     from megatron_zb.verify.command import _build_parser
     a = _build_parser().parse_args(["--schedule", "zb-v", "-p", "2", "--attention-backend", "fused",
                                     "--num-query-groups", "2"])
@@ -84,7 +84,7 @@ def test_the_flag_in_verify_and_the_gpu_check(tmp_path, capsys):
     assert backend_name(type("AttnBackend", (), {"name": "flash"})()) == "flash"
     import argparse
     from megatron_zb.megatron.errors import ZeroBubbleArgumentError
-    from megatron_zb.megatron.features.attention_args import check_attention_args
+    from megatron_zb.megatron.features.flags.attention import check_attention_args
     ok = dict(transformer_impl="local", attention_backend=type("AttnBackend", (), {"name": "flash"})(),
               context_parallel_size=1, window_size=None, softmax_type="vanilla", multi_latent_attention=False)
     check_attention_args(argparse.Namespace(**ok))

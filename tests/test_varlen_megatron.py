@@ -63,7 +63,7 @@ def test_balance_refusals(opts, match):
 def test_training_flags():
     """--zero-bubble-balance-microbatches in the flags: Megatron's variable_seq_lengths and the
     per-token loss turned on, the install option given; what it cannot run with refused in one line."""
-    from megatron_zb.megatron.features.balance_args import after_megatron_validation
+    from megatron_zb.megatron.features.flags.balance import after_megatron_validation
     from megatron_zb.megatron.errors import ZeroBubbleArgumentError
     from tests.test_args import BASE, validate
     args, kw = validate(BASE + " --zero-bubble-schedule zb-v --zero-bubble-balance-microbatches "

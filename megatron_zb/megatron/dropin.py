@@ -42,7 +42,7 @@ from functools import partial
 from typing import Callable, List, Optional
 
 from .launch.args import add_zero_bubble_args
-from .features.balance_args import after_megatron_validation
+from .features.flags.balance import after_megatron_validation
 from .launch.chunks import ChunkPlan
 from .errors import ZeroBubbleArgumentError
 from .launch.flags import validate_zero_bubble_args

@@ -99,7 +99,7 @@ class _ModelProvider:
             print(" > " + plan.describe(info, pre_process, post_process), flush=True)
         packed = bool(getattr(args, "zero_bubble_pack_sequences", False))
         local = tcfg.transformer_impl == "local" and model_cfg.transformer_layer_spec is None
-        # without TE, --attention-backend flash/fused: torch's SDPA as the core attention (features.attention_args)
+        # without TE, --attention-backend flash/fused: torch's SDPA as the core attention (features.flags.attention)
         core = core_attention_for(getattr(tcfg, "attention_backend", None)) if local else None
         if local and (tcfg.sequence_parallel or packed):
             # the local spec's torch norms refuse sequence parallelism (apex/TE norms are absent, e.g.

@@ -306,7 +306,7 @@ def make_case(schedule: str, pipeline_parallel_size: int, tensor_parallel_size: 
         raise VerifyUsageError("num_attention_heads must divide hidden_size and be divisible by the TP size")
     if case.vocab_size % t:
         raise VerifyUsageError("vocab_size must be divisible by the TP size")
-    from ..megatron.features.attention_args import ATTENTION_BACKENDS
+    from ..megatron.features.flags.attention import ATTENTION_BACKENDS
     if case.attention_backend not in ATTENTION_BACKENDS:
         raise VerifyUsageError(f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}")
     if case.sequence_parallel and t < 2:

@@ -11,8 +11,8 @@ import sys
 from typing import Optional, Sequence
 
 from ..argtypes import int_at_least, nonneg, positive_float, positive_int, share_or_auto
-from ..megatron.features.attention_args import ATTENTION_BACKENDS
-from ..megatron.features.recompute_args import parse_counts
+from ..megatron.features.flags.attention import ATTENTION_BACKENDS
+from ..megatron.features.flags.recompute import parse_counts
 from .case import DEFAULT_GRAD_RTOL, DEFAULT_LOSS_ATOL, PSEUDO_SCHEDULES, VerifyUsageError, make_case
 from .harness import run_verify_many
 

@@ -13,7 +13,7 @@ config; the chunk's other modules are untouched.
 
 Applied right after each chunk is built: by ``megatron.launch.chunks.ChunkPlan.finish`` (the
 entry point and the drop-in) and by verify's tiny GPT (``verify.model.tinygpt``). The counts per
-chunk come from ``megatron.features.recompute_args.stage_counts``.
+chunk come from ``megatron.features.flags.recompute.stage_counts``.
 """
 from __future__ import annotations
 

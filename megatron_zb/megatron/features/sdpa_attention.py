@@ -9,7 +9,7 @@ on a GPU torch picks its FlashAttention / memory-efficient / cuDNN kernels (no s
 a CPU its own kernels or the math path, equal to megatron's attention up to float rounding.
 
 Selected by Megatron's own flag where Transformer Engine is absent (``--transformer-impl local``):
-``--attention-backend flash`` or ``fused`` (``features.attention_args``); ``local``, ``unfused`` and
+``--attention-backend flash`` or ``fused`` (``features.flags.attention``); ``local``, ``unfused`` and
 ``auto`` (Megatron's default) keep megatron's ``DotProductAttention``. With TE installed the flag
 means what it means in Megatron (TE's backends) and nothing here is used.
 
@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ZeroBubbleConfigError
-from .attention_args import uses_sdpa
+from .flags.attention import uses_sdpa
 
 __all__ = ["SDPAttention", "core_attention_for"]
 

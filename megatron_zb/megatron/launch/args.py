@@ -49,8 +49,8 @@ from typing import Callable, Dict, Optional
 from ...core import schedules as core_schedules
 from ...core.ir import ScheduleError
 from ...core.schedules.search.auto import EFFORTS as SEARCH_EFFORTS
-from ..features.balance_args import add_balance_args
-from ..features.recompute_args import add_recompute_args
+from ..features.flags.balance import add_balance_args
+from ..features.flags.recompute import add_recompute_args
 
 __all__ = ["add_zero_bubble_args", "chain_providers", "has_flag", "zero_bubble_requested", "NOT_AVAILABLE_FLAGS", "WHAT_INSTEAD",
            "DEFAULT_TIMEOUT_S", "FORK_TIMERS_DEFAULT"]
@@ -284,8 +284,8 @@ def add_zero_bubble_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     g.add_argument("--zero-bubble-offload-cpu-test", action="store_true", default=False,
                    help="Allow activation offload without CUDA: synchronous copies between CPU tensors, to check "
                         "correctness (not speed) on a CPU machine.")
-    add_balance_args(g)  # variable-length batches (megatron.balance_args)
-    add_recompute_args(g)  # recompute per model chunk (megatron.features.recompute_args)
+    add_balance_args(g)  # variable-length batches (megatron.features.flags.balance)
+    add_recompute_args(g)  # recompute per model chunk (megatron.features.flags.recompute)
     g.add_argument("--allow-padding-num-layers", action="store_true", default=False,
                    help="Allow a layer count that does not split evenly: the first and the last stage (which "
                         "also hold the embedding and the loss) get one layer less, i.e. --num-layers = k x "

@@ -20,7 +20,7 @@ from typing import List, Optional, Tuple
 from ...core.ir import Placement
 from ..layout import placement as zb_placement
 from ..execution.finalize import finalize_model_grads_for, mark_replica_copies
-from ..features.recompute_args import training_stage_counts
+from ..features.flags.recompute import training_stage_counts
 from .startup import layer_kw, placement_of
 
 __all__ = ["ChunkPlan"]

@@ -18,12 +18,12 @@ from ...core import schedules as core_schedules
 from ...core.ir import Placement, ScheduleError
 from ...core.costs.layout import parse as parse_layout
 from .args import DEFAULT_TIMEOUT_S, FORK_TIMERS_DEFAULT, NOT_AVAILABLE_FLAGS, WHAT_INSTEAD
-from ..features.balance_args import BALANCE_FLAGS, balance_kwargs
+from ..features.flags.balance import BALANCE_FLAGS, balance_kwargs
 from ..errors import ZeroBubbleArgumentError
 from ..layout.layout_args import apply_layout, chunk_cost_kwargs, given_layout_flags, layout_from_args
 from ..layout.model_args import has_model, mem_w_ratio, memory_limit_in_microbatches, model_spec
-from ..features.vocab_args import check_vocab_args, vocab_cost_kwargs
-from ..features.recompute_args import training_stage_counts
+from ..features.flags.vocab import check_vocab_args, vocab_cost_kwargs
+from ..features.flags.recompute import training_stage_counts
 
 __all__ = ["validate_zero_bubble_args", "memory_limit_in_microbatches", "mem_w_ratio", "ZeroBubbleArgumentError"]
 

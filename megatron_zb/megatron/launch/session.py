@@ -132,7 +132,7 @@ class TrainingSession:
                  if getattr(self.args, "zero_bubble_chunk_costs", None) else
                  "unit costs F=B=W=1, not measured ones (--zero-bubble-cost-f/-b/-w give yours)")
         if vocab:
-            from ..features.vocab_args import ASSUMED_LINK_GBPS, ASSUMED_TFLOPS
+            from ..features.flags.vocab import ASSUMED_LINK_GBPS, ASSUMED_TFLOPS
             costs += (f"; vocabulary parallelism with {vocab} barrier(s): every rank's output-layer shard in VS/VT/VW "
                       f"passes, the barriers at {ASSUMED_LINK_GBPS:g} GB/s against {ASSUMED_TFLOPS:g} TFLOPS of "
                       "compute (1f1b: the same passes)"
@@ -293,7 +293,7 @@ def trough_inputs(args, placement) -> dict:
     import math
 
     import torch
-    from ..features.vocab_args import ASSUMED_TFLOPS
+    from ..features.flags.vocab import ASSUMED_TFLOPS
     from ..layout.model_args import memory_limit_in_microbatches, model_spec
     spec = model_spec(args)
     tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)

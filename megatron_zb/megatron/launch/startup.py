@@ -11,8 +11,8 @@ import sys
 from typing import Callable, List, Optional, Sequence
 
 from .args import add_zero_bubble_args, chain_providers, has_flag
-from ..features.attention_args import check_attention_args
-from ..features.balance_args import after_megatron_validation
+from ..features.flags.attention import check_attention_args
+from ..features.flags.balance import after_megatron_validation
 from ..errors import ZeroBubbleArgumentError
 from .flags import validate_zero_bubble_args
 

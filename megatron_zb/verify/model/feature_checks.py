@@ -79,7 +79,7 @@ def check_recompute(case, error) -> None:
     if case.recompute_counts is None:
         return
     from ...core.ir import ScheduleError
-    from ...megatron.features.recompute_args import FLAG, stage_counts
+    from ...megatron.features.flags.recompute import FLAG, stage_counts
     from ...megatron.layout.placement import make_placement, stage_layer_counts
     if case.optimizer or case.post_validation or case.optimizer_trough:
         raise error(f"{FLAG} is not covered with Megatron's optimizer here (--optimizer, --optimizer-post-validation)")

@@ -52,7 +52,7 @@ class TinyGPTConfig:
     variable_seq_lengths: bool = False  # each microbatch gets its own length (multiple of 4)
     skewed_lengths: bool = False  # with variable_seq_lengths: 4..seq_length, most of them short (a long tail)
     packed_attention: bool = False  # attention that takes packed sequences (THD; megatron.cpu.local_spec)
-    attention_backend: str = "auto"  # Megatron's --attention-backend: flash/fused = torch's SDPA (features.attention_args)
+    attention_backend: str = "auto"  # Megatron's --attention-backend: flash/fused = torch's SDPA (features.flags.attention)
     loss_mask_prob: float = 0.1  # fraction of label positions masked out of the loss
 
     def to_dict(self) -> dict:

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional
 
-from ...core.ir import Placement, ScheduleError
-from ...core.costs.layout import Layout
-from ..errors import ZeroBubbleArgumentError
+from ....core.ir import Placement, ScheduleError
+from ....core.costs.layout import Layout
+from ...errors import ZeroBubbleArgumentError
 
 __all__ = ["vocab_barriers", "check_vocab_args", "vocab_cost_kwargs", "ASSUMED_TFLOPS", "ASSUMED_LINK_GBPS"]
 
@@ -95,7 +95,7 @@ def vocab_cost_kwargs(spec, layout: Optional[Layout], placement: Placement, barr
     stage computing at ``ASSUMED_TFLOPS`` (``core.costs.chunk_costs.unit_costs``: what plan builds its rows
     with). ``layout`` None: the even split. ``embedding``: the input embedding split too (VI, VG and
     their collectives; --split-vocab-embedding)."""
-    from ...core.costs.chunk_costs import unit_costs
+    from ....core.costs.chunk_costs import unit_costs
     try:
         uc = unit_costs(spec, layout, placement, barriers, embedding, flops_per_s=ASSUMED_TFLOPS * 1e12,
                         link_bytes_per_s=ASSUMED_LINK_GBPS * 1e9)

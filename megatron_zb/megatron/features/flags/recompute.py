@@ -15,8 +15,8 @@ from __future__ import annotations
 import argparse
 from typing import Optional, Sequence, Tuple
 
-from ...core.ir import Placement
-from ..errors import ZeroBubbleArgumentError
+from ....core.ir import Placement
+from ...errors import ZeroBubbleArgumentError
 
 __all__ = ["FLAG", "parse_counts", "add_recompute_args", "stage_counts", "training_stage_counts"]
 

@@ -14,7 +14,7 @@ This module imports neither torch nor megatron.
 """
 from __future__ import annotations
 
-from .. import errors
+from ... import errors
 
 __all__ = ["ATTENTION_BACKENDS", "SDPA_BACKENDS", "backend_name", "uses_sdpa", "check_attention_args"]
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import argparse
 from typing import Any, Dict, Optional
 
-from ...core.ir import ScheduleError
-from ...core.varlen.seqlens import length_sampler
-from ..errors import ZeroBubbleArgumentError
+from ....core.ir import ScheduleError
+from ....core.varlen.seqlens import length_sampler
+from ...errors import ZeroBubbleArgumentError
 
 __all__ = ["add_balance_args", "balance_kwargs", "after_megatron_validation", "BALANCE_FLAGS"]
 
