@@ -6,22 +6,19 @@ without --offload-ratio auto over a 50 GB/s host link. Simulated (H100 at 0.5 ef
     OMP_NUM_THREADS=1 python benchmarks/bench_memory_levers.py [--shapes A B ...] \\
         [--out benchmarks/results/memory_levers.json]
 
-Each plan runs as the command line runs it (``megatron-zb plan ... --json``, in this process with
-``--jobs 1``); its CPU seconds are recorded beside it.
+Each plan runs as the command line runs it (``megatron-zb plan ... --json --jobs 1``, each in a
+fresh process); its CPU seconds (user + sys, interpreter start included) are recorded beside it.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import os
+import resource
+import subprocess
 import sys
-import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from megatron_zb.cli import main  # noqa: E402
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
 #: name -> (plan flags of the model and parallelism, GPU memory GiB)
 SHAPES = {
@@ -37,14 +34,16 @@ OFFLOAD = ["--offload-ratio", "auto", "--host-link-gbps", "50"]
 
 
 def _plan(flags) -> tuple:
-    out = io.StringIO()
-    t = time.process_time()
-    with contextlib.redirect_stdout(out):
-        rc = main(["plan"] + flags + ["--jobs", "1", "--json"])
-    cpu = time.process_time() - t
-    if rc != 0:
-        raise SystemExit(f"plan {' '.join(flags)} failed ({rc})")
-    return json.loads(out.getvalue()), cpu
+    """One plan as the command line runs it, in a fresh process (nothing remembered from another
+    plan's searches): its JSON and its CPU seconds (user + sys)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    proc = subprocess.run([sys.executable, "-m", "megatron_zb.cli", "plan"] + flags + ["--jobs", "1", "--json"],
+                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if proc.returncode != 0:
+        raise SystemExit(f"plan {' '.join(flags)} failed ({proc.returncode}): {proc.stderr.strip()[-500:]}")
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return json.loads(proc.stdout), cpu
 
 
 def _row(r) -> dict:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The main job (about 5.5 minutes on a quiet 2-core CPU box from a fresh clone, set-up included: 4 min 48 s
-# measured without the real-compute section's megatron-zb 1f1b runs, which add 3 runs of about 16 s):
+# The main job (about 7 minutes on a 2-core CPU box from a fresh clone, set-up included: 6 min 55 s
+# measured with the real-compute section's three rounds):
 #   1. set-up (scripts/setup_env.sh; its output goes to $OUT/setup.log);
 #   2. correctness: train a tiny GPT for real with megatron-zb's zb-v schedule on 4 pipeline ranks
 #      (gloo processes on a CPU), then the same model, data and seed with 1f1b: identical losses;
