@@ -10,7 +10,8 @@ with ``--recompute-method block --recompute-num-layers N``: the first N layers o
 vocabulary parallelism, no offload). Each candidate is costed and timed as plan's rows are
 (``plan.row``); the fastest that fits is the baseline (of equally fast ones the one met first:
 the least recompute, 1F1B before interleaving). Each schedule's recompute is tried from the least
-(none, selective, block 1, 2, ..., uniform) to the first that fits: more only costs time. Megatron has no post-validation: the baseline is
+(none, selective, block 1, 2, ..., uniform) to the first that fits: more only costs time (selective
+only without flash attention, where it keeps less). Megatron has no post-validation: the baseline is
 timed with its synchronous step, and ``speedup_vs_megatron`` compares a row's time as plan ranks it
 with that.
 """
@@ -29,10 +30,14 @@ __all__ = ["megatron_baseline", "against"]
 
 def _recomputes(spec: ModelSpec, most: int) -> List[Tuple[str, ModelSpec]]:
     """(the recompute flags, the model with them), from none to the most: none, selective, block
-    1..``most`` (layers per chunk), uniform (every layer)."""
+    1..``most`` (layers per chunk), uniform (every layer). Not selective with flash attention: it
+    keeps no attention scores either way, so selective recompute keeps the same bytes for more time
+    (it fits exactly where no recompute does)."""
     base = dataclasses.replace(spec, recompute=None, recompute_method=None, recompute_num_layers=1,
                                recompute_counts=None)
-    out = [("", base), (" --recompute-granularity selective", dataclasses.replace(base, recompute="selective"))]
+    out = [("", base)]
+    if not spec.flash_attention:
+        out.append((" --recompute-granularity selective", dataclasses.replace(base, recompute="selective")))
     for n in range(1, most + 1):
         out.append((f" --recompute-granularity full --recompute-method block --recompute-num-layers {n}",
                     dataclasses.replace(base, recompute="full", recompute_method="block", recompute_num_layers=n)))
