@@ -83,30 +83,6 @@ def simulate_case(case, comm=0.0):
     return res.makespan, max(tl[-1].end for tl in res.timeline if tl)
 
 
-def _ping_pong(groups, rank, p, rounds=20):
-    """Median one-way time of a small message between neighbouring ranks (seconds)."""
-    import torch
-    import torch.distributed as dist
-    buf = torch.zeros(4)
-    out = []
-    for a in range(p - 1):
-        b = a + 1
-        if rank not in (a, b):
-            continue
-        g = groups.group(a, b)
-        for i in range(rounds + 2):
-            if rank == a:
-                t0 = time.perf_counter()
-                dist.send(buf, b, group=g)
-                dist.recv(buf, b, group=g)
-                if i >= 2:
-                    out.append((time.perf_counter() - t0) / 2)
-            else:
-                dist.recv(buf, a, group=g)
-                dist.send(buf, a, group=g)
-    return out
-
-
 def rank_main(rank, world, port, cases, unit, iterations, warmup, q):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch
@@ -116,11 +92,12 @@ def rank_main(rank, world, port, cases, unit, iterations, warmup, q):
     from megatron_zb.core.schedules import generate
     from megatron_zb.runtime.p2p import P2P, PairGroups
     from megatron_zb.runtime.emulate.sleep_passes import sleep_passes, time_iterations
+    from megatron_zb.verify.timing.emulate import ping_pong
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     groups = PairGroups(list(range(world)), {(a, b) for a in range(world) for b in range(a + 1, world)})
     p2p = P2P(groups, rank, timeout_s=120)
-    hops = _ping_pong(groups, rank, world)
+    hops = ping_pong(groups, rank, world)
     everyone = [None] * world
     dist.all_gather_object(everyone, hops)
     hop = statistics.median([x for xs in everyone for x in xs]) if world > 1 else 0.0

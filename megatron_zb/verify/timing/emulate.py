@@ -48,7 +48,7 @@ from ...core.sim.iteration import iteration_times
 from ...core.sim.simulate import SimResult, Timed
 from ...runtime.hooks import Hook
 
-__all__ = ["Entry", "Timing", "COMBINED_1F1B", "emulate", "emulate_schedules", "predicted_iteration", "schedule_for"]
+__all__ = ["Entry", "Timing", "COMBINED_1F1B", "emulate", "emulate_schedules", "ping_pong", "predicted_iteration", "schedule_for"]
 
 #: Entry.schedule of Megatron's interleaved 1F1B (2 chunks per rank) with its combined-1F1B
 #: expert-parallel overlap (``core.schedules.interleaved.combined_1f1b``; not a registered schedule)
@@ -136,7 +136,7 @@ def _rank_main(job: dict) -> dict:
     out = []
     try:
         hops = [None] * world
-        dist.all_gather_object(hops, _ping_pong(groups, rank, world))
+        dist.all_gather_object(hops, ping_pong(groups, rank, world))
         hop = statistics.median([x for xs in hops for x in xs]) if world > 1 else 0.0
         out.append(hop)  # the same value on every rank: every rank generates the same schedules
         for e in job["entries"]:
@@ -168,7 +168,7 @@ def _rank_main(job: dict) -> dict:
     return out
 
 
-def _ping_pong(groups, rank: int, world: int, rounds: int = 20) -> List[float]:
+def ping_pong(groups, rank: int, world: int, rounds: int = 20) -> List[float]:
     """One-way times (s) of a small message between neighbouring ranks: half of each round trip."""
     import torch
     import torch.distributed as dist
@@ -261,7 +261,7 @@ def _schedules_rank_main(job: dict) -> list:
     out = []
     try:
         hops = [None] * world
-        dist.all_gather_object(hops, _ping_pong(groups, rank, world))
+        dist.all_gather_object(hops, ping_pong(groups, rank, world))
         out.append(statistics.median([x for xs in hops for x in xs]) if world > 1 else 0.0)
         runs = []
         for sched, st in job["pairs"]:
