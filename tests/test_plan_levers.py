@@ -62,6 +62,34 @@ def test_a_vocab_row_of_a_fixed_memory_schedule_is_never_slower_than_its_plain_t
             assert r[KEY] <= twin[KEY] * (1 + TIE), (r["schedule"], r[KEY], twin[KEY])
 
 
+def test_a_vocab_row_made_to_fit_is_placed_again_with_its_own_levers():
+    """vocab_twins places a quick +vocab row's passes again in full with the recompute and offload
+    fit_rows gave it (a row built without them would not fit: the search would be wasted), and the
+    row kept carries those levers' flags."""
+    from megatron_zb.core.plan.levers import vocab_twins
+    req = P.PlanRequest(SPEC, 4, 8, 8.0, offload=P.OffloadLever("auto", host_link_gbps=50.0))
+    base = dict(fits=True, flags="--x")
+    plain = dict(base, schedule="zb-h1", iteration_time_s=1.0, recompute_layers=[1, 0, 0, 0])
+    vocab = dict(base, schedule="zb-h1", vocab_parallel=1, iteration_time_s=1.2, search_effort="quick",
+                 recompute_layers=[2, 1, 0, 0], offload={"time": 0.0})
+    asked = []
+
+    def build(name, v, r, effort):
+        asked.append((name, v, r, effort))
+        return dict(base, schedule=name, vocab_parallel=v, iteration_time_s=1.1, search_effort=effort)
+
+    out = vocab_twins([plain, vocab], req, build)
+    (name, v, r, effort), = asked
+    assert (name, v, effort) == ("zb-h1", 1, "full")
+    assert r.model.recompute_counts == (2, 1, 0, 0) and r.offload == req.offload  # the row's own levers
+    assert out[0] is plain and out[1]["iteration_time_s"] == 1.1 and out[1]["recompute_layers"] == [2, 1, 0, 0]
+    assert "--zero-bubble-recompute-num-layers 2,1,0,0" in out[1]["flags"]
+    # a row that fit without offload under 'auto' is placed again without it
+    asked.clear()
+    vocab_twins([plain, {k: x for k, x in vocab.items() if k != "offload"}], req, build)
+    assert asked[0][2].offload is None
+
+
 def test_recompute_makes_a_row_fit_and_its_flags_say_so(plans):
     rc = [r for r in plans[8.0, "plain"] if "error" not in r and r.get("recompute_layers") and r["fits"]]
     assert rc

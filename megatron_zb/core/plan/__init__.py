@@ -114,7 +114,7 @@ def plan(request: PlanRequest, workers: Optional["Workers"] = None, jobs: int = 
     efforts = {(r["schedule"], r.get("vocab_parallel")): r.get("search_effort", "full") for r in rows if "error" not in r}
     rows = fit_rows(rows, request, lambda name, vocab, req, fit_only=False: one_row(
         name, vocab, req, efforts.get((name, vocab), "full"), True, fit_only))
-    rows = vocab_twins(rows, request, lambda name, vocab, effort: one_row(name, vocab, built, effort, True))
+    rows = vocab_twins(rows, request, lambda name, vocab, req, effort: one_row(name, vocab, req, effort, True))
     base = next((r for r in rows if r["schedule"] == "1f1b" and "error" not in r and not r.get("vocab_parallel")),
                 None)
     ok = [r for r in rows if "error" not in r]

@@ -28,7 +28,7 @@ from ..schedules import get
 from .request import PlanRequest
 from .row import placement_for
 
-__all__ = ["fit_rows", "vocab_twins", "recompute_flags", "RAISES"]
+__all__ = ["fit_rows", "vocab_twins", "lever_request", "recompute_flags", "RAISES"]
 
 #: how many times a recompute estimate is raised by one layer on the ranks still over the budget
 RAISES = 3
@@ -168,11 +168,12 @@ def _saved_per_layer(spec: ModelSpec) -> float:
     return spec.layer_activation_bytes()[0] - spec.recomputing().layer_activation_bytes()[0]
 
 
-def vocab_twins(rows: List[dict], request: PlanRequest, build_row: Callable[[str, Optional[int], str], dict]) \
+def vocab_twins(rows: List[dict], request: PlanRequest, build_row: Callable[[str, Optional[int], PlanRequest, str], dict]) \
         -> List[dict]:
     """A +vocab row of a schedule whose memory is its own (not searched under a limit) slower than its
     plain twin where both fit: its vocabulary passes placed every way (the full effort), where it was
-    searched quickly (``build_row(name, vocab, effort)``); kept where that is faster."""
+    searched quickly, with the levers the row carries (``build_row(name, vocab, request, effort)``,
+    ``request`` with its recompute and offload: ``lever_request``); kept where that is faster."""
     key = request.ranked_by
     plain = {r["schedule"]: r for r in rows if "error" not in r and not r.get("vocab_parallel") and r["fits"]}
     out = list(rows)
@@ -181,7 +182,20 @@ def vocab_twins(rows: List[dict], request: PlanRequest, build_row: Callable[[str
         if twin is None or get(r["schedule"]).searched or r.get("search_effort") != "quick" \
                 or r[key] <= twin[key] * (1 + 1e-3):
             continue
-        again = build_row(r["schedule"], r["vocab_parallel"], "full")
+        counts = r.get("recompute_layers")
+        again = build_row(r["schedule"], r["vocab_parallel"], lever_request(r, request), "full")
         if "error" not in again and again["fits"] and again[key] < r[key]:
+            if counts:
+                again["flags"] += recompute_flags(counts)
+                again["recompute_layers"] = list(counts)
             out[i] = again
     return out
+
+
+def lever_request(r: dict, request: PlanRequest) -> PlanRequest:
+    """The request a row made to fit by ``fit_rows`` was built with: offload 'auto' where the row
+    offloads under it (else none: the rows are built without it), its recompute per model chunk."""
+    auto = request.offload is not None and request.offload.ratio == "auto"
+    req = request.replace(offload=None) if auto and "offload" not in r else request
+    counts = r.get("recompute_layers")
+    return req.replace(model=_recomputing(req.model, counts)) if counts else req
