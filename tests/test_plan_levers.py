@@ -68,7 +68,7 @@ def test_a_vocab_row_made_to_fit_is_placed_again_with_its_own_levers():
     row kept carries those levers' flags."""
     from megatron_zb.core.plan.levers import vocab_twins
     req = P.PlanRequest(SPEC, 4, 8, 8.0, offload=P.OffloadLever("auto", host_link_gbps=50.0))
-    base = dict(fits=True, flags="--x")
+    base = dict(fits=True, flags="--x", layout="Et|t|t|tL")
     plain = dict(base, schedule="zb-h1", iteration_time_s=1.0, recompute_layers=[1, 0, 0, 0])
     vocab = dict(base, schedule="zb-h1", vocab_parallel=1, iteration_time_s=1.2, search_effort="quick",
                  recompute_layers=[2, 1, 0, 0], offload={"time": 0.0})
@@ -82,6 +82,7 @@ def test_a_vocab_row_made_to_fit_is_placed_again_with_its_own_levers():
     (name, v, r, effort), = asked
     assert (name, v, effort) == ("zb-h1", 1, "full")
     assert r.model.recompute_counts == (2, 1, 0, 0) and r.offload == req.offload  # the row's own levers
+    assert r.layout == "Et|t|t|tL"  # and layout
     assert out[0] is plain and out[1]["iteration_time_s"] == 1.1 and out[1]["recompute_layers"] == [2, 1, 0, 0]
     assert "--zero-bubble-recompute-num-layers 2,1,0,0" in out[1]["flags"]
     # a row that fit without offload under 'auto' is placed again without it

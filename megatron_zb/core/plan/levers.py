@@ -12,7 +12,8 @@ a replacement of one that fits: a lever added to the search cannot make the best
 Recompute per rank: each rank over the budget recomputes the fewest layers that close its gap, its
 earliest chunk first (it holds the most microbatches), estimated from what one recomputed layer saves
 (its activation less its kept input, for every microbatch of that chunk the rank holds at its peak),
-then checked by building the row again and raised by one layer on a rank still over, a few times.
+then checked by building the row again on its layout (the counts are per model chunk of it) and
+raised by one layer on a rank still over, a few times.
 """
 from __future__ import annotations
 
@@ -86,12 +87,20 @@ def _variants(r: dict, request: PlanRequest, build_row) -> List[dict]:
         row, counts = rc
         out.append(row)
         if auto and not row["fits"]:
-            both = build_row(name, vocab, request.replace(model=_recomputing(request.model, counts)), True)
+            both = build_row(name, vocab, _own_layout(r, request.replace(model=_recomputing(request.model, counts))),
+                             True)
             if "error" not in both:
                 both["flags"] += recompute_flags(counts)
                 both["recompute_layers"] = list(counts)
             out.append(both)
     return out
+
+
+def _own_layout(r: dict, request: PlanRequest) -> PlanRequest:
+    """``request`` pinned to row ``r``'s layout (one build, not one per candidate layout): its recompute
+    counts are per model chunk of that layout. The even split padded at the ends stays the request's
+    (its flag, not a layout, says so)."""
+    return request if "--allow-padding-num-layers" in r["flags"] else request.replace(layout=r["layout"])
 
 
 def _recomputing(spec: ModelSpec, counts: Sequence[int]) -> ModelSpec:
@@ -135,7 +144,8 @@ def _recompute(r: dict, request: PlanRequest, build_row) -> Optional[Tuple[dict,
                 _add(counts, chunks[q], room, layers)
         if counts == before:
             break
-        row = build_row(r["schedule"], r.get("vocab_parallel"), request.replace(model=_recomputing(spec, counts)))
+        row = build_row(r["schedule"], r.get("vocab_parallel"),
+                        _own_layout(r, request.replace(model=_recomputing(spec, counts))))
         if "error" in row:
             return None
         row["flags"] += recompute_flags(counts)
@@ -172,8 +182,8 @@ def vocab_twins(rows: List[dict], request: PlanRequest, build_row: Callable[[str
         -> List[dict]:
     """A +vocab row of a schedule whose memory is its own (not searched under a limit) slower than its
     plain twin where both fit: its vocabulary passes placed every way (the full effort), where it was
-    searched quickly, with the levers the row carries (``build_row(name, vocab, request, effort)``,
-    ``request`` with its recompute and offload: ``lever_request``); kept where that is faster."""
+    searched quickly, on the row's layout with the levers it carries (``build_row(name, vocab, request,
+    effort)``, ``request`` with its recompute and offload: ``lever_request``); kept where that is faster."""
     key = request.ranked_by
     plain = {r["schedule"]: r for r in rows if "error" not in r and not r.get("vocab_parallel") and r["fits"]}
     out = list(rows)
@@ -183,7 +193,7 @@ def vocab_twins(rows: List[dict], request: PlanRequest, build_row: Callable[[str
                 or r[key] <= twin[key] * (1 + 1e-3):
             continue
         counts = r.get("recompute_layers")
-        again = build_row(r["schedule"], r["vocab_parallel"], lever_request(r, request), "full")
+        again = build_row(r["schedule"], r["vocab_parallel"], _own_layout(r, lever_request(r, request)), "full")
         if "error" not in again and again["fits"] and again[key] < r[key]:
             if counts:
                 again["flags"] += recompute_flags(counts)
