@@ -29,7 +29,7 @@ from ..schedules import get
 from .request import PlanRequest
 from .row import placement_for
 
-__all__ = ["fit_rows", "vocab_twins", "lever_request", "recompute_flags", "RAISES"]
+__all__ = ["fit_rows", "vocab_twins", "recompute_flags", "RAISES"]
 
 #: how many times a recompute estimate is raised by one layer on the ranks still over the budget
 RAISES = 3
@@ -90,8 +90,7 @@ def _variants(r: dict, request: PlanRequest, build_row) -> List[dict]:
             both = build_row(name, vocab, _own_layout(r, request.replace(model=_recomputing(request.model, counts))),
                              True)
             if "error" not in both:
-                both["flags"] += recompute_flags(counts)
-                both["recompute_layers"] = list(counts)
+                _recomputes(both, counts)
             out.append(both)
     return out
 
@@ -101,6 +100,12 @@ def _own_layout(r: dict, request: PlanRequest) -> PlanRequest:
     counts are per model chunk of that layout. The even split padded at the ends stays the request's
     (its flag, not a layout, says so)."""
     return request if "--allow-padding-num-layers" in r["flags"] else request.replace(layout=r["layout"])
+
+
+def _recomputes(row: dict, counts: Sequence[int]) -> None:
+    """A row built with recompute per model chunk ``counts``: its flags and ``recompute_layers`` say so."""
+    row["flags"] += recompute_flags(counts)
+    row["recompute_layers"] = list(counts)
 
 
 def _recomputing(spec: ModelSpec, counts: Sequence[int]) -> ModelSpec:
@@ -148,8 +153,7 @@ def _recompute(r: dict, request: PlanRequest, build_row) -> Optional[Tuple[dict,
                         _own_layout(r, request.replace(model=_recomputing(spec, counts))))
         if "error" in row:
             return None
-        row["flags"] += recompute_flags(counts)
-        row["recompute_layers"] = list(counts)
+        _recomputes(row, counts)
     if not any(counts):
         return None
     return row, counts
@@ -178,12 +182,12 @@ def _saved_per_layer(spec: ModelSpec) -> float:
     return spec.layer_activation_bytes()[0] - spec.recomputing().layer_activation_bytes()[0]
 
 
-def vocab_twins(rows: List[dict], request: PlanRequest, build_row: Callable[[str, Optional[int], PlanRequest, str], dict]) \
-        -> List[dict]:
+def vocab_twins(rows: List[dict], request: PlanRequest,
+                build_row: Callable[[str, Optional[int], PlanRequest, str], dict]) -> List[dict]:
     """A +vocab row of a schedule whose memory is its own (not searched under a limit) slower than its
     plain twin where both fit: its vocabulary passes placed every way (the full effort), where it was
     searched quickly, on the row's layout with the levers it carries (``build_row(name, vocab, request,
-    effort)``, ``request`` with its recompute and offload: ``lever_request``); kept where that is faster."""
+    effort)``, ``request`` with its recompute and offload: ``_lever_request``); kept where that is faster."""
     key = request.ranked_by
     plain = {r["schedule"]: r for r in rows if "error" not in r and not r.get("vocab_parallel") and r["fits"]}
     out = list(rows)
@@ -192,17 +196,15 @@ def vocab_twins(rows: List[dict], request: PlanRequest, build_row: Callable[[str
         if twin is None or get(r["schedule"]).searched or r.get("search_effort") != "quick" \
                 or r[key] <= twin[key] * (1 + 1e-3):
             continue
-        counts = r.get("recompute_layers")
-        again = build_row(r["schedule"], r["vocab_parallel"], _own_layout(r, lever_request(r, request)), "full")
+        again = build_row(r["schedule"], r["vocab_parallel"], _own_layout(r, _lever_request(r, request)), "full")
         if "error" not in again and again["fits"] and again[key] < r[key]:
-            if counts:
-                again["flags"] += recompute_flags(counts)
-                again["recompute_layers"] = list(counts)
+            if r.get("recompute_layers"):
+                _recomputes(again, r["recompute_layers"])
             out[i] = again
     return out
 
 
-def lever_request(r: dict, request: PlanRequest) -> PlanRequest:
+def _lever_request(r: dict, request: PlanRequest) -> PlanRequest:
     """The request a row made to fit by ``fit_rows`` was built with: offload 'auto' where the row
     offloads under it (else none: the rows are built without it), its recompute per model chunk."""
     auto = request.offload is not None and request.offload.ratio == "auto"
