@@ -132,3 +132,47 @@ def test_plan_json_has_the_baseline_and_each_rows_speedup_over_it(capsys):
     assert main(["plan", "--model", "llama-3.2-1b", "--pipeline-parallel-size", "4", "--num-microbatches", "8",
                  "--gpu-memory-gb", "12", "--jobs", "1"]) == 0
     assert "vs Megatron: against Megatron's best configuration that fits" in capsys.readouterr().out
+
+
+def test_an_interleaved_row_takes_the_faster_of_2_and_4_chunks_per_rank_and_its_flags_build_it():
+    """Chunks per rank are a lever too: an interleaved row tries CHUNK_CHOICES (fits first, then time),
+    a layout or --num-virtual-stages-per-pipeline-rank pins the count, and the row's schedule is
+    rebuilt with its own count (row_schedule), the same time."""
+    from megatron_zb.core.plan.schedule import row_schedule
+    from megatron_zb.core.sim.iteration import iteration_times
+    req = P.PlanRequest(SPEC, 4, 8, 1000.0)
+    assert P.CHUNK_CHOICES == (2, 4) and req.interleave_chunks is None
+    each = {v: P.one_row("interleaved-zb", None, req.replace(interleave_chunks=v)) for v in P.CHUNK_CHOICES}
+    r = P.one_row("interleaved-zb", None, req)
+    best = min(each.values(), key=lambda x: (x[KEY], x["chunks"]))
+    assert (r["chunks"], r[KEY]) == (best["chunks"], best[KEY])
+    for v, x in each.items():
+        assert x["chunks"] == v and f"--num-virtual-stages-per-pipeline-rank {v}" in x["flags"]
+        assert len(x["layers_per_stage"]) == 4 * v
+        assert P.one_row("interleaved-zb", None, req.replace(layout=x["layout"]))["chunks"] == v
+        sched, st = row_schedule(req, x)
+        assert st.chunks == v and iteration_times(sched, st, 0.0).iteration_time == pytest.approx(x[KEY], rel=1e-9)
+    # a recompute variant keeps the row's own chunks: its counts are per model chunk of that layout
+    from megatron_zb.core.plan import levers
+    four = each[4]
+    tight = req.replace(gpu_memory_gb=max(four["peak_bytes"]) / 1024 ** 3 - 0.3)
+    done = levers._recompute(dict(four, fits=False), tight,
+                             lambda n, v, q, fit_only=False: P.one_row(n, v, q, "full", True, fit_only))
+    assert done is not None
+    row, counts = done
+    assert row["chunks"] == 4 and len(counts) == 16 and row["fits"]
+
+
+def test_plan_takes_megatrons_virtual_stages_flag(capsys):
+    from megatron_zb.cli import main
+    import json
+    args = ["plan", "--model", "llama-3.2-1b", "--pipeline-parallel-size", "4", "--num-microbatches", "8",
+            "--schedules", "interleaved-zb", "--no-vocab-parallel", "--jobs", "1"]
+    assert main(args + ["--num-virtual-stages-per-pipeline-rank", "4", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [r["chunks"] for r in rows if r["schedule"] == "interleaved-zb"] == [4]
+    assert main(args) == 0
+    assert "interleaved-zb x" in capsys.readouterr().out  # the table names the count
+    assert main(args + ["--num-virtual-stages-per-pipeline-rank", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "--num-virtual-stages-per-pipeline-rank is 2 or more" in err and len(err.strip().splitlines()) <= 2

@@ -33,6 +33,14 @@ def _efficiency(text):
     return v
 
 
+def _virtual_stages(text):
+    v = positive_int("--num-virtual-stages-per-pipeline-rank")(text)
+    if v < 2:
+        raise argparse.ArgumentTypeError(f"--num-virtual-stages-per-pipeline-rank is 2 or more model chunks per rank "
+                                         f"(1 is no interleaving: the 1f1b rows), got {text!r}")
+    return v
+
+
 def add_parser(sub) -> None:
     pn = sub.add_parser("plan", help="rank schedules for a GPT model and a GPU memory budget",
                         description="Rank every schedule for one GPT model, pipeline size and GPU memory "
@@ -144,6 +152,10 @@ def add_parser(sub) -> None:
                     help="Megatron's layout (E embedding, t transformer layer, m MTP layer, L loss, | between stages, "
                          "*N repeats; in pipeline order: a V's 2P stages are ranks 0..P-1 then P-1..0) for every row "
                          "whose model chunks it matches; default: each row tries the even split and a balanced one")
+    pn.add_argument("--num-virtual-stages-per-pipeline-rank", type=_virtual_stages, default=None, metavar="V",
+                    help="model chunks per rank of the interleaved schedules (interleaved-1f1b, interleaved-zb, "
+                         "zeropp, looped-bfs); default: each of their rows tries 2 and 4 (4 where the layers fill "
+                         "4 chunks per rank) and keeps the faster")
     pn.add_argument("--no-layout-search", action="store_true",
                     help="only the even split (Megatron's default layout), no balanced layout")
     vg = pn.add_argument_group("vocabulary parallelism (the output layer and loss spread over every pipeline rank)")
@@ -217,7 +229,8 @@ def cmd_plan(args) -> int:
     request = P.PlanRequest(
         spec, a.pipeline_parallel_size, a.num_microbatches, a.gpu_memory_gb, tflops=tflops, efficiency=a.efficiency,
         profile=profile, schedules=_schedules(a.schedules), pad_ends=a.allow_padding_num_layers,
-        layout=a.pipeline_model_parallel_layout, layout_search=not a.no_layout_search, cost_optimizer=a.cost_optimizer,
+        layout=a.pipeline_model_parallel_layout, interleave_chunks=a.num_virtual_stages_per_pipeline_rank,
+        layout_search=not a.no_layout_search, cost_optimizer=a.cost_optimizer,
         post_validation=a.optimizer_post_validation,
         offload=None if a.offload_ratio is None else P.OffloadLever(a.offload_ratio, a.offload_time, a.host_link_gbps,
                                                                     overlap=not a.offload_half_duplex),

@@ -3,6 +3,7 @@ iteration, bubble, speed-up over 1F1B and over Megatron's best configuration tha
 split backward costs, memory per rank, the layout), then the flags to paste."""
 from __future__ import annotations
 
+from ..core.schedules import get
 from .plan_optim import print_optimizer_offload
 
 __all__ = ["print_plan"]
@@ -126,9 +127,10 @@ def print_plan(args, spec, rows, profile, tflops, advice, within=None, baseline=
 
 
 def _label(r: dict) -> str:
-    """A row's name in the table: the schedule, '+vocab' with vocabulary parallelism (2 barriers: '+vocab2')."""
+    """A row's name in the table: the schedule (an interleaved one's chunks per rank: 'x4'), '+vocab' with vocabulary parallelism (2 barriers: '+vocab2')."""
     v = r.get("vocab_parallel")
     quick = "~" if r.get("search_effort") == "quick" else ""
-    return quick + r["schedule"] + ("" if not v else " +vocab" if v == 1 else " +vocab2") + \
+    chunks = f" x{r['chunks']}" if get(r["schedule"]).chunks is None else ""  # an interleaved schedule's
+    return quick + r["schedule"] + chunks + ("" if not v else " +vocab" if v == 1 else " +vocab2") + \
         ("+emb" if r.get("vocab_embedding") else "") + (" +rc" if r.get("recompute_layers") else "") + \
         (" +off" if r.get("offload") else "")

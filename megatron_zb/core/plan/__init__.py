@@ -18,8 +18,8 @@ from ..ir import ScheduleError
 from ..schedules import names
 from ..schedules.search.auto import TIE
 from .levers import fit_rows, vocab_twins
-from .request import (EP_BANDWIDTH_GBPS, GPU_PEAK_TFLOPS, SEARCHES, MoeLever, OffloadLever,  # noqa: F401 (re-exported)
-                      OptimizerOffload, PlanRequest, VocabLever)
+from .request import (CHUNK_CHOICES, EP_BANDWIDTH_GBPS, GPU_PEAK_TFLOPS, SEARCHES, MoeLever,  # noqa: F401 (re-exported)
+                      OffloadLever, OptimizerOffload, PlanRequest, VocabLever)
 from .row import load_profile, needed_limit, profile_costs  # noqa: F401 (re-exported)
 from .row import row as one_row  # (``core.plan.row`` stays the module)
 

@@ -22,7 +22,7 @@ from typing import List, Optional, Tuple
 
 from ..costs.model import ModelSpec
 from ..schedules.search.auto import TIE
-from .request import PlanRequest, VocabLever
+from .request import CHUNK_CHOICES, PlanRequest, VocabLever
 from .row import row as one_row
 
 __all__ = ["megatron_baseline", "against"]
@@ -62,7 +62,7 @@ def _candidates(request: PlanRequest) -> List[Tuple[str, int]]:
     p, m, layers = request.pipeline_parallel_size, request.microbatches, request.model.num_layers
     out = [("1f1b", 1)]
     if m % p == 0:
-        out += [("interleaved-1f1b", v) for v in (2, 4) if layers >= p * v]
+        out += [("interleaved-1f1b", v) for v in CHUNK_CHOICES if layers >= p * v]
     return out
 
 

@@ -96,9 +96,11 @@ def _variants(r: dict, request: PlanRequest, build_row) -> List[dict]:
 
 
 def _own_layout(r: dict, request: PlanRequest) -> PlanRequest:
-    """``request`` pinned to row ``r``'s layout (one build, not one per candidate layout): its recompute
-    counts are per model chunk of that layout. The even split padded at the ends stays the request's
+    """``request`` pinned to row ``r``'s layout and chunks per rank (one build, not one per candidate
+    layout): its recompute counts are per model chunk of that layout. The even split padded at the ends stays the request's
     (its flag, not a layout, says so)."""
+    if get(r["schedule"]).chunks is None:  # an interleaved schedule: its chunks per rank too
+        request = request.replace(interleave_chunks=r["chunks"])
     return request if "--allow-padding-num-layers" in r["flags"] else request.replace(layout=r["layout"])
 
 
@@ -122,7 +124,7 @@ def _recompute(r: dict, request: PlanRequest, build_row) -> Optional[Tuple[dict,
         return None
     sp = get(r["schedule"])
     try:
-        v = sp.resolve_chunks(request.interleave_chunks if sp.chunks is None else None)
+        v = sp.resolve_chunks(r["chunks"] if sp.chunks is None else None)
         pl = placement_for(sp.placement, request.pipeline_parallel_size, v)
         layout = parse(r["layout"], request.pipeline_parallel_size)
         cc = chunk_costs(spec, layout, pl, 1.0, 1.0, vocab=r.get("vocab_parallel") is not None,

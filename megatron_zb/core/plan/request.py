@@ -15,7 +15,7 @@ from ..ir import ScheduleError
 from ..optimizer.rows import OptimizerOffload
 
 __all__ = ["PlanRequest", "OffloadLever", "VocabLever", "MoeLever", "OptimizerOffload", "GPU_PEAK_TFLOPS",
-           "EP_BANDWIDTH_GBPS", "SEARCHES"]
+           "EP_BANDWIDTH_GBPS", "SEARCHES", "CHUNK_CHOICES"]
 
 GPU_PEAK_TFLOPS = {"h100": 989.0, "h200": 989.0, "a100": 312.0, "b200": 2250.0, "mi300x": 1307.0}
 
@@ -24,6 +24,12 @@ GPU_PEAK_TFLOPS = {"h100": 989.0, "h200": 989.0, "a100": 312.0, "b200": 2250.0, 
 EP_BANDWIDTH_GBPS = 50.0
 
 SEARCHES = ("quick", "full")
+
+#: the model chunks per rank (Megatron's ``--num-virtual-stages-per-pipeline-rank``) each row of an
+#: interleaved schedule tries where the request names none: the counts Megatron's users run, and the
+#: ones its baseline (``core.plan.baseline``) is taken over. More chunks shorten the warm-up and on
+#: the looped placement hold fewer activations on the first rank; 4 needs 4P layers
+CHUNK_CHOICES = (2, 4)
 
 
 @dataclass(frozen=True)
@@ -70,8 +76,9 @@ class PlanRequest:
     Hardware: F/B/W seconds from the model's FLOPs at ``tflops`` x ``efficiency``, or from
     ``profile`` (a profile JSON's dict). Schedules and layouts: ``pad_ends`` (the first and last
     stage one layer less), ``interleave_chunks`` (model chunks per rank of the schedules that take
-    it), ``layout`` (Megatron's ``--pipeline-model-parallel-layout`` for every row; None: the even
-    split and, with ``layout_search``, the balanced one). The iteration: ``cost_optimizer`` seconds
+    it; None: each such row tries ``CHUNK_CHOICES``, or the count ``layout`` has), ``layout``
+    (Megatron's ``--pipeline-model-parallel-layout`` for every row; None: the even split and, with
+    ``layout_search``, the balanced one). The iteration: ``cost_optimizer`` seconds
     per optimizer step, ranked with optimizer ``post_validation`` or Megatron's synchronous step.
     Levers: ``offload`` (None: none), ``vocab``, ``moe``, ``optimizer_offload``
     (``core.optimizer.rows``; None: the step is ``cost_optimizer`` alone), ``exact`` = (node limit,
@@ -91,7 +98,7 @@ class PlanRequest:
     # the schedules and their layouts
     schedules: Optional[Sequence[str]] = None
     pad_ends: bool = False
-    interleave_chunks: int = 2
+    interleave_chunks: Optional[int] = None
     layout: Optional[str] = None
     layout_search: bool = True
     # the iteration
@@ -143,6 +150,9 @@ class PlanRequest:
             raise ScheduleError("--num-microbatches must be >= 1")
         if self.layout is not None:
             parse(self.layout, p)
+        v = self.interleave_chunks
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 2):
+            raise ScheduleError(f"--num-virtual-stages-per-pipeline-rank must be an integer >= 2, got {v!r}")
         if self.search not in SEARCHES:
             raise ScheduleError(f"search is one of {', '.join(SEARCHES)}, got {self.search!r}")
         if self.vocab.parallel not in ("off", "on", "both"):

@@ -28,7 +28,7 @@ from ..schedules import ScheduleSpec, get
 from ..schedules.search.auto import TIE
 from ..schedules.search.bounds import lower_bound
 from ..sim.iteration import iteration_times
-from .request import OffloadLever, PlanRequest
+from .request import CHUNK_CHOICES, OffloadLever, PlanRequest
 
 __all__ = ["placement_for", "candidate_layouts", "row", "profile_costs", "load_profile"]
 
@@ -96,6 +96,8 @@ def row(name: str, vocab: Optional[int], request: PlanRequest, effort: str = "fu
     layout = parse(request.layout, p) if request.layout is not None else None
     ranked_by, flops_per_s = request.ranked_by, request.flops_per_s
     sp = get(name)
+    if sp.chunks is None and request.interleave_chunks is None:  # an interleaved schedule: its chunks too
+        return _best_chunks(name, vocab, request, effort, tighten, fit_only, layout)
     try:
         v = sp.resolve_chunks(request.interleave_chunks if sp.chunks is None else None)
         pl = placement_for(sp.placement, p, v)
@@ -138,6 +140,28 @@ def row(name: str, vocab: Optional[int], request: PlanRequest, effort: str = "fu
             first_error = first_error or r
             continue
         if best is None or (not r["fits"], r[ranked_by]) < (not best["fits"], best[ranked_by] * (1 - TIE)):
+            best = r
+    return best if best is not None else first_error
+
+
+def _best_chunks(name: str, vocab: Optional[int], request: PlanRequest, effort: str, tighten: bool,
+                 fit_only: bool, layout: Optional[Layout]) -> dict:
+    """An interleaved schedule's row: the best (fits first, then time; of equally fast ones the fewer
+    chunks) of its rows with each count of model chunks per rank it can take: ``CHUNK_CHOICES`` whose
+    chunks the layers fill; the user's layout's own count; with a profile, the first (its run's)."""
+    p, key = request.pipeline_parallel_size, request.ranked_by
+    if layout is not None:
+        counts = [max(2, layout.num_stages // p)]  # (a count that does not divide: the row says why)
+    elif request.profile is not None:
+        counts = [CHUNK_CHOICES[0]]
+    else:
+        counts = [v for v in CHUNK_CHOICES if p * v <= request.model.num_layers + 2] or [CHUNK_CHOICES[0]]
+    best, first_error = None, None
+    for v in counts:
+        r = row(name, vocab, request.replace(interleave_chunks=v), effort, tighten, fit_only)
+        if "error" in r:
+            first_error = first_error or r
+        elif best is None or (not r["fits"], r[key]) < (not best["fits"], best[key] * (1 - TIE)):
             best = r
     return best if best is not None else first_error
 

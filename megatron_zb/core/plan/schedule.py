@@ -23,7 +23,7 @@ __all__ = ["row_schedule"]
 
 def row_schedule(request: PlanRequest, row: dict) -> Tuple[Schedule, Setting]:
     """(schedule, setting) of ``row`` (one of ``plan(request)``'s rows; what it takes of ``request``:
-    the model, P, M, ``tflops``, ``efficiency``, ``interleave_chunks``, the vocabulary's and the
+    the model, P, M, ``tflops``, ``efficiency``, the vocabulary's and the
     all-to-all's GB/s): the row's layout and schedule, its memory limit (the searched schedules),
     with vocabulary parallelism where the row has it. Costs in seconds, memory in the row's unit (one
     microbatch's activations on the fullest rank). A row searched quickly (``search_effort``) is
@@ -32,7 +32,7 @@ def row_schedule(request: PlanRequest, row: dict) -> Tuple[Schedule, Setting]:
         raise ScheduleError(f"plan row {row['schedule']} has no schedule: {row['error']}")
     spec, p, m = request.model, request.pipeline_parallel_size, request.microbatches
     sp = get(row["schedule"])
-    v = sp.resolve_chunks(request.interleave_chunks if sp.chunks is None else None)
+    v = sp.resolve_chunks(row.get("chunks", request.interleave_chunks) if sp.chunks is None else None)
     pl = placement_for(sp.placement, p, v)
     lay = parse(row["layout"], p)
     barriers = row.get("vocab_parallel")
