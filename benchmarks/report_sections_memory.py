@@ -14,7 +14,9 @@ def _label(r):
     if r is None:
         return "none fits"
     v = r.get("vocab_parallel")
-    return (r["schedule"] + (" +vocab" if v == 1 else " +vocab2" if v else "") + ("+emb" if r.get("vocab_embedding") else "")
+    interleaved = r["schedule"] in ("interleaved-1f1b", "interleaved-zb", "zeropp", "looped-bfs")
+    return (r["schedule"] + (f" x{r['chunks']}" if interleaved and r.get("chunks") else "")
+            + (" +vocab" if v == 1 else " +vocab2" if v else "") + ("+emb" if r.get("vocab_embedding") else "")
             + (" +rc" if r.get("recompute_layers") else "") + (" +off" if r.get("offload") else ""))
 
 
@@ -44,7 +46,8 @@ def memory_levers_block(res, names, src):
 
 SECTIONS = (
     ("The memory-bound regime", "Tight GPU budgets: plan's best row that fits with every memory lever searched "
-     "together (recompute per model chunk, offload, vocabulary parallelism, the memory limit, the layout), against "
+     "together (recompute per model chunk, offload, vocabulary parallelism, the memory limit, the layout, the "
+     "interleaved schedules' chunks per rank), against "
      "Megatron's own best configuration that fits and against the best row with no memory limit (docs/memory.md). "
      "Simulated, H100 at 0.5 efficiency.",
      (("memory_levers*.json", memory_levers_block),)),

@@ -173,6 +173,8 @@ def test_plan_takes_megatrons_virtual_stages_flag(capsys):
     assert [r["chunks"] for r in rows if r["schedule"] == "interleaved-zb"] == [4]
     assert main(args) == 0
     assert "interleaved-zb x" in capsys.readouterr().out  # the table names the count
+    assert main(args + ["--num-virtual-stages-per-pipeline-rank", "5"]) == 0  # more chunks than layers: its row says so
+    assert "interleaved-zb    n/a: 16 layers < 20 model chunks" in capsys.readouterr().out
     assert main(args + ["--num-virtual-stages-per-pipeline-rank", "1"]) == 2
     err = capsys.readouterr().err
     assert "--num-virtual-stages-per-pipeline-rank is 2 or more" in err and len(err.strip().splitlines()) <= 2

@@ -130,7 +130,7 @@ def _label(r: dict) -> str:
     """A row's name in the table: the schedule (an interleaved one's chunks per rank: 'x4'), '+vocab' with vocabulary parallelism (2 barriers: '+vocab2')."""
     v = r.get("vocab_parallel")
     quick = "~" if r.get("search_effort") == "quick" else ""
-    chunks = f" x{r['chunks']}" if get(r["schedule"]).chunks is None else ""  # an interleaved schedule's
+    chunks = f" x{r['chunks']}" if get(r["schedule"]).chunks is None and r.get("chunks") else ""  # interleaved
     return quick + r["schedule"] + chunks + ("" if not v else " +vocab" if v == 1 else " +vocab2") + \
         ("+emb" if r.get("vocab_embedding") else "") + (" +rc" if r.get("recompute_layers") else "") + \
         (" +off" if r.get("offload") else "")
