@@ -49,8 +49,8 @@ def _plan(flags) -> tuple:
 def _row(r) -> dict:
     if r is None:
         return None
-    keep = ("schedule", "chunks", "vocab_parallel", "vocab_embedding", "recompute_layers", "iteration_time_s", "bubble_rate",
-            "peak_bytes", "flags", "speedup_vs_megatron")
+    keep = ("schedule", "chunks", "vocab_parallel", "vocab_embedding", "recompute_layers", "iteration_time_s",
+            "bubble_rate", "peak_bytes", "flags", "speedup_vs_megatron")
     out = {k: r[k] for k in keep if k in r}
     out["offload"] = bool(r.get("offload"))
     out["peak_gib"] = round(max(r["peak_bytes"]) / 1024 ** 3, 2)

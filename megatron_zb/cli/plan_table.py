@@ -127,7 +127,8 @@ def print_plan(args, spec, rows, profile, tflops, advice, within=None, baseline=
 
 
 def _label(r: dict) -> str:
-    """A row's name in the table: the schedule (an interleaved one's chunks per rank: 'x4'), '+vocab' with vocabulary parallelism (2 barriers: '+vocab2')."""
+    """A row's name in the table: the schedule (an interleaved one's chunks per rank: 'x4'), '+vocab'
+    with vocabulary parallelism (2 barriers: '+vocab2')."""
     v = r.get("vocab_parallel")
     quick = "~" if r.get("search_effort") == "quick" else ""
     chunks = f" x{r['chunks']}" if get(r["schedule"]).chunks is None and r.get("chunks") else ""  # interleaved

@@ -97,8 +97,8 @@ def _variants(r: dict, request: PlanRequest, build_row) -> List[dict]:
 
 def _own_layout(r: dict, request: PlanRequest) -> PlanRequest:
     """``request`` pinned to row ``r``'s layout and chunks per rank (one build, not one per candidate
-    layout): its recompute counts are per model chunk of that layout. The even split padded at the ends stays the request's
-    (its flag, not a layout, says so)."""
+    layout): its recompute counts are per model chunk of that layout. The even split padded at the
+    ends stays the request's (its flag, not a layout, says so)."""
     if get(r["schedule"]).chunks is None:  # an interleaved schedule: its chunks per rank too
         request = request.replace(interleave_chunks=r["chunks"])
     return request if "--allow-padding-num-layers" in r["flags"] else request.replace(layout=r["layout"])
