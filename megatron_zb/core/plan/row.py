@@ -139,7 +139,7 @@ def row(name: str, vocab: Optional[int], request: PlanRequest, effort: str = "fu
         if "error" in r:
             first_error = first_error or r
             continue
-        if best is None or (not r["fits"], r[ranked_by]) < (not best["fits"], best[ranked_by] * (1 - TIE)):
+        if _better(r, best, ranked_by):
             best = r
     return best if best is not None else first_error
 
@@ -161,9 +161,15 @@ def _best_chunks(name: str, vocab: Optional[int], request: PlanRequest, effort: 
         r = row(name, vocab, request.replace(interleave_chunks=v), effort, tighten, fit_only)
         if "error" in r:
             first_error = first_error or r
-        elif best is None or (not r["fits"], r[key]) < (not best["fits"], best[key] * (1 - TIE)):
+        elif _better(r, best, key):
             best = r
     return best if best is not None else first_error
+
+
+def _better(r: dict, best: Optional[dict], key: str) -> bool:
+    """Whether row ``r`` replaces ``best`` (None: none yet): it fits where ``best`` does not, or it is
+    faster by more than ``TIE`` (of equally fast ones the first built stays)."""
+    return best is None or (not r["fits"], r[key]) < (not best["fits"], best[key] * (1 - TIE))
 
 
 class _Bounds:

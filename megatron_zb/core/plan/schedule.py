@@ -32,7 +32,7 @@ def row_schedule(request: PlanRequest, row: dict) -> Tuple[Schedule, Setting]:
         raise ScheduleError(f"plan row {row['schedule']} has no schedule: {row['error']}")
     spec, p, m = request.model, request.pipeline_parallel_size, request.microbatches
     sp = get(row["schedule"])
-    v = sp.resolve_chunks(row.get("chunks", request.interleave_chunks) if sp.chunks is None else None)
+    v = sp.resolve_chunks(row["chunks"] if sp.chunks is None else None)
     pl = placement_for(sp.placement, p, v)
     lay = parse(row["layout"], p)
     barriers = row.get("vocab_parallel")
