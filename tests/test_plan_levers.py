@@ -178,3 +178,36 @@ def test_plan_takes_megatrons_virtual_stages_flag(capsys):
     assert main(args + ["--num-virtual-stages-per-pipeline-rank", "1"]) == 2
     err = capsys.readouterr().err
     assert "--num-virtual-stages-per-pipeline-rank is 2 or more" in err and len(err.strip().splitlines()) <= 2
+
+
+def test_a_row_far_behind_the_rows_the_levers_made_fit_is_not_searched_again_in_full(plans):
+    """The levers come before plan's full searches: at 8 GiB the quick v-auto +vocab row fits but lies
+    far behind the row recompute made fit, so it keeps its quick search (searched in full before the
+    levers, it cost seconds for a row that could not lead)."""
+    rows = [r for r in plans[8.0, "plain"] if "error" not in r]
+    best = _best(rows)
+    assert best.get("recompute_layers")
+    auto = next(r for r in rows if r["schedule"] == "v-auto" and r.get("vocab_parallel"))
+    assert P.margin(auto, 4, 8) is not None
+    assert auto["fits"] and auto["search_effort"] == "quick" and auto[KEY] > best[KEY] * (1 + P.FULL_MARGIN)
+
+
+def test_a_lever_variant_that_may_lead_is_searched_again_in_full_with_its_levers(monkeypatch):
+    """A quick row made to fit by recompute that leads is searched again in full with the same
+    recompute per chunk (its flags and schedule those of the full search)."""
+    calls = []
+    one = P.one_row
+
+    def spy(name, vocab, req, effort="full", tighten=True, fit_only=False):
+        calls.append((name, effort, req.model.recompute_counts))
+        return one(name, vocab, req, effort, tighten, fit_only)
+
+    monkeypatch.setattr(P, "one_row", spy)
+    rows = P.plan(P.PlanRequest(SPEC, 4, 8, 8.0, schedules=("v-half", "v-min"), vocab=P.VocabLever("on", embedding=True)),
+                  jobs=1)
+    best = _best(rows)
+    assert best["schedule"] == "v-half" and best["search_effort"] == "full" and best.get("recompute_layers")
+    counts = tuple(best["recompute_layers"])
+    assert ("v-half", "quick", counts) in calls and ("v-half", "full", counts) in calls
+    assert ("v-half", "full", None) not in calls  # the row without its levers is not searched in full
+    assert "--zero-bubble-search-effort" not in best["flags"] and "--recompute-num-layers" in best["flags"]

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Set, Tuple
 
 from ..costs.chunk_costs import chunk_costs
 from ..costs.layout import parse
@@ -29,7 +29,7 @@ from ..schedules import get
 from .request import PlanRequest
 from .row import placement_for
 
-__all__ = ["fit_rows", "vocab_twins", "recompute_flags", "RAISES"]
+__all__ = ["fit_rows", "vocab_twins", "rebuilt", "levered", "recompute_flags", "RAISES"]
 
 #: how many times a recompute estimate is raised by one layer on the ranks still over the budget
 RAISES = 3
@@ -47,17 +47,19 @@ def recompute_flags(counts: Sequence[int]) -> str:
         ",".join(str(n) for n in counts)
 
 
-def fit_rows(rows: List[dict], request: PlanRequest, build_row: Callable[..., dict]) -> List[dict]:
+def fit_rows(rows: List[dict], request: PlanRequest, build_row: Callable[..., dict],
+             only: Optional[Set[int]] = None) -> List[dict]:
     """``rows`` (built without offload where ``request.offload`` is 'auto') with each row that does not
     fit replaced by its fastest variant that fits (recompute per rank; with ``--offload-ratio auto``,
     offload as little as fits, alone and with recompute), tried likeliest first where it could beat
     the fastest fitting row. ``build_row(name, vocab, request, fit_only=False)`` builds one row
-    (``fit_only``: it is wanted only where it fits, ``row.row``)."""
+    (``fit_only``: it is wanted only where it fits, ``row.row``). ``only``: the indices of the rows
+    tried (default every row)."""
     key = request.ranked_by
     fitting = [r[key] for r in rows if "error" not in r and r["fits"]]
     best = min(fitting) if fitting else math.inf
     out = list(rows)
-    over = [i for i, r in enumerate(rows) if "error" not in r and not r["fits"]]
+    over = [i for i, r in enumerate(rows) if "error" not in r and not r["fits"] and (only is None or i in only)]
     for i in sorted(over, key=lambda i: _promise(rows[i], request))[:MOST_TRIED]:
         if rows[i][key] >= best:
             continue  # a lever only costs time: no variant of this row can beat ``best``
@@ -198,12 +200,27 @@ def vocab_twins(rows: List[dict], request: PlanRequest,
         if twin is None or get(r["schedule"]).searched or r.get("search_effort") != "quick" \
                 or r[key] <= twin[key] * (1 + 1e-3):
             continue
-        again = build_row(r["schedule"], r["vocab_parallel"], _own_layout(r, _lever_request(r, request)), "full")
+        again = rebuilt(r, request, build_row, "full")
         if "error" not in again and again["fits"] and again[key] < r[key]:
-            if r.get("recompute_layers"):
-                _recomputes(again, r["recompute_layers"])
             out[i] = again
     return out
+
+
+def levered(r: dict, request: PlanRequest) -> bool:
+    """Whether row ``r`` is a variant ``fit_rows`` made to fit: it recomputes layers per model chunk,
+    or it offloads under ``--offload-ratio auto`` (rows are built without it)."""
+    auto = request.offload is not None and request.offload.ratio == "auto"
+    return bool(r.get("recompute_layers")) or (auto and "offload" in r)
+
+
+def rebuilt(r: dict, request: PlanRequest, build_row: Callable[[str, Optional[int], PlanRequest, str], dict],
+            effort: str) -> dict:
+    """Row ``r`` built again at ``effort`` with the levers it carries (``_lever_request``), on its
+    layout and chunks per rank: ``build_row(name, vocab, request, effort)``."""
+    again = build_row(r["schedule"], r.get("vocab_parallel"), _own_layout(r, _lever_request(r, request)), effort)
+    if "error" not in again and r.get("recompute_layers"):
+        _recomputes(again, r["recompute_layers"])
+    return again
 
 
 def _lever_request(r: dict, request: PlanRequest) -> PlanRequest:
