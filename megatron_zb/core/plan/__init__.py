@@ -69,8 +69,8 @@ def plan(request: PlanRequest, workers: Optional["Workers"] = None, jobs: int = 
     (``schedules.search.auto.EFFORTS``: several times faster), then, once the memory levers made the
     rows they can fit (``levers.fit_rows``, at each row's effort), again in full every such row within
     ``margin`` of the leading row's time per iteration (fitting rows first; a lever's variant with its
-    levers, kept where it still fits) where the full
-    search adds building blocks; the others stay quick, their flags saying so
+    levers, kept where it still fits) where the full search adds building blocks; the others stay
+    quick, their flags saying so
     (``--zero-bubble-search-effort quick``: training builds that very schedule). Each searched row
     says which in ``search_effort``. ``refine`` False: the quick rows as they are (a caller that
     searches again in full only the row it chooses, ``within_1f1b_memory``).
