@@ -211,3 +211,37 @@ def test_a_lever_variant_that_may_lead_is_searched_again_in_full_with_its_levers
     assert ("v-half", "quick", counts) in calls and ("v-half", "full", counts) in calls
     assert ("v-half", "full", None) not in calls  # the row without its levers is not searched in full
     assert "--zero-bubble-search-effort" not in best["flags"] and "--recompute-num-layers" in best["flags"]
+
+
+def test_front_light_moves_a_layer_from_each_ranks_first_chunk_to_its_second():
+    from megatron_zb.core.costs.layout import parse
+    from megatron_zb.core.costs.layout_search import front_light
+    lay = parse("Ett|(tt|)*15,(t*3|)*15,t*3L", 8)
+    light = front_light(lay, 8)
+    assert str(light) == "Et|(t|)*7,(t*3|)*23,t*3L"
+    per_rank = [sum(light.layers()[r::8]) for r in range(8)]
+    assert per_rank == [sum(lay.layers()[r::8]) for r in range(8)]  # every rank keeps its layers
+    assert front_light(parse("Et|(t|)*30,tL", 8), 8) is None  # one layer per chunk: none to give up
+    assert front_light(parse("Et*4|(t*4|)*6,t*4L", 8), 8) is None  # one chunk per rank
+
+
+def test_a_looped_row_fits_with_its_first_chunks_lighter_where_recompute_alone_does_not():
+    """At 7 GiB no recompute of interleaved 1F1B +vocab's balanced layout fits (raised a layer at a
+    time, ``RAISES`` times); its layout with each rank's first chunk a layer lighter, with recompute,
+    does, and the row's flags carry that layout (Megatron's own flag)."""
+    rows = P.plan(P.PlanRequest(SPEC, 4, 8, 7.0, schedules=("interleaved-1f1b",), interleave_chunks=2,
+                                vocab=P.VocabLever("on", embedding=True)), jobs=1)
+    best = _best(rows)
+    assert best is not None and best["layout"] == "Et|(t|)*3,(t*3|)*3,t*3L" and best.get("recompute_layers")
+    assert "--pipeline-model-parallel-layout 'Et|(t|)*3,(t*3|)*3,t*3L'" in best["flags"]
+    assert max(best["peak_bytes"]) <= 7.0 * 1024 ** 3
+
+
+def test_megatron_baseline_tries_the_lighter_first_chunks_only_on_plans_own_layouts():
+    from megatron_zb.core.plan.baseline import _light
+    req = P.PlanRequest(SPEC, 4, 8, 7.0, interleave_chunks=2)
+    row = {"layout": "Ett|(tt|)*6,ttL"}
+    assert _light(row, req).layout == "Et|(t|)*3,(t*3|)*3,t*3L"
+    assert _light(row, req.replace(layout="Ett|(tt|)*6,ttL")) is None  # the user's layout stays
+    assert _light(row, req.replace(layout_search=False)) is None  # --no-layout-search: the even split
+    assert _light({"layout": "Et|(t|)*14,tL"}, req) is None

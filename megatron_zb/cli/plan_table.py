@@ -35,7 +35,8 @@ def print_plan(args, spec, rows, profile, tflops, advice, within=None, baseline=
           + "; activations by Megatron's per-layer formula, model states 18 bytes/parameter; each model chunk "
           "costed by what it holds (embedding, layers, output layer + loss)"
           + ("" if profile else f"; layouts: {args.pipeline_model_parallel_layout}" if args.pipeline_model_parallel_layout
-             else "; layouts: the even split (Megatron's) or a balanced one, whichever is faster"
+             else "; layouts: the even split (Megatron's) or a balanced one, whichever is faster (an interleaved row "
+             "that does not fit also tries each rank's first chunk a layer lighter)"
              if not args.no_layout_search else "; layouts: the even split (Megatron's)"))
     a2a = next((r["cost_a2a_s"] for r in rows if r.get("cost_a2a_s")), None)
     if a2a:

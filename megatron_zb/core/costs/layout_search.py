@@ -21,7 +21,7 @@ from ..ir import Placement, ScheduleError
 from ..ir.memo import Memo
 from .layout import Layout, from_counts
 
-__all__ = ["balanced", "even_counts", "rank_loads"]
+__all__ = ["balanced", "even_counts", "front_light", "rank_loads"]
 
 
 def even_counts(num_layers: int, num_stages: int) -> List[int]:
@@ -32,6 +32,24 @@ def even_counts(num_layers: int, num_stages: int) -> List[int]:
     for s in order[:extra]:
         counts[s] += 1
     return counts
+
+
+def front_light(layout: Layout, p: int, mtp_layers: int = 0) -> Optional[Layout]:
+    """``layout`` of a looped placement (P ranks, two or more model chunks each) with one layer
+    moved from each rank's first chunk to its second, where the first holds two or more: every rank
+    keeps its layers, and the chunk that holds the most microbatches at once (the first: its
+    forwards run ahead in the warm-up) holds one layer less. None where no chunk gives one up, or
+    the layout is not the plain kind (embedding first, MTP layers and loss last)."""
+    counts = layout.layers()
+    if len(counts) < 2 * p or len(counts) % p or from_counts(counts, mtp_layers) != layout:
+        return None
+    moved = False
+    for r in range(p):
+        if counts[r] >= 2:
+            counts[r] -= 1
+            counts[p + r] += 1
+            moved = True
+    return from_counts(counts, mtp_layers) if moved else None
 
 
 def rank_loads(counts: Sequence[int], layer_work: Sequence[float], first: float, last: float,

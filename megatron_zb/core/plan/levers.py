@@ -23,6 +23,7 @@ from typing import Callable, List, Optional, Sequence, Set, Tuple
 
 from ..costs.chunk_costs import chunk_costs
 from ..costs.layout import parse
+from ..costs.layout_search import front_light
 from ..costs.model import ModelSpec
 from ..ir import ScheduleError
 from ..schedules import get
@@ -80,7 +81,8 @@ def _promise(r: dict, request: PlanRequest) -> float:
 
 def _variants(r: dict, request: PlanRequest, build_row) -> List[dict]:
     """The row's variants with levers, each built: offload 'auto' (where asked), recompute per rank,
-    and both."""
+    and both; on a looped placement, its layout with each rank's first chunk a layer lighter
+    (``front_light``), alone and with recompute per rank."""
     name, vocab = r["schedule"], r.get("vocab_parallel")
     auto = request.offload is not None and request.offload.ratio == "auto"
     out = [build_row(name, vocab, request, True)] if auto else []
@@ -94,7 +96,34 @@ def _variants(r: dict, request: PlanRequest, build_row) -> List[dict]:
             if "error" not in both:
                 _recomputes(both, counts)
             out.append(both)
+    light = _light_request(r, request.replace(offload=None))
+    if light is not None:
+        row = build_row(name, vocab, light)
+        if "error" not in row:
+            out.append(row)
+            rc = None if row["fits"] else _recompute(row, light, build_row)
+            if rc is not None:
+                out.append(rc[0])
     return out
+
+
+def _light_request(r: dict, request: PlanRequest) -> Optional[PlanRequest]:
+    """``request`` pinned to row ``r``'s layout with each rank's first chunk a layer lighter
+    (``front_light``), where ``r`` runs a looped placement on a layout plan chose (not the user's,
+    nor a profile's; plan searches layouts) and one chunk can give up a layer; else None."""
+    sp = get(r["schedule"])
+    if sp.placement != "looped" or request.layout is not None or request.profile is not None \
+            or not request.layout_search:
+        return None
+    p = request.pipeline_parallel_size
+    try:
+        lay = front_light(parse(r["layout"], p), p, request.model.mtp_num_layers)
+    except ScheduleError:
+        return None
+    if lay is None:
+        return None
+    return request.replace(layout=str(lay), interleave_chunks=r["chunks"]) if sp.chunks is None else \
+        request.replace(layout=str(lay))
 
 
 def _own_layout(r: dict, request: PlanRequest) -> PlanRequest:
