@@ -203,8 +203,8 @@ def test_a_lever_variant_that_may_lead_is_searched_again_in_full_with_its_levers
         return one(name, vocab, req, effort, tighten, fit_only)
 
     monkeypatch.setattr(P, "one_row", spy)
-    rows = P.plan(P.PlanRequest(SPEC, 4, 8, 8.0, schedules=("v-half", "v-min"), vocab=P.VocabLever("on", embedding=True)),
-                  jobs=1)
+    rows = P.plan(P.PlanRequest(SPEC, 4, 8, 8.0, schedules=("v-half", "v-min"),
+                                vocab=P.VocabLever("on", embedding=True)), jobs=1)
     best = _best(rows)
     assert best["schedule"] == "v-half" and best["search_effort"] == "full" and best.get("recompute_layers")
     counts = tuple(best["recompute_layers"])

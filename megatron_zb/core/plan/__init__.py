@@ -254,7 +254,8 @@ def room_limit(row: dict) -> bool:
 
 def _lever_builder(rows: List[dict]):
     """``fit_rows``'s ``build_row``: a lever's variant of a row at the effort the row was searched with."""
-    efforts = {(r["schedule"], r.get("vocab_parallel")): r.get("search_effort", "full") for r in rows if "error" not in r}
+    efforts = {(r["schedule"], r.get("vocab_parallel")): r.get("search_effort", "full")
+               for r in rows if "error" not in r}
     return lambda name, vocab, req, fit_only=False: one_row(name, vocab, req, efforts.get((name, vocab), "full"), True,
                                                             fit_only)
 
