@@ -233,15 +233,21 @@ def test_a_looped_row_fits_with_its_first_chunks_lighter_where_recompute_alone_d
                                 vocab=P.VocabLever("on", embedding=True)), jobs=1)
     best = _best(rows)
     assert best is not None and best["layout"] == "Et|(t|)*3,(t*3|)*3,t*3L" and best.get("recompute_layers")
+    assert best["front_light"]
     assert "--pipeline-model-parallel-layout 'Et|(t|)*3,(t*3|)*3,t*3L'" in best["flags"]
     assert max(best["peak_bytes"]) <= 7.0 * 1024 ** 3
 
 
-def test_megatron_baseline_tries_the_lighter_first_chunks_only_on_plans_own_layouts():
-    from megatron_zb.core.plan.baseline import _light
-    req = P.PlanRequest(SPEC, 4, 8, 7.0, interleave_chunks=2)
-    row = {"layout": "Ett|(tt|)*6,ttL"}
-    assert _light(row, req).layout == "Et|(t|)*3,(t*3|)*3,t*3L"
-    assert _light(row, req.replace(layout="Ett|(tt|)*6,ttL")) is None  # the user's layout stays
-    assert _light(row, req.replace(layout_search=False)) is None  # --no-layout-search: the even split
-    assert _light({"layout": "Et|(t|)*14,tL"}, req) is None
+def test_the_lighter_first_chunks_only_on_plans_own_layouts_of_a_looped_placement():
+    """The lever's request (plan's rows and Megatron's baseline): the row's chunks per rank, never the
+    user's layout nor under --no-layout-search, nothing where a chunk holds one layer or the
+    placement is not looped."""
+    from megatron_zb.core.plan.levers import light_request
+    req = P.PlanRequest(SPEC, 4, 8, 7.0)
+    row = {"schedule": "interleaved-1f1b", "chunks": 2, "layout": "Ett|(tt|)*6,ttL"}
+    light = light_request(row, req)
+    assert light.layout == "Et|(t|)*3,(t*3|)*3,t*3L" and light.interleave_chunks == 2
+    assert light_request(row, req.replace(layout="Ett|(tt|)*6,ttL")) is None  # the user's layout stays
+    assert light_request(row, req.replace(layout_search=False)) is None  # --no-layout-search: the even split
+    assert light_request(dict(row, chunks=4, layout="Et|(t|)*14,tL"), req) is None
+    assert light_request({"schedule": "zb-v", "chunks": 2, "layout": "Et*4|(t*4|)*2,t*4L"}, req) is None

@@ -5,10 +5,10 @@ What an unmodified Megatron-LM runs, with only flags it accepts: its 1F1B, or it
 (``--num-virtual-stages-per-pipeline-rank V``: M a multiple of P, as Megatron asks, and V chunks
 of whole layers), its layouts (the even split, or a balanced one through its own
 ``--pipeline-model-parallel-layout``; interleaved, where neither fits, also that layout with each
-rank's first chunk a layer lighter, as plan's own rows try), its activation recompute (none; ``selective``; ``full``
-with ``--recompute-method block --recompute-num-layers N``: the first N layers of every chunk;
-``full`` with the ``uniform`` method: every layer), a fused backward (no B/W split, no
-vocabulary parallelism, no offload). Each candidate is costed and timed as plan's rows are
+rank's first chunk a layer lighter, as plan's own rows try), its activation recompute (none;
+``selective``; ``full`` with ``--recompute-method block --recompute-num-layers N``: the first N
+layers of every chunk; ``full`` with the ``uniform`` method: every layer), a fused backward (no
+B/W split, no vocabulary parallelism, no offload). Each candidate is costed and timed as plan's rows are
 (``plan.row``); the fastest that fits is the baseline (of equally fast ones the one met first:
 the least recompute, 1F1B before interleaving). Each schedule's recompute is tried from the least
 (none, selective, block 1, 2, ..., uniform) to the first that fits: more only costs time (selective
@@ -21,10 +21,9 @@ from __future__ import annotations
 import dataclasses
 from typing import List, Optional, Tuple
 
-from ..costs.layout import parse
-from ..costs.layout_search import front_light
 from ..costs.model import ModelSpec
 from ..schedules.search.auto import TIE
+from .levers import light_request
 from .request import CHUNK_CHOICES, PlanRequest, VocabLever
 from .row import row as one_row
 
@@ -69,17 +68,6 @@ def _candidates(request: PlanRequest) -> List[Tuple[str, int]]:
     return out
 
 
-def _light(r: dict, request: PlanRequest) -> Optional[PlanRequest]:
-    """``request`` pinned to row ``r``'s layout with each rank's first chunk a layer lighter
-    (``front_light``), None where the user gave the layout, plan searches no layouts or no chunk
-    gives up a layer."""
-    p = request.pipeline_parallel_size
-    if request.layout is not None or request.profile is not None or not request.layout_search:
-        return None
-    lay = front_light(parse(r["layout"], p), p, request.model.mtp_num_layers)
-    return None if lay is None else request.replace(layout=str(lay))
-
-
 def megatron_baseline(request: PlanRequest) -> Tuple[Optional[dict], Optional[str]]:
     """(the fastest of Megatron's own configurations that fits, None) or (None, why none does). The
     row has ``schedule``, ``flags`` (Megatron's only), ``iteration_time_s``, ``peak_bytes`` (per
@@ -96,7 +84,7 @@ def megatron_baseline(request: PlanRequest) -> Tuple[Optional[dict], Optional[st
             r = one_row(name, None, req, "full", False)
             if "error" in r:
                 continue
-            light = _light(r, req) if not r["fits"] and name != "1f1b" else None
+            light = None if r["fits"] else light_request(r, req)
             if light is not None:  # its layout with each rank's first chunk a layer lighter, where that fits
                 r2 = one_row(name, None, light, "full", False)
                 if "error" not in r2 and r2["fits"]:

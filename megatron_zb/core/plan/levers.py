@@ -1,12 +1,14 @@
 """The memory levers searched together (issue 55): a row that does not fit the budget is made to fit
 by recomputing layers (each model chunk its own count: ``ModelSpec.recompute_counts``, Megatron's
 block method: the chunk's first layers) and, where the request asks for it, offloading activations
-as little as fits (``--offload-ratio auto``), or both. Pure Python.
+as little as fits (``--offload-ratio auto``), or both; on the looped placement also by a layout with
+each rank's first chunk a layer lighter (``front_light``), alone and with recompute. Pure Python.
 
-A lever only ever costs time (a recomputed forward in B, a copy over the host link), so a row's time
-without levers bounds every variant of it: the rows that do not fit are tried likeliest first (their
-time, plus what recomputing away their worst rank's excess would add), ``MOST_TRIED`` of them, each
-only where it could still beat the fastest row that fits. Every variant is one more candidate, never
+A lever costs time (a recomputed forward in B, a copy over the host link, a layout other than the
+one the row ran fastest on), so a row's time without levers bounds its variants (a lighter-first
+layout faster than the row's own is not looked for): the rows that do not fit are tried likeliest
+first (their time, plus what recomputing away their worst rank's excess would add), ``MOST_TRIED``
+of them, each only where it could still beat the fastest row that fits. Every variant is one more candidate, never
 a replacement of one that fits: a lever added to the search cannot make the best fitting row worse.
 
 Recompute per rank: each rank over the budget recomputes the fewest layers that close its gap, its
@@ -30,7 +32,7 @@ from ..schedules import get
 from .request import PlanRequest
 from .row import placement_for
 
-__all__ = ["fit_rows", "vocab_twins", "rebuilt", "levered", "recompute_flags", "RAISES"]
+__all__ = ["fit_rows", "vocab_twins", "rebuilt", "levered", "light_request", "recompute_flags", "RAISES"]
 
 #: how many times a recompute estimate is raised by one layer on the ranks still over the budget
 RAISES = 3
@@ -96,21 +98,24 @@ def _variants(r: dict, request: PlanRequest, build_row) -> List[dict]:
             if "error" not in both:
                 _recomputes(both, counts)
             out.append(both)
-    light = _light_request(r, request.replace(offload=None))
+    light = light_request(r, request.replace(offload=None))
     if light is not None:
         row = build_row(name, vocab, light)
         if "error" not in row:
+            row["front_light"] = True
             out.append(row)
             rc = None if row["fits"] else _recompute(row, light, build_row)
             if rc is not None:
+                rc[0]["front_light"] = True
                 out.append(rc[0])
     return out
 
 
-def _light_request(r: dict, request: PlanRequest) -> Optional[PlanRequest]:
+def light_request(r: dict, request: PlanRequest) -> Optional[PlanRequest]:
     """``request`` pinned to row ``r``'s layout with each rank's first chunk a layer lighter
-    (``front_light``), where ``r`` runs a looped placement on a layout plan chose (not the user's,
-    nor a profile's; plan searches layouts) and one chunk can give up a layer; else None."""
+    (``front_light``) and to its chunks per rank, where ``r`` runs a looped placement on a layout
+    plan chose (not the user's, nor a profile's; plan searches layouts) and one chunk can give up a
+    layer; else None."""
     sp = get(r["schedule"])
     if sp.placement != "looped" or request.layout is not None or request.profile is not None \
             or not request.layout_search:
@@ -122,8 +127,7 @@ def _light_request(r: dict, request: PlanRequest) -> Optional[PlanRequest]:
         return None
     if lay is None:
         return None
-    return request.replace(layout=str(lay), interleave_chunks=r["chunks"]) if sp.chunks is None else \
-        request.replace(layout=str(lay))
+    return request.replace(layout=str(lay), interleave_chunks=r["chunks"] if sp.chunks is None else None)
 
 
 def _own_layout(r: dict, request: PlanRequest) -> PlanRequest:
@@ -237,9 +241,10 @@ def vocab_twins(rows: List[dict], request: PlanRequest,
 
 def levered(r: dict, request: PlanRequest) -> bool:
     """Whether row ``r`` is a variant ``fit_rows`` made to fit: it recomputes layers per model chunk,
-    or it offloads under ``--offload-ratio auto`` (rows are built without it)."""
+    runs its first chunks lighter, or offloads under ``--offload-ratio auto`` (rows are built without
+    it)."""
     auto = request.offload is not None and request.offload.ratio == "auto"
-    return bool(r.get("recompute_layers")) or (auto and "offload" in r)
+    return bool(r.get("recompute_layers")) or bool(r.get("front_light")) or (auto and "offload" in r)
 
 
 def rebuilt(r: dict, request: PlanRequest, build_row: Callable[[str, Optional[int], PlanRequest, str], dict],
