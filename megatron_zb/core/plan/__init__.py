@@ -114,8 +114,7 @@ def plan(request: PlanRequest, workers: Optional["Workers"] = None, jobs: int = 
                 rows[i] = r
             for i in again:  # a lever's variant: in full with its levers, where it still fits
                 if i in levers:
-                    r = rebuilt(rows[i], request, lambda name, vocab, req, effort: one_row(name, vocab, req, effort),
-                                "full")
+                    r = rebuilt(rows[i], request, _at_effort, "full")
                     if "error" not in r and r["fits"]:
                         rows[i] = r
             tight.update(again)
@@ -130,7 +129,7 @@ def plan(request: PlanRequest, workers: Optional["Workers"] = None, jobs: int = 
             redone.add(i)
     # a row searched again in full that no longer fits: its levers, at that effort
     rows = fit_rows(rows, request, _lever_builder(rows), only=redone - levers)
-    rows = vocab_twins(rows, request, lambda name, vocab, req, effort: one_row(name, vocab, req, effort, True))
+    rows = vocab_twins(rows, request, _at_effort)
     base = next((r for r in rows if r["schedule"] == "1f1b" and "error" not in r and not r.get("vocab_parallel")),
                 None)
     ok = [r for r in rows if "error" not in r]
@@ -250,6 +249,11 @@ def room_limit(row: dict) -> bool:
     """Whether a searched row's memory limit is the budget's room, above its schedule's peak."""
     lim = row.get("memory_limit_microbatches")
     return bool(lim) and lim > needed_limit(max(row["activation_bytes"]) / row["activation_unit_bytes"]) + 1e-9
+
+
+def _at_effort(name: str, vocab: Optional[int], request: PlanRequest, effort: str) -> dict:
+    """One row at ``effort``, its searched limit tightened (a lever's variant built again)."""
+    return one_row(name, vocab, request, effort, True)
 
 
 def _lever_builder(rows: List[dict]):
