@@ -251,3 +251,44 @@ def test_the_lighter_first_chunks_only_on_plans_own_layouts_of_a_looped_placemen
     assert light_request(row, req.replace(layout_search=False)) is None  # --no-layout-search: the even split
     assert light_request(dict(row, chunks=4, layout="Et|(t|)*14,tL"), req) is None
     assert light_request({"schedule": "zb-v", "chunks": 2, "layout": "Et*4|(t*4|)*2,t*4L"}, req) is None
+
+
+def test_rank_shifts_move_a_layer_between_the_chunks_of_the_ranks_holding_the_ends():
+    from megatron_zb.core.costs.layout import parse
+    from megatron_zb.core.costs.layout_search import rank_shifts
+    from megatron_zb.core.ir import Placement
+    v = Placement.vshape(4)  # rank 0 holds the first and the last chunk
+    assert [str(x) for x in rank_shifts(parse("Et*4|(t*4|)*6,t*4L", 4), v)] == \
+        ["Et*3|(t*4|)*6,t*5L", "Et*5|(t*4|)*6,t*3L"]
+    looped = Placement.looped(2, 2)  # rank 0 holds stages 0 and 2, rank 1 (the loss) 1 and 3
+    assert [x.layers() for x in rank_shifts(parse("Ett|tt|tt|ttL", 2), looped)] == [[1, 1, 3, 3], [3, 3, 1, 1]]
+    assert rank_shifts(parse("Et|t|t|tL", 2), looped) == []  # every chunk keeps a layer
+    assert rank_shifts(parse("Et*4|t*4L", 2), Placement.looped(2, 1)) == []  # one chunk per rank
+
+
+def test_a_vocab_twin_slower_than_its_plain_twin_tries_the_layouts_one_layer_away():
+    """A +vocab row of a fixed-memory schedule, searched in full and slower than its plain twin, is
+    built quickly on its twin's layout and on the layouts ``rank_shifts`` finds; the fastest that fits
+    replaces it (a row with a lever keeps its layout: its recompute counts are per chunk of it)."""
+    from megatron_zb.core.plan.levers import vocab_twins
+    spec = dataclasses.replace(SPEC, num_layers=16)
+    req = P.PlanRequest(spec, 4, 8, 80.0)
+    base = dict(fits=True, flags="--x", chunks=2, search_effort="full")
+    plain = dict(base, schedule="v-half", iteration_time_s=1.0, layout="Et*4|(tt|)*6,t*4L")
+    vocab = dict(base, schedule="v-half", vocab_parallel=1, iteration_time_s=1.2, layout="Ett|(tt|)*6,ttL")
+    asked = []
+
+    def build(name, v, r, effort):
+        asked.append((r.layout, effort))
+        return dict(base, schedule=name, vocab_parallel=v, layout=r.layout, search_effort=effort,
+                    iteration_time_s=0.9 if r.layout == "Et|(tt|)*6,t*3L" else 1.1)
+
+    out = vocab_twins([plain, vocab], req, build)
+    layouts = [lay for lay, _ in asked]
+    assert {effort for _, effort in asked} == {"quick"}
+    assert plain["layout"] in layouts and "Et|(tt|)*6,t*3L" in layouts and "Et*3|(tt|)*6,tL" in layouts
+    assert vocab["layout"] not in layouts and len(set(layouts)) == len(layouts)
+    assert out[1]["layout"] == "Et|(tt|)*6,t*3L" and out[1]["iteration_time_s"] == 0.9
+    asked.clear()
+    vocab_twins([plain, dict(vocab, recompute_layers=[1] * 8)], req, build)
+    assert asked == []

@@ -21,7 +21,7 @@ from ..ir import Placement, ScheduleError
 from ..ir.memo import Memo
 from .layout import Layout, from_counts
 
-__all__ = ["balanced", "even_counts", "front_light", "rank_loads"]
+__all__ = ["balanced", "even_counts", "front_light", "rank_loads", "rank_shifts"]
 
 
 def even_counts(num_layers: int, num_stages: int) -> List[int]:
@@ -50,6 +50,30 @@ def front_light(layout: Layout, p: int, mtp_layers: int = 0) -> Optional[Layout]
             counts[p + r] += 1
             moved = True
     return from_counts(counts, mtp_layers) if moved else None
+
+
+def rank_shifts(layout: Layout, placement: Placement, mtp_layers: int = 0) -> List[Layout]:
+    """The layouts one layer away from ``layout`` that keep every rank's layers: one layer moved
+    between the first and the last chunk of the ranks that hold the embedding or the loss, either
+    way (a chunk that gives a layer keeps one). Empty where the placement has one chunk per rank or
+    replicated stages, or the layout is not the plain kind (embedding first, MTP layers and loss last)."""
+    counts = layout.layers()
+    S = placement.num_stages
+    if placement.replicated or len(counts) != S or S <= placement.num_ranks \
+            or from_counts(counts, mtp_layers) != layout:
+        return []
+    out: List[Layout] = []
+    for way in (1, -1):
+        moved = list(counts)
+        for r in sorted({placement.rank_of(0), placement.rank_of(S - 1)}):
+            mine = [s for s in range(S) if placement.rank_of(s) == r]
+            give, take = (mine[0], mine[-1]) if way == 1 else (mine[-1], mine[0])
+            if moved[give] >= 2:
+                moved[give] -= 1
+                moved[take] += 1
+        if moved != counts:
+            out.append(from_counts(moved, mtp_layers))
+    return out
 
 
 def rank_loads(counts: Sequence[int], layer_work: Sequence[float], first: float, last: float,
