@@ -268,27 +268,34 @@ def test_rank_shifts_move_a_layer_between_the_chunks_of_the_ranks_holding_the_en
 
 def test_a_vocab_twin_slower_than_its_plain_twin_tries_the_layouts_one_layer_away():
     """A +vocab row of a fixed-memory schedule, searched in full and slower than its plain twin, is
-    built quickly on its twin's layout and on the layouts ``rank_shifts`` finds; the fastest that fits
-    replaces it (a row with a lever keeps its layout: its recompute counts are per chunk of it)."""
+    built quickly on the layouts ``rank_shifts`` finds and on its twin's layout until one is as fast
+    as the twin; the fastest that fits replaces it (a row with a lever keeps its layout: its recompute
+    counts are per chunk of it)."""
     from megatron_zb.core.plan.levers import vocab_twins
     spec = dataclasses.replace(SPEC, num_layers=16)
     req = P.PlanRequest(spec, 4, 8, 80.0)
     base = dict(fits=True, flags="--x", chunks=2, search_effort="full")
     plain = dict(base, schedule="v-half", iteration_time_s=1.0, layout="Et*4|(tt|)*6,t*4L")
     vocab = dict(base, schedule="v-half", vocab_parallel=1, iteration_time_s=1.2, layout="Ett|(tt|)*6,ttL")
-    asked = []
+    asked, fast = [], {}
 
     def build(name, v, r, effort):
         asked.append((r.layout, effort))
         return dict(base, schedule=name, vocab_parallel=v, layout=r.layout, search_effort=effort,
-                    iteration_time_s=0.9 if r.layout == "Et|(tt|)*6,t*3L" else 1.1)
+                    iteration_time_s=fast.get(r.layout, 1.1 + 0.01 * len(asked)))
 
+    fast[plain["layout"]] = 0.95
     out = vocab_twins([plain, vocab], req, build)
     layouts = [lay for lay, _ in asked]
     assert {effort for _, effort in asked} == {"quick"}
-    assert plain["layout"] in layouts and "Et|(tt|)*6,t*3L" in layouts and "Et*3|(tt|)*6,tL" in layouts
+    assert layouts[:2] == ["Et|(tt|)*6,t*3L", "Et*3|(tt|)*6,tL"] and layouts[-1] == plain["layout"]
     assert vocab["layout"] not in layouts and len(set(layouts)) == len(layouts)
-    assert out[1]["layout"] == "Et|(tt|)*6,t*3L" and out[1]["iteration_time_s"] == 0.9
+    assert out[1]["layout"] == plain["layout"] and out[1]["iteration_time_s"] == 0.95
+    asked.clear()
+    fast["Et|(tt|)*6,t*3L"] = 0.9  # as fast as the twin at the first: the others are not built
+    assert vocab_twins([plain, vocab], req, build)[1]["iteration_time_s"] == 0.9 and len(asked) == 1
     asked.clear()
     vocab_twins([plain, dict(vocab, recompute_layers=[1] * 8)], req, build)
+    assert asked == []
+    vocab_twins([plain, vocab], dataclasses.replace(req, microbatches=128), build)  # P x M over SHIFTS_UP_TO
     assert asked == []

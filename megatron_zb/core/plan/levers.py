@@ -36,6 +36,9 @@ __all__ = ["fit_rows", "vocab_twins", "rebuilt", "levered", "light_request", "re
 
 #: how many times a recompute estimate is raised by one layer on the ranks still over the budget
 RAISES = 3
+#: ``vocab_twins`` tries the layouts one layer away where P x M is at most this: each is a row built
+#: again (on Llama-3.1-405B at P=16, M=64 they took 22 s of CPU and brought no row to its twin)
+SHIFTS_UP_TO = 256
 #: the rows that do not fit tried with levers, likeliest first (each variant is a row built again)
 MOST_TRIED = 6
 
@@ -229,7 +232,8 @@ def vocab_twins(rows: List[dict], request: PlanRequest,
     its own that keep every rank's layers (``rank_shifts``: the output layer spread over the ranks
     moves the point where a rank's two chunks balance; on Llama-3-8B at P=4, M=16, v-half +vocab ran
     2122 ms on its own layout, 1907 ms with rank 0's first chunk a layer lighter, its plain twin 2012
-    ms), at the quick effort. Kept where faster."""
+    ms), at the quick effort, until one is as fast as the twin, where P x M is at most
+    ``SHIFTS_UP_TO``. Kept where faster."""
     key = request.ranked_by
     plain = {r["schedule"]: r for r in rows if "error" not in r and not r.get("vocab_parallel") and r["fits"]}
     out = list(rows)
@@ -241,13 +245,16 @@ def vocab_twins(rows: List[dict], request: PlanRequest,
             again = rebuilt(r, request, build_row, "full")
             if "error" not in again and again["fits"] and again[key] < r[key]:
                 out[i] = r = again
-        if r[key] <= twin[key] * (1 + 1e-3) or levered(r, request):
+        if r[key] <= twin[key] * (1 + 1e-3) or levered(r, request) \
+                or request.pipeline_parallel_size * request.microbatches > SHIFTS_UP_TO:
             continue
-        # the other layouts at the quick effort (their flags say so): a few rows more, not a few searches
+        # the other layouts at the quick effort (their flags say so), until one is as fast as the twin
         for req in _shifted(r, twin, request):
             again = build_row(r["schedule"], r["vocab_parallel"], req, "quick")
             if "error" not in again and again["fits"] and again[key] < out[i][key]:
                 out[i] = again
+            if out[i][key] <= twin[key] * (1 + 1e-3):
+                break
     return out
 
 
