@@ -22,6 +22,7 @@ from megatron_zb.core.ir.vocab import VocabSetting
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import quickstart_report as report  # noqa: E402
+from megatron_zb.verify.timing.emulate import host_costs  # noqa: E402
 
 TINY = ModelSpec(num_layers=8, hidden_size=256, num_attention_heads=4, seq_length=512, vocab_size=32000)
 
@@ -41,9 +42,14 @@ def test_emulated_vocab_passes_run_the_schedule_and_wait_for_their_barriers():
     from megatron_zb.verify.timing.emulate import emulate_schedules
 
     pairs = [_built("1f1b", 4, 4, 1), _built("zb-h1", 4, 4, 2)]
-    hop, times, tls = emulate_schedules(pairs, unit_s=1e-3, iterations=1, warmup=1, timeout=900, timelines=True,
-                                        interleave=True)
+    hop, times, tls, profs = emulate_schedules(pairs, unit_s=1e-3, iterations=1, warmup=1, timeout=900,
+                                               timelines=True, interleave=True, profiles=True)
     assert hop >= 0 and len(times) == 2 and all(len(t) == 1 for t in times)
+    for (sched, st), prof in zip(pairs, profs):  # each pass's handling, as profiled in the timed iteration
+        assert len(prof["chunk_handling_f"]) == sched.placement.num_stages
+        assert all(h >= 0 for k in "fbw" for h in prof[f"chunk_handling_{k}"]) and max(prof["chunk_handling_f"]) > 0
+        nominal = iteration_times(sched, st).iteration_time
+        assert iteration_times(sched, host_costs(st, sched.placement, prof, 1e-3)).iteration_time > nominal
     for (sched, st), tl, t in zip(pairs, tls, times):
         busiest = max(sum(st.pass_cost(a.kind, r, None if a.is_vocab else a.stage) for a in o if a.is_compute)
                       for r, o in enumerate(sched.orders))
@@ -115,8 +121,8 @@ def test_report_prints_the_vocab_section(tmp_path, capsys):
              {"label": "v-auto + vocab-1", "schedule": "v-auto", "layout": "Ett|(tt|)*6,ttL", "vocab_parallel": 1,
               "flags": "--zero-bubble-schedule v-auto --enable-vocab-parallel", "per_iteration": [165.0, 164.0],
               "measured": 164.5, "predicted": 157.3, "error_pct": 4.6, "hop_ms": 0.01, "speedup_measured": 1.283,
-              "speedup_measured_range": [1.27, 1.29], "speedup_predicted": 1.319,
-              "picture": str(tmp_path / "timeline_vocab")}]
+              "speedup_measured_range": [1.27, 1.29], "speedup_predicted": 1.319, "handling_ms": 0.13,
+              "predicted_nominal": 150.0, "picture": str(tmp_path / "timeline_vocab")}]
     (tmp_path / "emulated_vocab.json").write_text(json.dumps({
         "pp": 4, "microbatches": 8, "model": "llama-3.2-1b", "seq_length": 4096, "vocab_size": 128256,
         "hidden_size": 2048, "num_layers": 16, "output_share": 0.175, "output_layers": 3.39, "slow_down": 4.0,
@@ -125,6 +131,7 @@ def test_report_prints_the_vocab_section(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "Vocabulary parallelism with EMULATED compute" in out and "17.5% of the FLOPs" in out
     assert "--enable-vocab-parallel" in out
+    assert "median v-auto + vocab-1 0.130 ms); without them: v-auto + vocab-1 150.0 ms" in out  # its host costs
     summary = out[out.index("== summary =="):]
     assert ("v-auto + vocab-1 1.283x the iteration speed of Megatron 1F1B with its best layout measured, "
             "1.319x simulated") in summary
@@ -137,3 +144,21 @@ def test_output_share_of_llama_3_2_1b():
     """The main job's model: the output layer + loss about a sixth of the FLOPs (3.4 layers)."""
     share, layers = report.output_share(report.vocab_spec(), "Et*5|(t*5|)*2,tL")
     assert 0.17 < share < 0.18 and 3.3 < layers < 3.5
+
+
+def test_host_costs_add_each_chunks_profiled_handling_to_its_passes():
+    """``host_costs``: each model chunk's F, B, W and fused BW cost their own plus the chunk's profiled
+    handling and interference (seconds, divided by the emulation's unit); none profiled: unchanged."""
+    sched, st = _built("zb-h1", 4, 4, 1)
+    pl = sched.placement
+    assert host_costs(st, pl, {}, 1e-3) is st
+    prof = {f"chunk_{h}_{k}": [0.0] * 4 for h in ("handling", "interference") for k in ("f", "b", "w", "bw")}
+    same = host_costs(st, pl, prof, 1e-3)
+    assert iteration_times(sched, same).iteration_time == pytest.approx(iteration_times(sched, st).iteration_time)
+    prof["chunk_handling_f"] = [1e-3, 0.0, 0.0, 0.0]  # 1 ms on a 1 ms unit: one more unit per F of stage 0
+    prof["chunk_interference_w"] = [0.0, 0.0, 0.0, 2e-3]
+    more = host_costs(st, pl, prof, 1e-3)
+    assert more.pass_cost("F", 0, 0) == pytest.approx(st.pass_cost("F", 0, 0) + 1.0)
+    assert more.pass_cost("F", 1, 1) == pytest.approx(st.pass_cost("F", 1, 1))
+    assert more.pass_cost("W", 3, 3) == pytest.approx(st.pass_cost("W", 3, 3) + 2.0)
+    assert more.pass_cost("BW", 3, 3) == pytest.approx(st.pass_cost("BW", 3, 3))  # its own handling: none here

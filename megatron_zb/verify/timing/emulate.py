@@ -48,7 +48,8 @@ from ...core.sim.iteration import iteration_times
 from ...core.sim.simulate import SimResult, Timed
 from ...runtime.hooks import Hook
 
-__all__ = ["Entry", "Timing", "COMBINED_1F1B", "emulate", "emulate_schedules", "ping_pong", "predicted_iteration", "schedule_for"]
+__all__ = ["Entry", "Timing", "COMBINED_1F1B", "emulate", "emulate_schedules", "host_costs", "ping_pong",
+           "predicted_iteration", "schedule_for"]
 
 #: Entry.schedule of Megatron's interleaved 1F1B (2 chunks per rank) with its combined-1F1B
 #: expert-parallel overlap (``core.schedules.interleaved.combined_1f1b``; not a registered schedule)
@@ -243,6 +244,10 @@ def _timeline(entry: Entry, st: Setting, ranks: List[dict], unit_s: float) -> Si
     return dataclasses.replace(_ran_timeline(sched, st, ranks, unit_s), schedule=entry.name)
 
 
+#: iterations ``emulate_schedules`` profiles after the timed ones (``profiles``)
+PROFILED = 2
+
+
 def _schedules_rank_main(job: dict) -> list:
     """Runs on every rank: each given (schedule, setting) pair's timed iterations (``emulate_schedules``)."""
     import torch.distributed as dist
@@ -251,6 +256,7 @@ def _schedules_rank_main(job: dict) -> list:
     from ...runtime.emulate.sleep_passes import sleep_passes
     from ...runtime.emulate.sleep_vocab import SleepVocab, sleep_vocab
     from ...runtime.executor import execute
+    from ...runtime.observe.profiler import PassProfiler, WindowCall
     from ...runtime.p2p import P2P, PairGroups
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -270,24 +276,36 @@ def _schedules_rank_main(job: dict) -> list:
             passes.vocab = sleep_vocab(st, rank, low.placement, job["unit_s"], vgroups)
             runs.append((low, passes, _Ran(), [], []))
         n = job["warmup"] + job["iterations"]
+        # each pair's profile, of iterations of its own after the timed ones (the profiler's hooks cost
+        # time per pass, more to a schedule of many short passes): each pass's handling
+        profs = [PassProfiler((n + 1, n + PROFILED)) if job.get("profiles") else None for _ in runs]
+        total = n + (PROFILED if job.get("profiles") else 0)
         # interleaved: iteration i of every pair, then i + 1 (a drifting load weighs on each alike)
-        order = ([(i, k) for i in range(n) for k in range(len(runs))] if job["interleave"]
-                 else [(i, k) for k in range(len(runs)) for i in range(n)])
+        order = ([(i, k) for i in range(total) for k in range(len(runs))] if job["interleave"]
+                 else [(i, k) for k in range(len(runs)) for i in range(total)])
         dist.barrier()
         for i, k in order:
             low, passes, timing, starts, ends = runs[k]
             dist.barrier()
             if i == n - 1:
                 timing.passes.clear()
-            starts.append(time.perf_counter())
-            execute(low.orders[rank], rank, low.placement, passes, p2p, hooks=[timing])
+            prof = profs[k] if i >= n else None
+            hooks = [prof.hook("cpu")] if prof is not None else [timing]
+            t0 = time.perf_counter()
+            execute(low.orders[rank], rank, low.placement, passes, p2p, hooks=hooks)
             if passes.vocab is not None:
                 passes.vocab.finish()
-            ends.append(time.perf_counter())
+            if prof is None:
+                starts.append(t0)
+                ends.append(time.perf_counter())
+            else:  # (the window's last gathers every rank's samples)
+                prof.end_iteration(i + 1, WindowCall(placement=low.placement, num_microbatches=low.num_microbatches,
+                                                     rank=rank))
         dist.barrier()
-        for low, passes, timing, starts, ends in runs:
+        for (low, passes, timing, starts, ends), prof in zip(runs, profs):
             out.append({"starts": starts, "ends": ends,
-                        "passes": [tuple(p) for p in timing.passes] if job["timelines"] else None})
+                        "passes": [tuple(p) for p in timing.passes] if job["timelines"] else None,
+                        "profile": prof.profile if prof is not None else None})
     finally:
         for g in vgroups.values():
             dist.destroy_process_group(g)
@@ -296,7 +314,8 @@ def _schedules_rank_main(job: dict) -> list:
 
 
 def emulate_schedules(pairs: Sequence[Tuple[Schedule, Setting]], unit_s: float = 1e-3, iterations: int = 3,
-                      warmup: int = 1, timeout: float = 600.0, timelines: bool = False, interleave: bool = False):
+                      warmup: int = 1, timeout: float = 600.0, timelines: bool = False, interleave: bool = False,
+                      profiles: bool = False):
     """Run each (schedule, setting) -- any costs, per-microbatch ones included, vocabulary passes
     too (``runtime.emulate.sleep_vocab``: their barriers real gloo collectives) -- on its ranks' real
     processes (one launch for all; every schedule the same pipeline size), each pass a wait of its
@@ -305,6 +324,8 @@ def emulate_schedules(pairs: Sequence[Tuple[Schedule, Setting]], unit_s: float =
     timed iteration's time: the slowest rank's end from the barrier exit, in the costs' unit.
     ``timelines``: also, per pair, the last timed iteration as it ran (a ``SimResult`` as
     ``emulate``'s rows carry: each rank's passes in the order it ran them, measured times).
+    ``profiles``: also (last), per pair, the profile of ``PROFILED`` iterations run after the timed ones
+    (``runtime.observe.profiler``; on a CPU each pass's handling: ``host_costs``).
     ``interleave``: iteration i of every pair, then iteration i + 1 (else each pair's in turn)."""
     from ..processes.launch import LaunchOptions, run_cases
 
@@ -313,7 +334,7 @@ def emulate_schedules(pairs: Sequence[Tuple[Schedule, Setting]], unit_s: float =
     if len(ranks) != 1:
         raise ValueError(f"one launch runs one pipeline size, got {sorted(ranks)}")
     job = {"pairs": pairs, "unit_s": unit_s, "iterations": iterations, "warmup": warmup, "timeout": timeout,
-           "timelines": timelines, "interleave": interleave}
+           "timelines": timelines, "interleave": interleave, "profiles": profiles}
     per_rank = run_cases(_schedules_rank_main, [job], ranks.pop(), LaunchOptions(timeout=timeout, cpu_shims=False))[0]
     times, tls = [], []
     for k, (sched, st) in enumerate(pairs):
@@ -322,9 +343,30 @@ def emulate_schedules(pairs: Sequence[Tuple[Schedule, Setting]], unit_s: float =
                       for i in range(warmup, warmup + iterations)])
         if timelines:
             tls.append(_ran_timeline(sched, st, rs, unit_s))
-    if timelines:
-        return per_rank[0][0] / unit_s, times, tls
-    return per_rank[0][0] / unit_s, times
+    out = (per_rank[0][0] / unit_s, times) + ((tls,) if timelines else ())
+    return out + ([r["profile"] for r in per_rank[0][1:]],) if profiles else out
+
+
+def host_costs(setting: Setting, placement, profile: dict, unit_s: float) -> Setting:
+    """``setting`` with each model chunk's F, B, W and fused BW costing also its host costs as
+    ``profile`` measured them on a CPU (each pass's handling -- posting its messages, the
+    executor's bookkeeping, the hooks -- and the interference it met: ``runtime.observe.profile_data``),
+    in the costs' unit (``unit_s`` seconds each); ``setting`` where the profile has none."""
+    from ...core.ir import BW, B, F, W
+
+    if not profile or not profile.get("chunk_handling_f"):
+        return setting
+    st = setting if setting.chunks == placement.chunks else dataclasses.replace(setting, chunks=placement.chunks)
+    S = placement.num_stages
+
+    def extra(k: str, s: int) -> float:
+        h, i = profile[f"chunk_handling_{k}"], profile.get(f"chunk_interference_{k}") or []
+        ls = placement.logical(s)
+        return ((h[ls] if ls < len(h) else 0.0) + (i[ls] if ls < len(i) else 0.0)) / unit_s
+
+    own = lambda k, s: st.pass_cost(k, placement.rank_of(s), s) - st.pass_a2a(k, placement.rank_of(s), s)  # noqa: E731
+    costs = {f"cost_{k.lower()}": [own(k, s) + extra(k.lower(), s) for s in range(S)] for k in (F, B, W, BW)}
+    return dataclasses.replace(st, **costs)
 
 
 def _ran_timeline(sched: Schedule, st: Setting, ranks: List[dict], unit_s: float) -> SimResult:

@@ -10,7 +10,11 @@ Costs are ``plan``'s (FLOPs at a GPU's peak x efficiency, per model chunk as the
 it); a pass of c seconds sleeps ``slow_down`` x c (the runtime's own overheads -- a message, a
 wake-up -- then weigh 1/slow_down of what they would at the GPU's speed); times are reported back
 in the GPU's seconds. The prediction: the simulator for the same schedule and costs, with the
-one-way time of a small message measured on this machine (``hop``) between neighbouring stages.
+one-way time of a small message measured on this machine (``hop``) between neighbouring stages and
+each pass's host costs as profiled in iterations run after the timed ones (``runtime.observe.profiler`` on a
+CPU: posting its messages, the executor's bookkeeping, the interference it met; ``emulate.host_costs``):
+an interleaved schedule runs four times the passes of a one-chunk one, and on a 2-core machine
+each costs a few tenths of a millisecond beside its wait (``predicted_nominal``: without them).
 """
 from __future__ import annotations
 
@@ -74,7 +78,7 @@ def compare(spec: ModelSpec, p: int, m: int, slow_down: float = 3.0, iterations:
     over the iterations of the first row's time over this row's, paired by index) /
     speedup_predicted, hop_ms, timeline (a ``SimResult`` of the last iteration as it ran, in ms)
     where ``emulation.timelines``."""
-    from .emulate import emulate_schedules
+    from .emulate import emulate_schedules, host_costs
 
     if slow_down <= 0:
         raise ValueError(f"slow_down must be > 0, got {slow_down}")
@@ -85,11 +89,13 @@ def compare(spec: ModelSpec, p: int, m: int, slow_down: float = 3.0, iterations:
     request = PlanRequest(spec, p, m, 80.0, tflops=c.tflops, efficiency=c.efficiency)  # (the budget plays no part)
     pairs = [row_schedule(request, r) for r in rows]
     got = emulate_schedules(pairs, unit_s=slow_down, iterations=iterations, warmup=e.warmup, timeout=e.timeout,
-                            timelines=timelines, interleave=True)
-    hop, times = got[0], got[1]
+                            timelines=timelines, interleave=True, profiles=True)
+    hop, times, profiles = got[0], got[1], got[-1]
     out = []
     for k, (r, (sched, st)) in enumerate(zip(rows, pairs)):
-        pred = iteration_times(sched, dataclasses.replace(st, cost_comm=hop)).iteration_time * 1e3
+        st = dataclasses.replace(st, cost_comm=hop)
+        nominal = iteration_times(sched, st).iteration_time * 1e3
+        pred = iteration_times(sched, host_costs(st, sched.placement, profiles[k], slow_down)).iteration_time * 1e3
         per = [t * 1e3 for t in times[k]]
         meas = statistics.median(per)
         vp = r.get("vocab_parallel")
@@ -97,7 +103,8 @@ def compare(spec: ModelSpec, p: int, m: int, slow_down: float = 3.0, iterations:
             (f" + vocab-{vp}" if vp else "")
         row = {"label": label, "schedule": r["schedule"], "layout": r["layout"], "vocab_parallel": vp,
                "flags": r["flags"], "plan_ms": r["iteration_time_s"] * 1e3, "per_iteration": per, "measured": meas,
-               "predicted": pred, "error_pct": 100.0 * (meas - pred) / pred, "hop_ms": hop * 1e3,
+               "predicted": pred, "error_pct": 100.0 * (meas - pred) / pred, "predicted_nominal": nominal,
+               "handling_ms": _handling_ms(profiles[k], slow_down), "hop_ms": hop * 1e3,
                "peak_gib": [x / 2 ** 30 for x in r["peak_bytes"]], "slow_down": slow_down}
         if timelines:
             tl = got[2][k]
@@ -113,3 +120,14 @@ def compare(spec: ModelSpec, p: int, m: int, slow_down: float = 3.0, iterations:
         r["speedup_measured_range"] = [min(ratios), max(ratios)]
         r["speedup_predicted"] = base["predicted"] / r["predicted"]
     return out
+
+
+def _handling_ms(profile: Optional[dict], slow_down: float) -> Optional[float]:
+    """The median over model chunks and kinds of one pass's host costs (handling and interference),
+    in the GPU's milliseconds (None where the profile measured none)."""
+    if not profile or not profile.get("chunk_handling_f"):
+        return None
+    per = [h + i for k in ("f", "b", "w") for h, i in zip(profile[f"chunk_handling_{k}"],
+                                                        profile.get(f"chunk_interference_{k}") or
+                                                        [0.0] * len(profile[f"chunk_handling_{k}"]))]
+    return statistics.median(per) / slow_down * 1e3
