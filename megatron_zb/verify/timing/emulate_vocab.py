@@ -76,8 +76,9 @@ def compare(spec: ModelSpec, p: int, m: int, slow_down: float = 3.0, iterations:
     ``p`` processes; one dict per row: label, schedule, layout, vocab_parallel, flags, per_iteration /
     measured (median) / predicted, in milliseconds of the GPU, error_pct, speedup_measured (median
     over the iterations of the first row's time over this row's, paired by index) /
-    speedup_predicted, hop_ms, timeline (a ``SimResult`` of the last iteration as it ran, in ms)
-    where ``emulation.timelines``."""
+    speedup_predicted, predicted_nominal (without the host costs) and handling_ms (a pass's, median),
+    hop_ms, timeline (a ``SimResult`` of the last iteration as it ran, in ms) where
+    ``emulation.timelines``."""
     from .emulate import emulate_schedules, host_costs
 
     if slow_down <= 0:
