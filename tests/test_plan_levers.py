@@ -299,3 +299,5 @@ def test_a_vocab_twin_slower_than_its_plain_twin_tries_the_layouts_one_layer_awa
     assert asked == []
     vocab_twins([plain, vocab], dataclasses.replace(req, microbatches=128), build)  # P x M over SHIFTS_UP_TO
     assert asked == []
+    vocab_twins([plain, vocab], req.replace(search="full"), build)  # a plan searching every row in full
+    assert asked and {effort for _, effort in asked} == {"full"}

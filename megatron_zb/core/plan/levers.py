@@ -232,7 +232,7 @@ def vocab_twins(rows: List[dict], request: PlanRequest,
     its own that keep every rank's layers (``rank_shifts``: the output layer spread over the ranks
     moves the point where a rank's two chunks balance; on Llama-3-8B at P=4, M=16, v-half +vocab ran
     2122 ms on its own layout, 1907 ms with rank 0's first chunk a layer lighter, its plain twin 2012
-    ms), at the quick effort, until one is as fast as the twin, where P x M is at most
+    ms), at the plan's effort (``request.search``), until one is as fast as the twin, where P x M is at most
     ``SHIFTS_UP_TO``. Kept where faster."""
     key = request.ranked_by
     plain = {r["schedule"]: r for r in rows if "error" not in r and not r.get("vocab_parallel") and r["fits"]}
@@ -248,9 +248,9 @@ def vocab_twins(rows: List[dict], request: PlanRequest,
         if r[key] <= twin[key] * (1 + 1e-3) or levered(r, request) \
                 or request.pipeline_parallel_size * request.microbatches > SHIFTS_UP_TO:
             continue
-        # the other layouts at the quick effort (their flags say so), until one is as fast as the twin
+        # the other layouts at the plan's effort (quick: their flags say so), until one is as fast as the twin
         for req in _shifted(r, twin, request):
-            again = build_row(r["schedule"], r["vocab_parallel"], req, "quick")
+            again = build_row(r["schedule"], r["vocab_parallel"], req, request.search)
             if "error" not in again and again["fits"] and again[key] < out[i][key]:
                 out[i] = again
             if out[i][key] <= twin[key] * (1 + 1e-3):
