@@ -225,15 +225,15 @@ def _saved_per_layer(spec: ModelSpec) -> float:
 def vocab_twins(rows: List[dict], request: PlanRequest,
                 build_row: Callable[[str, Optional[int], PlanRequest, str], dict]) -> List[dict]:
     """A +vocab row of a schedule whose memory is its own (not searched under a limit) slower than its
-    plain twin where both fit: its vocabulary passes placed every way (the full effort), where it was
-    searched quickly, on the row's layout with the levers it carries (``build_row(name, vocab, request,
-    effort)``, ``request`` with its recompute and offload: ``_lever_request``); then, where it is
-    still slower and carries no lever, on its twin's layout and on the layouts one layer away from
-    its own that keep every rank's layers (``rank_shifts``: the output layer spread over the ranks
-    moves the point where a rank's two chunks balance; on Llama-3-8B at P=4, M=16, v-half +vocab ran
-    2122 ms on its own layout, 1907 ms with rank 0's first chunk a layer lighter, its plain twin 2012
-    ms), at the plan's effort (``request.search``), until one is as fast as the twin, where P x M is at most
-    ``SHIFTS_UP_TO``. Kept where faster."""
+    plain twin where both fit: where it carries no lever, built again on its twin's layout and on the
+    layouts one layer away from its own that keep every rank's layers (``rank_shifts``: the output
+    layer spread over the ranks moves the point where a rank's two chunks balance; on Llama-3-8B at
+    P=4, M=16, v-half +vocab ran 2122 ms on its own layout, 1907 ms with rank 0's first chunk a layer
+    lighter, its plain twin 2012 ms), at the plan's effort (``request.search``), until one is as
+    fast as the twin, where P x M is at most ``SHIFTS_UP_TO``; then, where the fastest is still
+    slower and was searched quickly, its vocabulary passes placed every way (the full effort), on its
+    layout with the levers it carries (``build_row(name, vocab, request, effort)``, ``request`` with
+    its recompute and offload: ``_lever_request``). Kept where faster."""
     key = request.ranked_by
     plain = {r["schedule"]: r for r in rows if "error" not in r and not r.get("vocab_parallel") and r["fits"]}
     out = list(rows)
@@ -241,20 +241,18 @@ def vocab_twins(rows: List[dict], request: PlanRequest,
         twin = plain.get(r["schedule"]) if "error" not in r and r.get("vocab_parallel") and r["fits"] else None
         if twin is None or get(r["schedule"]).searched or r[key] <= twin[key] * (1 + 1e-3):
             continue
-        if r.get("search_effort") == "quick":
+        if not levered(r, request) and request.pipeline_parallel_size * request.microbatches <= SHIFTS_UP_TO:
+            for req in _shifted(r, twin, request):  # (quick: their flags say so)
+                again = build_row(r["schedule"], r["vocab_parallel"], req, request.search)
+                if "error" not in again and again["fits"] and again[key] < out[i][key]:
+                    out[i] = again
+                if out[i][key] <= twin[key] * (1 + 1e-3):
+                    break
+        r = out[i]
+        if r.get("search_effort") == "quick" and r[key] > twin[key] * (1 + 1e-3):
             again = rebuilt(r, request, build_row, "full")
             if "error" not in again and again["fits"] and again[key] < r[key]:
-                out[i] = r = again
-        if r[key] <= twin[key] * (1 + 1e-3) or levered(r, request) \
-                or request.pipeline_parallel_size * request.microbatches > SHIFTS_UP_TO:
-            continue
-        # the other layouts at the plan's effort (quick: their flags say so), until one is as fast as the twin
-        for req in _shifted(r, twin, request):
-            again = build_row(r["schedule"], r["vocab_parallel"], req, request.search)
-            if "error" not in again and again["fits"] and again[key] < out[i][key]:
                 out[i] = again
-            if out[i][key] <= twin[key] * (1 + 1e-3):
-                break
     return out
 
 
