@@ -11,13 +11,13 @@ import json
 import math
 import os
 import statistics
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from ...core.ir import BW, DEFAULT_MEM_W_RATIO, VS, VT, VW, B, F, Placement, W
 
 __all__ = ["ProfileError", "build_profile", "load_profile", "save_profile", "check_profile",
            "profile_to_setting_kwargs", "PROFILE_FORMAT", "PROFILE_VERSION", "AUTO_REPLAN_PREFIXES",
-           "auto_replans", "median", "with_host_costs", "HOST_KEYS"]
+           "auto_replans", "median", "chunk_host_costs", "with_host_costs", "HOST_KEYS"]
 
 PROFILE_FORMAT = "megatron-zb-profile"
 PROFILE_VERSION = 1
@@ -382,14 +382,22 @@ def profile_to_setting_kwargs(profile: dict, normalize: bool = False, per_chunk:
     return out
 
 
+def chunk_host_costs(profile: dict) -> Optional[Dict[str, List[float]]]:
+    """Per pass kind ('f', 'b', 'w', 'bw'), each model chunk's host costs as the profile measured them
+    on a CPU: its handling plus the interference it met (seconds); None where it measured none."""
+    if not profile.get("chunk_handling_f"):
+        return None
+    return {k: [sum(x) for x in zip(profile[f"chunk_handling_{k}"], profile.get(f"chunk_interference_{k}")
+                                    or [0.0] * len(profile[f"chunk_handling_{k}"]))] for k in ("f", "b", "w", "bw")}
+
+
 def with_host_costs(profile: dict) -> dict:
     """The profile with each pass's host costs (``chunk_handling_*`` + ``chunk_interference_*``) added to
     its cost, in the chunk and per-rank lists (the fused backward's where the profile has one); the same
     profile without them (a CUDA profile, an older one, one they were added to already)."""
-    if not profile.get("chunk_handling_f") or profile.get("host_costs_added"):
+    extra = chunk_host_costs(profile)
+    if extra is None or profile.get("host_costs_added"):
         return profile
-    extra = {k: [sum(x) for x in zip(profile[f"chunk_handling_{k}"], profile.get(f"chunk_interference_{k}")
-                                     or [0.0] * len(profile[f"chunk_handling_{k}"]))] for k in ("f", "b", "w", "bw")}
     out = dict(profile, host_costs_added=True)
     for k in ("f", "b", "w", "bw"):
         if profile.get(f"chunk_cost_{k}") is not None:

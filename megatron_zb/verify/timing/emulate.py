@@ -353,16 +353,17 @@ def host_costs(setting: Setting, placement, profile: dict, unit_s: float) -> Set
     executor's bookkeeping, the hooks -- and the interference it met: ``runtime.observe.profile_data``),
     in the costs' unit (``unit_s`` seconds each); ``setting`` where the profile has none."""
     from ...core.ir import BW, B, F, W
+    from ...runtime.observe.profile_data import chunk_host_costs
 
-    if not profile or not profile.get("chunk_handling_f"):
+    per_chunk = chunk_host_costs(profile) if profile else None
+    if per_chunk is None:
         return setting
     st = setting if setting.chunks == placement.chunks else dataclasses.replace(setting, chunks=placement.chunks)
     S = placement.num_stages
 
     def extra(k: str, s: int) -> float:
-        h, i = profile[f"chunk_handling_{k}"], profile.get(f"chunk_interference_{k}") or []
-        ls = placement.logical(s)
-        return ((h[ls] if ls < len(h) else 0.0) + (i[ls] if ls < len(i) else 0.0)) / unit_s
+        xs, ls = per_chunk[k], placement.logical(s)
+        return (xs[ls] if ls < len(xs) else 0.0) / unit_s
 
     own = lambda k, s: st.pass_cost(k, placement.rank_of(s), s) - st.pass_a2a(k, placement.rank_of(s), s)  # noqa: E731
     costs = {f"cost_{k.lower()}": [own(k, s) + extra(k.lower(), s) for s in range(S)] for k in (F, B, W, BW)}

@@ -126,9 +126,9 @@ def compare(spec: ModelSpec, p: int, m: int, slow_down: float = 3.0, iterations:
 def _handling_ms(profile: Optional[dict], slow_down: float) -> Optional[float]:
     """The median over model chunks and kinds of one pass's host costs (handling and interference),
     in the GPU's milliseconds (None where the profile measured none)."""
-    if not profile or not profile.get("chunk_handling_f"):
+    from ...runtime.observe.profile_data import chunk_host_costs
+
+    per_chunk = chunk_host_costs(profile) if profile else None
+    if per_chunk is None:
         return None
-    per = [h + i for k in ("f", "b", "w") for h, i in zip(profile[f"chunk_handling_{k}"],
-                                                        profile.get(f"chunk_interference_{k}") or
-                                                        [0.0] * len(profile[f"chunk_handling_{k}"]))]
-    return statistics.median(per) / slow_down * 1e3
+    return statistics.median(x for k in ("f", "b", "w") for x in per_chunk[k]) / slow_down * 1e3
