@@ -301,3 +301,35 @@ def test_offload_with_vocabulary_passes(name, embedding):
     assert any(a.is_vocab for o in off.schedule.orders for a in o)
     assert off.result.makespan <= plain.result.makespan + 1e-9
     assert max(off.result.peak_memory) < max(plain.result.peak_memory)
+
+
+@pytest.mark.parametrize("name,p,m", [("zb-v", 4, 8), ("interleaved-1f1b", 4, 8), ("v-half", 4, 8), ("looped-bfs", 4, 8),
+                                      ("zb-h2", 4, 8)])
+def test_settling_checks_the_links_on_the_base_times_and_simulates_once(name, p, m, monkeypatch):
+    """A placement where no pass waits for a reload runs every pass at its time without offload,
+    so ``_settle`` checks each rank's link against those times (``_waits``) and simulates only what
+    it settled: that simulation has no wait and the base's pass times, on a saturated
+    half-duplex link (ratio 1, K 2) where the first placement waits."""
+    st = _setting(name, p, m, cost_f=1.0, cost_b=1.5, cost_w=0.8)
+    base = generate(name, st)
+    calls = []
+    real = O.simulate
+    monkeypatch.setattr(O, "simulate", lambda *a, **k: calls.append(1) or real(*a, **k))
+    before = simulate(base, st)
+    opts = H.OffloadOptions(ratio=1.0, time=2.0, overlap=False)
+    sched, res = O.offload_simulated(base, st, opts, before)
+    assert res.offload.stalled == {} and sum(res.offload.stalls) == 0
+    assert [[(t.action, t.start, t.end) for t in tl] for tl in res.timeline] == \
+        [[(t.action, t.start, t.end) for t in tl] for tl in before.timeline]
+    assert sum(res.offload.offloaded) > 0
+    assert len(calls) <= 5  # one per option the ratio policy settles (R, 3/4, 1/2, 1/4 of it) and the one kept
+    # the link check and the simulation agree on the first pass that waits (before it, every pass
+    # runs at its base time in both): every activation reloaded right before its B
+    units = O._units(base, st, before)
+    late = O._place(base, units, [{k: u.dst[k][0] for k in u.src if k in u.dst and k[0] == "B"} for u in units],
+                    opts.to_meta())
+    checked, _ = O._waits(late, st, before)
+    sim = real(late, st)
+    start = {(("B", t.action.stage, t.action.mb)): t.start for tl in sim.timeline for t in tl if t.action.kind in (B, BW)}
+    first = min(sim.offload.stalled, key=lambda k: start[k])
+    assert checked[first] == pytest.approx(sim.offload.stalled[first])

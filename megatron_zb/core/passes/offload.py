@@ -26,9 +26,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from ..ir import BW, OVERLAP, Action, B, F, Schedule, ScheduleError, Setting, W
-from ..sim.hostlink import (EPS, PAIR_OF, PART_OF, OffloadOptions, amounts, durations, setting_for, strip_offload,
-                            transfer_times)
+from ..ir import BW, OFFLOAD_KINDS, OVERLAP, Action, B, F, Schedule, ScheduleError, Setting, W
+from ..sim.hostlink import (EPS, PAIR_OF, PART_OF, HostLinks, OffloadOptions, amounts, durations, setting_for,
+                            strip_offload, transfer_times)
 from ..sim.simulate import simulate
 
 __all__ = ["add_offload", "offload_simulated", "offload_floor", "candidates", "Candidate"]
@@ -216,38 +216,74 @@ def _place(schedule: Schedule, units: List[_Units], chosen: List[Dict[tuple, int
     return dataclasses.replace(schedule, orders=orders, meta=dict(schedule.meta, offload=meta))
 
 
-def _settle(schedule: Schedule, st: Setting, units: List[_Units], chosen, T: List[float], meta: dict,
+def _settle(schedule: Schedule, st: Setting, units: List[_Units], chosen, T: List[float], meta: dict, base,
             max_rounds: int = 12):
     """Place the chosen parts; where a pass would wait for its reload, issue that reload earlier
     (by the wait), or keep the part on the device when no earlier point leaves it any time on the
-    host. Returns (schedule, simulation result)."""
+    host. Returns (schedule, simulation result). ``base``: ``schedule``'s own simulation.
+
+    A placement where no pass waits for a reload runs every pass at its time in ``base`` (copies
+    only ever delay a pass), so the rounds check each rank's link against ``base``'s times
+    (``_waits``: no simulation of the pipeline); one simulation of the settled schedule gives the
+    result, and should a pass still wait there, the rounds go on with simulations."""
     chosen = [dict(c) for c in chosen]
-    for _ in range(max_rounds):
-        sched = _place(schedule, units, chosen, meta)
-        res = simulate(sched, st)
-        stalled = res.offload.stalled if res.offload is not None else {}
-        if not stalled:
-            return sched, res
-        for r, u in enumerate(units):
-            for key in [k for k in chosen[r] if k in stalled]:
-                g = chosen[r][key]
-                g2 = _reload_gap(u, key, durations(st, T, r, key[1])[key[0]], latest_issue=u.end[g - 1] - stalled[key])
-                if g2 is None or g2 >= g:
-                    g2 = g - 1 if g - 1 > u.src[key][0] + 1 else None
-                if g2 is None:
+    waits = lambda sched: _waits(sched, st, base)  # noqa: E731
+    for check in (waits, lambda sched: _simulated_waits(sched, st)):
+        for _ in range(max_rounds):
+            sched = _place(schedule, units, chosen, meta)
+            stalled, res = check(sched)
+            if not stalled:
+                break
+            for r, u in enumerate(units):
+                for key in [k for k in chosen[r] if k in stalled]:
+                    g = chosen[r][key]
+                    g2 = _reload_gap(u, key, durations(st, T, r, key[1])[key[0]],
+                                     latest_issue=u.end[g - 1] - stalled[key])
+                    if g2 is None or g2 >= g:
+                        g2 = g - 1 if g - 1 > u.src[key][0] + 1 else None
+                    if g2 is None:
+                        del chosen[r][key]
+                    else:
+                        chosen[r][key] = g2
+        # what still stalls after that many rounds stays on the device
+        while True:
+            sched = _place(schedule, units, chosen, meta)
+            stalled, res = check(sched)
+            if not stalled:
+                break
+            for r in range(len(chosen)):
+                for key in [k for k in chosen[r] if k in stalled]:
                     del chosen[r][key]
-                else:
-                    chosen[r][key] = g2
-    # what still stalls after that many rounds stays on the device
-    while True:
-        sched = _place(schedule, units, chosen, meta)
-        res = simulate(sched, st)
-        stalled = res.offload.stalled if res.offload is not None else {}
+        stalled, res = _simulated_waits(sched, st) if res is None else (stalled, res)
         if not stalled:
             return sched, res
-        for r in range(len(chosen)):
-            for key in [k for k in chosen[r] if k in stalled]:
-                del chosen[r][key]
+    raise AssertionError("unreachable: the simulated rounds end with no pass waiting")
+
+
+def _simulated_waits(sched: Schedule, st: Setting):
+    """(the parts passes of ``sched`` wait for, {(part, stage, mb): wait}; its simulation)."""
+    res = simulate(sched, st)
+    return (res.offload.stalled if res.offload is not None else {}), res
+
+
+def _waits(sched: Schedule, st: Setting, base) -> tuple:
+    """(the parts a pass of ``sched`` would wait for with every pass at its time in ``base`` (the
+    simulation of ``sched`` without its copies), {(part, stage, mb): wait}; None): each rank's
+    copies issued and gated as ``simulate`` does, on ``base``'s times."""
+    flat = sched.flat()
+    links = HostLinks(flat, st)
+    for r, order in enumerate(flat.orders):
+        tl, i, clock = base.timeline[r], 0, 0.0
+        for a in order:
+            if a.kind in OFFLOAD_KINDS:
+                links.issue(r, a, clock)
+            elif a.is_compute:
+                t = tl[i]
+                i += 1
+                if a.kind in (B, BW, W):
+                    links.gate(r, a, t.start)
+                clock = t.end
+    return links.stalled, None
 
 
 def _base_events(st: Setting, r: int, units: _Units, timeline) -> List[tuple]:
@@ -391,7 +427,7 @@ def offload_simulated(schedule: Schedule, setting: Setting, opts: OffloadOptions
 
     def settle(picked: List[List[Candidate]]):
         return _settle(schedule, st, units, [{c.key: gaps[r][c.key] for c in cs} for r, cs in enumerate(picked)],
-                       T, meta)
+                       T, meta, base)
 
     if opts.ratio is not None:
         # per rank and part: R x n parts (and, as fallbacks, 3/4, 1/2 and 1/4 of that), chosen to
