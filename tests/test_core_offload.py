@@ -333,3 +333,20 @@ def test_settling_checks_the_links_on_the_base_times_and_simulates_once(name, p,
     start = {(("B", t.action.stage, t.action.mb)): t.start for tl in sim.timeline for t in tl if t.action.kind in (B, BW)}
     first = min(sim.offload.stalled, key=lambda k: start[k])
     assert checked[first] == pytest.approx(sim.offload.stalled[first])
+
+
+@pytest.mark.parametrize("name", ["zb-v", "interleaved-1f1b"])
+def test_a_memory_limit_that_ratio_1_meets_is_met(name):
+    """Where the host link is the bottleneck (K 1.3), offloading as few parts as reach the limit
+    leaves ranks over it (the fewest, longest-lived parts wait for the link), while offloading all
+    the link carries (ratio 1) comes under it: the limit's policy takes ratio 1's selection on the
+    ranks still over (issue 55: Llama-3-8B at P=8, M=32, 27 GiB, v-half +vocab fitted only with
+    --offload-ratio 1, not with auto)."""
+    st = _setting(name, 8, 32, cost_f=1.0, cost_b=1.5, cost_w=0.8)
+    base = generate(name, st)
+    whole = simulate(O.add_offload(base, st, H.OffloadOptions(ratio=1.0, time=1.3)), st)
+    limit = max(whole.peak_memory)
+    assert limit < max(simulate(base, st).peak_memory)
+    got = simulate(O.add_offload(base, st, H.OffloadOptions(memory_limit=limit, time=1.3)), st)
+    assert max(got.peak_memory) <= limit + 1e-9
+    assert sum(got.offload.stalls) == 0 and got.makespan == pytest.approx(simulate(base, st).makespan)

@@ -429,7 +429,7 @@ def offload_simulated(schedule: Schedule, setting: Setting, opts: OffloadOptions
         return _settle(schedule, st, units, [{c.key: gaps[r][c.key] for c in cs} for r, cs in enumerate(picked)],
                        T, meta, base)
 
-    if opts.ratio is not None:
+    def by_ratio(ratio: float):
         # per rank and part: R x n parts (and, as fallbacks, 3/4, 1/2 and 1/4 of that), chosen to
         # bring the nominal level lowest and topped up with the longest-lived; where the link is
         # the bottleneck the queue delays the copies and offloading everything may keep more
@@ -444,7 +444,7 @@ def offload_simulated(schedule: Schedule, setting: Setting, opts: OffloadOptions
                 pool = [c for c in cands[r] if c.part == part]
                 top = max(base.peak_memory[r], 0.0)
                 for j, frac in enumerate(fractions):
-                    want = int(math.floor(frac * opts.ratio * n + 0.5))
+                    want = int(math.floor(frac * ratio * n + 0.5))
                     lo, hi, got = 0.0, top, _evict(events[r], pool, window[r], top)
                     for _ in range(40):  # the lowest level reachable with `want` parts
                         mid = (lo + hi) / 2
@@ -474,6 +474,9 @@ def offload_simulated(schedule: Schedule, setting: Setting, opts: OffloadOptions
                 if best[r] is None or key < best[r][0]:
                     best[r] = (key, j)
         return settle([options[r][best[r][1]] for r in range(len(units))])
+
+    if opts.ratio is not None:
+        return by_ratio(opts.ratio)
     # as few parts as needed under the memory limit; where the real link timing (queueing, earlier
     # reloads) still leaves a rank over, aim lower on that rank and try again
     limit = opts.memory_limit
@@ -492,4 +495,17 @@ def offload_simulated(schedule: Schedule, setting: Setting, opts: OffloadOptions
         for r in range(st.stages):
             if over[r] > EPS:
                 target[r] = max(0.0, target[r] - over[r])
-    return best[1], best[2]
+    sched, res = best[1], best[2]
+    if best[0] > EPS:
+        # the fewest parts did not come under the limit (the link could not carry them in time):
+        # a rank still over takes the selection of ratio 1 (all its link carries; the lowest of
+        # its options) where that is lower. Each settled rank runs its passes at their base times,
+        # so the ranks' selections combine as they are
+        whole, wres = by_ratio(1.0)
+        take = [res.peak_memory[r] > limit + EPS and wres.peak_memory[r] < res.peak_memory[r] - EPS
+                for r in range(st.stages)]
+        if any(take):
+            sched = dataclasses.replace(sched, orders=[w if t else o for w, o, t in
+                                                       zip(whole.orders, sched.orders, take)])
+            res = simulate(sched, st)
+    return sched, res
