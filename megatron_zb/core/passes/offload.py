@@ -445,6 +445,9 @@ def offload_simulated(schedule: Schedule, setting: Setting, opts: OffloadOptions
                 top = max(base.peak_memory[r], 0.0)
                 for j, frac in enumerate(fractions):
                     want = int(math.floor(frac * ratio * n + 0.5))
+                    if want >= len(pool):  # every candidate: no level to search
+                        options[r][j] += pool
+                        continue
                     lo, hi, got = 0.0, top, _evict(events[r], pool, window[r], top)
                     for _ in range(40):  # the lowest level reachable with `want` parts
                         mid = (lo + hi) / 2
