@@ -325,7 +325,7 @@ def test_settling_checks_the_links_on_the_base_times_and_simulates_once(name, p,
     assert len(calls) <= 5  # one per option the ratio policy settles (R, 3/4, 1/2, 1/4 of it) and the one kept
     # the link check and the simulation agree on the first pass that waits (before it, every pass
     # runs at its base time in both): every activation reloaded right before its B
-    units = O._units(base, st, before)
+    units = O.timed_units(base, st, before)
     late = O._place(base, units, [{k: u.dst[k][0] for k in u.src if k in u.dst and k[0] == "B"} for u in units],
                     opts.to_meta())
     checked, _ = O._waits(late, st, before)

@@ -6,7 +6,8 @@ import random
 import pytest
 
 from megatron_zb.core.build import ScheduleRequest, build
-from megatron_zb.core.passes.offload import offload_floor, offload_simulated
+from megatron_zb.core.passes.offload import offload_simulated
+from megatron_zb.core.passes.offload_floor import offload_floor
 from megatron_zb.core.sim.hostlink import OffloadOptions
 
 

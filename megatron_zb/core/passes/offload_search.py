@@ -33,7 +33,8 @@ from ..schedules.search.auto import TIE, zb_auto
 from ..schedules.search.vsearch import v_auto
 from ..sim.hostlink import EPS, OffloadOptions, has_offload, setting_for
 from ..sim.simulate import SimResult, simulate
-from .offload import add_offload, offload_floor, offload_simulated
+from .offload import add_offload, offload_simulated
+from .offload_floor import offload_floor
 
 __all__ = ["generate_with_offload", "retarget"]
 

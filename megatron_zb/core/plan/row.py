@@ -23,7 +23,7 @@ from ..costs.layout_search import balanced, even_counts
 from ..costs.model import ModelSpec, layer_split
 from ..ir import OVERLAP, B, Placement, ScheduleError, Setting, W
 from ..passes.fuse import split_cost
-from ..passes.offload import offload_floor
+from ..passes.offload_floor import offload_floor
 from ..schedules import ScheduleSpec, get
 from ..schedules.search.auto import TIE
 from ..schedules.search.bounds import lower_bound
