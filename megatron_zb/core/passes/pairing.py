@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Dict, FrozenSet, List, Optional, Tuple
+from typing import FrozenSet, List, Optional, Tuple
 
 from ..ir import BW, OFFLOAD_KINDS, OVERLAP, Action, B, F, Schedule, Setting, deps
 from ..sim.simulate import Deadlock, peak_memory, simulate

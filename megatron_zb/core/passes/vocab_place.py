@@ -8,12 +8,15 @@ plan places the passes again with every variant where a row could lead (``core.p
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, Optional, Tuple
 
 from ..ir import Schedule, ScheduleError, Setting
 from ..ir.memo import Memo, setting_key
 from ..sim.simulate import makespan_and_peak, simulate
 from .vocab import delay_backwards, placed
+
+if TYPE_CHECKING:  # (for an annotation only; the schedules are imported where used, as below)
+    from .. import schedules
 
 __all__ = ["VARIANTS", "place_vocab", "placer", "with_vocab", "vocab_alternatives"]
 
