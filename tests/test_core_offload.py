@@ -328,7 +328,7 @@ def test_settling_checks_the_links_on_the_base_times_and_simulates_once(name, p,
     units = O.timed_units(base, st, before)
     late = O._place(base, units, [{k: u.dst[k][0] for k in u.src if k in u.dst and k[0] == "B"} for u in units],
                     opts.to_meta())
-    checked, _ = O._waits(late, st, before)
+    checked = O._waits(late, st, before)
     sim = real(late, st)
     start = {(("B", t.action.stage, t.action.mb)): t.start for tl in sim.timeline for t in tl if t.action.kind in (B, BW)}
     first = min(sim.offload.stalled, key=lambda k: start[k])

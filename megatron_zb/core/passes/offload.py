@@ -172,49 +172,52 @@ def _settle(schedule: Schedule, st: Setting, units: List[_Units], chosen, T: Lis
     (``_waits``: no simulation of the pipeline); one simulation of the settled schedule gives the
     result, and should a pass still wait there, the rounds go on with simulations."""
     chosen = [dict(c) for c in chosen]
-    waits = lambda sched: _waits(sched, st, base)  # noqa: E731
-    for check in (waits, lambda sched: _simulated_waits(sched, st)):
-        for _ in range(max_rounds):
-            sched = _place(schedule, units, chosen, meta)
-            stalled, res = check(sched)
-            if not stalled:
-                break
-            for r, u in enumerate(units):
-                for key in [k for k in chosen[r] if k in stalled]:
-                    g = chosen[r][key]
-                    g2 = _reload_gap(u, key, durations(st, T, r, key[1])[key[0]],
-                                     latest_issue=u.end[g - 1] - stalled[key])
-                    if g2 is None or g2 >= g:
-                        g2 = g - 1 if g - 1 > u.src[key][0] + 1 else None
-                    if g2 is None:
-                        del chosen[r][key]
-                    else:
-                        chosen[r][key] = g2
-        # what still stalls after that many rounds stays on the device
-        while True:
-            sched = _place(schedule, units, chosen, meta)
-            stalled, res = check(sched)
-            if not stalled:
-                break
-            for r in range(len(chosen)):
-                for key in [k for k in chosen[r] if k in stalled]:
-                    del chosen[r][key]
-        stalled, res = _simulated_waits(sched, st) if res is None else (stalled, res)
-        if not stalled:
+    for check in (lambda sched: _waits(sched, st, base), lambda sched: _stalled(simulate(sched, st))):
+        sched = _rounds(schedule, st, units, chosen, T, meta, max_rounds, check)
+        res = simulate(sched, st)
+        if not _stalled(res):
             return sched, res
     raise AssertionError("unreachable: the simulated rounds end with no pass waiting")
 
 
-def _simulated_waits(sched: Schedule, st: Setting):
-    """(the parts passes of ``sched`` wait for, {(part, stage, mb): wait}; its simulation)."""
-    res = simulate(sched, st)
-    return (res.offload.stalled if res.offload is not None else {}), res
+def _rounds(schedule: Schedule, st: Setting, units: List[_Units], chosen: List[Dict[tuple, int]], T, meta: dict,
+            max_rounds: int, check) -> Schedule:
+    """``_settle``'s rounds on ``chosen`` (in place), ``check(placed schedule)`` giving the parts
+    passes wait for, {(part, stage, mb): wait}: the reloads that wait issued earlier by the wait,
+    then what still waits after ``max_rounds`` kept on the device. Returns the placed schedule."""
+    for _ in range(max_rounds):
+        stalled = check(_place(schedule, units, chosen, meta))
+        if not stalled:
+            break
+        for r, u in enumerate(units):
+            for key in [k for k in chosen[r] if k in stalled]:
+                g = chosen[r][key]
+                g2 = _reload_gap(u, key, durations(st, T, r, key[1])[key[0]], latest_issue=u.end[g - 1] - stalled[key])
+                if g2 is None or g2 >= g:
+                    g2 = g - 1 if g - 1 > u.src[key][0] + 1 else None
+                if g2 is None:
+                    del chosen[r][key]
+                else:
+                    chosen[r][key] = g2
+    while True:
+        sched = _place(schedule, units, chosen, meta)
+        stalled = check(sched)
+        if not stalled:
+            return sched
+        for r in range(len(chosen)):
+            for key in [k for k in chosen[r] if k in stalled]:
+                del chosen[r][key]
 
 
-def _waits(sched: Schedule, st: Setting, base) -> tuple:
-    """(the parts a pass of ``sched`` would wait for with every pass at its time in ``base`` (the
-    simulation of ``sched`` without its copies), {(part, stage, mb): wait}; None): each rank's
-    copies issued and gated as ``simulate`` does, on ``base``'s times."""
+def _stalled(res) -> Dict[tuple, float]:
+    """The parts passes of a simulation waited for, {(part, stage, mb): wait}."""
+    return res.offload.stalled if res.offload is not None else {}
+
+
+def _waits(sched: Schedule, st: Setting, base) -> Dict[tuple, float]:
+    """The parts a pass of ``sched`` would wait for, {(part, stage, mb): wait}, with every pass at
+    its time in ``base`` (the simulation of ``sched`` without its copies): each rank's copies issued
+    and gated as ``simulate`` does, on ``base``'s times."""
     flat = sched.flat()
     links = HostLinks(flat, st)
     for r, order in enumerate(flat.orders):
@@ -228,7 +231,7 @@ def _waits(sched: Schedule, st: Setting, base) -> tuple:
                 if a.kind in (B, BW, W):
                     links.gate(r, a, t.start)
                 clock = t.end
-    return links.stalled, None
+    return links.stalled
 
 
 def _base_events(st: Setting, r: int, units: _Units, timeline) -> List[tuple]:
